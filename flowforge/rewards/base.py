@@ -1,0 +1,58 @@
+"""The reward-scorer protocol (DESIGN.md §3) and input checks shared by the built-in scorers.
+
+A scorer maps a batch of generated media plus their prompts and metadata to one float per sample:
+
+    scorer(media [B, 3, H, W] float in [0, 1], prompts: Sequence[str] (len B), metadata: Sequence[dict] (len B))
+        -> Tensor [B] float32, higher is better, NaN = "not applicable to this sample"
+
+Scorers set ``needs_group = True`` when they must see a whole group of candidates for one prompt at once (ranking,
+VLM judges comparing candidates); the reward processor then gathers the group before calling them. Advantages are
+not computed here (see ``flowforge.algorithms.advantages``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@runtime_checkable
+class RewardScorer(Protocol):
+    """One reward component. See the module docstring for the call contract."""
+
+    name: str
+    needs_group: ClassVar[bool]
+
+    def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor: ...
+
+
+def check_media(media: Tensor) -> int:
+    """Validate a media batch and return ``B``.
+
+    Raises:
+        ValueError: ``media`` is not a floating-point ``[B, 3, H, W]`` tensor.
+    """
+    if not isinstance(media, Tensor) or media.dim() != 4 or media.shape[1] != 3:
+        shape = tuple(media.shape) if isinstance(media, Tensor) else type(media).__name__
+        raise ValueError(f"media must be a [B, 3, H, W] tensor in [0, 1], got {shape}")
+    if not media.is_floating_point():
+        raise ValueError(f"media must be floating point in [0, 1], got dtype {media.dtype}")
+    return media.shape[0]
+
+
+def check_inputs(media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> int:
+    """Validate a scorer call and return the batch size ``B``.
+
+    Raises:
+        ValueError: ``media`` is not a floating ``[B, 3, H, W]`` tensor, or ``prompts`` / ``metadata`` do not have
+            ``B`` entries.
+    """
+    batch = check_media(media)
+    if len(prompts) != batch:
+        raise ValueError(f"prompts must have one entry per image ({batch}), got {len(prompts)}")
+    if len(metadata) != batch:
+        raise ValueError(f"metadata must have one entry per image ({batch}), got {len(metadata)}")
+    return batch
+

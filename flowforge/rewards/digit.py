@@ -1,0 +1,85 @@
+"""Digit reward of the embedded default: how sure the reward classifier is that the image shows the prompted digit.
+
+``r_i = softmax(RewardNet(x_i))[d_i]`` with ``d_i = metadata[i]["digit"]``, a probability in [0, 1]. ``RewardNet`` is
+trained on the demo's ``"reward"`` split only (:mod:`flowforge.demo.classifiers`); evaluation uses the independent
+``EvalNet`` (DigitEval), so a policy that learns to fool ``RewardNet`` is caught by evaluation.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from flowforge.rewards.base import check_inputs
+
+
+def requested_digits(metadata: Sequence[dict[str, Any]]) -> Tensor:
+    """``[B]`` int64 digits read from ``metadata[i]["digit"]``.
+
+    Raises:
+        ValueError: an entry lacks ``"digit"`` or it is not an int in 0..9 (the message names the sample index).
+    """
+    digits = []
+    for index, entry in enumerate(metadata):
+        if not isinstance(entry, dict) or "digit" not in entry:
+            raise ValueError(f"metadata[{index}] has no 'digit' key; the digit reward needs metadata['digit'] in 0..9")
+        digit = entry["digit"]
+        if isinstance(digit, bool) or not isinstance(digit, int) or not 0 <= digit <= 9:
+            raise ValueError(f"metadata[{index}]['digit'] must be an int in 0..9, got {digit!r}")
+        digits.append(digit)
+    return torch.tensor(digits, dtype=torch.int64)
+
+
+class DigitScorer:
+    """Reward = the reward classifier's softmax probability of the requested digit (``metadata["digit"]``).
+
+    Args:
+        model: a classifier mapping ``[B, 3, H, W]`` in [0, 1] to logits ``[B, 10]``; defaults to the packaged
+            ``RewardNet`` (:func:`flowforge.demo.classifiers.load_reward_classifier`).
+        batch_size: images per classifier forward, >= 1.
+
+    The model is copied to each device it is asked to score on (kept, not moved back and forth); it is never trained.
+    """
+
+    name = "digit"
+    needs_group: ClassVar[bool] = False
+
+    def __init__(self, model: nn.Module | None = None, batch_size: int = 256) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if model is None:
+            from flowforge.demo.classifiers import load_reward_classifier
+
+            model = load_reward_classifier()
+        self.model = model
+        self.batch_size = batch_size
+        self._per_device: dict[torch.device, nn.Module] = {}
+
+    def _model_on(self, device: torch.device) -> nn.Module:
+        if device not in self._per_device:
+            model = copy.deepcopy(self.model).to(device).eval()
+            model.requires_grad_(False)
+            self._per_device[device] = model
+        return self._per_device[device]
+
+    @torch.no_grad()
+    def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
+        """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 probabilities on ``media``'s device.
+
+        Raises:
+            ValueError: bad shapes or lengths; a metadata entry without an int ``"digit"`` in 0..9.
+        """
+        check_inputs(media, prompts, metadata)
+        digits = requested_digits(metadata).to(media.device)
+        model = self._model_on(media.device)
+        probs = []
+        for start in range(0, media.shape[0], self.batch_size):
+            logits = model(media[start : start + self.batch_size].float())
+            probs.append(torch.softmax(logits.float(), dim=1))
+        if not probs:
+            return torch.empty(0, dtype=torch.float32, device=media.device)
+        return torch.cat(probs).gather(1, digits[:, None]).squeeze(1).float()

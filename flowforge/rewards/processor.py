@@ -1,0 +1,155 @@
+"""Scores a rollout's media with every reward component and reports per-component statistics.
+
+The processor is stage 3 of the loop (DESIGN.md §4): it returns the raw per-sample reward of each component; the
+weighted / group-relative combination into advantages lives in ``flowforge.algorithms.advantages``, which receives
+``components`` and ``weights``. Components come in three kinds:
+
+* **weighted** (a name in ``weights``): enters the advantage with that weight;
+* **required** (a name in ``required``, must also be weighted): a NaN score is an error, not "not applicable";
+* **monitor-only** (a scorer without a weight): scored and logged, never optimised.
+
+Metrics (python floats; times in seconds, measured with ``time.perf_counter``, after a CUDA synchronise when the media
+is on a GPU):
+
+==============================  ===================================================================================
+``reward/<name>_mean``          mean over the non-NaN scores (NaN when all are NaN)
+``reward/<name>_std``           population standard deviation (``correction=0``) over the non-NaN scores
+``reward/<name>_nan_fraction``  fraction of samples scored NaN ("not applicable")
+``reward/<name>_time``          wall time of this component, all its batches
+``reward/score_time``           wall time of the whole call
+==============================  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowforge.rewards.base import RewardScorer, check_inputs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class RewardProcessor:
+    """Runs named reward scorers over a batch of media.
+
+    Args:
+        scorers: component name -> scorer (the name is the key used in metrics and ``components``).
+        weights: component name -> finite float weight; every name must be a key of ``scorers``.
+        required: names whose scores must never be NaN; each must be a key of ``scorers`` and of ``weights``.
+        batch_size: samples per scorer call, >= 1. Scorers with ``needs_group = True`` are never split by it: they
+            are called once per group when ``group_ids`` is given, else once on the whole batch.
+
+    Raises:
+        ValueError: no scorers; an unknown name in ``weights`` or ``required`` (the message lists the known names);
+            a required component without a weight; a non-finite weight; a bad ``batch_size``.
+    """
+
+    def __init__(
+        self,
+        scorers: Mapping[str, RewardScorer],
+        weights: Mapping[str, float],
+        required: Sequence[str] = (),
+        *,
+        batch_size: int = 64,
+    ) -> None:
+        if not scorers:
+            raise ValueError("scorers must name at least one reward component")
+        known = sorted(scorers)
+        for name in weights:
+            if name not in scorers:
+                raise ValueError(f"weights names unknown reward component {name!r}; known components: {known}")
+        for name in required:
+            if name not in scorers:
+                raise ValueError(f"required names unknown reward component {name!r}; known components: {known}")
+            if name not in weights:
+                raise ValueError(
+                    f"required reward component {name!r} has no weight; give it one in weights "
+                    f"(weighted components: {sorted(weights)})"
+                )
+        for name, weight in weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(f"weights[{name!r}] must be a finite number, got {weight!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.scorers = dict(scorers)
+        self.weights = {name: float(weight) for name, weight in weights.items()}
+        self.required = tuple(dict.fromkeys(required))
+        self.batch_size = batch_size
+
+    def _chunks(self, scorer: RewardScorer, batch: int, group_ids: Tensor | None) -> list[Tensor]:
+        """Index sets (int64 ``[n]``) on which ``scorer`` is called, covering ``0..B-1`` exactly once."""
+        if getattr(scorer, "needs_group", False):
+            if group_ids is None:
+                return [torch.arange(batch)]
+            return [torch.nonzero(group_ids == g).squeeze(1) for g in torch.unique(group_ids)]
+        return [torch.arange(start, min(start + self.batch_size, batch)) for start in range(0, batch, self.batch_size)]
+
+    def __call__(
+        self,
+        media: Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[dict[str, Any]],
+        group_ids: Tensor | None = None,
+    ) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """Score ``media`` with every component.
+
+        Args:
+            media: ``[B, 3, H, W]`` float in [0, 1].
+            prompts: ``B`` prompt strings.
+            metadata: ``B`` metadata dicts (task-specific keys such as ``"digit"`` are read by the scorers).
+            group_ids: optional ``[B]`` int group id per sample, used only to call group scorers per group.
+
+        Returns:
+            ``(components, metrics)``: ``components[name]`` is ``[B]`` float32 on ``media``'s device (NaN = not
+            applicable), in the order of ``scorers``; ``metrics`` as in the module docstring.
+
+        Raises:
+            ValueError: bad inputs; a scorer returned the wrong shape; a required component scored NaN (the message
+                names the component and the first offending sample index).
+        """
+        batch = check_inputs(media, prompts, metadata)
+        if group_ids is not None and (group_ids.dim() != 1 or group_ids.shape[0] != batch):
+            raise ValueError(f"group_ids must have shape [{batch}], got {tuple(group_ids.shape)}")
+        prompts, metadata = list(prompts), list(metadata)
+        group_cpu = None if group_ids is None else group_ids.detach().cpu()
+        components: dict[str, Tensor] = {}
+        metrics: dict[str, float] = {}
+        _sync(media.device)
+        call_start = time.perf_counter()
+        for name, scorer in self.scorers.items():
+            start = time.perf_counter()
+            scores = torch.full((batch,), float("nan"), dtype=torch.float32, device=media.device)
+            for index in self._chunks(scorer, batch, group_cpu):
+                if index.numel() == 0:
+                    continue
+                rows = index.tolist()
+                out = scorer(media[index.to(media.device)], [prompts[i] for i in rows], [metadata[i] for i in rows])
+                if not isinstance(out, Tensor) or out.shape != (len(rows),):
+                    shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+                    raise ValueError(f"reward component {name!r} returned {shape}, expected a [{len(rows)}] tensor")
+                scores[index.to(media.device)] = out.detach().to(device=media.device, dtype=torch.float32)
+            _sync(media.device)
+            metrics[f"reward/{name}_time"] = time.perf_counter() - start
+            nan = torch.isnan(scores)
+            if name in self.required and bool(nan.any()):
+                first = int(torch.nonzero(nan)[0, 0])
+                raise ValueError(
+                    f"required reward component {name!r} scored NaN for sample {first} "
+                    f"({int(nan.sum())} of {batch} samples are NaN)"
+                )
+            valid = scores[~nan]
+            metrics[f"reward/{name}_mean"] = valid.mean().item() if valid.numel() else float("nan")
+            metrics[f"reward/{name}_std"] = valid.std(correction=0).item() if valid.numel() else float("nan")
+            metrics[f"reward/{name}_nan_fraction"] = nan.float().mean().item() if batch else 0.0
+            components[name] = scores
+        metrics["reward/score_time"] = time.perf_counter() - call_start
+        return components, metrics
