@@ -165,8 +165,10 @@ class NFTConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every: int = 10  # 0 = never (a final eval still runs when steps > 0)
+    every: int = 10  # 0 = only at the start and the end
     seed: int = 1234
+    samples_per_prompt: int = 2  # candidates per eval prompt (within-group diversity needs >= 2)
+    scorers: tuple[str, ...] = ()  # eval-only scorers beside the reward components (e.g. digit_eval)
     max_prompts: int | None = None
     batch_size: int = 32
 

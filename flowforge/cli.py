@@ -1,0 +1,69 @@
+"""``flowforge`` command line: parse, load the config, call. Nothing else lives here.
+
+::
+
+    flowforge train CONFIG [section.key=value ...]   online RL post-training (the main job)
+    flowforge sft CONFIG [section.key=value ...]     flow-matching supervised fine-tuning (makes the demo base)
+    flowforge check CONFIG [section.key=value ...]   load + preflight only; prints warnings, exits 2 on errors
+    flowforge report RUN_DIR                         (re)write RUN_DIR/report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from flowforge.config import ConfigError, dump_config, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowforge", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("train", "online RL post-training"), ("sft", "flow-matching supervised fine-tuning"),
+                        ("check", "validate a config (load + preflight) without loading a model")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("config", type=Path, help="YAML config")
+        sp.add_argument("overrides", nargs="*", help="section.key=value (values are YAML literals)")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rp = sub.add_parser("report", help="write RUN_DIR/report.html from its logs")
+    rp.add_argument("run_dir", type=Path)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "report":
+            from flowforge.report import write_report
+
+            print(write_report(args.run_dir))
+            return 0
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "check":
+            from flowforge.preflight import preflight
+
+            report = preflight(cfg)
+            for w in report.warnings:
+                print(f"warning: {w}", file=sys.stderr)
+            print(dump_config(cfg), end="")
+            return 0
+        if args.command == "sft":
+            from flowforge.sft import run_sft_from_config
+
+            run_sft_from_config(cfg, progress=not args.no_progress)
+            return 0
+        from flowforge.trainer import Trainer
+
+        run_dir = Trainer(cfg, progress=not args.no_progress).train()
+        print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
+        return 0
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""The one denoising loop: rollout of trajectories, replay of stored steps, and plain generation.
+
+Every sampler in flowforge is this loop. An objective *declares* what it needs (:class:`RolloutSpec`: which steps
+are stochastic and stored, whether per-step log-probs are recorded); nothing copies the loop.
+
+For each step ``i`` of the schedule ``sigmas [T+1]`` (``sigmas[T] == 0``)::
+
+    v      = adapter.velocity(x, sigmas[i], cond, guidance_scale)
+    x      = transition(kind, x, v, sigmas[i], sigmas[i+1], eta, noise=eps_i)   if i is a trained step
+    x      = euler_step(x, v, sigmas[i], sigmas[i+1])                           otherwise (ODE)
+
+Trained steps store ``x`` (the step's input), the sampled ``x_next`` and the step's log-prob (mean over elements,
+fp32). :func:`replay_log_prob` re-scores a stored step under the current weights with the *same* kernel call, so the
+first update's importance ratio is exactly 1 when the weights have not moved.
+
+Candidate noise (``x_T`` and each stochastic step's ``eps_i``) is a function of the candidate's stable sample id,
+the run seed and the step index only — never of the rank, batch position or chunking — so two candidates never share
+noise and a rerun reproduces them (:func:`candidate_noise`).
+
+Notation: ``B`` candidates in the batch, ``S`` trained steps, ``T`` sampling steps, latent ``[C, H, W]``
+(``[C, F, H, W]`` video).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+
+from flowforge.algorithms import schedules
+from flowforge.algorithms.sde import euler_step, transition
+from flowforge.models.base import Conditioning, FlowModel
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What an objective needs recorded from a rollout."""
+
+    kind: str  # transition kernel on trained steps: "sde" | "dance" | "cps" | "ode"
+    noise_level: float  # eta
+    trained_steps: tuple[int, ...]  # S step indices, sorted, never the last step
+    guidance_scale: float = 1.0
+    store_steps: bool = True  # keep x / x_next of trained steps (replay objectives)
+    log_probs: bool = True  # record per-step log-probs (ratio objectives)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A batch of rollouts. Rows are candidates; ``select`` keeps rows."""
+
+    sigmas: torch.Tensor  # [T+1] fp32 schedule the rollout used (stored, never recomputed)
+    trained_steps: tuple[int, ...]  # S step indices into sigmas
+    final: torch.Tensor  # [B, *latent] fp32 clean latent x_0
+    latents: torch.Tensor | None  # [B, S, *latent] fp32 input x of each trained step
+    next_latents: torch.Tensor | None  # [B, S, *latent] fp32 sampled x_next of each trained step
+    log_probs: torch.Tensor | None  # [B, S] fp32 rollout log-prob of each trained step, mean over elements
+
+    def select(self, rows: torch.Tensor) -> "Trajectory":
+        def pick(t):
+            return None if t is None else t[rows]
+
+        return replace(self, final=self.final[rows], latents=pick(self.latents),
+                       next_latents=pick(self.next_latents), log_probs=pick(self.log_probs))
+
+    @staticmethod
+    def cat(parts: Sequence["Trajectory"]) -> "Trajectory":
+        def cat(name):
+            vals = [getattr(p, name) for p in parts]
+            return None if vals[0] is None else torch.cat(vals)
+
+        return replace(parts[0], final=cat("final"), latents=cat("latents"), next_latents=cat("next_latents"),
+                       log_probs=cat("log_probs"))
+
+
+def sigmas_for(sampler_cfg, latent_shape: Sequence[int] | None = None) -> torch.Tensor:
+    """The ``[T+1]`` fp32 schedule for a ``SamplerConfig`` (static / dynamic-mu / Wan).
+
+    For ``schedule == "dynamic"`` without an explicit ``mu``, ``mu`` is FLUX's resolution-dependent shift of the
+    image token count ``H*W/4`` of ``latent_shape`` (2x2 patches).
+    """
+    mu = sampler_cfg.mu
+    if sampler_cfg.schedule == "dynamic" and mu is None:
+        if latent_shape is None:
+            raise ValueError("sampler.schedule='dynamic' without sampler.mu needs the latent shape to compute mu")
+        mu = schedules.calculate_shift(int(latent_shape[-1] * latent_shape[-2] // 4))
+    return schedules.flow_match_sigmas(sampler_cfg.num_steps, sampler_cfg.shift, mu=mu, kind=sampler_cfg.schedule)
+
+
+def _seed_of(seed: int, candidate_id: int, slot: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{candidate_id}:{slot}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def candidate_noise(candidate_ids: Sequence[int], shape: Sequence[int], seed: int, slot: int) -> torch.Tensor:
+    """Standard normal noise ``[B, *shape]`` fp32 on CPU, row ``b`` a function of ``(seed, candidate_ids[b], slot)``.
+
+    ``slot`` is ``-1`` for the initial ``x_T`` and the step index ``i`` for step ``i``'s transition noise. Drawing
+    on CPU with one generator per candidate makes the noise independent of device, rank, batch size and order.
+    """
+    out = torch.empty(len(candidate_ids), *shape)
+    gen = torch.Generator()
+    for row, cid in enumerate(candidate_ids):
+        gen.manual_seed(_seed_of(seed, int(cid), slot))
+        out[row] = torch.randn(tuple(shape), generator=gen)
+    return out
+
+
+@torch.no_grad()
+def denoise(
+    adapter: FlowModel,
+    cond: Conditioning,
+    x_T: torch.Tensor,
+    sigmas: torch.Tensor,
+    spec: RolloutSpec,
+    step_noise: Callable[[int], torch.Tensor] | None = None,
+) -> Trajectory:
+    """The denoising loop from ``x_T [B, *latent]`` over ``sigmas [T+1]`` (fp32, ending in 0).
+
+    ``spec.trained_steps`` get ``spec.kind`` transitions with noise ``step_noise(i)`` (``[B, *latent]``; fresh
+    normal noise when None), every other step is an Euler (ODE) step.
+
+    Returns:
+        :class:`Trajectory` with ``latents / next_latents`` ``[B, S, *latent]`` and ``log_probs`` ``[B, S]`` per spec.
+    Raises:
+        ValueError: a trained step outside ``[0, T)``.
+    """
+    num_steps = sigmas.shape[0] - 1
+    trained = set(spec.trained_steps)
+    if any(not 0 <= i < num_steps for i in trained):
+        raise ValueError(f"trained steps {sorted(trained)} outside [0, {num_steps})")
+    b = x_T.shape[0]
+    x = x_T.float()
+    sig = sigmas.to(x.device)
+    xs, xns, lps = [], [], []
+    for i in range(num_steps):
+        v = adapter.velocity(x, sig[i].expand(b), cond, spec.guidance_scale)
+        if i in trained and spec.kind != "ode":
+            eps = None if step_noise is None else step_noise(i)
+            tr = transition(spec.kind, x, v, sig[i], sig[i + 1], spec.noise_level, noise=eps,
+                            sigma_max=sig[1], compute_log_prob=spec.log_probs)
+            x_next = tr.x_next
+            if spec.log_probs:
+                lps.append(tr.log_prob)
+        else:
+            x_next = euler_step(x, v, sig[i], sig[i + 1])
+        if i in trained and spec.store_steps:
+            xs.append(x)
+            xns.append(x_next)
+        x = x_next
+    stack = (lambda ts: torch.stack(ts, dim=1) if ts else None)
+    return Trajectory(sigmas=sigmas, trained_steps=tuple(sorted(trained)), final=x,
+                      latents=stack(xs), next_latents=stack(xns), log_probs=stack(lps))
+
+
+def rollout(
+    adapter: FlowModel,
+    cond: Conditioning,
+    candidate_ids: Sequence[int],
+    sigmas: torch.Tensor,
+    spec: RolloutSpec,
+    *,
+    latent_shape: Sequence[int],
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> Trajectory:
+    """:func:`denoise` ``B = len(candidate_ids)`` candidates with their own noise (:func:`candidate_noise`).
+
+    Args:
+        cond: conditioning rows aligned with ``candidate_ids`` (``[B, ...]``).
+        latent_shape: ``adapter.latent_shape(h, w[, f])``.
+        seed: the run seed; noise is a function of (seed, candidate id, step index) only.
+    """
+    x_T = candidate_noise(candidate_ids, latent_shape, seed, -1).to(device)
+    return denoise(adapter, cond, x_T, sigmas, spec,
+                   lambda i: candidate_noise(candidate_ids, latent_shape, seed, i).to(device))
+
+
+def rollout_chunked(adapter, cond, candidate_ids, sigmas, spec, *, latent_shape, seed, batch_size, device="cpu"):
+    """:func:`rollout` over consecutive chunks of ``batch_size`` candidates, concatenated in order."""
+    parts = []
+    for start in range(0, len(candidate_ids), batch_size):
+        rows = slice(start, start + batch_size)
+        parts.append(rollout(adapter, cond.index(torch.arange(len(candidate_ids))[rows]), candidate_ids[rows],
+                             sigmas, spec, latent_shape=latent_shape, seed=seed, device=device))
+    return Trajectory.cat(parts)
+
+
+def replay_log_prob(
+    adapter: FlowModel,
+    traj: Trajectory,
+    slot: int,
+    cond: Conditioning,
+    spec: RolloutSpec,
+):
+    """Re-score stored trained step ``traj.trained_steps[slot]`` under the adapter's current weights.
+
+    The same :func:`~flowforge.algorithms.sde.transition` call as in :func:`rollout` with ``x_next`` given, so
+    unchanged weights reproduce the rollout log-prob bit for bit. Gradients flow through the velocity.
+
+    Returns:
+        the :class:`~flowforge.algorithms.sde.Transition` (``log_prob`` ``[B]`` fp32, mean over elements).
+    """
+    i = traj.trained_steps[slot]
+    sig = traj.sigmas.to(traj.latents.device)
+    x = traj.latents[:, slot]
+    v = adapter.velocity(x, sig[i].expand(x.shape[0]), cond, spec.guidance_scale)
+    return transition(spec.kind, x, v, sig[i], sig[i + 1], spec.noise_level, x_next=traj.next_latents[:, slot],
+                      sigma_max=sig[1])
+
+
+def generate(adapter: FlowModel, cond: Conditioning, x_T: torch.Tensor, sigmas: torch.Tensor,
+             guidance_scale: float = 1.0) -> torch.Tensor:
+    """Deterministic ODE (Euler) generation from given noise ``x_T [B, *latent]``; returns ``x_0 [B, *latent]`` fp32."""
+    spec = RolloutSpec(kind="ode", noise_level=0.0, trained_steps=(), guidance_scale=guidance_scale,
+                       store_steps=False, log_probs=False)
+    return denoise(adapter, cond, x_T, sigmas, spec).final
