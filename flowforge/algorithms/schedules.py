@@ -211,7 +211,8 @@ def resolve_trained_steps(
     Raises:
         ValueError: an explicit / pool index outside ``[0, T - 1)`` (incl. the last step), ``pool`` without
             ``resample_seed``, ``count`` larger than the pool or < 1, ``num_sde_steps`` larger than the window, a bad
-            ``fraction``, ``num_steps < 2``.
+            ``fraction``, ``num_steps < 2``, ``count`` without
+            ``pool``, an empty ``indices``.
     """
     if not isinstance(num_steps, int) or num_steps < 2:
         raise ValueError(f"num_steps must be an int >= 2 (one trainable step plus the final step), got {num_steps!r}")
