@@ -1,0 +1,183 @@
+"""Prompt-encoding cache: encode each prompt list once, keep the embeddings on disk (HF ``datasets``).
+
+Text encoders are frozen, so their outputs are a pure function of (encoder, prompt). A run encodes its train and
+eval prompt lists once; later runs (and resumes) load the embeddings from disk and never need the encoder in memory.
+
+Layout of one cache entry, ``<cache_dir>/<fingerprint>/``::
+
+    meta.json           encoder_id, prompt count, dtype, which fields are present
+    cond/               datasets.Dataset, one row per prompt: prompt, prompt_embeds, [pooled], [mask]
+    negative/           the same for ``Conditioning.negative`` (one row when it is the same for every prompt)
+
+``fingerprint = sha256(json.dumps({"encoder_id": ..., "prompts": [...]}))`` — the encoder id and the *ordered*
+prompt list, so a different order, encoder or ``max_length`` is a different entry. Tensors are stored as float32
+and cast back to the encoder's dtype on load. An entry is written to a temporary directory and renamed into place,
+so an interrupted write is never mistaken for a cache hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from flowforge.models.base import Conditioning
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def prompts_fingerprint(encoder_id: str, prompts: Sequence[str]) -> str:
+    """sha256 hex digest of the encoder id and the ordered prompt list."""
+    payload = json.dumps({"encoder_id": encoder_id, "prompts": list(prompts)}, ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def _to_dataset(cond: Conditioning, prompts: Sequence[str] | None):
+    import datasets
+
+    columns: dict[str, object] = {"prompt_embeds": cond.prompt_embeds.detach().float().cpu().numpy()}
+    if cond.pooled is not None:
+        columns["pooled"] = cond.pooled.detach().float().cpu().numpy()
+    if cond.mask is not None:
+        columns["mask"] = cond.mask.detach().cpu().long().numpy()
+    if prompts is not None:
+        columns["prompt"] = list(prompts)
+    features = {"prompt_embeds": datasets.Array2D(shape=tuple(cond.prompt_embeds.shape[1:]), dtype="float32")}
+    if cond.pooled is not None:
+        features["pooled"] = datasets.Sequence(datasets.Value("float32"), length=cond.pooled.shape[1])
+    if cond.mask is not None:
+        features["mask"] = datasets.Sequence(datasets.Value("int64"), length=cond.mask.shape[1])
+    if prompts is not None:
+        features["prompt"] = datasets.Value("string")
+    return datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+
+
+def _from_dataset(ds, dtype: torch.dtype) -> Conditioning:
+    columns = [c for c in ("prompt_embeds", "pooled", "mask") if c in ds.column_names]
+    rows = ds.select_columns(columns).with_format("torch")[:]
+    embeds = rows["prompt_embeds"].to(dtype)
+    pooled = rows["pooled"].to(dtype) if "pooled" in rows else None
+    mask = rows["mask"].long() if "mask" in rows else None
+    return Conditioning(prompt_embeds=embeds, pooled=pooled, mask=mask)
+
+
+def _same_rows(cond: Conditioning) -> bool:
+    fields = [t for t in (cond.prompt_embeds, cond.pooled, cond.mask) if t is not None]
+    return all(bool((t == t[:1]).all()) for t in fields)
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No per-save progress bars (one entry is a handful of rows); restores the previous setting."""
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def save_conditioning(cond: Conditioning, directory: str | Path, *, encoder_id: str,
+                      prompts: Sequence[str] | None = None) -> Path:
+    """Write ``cond`` (and its ``negative``) to ``directory`` atomically; returns ``directory``."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        with _quiet_datasets():
+            _to_dataset(cond, prompts).save_to_disk(str(tmp / "cond"))
+        negative_broadcast = False
+        if cond.negative is not None:
+            negative = cond.negative
+            negative_broadcast = negative.batch_size > 0 and _same_rows(negative)
+            if negative_broadcast:
+                negative = negative.index([0])
+            with _quiet_datasets():
+                _to_dataset(negative, None).save_to_disk(str(tmp / "negative"))
+        meta = {
+            "encoder_id": encoder_id,
+            "num_prompts": cond.batch_size,
+            "dtype": str(cond.prompt_embeds.dtype),
+            "has_negative": cond.negative is not None,
+            "negative_broadcast": negative_broadcast,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def load_conditioning(directory: str | Path) -> Conditioning:
+    """Read a cache entry written by :func:`save_conditioning`.
+
+    Raises:
+        FileNotFoundError: ``directory`` holds no complete entry.
+    """
+    import datasets
+
+    directory = Path(directory)
+    meta_file = directory / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"no encoding cache entry at {directory} (meta.json missing)")
+    meta = json.loads(meta_file.read_text())
+    dtype = _DTYPES.get(meta["dtype"], torch.float32)
+    cond = _from_dataset(datasets.load_from_disk(str(directory / "cond")), dtype)
+    negative = None
+    if meta["has_negative"]:
+        negative = _from_dataset(datasets.load_from_disk(str(directory / "negative")), dtype)
+        if meta["negative_broadcast"]:
+            negative = negative.index(torch.zeros(cond.batch_size, dtype=torch.long))
+    return Conditioning(prompt_embeds=cond.prompt_embeds, pooled=cond.pooled, mask=cond.mask, negative=negative)
+
+
+def encode_cached(encode_fn: Callable[[Sequence[str]], Conditioning], encoder_id: str, prompts: Sequence[str],
+                  cache_dir: str | Path, batch_size: int = 64) -> Conditioning:
+    """Conditioning of ``prompts`` (row ``i`` ↔ ``prompts[i]``), from the disk cache when present.
+
+    On a miss, ``encode_fn`` is called on consecutive chunks of ``batch_size`` prompts, the chunks are concatenated,
+    written to ``<cache_dir>/<fingerprint>/`` and returned. On a hit ``encode_fn`` is not called at all. Returned
+    tensors are on CPU.
+
+    Args:
+        encode_fn: e.g. ``adapter.encode``; must be deterministic.
+        encoder_id: identifies the encoder and its settings (e.g. ``adapter.encoder_id``).
+        prompts: the ordered prompt list (may contain duplicates).
+        cache_dir: root directory of the cache.
+        batch_size: prompts per ``encode_fn`` call.
+
+    Raises:
+        ValueError: empty ``prompts``, ``batch_size < 1``, or ``encode_fn`` returned the wrong number of rows.
+    """
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("encode_cached needs at least one prompt")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    entry = Path(cache_dir) / prompts_fingerprint(encoder_id, prompts)
+    if (entry / "meta.json").is_file():
+        return load_conditioning(entry)
+    chunks = []
+    for start in range(0, len(prompts), batch_size):
+        part = prompts[start : start + batch_size]
+        cond = encode_fn(part)
+        if cond.batch_size != len(part):
+            raise ValueError(f"encode_fn returned {cond.batch_size} rows for {len(part)} prompts")
+        chunks.append(cond.to("cpu"))
+    cond = Conditioning.cat(chunks)
+    save_conditioning(cond, entry, encoder_id=encoder_id, prompts=prompts)
+    return cond
+
