@@ -23,8 +23,10 @@ antialiased). Networks return logits ``[B, 10]`` float32.
 Training (``python -m flowforge.demo.classifiers train --which reward|eval``) uses light augmentation written in
 plain torch (``torchvision`` is not a dependency): a random affine map (rotation within +-12 degrees, scale
 0.88..1.12, shear +-0.15, shift +-3 px), random stroke thickening / thinning, a random 3x3 blur, a random contrast
-factor and additive Gaussian noise. This makes the classifiers tolerate the blur, noise and off-centre strokes of a
-tiny generator rather than only clean MNIST. The command is deterministic on CPU for a fixed thread count.
+factor, a random grey background lift (half the images, up to 0.2) and additive Gaussian noise (std up to 0.1). This makes the classifiers tolerate the blur, noise and off-centre strokes of a
+tiny generator rather than only clean MNIST. Each batch also holds non-digit images (noise, flat grey) trained
+towards a uniform prediction (outlier exposure), so a policy cannot collect reward, or pass DigitEval reliably, by
+emitting noise. The command is deterministic on CPU for a fixed thread count.
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ EVAL_WEIGHTS = WEIGHTS_DIR / "digit_eval.safetensors"
 
 NUM_CLASSES = data.NUM_CLASSES
 IMAGE_SIZE = data.IMAGE_SIZE
+OUTLIER_WEIGHT = 0.5
+"""Weight of the outlier-exposure term (uniform-target cross-entropy on non-digit images) in training."""
+
+
+def check_images(images: Tensor) -> int:
+    """Validate a classifier input and return ``B``.
+
+    Raises:
+        ValueError: ``images`` is not a floating-point ``[B, 3, H, W]`` or ``[B, 1, H, W]`` tensor.
+    """
+    if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] not in (1, 3):
+        shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
+        raise ValueError(f"images must be a [B, 3, H, W] or [B, 1, H, W] tensor, got {shape}")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be floating point in [0, 1], got dtype {images.dtype}")
+    return images.shape[0]
 
 
 def to_gray32(images: Tensor) -> Tensor:
@@ -59,11 +77,7 @@ def to_gray32(images: Tensor) -> Tensor:
     Raises:
         ValueError: ``images`` is not a 4-d floating tensor with 1 or 3 channels.
     """
-    if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] not in (1, 3):
-        shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
-        raise ValueError(f"images must be a [B, 3, H, W] or [B, 1, H, W] tensor, got {shape}")
-    if not images.is_floating_point():
-        raise ValueError(f"images must be floating point in [0, 1], got dtype {images.dtype}")
+    check_images(images)
     gray = images.float().mean(dim=1, keepdim=True).clamp(0.0, 1.0)
     if gray.shape[-2:] != (IMAGE_SIZE, IMAGE_SIZE):
         gray = F.interpolate(gray, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", antialias=True, align_corners=False)
@@ -115,12 +129,11 @@ class EvalNet(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
-@functools.lru_cache(maxsize=None)
-def _which_spec(which: str) -> tuple[type[nn.Module], str, int, pathlib.Path]:
-    return {
-        "reward": (RewardNet, "reward", 0, REWARD_WEIGHTS),
-        "eval": (EvalNet, "eval_clf", 1, EVAL_WEIGHTS),
-    }[which]
+_SPECS: dict[str, tuple[type[nn.Module], str, int, pathlib.Path]] = {
+    "reward": (RewardNet, "reward", 0, REWARD_WEIGHTS),
+    "eval": (EvalNet, "eval_clf", 1, EVAL_WEIGHTS),
+}
+"""which -> (architecture, training split, seed, packaged weights path)."""
 
 
 WHICH = ("reward", "eval")
@@ -169,15 +182,35 @@ def augment(images: Tensor, generator: torch.Generator) -> Tensor:
     blurred = F.conv2d(x, blur_kernel, padding=1)
     x = torch.where((torch.rand(b, generator=generator) < 0.3).view(b, 1, 1, 1), blurred, x)
 
-    x = x * uniform(0.7, 1.0).view(b, 1, 1, 1)
-    noise_std = uniform(0.0, 0.08).view(b, 1, 1, 1)
+    lift = uniform(0.0, 0.2) * (torch.rand(b, generator=generator) < 0.5)
+    x = lift.view(b, 1, 1, 1) + x * uniform(0.7, 1.0).view(b, 1, 1, 1)
+    noise_std = uniform(0.0, 0.1).view(b, 1, 1, 1)
     x = x + noise_std * torch.randn(x.shape, generator=generator)
     return x.clamp(0.0, 1.0)
 
 
+def outlier_images(count: int, generator: torch.Generator) -> Tensor:
+    """Non-digit images for outlier exposure: uniform noise, Gaussian noise around a random grey level, blurred
+    noise and flat grey images, in equal shares. ``[count, 1, 32, 32]`` float32 in [0, 1]."""
+    shape = (count, 1, IMAGE_SIZE, IMAGE_SIZE)
+    level = torch.rand(count, 1, 1, 1, generator=generator)
+    uniform = torch.rand(shape, generator=generator)
+    gaussian = (level + 0.3 * torch.randn(shape, generator=generator)).clamp(0.0, 1.0)
+    blurred = F.avg_pool2d(torch.rand(shape, generator=generator), 5, stride=1, padding=2, count_include_pad=False)
+    flat = level.expand(shape)
+    kind = torch.arange(count) % 4
+    out = torch.where((kind == 0).view(-1, 1, 1, 1), uniform, gaussian)
+    out = torch.where((kind == 2).view(-1, 1, 1, 1), blurred, out)
+    return torch.where((kind == 3).view(-1, 1, 1, 1), flat, out)
+
+
 def train_classifier(which: str, *, epochs: int = 60, batch_size: int = 64, lr: float = 3e-3) -> nn.Module:
     """Train ``RewardNet`` (``which="reward"``, split ``"reward"``, seed 0) or ``EvalNet`` (``"eval"``, split
-    ``"eval_clf"``, seed 1) from scratch on CPU with :func:`augment`; AdamW, cosine-decayed learning rate.
+    ``"eval_clf"``, seed 1) from scratch on CPU with :func:`augment`; AdamW, one-cycle learning rate.
+
+    Loss per batch: cross-entropy on the augmented digits (label smoothing 0.05) plus ``OUTLIER_WEIGHT`` times the
+    cross-entropy between a uniform distribution and the prediction on ``batch_size // 4`` :func:`outlier_images`
+    (outlier exposure, Hendrycks et al. 2019), so noise is not scored as a confident digit.
 
     Returns:
         The trained module in eval mode.
@@ -188,7 +221,7 @@ def train_classifier(which: str, *, epochs: int = 60, batch_size: int = 64, lr: 
     _check_which(which)
     if epochs <= 0 or batch_size <= 0:
         raise ValueError(f"epochs and batch_size must be positive, got epochs={epochs}, batch_size={batch_size}")
-    cls, split, seed, _ = _which_spec(which)
+    cls, split, seed, _ = _SPECS[which]
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     images, labels = data.load_split(split)
@@ -196,6 +229,7 @@ def train_classifier(which: str, *, epochs: int = 60, batch_size: int = 64, lr: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     steps_per_epoch = math.ceil(len(images) / batch_size)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=epochs * steps_per_epoch)
+    outlier_count = max(4, batch_size // 4)
     model.train()
     for _ in range(epochs):
         order = torch.randperm(len(images), generator=generator)
@@ -203,6 +237,8 @@ def train_classifier(which: str, *, epochs: int = 60, batch_size: int = 64, lr: 
             index = order[start : start + batch_size]
             logits = model(augment(images[index], generator))
             loss = F.cross_entropy(logits, labels[index], label_smoothing=0.05)
+            outlier_logits = model(outlier_images(outlier_count, generator))
+            loss = loss - OUTLIER_WEIGHT * F.log_softmax(outlier_logits, dim=1).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -296,8 +332,7 @@ def digit_eval(images: Tensor, digits: Tensor | Sequence[int], *, model: nn.Modu
     Raises:
         ValueError: bad image shape or dtype; ``digits`` of the wrong length, type or range.
     """
-    target = _as_digits(digits, images.shape[0] if isinstance(images, Tensor) and images.dim() else -1)
-    to_gray32(images)  # validates the shape early with a clear message
+    target = _as_digits(digits, check_images(images))
     classifier = load_eval_classifier() if model is None else model
     device = next(classifier.parameters()).device
     predicted = predict_logits(classifier, images.to(device)).argmax(dim=1)
@@ -306,7 +341,7 @@ def digit_eval(images: Tensor, digits: Tensor | Sequence[int], *, model: nn.Modu
 
 def digit_eval_accuracy(images: Tensor, digits: Tensor | Sequence[int], *, model: nn.Module | None = None) -> float:
     """Mean of :func:`digit_eval` over the batch, a float in [0, 1]. Raises ValueError on an empty batch."""
-    if isinstance(images, Tensor) and images.dim() >= 1 and images.shape[0] == 0:
+    if check_images(images) == 0:
         raise ValueError("digit_eval_accuracy needs at least one image, got an empty batch")
     return digit_eval(images, digits, model=model).float().mean().item()
 
@@ -316,7 +351,7 @@ def held_out_accuracies() -> dict[str, float]:
     EvalNet on ``reward`` and ``sft``. Keys look like ``"reward_on_eval_clf"``."""
     results = {}
     for which, model in (("reward", load_reward_classifier()), ("eval", load_eval_classifier())):
-        own_split = _which_spec(which)[1]
+        own_split = _SPECS[which][1]
         for split in data.SPLIT_NAMES:
             if split == own_split:
                 continue
@@ -338,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.command == "train":
-        cls, split, seed, default_path = _which_spec(args.which)
+        cls, split, seed, default_path = _SPECS[args.which]
         model = train_classifier(args.which, epochs=args.epochs)
         out = args.out or default_path
         out.parent.mkdir(parents=True, exist_ok=True)
