@@ -95,7 +95,9 @@ def prompt_file(name: str) -> pathlib.Path:
     return PROMPTS_DIR / f"{name}.jsonl"
 
 
-def write_prompt_files(directory: str | pathlib.Path | None = None, names: Sequence[str] = PROMPT_SETS) -> list[pathlib.Path]:
+def write_prompt_files(
+    directory: str | pathlib.Path | None = None, names: Sequence[str] = PROMPT_SETS
+) -> list[pathlib.Path]:
     """(Re)write ``<directory>/<name>.jsonl`` for each set, byte-for-byte deterministic (UTF-8, ``\\n`` line ends,
     keys in schema order). ``directory`` defaults to the packaged ``flowforge/demo/prompts``. Returns the paths."""
     out_dir = PROMPTS_DIR if directory is None else pathlib.Path(directory)

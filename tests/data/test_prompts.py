@@ -88,7 +88,8 @@ def test_deterministic_and_seed_dependent():
     for x, y in zip(a, b):
         assert torch.equal(x.prompt_indices, y.prompt_indices) and torch.equal(x.candidate_ids, y.candidate_ids)
     assert any(not torch.equal(x.prompt_indices, z.prompt_indices) for x, z in zip(a, c))
-    assert not set(torch.cat([x.candidate_ids for x in a]).tolist()) & set(torch.cat([z.candidate_ids for z in c]).tolist())
+    ids_a = set(torch.cat([x.candidate_ids for x in a]).tolist())
+    assert not ids_a & set(torch.cat([z.candidate_ids for z in c]).tolist())
 
 
 def test_two_ranks_agree_and_split_candidates_evenly():
