@@ -16,7 +16,6 @@ micro-batches, so replaying the first update runs the same computations as the r
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,8 @@ from flowforge.algorithms.advantages import clip_advantages, combine_components,
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
 from flowforge.data.prompts import KRepeatSampler, PromptRecord, load_prompts
-from flowforge.metrics import MetricsLogger, StageTimer, run_provenance, save_grid, to_scalars, within_group_diversity
+from flowforge.metrics import (MetricsLogger, StageTimer, write_provenance, sample_grid_path, save_grid, to_scalars,
+                              within_group_diversity)
 from flowforge.models import build_adapter
 from flowforge.objectives import OBJECTIVES, TrainBatch
 from flowforge.policy import Policy
@@ -78,7 +78,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(config_lib.dump_config(cfg))
-        (self.run_dir / "provenance.json").write_text(json.dumps(run_provenance(), indent=2))
+        write_provenance(self.run_dir)
 
         m = cfg.model
         self.adapter = build_adapter(m.adapter, m.path, dtype=DTYPES[m.dtype], device=self.device)
@@ -228,7 +228,7 @@ class Trainer:
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
         scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
         self.logger.log_eval(step, scalars)
-        save_grid(images[::k], self.run_dir / "samples" / f"step_{step:06d}.png", nrow=10, scale=2)
+        save_grid(images[::k], sample_grid_path(self.run_dir, step), nrow=10, scale=2)
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars
 
