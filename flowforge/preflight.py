@@ -203,6 +203,9 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
     for name in r.required:
         if name not in r.weights:
             problems.append(f"reward.required lists {name!r} but reward.weights has no weight for it")
+    for name in cfg.eval.scorers:
+        if name not in SCORERS:
+            problems.append(f"eval.scorers: unknown scorer {name!r}; allowed: {sorted(SCORERS)}")
     for name in r.options:
         if name not in r.weights:
             problems.append(f"reward.options.{name}: not a weighted component (reward.weights: {sorted(r.weights)})")

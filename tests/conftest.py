@@ -1,10 +1,11 @@
-"""Shared test setup: offline, CPU, deterministic thread count."""
+"""Shared test setup: offline, CPU, deterministic thread count, a tiny SD3 model directory."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import json
 import pathlib
 
 import pytest
@@ -17,6 +18,24 @@ def golden_dir() -> pathlib.Path:
     if not GOLDEN_DIR.is_dir():
         pytest.fail(f"golden vectors not found at {GOLDEN_DIR} (expected ../shared/golden beside the checkout)")
     return GOLDEN_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> pathlib.Path:
+    """A random-init tiny pixel-space SD3 transformer saved with diffusers' save_pretrained (+ MiniLM metadata)."""
+    from flowforge.demo.model import build_tiny_sd3, test_sd3_config
+    from flowforge.models.sd3 import FLOWFORGE_META
+
+    path = tmp_path_factory.mktemp("tiny_sd3")
+    build_tiny_sd3(test_sd3_config(), seed=0).save_pretrained(str(path), safe_serialization=True)
+    (path / FLOWFORGE_META).write_text(json.dumps({"text_encoder": "minilm", "max_length": 16}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def encode_cache_dir(tmp_path_factory) -> pathlib.Path:
+    """One prompt-encoding cache for the whole session (MiniLM runs once per prompt set)."""
+    return tmp_path_factory.mktemp("encode_cache")
 
 
 def pytest_configure(config):

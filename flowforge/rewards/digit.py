@@ -69,19 +69,46 @@ class DigitScorer:
         return self._per_device[device]
 
     @torch.no_grad()
+    def _probabilities(self, media: Tensor, prompts, metadata) -> tuple[Tensor, Tensor]:
+        """``[B, 10]`` float32 softmax of the classifier and the ``[B]`` requested digits."""
+        check_inputs(media, prompts, metadata)
+        digits = requested_digits(metadata).to(media.device)
+        model = self._model_on(media.device)
+        probs = [torch.softmax(model(media[start : start + self.batch_size].float()).float(), dim=1)
+                 for start in range(0, media.shape[0], self.batch_size)]
+        if not probs:
+            return torch.empty(0, 10, device=media.device), digits
+        return torch.cat(probs), digits
+
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 probabilities on ``media``'s device.
 
         Raises:
             ValueError: bad shapes or lengths; a metadata entry without an int ``"digit"`` in 0..9.
         """
-        check_inputs(media, prompts, metadata)
-        digits = requested_digits(metadata).to(media.device)
-        model = self._model_on(media.device)
-        probs = []
-        for start in range(0, media.shape[0], self.batch_size):
-            logits = model(media[start : start + self.batch_size].float())
-            probs.append(torch.softmax(logits.float(), dim=1))
-        if not probs:
-            return torch.empty(0, dtype=torch.float32, device=media.device)
-        return torch.cat(probs).gather(1, digits[:, None]).squeeze(1).float()
+        probs, digits = self._probabilities(media, prompts, metadata)
+        return probs.gather(1, digits[:, None]).squeeze(1).float()
+
+
+class DigitEvalScorer(DigitScorer):
+    """DigitEval (GenEval's role at small scale): 1.0 where the *independent* eval classifier's argmax is the
+    requested digit, else 0.0; its batch mean is the DigitEval accuracy.
+
+    ``EvalNet`` has a different architecture and seed than the reward's ``RewardNet`` and was trained on a split
+    ``RewardNet`` never saw, so a policy that fools the reward model is caught here. Meant as an eval scorer
+    (``eval.scorers: [digit_eval]``), not as a training reward.
+    """
+
+    name = "digit_eval"
+
+    def __init__(self, model: nn.Module | None = None, batch_size: int = 256) -> None:
+        if model is None:
+            from flowforge.demo.classifiers import load_eval_classifier
+
+            model = load_eval_classifier()
+        super().__init__(model, batch_size)
+
+    def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
+        """``[B]`` float32 in {0, 1}: argmax of the eval classifier equals ``metadata["digit"]``."""
+        probs, digits = self._probabilities(media, prompts, metadata)
+        return (probs.argmax(dim=1) == digits).float()

@@ -10,11 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from flowforge.rewards.base import RewardScorer
-from flowforge.rewards.digit import DigitScorer
+from flowforge.rewards.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 
 SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "digit": DigitScorer,
+    "digit_eval": DigitEvalScorer,
     "jpeg_compressibility": JpegCompressibility,
     "jpeg_incompressibility": JpegIncompressibility,
 }
