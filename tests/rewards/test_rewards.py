@@ -86,7 +86,7 @@ def test_digit_scorer_metadata_errors():
 
 
 def test_registry_builds_every_scorer_and_lists_names_on_error():
-    assert set(SCORERS) == {"digit", "jpeg_compressibility", "jpeg_incompressibility"}
+    assert set(SCORERS) == {"digit", "digit_eval", "jpeg_compressibility", "jpeg_incompressibility"}
     for name in SCORERS:
         scorer = build_scorer(name)
         assert isinstance(scorer, RewardScorer)
@@ -185,3 +185,18 @@ def test_processor_rejects_wrong_output_shape_and_empty_scorers():
         processor(*_batch(2))
     with pytest.raises(ValueError, match="at least one"):
         RewardProcessor({}, {})
+
+
+def test_digit_eval_scorer_is_the_eval_classifier_argmax():
+    from flowforge.demo.classifiers import load_eval_classifier
+    from flowforge.demo.data import load_split
+
+    images, labels = load_split("reward")
+    media = images[:20].expand(-1, 3, -1, -1)
+    wrong = (labels[:20] + 1) % 10
+    meta = [{"digit": int(d)} for d in labels[:20]]
+    hits = build_scorer("digit_eval")(media, ["p"] * 20, meta)
+    expected = (load_eval_classifier()(media).argmax(1) == labels[:20]).float()
+    assert torch.equal(hits, expected) and hits.mean() >= 0.9
+    misses = build_scorer("digit_eval")(media, ["p"] * 20, [{"digit": int(d)} for d in wrong])
+    assert misses.sum() <= 2
