@@ -155,12 +155,21 @@ class GRPOConfig:
 class NFTConfig:
     beta: float = 1.0
     adv_clip: float = 5.0
-    sigma_mode: str = "uniform_schedule"  # "uniform_schedule" | "full_schedule"
+    sampler: str = "ode"  # rollout kernel: any of "sde" | "dance" | "cps" | "ode" (only the final x0 is kept)
+    sample_with: str = "old"  # policy that samples: "old" (off-policy, the reference) | "live"
+    sigma_mode: str = "uniform_schedule"  # "uniform_schedule" (one schedule sigma per visit) | "full_schedule"
     inner_epochs: int = 1
-    loss_mode: str = "adaptive_x0"  # "adaptive_x0" | "paper_velocity_mse"
-    decay_rate: float = 0.001  # 1 - decay = min(decay_rate * optimizer_step, decay_max)
+    loss_mode: str = "reference"  # "reference" (adaptive x0 weighting) | "paper_velocity_mse"
+    reward_transform: str = "reference"  # "reference" (clipped group advantages) | "absolute"
+    std_floor: float = 0.0  # absolute transform: Z = adv_clip * max(std, std_floor)
+    std_scope: str = "group"  # absolute transform: std per "group" or over the whole "batch"
+    guard: bool = False  # skip groups that tie, spread < guard_min_spread, or best < guard_min_best
+    guard_min_spread: float = 0.0
+    guard_min_best: float | None = None
+    decay_rate: float = 0.001  # old <- decay * old + (1 - decay) * live, decay = min(decay_rate * n, decay_max)
     decay_max: float = 0.5
-    ref_weight: float = 0.0
+    ema_decay: float = 0.0  # > 0: keep an eval EMA of live with this decay
+    ref_weight: float = 0.0  # velocity-MSE penalty to the reference policy
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,12 @@ from typing import ClassVar
 
 import torch
 
+from flowforge.algorithms import advantages as adv_lib
 from flowforge.algorithms import losses, schedules
 from flowforge.config import Config
 from flowforge.models.base import Conditioning
-from flowforge.rollout import RolloutSpec, Trajectory, replay_log_prob
+from flowforge.policy import old_decay
+from flowforge.rollout import RolloutSpec, Trajectory, candidate_noise, candidate_randint, replay_log_prob
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,16 @@ class TrainBatch:
     cond: Conditioning  # [B]
     advantages: torch.Tensor  # [B] fp32
     group_ids: torch.Tensor  # [B] int64
+    rewards: torch.Tensor  # [B] fp32 weighted total reward (for objectives that transform scores themselves)
+    candidate_ids: torch.Tensor  # [B] int64 stable per-candidate ids (seed training-time noise)
 
     def __len__(self) -> int:
         return int(self.advantages.shape[0])
 
     def select(self, rows: torch.Tensor) -> "TrainBatch":
         return replace(self, traj=self.traj.select(rows), cond=self.cond.index(rows),
-                       advantages=self.advantages[rows], group_ids=self.group_ids[rows])
+                       advantages=self.advantages[rows], group_ids=self.group_ids[rows],
+                       rewards=self.rewards[rows], candidate_ids=self.candidate_ids[rows])
 
 
 def trained_steps_for(cfg: Config, step: int) -> tuple[int, ...]:
@@ -61,6 +66,13 @@ class Objective:
     name: ClassVar[str]
     uses_log_probs: ClassVar[bool] = False
     clipped_ratio: ClassVar[bool] = False
+    sampling_policy: str = "live"  # the bank policy that rolls out (see flowforge.policy)
+    eval_policy: str = "live"
+
+    @classmethod
+    def policy_bank(cls, cfg: Config) -> dict:
+        """Keyword arguments for :class:`flowforge.policy.Policy`: which extra policies this objective needs."""
+        return {}
 
     def __init__(self, cfg: Config, adapter, policy):
         self.cfg = cfg
@@ -149,6 +161,134 @@ class GRPO(Objective):
                            guidance_scale=s.guidance_scale)
 
 
+class NFT(Objective):
+    """DiffusionNFT (Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process";
+    NVlabs ``scripts/train_nft_sd3.py``): forward-process training on the clean samples of any sampler.
+
+    Rollout: ``nft.sampler`` (ODE by default) under the **old** policy (``nft.sample_with``), keeping only x0.
+    Per visit: ``sigma`` from the sampling schedule (one uniform draw per sample, or every schedule step with
+    ``nft.sigma_mode="full_schedule"``), fresh noise, ``x_sigma = (1 - sigma) x0 + sigma * noise``; the old policy
+    (no grad) and the live policy see the same ``x_sigma``; :func:`~flowforge.algorithms.losses.nft_loss` mixes the
+    implicit positive / negative policies with the optimality reward ``r`` in [0, 1]:
+
+    * ``nft.reward_transform="reference"``: ``r = nft_optimality(A, adv_clip)`` of the clipped group advantages;
+    * ``"absolute"``: ``r = 0.5 + 0.5 clip((S - mean_g) / (adv_clip max(std, std_floor)), -1, 1)``.
+
+    With ``nft.guard`` whole groups that tie / spread too little / score too low are skipped (kept in the data,
+    never re-drawn, counted as ``train/guard_skipped_groups``). After the batch the old policy moves toward live:
+    ``old <- d old + (1 - d) live``, ``d = min(decay_rate n, decay_max)`` (the reference's ``return_decay``).
+    Training noise and sigma indices are functions of (seed, candidate id, step, visit): rank- and order-free.
+    """
+
+    name = "nft"
+    sampling_policy = "old"
+
+    def __init__(self, cfg: Config, adapter, policy):
+        super().__init__(cfg, adapter, policy)
+        self.sampling_policy = cfg.nft.sample_with
+        self.eval_policy = "ema" if cfg.nft.ema_decay > 0 else "live"
+        self._step = 0
+
+    @classmethod
+    def policy_bank(cls, cfg: Config) -> dict:
+        return {"keep_old": True, "ema_decay": cfg.nft.ema_decay}
+
+    @classmethod
+    def optimizer_steps_per_batch(cls, cfg: Config) -> int:
+        return cfg.train.num_updates_per_batch * cfg.nft.inner_epochs
+
+    def rollout_spec(self, step: int) -> RolloutSpec:
+        s, n = self.cfg.sampler, self.cfg.nft
+        self._step = step
+        return RolloutSpec(kind=n.sampler, noise_level=s.noise_level, trained_steps=(),
+                           guidance_scale=s.guidance_scale, store_steps=False, log_probs=False)
+
+    def optimality(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``r [B]`` in [0, 1] and the ``[B]`` bool mask of samples kept by the guard."""
+        n = self.cfg.nft
+        if n.reward_transform == "absolute":
+            r = adv_lib.nft_absolute_optimality(batch.rewards, batch.group_ids, adv_clip=n.adv_clip,
+                                                std_floor=n.std_floor, std_scope=n.std_scope)
+        else:
+            r = adv_lib.nft_optimality(batch.advantages, n.adv_clip)
+        if n.guard:
+            keep = adv_lib.group_guard(batch.rewards, batch.group_ids, min_spread=n.guard_min_spread,
+                                       min_best=n.guard_min_best)
+        else:
+            keep = torch.ones_like(r, dtype=torch.bool)
+        return r, keep
+
+    def visits(self, batch: TrainBatch, epoch: int) -> list[tuple[torch.Tensor, int]]:
+        """``(sigma_index [B], slot)`` per visit of this inner epoch; ``slot`` seeds the visit's noise."""
+        num_steps = self.cfg.sampler.num_steps
+        base = -2 - (self._step * self.cfg.nft.inner_epochs + epoch) * num_steps
+        ids = batch.candidate_ids.tolist()
+        if self.cfg.nft.sigma_mode == "full_schedule":
+            return [(torch.full((len(ids),), j, dtype=torch.long), base - j) for j in range(num_steps)]
+        return [(candidate_randint(ids, num_steps, self.cfg.run.seed, base), base)]
+
+    def micro_loss(self, sub: TrainBatch, r: torch.Tensor, sigma_index: torch.Tensor, slot: int):
+        """NFT loss of one micro-batch and visit (mean over its samples) and its metrics."""
+        n = self.cfg.nft
+        x0 = sub.traj.final
+        sigma = sub.traj.sigmas.to(x0.device)[sigma_index]
+        noise = candidate_noise(sub.candidate_ids.tolist(), x0.shape[1:], self.cfg.run.seed, slot).to(x0.device)
+        s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
+        x_sigma = (1 - s) * x0 + s * noise
+        with torch.no_grad(), self.policy.using("old"):
+            v_old = self.adapter.velocity(x_sigma, sigma, sub.cond, 1.0)
+        v_ref = None
+        if n.ref_weight > 0:
+            with self.policy.reference():
+                v_ref = self.adapter.velocity(x_sigma, sigma, sub.cond, 1.0)
+        v_live = self.policy.pending(self.adapter.velocity(x_sigma, sigma, sub.cond, 1.0))
+        loss, m = losses.nft_loss(v_live, v_old, x_sigma, x0, sigma, r, beta=n.beta, adv_clip=n.adv_clip,
+                                  mode=n.loss_mode)
+        metrics = {"policy_loss": loss.detach(), "positive_loss": m["positive_loss"].mean(),
+                   "negative_loss": m["negative_loss"].mean(),
+                   "old_deviation": losses.velocity_mse_kl(v_live.detach(), v_old).mean()}
+        if v_ref is not None:
+            kl = losses.velocity_mse_kl(v_live, v_ref).mean()
+            loss = loss + n.ref_weight * kl
+            metrics["ref_kl"] = kl.detach()
+        return loss, metrics
+
+    def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        n = self.cfg.nft
+        r_all, keep = self.optimality(batch)
+        kept = torch.nonzero(keep).squeeze(1)
+        out: dict[str, torch.Tensor] = {
+            "r_mean": r_all[keep].mean() if kept.numel() else torch.tensor(float("nan")),
+            "guard_skipped_groups": torch.tensor(float(len(set(batch.group_ids[~keep].tolist())))),
+        }
+        if kept.numel() == 0:
+            return out
+        batch, r_all = batch.select(kept), r_all[kept]
+        n_updates = self.cfg.train.num_updates_per_batch
+        bounds = torch.linspace(0, len(batch), n_updates + 1).round().long().tolist()
+        acc: dict[str, list[torch.Tensor]] = {}
+        for epoch in range(n.inner_epochs):
+            visits = self.visits(batch, epoch)
+            for u in range(n_updates):
+                rows_u = torch.arange(bounds[u], bounds[u + 1])
+                if rows_u.numel() == 0:
+                    continue
+                for rows in self._micro_batches(rows_u):
+                    sub = batch.select(rows)
+                    for sigma_index, slot in visits:
+                        loss, m = self.micro_loss(sub, r_all[rows], sigma_index[rows], slot)
+                        self.policy.backward(loss * (rows.numel() / rows_u.numel()) / len(visits))
+                        for k, v in {**m, "loss": loss.detach()}.items():
+                            acc.setdefault(k, []).append(v)
+                acc.setdefault("grad_norm", []).append(self.policy.step())
+        decay = old_decay(self.policy.optimizer_steps, n.decay_rate, n.decay_max)
+        self.policy.blend("old", decay)
+        out.update(_mean_metrics(acc))
+        out["old_decay"] = torch.tensor(decay)
+        return out
+
+
 OBJECTIVES: dict[str, type[Objective]] = {
     GRPO.name: GRPO,
+    NFT.name: NFT,
 }

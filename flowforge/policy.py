@@ -1,8 +1,30 @@
-"""The trained policy: which weights train (LoRA via peft, or all), the optimizer and LR schedule, the reference.
+"""The policy bank: live, old, ref and EMA weights — four distinct things — plus the optimizer and LR schedule.
 
-* **live** — the weights being optimized (LoRA adapter ``"default"``, or the full transformer), kept in fp32.
-* **ref** — the immutable starting point: "adapters off" under LoRA, a frozen copy under full fine-tuning.
-  Used for KL terms only; built lazily so runs without KL carry no copy.
+=======  ==========================================  ===================================  ======================
+name     what it is                                  under LoRA                           under full fine-tune
+=======  ==========================================  ===================================  ======================
+live     the weights being optimized (fp32)          peft adapter ``"default"``           the transformer
+old      the sampling policy of the current batch   peft adapter ``"old"`` (frozen)      a frozen copy
+ref      the immutable starting point (KL terms)     adapters off                         a frozen copy
+ema      optional eval EMA of live                   peft adapter ``"ema"`` (frozen)      a frozen copy
+=======  ==========================================  ===================================  ======================
+
+``old`` and ``ema`` exist only when asked for (``Policy(..., keep_old=True, ema_decay=...)``); ``ref`` under full
+fine-tuning is copied only when asked for (:meth:`Policy.keep_reference`).
+
+Soft update of the old policy after each batch (DiffusionNFT, NVlabs ``train_nft_sd3.py`` ``return_decay`` and the
+old-adapter update)::
+
+    decay(n) = min(decay_rate * n, decay_max)          n = optimizer steps so far
+    old     <- decay(n) * old + (1 - decay(n)) * live
+
+so ``old`` tracks ``live`` exactly at first and lags more as training goes (at most ``decay_max``). The EMA is
+``ema <- ema_decay * ema + (1 - ema_decay) * live`` after every optimizer step.
+
+Weights can be switched only between live forwards: :meth:`Policy.using` raises while a live forward's autograd
+graph is pending (registered with :meth:`Policy.pending` and released by :meth:`Policy.backward`), because a
+forward under another policy inside that window is almost always a bug (old / ref outputs must not join the live
+graph).
 
 The LR schedule is counted in optimizer steps: linear warmup over ``warmup_steps`` then constant, linear decay to 0
 or cosine decay to 0 at ``total_steps``.
@@ -13,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import weakref
 from typing import Iterator
 
 import torch
@@ -20,6 +43,8 @@ from torch import nn
 
 from flowforge.config import LoraConfig, TrainConfig
 from flowforge.models import lora as lora_lib
+
+POLICY_NAMES = ("live", "old", "ref", "ema")
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -40,37 +65,146 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     return f
 
 
+def old_decay(optimizer_steps: int, decay_rate: float = 0.001, decay_max: float = 0.5) -> float:
+    """DiffusionNFT's old-policy decay ``min(decay_rate * n, decay_max)`` after ``n`` optimizer steps."""
+    return min(decay_rate * optimizer_steps, decay_max)
+
+
 class Policy:
-    """Trainable weights of ``adapter.transformer`` with their optimizer.
+    """Trainable weights of ``adapter.transformer``, the other policies of the bank, and the optimizer.
 
     Args:
         adapter: a FlowModel; its ``transformer`` is modified in place (LoRA injected, grads enabled).
         lora_cfg: ``lora`` section (mode, rank, alpha, targets).
         train_cfg: ``train`` section (optimizer, LR schedule).
         total_optimizer_steps: length of the LR schedule.
+        keep_old: build the ``old`` policy (a copy of live at the start).
+        ema_decay: > 0 builds the ``ema`` policy with this decay.
     """
 
-    def __init__(self, adapter, lora_cfg: LoraConfig, train_cfg: TrainConfig, total_optimizer_steps: int):
+    def __init__(self, adapter, lora_cfg: LoraConfig, train_cfg: TrainConfig, total_optimizer_steps: int, *,
+                 keep_old: bool = False, ema_decay: float = 0.0):
         self.adapter = adapter
-        self.lora_cfg = lora_cfg
+        self.lora = lora_cfg.trainable == "lora"
         transformer: nn.Module = adapter.transformer
+        self.live_module = transformer
         transformer.requires_grad_(False)
-        if lora_cfg.trainable == "lora":
-            targets = list(lora_cfg.targets or adapter.lora_targets)
-            lora_lib.inject_lora(transformer, lora_cfg.resolved_rank, lora_cfg.resolved_alpha, targets)
-            self.params = [p for p in transformer.parameters() if p.requires_grad]
+        if self.lora:
+            self.targets = list(lora_cfg.targets or adapter.lora_targets)
+            self.rank, self.alpha = lora_cfg.resolved_rank, lora_cfg.resolved_alpha
+            self.params = lora_lib.inject_lora(transformer, self.rank, self.alpha, self.targets)
         else:
             transformer.float().requires_grad_(True)
             self.params = list(transformer.parameters())
         transformer.eval()  # no dropout anywhere: rollout and replay must be the same function
-        self._ref_copy: nn.Module | None = None
+        self._copies: dict[str, nn.Module] = {}
+        self.ema_decay = ema_decay
+        if keep_old:
+            self._add("old")
+        if ema_decay > 0:
+            self._add("ema")
         self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=train_cfg.adam_betas,
                                            eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_optimizer_steps))
         self.grad_clip = train_cfg.grad_clip
         self.optimizer_steps = 0
+        self._pending: weakref.ref | None = None
 
+    # ------------------------------------------------------------------------------------------------ bank
+    def _add(self, name: str) -> None:
+        if self.lora:
+            lora_lib.add_adapter(self.live_module, name, self.rank, self.alpha, self.targets, trainable=False)
+            lora_lib.copy_adapter(self.live_module, "default", name)
+        else:
+            self._copies[name] = copy.deepcopy(self.live_module).requires_grad_(False).eval()
+
+    def has(self, name: str) -> bool:
+        if name == "live":
+            return True
+        if name == "ref":
+            return self.lora or "ref" in self._copies
+        if self.lora:
+            return name in lora_lib.adapter_names(self.live_module)
+        return name in self._copies
+
+    def keep_reference(self) -> None:
+        """Keep a frozen copy of the starting weights (full fine-tune only; LoRA's reference is adapters-off)."""
+        if not self.lora and "ref" not in self._copies:
+            self._add("ref")
+
+    def pending(self, live_output: torch.Tensor) -> torch.Tensor:
+        """Register a live forward's output whose graph is pending until :meth:`backward`; returns it."""
+        self._pending = weakref.ref(live_output) if live_output.requires_grad else None
+        return live_output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` and release the pending live graph."""
+        loss.backward()
+        self._pending = None
+
+    @contextlib.contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        """Within the context ``adapter.velocity`` evaluates policy ``name`` (``live | old | ref | ema``).
+
+        Raises:
+            ValueError: unknown name or a policy this bank does not hold.
+            RuntimeError: a live forward's graph is pending (switch before the live forward, or after backward).
+        """
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {name!r}; allowed: {list(POLICY_NAMES)}")
+        if not self.has(name):
+            raise ValueError(f"this run keeps no {name!r} policy (kept: "
+                             f"{[n for n in POLICY_NAMES if self.has(n)]})")
+        if name == "live":
+            yield
+            return
+        if self._pending is not None and self._pending() is not None:
+            raise RuntimeError(f"cannot switch to the {name!r} policy while a live forward's graph is pending; "
+                               "evaluate other policies before the live forward or after backward")
+        if self.lora and name == "ref":
+            with lora_lib.adapters_disabled(self.live_module):
+                yield
+        elif self.lora:
+            with lora_lib.using_adapter(self.live_module, name):
+                yield
+        else:
+            self.adapter.transformer = self._copies[name]
+            try:
+                yield
+            finally:
+                self.adapter.transformer = self.live_module
+
+    def named_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """Detached copies of policy ``name``'s own weights (LoRA weights, or the full state dict)."""
+        if self.lora:
+            return lora_lib.lora_state_dict(self.live_module, "default" if name == "live" else name)
+        module = self.live_module if name == "live" else self._copies[name]
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def load_named_weights(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` (as from :meth:`named_weights`) into policy ``name`` in place."""
+        if self.lora:
+            lora_lib.load_lora_state_dict(self.live_module, state, "default" if name == "live" else name)
+        else:
+            (self.live_module if name == "live" else self._copies[name]).load_state_dict(state)
+
+    def _pairs(self, name: str):
+        if self.lora:
+            live = lora_lib._lora_params(self.live_module, "default")
+            other = lora_lib._lora_params(self.live_module, name)
+            return [(other[k], live[k]) for k in live]
+        return list(zip(self._copies[name].parameters(), self.live_module.parameters()))
+
+    @torch.no_grad()
+    def blend(self, name: str, decay: float) -> None:
+        """``name <- decay * name + (1 - decay) * live`` in place (``name`` in old / ema)."""
+        if name not in ("old", "ema"):
+            raise ValueError(f"only 'old' and 'ema' are blended toward live, got {name!r}")
+        for target, source in self._pairs(name):
+            target.mul_(decay).add_(source, alpha=1.0 - decay)
+
+    # ------------------------------------------------------------------------------------------------ optim
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -79,32 +213,19 @@ class Policy:
         return sum(p.numel() for p in self.params)
 
     def step(self) -> torch.Tensor:
-        """Clip gradients, take one optimizer + LR-schedule step, zero the gradients. Returns the pre-clip norm."""
+        """Clip gradients, take one optimizer + LR-schedule step, zero the gradients, update the EMA.
+        Returns the pre-clip gradient norm (0-d tensor)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
+        if self.ema_decay > 0:
+            self.blend("ema", self.ema_decay)
         return grad_norm.detach()
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """Within this context ``adapter.velocity`` evaluates the reference (starting) policy, without gradients."""
-        if self.lora_cfg.trainable == "lora":
-            with torch.no_grad(), lora_lib.adapters_disabled(self.adapter.transformer):
-                yield
-            return
-        if self._ref_copy is None:
-            raise RuntimeError("the full fine-tune reference copy was not kept: call keep_reference() before training")
-        live = self.adapter.transformer
-        self.adapter.transformer = self._ref_copy
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            self.adapter.transformer = live
-
-    def keep_reference(self) -> None:
-        """Keep a frozen copy of the starting weights (full fine-tune only; LoRA's reference is adapters-off)."""
-        if self.lora_cfg.trainable == "full" and self._ref_copy is None:
-            self._ref_copy = copy.deepcopy(self.adapter.transformer).requires_grad_(False).eval()
+        """Shorthand for ``using("ref")`` without gradients."""
+        with torch.no_grad(), self.using("ref"):
+            yield

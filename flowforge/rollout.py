@@ -107,6 +107,16 @@ def candidate_noise(candidate_ids: Sequence[int], shape: Sequence[int], seed: in
     return out
 
 
+def candidate_randint(candidate_ids: Sequence[int], high: int, seed: int, slot: int) -> torch.Tensor:
+    """``[B]`` int64 uniform in ``[0, high)``, row ``b`` a function of ``(seed, candidate_ids[b], slot)`` only."""
+    gen = torch.Generator()
+    out = torch.empty(len(candidate_ids), dtype=torch.long)
+    for row, cid in enumerate(candidate_ids):
+        gen.manual_seed(_seed_of(seed, int(cid), slot))
+        out[row] = torch.randint(high, (1,), generator=gen)
+    return out
+
+
 @torch.no_grad()
 def denoise(
     adapter: FlowModel,

@@ -94,7 +94,8 @@ class Trainer:
 
         objective_cls = OBJECTIVES[cfg.train.algorithm]
         total = cfg.train.steps * objective_cls.optimizer_steps_per_batch(cfg)
-        self.policy = Policy(self.adapter, cfg.lora, cfg.train, total_optimizer_steps=total)
+        self.policy = Policy(self.adapter, cfg.lora, cfg.train, total_optimizer_steps=total,
+                             **objective_cls.policy_bank(cfg))
         self.objective = objective_cls(cfg, self.adapter, self.policy)
         if cfg.grpo.kl_weight > 0 or cfg.nft.ref_weight > 0:
             self.policy.keep_reference()
@@ -122,10 +123,10 @@ class Trainer:
         spec = self.objective.rollout_spec(step)
         cond = self.train_cond.index(batch.prompt_indices)
         chunk = self.cfg.sampler.batch_size or self.cfg.train.micro_batch_size
-        self.adapter.transformer.eval()
-        traj = rollout_chunked(self.adapter, cond, batch.candidate_ids.tolist(), self.sigmas, spec,
-                               latent_shape=self.latent_shape, seed=self.cfg.run.seed, batch_size=chunk,
-                               device=self.device)
+        with self.policy.using(self.objective.sampling_policy):
+            traj = rollout_chunked(self.adapter, cond, batch.candidate_ids.tolist(), self.sigmas, spec,
+                                   latent_shape=self.latent_shape, seed=self.cfg.run.seed, batch_size=chunk,
+                                   device=self.device)
         return traj, cond
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,8 @@ class Trainer:
         return self.rewards(images, [r.prompt for r in records], [r.metadata for r in records], group_ids)
 
     def advantages(self, components: dict[str, torch.Tensor], group_ids: torch.Tensor):
-        """Stage 4: group-relative advantages ``[B]`` (combined over components, clipped) and group statistics."""
+        """Stage 4: group-relative advantages ``[B]`` (combined over components, clipped), the weighted total
+        reward ``[B]`` and group statistics."""
         a = self.cfg.advantage
         weights = self.cfg.reward.weights
         adv = combine_components({k: components[k] for k in weights}, weights, group_ids, mode=a.combine,
@@ -148,13 +150,12 @@ class Trainer:
         stats = group_stats(total, group_ids)
         metrics = {"reward/total_mean": total.mean(), "reward/group_std_mean": stats.std.mean(),
                    "reward/degenerate": stats.degenerate_fraction, "train/adv_abs_mean": adv.abs().mean()}
-        return adv, metrics
+        return adv, total, metrics
 
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """Stage 5: the objective's updates; skipped (and said so) when no group has reward variance."""
         if not bool((batch.advantages != 0).any()):
             return {"train/skipped": torch.ones(())}
-        self.adapter.transformer.eval()
         metrics = self.objective.optimize(batch)
         out = {f"train/{k}": v for k, v in metrics.items()}
         out["train/skipped"] = torch.zeros(())
@@ -181,10 +182,10 @@ class Trainer:
                 images = self._decode(traj.final)
                 components, reward_metrics = self.score(images, records, sb.group_ids)
             with timer("advantage"):
-                adv, adv_metrics = self.advantages(components, sb.group_ids)
+                adv, total, adv_metrics = self.advantages(components, sb.group_ids)
             with timer("optimize"):
-                train_metrics = self.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv,
-                                                         group_ids=sb.group_ids))
+                train_metrics = self.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids,
+                                                         rewards=total, candidate_ids=sb.candidate_ids))
             self.step = step + 1
             scalars = {**reward_metrics, **to_scalars({**adv_metrics, **train_metrics})}
             scalars["train/diversity"] = float(within_group_diversity(images, sb.group_ids))
@@ -216,12 +217,12 @@ class Trainer:
         prompt_idx = torch.arange(n_prompts).repeat_interleave(k)
         ids = (prompt_idx * k + torch.arange(k).repeat(n_prompts)).tolist()
         x_T = candidate_noise(ids, self.latent_shape, e.seed, -1).to(self.device)
-        self.adapter.transformer.eval()
         finals = []
-        for start in range(0, len(ids), e.batch_size):
-            rows = prompt_idx[start:start + e.batch_size]
-            finals.append(generate(self.adapter, self.eval_cond.index(rows), x_T[start:start + e.batch_size],
-                                   self.sigmas, self.cfg.sampler.guidance_scale))
+        with self.policy.using(self.objective.eval_policy):
+            for start in range(0, len(ids), e.batch_size):
+                rows = prompt_idx[start:start + e.batch_size]
+                finals.append(generate(self.adapter, self.eval_cond.index(rows), x_T[start:start + e.batch_size],
+                                       self.sigmas, self.cfg.sampler.guidance_scale))
         images = self._decode(torch.cat(finals))
         records = [self.eval_prompts[i] for i in prompt_idx.tolist()]
         components, _ = self.score(images, records, prompt_idx)

@@ -35,8 +35,13 @@ def one_step(trainer, step=0):
     traj, cond = trainer.sample(sb, step)
     records = [trainer.train_prompts[i] for i in sb.prompt_indices.tolist()]
     comps, _ = trainer.score(trainer._decode(traj.final), records, sb.group_ids)
-    adv, _ = trainer.advantages(comps, sb.group_ids)
-    return sb, traj, cond, adv
+    adv, total, _ = trainer.advantages(comps, sb.group_ids)
+    return sb, traj, cond, adv, total
+
+
+def train_batch(sb, traj, cond, adv, total):
+    return TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids, rewards=total,
+                      candidate_ids=sb.candidate_ids)
 
 
 def test_two_step_smoke_writes_run_directory(make_trainer):
@@ -58,8 +63,7 @@ def test_two_step_smoke_writes_run_directory(make_trainer):
 def test_first_update_ratio_is_exactly_one(make_trainer, trainable):
     extra = ["lora.trainable=full", "train.lr=1e-4"] if trainable == "full" else []
     trainer = make_trainer(*extra, name=trainable)
-    sb, traj, cond, adv = one_step(trainer)
-    metrics = trainer.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids))
+    metrics = trainer.optimize(train_batch(*one_step(trainer)))
     assert float(metrics["train/first_update_ratio_dev"]) == 0.0
     # the second update ran on moved weights: its ratios are not all 1
     assert float(metrics["train/ratio_max"]) != 1.0 or float(metrics["train/ratio_min"]) != 1.0
@@ -69,7 +73,7 @@ def test_replayed_log_probs_equal_rollout_bitwise(make_trainer):
     from flowforge.rollout import replay_log_prob
 
     trainer = make_trainer()
-    _, traj, cond, _ = one_step(trainer)
+    _, traj, cond, _, _ = one_step(trainer)
     spec = trainer.objective.rollout_spec(0)
     mb = trainer.cfg.train.micro_batch_size  # the rollout was chunked like the micro-batches: same GEMM shapes
     for start in range(0, len(traj.final), mb):
@@ -82,8 +86,7 @@ def test_replayed_log_probs_equal_rollout_bitwise(make_trainer):
 def test_second_update_moves_ratio_and_clipping_engages(make_trainer):
     trainer = make_trainer("train.lr=0.05", "grpo.clip_low=1e-6", "train.grad_clip=100.0")
 
-    sb, traj, cond, adv = one_step(trainer)
-    m = trainer.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids))
+    m = trainer.optimize(train_batch(*one_step(trainer)))
     assert float(m["train/first_update_ratio_dev"]) == 0.0
     assert float(m["train/ratio_max"]) > 1.0 + 1e-6 or float(m["train/ratio_min"]) < 1.0 - 1e-6
     assert float(m["train/clip_fraction"]) > 0.0
@@ -102,8 +105,8 @@ def test_lora_training_changes_only_adapter_weights(make_trainer):
 
 def test_same_seed_same_rollout_and_distinct_candidate_noise(make_trainer):
     a, b = make_trainer(name="a"), make_trainer(name="b")
-    sa, ta, _, _ = one_step(a)
-    sb, tb, _, _ = one_step(b)
+    sa, ta, *_ = one_step(a)
+    sb, tb, *_ = one_step(b)
     assert torch.equal(sa.candidate_ids, sb.candidate_ids)
     assert torch.equal(ta.final, tb.final) and torch.equal(ta.log_probs, tb.log_probs)
     # candidates of one prompt: different noise, so different samples
@@ -113,7 +116,7 @@ def test_same_seed_same_rollout_and_distinct_candidate_noise(make_trainer):
     assert torch.cdist(finals, finals)[~torch.eye(len(rows), dtype=torch.bool)].min() > 1e-3
     # a different run seed gives different candidates
     c = make_trainer("run.seed=1", name="c")
-    _, tc, _, _ = one_step(c)
+    _, tc, *_ = one_step(c)
     assert not torch.equal(ta.final, tc.final)
 
 

@@ -53,6 +53,8 @@ __all__ = [
     "combine_components",
     "clip_advantages",
     "nft_optimality",
+    "nft_absolute_optimality",
+    "group_guard",
     "STD_MODES",
     "COMBINE_MODES",
 ]
@@ -157,6 +159,8 @@ class GroupStats:
     size: torch.Tensor  # [G] int64 samples per group
     mean: torch.Tensor  # [G] group mean reward
     std: torch.Tensor  # [G] population std
+    max: torch.Tensor  # [G] best reward of the group
+    min: torch.Tensor  # [G] worst reward of the group
     degenerate: torch.Tensor  # [G] bool, all rewards of the group equal (incl. groups of one): zero advantage
     degenerate_fraction: torch.Tensor  # [] float, fraction of groups that are degenerate
 
@@ -182,6 +186,8 @@ def group_stats(rewards: torch.Tensor, group_ids: GroupIds) -> GroupStats:
         size=size,
         mean=mean_g,
         std=std_g,
+        max=hi,
+        min=lo,
         degenerate=degenerate,
         degenerate_fraction=degenerate.to(r.dtype).mean(),
     )
@@ -263,3 +269,78 @@ def nft_optimality(advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:
         raise ValueError(f"adv_clip must be > 0, got {adv_clip!r}")
     a = advantages.to(torch.float64 if advantages.dtype == torch.float64 else torch.float32)
     return torch.clamp(a.clamp(-adv_clip, adv_clip) / adv_clip / 2.0 + 0.5, 0.0, 1.0)
+
+
+def nft_absolute_optimality(
+    scores: torch.Tensor,
+    group_ids: GroupIds,
+    *,
+    adv_clip: float,
+    std_floor: float = 0.0,
+    std_scope: str = "group",
+) -> torch.Tensor:
+    """DiffusionNFT's absolute-score reward transform ``r = 0.5 + 0.5 * clip((S - mean_g) / Z, -1, 1)``.
+
+    ``Z = adv_clip * max(std, std_floor)`` with ``std`` the population std of the sample's group
+    (``std_scope="group"``) or of the whole scored batch (``"batch"``). Unlike :func:`nft_optimality` of clipped
+    advantages there is no additive epsilon: a floor sets the smallest spread that counts as signal. Where
+    ``Z == 0`` (a tied group with ``std_floor == 0``) the numerator is 0 too and ``r = 0.5`` (no preference).
+
+    Args:
+        scores: ``[B]`` rewards S. group_ids: as :func:`group_advantages`.
+        adv_clip: ``c > 0``. std_floor: ``>= 0``. std_scope: "group" | "batch".
+    Returns:
+        ``[B]`` in [0, 1], dtype of the (upcast) scores.
+    Raises:
+        ValueError: bad ``adv_clip`` / ``std_floor`` / ``std_scope``; non-finite scores (naming the groups).
+    Source: DiffusionNFT (Zheng et al. 2025) optimality probability; the absolute variant replaces the advantage's
+        epsilon by a std floor so near-tied groups do not get saturated r (flowforge's variant, as the issue states).
+    """
+    if not adv_clip > 0:
+        raise ValueError(f"adv_clip must be > 0, got {adv_clip!r}")
+    if not std_floor >= 0:
+        raise ValueError(f"std_floor must be >= 0, got {std_floor!r}")
+    if std_scope not in ("group", "batch"):
+        raise ValueError(f"std_scope={std_scope!r} is not one of ('group', 'batch')")
+    s = _as_float(scores)
+    inv, num_groups, labels = _group_index(group_ids, s.shape[0], s.device)
+    _raise_if_nonfinite(s, inv, labels, "scores")
+    counts = torch.bincount(inv, minlength=num_groups).to(s.dtype)
+    centered = s - _scatter_mean(s, inv, num_groups, counts)[inv]
+    if std_scope == "group":
+        std = torch.sqrt(_scatter_mean(centered**2, inv, num_groups, counts))[inv]
+    else:
+        std = s.std(unbiased=False).expand_as(s)
+    z = adv_clip * torch.clamp(std, min=std_floor)
+    ratio = torch.where(z > 0, centered / torch.where(z > 0, z, torch.ones_like(z)), torch.zeros_like(z))
+    return 0.5 + 0.5 * ratio.clamp(-1.0, 1.0)
+
+
+def group_guard(
+    scores: torch.Tensor,
+    group_ids: GroupIds,
+    *,
+    min_spread: float = 0.0,
+    min_best: float | None = None,
+) -> torch.Tensor:
+    """Which samples to keep when whole uninformative groups are skipped (nothing is re-drawn).
+
+    A group is skipped when all its scores tie, when its spread ``max - min`` is below ``min_spread``, or when its
+    best score is below ``min_best`` (if given).
+
+    Args:
+        scores: ``[B]``. group_ids: as :func:`group_advantages`. min_spread: ``>= 0``.
+    Returns:
+        ``[B]`` bool, True = keep (the sample's group passed every test).
+    Raises:
+        ValueError: negative ``min_spread``; non-finite scores (naming the groups).
+    Source: flowforge (a DiffusionNFT training option: the data is kept, the skip is counted in metrics).
+    """
+    if not min_spread >= 0:
+        raise ValueError(f"min_spread must be >= 0, got {min_spread!r}")
+    stats = group_stats(scores, group_ids)
+    inv, _, _ = _group_index(group_ids, stats.size.sum().item(), stats.mean.device)
+    keep = ~stats.degenerate & (stats.max - stats.min >= min_spread)
+    if min_best is not None:
+        keep &= stats.max >= min_best
+    return keep[inv]

@@ -1,0 +1,569 @@
+"""Durable checkpoints: a crash at any instant never leaves a checkpoint that resume trusts.
+
+What and why
+------------
+A training run is resumed from a checkpoint directory only if it carries a ``COMMITTED`` marker, and the marker is
+the last thing written: every other file is written to a temporary name, fsynced, renamed into place, and its
+directory fsynced first. A process killed (SIGKILL, power loss, OOM) at any point therefore leaves either a complete,
+committed checkpoint or a directory without the marker, which :func:`resolve_resume` skips (``"auto"``) or refuses
+(an explicit path). Nothing is unpickled: tensors are safetensors, RNG states are safetensors + JSON, and the
+optimizer state is loaded with ``torch.load(..., weights_only=True)``.
+
+Layout (DESIGN §6)::
+
+    <run_dir>/checkpoints/
+      latest                          "step_000040\\n" — the last committed save (informational; see below)
+      step_000040/
+        weights/<group>.safetensors   one file per tensor group the caller passes ("live", "old", "ema", ...)
+        optimizer.pt                  the optimizer state dict (torch.save; loaded weights_only) — if given
+        rng/rank_<r>.json             python ``random`` + numpy global RNG state of rank r
+        rng/rank_<r>.safetensors      torch CPU RNG state (+ ``cuda_<i>`` per visible CUDA device) of rank r
+        trainer_state.json            the caller's JSON dict (step counters, sampler state, contract, ...)
+        COMMITTED                     written last: JSON manifest {format, step, world_size, files: {path: bytes}}
+
+Write order (one save of step ``n``)
+------------------------------------
+1. rank 0 prepares ``step_<n>/``: a leftover uncommitted ``step_<n>/`` (a crashed earlier attempt) is deleted; a
+   committed one (a run that resumed from an earlier checkpoint and reached ``n`` again) is first *demoted* (its
+   ``COMMITTED`` unlinked and the directory fsynced) and then deleted. Committed checkpoints with a step above ``n``
+   belong to the abandoned future of such a resumed run: their marker is renamed to ``SUPERSEDED`` (the files are
+   kept, resume no longer trusts them), so the newest committed checkpoint is always the latest save.
+   ``step_<n>/`` is created and ``checkpoints/`` fsynced. — barrier —
+2. every rank writes its RNG files; rank 0 writes the weights, ``optimizer.pt``, its RNG files and
+   ``trainer_state.json`` last. Each file: write ``.<name>.tmp-<pid>``, fsync it, ``os.replace`` to its name, fsync
+   its directory. — barrier —
+3. rank 0 checks that every rank's RNG files exist, fsyncs ``weights/``, ``rng/`` and ``step_<n>/``, writes
+   ``COMMITTED`` (same tmp → fsync → rename → fsync-dir sequence), then replaces ``checkpoints/latest`` atomically,
+   then rotates. — barrier —
+
+Rotation (rank 0, after the commit) keeps the newest ``keep`` committed checkpoints, always the one just written and
+``protect`` (the checkpoint the run resumed from). A checkpoint is deleted by unlinking its ``COMMITTED`` first, so a
+crash mid-delete leaves an uncommitted directory, never a half-deleted committed one. Uncommitted directories with a
+step below the newest committed one (debris of crashed saves) are deleted too.
+
+``resume="auto"`` picks the newest committed checkpoint by step, not ``latest``: a crash between the marker and the
+pointer update leaves ``latest`` one save behind, and the marker is the only thing resume trusts.
+
+Test-only knob
+--------------
+``_test_hook`` (module attribute, ``None`` in library use) is called as ``_test_hook(stage, relpath)`` with
+``stage`` ``"tmp"`` (file fully written under its temporary name, not yet renamed) or ``"renamed"`` (in place). Tests
+set it in a subprocess to stop the save at a known point and SIGKILL it there. Library code never sets it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+log = logging.getLogger("flowforge")
+
+CHECKPOINTS_DIR = "checkpoints"
+MARKER = "COMMITTED"
+SUPERSEDED = "SUPERSEDED"
+LATEST = "latest"
+WEIGHTS_DIR = "weights"
+RNG_DIR = "rng"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
+CONTRACT_KEYS = ("lora", "base_model_sha256")
+
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+_GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_CHUNK = 1 << 20
+
+_test_hook: Callable[[str, str], None] | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One loaded checkpoint (all tensors on CPU)."""
+
+    path: Path
+    step: int
+    tensors: dict[str, dict[str, Tensor]]  # group -> name -> tensor
+    optimizer_state: dict | None
+    trainer_state: dict
+    rng: dict | None  # this rank's :func:`capture_rng` dict; None if the checkpoint has no state for this rank
+
+
+# ------------------------------------------------------------------------------------------------ paths
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    out = [(s, p) for p in root.iterdir() if p.is_dir() and (s := _step_of(p)) is not None]
+    return sorted(out)
+
+
+def is_committed(path: str | Path) -> bool:
+    """True if ``path`` is a checkpoint directory holding a ``COMMITTED`` marker."""
+    return (Path(path) / MARKER).is_file()
+
+
+def committed_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Committed ``<run_dir>/checkpoints/step_*`` directories, sorted by step (oldest first)."""
+    return [p for _, p in _step_dirs(Path(run_dir)) if is_committed(p)]
+
+
+# ------------------------------------------------------------------------------------------------ durable writes
+def _fsync_dir(path: Path) -> None:
+    if os.name == "nt":  # directories cannot be opened for fsync on Windows
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
+    """``write(tmp)``, fsync tmp, rename to ``path``, fsync the directory. A crash leaves at most a stray tmp."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    _fsync_file(tmp)
+    if _test_hook is not None:
+        _test_hook("tmp", relpath)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if _test_hook is not None:
+        _test_hook("renamed", relpath)
+
+
+def _write_bytes(path: Path, data: bytes, relpath: str) -> None:
+    _atomic_write(path, lambda tmp: tmp.write_bytes(data), relpath)
+
+
+def _write_marker(step_dir: Path, manifest: dict) -> None:
+    """Write ``COMMITTED`` (the commit point). Everything it lists must already be durable."""
+    _write_bytes(step_dir / MARKER, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(), MARKER)
+
+
+def _demote(step_dir: Path, rename_to: str | None = None) -> None:
+    """Make a committed checkpoint untrusted, durably: unlink (or rename) its marker and fsync the directory."""
+    marker = step_dir / MARKER
+    if marker.exists():
+        if rename_to is None:
+            marker.unlink()
+        else:
+            os.replace(marker, step_dir / rename_to)
+        _fsync_dir(step_dir)
+
+
+def _remove_checkpoint(step_dir: Path) -> None:
+    _demote(step_dir)
+    shutil.rmtree(step_dir)
+    _fsync_dir(step_dir.parent)
+
+
+# ------------------------------------------------------------------------------------------------ RNG
+def capture_rng() -> dict:
+    """This process's global RNG states: ``python`` and ``numpy`` (JSON-able), ``torch`` (uint8 tensor) and
+    ``cuda`` (list of uint8 tensors, one per visible device; empty without CUDA)."""
+    version, internal, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state().clone(),
+        "cuda": [s.clone() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(rng: Mapping[str, Any]) -> None:
+    """Restore what :func:`capture_rng` returned (python, numpy, torch CPU, and CUDA when saved and available).
+
+    Raises:
+        ValueError: a required key (``python``, ``numpy``, ``torch``) is missing or malformed.
+    """
+    missing = [k for k in ("python", "numpy", "torch") if k not in rng]
+    if missing:
+        raise ValueError(f"RNG state is missing {missing}; expected keys ['python', 'numpy', 'torch', 'cuda']")
+    try:
+        py = rng["python"]
+        random.setstate((int(py["version"]), tuple(int(v) for v in py["state"]), py["gauss_next"]))
+        npy = rng["numpy"]
+        np.random.set_state((npy["name"], np.asarray(npy["keys"], dtype=np.uint32), int(npy["pos"]),
+                             int(npy["has_gauss"]), float(npy["cached_gaussian"])))
+        torch.set_rng_state(rng["torch"].to(torch.uint8).cpu())
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"RNG state is malformed: {e!r}") from e
+    cuda = list(rng.get("cuda") or [])
+    if cuda:
+        if not torch.cuda.is_available():
+            log.warning("checkpoint has CUDA RNG states for %d devices but CUDA is unavailable: not restored",
+                        len(cuda))
+        elif len(cuda) != torch.cuda.device_count():
+            log.warning("checkpoint has CUDA RNG states for %d devices, %d are visible: not restored", len(cuda),
+                        torch.cuda.device_count())
+        else:
+            torch.cuda.set_rng_state_all([s.to(torch.uint8).cpu() for s in cuda])
+
+
+def _rng_files(rank: int) -> tuple[str, str]:
+    return f"{RNG_DIR}/rank_{rank}.json", f"{RNG_DIR}/rank_{rank}.safetensors"
+
+
+def _write_rng(step_dir: Path, rank: int) -> None:
+    rng = capture_rng()
+    json_rel, st_rel = _rng_files(rank)
+    (step_dir / RNG_DIR).mkdir(exist_ok=True)
+    _write_bytes(step_dir / json_rel, json.dumps({"python": rng["python"], "numpy": rng["numpy"]}).encode(),
+                 json_rel)
+    tensors = {"torch": rng["torch"], **{f"cuda_{i}": s for i, s in enumerate(rng["cuda"])}}
+    _atomic_write(step_dir / st_rel, lambda tmp: save_file(tensors, str(tmp)), st_rel)
+
+
+def _read_rng(step_dir: Path, rank: int) -> dict | None:
+    json_rel, st_rel = _rng_files(rank)
+    if not (step_dir / json_rel).is_file() or not (step_dir / st_rel).is_file():
+        return None
+    state = json.loads((step_dir / json_rel).read_text())
+    tensors = load_file(str(step_dir / st_rel), device="cpu")
+    n_cuda = sum(1 for k in tensors if k.startswith("cuda_"))
+    return {"python": state["python"], "numpy": state["numpy"], "torch": tensors["torch"],
+            "cuda": [tensors[f"cuda_{i}"] for i in range(n_cuda)]}
+
+
+# ------------------------------------------------------------------------------------------------ save
+def _prepare_step_dir(run_dir: Path, step: int, protect: Path | None) -> Path:
+    root = run_dir / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    step_dir = root / step_dir_name(step)
+    for s, p in _step_dirs(run_dir):
+        if s > step and is_committed(p) and (protect is None or p.resolve() != protect):
+            log.warning("%s is from a run that went past step %d before this one resumed from an earlier "
+                        "checkpoint: marked %s (files kept, no longer resumable)", p, step, SUPERSEDED)
+            _demote(p, rename_to=SUPERSEDED)
+    if step_dir.exists():
+        if protect is not None and step_dir.resolve() == protect:
+            raise ValueError(f"refusing to overwrite {step_dir}: it is the checkpoint this run resumed from")
+        if is_committed(step_dir):
+            log.warning("replacing committed checkpoint %s (this run resumed from an earlier step)", step_dir)
+        _remove_checkpoint(step_dir)
+    step_dir.mkdir()
+    _fsync_dir(root)
+    return step_dir
+
+
+def _rotate(run_dir: Path, newest: Path, keep: int, protect: Path | None) -> list[Path]:
+    committed = committed_checkpoints(run_dir)
+    keep_set = {p.resolve() for p in committed[-keep:]} | {newest.resolve()}
+    if protect is not None:
+        keep_set.add(protect)
+    removed = [p for p in committed if p.resolve() not in keep_set]
+    newest_step = _step_of(newest)
+    removed += [p for s, p in _step_dirs(run_dir) if s < newest_step and not is_committed(p)
+                and not (p / SUPERSEDED).exists()]
+    for p in removed:
+        _remove_checkpoint(p)
+    return removed
+
+
+def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Mapping[str, Tensor]],
+                    optimizer_state: dict | None, trainer_state: dict, keep: int, rank: int = 0,
+                    world_size: int = 1, protect: Path | None = None,
+                    barrier: Callable[[], None] | None = None, rank_timeout_s: float = 600.0) -> Path:
+    """Write ``<run_dir>/checkpoints/step_<step:06d>/`` durably and commit it (see the module docstring for the
+    write order), update ``checkpoints/latest``, then rotate.
+
+    Args:
+        run_dir: the run directory.
+        step: completed training steps (the directory name; ``Checkpoint.step`` on load).
+        tensors: named groups (``"live"``, ``"old"``, ``"ema"``, …) of named tensors; stored as contiguous CPU
+            copies, one safetensors file per group. Group names: letters, digits, ``_ . -``. Only rank 0's are used.
+        optimizer_state: ``optimizer.state_dict()`` (or a dict of several state dicts) made of tensors and plain
+            Python values, so that it loads with ``weights_only=True``; ``None`` writes no ``optimizer.pt``.
+            Under FSDP pass the full (gathered) state dict on rank 0.
+        trainer_state: JSON-serialisable dict (tuples come back as lists; NaN/inf are refused).
+        keep: committed checkpoints to keep (``>= 1``); the new one and ``protect`` are never deleted.
+        rank, world_size: this process's rank; every rank calls this, rank 0 writes the shared files and commits.
+        protect: the checkpoint the run resumed from; never deleted or overwritten.
+        barrier: collective barrier (e.g. ``torch.distributed.barrier``); required when ``world_size > 1``.
+        rank_timeout_s: how long rank 0 waits for the other ranks' RNG files after the barrier.
+
+    Returns:
+        The committed step directory.
+
+    Raises:
+        ValueError: invalid ``step`` / ``keep`` / ``rank`` / group name, ``trainer_state`` not JSON-serialisable,
+            ``world_size > 1`` without ``barrier``, or ``step`` is the protected checkpoint's step.
+        RuntimeError: (rank 0) another rank's RNG files did not appear within ``rank_timeout_s``.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if world_size > 1 and barrier is None:
+        raise ValueError("world_size > 1 needs a barrier (e.g. torch.distributed.barrier) to order the commit")
+    bad = [g for g in tensors if not _GROUP_RE.match(g)]
+    if bad:
+        raise ValueError(f"tensor group names {bad} are not file-name safe (letters, digits, '_', '.', '-')")
+    try:
+        state_json = json.dumps(trainer_state, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"trainer_state is not JSON-serialisable: {e}") from e
+    sync = barrier if barrier is not None else (lambda: None)
+    run_dir = Path(run_dir)
+    protect = Path(protect).resolve() if protect is not None else None
+    step_dir = run_dir / CHECKPOINTS_DIR / step_dir_name(step)
+
+    if rank == 0:
+        _prepare_step_dir(run_dir, step, protect)
+    sync()
+    if rank == 0:
+        (step_dir / WEIGHTS_DIR).mkdir()
+        for group in sorted(tensors):
+            copies = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors[group].items()}
+            rel = f"{WEIGHTS_DIR}/{group}.safetensors"
+            _atomic_write(step_dir / rel, lambda tmp, c=copies: save_file(c, str(tmp)), rel)
+        if optimizer_state is not None:
+            _atomic_write(step_dir / OPTIMIZER_FILE, lambda tmp: torch.save(optimizer_state, tmp), OPTIMIZER_FILE)
+    _write_rng(step_dir, rank)
+    if rank == 0:
+        _write_bytes(step_dir / TRAINER_STATE_FILE, state_json.encode(), TRAINER_STATE_FILE)
+    sync()
+    if rank == 0:
+        rng_rel = [rel for r in range(world_size) for rel in _rng_files(r)]
+        deadline = time.monotonic() + rank_timeout_s
+        while missing := [rel for rel in rng_rel if not (step_dir / rel).is_file()]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{step_dir}: RNG files {missing} did not appear within {rank_timeout_s} s; "
+                                   "not committed")
+            time.sleep(0.05)
+        files = [f"{WEIGHTS_DIR}/{g}.safetensors" for g in sorted(tensors)]
+        files += [OPTIMIZER_FILE] if optimizer_state is not None else []
+        files += rng_rel + [TRAINER_STATE_FILE]
+        for d in (step_dir / WEIGHTS_DIR, step_dir / RNG_DIR, step_dir):
+            _fsync_dir(d)
+        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
+                    "groups": sorted(tensors), "files": {rel: (step_dir / rel).stat().st_size for rel in files}}
+        _write_marker(step_dir, manifest)
+        _write_bytes(run_dir / CHECKPOINTS_DIR / LATEST, (step_dir.name + "\n").encode(), LATEST)
+        for p in _rotate(run_dir, step_dir, keep, protect):
+            log.info("removed old checkpoint %s", p)
+    sync()
+    return step_dir
+
+
+# ------------------------------------------------------------------------------------------------ resume / load
+def _rel(run_dir: Path, p: Path) -> str:
+    try:
+        return p.relative_to(run_dir).as_posix()
+    except ValueError:
+        return str(p)
+
+
+def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None, list[str]]:
+    """Which checkpoint to resume from, and notes for the log.
+
+    ``None`` → ``(None, [])``. ``"auto"`` → the newest committed checkpoint of ``run_dir`` (uncommitted or
+    superseded newer directories are skipped and named in the notes), or ``(None, notes)`` if there is none. Any other
+    string is a checkpoint directory path, returned as given.
+
+    Raises:
+        ValueError: an explicit path does not exist or has no ``COMMITTED`` marker.
+    """
+    if resume is None:
+        return None, []
+    run_dir = Path(run_dir)
+    committed = committed_checkpoints(run_dir)
+    newest = committed[-1] if committed else None
+    if resume == "auto":
+        chosen = f"resuming from {newest.name}" if newest else "no committed checkpoint: starting from step 0"
+        newest_step = _step_of(newest) if newest else -1
+        notes = []
+        for s, p in _step_dirs(run_dir):
+            if s <= newest_step or is_committed(p):
+                continue
+            why = ("was superseded (left by a run that later resumed from an earlier checkpoint)"
+                   if (p / SUPERSEDED).exists() else f"has no {MARKER} marker (incomplete write)")
+            notes.append(f"{_rel(run_dir, p)} {why}; {chosen}")
+        if newest is None and not notes:
+            notes.append(f"no checkpoints under {run_dir / CHECKPOINTS_DIR}: starting from step 0")
+        return newest, notes
+    path = Path(resume).expanduser()
+    fallback = (f"resume=auto would fall back to {newest}" if newest
+                else f"resume=auto would find no committed checkpoint in {run_dir} and start from step 0")
+    if not path.exists():
+        raise ValueError(f"resume={resume!r}: {path} does not exist; {fallback}")
+    if not is_committed(path):
+        why = ("it was superseded by a later save of a run that resumed from an earlier checkpoint"
+               if (path / SUPERSEDED).exists() else "incomplete or interrupted write, or not a checkpoint directory")
+        raise ValueError(f"resume={resume!r}: {path} has no {MARKER} marker ({why}); refusing to resume from it. "
+                         f"{fallback}")
+    return path, []
+
+
+def load_checkpoint(path: str | Path, *, rank: int = 0) -> Checkpoint:
+    """Load a committed checkpoint (tensors on CPU; the optimizer state with ``weights_only=True``).
+
+    ``rng`` is this ``rank``'s saved state, or ``None`` when the checkpoint was written by fewer ranks.
+
+    Raises:
+        ValueError: not committed, the manifest is unreadable, or a listed file is missing or has the wrong size.
+    """
+    path = Path(path)
+    if not is_committed(path):
+        raise ValueError(f"{path} has no {MARKER} marker (incomplete or interrupted write); refusing to load it")
+    try:
+        manifest = json.loads((path / MARKER).read_text())
+        files: dict[str, int] = manifest["files"]
+        step = int(manifest["step"])
+        groups: list[str] = manifest["groups"]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path / MARKER} is not a valid checkpoint manifest: {e!r}") from e
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {manifest.get('format')!r}, this flowforge reads "
+                         f"{FORMAT_VERSION}")
+    problems = []
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            problems.append(f"{rel} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{rel} has {f.stat().st_size} bytes, the manifest says {size}")
+    if problems:
+        raise ValueError(f"{path} is committed but damaged: " + "; ".join(problems))
+    tensors = {g: load_file(str(path / WEIGHTS_DIR / f"{g}.safetensors"), device="cpu") for g in groups}
+    optimizer_state = None
+    if OPTIMIZER_FILE in files:
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
+    return Checkpoint(path=path, step=step, tensors=tensors, optimizer_state=optimizer_state,
+                      trainer_state=trainer_state, rng=_read_rng(path, rank))
+
+
+# ------------------------------------------------------------------------------------------------ contract
+def _normalise(value: Any, key: str) -> Any:
+    if isinstance(value, (list, tuple)):
+        items = [_normalise(v, key) for v in value]
+        # module-name patterns: the order in which they were listed does not change which modules get LoRA
+        return sorted(items) if key == "targets" and all(isinstance(v, str) for v in items) else items
+    if isinstance(value, Mapping):
+        return {k: _normalise(v, k) for k, v in value.items()}
+    return value
+
+
+_MISSING = "(missing)"
+
+
+def _diff(prefix: str, saved: Any, current: Any, out: list[str]) -> None:
+    if isinstance(saved, Mapping) and isinstance(current, Mapping):
+        for k in sorted(set(saved) | set(current), key=str):
+            _diff(f"{prefix}.{k}", saved.get(k, _MISSING), current.get(k, _MISSING), out)
+        return
+    if saved != current:
+        out.append(f"{prefix}: checkpoint {saved}, this run {current}")
+
+
+def check_contract(saved: Mapping[str, Any], current: Mapping[str, Any], *,
+                   keys: Sequence[str] = CONTRACT_KEYS) -> None:
+    """Refuse to resume when the training contract differs: the LoRA contract (``lora`` = {rank, alpha, targets,
+    dropout}) and the base model's sha256, as stored in ``trainer_state`` vs this run's.
+
+    Numbers compare by value (8 == 8.0), sequences ignore tuple/list, ``targets`` ignore order; a key present on one
+    side only is a mismatch.
+
+    Raises:
+        ValueError: one error listing every mismatch, e.g. ``lora.alpha: checkpoint 8.0, this run 16.0``.
+    """
+    mismatches: list[str] = []
+    for key in keys:
+        _diff(key, _normalise(saved.get(key, _MISSING), key), _normalise(current.get(key, _MISSING), key),
+              mismatches)
+    if mismatches:
+        raise ValueError("resume refused: the checkpoint was trained under a different contract than this run "
+                         "(start a new run directory, or restore the original settings):\n  "
+                         + "\n  ".join(mismatches))
+
+
+# ------------------------------------------------------------------------------------------------ model identity
+def _hash_file_into(h: Any, path: Path) -> None:
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+
+
+def sha256_of_path(path: str | Path) -> str:
+    """sha256 hex digest identifying a model: of a file's bytes (equals ``sha256sum``), or of a directory's weight
+    files — every ``*.safetensors`` / ``*.bin`` / ``*.json`` below it (hidden directories skipped, file symlinks
+    followed), in sorted relative-path order, each framed as ``relpath NUL size NUL contents``. Read-only, streamed
+    in 1 MiB chunks.
+
+    Raises:
+        ValueError: the path does not exist, or a directory holds no weight files.
+    """
+    path = Path(path)
+    h = hashlib.sha256()
+    if path.is_file():
+        _hash_file_into(h, path)
+        return h.hexdigest()
+    if not path.is_dir():
+        raise ValueError(f"{path} does not exist (cannot hash the base model)")
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(root) / n for n in names if n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".")]
+    if not files:
+        raise ValueError(f"{path} holds no {list(WEIGHT_SUFFIXES)} files (cannot hash the base model)")
+    for f in sorted(files, key=lambda p: p.relative_to(path).as_posix()):
+        rel = f.relative_to(path).as_posix().encode()
+        h.update(rel + b"\0" + str(f.stat().st_size).encode() + b"\0")
+        _hash_file_into(h, f)
+    return h.hexdigest()
+
+
+def check_run_dir_outside_source(run_dir: str | Path, source_dir: str | Path) -> None:
+    """Refuse a run directory that equals, lies inside, or contains the source model directory (symlinks resolved),
+    so checkpoints and rotation can never write into or delete the base model.
+
+    Raises:
+        ValueError: naming both resolved paths.
+    """
+    run, src = Path(run_dir).resolve(), Path(source_dir).resolve()
+    if run == src:
+        raise ValueError(f"run directory {run} is the source model directory; choose a run directory elsewhere")
+    if run.is_relative_to(src):
+        raise ValueError(f"run directory {run} lies inside the source model directory {src}; choose a run "
+                         "directory elsewhere")
+    if src.is_relative_to(run):
+        raise ValueError(f"run directory {run} contains the source model directory {src}; choose a run "
+                         "directory elsewhere")
