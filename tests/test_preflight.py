@@ -80,5 +80,5 @@ def test_lora_mode_disagreement():
 
 
 def test_unknown_reward_component():
-    problems = _problems("reward.weights={aesthetic: 1.0}", "reward.required=[]")
-    assert any("unknown component 'aesthetic'" in p and "'digit'" in p for p in problems)
+    problems = _problems("reward.weights={sharpness: 1.0}", "reward.required=[]")
+    assert any("unknown component 'sharpness'" in p and "'digit'" in p for p in problems)

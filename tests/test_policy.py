@@ -1,0 +1,92 @@
+"""Policy bank: decay schedule, old never trained, ref immutable, distinct LoRA adapters, guarded switching."""
+
+import pytest
+import torch
+
+from flowforge.config import LoraConfig, TrainConfig
+from flowforge.models import build_adapter
+from flowforge.policy import Policy, old_decay
+
+
+@pytest.fixture
+def adapter(tiny_model_dir):
+    return build_adapter("sd3", str(tiny_model_dir))
+
+
+def _inputs(adapter, b=2):
+    g = torch.Generator().manual_seed(0)
+    c = adapter.encode(["a handwritten seven"] * b)
+    return torch.randn(b, 1, 32, 32, generator=g), torch.full((b,), 0.6), c
+
+
+def test_old_decay_schedule_values():
+    assert old_decay(0) == 0.0
+    assert old_decay(1) == pytest.approx(0.001)
+    assert old_decay(250) == pytest.approx(0.25)
+    assert old_decay(500) == pytest.approx(0.5)
+    assert old_decay(10_000) == 0.5
+    assert old_decay(10, decay_rate=0.1, decay_max=0.9) == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("trainable", ["lora", "full"])
+def test_bank_old_ref_ema(adapter, trainable):
+    lora = LoraConfig(trainable=trainable, rank=4 if trainable == "lora" else None)
+    policy = Policy(adapter, lora, TrainConfig(lr=1e-2), 10, keep_old=True, ema_decay=0.9)
+    policy.keep_reference()
+    x, s, c = _inputs(adapter)
+    with policy.reference():
+        ref_before = adapter.velocity(x, s, c, 1.0)
+    old_before = policy.named_weights("old")
+    live_before = policy.named_weights("live")
+    for k in live_before:  # old starts as a copy of live, in distinct storage
+        assert torch.equal(old_before[k], live_before[k])
+    for _ in range(2):
+        with torch.no_grad(), policy.using("old"):
+            v_old = adapter.velocity(x, s, c, 1.0)
+        v = policy.pending(adapter.velocity(x, s, c, 1.0))
+        policy.backward(((v - v_old - 1.0) ** 2).mean())
+        policy.step()
+    live = policy.named_weights("live")
+    old = policy.named_weights("old")
+    assert any(not torch.equal(live[k], live_before[k]) for k in live), "live did not train"
+    assert all(torch.equal(old[k], old_before[k]) for k in old), "old moved without a blend"
+    # old never receives gradients
+    if trainable == "lora":
+        from flowforge.models.lora import _lora_params
+
+        old_params = list(_lora_params(adapter.transformer, "old").values())
+        live_params = list(_lora_params(adapter.transformer, "default").values())
+        assert not any(p.data_ptr() == q.data_ptr() for p in old_params for q in live_params)
+    else:
+        old_params = list(policy._copies["old"].parameters())
+    assert all(p.grad is None and not p.requires_grad for p in old_params)
+    # soft update: old <- d old + (1 - d) live
+    policy.blend("old", 0.25)
+    blended = policy.named_weights("old")
+    for k in blended:
+        torch.testing.assert_close(blended[k], 0.25 * old_before[k] + 0.75 * live[k], rtol=0, atol=1e-6)
+    # the reference is bit-identical after training
+    with policy.reference():
+        assert torch.equal(adapter.velocity(x, s, c, 1.0), ref_before)
+    # the EMA moved (one blend per optimizer step) but is neither live nor the start
+    ema = policy.named_weights("ema")
+    assert any(not torch.equal(ema[k], live[k]) for k in ema)
+    assert any(not torch.equal(ema[k], live_before[k]) for k in ema)
+
+
+def test_switching_while_live_graph_pending_is_refused(adapter):
+    policy = Policy(adapter, LoraConfig(rank=4), TrainConfig(), 10, keep_old=True)
+    x, s, c = _inputs(adapter)
+    v = policy.pending(adapter.velocity(x, s, c, 1.0))
+    with pytest.raises(RuntimeError, match="pending"):
+        with policy.using("old"):
+            pass
+    policy.backward(v.square().mean())
+    with policy.using("old"):  # fine after backward
+        pass
+    with pytest.raises(ValueError, match="keeps no 'ema'"):
+        with policy.using("ema"):
+            pass
+    with pytest.raises(ValueError, match="unknown policy"):
+        with policy.using("target"):
+            pass
