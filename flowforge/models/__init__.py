@@ -19,7 +19,30 @@ def _load_sd3(path: str, **kw: Any):
     return load_sd3(path, **kw)
 
 
-ADAPTERS: dict[str, Callable[..., FlowModel]] = {"sd3": _load_sd3}
+def _load_flux(path: str, **kw: Any):
+    from flowforge.models.flux import load_flux
+
+    return load_flux(path, **kw)
+
+
+def _load_qwen_image(path: str, **kw: Any):
+    from flowforge.models.qwen_image import load_qwen_image
+
+    return load_qwen_image(path, **kw)
+
+
+def _load_wan(path: str, **kw: Any):
+    from flowforge.models.wan import load_wan
+
+    return load_wan(path, **kw)
+
+
+ADAPTERS: dict[str, Callable[..., FlowModel]] = {
+    "sd3": _load_sd3,
+    "flux": _load_flux,
+    "qwen_image": _load_qwen_image,
+    "wan": _load_wan,
+}
 """Registered model families: name → loader ``(path, *, dtype, device, ...) -> FlowModel``."""
 
 

@@ -1,0 +1,320 @@
+"""FLUX.1 family adapter (diffusers ``FluxTransformer2DModel``, ``FluxPipeline``).
+
+==================  ================================================================================================
+flowforge           FLUX transformer (checked against diffusers 0.42 ``pipeline_flux.py`` / ``transformer_flux.py``)
+==================  ================================================================================================
+``sigma`` [B]       ``timestep = sigma`` (model dtype). The pipeline passes ``timestep / 1000`` with scheduler
+                    timesteps ``1000 * sigma`` (pipeline_flux.py ``timestep=timestep / 1000``); the transformer
+                    multiplies by 1000 itself (transformer_flux.py ``timestep = timestep.to(...) * 1000``).
+``x`` [B,C,H,W]     unpacked latents; packed internally to ``[B, (H/2)(W/2), 4C]`` tokens (``_pack_latents``) with
+                    ``img_ids`` from ``_prepare_latent_image_ids`` and ``txt_ids = zeros(S, 3)``
+``v`` (fp32)        the unpacked transformer output; FLUX predicts ``noise - x0`` (the scheduler steps
+                    ``x + (sigma_next - sigma) * v``), i.e. flowforge's velocity
+guidance            FLUX.1-dev (``config.guidance_embeds``): ``guidance_scale`` is fed to the guidance embedding
+                    (``guidance = full([B], g)`` fp32, scaled by 1000 inside the transformer) in a *single* forward.
+                    This is distilled guidance, **not** CFG: the velocity is one network evaluation, so a replayed
+                    step is exact. Models without a guidance embedding (FLUX.1-schnell) use true CFG
+                    ``v_u + g (v_c - v_u)`` with ``cond.negative`` (the pipeline's ``true_cfg_scale`` path).
+VAE latents         ``z_model = (z_vae - shift_factor) * scaling_factor``; :meth:`FluxAdapter.decode` applies
+                    ``z / scaling_factor + shift_factor`` (pipeline_flux.py, before ``vae.decode``)
+text                pooled CLIP (``pooler_output``) → ``cond.pooled``; T5 ``last_hidden_state`` padded to
+                    ``max_sequence_length`` → ``cond.prompt_embeds``; via ``FluxPipeline.encode_prompt`` itself.
+                    FLUX attends the whole T5 context (pad tokens included); no mask is passed.
+schedule            dynamic shift: ``mu = calculate_shift((H/2)(W/2), base_image_seq_len, max_image_seq_len,
+                    base_shift, max_shift)`` from the scheduler config (:meth:`FluxAdapter.schedule_mu`)
+==================  ================================================================================================
+
+Note on the schedule: ``FluxPipeline`` passes ``sigmas = linspace(1, 1/T, T)`` to the scheduler and shifts those;
+:func:`flowforge.algorithms.schedules.flow_match_sigmas` (kind "dynamic") starts from ``linspace(1, 1/N_train, T)``
+like the scheduler's own default. :meth:`FluxAdapter.pipeline_sigmas` returns the pipeline's exact schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowforge.models.base import Conditioning
+from flowforge.models.common import (
+    DEFAULT_MIN_TOKENIZER_SIZE,
+    PipelineText,
+    check_velocity_inputs,
+    encode_with_negative,
+    pack_2x2,
+    pipeline_dir,
+    read_json,
+    require_negative,
+    to_unit_range,
+    unpack_2x2,
+)
+
+FLUX_TIMESTEP_SCALE = 1.0
+"""FLUX's transformer input is ``sigma`` itself (it scales by 1000 internally)."""
+
+FLUX_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+"""Attention projections of ``FluxTransformerBlock`` (image ``to_*``, text ``add_*`` / ``to_add_out``) and
+``FluxSingleTransformerBlock`` (``to_q/k/v``; single blocks have no ``to_out``). These are the module names of the
+diffusers FLUX LoRA format that ``FluxPipeline.load_lora_weights`` reads (``transformer.<module>.lora_A``)."""
+
+FLUX_SCHEDULER_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+"""The fallbacks ``FluxPipeline.__call__`` uses in ``self.scheduler.config.get(name, default)``."""
+
+
+def _flux_encode_fn(max_sequence_length: int):
+    def encode(pipe, prompts: list[str]) -> tuple[Tensor, Tensor | None, Tensor]:
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=pipe.device,
+                                               num_images_per_prompt=1, max_sequence_length=max_sequence_length)
+        return embeds, None, pooled
+
+    return encode
+
+
+def flux_text(*, path: str | Path | None = None, components: dict[str, Any] | None = None,
+              max_sequence_length: int = 512, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              encoder_id: str | None = None, min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> PipelineText:
+    """CLIP + T5 of a FLUX pipeline (directory ``path`` or ``components`` with ``tokenizer``, ``text_encoder``,
+    ``tokenizer_2``, ``text_encoder_2``), encoding through ``FluxPipeline.encode_prompt``."""
+    return PipelineText("FluxPipeline", _flux_encode_fn(int(max_sequence_length)), path=path, components=components,
+                        skip=("image_encoder", "feature_extractor"), device=device, dtype=dtype,
+                        settings=f"t5_len={int(max_sequence_length)}", encoder_id=encoder_id,
+                        min_tokenizer_size=min_tokenizer_size)
+
+
+class FluxAdapter:
+    """:class:`~flowforge.models.base.FlowModel` around a diffusers ``FluxTransformer2DModel``.
+
+    Args:
+        transformer: the ``FluxTransformer2DModel`` (put in eval mode; its dtype is the forward dtype).
+        text_encoder: a :class:`~flowforge.models.common.PipelineText` (see :func:`flux_text`) or any object with
+            ``encode(prompts) -> (embeds, mask | None, pooled)`` and ``encoder_id``; ``None``: conditioning must
+            come from a cache.
+        vae: the ``AutoencoderKL`` (``None``: :meth:`decode` raises).
+        negative_prompt: CFG's unconditional prompt; ``"default"`` means ``None`` (no negative encoded) for
+            guidance-embedding models and ``""`` otherwise.
+        scheduler_config: the pipeline's scheduler config (for :meth:`schedule_mu`); ``None``: pipeline defaults.
+    """
+
+    tasks: tuple[str, ...] = ("t2i",)
+    lora_targets: tuple[str, ...] = FLUX_LORA_TARGETS
+
+    def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
+                 negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None):
+        self.transformer = transformer.eval()
+        self.text_encoder = text_encoder
+        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        if negative_prompt == "default":
+            negative_prompt = None if self.guidance_embeds else ""
+        self.negative_prompt = negative_prompt
+        self.scheduler_config = dict(scheduler_config or {})
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def config(self):
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """True for guidance-distilled models (FLUX.1-dev): ``guidance_scale`` feeds the guidance embedding."""
+        return bool(self.config.guidance_embeds)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.config.in_channels) // 4
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent cell: ``2 ** (len(block_out_channels) - 1)`` (8 for FLUX; 8 without a VAE, as the
+        pipeline assumes)."""
+        if self.vae is None:
+            return 8
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def encoder_id(self) -> str:
+        if self.text_encoder is None:
+            return "none"
+        return f"{self.text_encoder.encoder_id}|negative={self.negative_prompt!r}"
+
+    # ------------------------------------------------------------------ FlowModel
+
+    def blocks(self) -> list[nn.Module]:
+        """The double-stream ``FluxTransformerBlock`` then the single-stream ``FluxSingleTransformerBlock`` modules."""
+        return list(self.transformer.transformer_blocks) + list(self.transformer.single_transformer_blocks)
+
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        """T5 embeds ``[B, max_sequence_length, D]`` + pooled CLIP ``[B, P]``; ``negative`` per :attr:`negative_prompt`."""
+        return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
+
+    def release_text_encoder(self) -> None:
+        """Free the text encoders (a directory-backed encoder reloads lazily on the next :meth:`encode`)."""
+        release = getattr(self.text_encoder, "release", None)
+        if release is not None:
+            release()
+
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """Unpacked ``(C, height / f, width / f)``, ``f`` = :attr:`vae_scale_factor`.
+
+        Raises:
+            ValueError: ``frames`` given, or a size not a positive multiple of ``2 f`` (2x2 packing).
+        """
+        if frames is not None:
+            raise ValueError(f"FLUX is an image model; frames must be None, got {frames}")
+        unit = 2 * self.vae_scale_factor
+        if height <= 0 or width <= 0 or height % unit or width % unit:
+            raise ValueError(f"height and width must be positive multiples of {unit}, got {height}x{width}")
+        f = self.vae_scale_factor
+        return (self.latent_channels, height // f, width // f)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Number of packed image tokens ``(H/2)(W/2)`` of the latent for ``height x width`` pixels."""
+        _, h, w = self.latent_shape(height, width)
+        return (h // 2) * (w // 2)
+
+    def schedule_mu(self, height: int, width: int) -> float:
+        """Dynamic-shift ``mu`` for ``height x width`` pixels, as ``FluxPipeline.__call__`` computes it:
+        ``calculate_shift(image_seq_len, base_image_seq_len, max_image_seq_len, base_shift, max_shift)`` with the
+        scheduler config's values (pipeline defaults 256 / 4096 / 0.5 / 1.15)."""
+        from flowforge.algorithms.schedules import calculate_shift
+
+        cfg = {k: self.scheduler_config.get(k, v) for k, v in FLUX_SCHEDULER_DEFAULTS.items()}
+        return calculate_shift(self.image_seq_len(height, width), cfg["base_image_seq_len"],
+                               cfg["max_image_seq_len"], cfg["base_shift"], cfg["max_shift"])
+
+    def pipeline_sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
+        """The exact ``[T+1]`` fp32 schedule of ``FluxPipeline`` (diffusers' scheduler on ``linspace(1, 1/T, T)``
+        with :meth:`schedule_mu`), ending in 0."""
+        return _pipeline_sigmas(self.scheduler_config, num_steps, self.schedule_mu(height, width))
+
+    def _forward(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance: Tensor | None) -> Tensor:
+        if cond.pooled is None:
+            raise ValueError("FLUX needs a pooled CLIP embedding (cond.pooled is None)")
+        from diffusers import FluxPipeline
+
+        dtype, device = self.dtype, x.device
+        b, _, h, w = x.shape
+        embeds = cond.prompt_embeds.to(device=device, dtype=dtype)
+        out = self.transformer(
+            hidden_states=pack_2x2(x.to(dtype)),
+            timestep=(FLUX_TIMESTEP_SCALE * sigma).to(dtype),
+            guidance=guidance,
+            pooled_projections=cond.pooled.to(device=device, dtype=dtype),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
+            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            return_dict=False,
+        )[0]
+        return unpack_2x2(out.float(), h, w)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        """Velocity ``noise - x0`` at unpacked ``x [B, C, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
+
+        Guidance-embedding models: one forward with ``guidance = guidance_scale`` (distilled guidance, not CFG).
+        Otherwise ``guidance_scale == 1`` is the conditional branch alone and any other value is true CFG
+        ``v_u + g (v_c - v_u)`` over ``cond.negative`` (one forward over the doubled batch).
+
+        Raises:
+            ValueError: bad shapes; CFG without ``cond.negative``; missing pooled embedding.
+        """
+        sigma = check_velocity_inputs(x, sigma, cond, 4)
+        g = float(guidance_scale)
+        if self.guidance_embeds:
+            guidance = torch.full((x.shape[0],), g, device=x.device, dtype=torch.float32)
+            return self._forward(x, sigma, cond, guidance)
+        if g == 1.0:
+            return self._forward(x, sigma, cond, None)
+        neg = require_negative(cond, g)
+        if neg.pooled is None or cond.pooled is None:
+            raise ValueError("FLUX needs a pooled CLIP embedding in cond and cond.negative")
+        device = cond.prompt_embeds.device
+        both = Conditioning(prompt_embeds=torch.cat([neg.prompt_embeds.to(device), cond.prompt_embeds]),
+                            pooled=torch.cat([neg.pooled.to(device), cond.pooled.to(device)]))
+        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, None).chunk(2)
+        return v_u + g * (v_c - v_u)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Unpacked latents ``[B, C, h, w]`` → images ``[B, 3, h f, w f]`` float32 in [0, 1]."""
+        if self.vae is None:
+            raise RuntimeError("this FluxAdapter has no VAE; decode is unavailable")
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype) / cfg.scaling_factor + cfg.shift_factor
+        return to_unit_range(self.vae.decode(z, return_dict=False)[0])
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """Images ``[B, 3, H, W]`` in [0, 1] → model latents ``(mode(z) - shift_factor) * scaling_factor`` fp32."""
+        if self.vae is None:
+            raise RuntimeError("this FluxAdapter has no VAE")
+        cfg = self.vae.config
+        z = self.vae.encode(images.to(self.vae.dtype) * 2.0 - 1.0).latent_dist.mode()
+        return ((z - cfg.shift_factor) * cfg.scaling_factor).float()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> FluxAdapter:
+        """Same as :func:`load_flux`."""
+        return load_flux(path, **kwargs)
+
+
+def _pipeline_sigmas(scheduler_config: dict[str, Any], num_steps: int, mu: float) -> Tensor:
+    """``[T+1]`` fp32 sigmas of diffusers' ``FlowMatchEulerDiscreteScheduler`` (built from ``scheduler_config``)
+    for ``sigmas = linspace(1, 1/T, T)`` and ``mu``, as the FLUX / Qwen-Image pipelines call it."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
+    config.setdefault("use_dynamic_shifting", True)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    return scheduler.sigmas.to(torch.float32).cpu()
+
+
+def load_flux(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+              text_encoder: Any = None, negative_prompt: str | None = "default", max_sequence_length: int = 512,
+              min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> FluxAdapter:
+    """Load a FLUX model from a local diffusers pipeline directory (``FluxPipeline.save_pretrained``); never downloads.
+
+    The transformer and VAE are loaded now; the text encoders lazily, on the first :meth:`FluxAdapter.encode`.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a pipeline directory.
+    """
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+
+    from flowforge.models.common import has_component
+
+    root = pipeline_dir(path, "FLUX")
+    transformer = FluxTransformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
+                                                         local_files_only=True).to(device)
+    vae = None
+    if has_component(root, "vae"):
+        vae = AutoencoderKL.from_pretrained(str(root / "vae"), torch_dtype=dtype, local_files_only=True).to(device)
+    if text_encoder is None and has_component(root, "text_encoder_2"):
+        text_encoder = flux_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
+                                 min_tokenizer_size=min_tokenizer_size)
+    scheduler_config = read_json(root / "scheduler" / "scheduler_config.json")
+    return FluxAdapter(transformer, text_encoder, vae, negative_prompt=negative_prompt,
+                       scheduler_config=scheduler_config)

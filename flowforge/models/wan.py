@@ -1,0 +1,412 @@
+"""Wan 2.1 / 2.2 family adapter (diffusers ``WanTransformer3DModel``, ``WanPipeline`` / ``WanImageToVideoPipeline``).
+
+==================  ================================================================================================
+flowforge           Wan transformer (checked against diffusers 0.42 ``pipeline_wan.py``, ``pipeline_wan_i2v.py``,
+                    ``transformer_wan.py``)
+==================  ================================================================================================
+``sigma`` [B]       ``timestep = 1000 * sigma``, float32 (the pipeline passes the scheduler's fp32 ``t`` unchanged:
+                    ``timestep = t.expand(latents.shape[0])``; the time embedder is kept in fp32)
+``x`` [B,C,F,H,W]   video latents, ``F = (frames - 1) / 4 + 1``, ``H = height / 8`` (VAE ``scale_factor_*``)
+``v`` (fp32)        the transformer output (Wan predicts ``noise - x0``, flow matching)
+CFG                 ``v_u + g (v_c - v_u)`` over ``cond.negative`` (pipeline ``noise_uncond + guidance_scale *
+                    (noise_pred - noise_uncond)``); ``g == 1``: the conditional forward alone
+VAE latents         per channel: ``z_model = (z_vae - latents_mean) / latents_std``; :meth:`WanAdapter.decode`
+                    applies ``z / (1 / latents_std) + latents_mean`` (pipeline_wan.py, before ``vae.decode``)
+text                UMT5 ``last_hidden_state`` cut to the real tokens and zero-padded to ``max_sequence_length``
+                    (``_get_t5_prompt_embeds``, 512 in ``__call__``) via ``WanPipeline.encode_prompt``; the
+                    transformer gets no mask (it attends the zero rows), ``cond.mask`` records the real tokens
+schedule            kind ``"wan"`` (``flow_match_sigmas(T, shift, kind="wan")``). The diffusers Wan docs use
+                    ``flow_shift = 5.0`` for 720p and ``3.0`` for 480p (pipeline_wan.py example);
+                    :attr:`WanAdapter.default_shift` reads ``flow_shift`` / ``shift`` from the pipeline's scheduler
+                    config and falls back to 5.0 (``WAN_DEFAULT_SHIFT``, Wan2.1's own t2v default).
+==================  ================================================================================================
+
+Image-to-video (``task="i2v"``): the condition travels *inside the latent*, so rows stay independent and every
+``Conditioning`` / trajectory operation works unchanged. Two layouts, chosen by the transformer:
+
+* **first-frame pin** (Wan2.2 TI2V, pipeline ``expand_timesteps=True``): latent frame 0 *is* the VAE latent of the
+  input image. The transformer gets timestep 0 on frame-0 tokens (``temp_ts = (first_frame_mask * t)``) and the
+  returned velocity is 0 there, so Euler steps keep it. :meth:`WanAdapter.loss_mask` is 0 on frame 0.
+* **channel concat** (Wan2.1 I2V, ``in_channels = 2 z + 4``): ``x = [latents (z) | mask (4) | image latent (z)]``
+  along channels, exactly the pipeline's ``torch.cat([latents, condition], dim=1)``; the velocity is 0 on the
+  ``z + 4`` condition channels and :meth:`WanAdapter.loss_mask` is 0 there. Wan2.1-I2V-14B's CLIP image tokens
+  (``transformer.config.image_dim``) are read from ``cond.pooled`` (flattened ``[B, S_img * image_dim]``).
+
+In both layouts the rollout must call :meth:`WanAdapter.pin_condition` after every stochastic step (the SDE adds
+noise to all elements) and must weight log-probs / losses with :meth:`WanAdapter.loss_mask`; the initial noise is
+turned into an i2v start with :meth:`WanAdapter.prepare_i2v`. Not done here: computing the CLIP image tokens
+(``WanImageToVideoPipeline.encode_image``), last-frame conditioning, and Wan2.2 A14B's two experts
+(``transformer_2`` / ``boundary_ratio``; :func:`load_wan` refuses such a directory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowforge.models.base import Conditioning
+from flowforge.models.common import (
+    DEFAULT_MIN_TOKENIZER_SIZE,
+    PipelineText,
+    check_velocity_inputs,
+    encode_with_negative,
+    has_component,
+    latent_stats,
+    pipeline_dir,
+    read_json,
+    require_negative,
+    to_unit_range,
+)
+
+WAN_TIMESTEP_SCALE = 1000.0
+"""Wan's native timestep is ``1000 * sigma``."""
+
+WAN_LORA_TARGETS = (
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_k",
+    "attn2.to_v",
+    "attn2.to_out.0",
+)
+"""Self- (``attn1``) and cross-attention (``attn2``) projections of ``WanTransformerBlock``, the module names of
+diffusers' Wan LoRA format (``WanPipeline.load_lora_weights``)."""
+
+WAN_FALLBACK_SHIFT = 5.0
+WAN_TASKS = ("t2v", "i2v")
+
+
+def _wan_encode_fn(max_sequence_length: int):
+    def encode(pipe, prompts: list[str]) -> tuple[Tensor, Tensor, None]:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        embeds, _ = pipe.encode_prompt(prompt=prompts, negative_prompt=None, do_classifier_free_guidance=False,
+                                       num_videos_per_prompt=1, max_sequence_length=max_sequence_length,
+                                       device=pipe.device)
+        # The real-token mask, as _get_t5_prompt_embeds computes it (embeddings beyond it are zeros).
+        mask = pipe.tokenizer([prompt_clean(p) for p in prompts], padding="max_length",
+                              max_length=max_sequence_length, truncation=True, add_special_tokens=True,
+                              return_attention_mask=True, return_tensors="pt").attention_mask
+        return embeds, mask.to(embeds.device).long(), None
+
+    return encode
+
+
+def wan_text(*, path: str | Path | None = None, components: dict[str, Any] | None = None,
+             max_sequence_length: int = 512, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+             encoder_id: str | None = None, min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE,
+             pipeline_class: str = "WanPipeline") -> PipelineText:
+    """UMT5 of a Wan pipeline (directory ``path`` or ``components`` with ``tokenizer`` and ``text_encoder``),
+    encoding through ``WanPipeline.encode_prompt``."""
+    skip = ("transformer_2", "image_encoder", "image_processor") if pipeline_class != "WanPipeline" \
+        else ("transformer_2",)
+    return PipelineText(pipeline_class, _wan_encode_fn(int(max_sequence_length)), path=path, components=components,
+                        skip=skip, device=device, dtype=dtype, settings=f"umt5_len={int(max_sequence_length)}",
+                        encoder_id=encoder_id, min_tokenizer_size=min_tokenizer_size)
+
+
+class WanAdapter:
+    """:class:`~flowforge.models.base.FlowModel` around a diffusers ``WanTransformer3DModel`` (video).
+
+    Args:
+        transformer: the ``WanTransformer3DModel`` (eval mode; its dtype is the forward dtype).
+        text_encoder: :func:`wan_text` or any object with ``encode(prompts) -> (embeds, mask, None)`` and
+            ``encoder_id``; ``None``: conditioning must come from a cache.
+        vae: the ``AutoencoderKLWan`` (``None``: :meth:`decode` raises; scale factors fall back to 4 / 8).
+        task: ``"t2v"`` or ``"i2v"`` (see the module docstring for the i2v layouts).
+        expand_timesteps: Wan2.2 TI2V (first-frame pin layout for i2v; the pipeline's ``expand_timesteps``).
+        negative_prompt: the unconditional prompt (``None``: no negative encoded).
+        scheduler_config: the pipeline's scheduler config (for :attr:`default_shift`).
+
+    Raises:
+        ValueError: unknown task; i2v with a transformer that has neither layout; t2v with an I2V transformer.
+    """
+
+    lora_targets: tuple[str, ...] = WAN_LORA_TARGETS
+
+    def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
+                 task: str = "t2v", expand_timesteps: bool = False, negative_prompt: str | None = "",
+                 scheduler_config: dict[str, Any] | None = None):
+        if task not in WAN_TASKS:
+            raise ValueError(f"task={task!r}; allowed: {list(WAN_TASKS)}")
+        self.transformer = transformer.eval()
+        self.text_encoder = text_encoder
+        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.task = task
+        self.expand_timesteps = bool(expand_timesteps)
+        self.negative_prompt = negative_prompt
+        self.scheduler_config = dict(scheduler_config or {})
+        cfg = self.config
+        self.concat_channels = int(cfg.in_channels) - int(cfg.out_channels)
+        if self.concat_channels not in (0, int(cfg.out_channels) + self.vae_scale_factor_temporal):
+            raise ValueError(f"unsupported Wan transformer: in_channels={cfg.in_channels}, "
+                             f"out_channels={cfg.out_channels}")
+        if task == "t2v" and self.concat_channels:
+            raise ValueError("this is an image-to-video transformer (in_channels > out_channels); use task='i2v'")
+        if task == "i2v" and not self.concat_channels and not self.expand_timesteps:
+            raise ValueError("task='i2v' needs an I2V transformer (in_channels = 2 z + 4) or a TI2V model "
+                             "(expand_timesteps=True)")
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """Tasks this transformer supports (TI2V models do both; Wan2.1 I2V only i2v; T2V only t2v)."""
+        if self.concat_channels:
+            return ("i2v",)
+        return ("t2v", "i2v") if self.expand_timesteps else ("t2v",)
+
+    @property
+    def config(self):
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def z_dim(self) -> int:
+        return int(self.config.out_channels)
+
+    @property
+    def vae_scale_factor_temporal(self) -> int:
+        return int(self.vae.config.scale_factor_temporal) if self.vae is not None else 4
+
+    @property
+    def vae_scale_factor_spatial(self) -> int:
+        return int(self.vae.config.scale_factor_spatial) if self.vae is not None else 8
+
+    @property
+    def default_shift(self) -> float:
+        """The Wan schedule's shift: the scheduler config's ``flow_shift`` (UniPC) or ``shift`` (FlowMatchEuler),
+        else 5.0. Use 3.0 for 480p per the diffusers Wan docs."""
+        for key in ("flow_shift", "shift"):
+            if self.scheduler_config.get(key) is not None:
+                return float(self.scheduler_config[key])
+        return WAN_FALLBACK_SHIFT
+
+    @property
+    def encoder_id(self) -> str:
+        if self.text_encoder is None:
+            return "none"
+        return f"{self.text_encoder.encoder_id}|negative={self.negative_prompt!r}"
+
+    # ------------------------------------------------------------------ FlowModel
+
+    def blocks(self) -> list[nn.Module]:
+        """The ``WanTransformerBlock`` modules, in order."""
+        return list(self.transformer.blocks)
+
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        """UMT5 embeds ``[B, max_sequence_length, D]`` (zeros past the real tokens) and the real-token mask;
+        ``negative`` from :attr:`negative_prompt`."""
+        return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
+
+    def release_text_encoder(self) -> None:
+        """Free the text encoder (a directory-backed encoder reloads lazily on the next :meth:`encode`)."""
+        release = getattr(self.text_encoder, "release", None)
+        if release is not None:
+            release()
+
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """``(C, (frames - 1) / 4 + 1, height / 8, width / 8)`` (VAE scale factors); ``C = z`` except for the
+        channel-concat i2v layout, where ``C = 2 z + 4`` (latents, mask, image latent).
+
+        Raises:
+            ValueError: ``frames`` missing or ``frames - 1`` not a multiple of the temporal factor; a size not a
+                positive multiple of ``spatial factor * patch size``.
+        """
+        ft, fs = self.vae_scale_factor_temporal, self.vae_scale_factor_spatial
+        if frames is None or frames < 1 or (frames - 1) % ft:
+            raise ValueError(f"Wan needs frames with (frames - 1) a multiple of {ft} (e.g. 81), got {frames}")
+        _, ph, pw = self.config.patch_size
+        if height <= 0 or width <= 0 or height % (fs * ph) or width % (fs * pw):
+            raise ValueError(f"height / width must be positive multiples of {fs * ph} / {fs * pw}, "
+                             f"got {height}x{width}")
+        return (int(self.config.in_channels), (frames - 1) // ft + 1, height // fs, width // fs)
+
+    def _timestep(self, x: Tensor, sigma: Tensor) -> Tensor:
+        t = WAN_TIMESTEP_SCALE * sigma  # [B] fp32
+        if not (self.task == "i2v" and self.expand_timesteps):
+            return t
+        _, ph, pw = self.config.patch_size
+        f, h, w = x.shape[2], x.shape[3] // ph, x.shape[4] // pw
+        frame_mask = torch.ones(f, h, w, device=x.device, dtype=torch.float32)
+        frame_mask[0] = 0  # the pipeline's first_frame_mask[0][0][:, ::2, ::2]
+        return frame_mask.flatten()[None, :] * t[:, None]  # [B, seq_len]
+
+    def _forward(self, x: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+        dtype, device = self.dtype, x.device
+        image_embeds = None
+        if self.config.image_dim is not None:
+            if cond.pooled is None:
+                raise ValueError("this Wan I2V transformer needs CLIP image tokens in cond.pooled "
+                                 "([B, S_img * image_dim]); cond.pooled is None")
+            image_embeds = cond.pooled.to(device=device, dtype=dtype).view(x.shape[0], -1, self.config.image_dim)
+        out = self.transformer(
+            hidden_states=x.to(dtype),
+            timestep=self._timestep(x, sigma),
+            encoder_hidden_states=cond.prompt_embeds.to(device=device, dtype=dtype),
+            encoder_hidden_states_image=image_embeds,
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        """Velocity ``noise - x0`` at ``x [B, C, F, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
+
+        ``guidance_scale == 1``: the conditional forward alone; otherwise CFG over ``cond.negative`` (one forward
+        over the doubled batch). In i2v the velocity is 0 on the condition slot (frame 0 / condition channels).
+
+        Raises:
+            ValueError: bad shapes; CFG without ``cond.negative``.
+        """
+        sigma = check_velocity_inputs(x, sigma, cond, 5)
+        g = float(guidance_scale)
+        if g == 1.0:
+            v = self._forward(x, sigma, cond)
+        else:
+            neg = require_negative(cond, g)
+            device = cond.prompt_embeds.device
+
+            def both(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+                return None if a is None or b is None else torch.cat([a.to(device), b.to(device)])
+
+            pair = Conditioning(prompt_embeds=both(neg.prompt_embeds, cond.prompt_embeds),
+                                pooled=both(neg.pooled, cond.pooled))
+            v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), pair).chunk(2)
+            v = v_u + g * (v_c - v_u)
+        return self._zero_condition(v)
+
+    def _zero_condition(self, v: Tensor) -> Tensor:
+        if self.task != "i2v":
+            return v
+        if self.concat_channels:
+            return torch.cat([v, v.new_zeros(v.shape[0], self.concat_channels, *v.shape[2:])], dim=1)
+        v = v.clone()
+        v[:, :, 0] = 0.0
+        return v
+
+    # ------------------------------------------------------------------ i2v condition slot
+
+    def loss_mask(self, latents: Tensor) -> Tensor:
+        """``[B, C, F, H, W]`` float32: 1 where the latent is generated, 0 on the i2v condition slot (frame 0 in
+        the pin layout, the ``z + 4`` condition channels in the concat layout); all ones for t2v. Log-probs and
+        losses should average over the 1 entries only."""
+        mask = torch.ones_like(latents, dtype=torch.float32)
+        if self.task == "i2v":
+            if self.concat_channels:
+                mask[:, self.z_dim:] = 0.0
+            else:
+                mask[:, :, 0] = 0.0
+        return mask
+
+    def pin_condition(self, x_next: Tensor, x: Tensor) -> Tensor:
+        """``x_next`` with the condition slot copied from the step input ``x`` (no-op for t2v). Call after every
+        stochastic step."""
+        if self.task != "i2v":
+            return x_next
+        keep = self.loss_mask(x_next).bool()
+        return torch.where(keep, x_next, x.to(x_next.dtype))
+
+    @torch.no_grad()
+    def prepare_i2v(self, noise: Tensor, images: Tensor) -> Tensor:
+        """Initial i2v latents: ``noise [B, *latent_shape]`` with the condition slot filled from the first-frame
+        ``images [B, 3, H, W]`` in [0, 1] (VAE ``argmax`` latent, normalised with latents_mean / std, as
+        ``WanImageToVideoPipeline.prepare_latents``).
+
+        Raises:
+            RuntimeError: not an i2v adapter or no VAE.
+        """
+        if self.task != "i2v":
+            raise RuntimeError("prepare_i2v needs task='i2v'")
+        if self.vae is None:
+            raise RuntimeError("prepare_i2v needs the VAE")
+        b, _, f, h, w = noise.shape
+        image = (images.to(self.vae.dtype) * 2.0 - 1.0).unsqueeze(2)  # [B, 3, 1, H, W]
+        frames = (f - 1) * self.vae_scale_factor_temporal + 1
+        if self.concat_channels:  # Wan2.1 I2V: image then zero frames, encoded as a video
+            image = torch.cat([image, image.new_zeros(b, 3, frames - 1, *image.shape[3:])], dim=2)
+        z = self.vae.encode(image).latent_dist.mode().float()
+        mean, inv_std = latent_stats(self.vae, z)
+        cond_latent = ((z - mean) * inv_std).to(noise.dtype)
+        out = noise.clone()
+        if not self.concat_channels:
+            out[:, :, :1] = cond_latent
+            return out
+        ft = self.vae_scale_factor_temporal
+        mask = torch.zeros(b, 1, frames, h, w, dtype=noise.dtype, device=noise.device)
+        mask[:, :, 0] = 1.0
+        mask = torch.cat([mask[:, :, :1].repeat_interleave(ft, dim=2), mask[:, :, 1:]], dim=2)
+        mask = mask.view(b, -1, ft, h, w).transpose(1, 2)  # [B, ft, F, h, w]
+        out[:, self.z_dim:self.z_dim + ft] = mask
+        out[:, self.z_dim + ft:] = cond_latent
+        return out
+
+    # ------------------------------------------------------------------ media
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents ``[B, C, F, h, w]`` → video ``[B, 3, frames, H, W]`` float32 in [0, 1] (only the first ``z``
+        channels are decoded: the generated ones)."""
+        if self.vae is None:
+            raise RuntimeError("this WanAdapter has no VAE; decode is unavailable")
+        z = latents[:, : self.z_dim].to(self.vae.dtype)
+        mean, inv_std = latent_stats(self.vae, z)
+        return to_unit_range(self.vae.decode(z / inv_std + mean, return_dict=False)[0])
+
+    @torch.no_grad()
+    def encode_video(self, video: Tensor) -> Tensor:
+        """Video ``[B, 3, frames, H, W]`` in [0, 1] → normalised latents ``[B, z, F, h, w]`` fp32 (VAE mode)."""
+        if self.vae is None:
+            raise RuntimeError("this WanAdapter has no VAE")
+        z = self.vae.encode(video.to(self.vae.dtype) * 2.0 - 1.0).latent_dist.mode()
+        mean, inv_std = latent_stats(self.vae, z)
+        return ((z - mean) * inv_std).float()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> WanAdapter:
+        """Same as :func:`load_wan`."""
+        return load_wan(path, **kwargs)
+
+
+def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+             task: str | None = None, text_encoder: Any = None, negative_prompt: str | None = "",
+             max_sequence_length: int = 512, min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> WanAdapter:
+    """Load Wan from a local diffusers pipeline directory (``WanPipeline`` / ``WanImageToVideoPipeline``
+    ``save_pretrained``); never downloads. ``task`` defaults to ``"i2v"`` for an I2V transformer, else ``"t2v"``.
+
+    Raises:
+        FileNotFoundError: not a pipeline directory. ValueError: a two-expert (Wan2.2 A14B) directory.
+    """
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    root = pipeline_dir(path, "Wan")
+    index = read_json(root / "model_index.json")
+    if has_component(root, "transformer_2") or index.get("boundary_ratio") is not None:
+        raise ValueError(f"{path!s}: two-expert Wan2.2 pipelines (transformer_2 / boundary_ratio) are not supported")
+    transformer = WanTransformer3DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
+                                                        local_files_only=True).to(device)
+    vae = None
+    if has_component(root, "vae"):
+        # The diffusers Wan examples keep the VAE in fp32.
+        vae = AutoencoderKLWan.from_pretrained(str(root / "vae"), torch_dtype=torch.float32,
+                                               local_files_only=True).to(device)
+    if text_encoder is None and has_component(root, "text_encoder"):
+        text_encoder = wan_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
+                                min_tokenizer_size=min_tokenizer_size, pipeline_class=index["_class_name"])
+    if task is None:
+        task = "i2v" if transformer.config.in_channels != transformer.config.out_channels else "t2v"
+    return WanAdapter(transformer, text_encoder, vae, task=task, expand_timesteps=bool(index.get("expand_timesteps")),
+                      negative_prompt=negative_prompt,
+                      scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"))
