@@ -25,8 +25,8 @@ Write order (one save of step ``n``)
 ------------------------------------
 1. rank 0 prepares ``step_<n>/``: a leftover uncommitted ``step_<n>/`` (a crashed earlier attempt) is deleted; a
    committed one (a run that resumed from an earlier checkpoint and reached ``n`` again) is first *demoted* (its
-   ``COMMITTED`` unlinked and the directory fsynced) and then deleted. Committed checkpoints with a step above ``n``
-   belong to the abandoned future of such a resumed run: their marker is renamed to ``SUPERSEDED`` (the files are
+   ``COMMITTED`` unlinked and the directory fsynced) and then deleted. Committed checkpoints with a step above
+   ``n`` belong to the abandoned future of such a resumed run: their marker is renamed to ``SUPERSEDED`` (the files are
    kept, resume no longer trusts them), so the newest committed checkpoint is always the latest save.
    ``step_<n>/`` is created and ``checkpoints/`` fsynced. — barrier —
 2. every rank writes its RNG files; rank 0 writes the weights, ``optimizer.pt``, its RNG files and

@@ -1,0 +1,401 @@
+"""Checkpoints: round trips, the COMMITTED marker is the commit point (also under a real SIGKILL), rotation,
+resume resolution, the training contract, weights_only loading, model hashing, run-dir placement."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowforge import checkpoint as ckpt
+
+REPO = Path(__file__).resolve().parents[1]
+STATE = {"step": 0, "optimizer_steps": 0, "sampler": {"epoch": 1, "cursor": 4, "steps": 3}}
+
+
+def _save(run_dir, step, *, keep=10, protect=None, tensors=None, optimizer_state=None, **kw):
+    tensors = tensors if tensors is not None else {"live": {"w": torch.full((3,), float(step))}}
+    return ckpt.save_checkpoint(run_dir, step, tensors=tensors, optimizer_state=optimizer_state,
+                                trainer_state={**STATE, "step": step}, keep=keep, protect=protect, **kw)
+
+
+def _steps(run_dir) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in ckpt.committed_checkpoints(run_dir)]
+
+
+def _trained_adamw(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _draws():
+    return random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()
+
+
+# ------------------------------------------------------------------------------------------------ round trips
+def test_round_trip_tensors_optimizer_state_and_rng(tmp_path):
+    model, opt = _trained_adamw()
+    base = torch.arange(12.0).reshape(3, 4)
+    tensors = {
+        "live": {k: v for k, v in model.state_dict().items()},
+        "ema": {"t": base.t(), "row": base[1], "bf16": torch.randn(5).bfloat16()},  # non-contiguous, shared storage
+    }
+    trainer_state = {"step": 7, "optimizer_steps": 14, "policy_version": 3, "lr_step": 14,
+                     "sampler": {"epoch": 0, "cursor": 4, "steps": 7}, "config_fingerprint": "abc",
+                     "base_model_sha256": "d" * 64,
+                     "lora": {"rank": 8, "alpha": 8.0, "targets": ["to_q"], "dropout": 0.0}}
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = ckpt.save_checkpoint(tmp_path, 7, tensors=tensors, optimizer_state=opt.state_dict(),
+                                trainer_state=trainer_state, keep=3)
+    expected_draws = _draws()  # what the run would draw next
+    _draws(), _draws()  # the RNG moves on
+
+    assert path == tmp_path / "checkpoints" / "step_000007"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000007\n"
+    manifest = json.loads((path / "COMMITTED").read_text())
+    assert manifest["step"] == 7 and sorted(manifest["files"]) == sorted(
+        ["weights/ema.safetensors", "weights/live.safetensors", "optimizer.pt", "rng/rank_0.json",
+         "rng/rank_0.safetensors", "trainer_state.json"])
+    json.loads((path / "rng" / "rank_0.json").read_text())  # python/numpy RNG stored as JSON, not a pickle
+    assert load_file(str(path / "rng" / "rank_0.safetensors"))["torch"].dtype == torch.uint8
+
+    loaded = ckpt.load_checkpoint(path)
+    assert loaded.step == 7 and loaded.path == path
+    assert loaded.trainer_state == trainer_state
+    assert set(loaded.tensors) == {"live", "ema"}
+    for group, named in tensors.items():
+        assert set(loaded.tensors[group]) == set(named)
+        for name, t in named.items():
+            assert loaded.tensors[group][name].dtype == t.dtype
+            assert torch.equal(loaded.tensors[group][name], t)
+
+    # the optimizer state (loaded weights_only) continues exactly like the original optimizer
+    model2, _ = _trained_adamw(seed=99)
+    model2.load_state_dict(loaded.tensors["live"])
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
+    opt2.load_state_dict(loaded.optimizer_state)
+    assert opt2.param_groups[0]["lr"] == 1e-2 and opt2.param_groups[0]["betas"] == (0.8, 0.95)
+    x = torch.randn(5, 4)
+    for m, o in ((model, opt), (model2, opt2)):
+        m(x).square().mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+    ckpt.restore_rng(loaded.rng)
+    assert _draws() == expected_draws
+
+
+def test_capture_restore_rng_in_memory():
+    state = ckpt.capture_rng()
+    first = _draws()
+    ckpt.restore_rng(state)
+    assert _draws() == first
+    with pytest.raises(ValueError, match=r"missing \['numpy'\]"):
+        ckpt.restore_rng({"python": state["python"], "torch": state["torch"]})
+
+
+def test_no_optimizer_and_invalid_inputs_write_nothing(tmp_path):
+    path = _save(tmp_path, 1)
+    assert not (path / "optimizer.pt").exists() and ckpt.load_checkpoint(path).optimizer_state is None
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        _save(tmp_path, 2, keep=0)
+    with pytest.raises(ValueError, match="not file-name safe"):
+        _save(tmp_path, 2, tensors={"../evil": {}})
+    with pytest.raises(ValueError, match="not JSON-serialisable"):
+        ckpt.save_checkpoint(tmp_path, 2, tensors={}, optimizer_state=None, trainer_state={"x": float("nan")},
+                             keep=3)
+    with pytest.raises(ValueError, match="needs a barrier"):
+        _save(tmp_path, 2, rank=1, world_size=2)
+    assert not (tmp_path / "checkpoints" / "step_000002").exists()
+
+
+# ------------------------------------------------------------------------------------------------ weights_only
+class _Evil:
+    """Unpickling this runs ``_touch(marker)``: what a malicious optimizer.pt could do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_touch, (self.marker,))
+
+
+def _touch(marker: str) -> None:
+    Path(marker).write_text("code ran")
+
+
+def test_optimizer_pickle_with_arbitrary_objects_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    path = _save(tmp_path / "run", 5, optimizer_state={"state": {}, "payload": _Evil(str(marker))})
+    assert not marker.exists()
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        ckpt.load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_damaged_committed_checkpoint_is_refused(tmp_path):
+    path = _save(tmp_path, 3)
+    with open(path / "weights" / "live.safetensors", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ValueError, match=r"damaged: weights/live.safetensors has 10 bytes"):
+        ckpt.load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------------ commit point
+def test_marker_is_written_last_and_uncommitted_is_never_trusted(tmp_path, monkeypatch):
+    _save(tmp_path, 30)
+    present_at_commit = []
+
+    def failing_marker(step_dir, manifest):
+        present_at_commit.extend(sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*")
+                                        if p.is_file()))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_write_marker", failing_marker)
+    model, opt = _trained_adamw()
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 40, optimizer_state=opt.state_dict())
+    # every data file was in place when the marker was about to be written, and nothing else
+    assert present_at_commit == ["optimizer.pt", "rng/rank_0.json", "rng/rank_0.safetensors",
+                                 "trainer_state.json", "weights/live.safetensors"]
+    step40 = tmp_path / "checkpoints" / "step_000040"
+    assert step40.is_dir() and not ckpt.is_committed(step40)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000030\n"
+
+    path, notes = ckpt.resolve_resume(tmp_path, "auto")
+    assert path == tmp_path / "checkpoints" / "step_000030"
+    assert notes == ["checkpoints/step_000040 has no COMMITTED marker (incomplete write); resuming from step_000030"]
+    with pytest.raises(ValueError, match=r"step_000040 has no COMMITTED marker.*auto would fall back to .*step_000030"):
+        ckpt.resolve_resume(tmp_path, str(step40))
+    with pytest.raises(ValueError, match="no COMMITTED marker"):
+        ckpt.load_checkpoint(step40)
+
+
+def test_resolve_resume_none_missing_and_empty(tmp_path):
+    assert ckpt.resolve_resume(tmp_path, None) == (None, [])
+    path, notes = ckpt.resolve_resume(tmp_path, "auto")
+    assert path is None and len(notes) == 1 and "starting from step 0" in notes[0]
+    with pytest.raises(ValueError, match="does not exist"):
+        ckpt.resolve_resume(tmp_path, str(tmp_path / "checkpoints" / "step_000099"))
+    committed = _save(tmp_path, 5)
+    assert ckpt.resolve_resume(tmp_path, str(committed)) == (committed, [])
+
+
+_CHILD = r"""
+import os, sys, time, torch
+torch.set_num_threads(1)
+from flowforge import checkpoint as ckpt
+run_dir, stage, target = sys.argv[1], sys.argv[2], sys.argv[3]
+def hook(s, rel):
+    if (s, rel) == (stage, target):
+        print("STOPPED", flush=True)
+        time.sleep(600)
+ckpt._test_hook = hook
+big = {"w": torch.randn(1 << 20), "b": torch.randn(1 << 18)}
+ckpt.save_checkpoint(run_dir, 20, tensors={"live": big, "ema": big}, optimizer_state={"state": {}, "x": torch.ones(3)},
+                     trainer_state={"step": 20}, keep=3)
+print("FINISHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stage,target,committed", [
+    ("tmp", "weights/live.safetensors", False),   # a weight file written but not yet renamed
+    ("renamed", "trainer_state.json", False),     # every data file in place, the marker not yet written
+    ("renamed", "COMMITTED", True),               # committed; killed before `latest` and rotation
+])
+def test_sigkill_mid_save_never_leaves_a_trusted_partial_checkpoint(tmp_path, stage, target, committed):
+    _save(tmp_path, 10)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), stage, target], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = child.stdout.readline().strip()
+        assert line == "STOPPED", child.stderr.read()
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+    step20 = tmp_path / "checkpoints" / "step_000020"
+    assert step20.is_dir() and ckpt.is_committed(step20) == committed
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000010\n"  # never reached
+    path, notes = ckpt.resolve_resume(tmp_path, "auto")
+    if committed:
+        assert path == step20 and notes == []
+        assert ckpt.load_checkpoint(step20).trainer_state == {"step": 20}
+    else:
+        assert path == tmp_path / "checkpoints" / "step_000010"
+        assert notes == ["checkpoints/step_000020 has no COMMITTED marker (incomplete write); "
+                         "resuming from step_000010"]
+        with pytest.raises(ValueError, match="no COMMITTED marker"):
+            ckpt.resolve_resume(tmp_path, str(step20))
+        # the resumed run saves step 20 again over the debris
+        _save(tmp_path, 20)
+        assert ckpt.load_checkpoint(step20).trainer_state["step"] == 20
+        assert not [p for p in step20.rglob("*") if ".tmp-" in p.name]
+    assert ckpt.load_checkpoint(tmp_path / "checkpoints" / "step_000010").trainer_state["step"] == 10
+
+
+# ------------------------------------------------------------------------------------------------ rotation
+def test_rotation_keeps_exactly_k_newest(tmp_path):
+    for step in range(1, 6):
+        _save(tmp_path, step, keep=2)
+    assert _steps(tmp_path) == [4, 5]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000004", "step_000005"]
+
+
+def test_rotation_never_deletes_the_protected_checkpoint(tmp_path):
+    protected = _save(tmp_path, 1, keep=2)
+    for step in range(2, 6):
+        _save(tmp_path, step, keep=2, protect=protected)
+    assert _steps(tmp_path) == [1, 4, 5]
+    for step in range(6, 8):  # keep=1: the newest and the protected one
+        _save(tmp_path, step, keep=1, protect=protected)
+    assert _steps(tmp_path) == [1, 7]
+
+
+def test_rotation_removes_stale_uncommitted_dirs_older_than_newest(tmp_path):
+    _save(tmp_path, 1)
+    stale = tmp_path / "checkpoints" / "step_000002"
+    (stale / "weights").mkdir(parents=True)
+    (stale / "weights" / ".live.safetensors.tmp-123").write_bytes(b"partial")
+    _save(tmp_path, 3)
+    assert not stale.exists()
+    assert _steps(tmp_path) == [1, 3]
+
+
+def test_resuming_from_an_earlier_checkpoint_supersedes_the_abandoned_future(tmp_path):
+    for step in (10, 20, 30):
+        _save(tmp_path, step)
+    resumed, _ = ckpt.resolve_resume(tmp_path, str(tmp_path / "checkpoints" / "step_000010"))
+    _save(tmp_path, 20, protect=resumed, tensors={"live": {"w": torch.full((3,), -1.0)}})
+    assert _steps(tmp_path) == [10, 20]
+    assert torch.equal(ckpt.load_checkpoint(tmp_path / "checkpoints" / "step_000020").tensors["live"]["w"],
+                       torch.full((3,), -1.0))
+    step30 = tmp_path / "checkpoints" / "step_000030"
+    assert (step30 / "SUPERSEDED").is_file() and (step30 / "weights" / "live.safetensors").is_file()
+    path, notes = ckpt.resolve_resume(tmp_path, "auto")
+    assert path == tmp_path / "checkpoints" / "step_000020"
+    assert len(notes) == 1 and notes[0].startswith("checkpoints/step_000030 was superseded")
+    with pytest.raises(ValueError, match="superseded"):
+        ckpt.resolve_resume(tmp_path, str(step30))
+    with pytest.raises(ValueError, match="resumed from"):
+        _save(tmp_path, 10, protect=resumed)
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+def test_two_ranks_each_write_their_rng_and_rank0_commits(tmp_path):
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def run(rank):
+        try:
+            ckpt.save_checkpoint(tmp_path, 4, tensors={"live": {"w": torch.ones(2)}}, optimizer_state=None,
+                                 trainer_state={"step": 4}, keep=2, rank=rank, world_size=2, barrier=barrier.wait)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    path = tmp_path / "checkpoints" / "step_000004"
+    manifest = json.loads((path / "COMMITTED").read_text())
+    assert manifest["world_size"] == 2 and "rng/rank_1.safetensors" in manifest["files"]
+    assert ckpt.load_checkpoint(path, rank=1).rng is not None
+    assert ckpt.load_checkpoint(path, rank=2).rng is None  # resumed on more ranks than saved
+
+
+# ------------------------------------------------------------------------------------------------ contract
+LORA = {"rank": 8, "alpha": 8.0, "targets": ["to_q", "to_k"], "dropout": 0.0}
+
+
+def test_contract_mismatch_lists_every_mismatch():
+    saved = {"step": 3, "lora": LORA, "base_model_sha256": "aaa"}
+    current = {"lora": {"rank": 16, "alpha": 16.0, "targets": ("to_k", "to_q"), "dropout": 0.1},
+               "base_model_sha256": "bbb"}
+    with pytest.raises(ValueError) as err:
+        ckpt.check_contract(saved, current)
+    msg = str(err.value)
+    assert msg.startswith("resume refused")
+    assert msg.splitlines()[1:] == ["  lora.alpha: checkpoint 8.0, this run 16.0",
+                                    "  lora.dropout: checkpoint 0.0, this run 0.1",
+                                    "  lora.rank: checkpoint 8, this run 16",
+                                    "  base_model_sha256: checkpoint aaa, this run bbb"]
+
+
+def test_contract_equal_up_to_representation_passes_and_missing_keys_fail():
+    current = {"lora": {"rank": 8.0, "alpha": 8, "targets": ("to_k", "to_q"), "dropout": 0}, "base_model_sha256": "a"}
+    ckpt.check_contract({"lora": LORA, "base_model_sha256": "a"}, current)
+    with pytest.raises(ValueError, match=r"base_model_sha256: checkpoint \(missing\), this run a"):
+        ckpt.check_contract({"lora": LORA}, current)
+    with pytest.raises(ValueError, match=r"lora.targets: checkpoint \['to_k', 'to_q'\], this run \['to_q'\]"):
+        ckpt.check_contract({"lora": LORA}, {"lora": {**LORA, "targets": ["to_q"]}}, keys=("lora",))
+
+
+# ------------------------------------------------------------------------------------------------ model identity
+def test_sha256_of_path(tmp_path):
+    model = tmp_path / "model"
+    (model / "transformer").mkdir(parents=True)
+    (model / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"weights" * 1000)
+    (model / "transformer" / "config.json").write_text('{"a": 1}')
+    (model / "text_encoder.bin").write_bytes(b"enc")
+    h = ckpt.sha256_of_path(model)
+    assert len(h) == 64
+    (model / "README.md").write_text("docs do not change the identity")
+    (model / ".cache").mkdir()
+    (model / ".cache" / "x.json").write_text("{}")
+    assert ckpt.sha256_of_path(model) == h
+    (model / "transformer" / "config.json").write_text('{"a": 2}')
+    assert ckpt.sha256_of_path(model) != h
+    (model / "transformer" / "config.json").write_text('{"a": 1}')
+    assert ckpt.sha256_of_path(model) == h
+    os.rename(model / "text_encoder.bin", model / "text_encoder2.bin")
+    assert ckpt.sha256_of_path(model) != h
+    single = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert ckpt.sha256_of_path(single) == hashlib.sha256(single.read_bytes()).hexdigest()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no"):
+        ckpt.sha256_of_path(tmp_path / "empty")
+    with pytest.raises(ValueError, match="does not exist"):
+        ckpt.sha256_of_path(tmp_path / "nope")
+
+
+def test_run_dir_must_lie_outside_the_source_model(tmp_path):
+    src = tmp_path / "models" / "sd3"
+    src.mkdir(parents=True)
+    ckpt.check_run_dir_outside_source(tmp_path / "runs" / "a", src)
+    ckpt.check_run_dir_outside_source(tmp_path / "models" / "sd3-run", src)  # a sibling with a common prefix
+    with pytest.raises(ValueError, match="lies inside the source model"):
+        ckpt.check_run_dir_outside_source(src / "runs" / "a", src)
+    with pytest.raises(ValueError, match="is the source model directory"):
+        ckpt.check_run_dir_outside_source(src, src)
+    with pytest.raises(ValueError, match="contains the source model directory"):
+        ckpt.check_run_dir_outside_source(tmp_path / "models", src)
+    link = tmp_path / "link"
+    link.symlink_to(src)
+    with pytest.raises(ValueError, match="lies inside the source model"):
+        ckpt.check_run_dir_outside_source(link / "run", src)
