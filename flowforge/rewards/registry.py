@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flowforge.rewards.base import RewardScorer
+from flowforge.rewards.clip_scorers import AestheticScorer, ClipScore, HPSv2Scorer, PickScore
 from flowforge.rewards.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 
@@ -18,6 +19,10 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "digit_eval": DigitEvalScorer,
     "jpeg_compressibility": JpegCompressibility,
     "jpeg_incompressibility": JpegIncompressibility,
+    "pickscore": PickScore,
+    "clip_score": ClipScore,
+    "aesthetic": AestheticScorer,
+    "hps": HPSv2Scorer,
 }
 """Built-in scorer names and their factories."""
 
