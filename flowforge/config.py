@@ -17,8 +17,14 @@ Sections and who reads them (each stage of the loop receives only its own sectio
 ``reward``      reward components, weights, required components
 ``advantage``   group normalization (std mode, eps, floor), component combination, clip
 ``train``       algorithm, optimizer, LR schedule, updates per batch, micro-batches
-``grpo``        FlowGRPO clip range and KL weight
-``nft``         DiffusionNFT beta, reward transform, old-policy decay
+``grpo``        FlowGRPO clip range and KL weight (also used by ``grpo_guard``)
+``grpo_guard``  GRPO-Guard per-step reweighting
+``forward``     forward-process objectives (nft, awm, dgpo, dpo, crd): sampler, sigma visits, old-policy decay
+``nft``         DiffusionNFT beta, reward transform, guard, EMA
+``awm``         Advantage Weighted Matching clip and weighting
+``dgpo``        DGPO beta and mode
+``dpo``         Diffusion-DPO beta
+``crd``         Centered Reward Distillation beta, loss type, teacher
 ``eval``        held-out evaluation cadence and fixed noise seed
 ``checkpoint``  checkpoint cadence and retention
 ``sft``         flow-matching supervised fine-tuning (``flowforge sft``)
@@ -152,13 +158,21 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
+class ForwardConfig:
+    """Shared by the forward-process objectives (nft, awm, dgpo, dpo, crd): they train on noised final samples."""
+
+    sampler: str = "ode"  # rollout kernel: "sde" | "dance" | "cps" | "ode" (only the final x0 is kept)
+    sample_with: str = "old"  # policy that samples: "old" (off-policy, DiffusionNFT's default) | "live"
+    sigma_mode: str = "uniform_schedule"  # "uniform_schedule" (one schedule sigma per visit) | "full_schedule"
+    inner_epochs: int = 1
+    decay_rate: float = 0.001  # old <- decay * old + (1 - decay) * live, decay = min(decay_rate * n, decay_max)
+    decay_max: float = 0.5
+
+
+@dataclass(frozen=True)
 class NFTConfig:
     beta: float = 1.0
     adv_clip: float = 5.0
-    sampler: str = "ode"  # rollout kernel: any of "sde" | "dance" | "cps" | "ode" (only the final x0 is kept)
-    sample_with: str = "old"  # policy that samples: "old" (off-policy, the reference) | "live"
-    sigma_mode: str = "uniform_schedule"  # "uniform_schedule" (one schedule sigma per visit) | "full_schedule"
-    inner_epochs: int = 1
     loss_mode: str = "reference"  # "reference" (adaptive x0 weighting) | "paper_velocity_mse"
     reward_transform: str = "reference"  # "reference" (clipped group advantages) | "absolute"
     std_floor: float = 0.0  # absolute transform: Z = adv_clip * max(std, std_floor)
@@ -166,10 +180,44 @@ class NFTConfig:
     guard: bool = False  # skip groups that tie, spread < guard_min_spread, or best < guard_min_best
     guard_min_spread: float = 0.0
     guard_min_best: float | None = None
-    decay_rate: float = 0.001  # old <- decay * old + (1 - decay) * live, decay = min(decay_rate * n, decay_max)
-    decay_max: float = 0.5
     ema_decay: float = 0.0  # > 0: keep an eval EMA of live with this decay
     ref_weight: float = 0.0  # velocity-MSE penalty to the reference policy
+
+
+@dataclass(frozen=True)
+class AWMConfig:
+    clip_low: float = 1e-4
+    clip_high: float | None = None
+    weighting: str = "ghuber"  # "uniform" | "t" | "t**2" | "huber" | "ghuber"
+    ghuber_power: float = 0.25
+    adv_max: float | None = None
+    kl_weight: float = 0.0  # velocity-MSE KL to the reference policy
+
+
+@dataclass(frozen=True)
+class DGPOConfig:
+    beta: float = 100.0
+    mode: str = "reference"  # "reference" (official surrogate) | "paper"
+    kl_weight: float = 0.0
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    beta: float = 2000.0
+
+
+@dataclass(frozen=True)
+class CRDConfig:
+    beta: float = 1.0
+    adv_clip: float = 5.0
+    loss_type: str = "mse"  # "mse" | "bce"
+    kl_beta: float = 0.0  # anchor to the CFG-guided reference teacher
+    teacher_guidance: float = 1.0
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    step_weight: str = "inv_dt"  # GRPO-Guard per-step reweighting: "inv_dt" | "none"
 
 
 @dataclass(frozen=True)
@@ -209,7 +257,13 @@ class Config:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    grpo_guard: GuardConfig = field(default_factory=GuardConfig)
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
+    awm: AWMConfig = field(default_factory=AWMConfig)
+    dgpo: DGPOConfig = field(default_factory=DGPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    crd: CRDConfig = field(default_factory=CRDConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

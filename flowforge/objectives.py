@@ -4,6 +4,15 @@ An objective declares its rollout (:meth:`Objective.rollout_spec`) — the one l
 the sampling — and implements :meth:`Objective.optimize`, which calls the pure math in
 :mod:`flowforge.algorithms.losses`. The loop picks the class from :data:`OBJECTIVES` by ``train.algorithm``.
 
+Two families share their machinery:
+
+* **replay** (``grpo``, ``grpo_guard``): SDE rollouts store the trained steps' ``x``, ``x_next`` and log-probs; the
+  update re-scores those steps under the live weights (:func:`flowforge.rollout.replay_log_prob`).
+* **forward process** (``nft``, ``awm``, ``dgpo``, ``dpo``, ``crd``): any sampler, only the final clean sample is
+  kept; the update noises it, ``x_sigma = (1 - sigma) x0 + sigma noise``, and compares policies' velocities there
+  (:class:`ForwardProcessObjective`). Noise and sigma of a visit are functions of (seed, candidate or group id,
+  step, visit) only; group objectives share them within a prompt group and train on whole groups.
+
 Class attributes read by :mod:`flowforge.preflight` (one source of truth for algorithm properties):
 
 ====================  ==============================================================================
@@ -56,8 +65,23 @@ def trained_steps_for(cfg: Config, step: int) -> tuple[int, ...]:
         pool=s.sde_pool, resample_seed=None if s.sde_pool is None else cfg.run.seed * 1_000_003 + step))
 
 
-def _mean_metrics(acc: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack(v).mean() for k, v in acc.items()}
+class _Accumulator:
+    """Per-key lists of 0-d metric tensors, reduced by mean (min / max for ratio extremes)."""
+
+    def __init__(self):
+        self.values: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        for k, v in metrics.items():
+            if v.ndim == 0:
+                self.values.setdefault(k, []).append(v.detach())
+
+    def reduce(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in self.values.items():
+            stacked = torch.stack(v).float()
+            out[k] = stacked.min() if k.endswith("_min") else stacked.max() if k.endswith("_max") else stacked.mean()
+        return out
 
 
 class Objective:
@@ -69,30 +93,33 @@ class Objective:
     sampling_policy: str = "live"  # the bank policy that rolls out (see flowforge.policy)
     eval_policy: str = "live"
 
-    @classmethod
-    def policy_bank(cls, cfg: Config) -> dict:
-        """Keyword arguments for :class:`flowforge.policy.Policy`: which extra policies this objective needs."""
-        return {}
-
     def __init__(self, cfg: Config, adapter, policy):
         self.cfg = cfg
         self.adapter = adapter
         self.policy = policy
 
-    def rollout_spec(self, step: int) -> RolloutSpec:
-        raise NotImplementedError
+    @classmethod
+    def policy_bank(cls, cfg: Config) -> dict:
+        """Keyword arguments for :class:`flowforge.policy.Policy`: which extra policies this objective needs."""
+        return {}
 
     @classmethod
     def optimizer_steps_per_batch(cls, cfg: Config) -> int:
         """Optimizer steps one batch produces (sets the length of the LR schedule)."""
         return cfg.train.num_updates_per_batch
 
+    def rollout_spec(self, step: int) -> RolloutSpec:
+        raise NotImplementedError
+
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def _micro_batches(self, rows: torch.Tensor):
-        mb = self.cfg.train.micro_batch_size
+    def _micro_batches(self, rows: torch.Tensor, size: int | None = None):
+        mb = size or self.cfg.train.micro_batch_size
         return [rows[i:i + mb] for i in range(0, rows.numel(), mb)]
+
+
+# ---------------------------------------------------------------------------------------------------- replay
 
 
 class GRPO(Objective):
@@ -109,32 +136,41 @@ class GRPO(Objective):
     name = "grpo"
     uses_log_probs = True
     clipped_ratio = True
+    store_means = False
 
     def rollout_spec(self, step: int) -> RolloutSpec:
         s = self.cfg.sampler
         return RolloutSpec(kind=s.sde_kind, noise_level=s.noise_level, trained_steps=trained_steps_for(self.cfg, step),
-                           guidance_scale=s.guidance_scale, store_steps=True, log_probs=True)
+                           guidance_scale=s.guidance_scale, store_steps=True, log_probs=True,
+                           store_means=self.store_means)
+
+    def surrogate(self, tr, sub: TrainBatch, slot: int) -> tuple[torch.Tensor, dict]:
+        """The clipped surrogate of one replayed step (``tr`` the live transition)."""
+        g = self.cfg.grpo
+        return losses.grpo_clip_loss(tr.log_prob, sub.traj.log_probs[:, slot], sub.advantages, g.clip_low,
+                                     g.clip_high)
 
     def step_loss(self, sub: TrainBatch, slot: int, spec: RolloutSpec) -> tuple[torch.Tensor, dict]:
         """Loss of one trained step on a micro-batch (mean over its samples) and its metrics."""
         g = self.cfg.grpo
-        tr = replay_log_prob(self.adapter, sub.traj, slot, sub.cond, spec)
-        loss, metrics = losses.grpo_clip_loss(tr.log_prob, sub.traj.log_probs[:, slot], sub.advantages,
-                                              g.clip_low, g.clip_high)
+        ref = None
         if g.kl_weight > 0:
             with self.policy.reference():
                 ref = replay_log_prob(self.adapter, sub.traj, slot, sub.cond, spec)
+        tr = replay_log_prob(self.adapter, sub.traj, slot, sub.cond, spec)
+        loss, metrics = self.surrogate(tr, sub, slot)
+        if ref is not None:
             kl = losses.transition_mean_kl(tr.mean, ref.mean, tr.std).mean()
             loss = loss + g.kl_weight * kl
             metrics = {**metrics, "kl": kl.detach()}
         return loss, metrics
 
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        spec = self._spec_of(batch)
+        spec = self.rollout_spec_of(batch)
         n_updates = self.cfg.train.num_updates_per_batch
         per_update = len(batch) // n_updates
         num_slots = len(batch.traj.trained_steps)
-        acc: dict[str, list[torch.Tensor]] = {}
+        acc = _Accumulator()
         first_dev = torch.zeros(())
         for u in range(n_updates):
             rows_u = torch.arange(u * per_update, (u + 1) * per_update)
@@ -143,65 +179,201 @@ class GRPO(Objective):
                 for slot in range(num_slots):
                     loss, m = self.step_loss(sub, slot, spec)
                     (loss * (rows.numel() / per_update) / num_slots).backward()
-                    for k, v in m.items():
-                        acc.setdefault(k, []).append(v)
-                    acc.setdefault("loss", []).append(loss.detach())
+                    acc.add({**m, "loss": loss})
                     if u == 0:
                         first_dev = torch.maximum(first_dev, torch.maximum(m["ratio_max"] - 1, 1 - m["ratio_min"]))
-            acc.setdefault("grad_norm", []).append(self.policy.step())
-        out = _mean_metrics(acc)
-        out["ratio_min"] = torch.stack(acc["ratio_min"]).min()
-        out["ratio_max"] = torch.stack(acc["ratio_max"]).max()
+            acc.add({"grad_norm": self.policy.step()})
+        out = acc.reduce()
         out["first_update_ratio_dev"] = first_dev
         return out
 
-    def _spec_of(self, batch: TrainBatch) -> RolloutSpec:
+    def rollout_spec_of(self, batch: TrainBatch) -> RolloutSpec:
+        """The spec the batch was rolled out with (its stored trained steps)."""
         s = self.cfg.sampler
         return RolloutSpec(kind=s.sde_kind, noise_level=s.noise_level, trained_steps=batch.traj.trained_steps,
                            guidance_scale=s.guidance_scale)
 
 
-class NFT(Objective):
-    """DiffusionNFT (Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process";
-    NVlabs ``scripts/train_nft_sd3.py``): forward-process training on the clean samples of any sampler.
+class GRPOGuard(GRPO):
+    """GRPO-Guard (Wang et al. 2025, "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via
+    Regulated Clipping"): FlowGRPO with the per-step ratio normalization (RatioNorm) and the ``1 / -dt`` gradient
+    reweighting, :func:`~flowforge.algorithms.losses.grpo_guard_loss`. The rollout also stores each trained
+    step's transition mean (the old mean the normalization needs). Needs a Gaussian log-prob: kinds "sde" / "dance".
+    """
 
-    Rollout: ``nft.sampler`` (ODE by default) under the **old** policy (``nft.sample_with``), keeping only x0.
-    Per visit: ``sigma`` from the sampling schedule (one uniform draw per sample, or every schedule step with
-    ``nft.sigma_mode="full_schedule"``), fresh noise, ``x_sigma = (1 - sigma) x0 + sigma * noise``; the old policy
-    (no grad) and the live policy see the same ``x_sigma``; :func:`~flowforge.algorithms.losses.nft_loss` mixes the
-    implicit positive / negative policies with the optimality reward ``r`` in [0, 1]:
+    name = "grpo_guard"
+    store_means = True
+
+    def surrogate(self, tr, sub: TrainBatch, slot: int) -> tuple[torch.Tensor, dict]:
+        g = self.cfg.grpo
+        i = sub.traj.trained_steps[slot]
+        dt = sub.traj.sigmas[i + 1] - sub.traj.sigmas[i]
+        return losses.grpo_guard_loss(tr.log_prob, sub.traj.log_probs[:, slot], sub.advantages, g.clip_low,
+                                      g.clip_high, mean=tr.mean, old_mean=sub.traj.means[:, slot], std=tr.std,
+                                      dt=dt, step_weight=self.cfg.grpo_guard.step_weight)
+
+
+# ---------------------------------------------------------------------------------------------------- forward
+
+
+@dataclass(frozen=True)
+class Visit:
+    """One forward-process visit of a micro-batch: the noised input all policies see."""
+
+    x0: torch.Tensor  # [b, *latent] clean rollout samples
+    noise: torch.Tensor  # [b, *latent]
+    sigma: torch.Tensor  # [b] in [0, 1]
+    x_sigma: torch.Tensor  # [b, *latent] = (1 - sigma) x0 + sigma noise
+
+    @property
+    def target(self) -> torch.Tensor:
+        """The flow-matching velocity target ``noise - x0``."""
+        return self.noise - self.x0
+
+
+class ForwardProcessObjective(Objective):
+    """Shared machinery of the objectives that train on noised final samples (section ``forward``).
+
+    Rollout with ``forward.sampler`` under ``forward.sample_with`` keeping only x0; for each inner epoch, each update
+    (one optimizer step) and micro-batch, each visit draws sigma from the sampling schedule (one uniform index per
+    sample, or every step with ``sigma_mode="full_schedule"``) and fresh noise; :meth:`micro_loss` returns the loss.
+    After the batch, ``old <- d old + (1 - d) live`` with ``d = min(decay_rate n, decay_max)``.
+
+    ``group_shared`` objectives get the same noise and sigma for every member of a prompt group and micro-batches
+    made of whole groups (``train.micro_batch_size`` rounded down to whole groups, at least one group).
+    """
+
+    group_shared: ClassVar[bool] = False
+    keeps_old: ClassVar[bool] = True
+
+    def __init__(self, cfg: Config, adapter, policy):
+        super().__init__(cfg, adapter, policy)
+        self.sampling_policy = cfg.forward.sample_with if self.keeps_old else "live"
+        self._step = 0
+
+    @classmethod
+    def policy_bank(cls, cfg: Config) -> dict:
+        return {"keep_old": cls.keeps_old or cfg.forward.sample_with == "old"}
+
+    @classmethod
+    def optimizer_steps_per_batch(cls, cfg: Config) -> int:
+        return cfg.train.num_updates_per_batch * cfg.forward.inner_epochs
+
+    def rollout_spec(self, step: int) -> RolloutSpec:
+        s = self.cfg.sampler
+        self._step = step
+        return RolloutSpec(kind=self.cfg.forward.sampler, noise_level=s.noise_level, trained_steps=(),
+                           guidance_scale=s.guidance_scale, store_steps=False, log_probs=False)
+
+    def noise_keys(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B]`` ids seeding each row's visit noise: the candidate id, or the group's smallest candidate id."""
+        if not self.group_shared:
+            return batch.candidate_ids
+        inv = torch.unique(batch.group_ids, return_inverse=True)[1]
+        first = torch.full((int(inv.max()) + 1,), torch.iinfo(torch.long).max, dtype=torch.long)
+        first = first.scatter_reduce(0, inv, batch.candidate_ids, "amin")
+        return first[inv]
+
+    def visits(self, batch: TrainBatch, epoch: int) -> list[tuple[torch.Tensor, int]]:
+        """``(sigma_index [B], slot)`` per visit of this inner epoch; ``slot`` seeds the visit's noise."""
+        num_steps = self.cfg.sampler.num_steps
+        base = -2 - (self._step * self.cfg.forward.inner_epochs + epoch) * num_steps
+        if self.cfg.forward.sigma_mode == "full_schedule":
+            return [(torch.full((len(batch),), j, dtype=torch.long), base - j) for j in range(num_steps)]
+        return [(candidate_randint(self.noise_keys(batch).tolist(), num_steps, self.cfg.run.seed, base), base)]
+
+    def make_visit(self, sub: TrainBatch, sigma_index: torch.Tensor, slot: int) -> Visit:
+        x0 = sub.traj.final
+        sigma = sub.traj.sigmas.to(x0.device)[sigma_index]
+        noise = candidate_noise(self.noise_keys(sub).tolist(), x0.shape[1:], self.cfg.run.seed, slot).to(x0.device)
+        s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
+        return Visit(x0=x0, noise=noise, sigma=sigma, x_sigma=(1 - s) * x0 + s * noise)
+
+    def velocity(self, visit: Visit, cond: Conditioning, policy: str = "live", guidance_scale: float = 1.0):
+        """A policy's velocity at the visit's ``x_sigma``; other policies without gradients, live registered as
+        pending (the bank refuses switching until its backward)."""
+        if policy == "live":
+            return self.policy.pending(self.adapter.velocity(visit.x_sigma, visit.sigma, cond, guidance_scale))
+        with torch.no_grad(), self.policy.using(policy):
+            return self.adapter.velocity(visit.x_sigma, visit.sigma, cond, guidance_scale)
+
+    def prepare(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Hook before training: may drop rows and add per-row tensors (``extras``) and metrics."""
+        return batch, {}, {}
+
+    def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
+        raise NotImplementedError
+
+    def _row_order(self, batch: TrainBatch) -> torch.Tensor:
+        return torch.argsort(batch.group_ids, stable=True) if self.group_shared else torch.arange(len(batch))
+
+    def _micro_size(self, batch: TrainBatch) -> int:
+        mb = self.cfg.train.micro_batch_size
+        if not self.group_shared:
+            return mb
+        k = int(torch.bincount(torch.unique(batch.group_ids, return_inverse=True)[1]).max())
+        return max(k, (mb // k) * k)
+
+    def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        f = self.cfg.forward
+        batch, extras, out = self.prepare(batch)
+        if len(batch) == 0:
+            return out
+        order = self._row_order(batch)
+        batch = batch.select(order)
+        extras = {k: v[order] for k, v in extras.items()}
+        n_updates = self.cfg.train.num_updates_per_batch
+        size = self._micro_size(batch)
+        micro = self._micro_batches(torch.arange(len(batch)), size)
+        per_update = max(1, -(-len(micro) // n_updates))
+        acc = _Accumulator()
+        for epoch in range(f.inner_epochs):
+            visits = self.visits(batch, epoch)
+            for u in range(0, len(micro), per_update):
+                chunk = micro[u:u + per_update]
+                total = sum(r.numel() for r in chunk)
+                for rows in chunk:
+                    sub = batch.select(rows)
+                    sub_extras = {k: v[rows] for k, v in extras.items()}
+                    for sigma_index, slot in visits:
+                        loss, m = self.micro_loss(sub, sub_extras, self.make_visit(sub, sigma_index[rows], slot))
+                        self.policy.backward(loss * (rows.numel() / total) / len(visits))
+                        acc.add({**m, "loss": loss})
+                acc.add({"grad_norm": self.policy.step()})
+        if self.keeps_old:
+            decay = self.old_decay()
+            self.policy.blend("old", decay)
+            out["old_decay"] = torch.tensor(decay)
+        out.update(acc.reduce())
+        return out
+
+    def old_decay(self) -> float:
+        f = self.cfg.forward
+        return old_decay(self.policy.optimizer_steps, f.decay_rate, f.decay_max)
+
+
+class NFT(ForwardProcessObjective):
+    """DiffusionNFT (Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process";
+    NVlabs ``scripts/train_nft_sd3.py``): :func:`~flowforge.algorithms.losses.nft_loss` mixes the implicit positive
+    and negative policies built from the live and old velocities with the optimality reward ``r`` in [0, 1]:
 
     * ``nft.reward_transform="reference"``: ``r = nft_optimality(A, adv_clip)`` of the clipped group advantages;
     * ``"absolute"``: ``r = 0.5 + 0.5 clip((S - mean_g) / (adv_clip max(std, std_floor)), -1, 1)``.
 
     With ``nft.guard`` whole groups that tie / spread too little / score too low are skipped (kept in the data,
-    never re-drawn, counted as ``train/guard_skipped_groups``). After the batch the old policy moves toward live:
-    ``old <- d old + (1 - d) live``, ``d = min(decay_rate n, decay_max)`` (the reference's ``return_decay``).
-    Training noise and sigma indices are functions of (seed, candidate id, step, visit): rank- and order-free.
+    never re-drawn, counted as ``train/guard_skipped_groups``). Optional velocity-MSE penalty to the reference
+    (``nft.ref_weight``) and an eval EMA (``nft.ema_decay``).
     """
 
     name = "nft"
-    sampling_policy = "old"
 
     def __init__(self, cfg: Config, adapter, policy):
         super().__init__(cfg, adapter, policy)
-        self.sampling_policy = cfg.nft.sample_with
         self.eval_policy = "ema" if cfg.nft.ema_decay > 0 else "live"
-        self._step = 0
 
     @classmethod
     def policy_bank(cls, cfg: Config) -> dict:
         return {"keep_old": True, "ema_decay": cfg.nft.ema_decay}
-
-    @classmethod
-    def optimizer_steps_per_batch(cls, cfg: Config) -> int:
-        return cfg.train.num_updates_per_batch * cfg.nft.inner_epochs
-
-    def rollout_spec(self, step: int) -> RolloutSpec:
-        s, n = self.cfg.sampler, self.cfg.nft
-        self._step = step
-        return RolloutSpec(kind=n.sampler, noise_level=s.noise_level, trained_steps=(),
-                           guidance_scale=s.guidance_scale, store_steps=False, log_probs=False)
 
     def optimality(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``r [B]`` in [0, 1] and the ``[B]`` bool mask of samples kept by the guard."""
@@ -218,77 +390,138 @@ class NFT(Objective):
             keep = torch.ones_like(r, dtype=torch.bool)
         return r, keep
 
-    def visits(self, batch: TrainBatch, epoch: int) -> list[tuple[torch.Tensor, int]]:
-        """``(sigma_index [B], slot)`` per visit of this inner epoch; ``slot`` seeds the visit's noise."""
-        num_steps = self.cfg.sampler.num_steps
-        base = -2 - (self._step * self.cfg.nft.inner_epochs + epoch) * num_steps
-        ids = batch.candidate_ids.tolist()
-        if self.cfg.nft.sigma_mode == "full_schedule":
-            return [(torch.full((len(ids),), j, dtype=torch.long), base - j) for j in range(num_steps)]
-        return [(candidate_randint(ids, num_steps, self.cfg.run.seed, base), base)]
+    def prepare(self, batch: TrainBatch):
+        r, keep = self.optimality(batch)
+        kept = torch.nonzero(keep).squeeze(1)
+        metrics = {"r_mean": r[keep].mean() if kept.numel() else torch.tensor(float("nan")),
+                   "guard_skipped_groups": torch.tensor(float(len(set(batch.group_ids[~keep].tolist()))))}
+        return batch.select(kept), {"r": r[kept]}, metrics
 
-    def micro_loss(self, sub: TrainBatch, r: torch.Tensor, sigma_index: torch.Tensor, slot: int):
-        """NFT loss of one micro-batch and visit (mean over its samples) and its metrics."""
+    def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
         n = self.cfg.nft
-        x0 = sub.traj.final
-        sigma = sub.traj.sigmas.to(x0.device)[sigma_index]
-        noise = candidate_noise(sub.candidate_ids.tolist(), x0.shape[1:], self.cfg.run.seed, slot).to(x0.device)
-        s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
-        x_sigma = (1 - s) * x0 + s * noise
-        with torch.no_grad(), self.policy.using("old"):
-            v_old = self.adapter.velocity(x_sigma, sigma, sub.cond, 1.0)
-        v_ref = None
-        if n.ref_weight > 0:
-            with self.policy.reference():
-                v_ref = self.adapter.velocity(x_sigma, sigma, sub.cond, 1.0)
-        v_live = self.policy.pending(self.adapter.velocity(x_sigma, sigma, sub.cond, 1.0))
-        loss, m = losses.nft_loss(v_live, v_old, x_sigma, x0, sigma, r, beta=n.beta, adv_clip=n.adv_clip,
-                                  mode=n.loss_mode)
-        metrics = {"policy_loss": loss.detach(), "positive_loss": m["positive_loss"].mean(),
+        v_old = self.velocity(visit, sub.cond, "old")
+        v_ref = self.velocity(visit, sub.cond, "ref") if n.ref_weight > 0 else None
+        v_live = self.velocity(visit, sub.cond)
+        loss, m = losses.nft_loss(v_live, v_old, visit.x_sigma, visit.x0, visit.sigma, extras["r"], beta=n.beta,
+                                  adv_clip=n.adv_clip, mode=n.loss_mode)
+        metrics = {"policy_loss": loss, "positive_loss": m["positive_loss"].mean(),
                    "negative_loss": m["negative_loss"].mean(),
                    "old_deviation": losses.velocity_mse_kl(v_live.detach(), v_old).mean()}
         if v_ref is not None:
             kl = losses.velocity_mse_kl(v_live, v_ref).mean()
             loss = loss + n.ref_weight * kl
-            metrics["ref_kl"] = kl.detach()
+            metrics["ref_kl"] = kl
         return loss, metrics
 
-    def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        n = self.cfg.nft
-        r_all, keep = self.optimality(batch)
-        kept = torch.nonzero(keep).squeeze(1)
-        out: dict[str, torch.Tensor] = {
-            "r_mean": r_all[keep].mean() if kept.numel() else torch.tensor(float("nan")),
-            "guard_skipped_groups": torch.tensor(float(len(set(batch.group_ids[~keep].tolist())))),
-        }
-        if kept.numel() == 0:
-            return out
-        batch, r_all = batch.select(kept), r_all[kept]
-        n_updates = self.cfg.train.num_updates_per_batch
-        bounds = torch.linspace(0, len(batch), n_updates + 1).round().long().tolist()
-        acc: dict[str, list[torch.Tensor]] = {}
-        for epoch in range(n.inner_epochs):
-            visits = self.visits(batch, epoch)
-            for u in range(n_updates):
-                rows_u = torch.arange(bounds[u], bounds[u + 1])
-                if rows_u.numel() == 0:
-                    continue
-                for rows in self._micro_batches(rows_u):
-                    sub = batch.select(rows)
-                    for sigma_index, slot in visits:
-                        loss, m = self.micro_loss(sub, r_all[rows], sigma_index[rows], slot)
-                        self.policy.backward(loss * (rows.numel() / rows_u.numel()) / len(visits))
-                        for k, v in {**m, "loss": loss.detach()}.items():
-                            acc.setdefault(k, []).append(v)
-                acc.setdefault("grad_norm", []).append(self.policy.step())
-        decay = old_decay(self.policy.optimizer_steps, n.decay_rate, n.decay_max)
-        self.policy.blend("old", decay)
-        out.update(_mean_metrics(acc))
-        out["old_decay"] = torch.tensor(decay)
-        return out
+
+class AWM(ForwardProcessObjective):
+    """Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; ``scxue/advantage_weighted_matching``
+    ``train_sd3_awm.py``): PPO-clipped surrogate on the flow-matching likelihood proxy,
+    :func:`~flowforge.algorithms.losses.awm_loss`. The old policy is the batch's sampling policy: it is synced to
+    live after every batch (decay 0), so the first update's ratio is exactly 1. Optional velocity-MSE KL to the
+    reference (``awm.kl_weight``).
+    """
+
+    name = "awm"
+    clipped_ratio = True
+
+    def __init__(self, cfg: Config, adapter, policy):
+        super().__init__(cfg, adapter, policy)
+        self.sampling_policy = "old"
+
+    def old_decay(self) -> float:
+        return 0.0
+
+    def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
+        a = self.cfg.awm
+        v_old = self.velocity(visit, sub.cond, "old")
+        v_ref = self.velocity(visit, sub.cond, "ref") if a.kl_weight > 0 else None
+        v_live = self.velocity(visit, sub.cond)
+        loss, m = losses.awm_loss(v_live, v_old, visit.x0, visit.noise, visit.sigma, sub.advantages,
+                                  clip_low=a.clip_low, clip_high=a.clip_high, weighting=a.weighting,
+                                  ghuber_power=a.ghuber_power, adv_max=a.adv_max,
+                                  adv_clip=self.cfg.advantage.clip if a.adv_max is not None else None)
+        if v_ref is not None:
+            kl = losses.velocity_mse_kl(v_live, v_ref).mean()
+            loss = loss + a.kl_weight * kl
+            m = {**m, "kl": kl}
+        return loss, m
+
+
+class DGPO(ForwardProcessObjective):
+    """DGPO (Luo, Hu, Tang 2025, "Reinforcing Diffusion Models by Direct Group Preference Optimization", arXiv
+    2510.08425; ``Luo-Yihong/DGPO``): a group-level DPO objective against the frozen reference policy,
+    :func:`~flowforge.algorithms.losses.dgpo_loss`. Every member of a group shares noise and sigma; micro-batches
+    hold whole groups. Samples with the live policy (on-policy); optional velocity-MSE KL (``dgpo.kl_weight``).
+    """
+
+    name = "dgpo"
+    group_shared = True
+    keeps_old = False
+
+    def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
+        d = self.cfg.dgpo
+        v_ref = self.velocity(visit, sub.cond, "ref")
+        v_live = self.velocity(visit, sub.cond)
+        loss, m = losses.dgpo_loss(v_live, v_ref, visit.target, sub.group_ids, sub.advantages, beta=d.beta,
+                                   mode=d.mode)
+        if d.kl_weight > 0:
+            kl = losses.velocity_mse_kl(v_live, v_ref).mean()
+            loss = loss + d.kl_weight * kl
+            m = {**m, "kl": kl}
+        return loss, m
+
+
+class DPO(ForwardProcessObjective):
+    """Online Diffusion-DPO (Wallace et al. 2023, "Diffusion Model Alignment Using Direct Preference Optimization";
+    ``SalesforceAIResearch/DiffusionDPO``): after advantages exist, each group's best and worst candidates form a
+    chosen / rejected pair (:func:`~flowforge.algorithms.losses.best_worst_pairs`; tied groups form none), noised
+    with the same noise and sigma, and :func:`~flowforge.algorithms.losses.diffusion_dpo_loss` is taken against the
+    frozen reference. On-policy (samples with live).
+    """
+
+    name = "dpo"
+    group_shared = True
+    keeps_old = False
+
+    def prepare(self, batch: TrainBatch):
+        chosen, rejected = losses.best_worst_pairs(batch.rewards, batch.group_ids)
+        rows = torch.cat([chosen, rejected])
+        role = torch.cat([torch.ones_like(chosen), torch.zeros_like(rejected)]).float()
+        return batch.select(rows), {"chosen": role}, {"pairs": torch.tensor(float(chosen.numel()))}
+
+    def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
+        chosen = extras["chosen"].bool()
+        order_w = torch.argsort(sub.group_ids[chosen], stable=True)
+        order_l = torch.argsort(sub.group_ids[~chosen], stable=True)
+        v_ref = self.velocity(visit, sub.cond, "ref")
+        v_live = self.velocity(visit, sub.cond)
+        err_live = losses.velocity_mse_kl(v_live, visit.target)
+        err_ref = losses.velocity_mse_kl(v_ref, visit.target)
+        return losses.diffusion_dpo_loss(err_live[chosen][order_w], err_live[~chosen][order_l],
+                                         err_ref[chosen][order_w], err_ref[~chosen][order_l], beta=self.cfg.dpo.beta)
+
+
+class CRD(ForwardProcessObjective):
+    """Centered Reward Distillation (arXiv 2603.14128; implementation as X-GenGroup/Flow-Factory
+    ``trainers/rl/crd.py``): regress the live-vs-old implicit reward, centred within each group, onto the centred
+    external reward; optional reward-adaptive anchor (``crd.kl_beta``) to the reference teacher guided with
+    ``crd.teacher_guidance`` (CFG; needs negative conditioning when != 1). Whole groups per micro-batch.
+    """
+
+    name = "crd"
+    group_shared = True
+
+    def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
+        c = self.cfg.crd
+        v_old = self.velocity(visit, sub.cond, "old")
+        v_teacher = self.velocity(visit, sub.cond, "ref", c.teacher_guidance) if c.kl_beta > 0 else None
+        v_live = self.velocity(visit, sub.cond)
+        return losses.crd_loss(v_live, v_old, visit.target, sub.group_ids, sub.advantages, beta=c.beta,
+                               adv_clip=c.adv_clip, loss_type=c.loss_type, v_teacher=v_teacher, kl_beta=c.kl_beta)
 
 
 OBJECTIVES: dict[str, type[Objective]] = {
-    GRPO.name: GRPO,
-    NFT.name: NFT,
+    cls.name: cls for cls in (GRPO, GRPOGuard, NFT, AWM, DGPO, DPO, CRD)
 }
+"""Every algorithm, by its ``train.algorithm`` name."""

@@ -18,7 +18,7 @@ import torch
 
 from flowforge.algorithms import schedules
 from flowforge.algorithms.advantages import STD_MODES, COMBINE_MODES
-from flowforge.algorithms.losses import NFT_MODES
+from flowforge.algorithms.losses import AWM_WEIGHTINGS, CRD_LOSS_TYPES, DGPO_MODES, GUARD_STEP_WEIGHTS, NFT_MODES
 from flowforge.algorithms.sde import TRANSITION_KINDS, transition
 from flowforge.config import Config, ConfigError
 
@@ -26,7 +26,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 TRAINABLE_MODES = ("lora", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("t2i", "i2i", "t2v", "i2v")
-NFT_SIGMA_MODES = ("uniform_schedule", "full_schedule")
+FORWARD_SIGMA_MODES = ("uniform_schedule", "full_schedule")
 NFT_REWARD_TRANSFORMS = ("reference", "absolute")
 
 
@@ -127,19 +127,23 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
     _choice(problems, "lora.trainable", lo.trainable, TRAINABLE_MODES)
     _choice(problems, "model.dtype", cfg.model.dtype, DTYPES)
     _choice(problems, "model.task", cfg.model.task, TASKS)
-    _choice(problems, "nft.sigma_mode", cfg.nft.sigma_mode, NFT_SIGMA_MODES)
     _choice(problems, "nft.loss_mode", cfg.nft.loss_mode, NFT_MODES)
-    _choice(problems, "nft.sampler", cfg.nft.sampler, TRANSITION_KINDS)
-    _choice(problems, "nft.sample_with", cfg.nft.sample_with, ("old", "live"))
+    _choice(problems, "forward.sampler", cfg.forward.sampler, TRANSITION_KINDS)
+    _choice(problems, "forward.sample_with", cfg.forward.sample_with, ("old", "live"))
+    _choice(problems, "forward.sigma_mode", cfg.forward.sigma_mode, FORWARD_SIGMA_MODES)
+    _choice(problems, "awm.weighting", cfg.awm.weighting, AWM_WEIGHTINGS)
+    _choice(problems, "dgpo.mode", cfg.dgpo.mode, DGPO_MODES)
+    _choice(problems, "crd.loss_type", cfg.crd.loss_type, CRD_LOSS_TYPES)
+    _choice(problems, "grpo_guard.step_weight", cfg.grpo_guard.step_weight, GUARD_STEP_WEIGHTS)
     _choice(problems, "nft.reward_transform", cfg.nft.reward_transform, NFT_REWARD_TRANSFORMS)
     _choice(problems, "nft.std_scope", cfg.nft.std_scope, ("group", "batch"))
-    if not 0 <= cfg.nft.decay_max < 1 or cfg.nft.decay_rate < 0:
-        problems.append(f"nft.decay_rate={cfg.nft.decay_rate} must be >= 0 and nft.decay_max={cfg.nft.decay_max} "
-                        "in [0, 1)")
+    if not 0 <= cfg.forward.decay_max < 1 or cfg.forward.decay_rate < 0:
+        problems.append(f"forward.decay_rate={cfg.forward.decay_rate} must be >= 0 and forward.decay_max="
+                        f"{cfg.forward.decay_max} in [0, 1)")
     if not 0 <= cfg.nft.ema_decay < 1:
         problems.append(f"nft.ema_decay={cfg.nft.ema_decay} must be in [0, 1) (0 = no EMA)")
-    if cfg.nft.inner_epochs < 1:
-        problems.append(f"nft.inner_epochs={cfg.nft.inner_epochs} must be >= 1")
+    if cfg.forward.inner_epochs < 1:
+        problems.append(f"forward.inner_epochs={cfg.forward.inner_epochs} must be >= 1")
 
     for name, value in (("train.lr", t.lr), ("train.micro_batch_size", t.micro_batch_size),
                         ("train.num_updates_per_batch", t.num_updates_per_batch),
@@ -147,14 +151,17 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
                         ("model.height", cfg.model.height), ("model.width", cfg.model.width),
                         ("reward.batch_size", cfg.reward.batch_size), ("sampler.batch_size", s.batch_size),
                         ("train.grad_clip", t.grad_clip), ("eval.batch_size", cfg.eval.batch_size),
-                        ("nft.beta", cfg.nft.beta), ("nft.adv_clip", cfg.nft.adv_clip), ("advantage.eps", a.eps),
+                        ("nft.beta", cfg.nft.beta), ("nft.adv_clip", cfg.nft.adv_clip),
+                        ("awm.clip_low", cfg.awm.clip_low), ("dgpo.beta", cfg.dgpo.beta), ("dpo.beta", cfg.dpo.beta),
+                        ("crd.beta", cfg.crd.beta), ("crd.adv_clip", cfg.crd.adv_clip), ("advantage.eps", a.eps),
                         ("eval.samples_per_prompt", cfg.eval.samples_per_prompt)):
         _positive(problems, name, value)
     for name, value in (("train.steps", t.steps), ("train.warmup_steps", t.warmup_steps),
                         ("sampler.noise_level", s.noise_level), ("eval.every", cfg.eval.every),
                         ("checkpoint.every", cfg.checkpoint.every), ("advantage.std_floor", a.std_floor),
                         ("grpo.kl_weight", cfg.grpo.kl_weight), ("nft.ref_weight", cfg.nft.ref_weight),
-                        ("nft.std_floor", cfg.nft.std_floor), ("nft.guard_min_spread", cfg.nft.guard_min_spread)):
+                        ("nft.std_floor", cfg.nft.std_floor), ("awm.kl_weight", cfg.awm.kl_weight),
+                        ("dgpo.kl_weight", cfg.dgpo.kl_weight), ("crd.kl_beta", cfg.crd.kl_beta), ("nft.guard_min_spread", cfg.nft.guard_min_spread)):
         _positive(problems, name, value, allow_zero=True)
     if cfg.grpo.clip_low <= 0 or (cfg.grpo.clip_high is not None and cfg.grpo.clip_high <= 0):
         problems.append(f"grpo.clip_low={cfg.grpo.clip_low} / grpo.clip_high={cfg.grpo.clip_high} must be > 0")

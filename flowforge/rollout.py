@@ -44,6 +44,7 @@ class RolloutSpec:
     guidance_scale: float = 1.0
     store_steps: bool = True  # keep x / x_next of trained steps (replay objectives)
     log_probs: bool = True  # record per-step log-probs (ratio objectives)
+    store_means: bool = False  # record each trained step's transition mean (GRPO-Guard's old mean)
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,14 @@ class Trajectory:
     latents: torch.Tensor | None  # [B, S, *latent] fp32 input x of each trained step
     next_latents: torch.Tensor | None  # [B, S, *latent] fp32 sampled x_next of each trained step
     log_probs: torch.Tensor | None  # [B, S] fp32 rollout log-prob of each trained step, mean over elements
+    means: torch.Tensor | None = None  # [B, S, *latent] fp32 transition mean of each trained step (if stored)
 
     def select(self, rows: torch.Tensor) -> "Trajectory":
         def pick(t):
             return None if t is None else t[rows]
 
         return replace(self, final=self.final[rows], latents=pick(self.latents),
-                       next_latents=pick(self.next_latents), log_probs=pick(self.log_probs))
+                       next_latents=pick(self.next_latents), log_probs=pick(self.log_probs), means=pick(self.means))
 
     @staticmethod
     def cat(parts: Sequence["Trajectory"]) -> "Trajectory":
@@ -71,7 +73,7 @@ class Trajectory:
             return None if vals[0] is None else torch.cat(vals)
 
         return replace(parts[0], final=cat("final"), latents=cat("latents"), next_latents=cat("next_latents"),
-                       log_probs=cat("log_probs"))
+                       log_probs=cat("log_probs"), means=cat("means"))
 
 
 def sigmas_for(sampler_cfg, latent_shape: Sequence[int] | None = None) -> torch.Tensor:
@@ -143,7 +145,7 @@ def denoise(
     b = x_T.shape[0]
     x = x_T.float()
     sig = sigmas.to(x.device)
-    xs, xns, lps = [], [], []
+    xs, xns, lps, mus = [], [], [], []
     for i in range(num_steps):
         v = adapter.velocity(x, sig[i].expand(b), cond, spec.guidance_scale)
         if i in trained and spec.kind != "ode":
@@ -153,6 +155,8 @@ def denoise(
             x_next = tr.x_next
             if spec.log_probs:
                 lps.append(tr.log_prob)
+            if spec.store_means:
+                mus.append(tr.mean)
         else:
             x_next = euler_step(x, v, sig[i], sig[i + 1])
         if i in trained and spec.store_steps:
@@ -161,7 +165,7 @@ def denoise(
         x = x_next
     stack = (lambda ts: torch.stack(ts, dim=1) if ts else None)
     return Trajectory(sigmas=sigmas, trained_steps=tuple(sorted(trained)), final=x,
-                      latents=stack(xs), next_latents=stack(xns), log_probs=stack(lps))
+                      latents=stack(xs), next_latents=stack(xns), log_probs=stack(lps), means=stack(mus))
 
 
 def rollout(
