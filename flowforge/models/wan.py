@@ -13,7 +13,7 @@ CFG                 ``v_u + g (v_c - v_u)`` over ``cond.negative`` (pipeline ``n
 VAE latents         per channel: ``z_model = (z_vae - latents_mean) / latents_std``; :meth:`WanAdapter.decode`
                     applies ``z / (1 / latents_std) + latents_mean`` (pipeline_wan.py, before ``vae.decode``)
 text                UMT5 ``last_hidden_state`` cut to the real tokens and zero-padded to ``max_sequence_length``
-                    (``_get_t5_prompt_embeds``, 512 in ``__call__``) via ``WanPipeline.encode_prompt``; the
+                    (``_get_t5_prompt_embeds``, 512 in ``__call__``) via that pipeline method itself; the
                     transformer gets no mask (it attends the zero rows), ``cond.mask`` records the real tokens
 schedule            kind ``"wan"`` (``flow_match_sigmas(T, shift, kind="wan")``). The diffusers Wan docs use
                     ``flow_shift = 5.0`` for 720p and ``3.0`` for 480p (pipeline_wan.py example);
@@ -84,11 +84,13 @@ WAN_TASKS = ("t2v", "i2v")
 
 def _wan_encode_fn(max_sequence_length: int):
     def encode(pipe, prompts: list[str]) -> tuple[Tensor, Tensor, None]:
+        from diffusers import WanPipeline
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-        embeds, _ = pipe.encode_prompt(prompt=prompts, negative_prompt=None, do_classifier_free_guidance=False,
-                                       num_videos_per_prompt=1, max_sequence_length=max_sequence_length,
-                                       device=pipe.device)
+        # WanPipeline's method on either pipeline class: WanImageToVideoPipeline's copy of prompt_clean calls ftfy
+        # unguarded (a NameError when ftfy is not installed, diffusers 0.42); the text path is otherwise identical.
+        embeds = WanPipeline._get_t5_prompt_embeds(pipe, prompt=prompts, num_videos_per_prompt=1,
+                                                   max_sequence_length=max_sequence_length, device=pipe.device)
         # The real-token mask, as _get_t5_prompt_embeds computes it (embeddings beyond it are zeros).
         mask = pipe.tokenizer([prompt_clean(p) for p in prompts], padding="max_length",
                               max_length=max_sequence_length, truncation=True, add_special_tokens=True,
@@ -103,7 +105,7 @@ def wan_text(*, path: str | Path | None = None, components: dict[str, Any] | Non
              encoder_id: str | None = None, min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE,
              pipeline_class: str = "WanPipeline") -> PipelineText:
     """UMT5 of a Wan pipeline (directory ``path`` or ``components`` with ``tokenizer`` and ``text_encoder``),
-    encoding through ``WanPipeline.encode_prompt``."""
+    encoding through ``WanPipeline._get_t5_prompt_embeds`` (what ``WanPipeline.encode_prompt`` calls)."""
     skip = ("transformer_2", "image_encoder", "image_processor") if pipeline_class != "WanPipeline" \
         else ("transformer_2",)
     return PipelineText(pipeline_class, _wan_encode_fn(int(max_sequence_length)), path=path, components=components,
