@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from flowforge import checkpoint as ckpt
 from flowforge import config as config_lib
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
@@ -76,6 +77,9 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self.device = torch.device(cfg.run.device)
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        self.model_source = _model_source(cfg.model.path)
+        if self.model_source is not None:
+            ckpt.check_run_dir_outside_source(self.run_dir, self.model_source)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(config_lib.dump_config(cfg))
         write_provenance(self.run_dir)
@@ -108,6 +112,64 @@ class Trainer:
                                        r.required, batch_size=r.batch_size)
         self.logger = MetricsLogger(self.run_dir)
         self.step = 0
+        self.base_sha256 = ckpt.sha256_of_path(self.model_source) if self.model_source is not None else None
+        self.resumed_from: Path | None = None
+        if cfg.train.resume:
+            self.resume(cfg.train.resume)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def contract(self) -> dict:
+        """What a checkpoint must agree with to be resumed: the trainable-weights contract and the base model."""
+        lo = self.cfg.lora
+        lora = {"trainable": lo.trainable, "dropout": lo.dropout}
+        if lo.trainable == "lora":
+            lora.update(rank=self.policy.rank, alpha=self.policy.alpha, targets=sorted(self.policy.targets))
+        return {"lora": lora, "base_model_sha256": self.base_sha256}
+
+    def state_dict(self) -> dict:
+        """JSON-able trainer state written into every checkpoint's ``trainer_state.json``."""
+        return {"step": self.step, "optimizer_steps": self.policy.optimizer_steps,
+                "policy_version": self.policy.optimizer_steps, "lr_schedule_step": self.policy.scheduler.last_epoch,
+                "sampler": self.sampler.state_dict(), "config_fingerprint": config_lib.fingerprint(self.cfg),
+                **self.contract()}
+
+    def save(self) -> Path:
+        """Commit a checkpoint of the current step (weights of every bank policy, optimizer, state, RNG)."""
+        tensors = {name: self.policy.named_weights(name) for name in ("live", "old", "ema") if self.policy.has(name)}
+        optim = {"optimizer": self.policy.optimizer.state_dict(), "scheduler": self.policy.scheduler.state_dict()}
+        return ckpt.save_checkpoint(self.run_dir, self.step, tensors=tensors, optimizer_state=optim,
+                                    trainer_state=self.state_dict(), keep=self.cfg.checkpoint.keep,
+                                    protect=self.resumed_from)
+
+    def resume(self, resume: str) -> None:
+        """Restore everything :meth:`save` wrote; training continues at the next step.
+
+        Raises:
+            ValueError: an explicit checkpoint without ``COMMITTED``; a LoRA-contract or base-model mismatch.
+        """
+        path, notes = ckpt.resolve_resume(self.run_dir, resume)
+        for note in notes:
+            log.warning(note)
+        if path is None:
+            log.info("train.resume=%s: no committed checkpoint in %s, starting from scratch", resume, self.run_dir)
+            return
+        state = ckpt.load_checkpoint(path)
+        ckpt.check_contract(state.trainer_state, self.contract())
+        for name, tensors in state.tensors.items():
+            self.policy.load_named_weights(name, tensors)
+        self.policy.optimizer.load_state_dict(state.optimizer_state["optimizer"])
+        self.policy.scheduler.load_state_dict(state.optimizer_state["scheduler"])
+        ts = state.trainer_state
+        if ts.get("config_fingerprint") != config_lib.fingerprint(self.cfg):
+            log.warning("resuming %s with a config that differs from the checkpoint's (fingerprint %s vs %s)",
+                        path, ts.get("config_fingerprint"), config_lib.fingerprint(self.cfg))
+        self.policy.optimizer_steps = ts["optimizer_steps"]
+        self.sampler.load_state_dict(ts["sampler"])
+        self.step = ts["step"]
+        if state.rng is not None:
+            ckpt.restore_rng(state.rng)
+        self.resumed_from = path
+        log.info("resumed from %s at step %d", path, self.step)
 
     # ------------------------------------------------------------------------------------------------ stages
     def next_prompts(self) -> StepBatch:
@@ -163,13 +225,17 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------------------------------------ loop
-    def train(self) -> Path:
-        """Run ``train.steps`` steps (evaluating before the first, every ``eval.every`` and after the last);
-        writes ``metrics.jsonl``, ``eval.jsonl``, ``samples/``, ``report.html``. Returns the run directory."""
+    def train(self, stop_at: int | None = None) -> Path:
+        """Run to ``train.steps`` steps (evaluating before the first, every ``eval.every`` and after the last);
+        writes ``metrics.jsonl``, ``eval.jsonl``, ``samples/``, ``report.html``. Returns the run directory.
+
+        ``stop_at`` ends the run early after that many steps, as an interruption would (no final eval / report;
+        the LR schedule still spans ``train.steps``); a later ``train.resume`` continues it exactly."""
         cfg = self.cfg
         if self.step == 0:
             self.evaluate(0)
-        bar = tqdm(range(self.step, cfg.train.steps), desc=cfg.run.name, disable=not self.progress,
+        end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
+        bar = tqdm(range(self.step, end), desc=cfg.run.name, disable=not self.progress,
                    initial=self.step, total=cfg.train.steps)
         for step in bar:
             timer = StageTimer()
@@ -195,17 +261,23 @@ class Trainer:
             self.finish_step(scalars)
             bar.set_postfix(reward=f"{scalars['reward/total_mean']:.3f}")
         self.logger.close()
+        if self.step < cfg.train.steps:
+            return self.run_dir
         from flowforge.report import write_report
 
         write_report(self.run_dir)
         return self.run_dir
 
     def finish_step(self, scalars: dict[str, float]) -> None:
-        """Stage 6: log the step; evaluate every ``eval.every`` steps and after the last."""
+        """Stage 6: log the step; evaluate every ``eval.every`` steps and after the last; checkpoint every
+        ``checkpoint.every`` steps and after the last."""
         self.logger.log(self.step, scalars)
         every = self.cfg.eval.every
         if (every and self.step % every == 0) or self.step == self.cfg.train.steps:
             self.evaluate(self.step)
+        c = self.cfg.checkpoint
+        if c.every and (self.step % c.every == 0 or self.step == self.cfg.train.steps):
+            self.save()
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
@@ -233,3 +305,12 @@ class Trainer:
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars
 
+
+
+def _model_source(path: str) -> Path | None:
+    """The local directory (or file) holding the base weights, or None for a hub id."""
+    from flowforge.models.sd3 import DEMO_BASE, demo_base_dir
+
+    if path == DEMO_BASE:
+        return demo_base_dir()
+    return Path(path) if Path(path).exists() else None

@@ -1,0 +1,113 @@
+"""Exact resume (bitwise on CPU), crash safety with a real SIGKILL, contract refusal."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flowforge import checkpoint as ckpt
+from tests.test_trainer import tiny_cfg
+from flowforge.trainer import Trainer
+
+
+def _rows(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/")) and not k.endswith("_time")}
+            for r in rows]
+
+
+def _state(trainer):
+    weights = {n: trainer.policy.named_weights(n) for n in ("live", "old") if trainer.policy.has(n)}
+    return weights, trainer.policy.optimizer.state_dict()["state"]
+
+
+def _assert_same(a, b):
+    wa, oa = a
+    wb, ob = b
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        for k in wa[name]:
+            assert torch.equal(wa[name][k], wb[name][k]), (name, k)
+    assert oa.keys() == ob.keys()
+    for i in oa:
+        for k in oa[i]:
+            assert torch.equal(torch.as_tensor(oa[i][k]), torch.as_tensor(ob[i][k])), (i, k)
+
+
+@pytest.mark.parametrize("algorithm,trainable", [("grpo", "lora"), ("grpo", "full"), ("nft", "lora"),
+                                                 ("nft", "full")])
+def test_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, encode_cache_dir, algorithm, trainable):
+    extra = [f"train.algorithm={algorithm}", "train.steps=3", "checkpoint.every=1", "eval.every=0",
+             "train.lr_schedule=cosine"]
+    if trainable == "full":
+        extra += ["lora.trainable=full", "train.lr=1e-4"]
+
+    def cfg(name, *more):
+        return tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, f"run.name={name}", *extra, *more)
+
+    full = Trainer(cfg("full"), progress=False)
+    full.train()
+    part = Trainer(cfg("part"), progress=False)
+    part.train(stop_at=2)
+    del part
+    resumed = Trainer(cfg("part", "train.resume=auto"), progress=False)
+    assert resumed.step == 2
+    resumed.train()
+    _assert_same(_state(full), _state(resumed))
+    assert _rows(full.run_dir) == _rows(resumed.run_dir)
+
+
+def test_resume_refuses_a_different_lora_alpha(tiny_model_dir, tmp_path, encode_cache_dir):
+    base = ["train.steps=2", "checkpoint.every=1", "lora.rank=4", "lora.alpha=8", "run.name=c"]
+    Trainer(tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, *base), progress=False).train(stop_at=1)
+    with pytest.raises(ValueError, match=r"resume refused[\s\S]*lora.alpha: checkpoint 8.0, this run 16.0"):
+        Trainer(tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, *base, "lora.alpha=16", "train.resume=auto"),
+                progress=False)
+
+
+def test_run_dir_inside_the_model_directory_is_refused(tiny_model_dir, tmp_path, encode_cache_dir):
+    with pytest.raises(ValueError, match="inside"):
+        Trainer(tiny_cfg(tiny_model_dir, tiny_model_dir, encode_cache_dir), progress=False)
+
+
+def test_sigkill_during_checkpoint_write_then_auto_resume_completes(tiny_model_dir, tmp_path, encode_cache_dir):
+    overrides = [f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}", "run.name=k",
+                 f"data.cache_dir={encode_cache_dir}", "data.prompts_per_step=2", "data.group_size=4",
+                 "sampler.num_steps=4", "sampler.num_sde_steps=2", "train.micro_batch_size=2", "train.steps=3",
+                 "checkpoint.every=1", "eval.every=0", "eval.max_prompts=2", "run.num_threads=1"]
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from flowforge import checkpoint
+        from flowforge.config import load_config
+        from flowforge.trainer import Trainer
+
+        seen = []
+        def die(stage, relpath):
+            # second checkpoint, its weight file fully written under its temporary name: a hard kill
+            if stage == "tmp" and str(relpath).startswith("weights"):
+                seen.append(relpath)
+                if len(seen) == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint._test_hook = die
+        Trainer(load_config(None, {overrides!r}), progress=False).train()
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    run_dir = tmp_path / "k"
+    assert (run_dir / "checkpoints" / "step_000002").is_dir()
+    assert not ckpt.is_committed(run_dir / "checkpoints" / "step_000002")
+    path, notes = ckpt.resolve_resume(run_dir, "auto")
+    assert path.name == "step_000001" and any("no COMMITTED" in n for n in notes)
+    from flowforge.config import load_config
+
+    trainer = Trainer(load_config(None, overrides + ["train.resume=auto"]), progress=False)
+    assert trainer.step == 1
+    trainer.train()
+    assert ckpt.is_committed(run_dir / "checkpoints" / "step_000003")
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-2:] == [2, 3]
