@@ -167,7 +167,8 @@ def check_velocity_inputs(x: Tensor, sigma: Tensor, cond: Conditioning, ndim: in
 
 def require_negative(cond: Conditioning, guidance_scale: float) -> Conditioning:
     if cond.negative is None:
-        raise ValueError(f"guidance_scale={guidance_scale} needs cond.negative (the unconditional encoding); it is None")
+        raise ValueError(f"guidance_scale={guidance_scale} needs cond.negative (the unconditional encoding); "
+                         "it is None")
     return cond.negative
 
 

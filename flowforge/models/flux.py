@@ -164,7 +164,8 @@ class FluxAdapter:
         return list(self.transformer.transformer_blocks) + list(self.transformer.single_transformer_blocks)
 
     def encode(self, prompts: Sequence[str]) -> Conditioning:
-        """T5 embeds ``[B, max_sequence_length, D]`` + pooled CLIP ``[B, P]``; ``negative`` per :attr:`negative_prompt`."""
+        """T5 embeds ``[B, max_sequence_length, D]`` + pooled CLIP ``[B, P]``; ``negative`` per
+        :attr:`negative_prompt`."""
         return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
 
     def release_text_encoder(self) -> None:
