@@ -90,6 +90,7 @@ _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _CHUNK = 1 << 20
 
 _test_hook: Callable[[str, str], None] | None = None
+SHARDED_DIR = "dcp"  # torch.distributed.checkpoint shards of sharded (FSDP) state, written by every rank
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,8 @@ def _rotate(run_dir: Path, newest: Path, keep: int, protect: Path | None) -> lis
 def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Mapping[str, Tensor]],
                     optimizer_state: dict | None, trainer_state: dict, keep: int, rank: int = 0,
                     world_size: int = 1, protect: Path | None = None,
-                    barrier: Callable[[], None] | None = None, rank_timeout_s: float = 600.0) -> Path:
+                    barrier: Callable[[], None] | None = None, rank_timeout_s: float = 600.0,
+                    sharded_writer: Callable[[Path], None] | None = None) -> Path:
     """Write ``<run_dir>/checkpoints/step_<step:06d>/`` durably and commit it (see the module docstring for the
     write order), update ``checkpoints/latest``, then rotate.
 
@@ -316,6 +318,9 @@ def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Map
         protect: the checkpoint the run resumed from; never deleted or overwritten.
         barrier: collective barrier (e.g. ``torch.distributed.barrier``); required when ``world_size > 1``.
         rank_timeout_s: how long rank 0 waits for the other ranks' RNG files after the barrier.
+        sharded_writer: called on every rank with ``<step_dir>/dcp`` after the directory is prepared and before the
+            commit, to write sharded state collectively (``torch.distributed.checkpoint.save``); every file it
+            leaves there is listed in the manifest, so a damaged shard is detected on load.
 
     Returns:
         The committed step directory.
@@ -356,6 +361,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Map
             _atomic_write(step_dir / rel, lambda tmp, c=copies: save_file(c, str(tmp)), rel)
         if optimizer_state is not None:
             _atomic_write(step_dir / OPTIMIZER_FILE, lambda tmp: torch.save(optimizer_state, tmp), OPTIMIZER_FILE)
+    if sharded_writer is not None:
+        sharded_writer(step_dir / SHARDED_DIR)
     _write_rng(step_dir, rank)
     if rank == 0:
         _write_bytes(step_dir / TRAINER_STATE_FILE, state_json.encode(), TRAINER_STATE_FILE)
@@ -371,6 +378,9 @@ def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Map
         files = [f"{WEIGHTS_DIR}/{g}.safetensors" for g in sorted(tensors)]
         files += [OPTIMIZER_FILE] if optimizer_state is not None else []
         files += rng_rel + [TRAINER_STATE_FILE]
+        if (step_dir / SHARDED_DIR).is_dir():
+            files += sorted(str(f.relative_to(step_dir)) for f in (step_dir / SHARDED_DIR).rglob("*") if f.is_file())
+            _fsync_dir(step_dir / SHARDED_DIR)
         for d in (step_dir / WEIGHTS_DIR, step_dir / RNG_DIR, step_dir):
             _fsync_dir(d)
         manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,

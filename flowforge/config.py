@@ -27,6 +27,8 @@ Sections and who reads them (each stage of the loop receives only its own sectio
 ``crd``         Centered Reward Distillation beta, loss type, teacher
 ``eval``        held-out evaluation cadence and fixed noise seed
 ``checkpoint``  checkpoint cadence and retention
+``distributed`` DDP / FSDP2 under torchrun: strategy, mixed-precision dtypes, activation checkpointing
+``artifacts``   optional per-rollout trajectory sidecars
 ``sft``         flow-matching supervised fine-tuning (``flowforge sft``)
 ==============  ==============================================================================
 """
@@ -237,6 +239,20 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    strategy: str = "ddp"  # "ddp" | "fsdp"; used when launched by torchrun with WORLD_SIZE > 1
+    param_dtype: str = "float32"  # FSDP2 MixedPrecisionPolicy param dtype ("bfloat16" on GPUs)
+    reduce_dtype: str = "float32"
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class ArtifactsConfig:
+    root: str | None = None  # write per-rollout trajectory sidecars under this directory
+    keep: int = 2  # rollouts kept
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     steps: int = 1500
     batch_size: int = 64
@@ -266,6 +282,8 @@ class Config:
     crd: CRDConfig = field(default_factory=CRDConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    artifacts: ArtifactsConfig = field(default_factory=ArtifactsConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
 
 

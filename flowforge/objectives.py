@@ -138,6 +138,10 @@ class GRPO(Objective):
     clipped_ratio = True
     store_means = False
 
+    @classmethod
+    def policy_bank(cls, cfg: Config) -> dict:
+        return {"keep_ref": cfg.grpo.kl_weight > 0}
+
     def rollout_spec(self, step: int) -> RolloutSpec:
         s = self.cfg.sampler
         return RolloutSpec(kind=s.sde_kind, noise_level=s.noise_level, trained_steps=trained_steps_for(self.cfg, step),
@@ -252,8 +256,13 @@ class ForwardProcessObjective(Objective):
         self._step = 0
 
     @classmethod
+    def needs_ref(cls, cfg: Config) -> bool:
+        """Whether this objective evaluates the reference policy under ``cfg``."""
+        return False
+
+    @classmethod
     def policy_bank(cls, cfg: Config) -> dict:
-        return {"keep_old": cls.keeps_old or cfg.forward.sample_with == "old"}
+        return {"keep_old": cls.keeps_old or cfg.forward.sample_with == "old", "keep_ref": cls.needs_ref(cfg)}
 
     @classmethod
     def optimizer_steps_per_batch(cls, cfg: Config) -> int:
@@ -372,8 +381,12 @@ class NFT(ForwardProcessObjective):
         self.eval_policy = "ema" if cfg.nft.ema_decay > 0 else "live"
 
     @classmethod
+    def needs_ref(cls, cfg: Config) -> bool:
+        return cfg.nft.ref_weight > 0
+
+    @classmethod
     def policy_bank(cls, cfg: Config) -> dict:
-        return {"keep_old": True, "ema_decay": cfg.nft.ema_decay}
+        return {**super().policy_bank(cfg), "ema_decay": cfg.nft.ema_decay}
 
     def optimality(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``r [B]`` in [0, 1] and the ``[B]`` bool mask of samples kept by the guard."""
@@ -425,6 +438,10 @@ class AWM(ForwardProcessObjective):
     name = "awm"
     clipped_ratio = True
 
+    @classmethod
+    def needs_ref(cls, cfg: Config) -> bool:
+        return cfg.awm.kl_weight > 0
+
     def __init__(self, cfg: Config, adapter, policy):
         super().__init__(cfg, adapter, policy)
         self.sampling_policy = "old"
@@ -459,6 +476,10 @@ class DGPO(ForwardProcessObjective):
     group_shared = True
     keeps_old = False
 
+    @classmethod
+    def needs_ref(cls, cfg: Config) -> bool:
+        return True
+
     def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
         d = self.cfg.dgpo
         v_ref = self.velocity(visit, sub.cond, "ref")
@@ -483,6 +504,10 @@ class DPO(ForwardProcessObjective):
     name = "dpo"
     group_shared = True
     keeps_old = False
+
+    @classmethod
+    def needs_ref(cls, cfg: Config) -> bool:
+        return True
 
     def prepare(self, batch: TrainBatch):
         chosen, rejected = losses.best_worst_pairs(batch.rewards, batch.group_ids)
@@ -511,6 +536,10 @@ class CRD(ForwardProcessObjective):
 
     name = "crd"
     group_shared = True
+
+    @classmethod
+    def needs_ref(cls, cfg: Config) -> bool:
+        return cfg.crd.kl_beta > 0
 
     def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
         c = self.cfg.crd

@@ -10,7 +10,7 @@ ema      optional eval EMA of live                   peft adapter ``"ema"`` (fro
 =======  ==========================================  ===================================  ======================
 
 ``old`` and ``ema`` exist only when asked for (``Policy(..., keep_old=True, ema_decay=...)``); ``ref`` under full
-fine-tuning is copied only when asked for (:meth:`Policy.keep_reference`).
+fine-tuning is copied only when asked for (``keep_ref=True``).
 
 Soft update of the old policy after each batch (DiffusionNFT, NVlabs ``train_nft_sd3.py`` ``return_decay`` and the
 old-adapter update)::
@@ -36,7 +36,7 @@ import contextlib
 import copy
 import math
 import weakref
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -45,6 +45,15 @@ from flowforge.config import LoraConfig, TrainConfig
 from flowforge.models import lora as lora_lib
 
 POLICY_NAMES = ("live", "old", "ref", "ema")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a (possibly FSDP-sharded) parameter; a collective under FSDP."""
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -79,11 +88,15 @@ class Policy:
         train_cfg: ``train`` section (optimizer, LR schedule).
         total_optimizer_steps: length of the LR schedule.
         keep_old: build the ``old`` policy (a copy of live at the start).
+        keep_ref: the reference policy is needed (under full fine-tuning a frozen copy is kept; LoRA's is free).
         ema_decay: > 0 builds the ``ema`` policy with this decay.
+        wrap: makes the transformer data-parallel in place (:func:`flowforge.distributed.wrap`); called after the
+            bank is built and before the optimizer collects the (possibly sharded) trainable parameters.
     """
 
     def __init__(self, adapter, lora_cfg: LoraConfig, train_cfg: TrainConfig, total_optimizer_steps: int, *,
-                 keep_old: bool = False, ema_decay: float = 0.0):
+                 keep_old: bool = False, keep_ref: bool = False, ema_decay: float = 0.0,
+                 wrap: Callable[[], None] | None = None):
         self.adapter = adapter
         self.lora = lora_cfg.trainable == "lora"
         transformer: nn.Module = adapter.transformer
@@ -92,10 +105,9 @@ class Policy:
         if self.lora:
             self.targets = list(lora_cfg.targets or adapter.lora_targets)
             self.rank, self.alpha = lora_cfg.resolved_rank, lora_cfg.resolved_alpha
-            self.params = lora_lib.inject_lora(transformer, self.rank, self.alpha, self.targets)
+            lora_lib.inject_lora(transformer, self.rank, self.alpha, self.targets)
         else:
             transformer.float().requires_grad_(True)
-            self.params = list(transformer.parameters())
         transformer.eval()  # no dropout anywhere: rollout and replay must be the same function
         self._copies: dict[str, nn.Module] = {}
         self.ema_decay = ema_decay
@@ -103,6 +115,11 @@ class Policy:
             self._add("old")
         if ema_decay > 0:
             self._add("ema")
+        if keep_ref and not self.lora:
+            self._add("ref")
+        if wrap is not None:
+            wrap()
+        self.params = [p for p in transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=train_cfg.adam_betas,
                                            eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -127,11 +144,6 @@ class Policy:
         if self.lora:
             return name in lora_lib.adapter_names(self.live_module)
         return name in self._copies
-
-    def keep_reference(self) -> None:
-        """Keep a frozen copy of the starting weights (full fine-tune only; LoRA's reference is adapters-off)."""
-        if not self.lora and "ref" not in self._copies:
-            self._add("ref")
 
     def pending(self, live_output: torch.Tensor) -> torch.Tensor:
         """Register a live forward's output whose graph is pending until :meth:`backward`; returns it."""
@@ -175,24 +187,43 @@ class Policy:
             finally:
                 self.adapter.transformer = self.live_module
 
-    def named_weights(self, name: str) -> dict[str, torch.Tensor]:
-        """Detached copies of policy ``name``'s own weights (LoRA weights, or the full state dict)."""
+    def _tensors(self, name: str) -> dict[str, torch.Tensor]:
         if self.lora:
-            return lora_lib.lora_state_dict(self.live_module, "default" if name == "live" else name)
+            return lora_lib.lora_parameters(self.live_module, "default" if name == "live" else name)
         module = self.live_module if name == "live" else self._copies[name]
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return dict(module.state_dict(keep_vars=True))
 
+    def named_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """Detached full (unsharded) copies of policy ``name``'s own weights (LoRA weights, or the state dict).
+        Under FSDP every rank must call this (it gathers shards)."""
+        return {k: _full(v).detach().clone() for k, v in self._tensors(name).items()}
+
+    @torch.no_grad()
     def load_named_weights(self, name: str, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` (as from :meth:`named_weights`) into policy ``name`` in place."""
-        if self.lora:
-            lora_lib.load_lora_state_dict(self.live_module, state, "default" if name == "live" else name)
-        else:
-            (self.live_module if name == "live" else self._copies[name]).load_state_dict(state)
+        """Copy ``state`` (as from :meth:`named_weights`) into policy ``name`` in place (re-sharding under FSDP).
+
+        Raises:
+            ValueError: missing / unexpected keys or shape mismatch.
+        """
+        target = self._tensors(name)
+        missing, unexpected = sorted(set(target) - set(state)), sorted(set(state) - set(target))
+        if missing or unexpected:
+            raise ValueError(f"weights of policy {name!r} do not match: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]} ({len(missing)} / {len(unexpected)} in all)")
+        for key, param in target.items():
+            value = state[key].to(device=param.device, dtype=param.dtype)
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{name}.{key}: shape {tuple(value.shape)} does not match {tuple(param.shape)}")
+            if _is_dtensor(param):
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, param.device_mesh, param.placements)
+            param.copy_(value)
 
     def _pairs(self, name: str):
         if self.lora:
-            live = lora_lib._lora_params(self.live_module, "default")
-            other = lora_lib._lora_params(self.live_module, name)
+            live = lora_lib.lora_parameters(self.live_module, "default")
+            other = lora_lib.lora_parameters(self.live_module, name)
             return [(other[k], live[k]) for k in live]
         return list(zip(self._copies[name].parameters(), self.live_module.parameters()))
 

@@ -17,6 +17,7 @@ micro-batches, so replaying the first update runs the same computations as the r
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from flowforge import checkpoint as ckpt
 from flowforge import config as config_lib
+from flowforge import distributed as dist_lib
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
@@ -51,6 +53,9 @@ class StepBatch:
     prompt_indices: torch.Tensor  # [B] int64 index into the prompt list
     group_ids: torch.Tensor  # [B] int64
     candidate_ids: torch.Tensor  # [B] int64 stable per-candidate sample ids (noise seeds)
+    order: torch.Tensor  # [B] int64 training order of this rank's canonical share (row i = share[order[i]])
+    global_group_ids: torch.Tensor  # [M*K] int64 group of every candidate of the step, canonical order
+    rank_slice: slice  # this rank's share of the canonical order
 
 
 def _encode(adapter, records: list[PromptRecord], cache_dir: str):
@@ -67,22 +72,29 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, *, progress: bool = True):
-        report = preflight(cfg)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        report = preflight(cfg, world_size=world)
+        self.dist = dist_lib.init(cfg.run.device)
         for warning in report.warnings:
             log.warning(warning)
         self.cfg = cfg
-        self.progress = progress
+        self.progress = progress and self.dist.is_main
         if cfg.run.num_threads > 0:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
-        self.device = torch.device(cfg.run.device)
+        device = cfg.run.device
+        if device == "cuda" and self.dist.enabled:
+            device = f"cuda:{self.dist.local_rank}"
+        self.device = torch.device(device)
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.model_source = _model_source(cfg.model.path)
         if self.model_source is not None:
             ckpt.check_run_dir_outside_source(self.run_dir, self.model_source)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(config_lib.dump_config(cfg))
-        write_provenance(self.run_dir)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(config_lib.dump_config(cfg))
+            write_provenance(self.run_dir)
+        dist_lib.barrier(self.dist)
 
         m = cfg.model
         self.adapter = build_adapter(m.adapter, m.path, dtype=DTYPES[m.dtype], device=self.device)
@@ -94,28 +106,41 @@ class Trainer:
         release = getattr(self.adapter, "release_text_encoder", None)
         if release is not None:
             release()
-        self.sigmas = sigmas_for(cfg.sampler, self.latent_shape)
+        self.sigmas = self._schedule()
 
         objective_cls = OBJECTIVES[cfg.train.algorithm]
         total = cfg.train.steps * objective_cls.optimizer_steps_per_batch(cfg)
-        self.policy = Policy(self.adapter, cfg.lora, cfg.train, total_optimizer_steps=total,
+        d = cfg.distributed
+        wrap = None
+        if self.dist.enabled:
+            def wrap():
+                dist_lib.wrap(self.adapter, d.strategy, param_dtype=d.param_dtype, reduce_dtype=d.reduce_dtype)
+        if d.activation_checkpointing:
+            self.adapter.transformer.enable_gradient_checkpointing()
+        self.policy = Policy(self.adapter, cfg.lora, cfg.train, total_optimizer_steps=total, wrap=wrap,
                              **objective_cls.policy_bank(cfg))
         self.objective = objective_cls(cfg, self.adapter, self.policy)
-        if cfg.grpo.kl_weight > 0 or cfg.nft.ref_weight > 0:
-            self.policy.keep_reference()
 
         self.sampler = KRepeatSampler(len(self.train_prompts), cfg.data.prompts_per_step, cfg.data.group_size,
-                                      cfg.run.seed)
+                                      cfg.run.seed, num_replicas=self.dist.world_size, rank=self.dist.rank)
         r = cfg.reward
         names = list(dict.fromkeys([*r.weights, *cfg.eval.scorers]))
         self.rewards = RewardProcessor({n: build_scorer(n, **r.options.get(n, {})) for n in names}, r.weights,
                                        r.required, batch_size=r.batch_size)
-        self.logger = MetricsLogger(self.run_dir)
+        self.logger = MetricsLogger(self.run_dir) if self.dist.is_main else None
         self.step = 0
         self.base_sha256 = ckpt.sha256_of_path(self.model_source) if self.model_source is not None else None
         self.resumed_from: Path | None = None
         if cfg.train.resume:
             self.resume(cfg.train.resume)
+
+    def _schedule(self) -> torch.Tensor:
+        """The sampling schedule; a dynamic-shift family's own pipeline schedule when the adapter provides one."""
+        s, m = self.cfg.sampler, self.cfg.model
+        pipeline_sigmas = getattr(self.adapter, "pipeline_sigmas", None)
+        if s.schedule == "dynamic" and s.mu is None and pipeline_sigmas is not None:
+            return pipeline_sigmas(s.num_steps, m.height, m.width).float().cpu()
+        return sigmas_for(s, self.latent_shape)
 
     # ------------------------------------------------------------------------------------------------ state
     def contract(self) -> dict:
@@ -133,13 +158,42 @@ class Trainer:
                 "sampler": self.sampler.state_dict(), "config_fingerprint": config_lib.fingerprint(self.cfg),
                 **self.contract()}
 
+    @property
+    def _sharded(self) -> bool:
+        return self.dist.enabled and self.cfg.distributed.strategy == "fsdp"
+
+    def _dcp_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        opts = StateDictOptions(ignore_frozen_params=True)
+        module = self.policy.live_module
+        return {"model": get_model_state_dict(module, options=opts),
+                "optim": get_optimizer_state_dict(module, self.policy.optimizer, options=opts)}
+
     def save(self) -> Path:
-        """Commit a checkpoint of the current step (weights of every bank policy, optimizer, state, RNG)."""
-        tensors = {name: self.policy.named_weights(name) for name in ("live", "old", "ema") if self.policy.has(name)}
-        optim = {"optimizer": self.policy.optimizer.state_dict(), "scheduler": self.policy.scheduler.state_dict()}
+        """Commit a checkpoint of the current step: every bank policy's weights, the optimizer and LR schedule, the
+        trainer state and every rank's RNG. Under FSDP the trainable weights and optimizer are saved sharded with
+        torch.distributed.checkpoint (every rank writes its shard); otherwise as safetensors + ``optimizer.pt``."""
+        names = [n for n in ("live", "old", "ema") if self.policy.has(n) and not (n == "live" and self._sharded)]
+        tensors = {name: self.policy.named_weights(name) for name in names}  # collective under FSDP
+        optim = {"scheduler": self.policy.scheduler.state_dict()}
+        writer = None
+        if self._sharded:
+            import torch.distributed.checkpoint as dcp
+
+            state = self._dcp_state()
+
+            def writer(directory: Path) -> None:
+                dcp.save(state, checkpoint_id=str(directory))
+        else:
+            optim["optimizer"] = self.policy.optimizer.state_dict()
         return ckpt.save_checkpoint(self.run_dir, self.step, tensors=tensors, optimizer_state=optim,
                                     trainer_state=self.state_dict(), keep=self.cfg.checkpoint.keep,
-                                    protect=self.resumed_from)
+                                    protect=self.resumed_from, rank=self.dist.rank,
+                                    world_size=self.dist.world_size,
+                                    barrier=(lambda: dist_lib.barrier(self.dist)) if self.dist.enabled else None,
+                                    sharded_writer=writer)
 
     def resume(self, resume: str) -> None:
         """Restore everything :meth:`save` wrote; training continues at the next step.
@@ -153,11 +207,14 @@ class Trainer:
         if path is None:
             log.info("train.resume=%s: no committed checkpoint in %s, starting from scratch", resume, self.run_dir)
             return
-        state = ckpt.load_checkpoint(path)
+        state = ckpt.load_checkpoint(path, rank=self.dist.rank)
         ckpt.check_contract(state.trainer_state, self.contract())
         for name, tensors in state.tensors.items():
             self.policy.load_named_weights(name, tensors)
-        self.policy.optimizer.load_state_dict(state.optimizer_state["optimizer"])
+        if "optimizer" in state.optimizer_state:
+            self.policy.optimizer.load_state_dict(state.optimizer_state["optimizer"])
+        else:
+            self._load_sharded(path / ckpt.SHARDED_DIR)
         self.policy.scheduler.load_state_dict(state.optimizer_state["scheduler"])
         ts = state.trainer_state
         if ts.get("config_fingerprint") != config_lib.fingerprint(self.cfg):
@@ -171,6 +228,20 @@ class Trainer:
         self.resumed_from = path
         log.info("resumed from %s at step %d", path, self.step)
 
+    def _load_sharded(self, directory: Path) -> None:
+        if not self._sharded:
+            raise ValueError(f"{directory.parent} holds sharded (FSDP) state: resume it with distributed.strategy="
+                             "'fsdp' under torchrun")
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(directory))
+        opts = StateDictOptions(ignore_frozen_params=True)
+        set_model_state_dict(self.policy.live_module, state["model"], options=opts)
+        set_optimizer_state_dict(self.policy.live_module, self.policy.optimizer, state["optim"], options=opts)
+
     # ------------------------------------------------------------------------------------------------ stages
     def next_prompts(self) -> StepBatch:
         """Stage 1: this rank's M x K candidates, put in a seeded training order."""
@@ -178,7 +249,8 @@ class Trainer:
         order = torch.randperm(kb.local_group_ids.numel(),
                                generator=torch.Generator().manual_seed(self.cfg.run.seed * 7919 + kb.step))
         return StepBatch(prompt_indices=kb.local_prompt_indices[order], group_ids=kb.local_group_ids[order],
-                         candidate_ids=kb.local_candidate_ids[order])
+                         candidate_ids=kb.local_candidate_ids[order], order=order, global_group_ids=kb.group_ids,
+                         rank_slice=kb.rank_slice)
 
     def sample(self, batch: StepBatch, step: int):
         """Stage 2: roll out the objective's declared trajectories, chunked like the training micro-batches."""
@@ -200,19 +272,28 @@ class Trainer:
         """Stage 3: every reward component ``[B]`` and the reward metrics."""
         return self.rewards(images, [r.prompt for r in records], [r.metadata for r in records], group_ids)
 
-    def advantages(self, components: dict[str, torch.Tensor], group_ids: torch.Tensor):
-        """Stage 4: group-relative advantages ``[B]`` (combined over components, clipped), the weighted total
-        reward ``[B]`` and group statistics."""
+    def advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
+        """Stage 4: group-relative advantages (combined over components, clipped) and the weighted total reward,
+        both ``[B]`` in this rank's training order, plus statistics of the whole step.
+
+        The components of every rank are gathered in the sampler's canonical order, so every group is seen whole
+        and every rank computes the same advantages; each keeps its own share."""
         a = self.cfg.advantage
         weights = self.cfg.reward.weights
-        adv = combine_components({k: components[k] for k in weights}, weights, group_ids, mode=a.combine,
-                                 std_mode=a.std_mode, eps=a.eps, std_floor=a.std_floor)
+        canonical = torch.argsort(batch.order)
+        every = {k: dist_lib.all_gather_cat(components[k][canonical], self.dist) for k in weights}
+        gids = batch.global_group_ids
+        adv = combine_components(every, weights, gids, mode=a.combine, std_mode=a.std_mode, eps=a.eps,
+                                 std_floor=a.std_floor)
         adv = clip_advantages(adv, a.clip)
-        total = sum(w * components[k] for k, w in weights.items())
-        stats = group_stats(total, group_ids)
+        total = sum(w * every[k] for k, w in weights.items())
+        stats = group_stats(total, gids)
         metrics = {"reward/total_mean": total.mean(), "reward/group_std_mean": stats.std.mean(),
                    "reward/degenerate": stats.degenerate_fraction, "train/adv_abs_mean": adv.abs().mean()}
-        return adv, total, metrics
+        for k, v in every.items():
+            metrics[f"reward/{k}_mean"], metrics[f"reward/{k}_std"] = v.mean(), v.std(unbiased=False)
+        mine = lambda t: t[batch.rank_slice][batch.order]  # noqa: E731
+        return mine(adv), mine(total), metrics
 
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """Stage 5: the objective's updates; skipped (and said so) when no group has reward variance."""
@@ -248,20 +329,23 @@ class Trainer:
                 images = self._decode(traj.final)
                 components, reward_metrics = self.score(images, records, sb.group_ids)
             with timer("advantage"):
-                adv, total, adv_metrics = self.advantages(components, sb.group_ids)
+                adv, total, adv_metrics = self.advantages(components, sb)
             with timer("optimize"):
                 train_metrics = self.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids,
                                                          rewards=total, candidate_ids=sb.candidate_ids))
             self.step = step + 1
-            scalars = {**reward_metrics, **to_scalars({**adv_metrics, **train_metrics})}
-            scalars["train/diversity"] = float(within_group_diversity(images, sb.group_ids))
+            local = {**reward_metrics, **to_scalars(train_metrics)}
+            local["train/diversity"] = float(within_group_diversity(images, sb.group_ids))
             times = timer.scalars()
-            scalars.update(times)
-            scalars["perf/samples_per_s"] = len(records) / max(sum(times.values()), 1e-9)
+            local.update(times)
+            local["perf/samples_per_s"] = len(records) / max(sum(times.values()), 1e-9)
+            scalars = {**dist_lib.mean_across_ranks(local, self.dist), **to_scalars(adv_metrics)}
+            scalars["perf/samples_per_s"] = local["perf/samples_per_s"] * self.dist.world_size
             self.finish_step(scalars)
             bar.set_postfix(reward=f"{scalars['reward/total_mean']:.3f}")
-        self.logger.close()
-        if self.step < cfg.train.steps:
+        if self.logger is not None:
+            self.logger.close()
+        if self.step < cfg.train.steps or not self.dist.is_main:
             return self.run_dir
         from flowforge.report import write_report
 
@@ -271,7 +355,8 @@ class Trainer:
     def finish_step(self, scalars: dict[str, float]) -> None:
         """Stage 6: log the step; evaluate every ``eval.every`` steps and after the last; checkpoint every
         ``checkpoint.every`` steps and after the last."""
-        self.logger.log(self.step, scalars)
+        if self.logger is not None:
+            self.logger.log(self.step, scalars)
         every = self.cfg.eval.every
         if (every and self.step % every == 0) or self.step == self.cfg.train.steps:
             self.evaluate(self.step)
@@ -282,7 +367,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out eval with fixed noise (eval seed, prompt index, sample index) and the ODE sampler: the mean of
-        every reward component and eval scorer, within-prompt diversity, and a sample grid ``samples/step_N.png``."""
+        every reward component and eval scorer, within-prompt diversity, and a sample grid ``samples/step_N.png``.
+        Every rank generates (sharded forwards run in lockstep); rank 0 scores and logs."""
         e = self.cfg.eval
         k = e.samples_per_prompt
         n_prompts = len(self.eval_prompts)
@@ -296,6 +382,8 @@ class Trainer:
                 finals.append(generate(self.adapter, self.eval_cond.index(rows), x_T[start:start + e.batch_size],
                                        self.sigmas, self.cfg.sampler.guidance_scale))
         images = self._decode(torch.cat(finals))
+        if not self.dist.is_main:
+            return {}
         records = [self.eval_prompts[i] for i in prompt_idx.tolist()]
         components, _ = self.score(images, records, prompt_idx)
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}

@@ -31,8 +31,7 @@ def test_old_decay_schedule_values():
 @pytest.mark.parametrize("trainable", ["lora", "full"])
 def test_bank_old_ref_ema(adapter, trainable):
     lora = LoraConfig(trainable=trainable, rank=4 if trainable == "lora" else None)
-    policy = Policy(adapter, lora, TrainConfig(lr=1e-2), 10, keep_old=True, ema_decay=0.9)
-    policy.keep_reference()
+    policy = Policy(adapter, lora, TrainConfig(lr=1e-2), 10, keep_old=True, keep_ref=True, ema_decay=0.9)
     x, s, c = _inputs(adapter)
     with policy.reference():
         ref_before = adapter.velocity(x, s, c, 1.0)
@@ -52,10 +51,10 @@ def test_bank_old_ref_ema(adapter, trainable):
     assert all(torch.equal(old[k], old_before[k]) for k in old), "old moved without a blend"
     # old never receives gradients
     if trainable == "lora":
-        from flowforge.models.lora import _lora_params
+        from flowforge.models.lora import lora_parameters
 
-        old_params = list(_lora_params(adapter.transformer, "old").values())
-        live_params = list(_lora_params(adapter.transformer, "default").values())
+        old_params = list(lora_parameters(adapter.transformer, "old").values())
+        live_params = list(lora_parameters(adapter.transformer, "default").values())
         assert not any(p.data_ptr() == q.data_ptr() for p in old_params for q in live_params)
     else:
         old_params = list(policy._copies["old"].parameters())

@@ -35,7 +35,7 @@ def one_step(trainer, step=0):
     traj, cond = trainer.sample(sb, step)
     records = [trainer.train_prompts[i] for i in sb.prompt_indices.tolist()]
     comps, _ = trainer.score(trainer._decode(traj.final), records, sb.group_ids)
-    adv, total, _ = trainer.advantages(comps, sb.group_ids)
+    adv, total, _ = trainer.advantages(comps, sb)
     return sb, traj, cond, adv, total
 
 

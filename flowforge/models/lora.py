@@ -51,7 +51,7 @@ def adapter_names(module: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def _lora_params(module: nn.Module, adapter_name: str) -> dict[str, nn.Parameter]:
+def lora_parameters(module: nn.Module, adapter_name: str) -> dict[str, nn.Parameter]:
     """``{portable key: parameter}`` of adapter ``adapter_name``; the key omits the adapter name."""
     out = {}
     for name, param in module.named_parameters():
@@ -97,7 +97,7 @@ def add_adapter(transformer: nn.Module, adapter_name: str, rank: int, alpha: flo
             inject_adapter_in_model(config, transformer, adapter_name=adapter_name)
         except ValueError as exc:
             raise ValueError(f"LoRA targets {list(targets)} match no module of {type(transformer).__name__}: {exc}")
-    params = _lora_params(transformer, adapter_name)
+    params = lora_parameters(transformer, adapter_name)
     if not params:
         raise ValueError(f"LoRA targets {list(targets)} matched no module of {type(transformer).__name__}")
     for p in params.values():
@@ -184,7 +184,7 @@ def lora_state_dict(transformer: nn.Module, adapter_name: str = "default") -> di
     Raises:
         ValueError: unknown adapter name.
     """
-    params = _lora_params(transformer, adapter_name)
+    params = lora_parameters(transformer, adapter_name)
     if not params:
         raise ValueError(f"unknown LoRA adapter {adapter_name!r}; present: {adapter_names(transformer)}")
     return {k: p.detach().clone() for k, p in params.items()}
@@ -197,7 +197,7 @@ def load_lora_state_dict(transformer: nn.Module, state: Mapping[str, Tensor], ad
     Raises:
         ValueError: unknown adapter; missing / unexpected keys; shape mismatch.
     """
-    params = _lora_params(transformer, adapter_name)
+    params = lora_parameters(transformer, adapter_name)
     if not params:
         raise ValueError(f"unknown LoRA adapter {adapter_name!r}; present: {adapter_names(transformer)}")
     missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))

@@ -1,0 +1,120 @@
+"""torch.distributed for flowforge: process group from torchrun's environment, collectives, DDP / FSDP2 wrapping.
+
+Launch: ``torchrun --nproc_per_node N -m flowforge.cli train CONFIG ...`` (multi-node through torchrun's
+rendezvous). No process management here: torchrun sets ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_*``
+and :func:`init` joins the group (NCCL on CUDA, gloo on CPU).
+
+Data parallelism of one step (M prompts x K candidates, canonical group-major order from the K-repeat sampler):
+
+* each rank rolls out and scores its contiguous share of the candidates;
+* rewards are all-gathered in canonical order so group statistics see every group whole
+  (:func:`all_gather_cat`), advantages are computed identically on every rank and each rank keeps its share;
+* gradients are averaged by the wrapper: ``replicate`` (composable DDP) or ``fully_shard`` (FSDP2, applied to
+  ``adapter.blocks()`` then the root, ``MixedPrecisionPolicy`` for param / reduce dtypes). Every rank holds the same
+  number of samples (preflight requires divisibility), so the average of per-rank means is the global mean: no
+  sample is ever duplicated to pad a tail.
+
+Candidate noise depends on the candidate's sample id (never on the rank), so two ranks never draw the same candidate.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(device: str = "cpu") -> DistInfo:
+    """Join the process group torchrun describes (no-op for a single process). Returns this rank's info."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend=backend)
+    info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(info.local_rank)
+    return info
+
+
+def all_gather_cat(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Concatenate equal-shaped ``tensor`` of every rank along dim 0, in rank order (identity when single)."""
+    if not info.enabled:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(info.world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+def mean_across_ranks(scalars: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Average a dict of floats over ranks (same keys on every rank; NaN stays NaN)."""
+    if not info.enabled or not scalars:
+        return scalars
+    keys = sorted(scalars)
+    t = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: float(v) / info.world_size for k, v in zip(keys, t.tolist())}
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def wrap(adapter, strategy: str, *, param_dtype: str = "float32", reduce_dtype: str = "float32",
+         activation_checkpointing: bool = False) -> None:
+    """Make ``adapter.transformer`` data-parallel in place (call after LoRA injection, before the optimizer).
+
+    ``"ddp"``: ``torch.distributed._composable.replicate`` (DDP's gradient all-reduce, keeps the module's class and
+    attributes). ``"fsdp"``: FSDP2 ``fully_shard`` on each of ``adapter.blocks()`` then the root, with
+    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; trainable master weights stay fp32.
+    Optional activation checkpointing of each block (non-reentrant).
+
+    Raises:
+        ValueError: unknown strategy / dtype (allowed values listed).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"distributed.strategy={strategy!r} is not one of {list(STRATEGIES)}")
+    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value not in DTYPES:
+            raise ValueError(f"distributed.{name}={value!r} is not one of {sorted(DTYPES)}")
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        blocks = set(map(id, adapter.blocks()))
+        apply_activation_checkpointing(adapter.transformer, check_fn=lambda m: id(m) in blocks)
+    if strategy == "ddp":
+        from torch.distributed._composable import replicate
+
+        replicate(adapter.transformer)
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    for block in adapter.blocks():
+        fully_shard(block, mp_policy=mp)
+    fully_shard(adapter.transformer, mp_policy=mp)
