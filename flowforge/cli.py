@@ -6,6 +6,8 @@
     flowforge sft CONFIG [section.key=value ...]     flow-matching supervised fine-tuning (makes the demo base)
     flowforge check CONFIG [section.key=value ...]   load + preflight only; prints warnings, exits 2 on errors
     flowforge report RUN_DIR                         (re)write RUN_DIR/report.html
+    flowforge export RUN_DIR OUT --form merged|adapter [--step N] [--verify] [--base PATH]
+                                                     a diffusers transformer / LoRA from a run's checkpoint
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     rp = sub.add_parser("report", help="write RUN_DIR/report.html from its logs")
     rp.add_argument("run_dir", type=Path)
+    ep = sub.add_parser("export", help="export a run's checkpoint as a diffusers transformer (merged) or LoRA")
+    ep.add_argument("run_dir", type=Path)
+    ep.add_argument("out", type=Path, help="export directory (new or empty)")
+    ep.add_argument("--form", required=True, choices=["merged", "adapter"])
+    ep.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest committed)")
+    ep.add_argument("--verify", action="store_true", help="reload the export and compare velocities; exit 1 if off")
+    ep.add_argument("--base", default=None, help="base model directory (default: model.path of the run's config)")
+    ep.add_argument("--weights", default="live", choices=["live", "ema", "old"])
+    ep.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     return p
 
 
@@ -40,6 +51,22 @@ def main(argv: list[str] | None = None) -> int:
             from flowforge.report import write_report
 
             print(write_report(args.run_dir))
+            return 0
+        if args.command == "export":
+            from flowforge.export import ExportError, ExportVerificationError, export_run, read_export_meta
+
+            try:
+                out = export_run(args.run_dir, args.out, form=args.form, step=args.step, verify=args.verify,
+                                 base=args.base, weights=args.weights, overwrite=args.overwrite)
+            except ExportError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            except ExportVerificationError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            report = read_export_meta(out)["verify"]
+            print(f"exported {args.form} to {out}" + (f"; verify: max abs diff {report['max_abs_diff']:.3g}, passed"
+                                                       if report else ""))
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "check":

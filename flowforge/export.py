@@ -1,0 +1,420 @@
+"""Export a trained run as a model other tools load: a merged diffusers transformer, or a diffusers / peft LoRA.
+
+What and why
+------------
+A checkpoint (:mod:`flowforge.checkpoint`) stores only what flowforge needs to resume: the LoRA weights keyed without
+the adapter name, and the contract ``{trainable, rank, alpha, targets, dropout}`` in ``trainer_state.json``. Users
+want a model diffusers can load. :func:`export_run` writes one of two forms (SD3 family, the ``sd3`` adapter):
+
+``merged``
+    The base transformer with the LoRA folded in, ``W' = W + (alpha / rank) * B A`` (diffusers
+    ``ModelMixin.fuse_lora`` = peft ``LoraLayer.merge``, then ``unload_lora`` strips the peft wrappers), saved with
+    ``save_pretrained`` (safetensors, fp32). A pipeline-directory base (``transformer/``, ``vae/``, text
+    encoders) gives ``OUT/transformer/`` plus copies of every other component, so
+    ``StableDiffusion3Pipeline.from_pretrained(OUT)`` works; a bare-transformer base gives a transformer directory at
+    ``OUT``. The base transformer's ``flowforge.json`` (its text encoder) is copied beside the new ``config.json``,
+    so ``flowforge`` (``model.path=OUT``) loads it. A full fine-tune run saves its live weights the same way (the
+    base is then needed for its ``config.json`` and pipeline components only).
+
+``adapter``
+    ``OUT/pytorch_lora_weights.safetensors`` written by diffusers' ``StableDiffusion3Pipeline.save_lora_weights``
+    (keys ``transformer.<module>.lora_A.weight`` — peft's ``get_peft_model_state_dict`` format with diffusers'
+    component prefix) with ``transformer_lora_adapter_metadata`` = the peft ``LoraConfig`` dict, stored in the
+    safetensors header under ``lora_adapter_metadata``. diffusers rebuilds the ``LoraConfig`` from that metadata
+    (``load_lora_adapter`` → ``_create_lora_config(metadata=...)``), so ``lora_alpha`` is honoured; without it
+    diffusers would assume ``alpha = rank`` and scale the update wrongly whenever ``alpha != rank``. Also
+    ``OUT/adapter_config.json`` (``peft.LoraConfig.save_pretrained``) for peft users. Load with
+    ``StableDiffusion3Pipeline.load_lora_weights(OUT)`` or
+    ``SD3Transformer2DModel.load_lora_adapter(OUT, prefix="transformer", use_safetensors=True)`` (the model-level
+    call looks for ``.bin`` unless told ``use_safetensors=True`` or ``weight_name``).
+
+Every export writes ``OUT/flowforge_export.json`` (run, checkpoint step, weights, form, LoRA contract, base path and
+sha256, and the verification result). The export is assembled in a hidden sibling directory and renamed to ``OUT``
+only when complete (and verified, with ``verify=True``), so ``OUT`` never holds a partial export.
+
+Verification
+------------
+``verify=True`` reloads the export the way a user would — ``SD3Transformer2DModel.from_pretrained`` (merged), or a
+fresh base + ``load_lora_adapter`` from the written file (adapter) — and compares its velocity with the trained
+policy's (base + peft LoRA injected by :func:`flowforge.models.lora.inject_lora` + the checkpoint weights; the full
+state dict for full fine-tunes) on fixed inputs: seeded ``x [2, C, h, w]``, ``sigma = [0.3, 0.8]``, seeded
+conditioning, guidance 1, all fp32. It fails when ``max |v_export - v_trained| > tol * max(1, max |v_trained|)``:
+
+==========  ==========  =========================================================================================
+form        ``tol``     measured on the tests' tiny SD3 (rank 4, alpha 8, fp32)
+==========  ==========  =========================================================================================
+adapter     1e-5        0 (the same peft layers and scaling compute the same thing)
+merged      1e-4        ~4e-7 abs at max |v| ~2 (``(W + s B A) x`` rounds differently from ``W x + s B (A x)``)
+full        1e-5        0 (the same weights, saved and reloaded)
+==========  ==========  =========================================================================================
+
+The report also gives ``max |v_trained - v_base|`` for LoRA runs, so an export that silently dropped the LoRA (a
+no-op adapter) is visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flowforge import checkpoint as ckpt
+from flowforge.config import load_config
+from flowforge.models import lora as lora_lib
+from flowforge.models.base import Conditioning
+from flowforge.models.sd3 import DEMO_BASE, FLOWFORGE_META, SD3Adapter, demo_base_dir
+
+log = logging.getLogger("flowforge")
+
+FORMS = ("merged", "adapter")
+WEIGHT_GROUPS = ("live", "ema", "old")
+SUPPORTED_ADAPTERS = ("sd3",)
+EXPORT_META = "flowforge_export.json"
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+TOLERANCES = {"adapter": 1e-5, "merged": 1e-4, "full": 1e-5}
+"""Verification tolerance relative to ``max(1, max |v_trained|)`` (see the module docstring for measurements)."""
+
+
+class ExportError(ValueError):
+    """The run cannot be exported as asked (missing base, wrong form, unsupported model family, ...)."""
+
+
+class ExportVerificationError(RuntimeError):
+    """The reloaded export's velocity differs from the trained policy's by more than the tolerance."""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Velocity comparison of a reloaded export with the trained policy on fixed inputs (fp32)."""
+
+    max_abs_diff: float  # max |v_export - v_trained|
+    max_abs_trained: float  # max |v_trained|
+    base_diff: float | None  # max |v_trained - v_base| (LoRA runs): > 0 means the LoRA changes the model
+    tolerance: float  # relative to max(1, max_abs_trained)
+    passed: bool
+
+
+# ------------------------------------------------------------------------------------------------ run + base
+@dataclass(frozen=True)
+class _Source:
+    run_dir: Path
+    checkpoint: ckpt.Checkpoint
+    weights: dict[str, torch.Tensor]
+    lora: dict  # trainer_state["lora"]: trainable, rank, alpha, targets, dropout
+    model_path: str  # model.path of the run's config
+    base: Path | None  # local base directory (None: not found locally)
+
+
+def _resolve_base(path: str | Path) -> Path:
+    return demo_base_dir() if str(path) == DEMO_BASE else Path(path).expanduser()
+
+
+def _load_source(run_dir: Path, step: int | None, base: str | Path | None, weights: str) -> _Source:
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise ExportError(f"{run_dir} has no config.yaml: not a flowforge run directory")
+    cfg = load_config(cfg_file)
+    if cfg.model.adapter not in SUPPORTED_ADAPTERS:
+        raise ExportError(f"model.adapter={cfg.model.adapter!r}: export supports {list(SUPPORTED_ADAPTERS)}")
+    committed = ckpt.committed_checkpoints(run_dir)
+    if step is None:
+        if not committed:
+            raise ExportError(f"{run_dir / ckpt.CHECKPOINTS_DIR} holds no committed checkpoint (train with "
+                              "checkpoint.every > 0)")
+        path = committed[-1]
+    else:
+        path = run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(step)
+        if not ckpt.is_committed(path):
+            raise ExportError(f"step {step}: {path} is not a committed checkpoint; committed steps: "
+                              f"{[int(p.name.split('_')[1]) for p in committed]}")
+    state = ckpt.load_checkpoint(path)
+    lora = state.trainer_state.get("lora")
+    if not isinstance(lora, dict) or lora.get("trainable") not in ("lora", "full"):
+        raise ExportError(f"{path / ckpt.TRAINER_STATE_FILE} has no LoRA contract ('lora': {{trainable, ...}})")
+    if weights in state.tensors:
+        tensors = state.tensors[weights]
+    elif weights == "live" and (path / ckpt.SHARDED_DIR).is_dir():
+        tensors = _sharded_live_weights(path / ckpt.SHARDED_DIR, lora["trainable"] == "lora")
+    else:
+        raise ExportError(f"{path} holds no {weights!r} weights; it holds {sorted(state.tensors)}")
+    base_dir = _resolve_base(base if base is not None else cfg.model.path)
+    return _Source(run_dir=run_dir, checkpoint=state, weights=tensors, lora=lora,
+                   model_path=str(base if base is not None else cfg.model.path),
+                   base=base_dir if base_dir.exists() else None)
+
+
+def _sharded_live_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]:
+    """The live weights of an FSDP run, read from its ``torch.distributed.checkpoint`` directory in one process.
+
+    The trainer saves ``{"model": get_model_state_dict(live, ignore_frozen_params=True), "optim": ...}``: under LoRA
+    the keys name the ``default`` adapter (``<module>.lora_A.default.weight``) and are returned without it, as
+    :func:`flowforge.models.lora.lora_state_dict` keys them; under full fine-tuning they are the transformer's
+    parameter names. Only the ``model`` entries are read.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(m, "size") and hasattr(m, "properties")}
+    if not model:
+        raise ExportError(f"{directory}: no 'model' tensors in the sharded checkpoint")
+    state = {"model": model}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    if not lora:
+        return state["model"]
+    out = {}
+    for key, value in state["model"].items():
+        for kind in ("lora_A", "lora_B"):
+            if f".{kind}.default." in key:
+                out[key.replace(f".{kind}.default.", f".{kind}.")] = value
+    if not out:
+        raise ExportError(f"{directory}: no LoRA weights of the 'default' (live) adapter in the sharded checkpoint")
+    return out
+
+
+def _layout(base: Path) -> tuple[Path, bool]:
+    """``(transformer directory, is a pipeline directory)`` of a base model directory."""
+    if (base / "transformer" / "config.json").is_file():
+        return base / "transformer", True
+    if (base / "config.json").is_file():
+        return base, False
+    raise ExportError(f"{base}: expected a diffusers pipeline directory (transformer/config.json) or a transformer "
+                      "directory (config.json)")
+
+
+def _require_base(src: _Source, why: str) -> Path:
+    if src.base is None:
+        raise ExportError(
+            f"{why} needs the base model, but {src.model_path!r} (model.path in {src.run_dir / 'config.yaml'}) "
+            "does not exist here. Pass the base model directory with --base PATH (Python: export_run(..., "
+            "base=PATH)); it must be the model the run was trained from (its sha256 is checked).")
+    expected = src.checkpoint.trainer_state.get("base_model_sha256")
+    if expected is not None:
+        actual = ckpt.sha256_of_path(src.base)
+        if actual != expected:
+            raise ExportError(f"base model {src.base} (sha256 {actual[:12]}…) is not the model the run was trained "
+                              f"from (sha256 {expected[:12]}…); pass the original base with --base")
+    return src.base
+
+
+def _load_transformer(transformer_dir: Path) -> nn.Module:
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel.from_pretrained(str(transformer_dir), torch_dtype=torch.float32,
+                                                 local_files_only=True).eval()
+
+
+def _trained_policy(src: _Source, transformer_dir: Path) -> nn.Module:
+    """The trained policy in fp32: base + injected LoRA + checkpoint weights (or the full fine-tuned weights)."""
+    transformer = _load_transformer(transformer_dir)
+    if src.lora["trainable"] == "lora":
+        lora_lib.inject_lora(transformer, int(src.lora["rank"]), float(src.lora["alpha"]), list(src.lora["targets"]))
+        lora_lib.load_lora_state_dict(transformer, src.weights)
+    else:
+        # a sharded (FSDP) checkpoint holds the parameters only; buffers then come from the base
+        missing, unexpected = transformer.load_state_dict({k: v.float() for k, v in src.weights.items()},
+                                                          strict=False)
+        params = {name for name, _ in transformer.named_parameters()}
+        if unexpected or params & set(missing):
+            raise ExportError(f"full fine-tune weights do not fit the base transformer: missing "
+                              f"{sorted(params & set(missing))[:5]}, unexpected {sorted(unexpected)[:5]}")
+    return transformer.requires_grad_(False).eval()
+
+
+def _peft_config(lora: dict):
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora["alpha"]), target_modules=list(lora["targets"]),
+                      lora_dropout=0.0, bias="none", init_lora_weights=True)
+
+
+# ------------------------------------------------------------------------------------------------ verification
+def _probe_inputs(config) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:
+    """Fixed fp32 inputs from the transformer config: ``x [2, C, h, w]``, ``sigma [2]``, seeded conditioning."""
+    gen = torch.Generator().manual_seed(20240601)
+    patch = int(config.patch_size)
+    cells = min(int(config.pos_embed_max_size or 16), int(config.sample_size) // patch, 16)
+    side = max(cells, 1) * patch
+    x = torch.randn(2, int(config.in_channels), side, side, generator=gen)
+    cond = Conditioning(prompt_embeds=torch.randn(2, 8, int(config.joint_attention_dim), generator=gen),
+                        pooled=torch.randn(2, int(config.pooled_projection_dim), generator=gen))
+    return x, torch.tensor([0.3, 0.8]), cond
+
+
+@torch.no_grad()
+def _velocity(transformer: nn.Module, inputs) -> torch.Tensor:
+    x, sigma, cond = inputs
+    return SD3Adapter(transformer).velocity(x, sigma, cond, 1.0)
+
+
+def _report(v_export: torch.Tensor, v_trained: torch.Tensor, base_diff: float | None, tol: float) -> VerifyReport:
+    diff = float((v_export - v_trained).abs().max())
+    scale = float(v_trained.abs().max())
+    return VerifyReport(max_abs_diff=diff, max_abs_trained=scale, base_diff=base_diff, tolerance=tol,
+                        passed=bool(diff <= tol * max(1.0, scale)))
+
+
+# ------------------------------------------------------------------------------------------------ writers
+def _copy_components(base: Path, out: Path) -> None:
+    for entry in sorted(base.iterdir()):
+        if entry.name == "transformer" or entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, out / entry.name)
+        else:
+            shutil.copy2(entry, out / entry.name)
+
+
+def _write_merged(src: _Source, work: Path, verify: bool) -> VerifyReport | None:
+    base = _require_base(src, "a merged export" if src.lora["trainable"] == "lora" else "exporting a full "
+                         "fine-tune (for its config.json and pipeline components)")
+    transformer_dir, is_pipeline = _layout(base)
+    policy = _trained_policy(src, transformer_dir)
+    inputs = _probe_inputs(policy.config) if verify else None
+    v_trained = _velocity(policy, inputs) if verify else None
+    base_diff = None
+    if src.lora["trainable"] == "lora":
+        if verify:
+            with lora_lib.adapters_disabled(policy):
+                base_diff = float((_velocity(policy, inputs) - v_trained).abs().max())
+        policy.fuse_lora(lora_scale=1.0, safe_fusing=True, adapter_names=["default"])
+        policy.unload_lora()
+    out_transformer = work / "transformer" if is_pipeline else work
+    out_transformer.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(str(out_transformer), safe_serialization=True)
+    if (transformer_dir / FLOWFORGE_META).is_file():  # the text encoder flowforge loads the model with
+        shutil.copy2(transformer_dir / FLOWFORGE_META, out_transformer / FLOWFORGE_META)
+    if is_pipeline:
+        _copy_components(base, work)
+    del policy
+    if not verify:
+        return None
+    reloaded = _load_transformer(out_transformer)
+    kind = "merged" if src.lora["trainable"] == "lora" else "full"
+    return _report(_velocity(reloaded, inputs), v_trained, base_diff, TOLERANCES[kind])
+
+
+def _write_adapter(src: _Source, work: Path, verify: bool) -> VerifyReport | None:
+    from diffusers import StableDiffusion3Pipeline
+
+    if src.lora["trainable"] != "lora":
+        raise ExportError("this run fine-tuned the full transformer (lora.trainable='full'): it has no adapter; "
+                          "export it with --form merged")
+    bad = [k for k in src.weights if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if bad:
+        raise ExportError(f"checkpoint LoRA weights have unexpected keys {bad[:3]}")
+    peft_cfg = _peft_config(src.lora)
+    # flowforge's checkpoint keys drop the adapter name exactly as peft's get_peft_model_state_dict does
+    layers = {k: v.detach().float().contiguous() for k, v in sorted(src.weights.items())}
+    StableDiffusion3Pipeline.save_lora_weights(str(work), transformer_lora_layers=layers,
+                                               transformer_lora_adapter_metadata=peft_cfg.to_dict(),
+                                               weight_name=LORA_WEIGHT_NAME, safe_serialization=True)
+    peft_cfg.save_pretrained(str(work))
+    if not verify:
+        return None
+    transformer_dir, _ = _layout(_require_base(src, "verifying an adapter export"))
+    policy = _trained_policy(src, transformer_dir)
+    inputs = _probe_inputs(policy.config)
+    v_trained = _velocity(policy, inputs)
+    with lora_lib.adapters_disabled(policy):
+        base_diff = float((_velocity(policy, inputs) - v_trained).abs().max())
+    del policy
+    fresh = _load_transformer(transformer_dir)
+    fresh.load_lora_adapter(str(work), prefix="transformer", weight_name=LORA_WEIGHT_NAME, adapter_name="export")
+    return _report(_velocity(fresh.eval(), inputs), v_trained, base_diff, TOLERANCES["adapter"])
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | None = None, verify: bool = False,
+               base: str | Path | None = None, weights: str = "live", overwrite: bool = False) -> Path:
+    """Export run ``run_dir``'s checkpoint as ``form`` (``merged`` | ``adapter``) into ``out``.
+
+    Args:
+        run_dir: the run directory (``config.yaml`` + ``checkpoints/``).
+        out: the export directory (must not exist, or be empty, unless ``overwrite``).
+        form: ``"merged"`` (a diffusers transformer / pipeline with the LoRA folded in; the only form of a full
+            fine-tune) or ``"adapter"`` (a diffusers + peft LoRA).
+        step: checkpoint step; ``None`` = the newest committed checkpoint.
+        verify: reload the export through diffusers and compare velocities with the trained policy (module
+            docstring); the report is written into ``out/flowforge_export.json``.
+        base: base model directory overriding the config's ``model.path`` (``"demo:base"`` allowed).
+        weights: which checkpoint weights: ``live`` (default), ``ema`` or ``old`` when the run kept them. An FSDP
+            run's live weights are read from the checkpoint's sharded ``dcp/`` directory in this one process.
+        overwrite: replace an existing non-empty ``out``.
+
+    Returns:
+        ``out`` (complete; assembled elsewhere and renamed into place).
+
+    Raises:
+        ExportError (a ValueError): bad ``form`` / ``weights`` / ``step``; no committed checkpoint; unsupported
+            model family; a base that is needed but missing (merged LoRA export, full fine-tune, verify) or differs
+            from the trained-from base; ``out`` exists; ``form="adapter"`` for a full fine-tune.
+        ExportVerificationError: ``verify`` and the difference exceeds the tolerance (``out`` is not written).
+    """
+    if form not in FORMS:
+        raise ExportError(f"form={form!r}; allowed: {list(FORMS)}")
+    if weights not in WEIGHT_GROUPS:
+        raise ExportError(f"weights={weights!r}; allowed: {list(WEIGHT_GROUPS)}")
+    run_dir, out = Path(run_dir), Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty; choose a new directory or pass --overwrite")
+    src = _load_source(run_dir, step, base, weights)
+    if src.base is not None:
+        b, o = src.base.resolve(), out.resolve()
+        if o == b or o.is_relative_to(b) or b.is_relative_to(o):
+            raise ExportError(f"export directory {o} overlaps the base model directory {b}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.export-{os.getpid()}"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir()
+    try:
+        writer = _write_merged if form == "merged" else _write_adapter
+        report = writer(src, work, verify)
+        meta = {
+            "run_dir": str(run_dir.resolve()), "checkpoint": str(src.checkpoint.path.resolve()),
+            "step": src.checkpoint.step, "weights": weights, "form": form, "lora": src.lora,
+            "base_model": src.model_path, "base_model_sha256": src.checkpoint.trainer_state.get("base_model_sha256"),
+            "weights_sha256": _tensors_sha256(src.weights), "verify": asdict(report) if report else None,
+        }
+        (work / EXPORT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if report is not None:
+            log.info("export verify: max |v_export - v_trained| = %.3g (tolerance %.1g x max(1, %.3g)); "
+                     "max |v_trained - v_base| = %s", report.max_abs_diff, report.tolerance,
+                     report.max_abs_trained, "n/a" if report.base_diff is None else f"{report.base_diff:.3g}")
+            if not report.passed:
+                raise ExportVerificationError(
+                    f"export verification failed: max |v_export - v_trained| = {report.max_abs_diff:.3g} > "
+                    f"{report.tolerance:.1g} x max(1, {report.max_abs_trained:.3g}); nothing written to {out}")
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(work, out)
+    finally:
+        if work.exists():
+            shutil.rmtree(work)
+    return out
+
+
+def _tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(k.encode() + b"\0" + str(t.dtype).encode() + str(tuple(t.shape)).encode() + b"\0")
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def read_export_meta(out: str | Path) -> dict:
+    """``out/flowforge_export.json`` as a dict (includes the ``verify`` report when verified)."""
+    return json.loads((Path(out) / EXPORT_META).read_text())
