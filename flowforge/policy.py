@@ -246,7 +246,7 @@ class Policy:
     def step(self) -> torch.Tensor:
         """Clip gradients, take one optimizer + LR-schedule step, zero the gradients, update the EMA.
         Returns the pre-clip gradient norm (0-d tensor)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

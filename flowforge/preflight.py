@@ -142,6 +142,13 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
                         f"{cfg.forward.decay_max} in [0, 1)")
     if not 0 <= cfg.nft.ema_decay < 1:
         problems.append(f"nft.ema_decay={cfg.nft.ema_decay} must be in [0, 1) (0 = no EMA)")
+    if cfg.artifacts.keep < 1:
+        problems.append(f"artifacts.keep={cfg.artifacts.keep} must be >= 1")
+    if cfg.checkpoint.keep < 1:
+        problems.append(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1")
+    from flowforge.distributed import STRATEGIES
+
+    _choice(problems, "distributed.strategy", cfg.distributed.strategy, STRATEGIES)
     if cfg.forward.inner_epochs < 1:
         problems.append(f"forward.inner_epochs={cfg.forward.inner_epochs} must be >= 1")
 

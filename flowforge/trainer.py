@@ -128,6 +128,13 @@ class Trainer:
         self.rewards = RewardProcessor({n: build_scorer(n, **r.options.get(n, {})) for n in names}, r.weights,
                                        r.required, batch_size=r.batch_size)
         self.logger = MetricsLogger(self.run_dir) if self.dist.is_main else None
+        self.sidecars = None
+        if cfg.artifacts.root is not None:
+            from flowforge.sidecars import SidecarWriter
+
+            root = Path(cfg.artifacts.root)
+            self.sidecars = SidecarWriter(root / f"rank_{self.dist.rank}" if self.dist.enabled else root,
+                                          cfg.artifacts.keep)
         self.step = 0
         self.base_sha256 = ckpt.sha256_of_path(self.model_source) if self.model_source is not None else None
         self.resumed_from: Path | None = None
@@ -237,8 +244,8 @@ class Trainer:
                                                              set_optimizer_state_dict)
 
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(directory))
-        opts = StateDictOptions(ignore_frozen_params=True)
+        dcp.load(state, checkpoint_id=str(directory))  # fails if a trainable tensor is missing from the shards
+        opts = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen base weights are not saved
         set_model_state_dict(self.policy.live_module, state["model"], options=opts)
         set_optimizer_state_dict(self.policy.live_module, self.policy.optimizer, state["optim"], options=opts)
 
@@ -330,6 +337,10 @@ class Trainer:
                 components, reward_metrics = self.score(images, records, sb.group_ids)
             with timer("advantage"):
                 adv, total, adv_metrics = self.advantages(components, sb)
+            if self.sidecars is not None:
+                with timer("sidecars"):
+                    self.sidecars.write(step, traj, sb.group_ids, [r.prompt for r in records], images,
+                                        candidate_ids=sb.candidate_ids, extras={"rewards": total, "advantages": adv})
             with timer("optimize"):
                 train_metrics = self.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids,
                                                          rewards=total, candidate_ids=sb.candidate_ids))

@@ -127,3 +127,16 @@ def test_rerun_reproduces_metrics_exactly(make_trainer):
                 for r in rows]
 
     assert run("r1") == run("r2")
+
+
+def test_sidecars_written_per_rollout_and_retained(make_trainer, tmp_path):
+    from flowforge.sidecars import complete_steps, read_group
+
+    root = tmp_path / "sidecars"
+    make_trainer(f"artifacts.root={root}", "artifacts.keep=1", "train.steps=2").train()
+    steps = complete_steps(root)
+    assert [p.name for p in steps] == ["step_000001"]  # keep = 1: only the newest rollout
+    groups = sorted(steps[0].glob("group_*.safetensors"))
+    assert len(groups) == 2  # one file per prompt group
+    g = read_group(groups[0])
+    assert g["final"].shape[0] == 4 and g["log_probs"].shape == (4, 2)
