@@ -5,6 +5,8 @@
     flowforge train CONFIG [section.key=value ...]   online RL post-training (the main job)
     flowforge sft CONFIG [section.key=value ...]     flow-matching supervised fine-tuning (makes the demo base)
     flowforge check CONFIG [section.key=value ...]   load + preflight only; prints warnings, exits 2 on errors
+    flowforge compare FILE [section.key=value ...]   several algorithms / seeds, one budget, one plot + table
+    flowforge export RUN OUT --form merged|adapter   a checkpoint as a diffusers transformer or a LoRA
     flowforge report RUN_DIR                         (re)write RUN_DIR/report.html
     flowforge export RUN_DIR OUT --form merged|adapter [--step N] [--verify] [--base PATH]
                                                      a diffusers transformer / LoRA from a run's checkpoint
@@ -24,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowforge", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "online RL post-training"), ("sft", "flow-matching supervised fine-tuning"),
-                        ("check", "validate a config (load + preflight) without loading a model")):
+                        ("check", "validate a config (load + preflight) without loading a model"),
+                        ("compare", "run several algorithms / seeds on one budget and plot them together")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("config", type=Path, help="YAML config")
         sp.add_argument("overrides", nargs="*", help="section.key=value (values are YAML literals)")
@@ -67,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             report = read_export_meta(out)["verify"]
             print(f"exported {args.form} to {out}" + (f"; verify: max abs diff {report['max_abs_diff']:.3g}, passed"
                                                        if report else ""))
+            return 0
+        if args.command == "compare":
+            from flowforge.compare import load_compare, run_compare
+
+            png = run_compare(load_compare(args.config, tuple(args.overrides)), progress=not args.no_progress)
+            print(f"comparison: {png}\ntable: {png.with_suffix('.md')}")
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "check":
