@@ -71,6 +71,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from flowforge.durable import atomic_write, fsync_path
+
 log = logging.getLogger("flowforge")
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -135,34 +137,12 @@ def committed_checkpoints(run_dir: str | Path) -> list[Path]:
 
 # ------------------------------------------------------------------------------------------------ durable writes
 def _fsync_dir(path: Path) -> None:
-    if os.name == "nt":  # directories cannot be opened for fsync on Windows
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
-    """``write(tmp)``, fsync tmp, rename to ``path``, fsync the directory. A crash leaves at most a stray tmp."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    _fsync_file(tmp)
-    if _test_hook is not None:
-        _test_hook("tmp", relpath)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    if _test_hook is not None:
-        _test_hook("renamed", relpath)
+    """:func:`flowforge.durable.atomic_write` reporting its stages to the test hook."""
+    atomic_write(path, write, None if _test_hook is None else (lambda stage: _test_hook(stage, relpath)))
 
 
 def _write_bytes(path: Path, data: bytes, relpath: str) -> None:

@@ -39,13 +39,11 @@ import datetime as _dt
 import importlib.metadata
 import json
 import math
-import os
 import platform
 import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,6 +54,7 @@ from PIL import Image
 from torch import Tensor
 
 from flowforge import __version__
+from flowforge.durable import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -376,30 +375,13 @@ def save_grid(images: Tensor, path: Path, *, nrow: int, scale: int = 1, padding:
         image = image.resize((image.width * scale, image.height * scale), resample=Image.Resampling.NEAREST)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: image.save(f, format="PNG"))
+    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
     return path
 
 
 def sample_grid_path(run_dir: Path, step: int) -> Path:
     """``<run_dir>/samples/step_000010.png``: where the loop saves, and the report finds, the grid of ``step``."""
     return Path(run_dir) / SAMPLES_DIR / f"step_{step:06d}.png"
-
-
-def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Call ``write(binary_file)`` on a temporary sibling of ``path``, then rename it onto ``path``.
-
-    Readers never see a half-written file, and a crash leaves the previous version in place (the temporary is
-    removed on error). The parent folder must exist.
-    """
-    # A unique sibling name opened with open(), not mkstemp: the file gets the umask's permissions, not 0600.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -458,5 +440,5 @@ def write_provenance(run_dir: Path) -> Path:
     path = Path(run_dir) / PROVENANCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(run_provenance(), indent=2, sort_keys=True) + "\n"
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return path

@@ -35,13 +35,13 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from flowforge.durable import atomic_write
 from flowforge.metrics import (
     CONFIG_FILE,
     EVAL_FILE,
     METRICS_FILE,
     PROVENANCE_FILE,
     SAMPLES_DIR,
-    atomic_write,
 )
 
 REPORT_FILE = "report.html"
@@ -368,7 +368,7 @@ def write_report(run_dir: Path) -> Path:
     ]
     path = run_dir / REPORT_FILE
     text = "\n".join(page)
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return path
 
 

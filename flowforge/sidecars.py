@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -72,6 +71,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from flowforge.durable import atomic_write, fsync_path, is_tmp
 from flowforge.rollout import Trajectory
 
 log = logging.getLogger("flowforge")
@@ -90,31 +90,9 @@ def step_dir_name(step: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ durable writes
-def _fsync_path(path: Path) -> None:
-    if os.name == "nt" and path.is_dir():  # directories cannot be opened for fsync on Windows
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
-    """``write(tmp)`` → fsync tmp → ``os.replace`` to ``path`` → fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    _fsync_path(tmp)
-    if _test_hook is not None:
-        _test_hook("tmp", relpath)
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
-    if _test_hook is not None:
-        _test_hook("renamed", relpath)
-
-
-def _is_tmp(name: str) -> bool:
-    return name.startswith(".") and ".tmp-" in name
+    """:func:`flowforge.durable.atomic_write` reporting its stages to the test hook."""
+    atomic_write(path, write, None if _test_hook is None else (lambda stage: _test_hook(stage, relpath)))
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -152,7 +130,7 @@ def read_group(path: str | Path) -> dict:
         ValueError: ``path`` is a temporary (incomplete) file, or not a flowforge trajectory file.
     """
     path = Path(path)
-    if _is_tmp(path.name) or not _GROUP_RE.match(path.name):
+    if is_tmp(path.name) or not _GROUP_RE.match(path.name):
         raise ValueError(f"{path} is not a group file (expected group_<g>.safetensors; hidden .tmp files are "
                          "incomplete writes)")
     with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -178,9 +156,9 @@ def _remove_step_dir(step_dir: Path) -> None:
     done = step_dir / DONE
     if done.exists():
         done.unlink()
-        _fsync_path(step_dir)
+        fsync_path(step_dir)
     shutil.rmtree(step_dir)
-    _fsync_path(step_dir.parent)
+    fsync_path(step_dir.parent)
 
 
 class SidecarWriter:
@@ -210,7 +188,7 @@ class SidecarWriter:
             return []
         removed: list[Path] = []
         for p in self.root.iterdir():
-            if _is_tmp(p.name) and p.is_file():
+            if is_tmp(p.name) and p.is_file():
                 p.unlink()
                 removed.append(p)
         dirs = _step_dirs(self.root)
@@ -221,7 +199,7 @@ class SidecarWriter:
             _remove_step_dir(p)
             removed.append(p)
         if removed:
-            _fsync_path(self.root)
+            fsync_path(self.root)
         return removed
 
     def write(self, step: int, traj: Trajectory, group_ids: Tensor, prompts: Sequence[str], images: Tensor, *,
@@ -273,7 +251,7 @@ class SidecarWriter:
         self.reap(reserve=1)
         step_dir = self.root / step_dir_name(step)
         step_dir.mkdir()
-        _fsync_path(self.root)
+        fsync_path(self.root)
 
         shared = {"sigmas": traj.sigmas.detach().float().cpu().contiguous(),
                   "trained_steps": torch.tensor(list(traj.trained_steps), dtype=torch.long)}
@@ -304,6 +282,6 @@ class SidecarWriter:
                               f"{step_dir.name}/{png}")
                 files[png] = (step_dir / png).stat().st_size
         done = json.dumps({"format": FORMAT, "step": step, "groups": groups, "files": files}, indent=1) + "\n"
-        _fsync_path(step_dir)
+        fsync_path(step_dir)
         _atomic_write(step_dir / DONE, lambda tmp: tmp.write_text(done), f"{step_dir.name}/{DONE}")
         return step_dir

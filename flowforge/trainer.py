@@ -111,13 +111,13 @@ class Trainer:
         objective_cls = OBJECTIVES[cfg.train.algorithm]
         total = cfg.train.steps * objective_cls.optimizer_steps_per_batch(cfg)
         d = cfg.distributed
-        wrap = None
-        if self.dist.enabled:
-            def wrap():
-                dist_lib.wrap(self.adapter, d.strategy, param_dtype=d.param_dtype, reduce_dtype=d.reduce_dtype)
+        def wrap():
+            dist_lib.wrap(self.adapter, d.strategy, param_dtype=d.param_dtype, reduce_dtype=d.reduce_dtype)
+
         if d.activation_checkpointing:
             self.adapter.transformer.enable_gradient_checkpointing()
-        self.policy = Policy(self.adapter, cfg.lora, cfg.train, total_optimizer_steps=total, wrap=wrap,
+        self.policy = Policy(self.adapter, cfg.lora, cfg.train, total_optimizer_steps=total,
+                             wrap=wrap if self.dist.enabled else None,
                              **objective_cls.policy_bank(cfg))
         self.objective = objective_cls(cfg, self.adapter, self.policy)
 
@@ -190,9 +190,7 @@ class Trainer:
             import torch.distributed.checkpoint as dcp
 
             state = self._dcp_state()
-
-            def writer(directory: Path) -> None:
-                dcp.save(state, checkpoint_id=str(directory))
+            writer = lambda directory: dcp.save(state, checkpoint_id=str(directory))  # noqa: E731
         else:
             optim["optimizer"] = self.policy.optimizer.state_dict()
         return ckpt.save_checkpoint(self.run_dir, self.step, tensors=tensors, optimizer_state=optim,

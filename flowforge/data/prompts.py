@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
