@@ -104,6 +104,17 @@ class Objective:
         return {}
 
     @classmethod
+    def needs_whole_groups(cls, cfg: Config) -> bool:
+        """Whether each rank must hold whole prompt groups (group statistics computed inside the objective)."""
+        return False
+
+    @classmethod
+    def drops_rows(cls, cfg: Config) -> bool:
+        """Whether the number of trained rows can differ between ranks (unsupported with several ranks: data
+        parallel forwards and backwards must run in lockstep)."""
+        return False
+
+    @classmethod
     def optimizer_steps_per_batch(cls, cfg: Config) -> int:
         """Optimizer steps one batch produces (sets the length of the LR schedule)."""
         return cfg.train.num_updates_per_batch
@@ -250,6 +261,10 @@ class ForwardProcessObjective(Objective):
     group_shared: ClassVar[bool] = False
     keeps_old: ClassVar[bool] = True
 
+    @classmethod
+    def needs_whole_groups(cls, cfg: Config) -> bool:
+        return cls.group_shared
+
     def __init__(self, cfg: Config, adapter, policy):
         super().__init__(cfg, adapter, policy)
         self.sampling_policy = cfg.forward.sample_with if self.keeps_old else "live"
@@ -385,6 +400,14 @@ class NFT(ForwardProcessObjective):
         return cfg.nft.ref_weight > 0
 
     @classmethod
+    def needs_whole_groups(cls, cfg: Config) -> bool:
+        return cfg.nft.reward_transform == "absolute" or cfg.nft.guard
+
+    @classmethod
+    def drops_rows(cls, cfg: Config) -> bool:
+        return cfg.nft.guard
+
+    @classmethod
     def policy_bank(cls, cfg: Config) -> dict:
         return {**super().policy_bank(cfg), "ema_decay": cfg.nft.ema_decay}
 
@@ -504,6 +527,10 @@ class DPO(ForwardProcessObjective):
     name = "dpo"
     group_shared = True
     keeps_old = False
+
+    @classmethod
+    def drops_rows(cls, cfg: Config) -> bool:
+        return True  # tied groups form no pair
 
     @classmethod
     def needs_ref(cls, cfg: Config) -> bool:

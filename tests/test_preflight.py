@@ -82,3 +82,13 @@ def test_lora_mode_disagreement():
 def test_unknown_reward_component():
     problems = _problems("reward.weights={sharpness: 1.0}", "reward.required=[]")
     assert any("unknown component 'sharpness'" in p and "'digit'" in p for p in problems)
+
+
+def test_multi_rank_limits_of_group_objectives():
+    with pytest.raises(PreflightError) as err:
+        preflight(load_config(None, ["train.algorithm=dgpo", "data.prompts_per_step=3", "train.micro_batch_size=4",
+                                     "train.num_updates_per_batch=1", "data.group_size=4"]), world_size=2)
+    assert "whole groups" in str(err.value)  # 12 candidates / 2 ranks = 6, not a multiple of 4
+    with pytest.raises(PreflightError, match="lockstep"):
+        preflight(load_config(None, ["train.algorithm=dpo"]), world_size=2)
+    preflight(load_config(None, ["train.algorithm=dgpo"]), world_size=2)  # 32 / 2 = 16 = 2 groups of 8
