@@ -120,7 +120,7 @@ class SamplerConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"digit": 1.0})
-    required: tuple[str, ...] = ("digit",)
+    required: tuple[str, ...] = ()  # components that must never be NaN
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-component scorer kwargs
     batch_size: int = 64
     device: str = "cpu"
