@@ -4,28 +4,44 @@ What and why
 ------------
 A checkpoint (:mod:`flowforge.checkpoint`) stores only what flowforge needs to resume: the LoRA weights keyed without
 the adapter name, and the contract ``{trainable, rank, alpha, targets, dropout}`` in ``trainer_state.json``. Users
-want a model diffusers can load. :func:`export_run` writes one of two forms (SD3 family, the ``sd3`` adapter):
+want a model diffusers can load. :func:`export_run` writes one of two forms, for every registered family (``sd3``,
+``flux``, ``qwen_image``, ``wan``; the table below) and, in the ``merged`` form, for any diffusers transformer class
+(a ``pkg.module:Class`` adapter's base included: the class is read from the base's ``transformer/config.json``
+``_class_name``):
+
+==============  ===========================  =====================================================================
+adapter         transformer                  ``save_lora_weights`` / ``load_lora_weights`` pipeline
+==============  ===========================  =====================================================================
+``sd3``         ``SD3Transformer2DModel``    ``StableDiffusion3Pipeline``
+``flux``        ``FluxTransformer2DModel``   ``FluxPipeline``
+``qwen_image``  ``QwenImageTransformer2D…``  ``QwenImagePipeline``
+``wan``         ``WanTransformer3DModel``    ``WanPipeline`` (``WanImageToVideoPipeline`` for an i2v base)
+==============  ===========================  =====================================================================
+
+The pipeline class is the base directory's own (``model_index.json`` ``_class_name``) when it has
+``save_lora_weights``, else the family's default above. All of them write the same diffusers format (keys
+``transformer.<module>.lora_A.weight``, ``transformer_lora_adapter_metadata``) in diffusers 0.42.
 
 ``merged``
     The base transformer with the LoRA folded in, ``W' = W + (alpha / rank) * B A`` (diffusers
     ``ModelMixin.fuse_lora`` = peft ``LoraLayer.merge``, then ``unload_lora`` strips the peft wrappers), saved with
     ``save_pretrained`` (safetensors, fp32). A pipeline-directory base (``transformer/``, ``vae/``, text
     encoders) gives ``OUT/transformer/`` plus copies of every other component, so
-    ``StableDiffusion3Pipeline.from_pretrained(OUT)`` works; a bare-transformer base gives a transformer directory at
+    ``<Pipeline>.from_pretrained(OUT)`` works; a bare-transformer base gives a transformer directory at
     ``OUT``. The base transformer's ``flowforge.json`` (its text encoder) is copied beside the new ``config.json``,
     so ``flowforge`` (``model.path=OUT``) loads it. A full fine-tune run saves its live weights the same way (the
     base is then needed for its ``config.json`` and pipeline components only).
 
 ``adapter``
-    ``OUT/pytorch_lora_weights.safetensors`` written by diffusers' ``StableDiffusion3Pipeline.save_lora_weights``
+    ``OUT/pytorch_lora_weights.safetensors`` written by the family pipeline's ``save_lora_weights`` (above)
     (keys ``transformer.<module>.lora_A.weight`` — peft's ``get_peft_model_state_dict`` format with diffusers'
     component prefix) with ``transformer_lora_adapter_metadata`` = the peft ``LoraConfig`` dict, stored in the
     safetensors header under ``lora_adapter_metadata``. diffusers rebuilds the ``LoraConfig`` from that metadata
     (``load_lora_adapter`` → ``_create_lora_config(metadata=...)``), so ``lora_alpha`` is honoured; without it
     diffusers would assume ``alpha = rank`` and scale the update wrongly whenever ``alpha != rank``. Also
-    ``OUT/adapter_config.json`` (``peft.LoraConfig.save_pretrained``) for peft users. Load with
-    ``StableDiffusion3Pipeline.load_lora_weights(OUT)`` or
-    ``SD3Transformer2DModel.load_lora_adapter(OUT, prefix="transformer", use_safetensors=True)`` (the model-level
+    ``OUT/adapter_config.json`` (``peft.LoraConfig.save_pretrained``) for peft users. Load with the pipeline's
+    ``load_lora_weights(OUT)`` (e.g. ``FluxPipeline``) or
+    ``<Transformer>.load_lora_adapter(OUT, prefix="transformer", use_safetensors=True)`` (the model-level
     call looks for ``.bin`` unless told ``use_safetensors=True`` or ``weight_name``).
 
 Every export writes ``OUT/flowforge_export.json`` (run, checkpoint step, weights, form, LoRA contract, base path and
@@ -34,11 +50,14 @@ only when complete (and verified, with ``verify=True``), so ``OUT`` never holds 
 
 Verification
 ------------
-``verify=True`` reloads the export the way a user would — ``SD3Transformer2DModel.from_pretrained`` (merged), or a
-fresh base + ``load_lora_adapter`` from the written file (adapter) — and compares its velocity with the trained
-policy's (base + peft LoRA injected by :func:`flowforge.models.lora.inject_lora` + the checkpoint weights; the full
-state dict for full fine-tunes) on fixed inputs: seeded ``x [2, C, h, w]``, ``sigma = [0.3, 0.8]``, seeded
-conditioning, guidance 1, all fp32. It fails when ``max |v_export - v_trained| > tol * max(1, max |v_trained|)``:
+``verify=True`` reloads the export the way a user would — ``<Transformer>.from_pretrained`` (merged), or a fresh
+base + ``load_lora_adapter`` from the written file (adapter) — and compares its velocity with the trained policy's
+(base + peft LoRA injected by :func:`flowforge.models.lora.inject_lora` + the checkpoint weights; the full state dict
+for full fine-tunes) on fixed inputs, through the family's own adapter (so packing and timestep units are the
+family's): seeded latents ``x [2, *latent]`` (``[2, C, h, w]``; Wan ``[2, C, 2, h, w]``), ``sigma = [0.3, 0.8]``,
+seeded conditioning shaped from the transformer config, guidance 1, all fp32. Verification needs a registered family
+(a ``pkg.module:Class`` adapter exports unverified). It fails when
+``max |v_export - v_trained| > tol * max(1, max |v_trained|)``:
 
 ==========  ==========  =========================================================================================
 form        ``tol``     measured on the tests' tiny SD3 (rank 4, alpha 8, fp32)
@@ -70,13 +89,17 @@ from flowforge import checkpoint as ckpt
 from flowforge.config import load_config
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
-from flowforge.models.sd3 import DEMO_BASE, FLOWFORGE_META, SD3Adapter, demo_base_dir
+from flowforge.models.sd3 import DEMO_BASE, FLOWFORGE_META, demo_base_dir
 
 log = logging.getLogger("flowforge")
 
 FORMS = ("merged", "adapter")
 WEIGHT_GROUPS = ("live", "ema", "old")
-SUPPORTED_ADAPTERS = ("sd3",)
+LORA_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
+                  "wan": "WanPipeline"}
+"""Registered family -> the diffusers pipeline whose ``save_lora_weights`` writes its adapter export (default when the
+base directory names no pipeline class of its own)."""
+SUPPORTED_ADAPTERS = tuple(LORA_PIPELINES)
 EXPORT_META = "flowforge_export.json"
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 TOLERANCES = {"adapter": 1e-5, "merged": 1e-4, "full": 1e-5}
@@ -111,6 +134,7 @@ class _Source:
     lora: dict  # trainer_state["lora"]: trainable, rank, alpha, targets, dropout
     model_path: str  # model.path of the run's config
     base: Path | None  # local base directory (None: not found locally)
+    adapter: str  # model.adapter of the run's config (a registered family or "pkg.module:Class")
 
 
 def _resolve_base(path: str | Path) -> Path:
@@ -122,8 +146,9 @@ def _load_source(run_dir: Path, step: int | None, base: str | Path | None, weigh
     if not cfg_file.is_file():
         raise ExportError(f"{run_dir} has no config.yaml: not a flowforge run directory")
     cfg = load_config(cfg_file)
-    if cfg.model.adapter not in SUPPORTED_ADAPTERS:
-        raise ExportError(f"model.adapter={cfg.model.adapter!r}: export supports {list(SUPPORTED_ADAPTERS)}")
+    if cfg.model.adapter not in SUPPORTED_ADAPTERS and ":" not in cfg.model.adapter:
+        raise ExportError(f"model.adapter={cfg.model.adapter!r}: export supports {list(SUPPORTED_ADAPTERS)} or a "
+                          "'pkg.module:Class' adapter over a diffusers transformer")
     committed = ckpt.committed_checkpoints(run_dir)
     if step is None:
         if not committed:
@@ -148,7 +173,7 @@ def _load_source(run_dir: Path, step: int | None, base: str | Path | None, weigh
     base_dir = _resolve_base(base if base is not None else cfg.model.path)
     return _Source(run_dir=run_dir, checkpoint=state, weights=tensors, lora=lora,
                    model_path=str(base if base is not None else cfg.model.path),
-                   base=base_dir if base_dir.exists() else None)
+                   base=base_dir if base_dir.exists() else None, adapter=cfg.model.adapter)
 
 
 def _sharded_live_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]:
@@ -208,11 +233,20 @@ def _require_base(src: _Source, why: str) -> Path:
     return src.base
 
 
-def _load_transformer(transformer_dir: Path) -> nn.Module:
-    from diffusers import SD3Transformer2DModel
+def _transformer_class(transformer_dir: Path):
+    """The diffusers model class named by ``transformer_dir/config.json`` (``_class_name``)."""
+    import diffusers
 
-    return SD3Transformer2DModel.from_pretrained(str(transformer_dir), torch_dtype=torch.float32,
-                                                 local_files_only=True).eval()
+    name = json.loads((transformer_dir / "config.json").read_text()).get("_class_name")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ExportError(f"{transformer_dir / 'config.json'}: _class_name={name!r} is not a diffusers model class")
+    return cls
+
+
+def _load_transformer(transformer_dir: Path) -> nn.Module:
+    return _transformer_class(transformer_dir).from_pretrained(str(transformer_dir), torch_dtype=torch.float32,
+                                                               local_files_only=True).eval()
 
 
 def _trained_policy(src: _Source, transformer_dir: Path) -> nn.Module:
@@ -240,22 +274,69 @@ def _peft_config(lora: dict):
 
 
 # ------------------------------------------------------------------------------------------------ verification
-def _probe_inputs(config) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:
-    """Fixed fp32 inputs from the transformer config: ``x [2, C, h, w]``, ``sigma [2]``, seeded conditioning."""
+def _probe_inputs(adapter: str, config) -> tuple[str, torch.Tensor, torch.Tensor, Conditioning]:
+    """Fixed fp32 inputs from the transformer config of family ``adapter``: ``(adapter, x [2, *latent], sigma [2],
+    seeded conditioning)``.
+
+    Raises:
+        ExportError: ``adapter`` is not a registered family (nothing says how to call its transformer).
+    """
+    if adapter not in SUPPORTED_ADAPTERS:
+        raise ExportError(f"verify needs a registered model family {list(SUPPORTED_ADAPTERS)}; model.adapter="
+                          f"{adapter!r} exports unverified (drop --verify)")
     gen = torch.Generator().manual_seed(20240601)
-    patch = int(config.patch_size)
-    cells = min(int(config.pos_embed_max_size or 16), int(config.sample_size) // patch, 16)
-    side = max(cells, 1) * patch
-    x = torch.randn(2, int(config.in_channels), side, side, generator=gen)
-    cond = Conditioning(prompt_embeds=torch.randn(2, 8, int(config.joint_attention_dim), generator=gen),
-                        pooled=torch.randn(2, int(config.pooled_projection_dim), generator=gen))
-    return x, torch.tensor([0.3, 0.8]), cond
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    if adapter == "sd3":
+        patch = int(config.patch_size)
+        cells = min(int(config.pos_embed_max_size or 16), int(config.sample_size) // patch, 16)
+        side = max(cells, 1) * patch
+        x = randn(2, int(config.in_channels), side, side)
+        cond = Conditioning(prompt_embeds=randn(2, 8, int(config.joint_attention_dim)),
+                            pooled=randn(2, int(config.pooled_projection_dim)))
+    elif adapter == "flux":  # unpacked latents: in_channels = 4 C (2x2 packing)
+        x = randn(2, int(config.in_channels) // 4, 4, 4)
+        cond = Conditioning(prompt_embeds=randn(2, 8, int(config.joint_attention_dim)),
+                            pooled=randn(2, int(config.pooled_projection_dim)))
+    elif adapter == "qwen_image":
+        x = randn(2, int(config.in_channels) // 4, 4, 4)
+        cond = Conditioning(prompt_embeds=randn(2, 8, int(config.joint_attention_dim)),
+                            mask=torch.ones(2, 8, dtype=torch.long))
+    else:  # wan: [B, C, F, H, W], H / W multiples of the spatial patch
+        _, ph, pw = config.patch_size
+        x = randn(2, int(config.in_channels), 2, 2 * ph, 2 * pw)
+        image_dim = config.image_dim
+        cond = Conditioning(prompt_embeds=randn(2, 8, int(config.text_dim)),
+                            pooled=None if image_dim is None else randn(2, 4 * int(image_dim)))
+    return adapter, x, torch.tensor([0.3, 0.8]), cond
+
+
+def _family_adapter(adapter: str, transformer: nn.Module):
+    """The family's adapter around a bare ``transformer`` (no text encoder, no VAE)."""
+    if adapter == "sd3":
+        from flowforge.models.sd3 import SD3Adapter
+
+        return SD3Adapter(transformer)
+    if adapter == "flux":
+        from flowforge.models.flux import FluxAdapter
+
+        return FluxAdapter(transformer)
+    if adapter == "qwen_image":
+        from flowforge.models.qwen_image import QwenImageAdapter
+
+        return QwenImageAdapter(transformer)
+    from flowforge.models.wan import WanAdapter
+
+    cfg = transformer.config
+    return WanAdapter(transformer, task="i2v" if cfg.in_channels != cfg.out_channels else "t2v")
 
 
 @torch.no_grad()
 def _velocity(transformer: nn.Module, inputs) -> torch.Tensor:
-    x, sigma, cond = inputs
-    return SD3Adapter(transformer).velocity(x, sigma, cond, 1.0)
+    adapter, x, sigma, cond = inputs
+    return _family_adapter(adapter, transformer).velocity(x, sigma, cond, 1.0)
 
 
 def _report(v_export: torch.Tensor, v_trained: torch.Tensor, base_diff: float | None, tol: float) -> VerifyReport:
@@ -281,7 +362,7 @@ def _write_merged(src: _Source, work: Path, verify: bool) -> VerifyReport | None
                          "fine-tune (for its config.json and pipeline components)")
     transformer_dir, is_pipeline = _layout(base)
     policy = _trained_policy(src, transformer_dir)
-    inputs = _probe_inputs(policy.config) if verify else None
+    inputs = _probe_inputs(src.adapter, policy.config) if verify else None
     v_trained = _velocity(policy, inputs) if verify else None
     base_diff = None
     if src.lora["trainable"] == "lora":
@@ -305,9 +386,24 @@ def _write_merged(src: _Source, work: Path, verify: bool) -> VerifyReport | None
     return _report(_velocity(reloaded, inputs), v_trained, base_diff, TOLERANCES[kind])
 
 
-def _write_adapter(src: _Source, work: Path, verify: bool) -> VerifyReport | None:
-    from diffusers import StableDiffusion3Pipeline
+def _lora_pipeline(src: _Source):
+    """The diffusers pipeline class whose ``save_lora_weights`` writes this run's adapter: the base directory's own
+    (``model_index.json`` ``_class_name``) when it has one, else the family's (:data:`LORA_PIPELINES`)."""
+    import diffusers
 
+    name = None
+    if src.base is not None and (src.base / "model_index.json").is_file():
+        name = json.loads((src.base / "model_index.json").read_text()).get("_class_name")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if cls is not None and hasattr(cls, "save_lora_weights"):
+        return cls
+    if src.adapter in LORA_PIPELINES:
+        return getattr(diffusers, LORA_PIPELINES[src.adapter])
+    raise ExportError(f"model.adapter={src.adapter!r}: no diffusers pipeline with save_lora_weights is known for it "
+                      f"(base model_index.json names {name!r}); export it with --form merged")
+
+
+def _write_adapter(src: _Source, work: Path, verify: bool) -> VerifyReport | None:
     if src.lora["trainable"] != "lora":
         raise ExportError("this run fine-tuned the full transformer (lora.trainable='full'): it has no adapter; "
                           "export it with --form merged")
@@ -317,7 +413,7 @@ def _write_adapter(src: _Source, work: Path, verify: bool) -> VerifyReport | Non
     peft_cfg = _peft_config(src.lora)
     # flowforge's checkpoint keys drop the adapter name exactly as peft's get_peft_model_state_dict does
     layers = {k: v.detach().float().contiguous() for k, v in sorted(src.weights.items())}
-    StableDiffusion3Pipeline.save_lora_weights(str(work), transformer_lora_layers=layers,
+    _lora_pipeline(src).save_lora_weights(str(work), transformer_lora_layers=layers,
                                                transformer_lora_adapter_metadata=peft_cfg.to_dict(),
                                                weight_name=LORA_WEIGHT_NAME, safe_serialization=True)
     peft_cfg.save_pretrained(str(work))
@@ -325,7 +421,7 @@ def _write_adapter(src: _Source, work: Path, verify: bool) -> VerifyReport | Non
         return None
     transformer_dir, _ = _layout(_require_base(src, "verifying an adapter export"))
     policy = _trained_policy(src, transformer_dir)
-    inputs = _probe_inputs(policy.config)
+    inputs = _probe_inputs(src.adapter, policy.config)
     v_trained = _velocity(policy, inputs)
     with lora_lib.adapters_disabled(policy):
         base_diff = float((_velocity(policy, inputs) - v_trained).abs().max())

@@ -1,0 +1,261 @@
+"""Every model family on the real training loop (``flowforge.trainer.Trainer``), exported, and preflight's task check.
+
+Each family's tiny random pipeline (tests/models/tiny_families.py; SD3 is the conftest's tiny pixel-space model) is
+saved with ``save_pretrained`` and loaded by the trainer through ``model.adapter=<family>``, ``model.path=<dir>``.
+The word-level test tokenizers are widened past 1000 tokens so the loaders' placeholder-tokenizer guard
+(``DEFAULT_MIN_TOKENIZER_SIZE``) runs unchanged: the trainer passes no loader options.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flowforge.config import load_config
+from tests.models import tiny_families as tiny
+
+FAMILIES = ["sd3", "flux", "qwen_image", "wan"]
+PIPELINES = {"flux": "FluxPipeline", "qwen_image": "QwenImagePipeline", "wan": "WanPipeline"}
+# (height, width, frames) the tiny VAEs support; FLUX / Qwen-Image VAEs downsample 2x, Wan 8x spatially, 4x in time
+SIZES = {"sd3": (32, 32, None), "flux": (16, 16, None), "qwen_image": (16, 16, None), "wan": (16, 16, 5)}
+EXTRA_WORDS = [f"w{i}" for i in range(1000)]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _components(family: str, seed: int = 0) -> dict:
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tiny, "WORDS", list(tiny.WORDS) + EXTRA_WORDS)  # > 1000 tokens: passes the loaders' guard
+    try:
+        return {"flux": tiny.flux_components, "qwen_image": tiny.qwen_components,
+                "wan": tiny.wan_components}[family](seed)
+    finally:
+        mp.undo()
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, tiny_model_dir):
+    """``family -> saved pipeline directory`` (SD3: the conftest's tiny transformer directory)."""
+    import diffusers
+
+    dirs = {"sd3": tiny_model_dir}
+    for family, cls in PIPELINES.items():
+        path = tmp_path_factory.mktemp(f"tiny_{family}")
+        getattr(diffusers, cls)(**_components(family)).save_pretrained(str(path))
+        dirs[family] = path
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prompts")
+    words = ["a red cat", "two dogs under a tree", "a blue car on a road", "a small boat on the sea",
+             "a white bird in the sky", "an old house"]
+    files = {}
+    for task in ("t2i", "t2v"):
+        for split, chosen in (("train", words[:4]), ("eval", words[4:])):
+            f = root / f"{task}_{split}.jsonl"
+            f.write_text("".join(json.dumps({"prompt": p, "metadata": {"task": task, "sample_id": f"{split}{i}"}})
+                                 + "\n" for i, p in enumerate(chosen)))
+            files[task, split] = f
+    return files
+
+
+def family_cfg(family, model_dir, out_dir, cache_dir, prompts, *extra):
+    h, w, frames = SIZES[family]
+    task = "t2v" if family == "wan" else "t2i"
+    schedule = {"flux": "dynamic", "qwen_image": "dynamic", "wan": "wan"}.get(family, "static")
+    return load_config(None, [
+        f"model.adapter={family}", f"model.path={model_dir}", f"model.height={h}", f"model.width={w}",
+        f"model.frames={'null' if frames is None else frames}", f"model.task={task}",
+        f"run.output_dir={out_dir}", f"data.cache_dir={cache_dir}",
+        f"data.prompts={prompts[task, 'train']}", f"data.eval_prompts={prompts[task, 'eval']}",
+        "data.prompts_per_step=2", "data.group_size=4", "sampler.num_steps=4", "sampler.num_sde_steps=2",
+        f"sampler.schedule={schedule}", "train.micro_batch_size=2", "train.num_updates_per_batch=2",
+        "train.steps=2", "train.lr=1e-2", "grpo.clip_low=1e-3", "eval.max_prompts=2", "eval.every=0",
+        "reward.weights={jpeg_compressibility: 1.0}", *extra])
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+VIDEO_REWARD_GAP = (
+    "trainer.py passes decoded video [B, 3, F, H, W] to image-only consumers: Trainer.score -> RewardProcessor -> "
+    "rewards/base.py check_media (train loop and Trainer.evaluate), metrics.save_grid in Trainer.evaluate, and "
+    "SidecarWriter.write when artifacts.root is set")
+
+
+def frames_as_images(media):
+    """``[B, 3, F, H, W] -> [B*F, 3, H, W]`` (frames of a video consecutive); images unchanged."""
+    return media.permute(0, 2, 1, 3, 4).flatten(0, 1) if media.ndim == 5 else media
+
+
+def patch_video_media(mp: pytest.MonkeyPatch) -> None:
+    """Stand-in for the trainer change proposed in the report (the test may not edit trainer.py): image scorers score
+    every frame and a video's reward is the mean over its frames; the eval grid shows each video's frames in a row."""
+    import flowforge.trainer as trainer_mod
+
+    score, save_grid = trainer_mod.Trainer.score, trainer_mod.save_grid
+
+    def video_score(self, images, records, group_ids):
+        if images.ndim != 5:
+            return score(self, images, records, group_ids)
+        b, f = images.shape[0], images.shape[2]
+        comps, metrics = score(self, frames_as_images(images), [r for r in records for _ in range(f)],
+                               group_ids.repeat_interleave(f))
+        return {k: v.view(b, f).mean(dim=1) for k, v in comps.items()}, metrics
+
+    def video_grid(images, path, *, nrow, scale=1):
+        return save_grid(frames_as_images(images), path, nrow=images.shape[2] if images.ndim == 5 else nrow,
+                         scale=scale)
+
+    mp.setattr(trainer_mod.Trainer, "score", video_score)
+    mp.setattr(trainer_mod, "save_grid", video_grid)
+
+
+LOOP_CASES = [f if f != "wan" else pytest.param(f, marks=pytest.mark.xfail(raises=ValueError, strict=True,
+                                                                              reason=VIDEO_REWARD_GAP))
+              for f in FAMILIES]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "nft"])
+@pytest.mark.parametrize("family", LOOP_CASES)
+def test_family_trains_on_the_real_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
+    run_loop(family, algorithm, family_dirs, prompt_files, tmp_path)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "nft"])
+def test_wan_trains_with_video_frames_scored_as_images(algorithm, family_dirs, prompt_files, tmp_path, monkeypatch):
+    """Wan t2v through the whole loop (rollout, replay, GRPO / NFT updates, eval) once video media are flattened to
+    frames for the image scorers and the grid (:func:`patch_video_media`, the proposed trainer change)."""
+    patch_video_media(monkeypatch)
+    run_loop("wan", algorithm, family_dirs, prompt_files, tmp_path)
+
+
+def run_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
+    from flowforge.trainer import Trainer
+
+    cfg = family_cfg(family, family_dirs[family], tmp_path / "runs", tmp_path / "cache", prompt_files,
+                     f"run.name={family}-{algorithm}", f"train.algorithm={algorithm}")
+    trainer = Trainer(cfg, progress=False)
+    assert type(trainer.adapter).__module__ == f"flowforge.models.{family}"
+    if family in ("flux", "qwen_image"):  # dynamic schedule: the family pipeline's own sigmas
+        torch.testing.assert_close(trainer.sigmas, trainer.adapter.pipeline_sigmas(4, *SIZES[family][:2]))
+    before = {k: v.detach().clone() for k, v in trainer.adapter.transformer.named_parameters() if v.requires_grad}
+    assert before and all("lora" in k for k in before)
+    run_dir = trainer.train()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        for key in ("train/loss", "train/grad_norm", "reward/jpeg_compressibility_mean", "reward/total_mean",
+                    "train/diversity"):
+            assert key in row and row[key] == row[key], (key, row.get(key))  # present and not NaN
+    if algorithm == "grpo":
+        assert rows[0]["train/first_update_ratio_dev"] == 0.0
+    after = dict(trainer.adapter.transformer.named_parameters())
+    assert max(float((after[k].detach() - v).abs().max()) for k, v in before.items()) > 0  # the LoRA moved
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert (run_dir / "samples" / "step_000002.png").is_file() and (run_dir / "report.html").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ export
+RANK, ALPHA = 4, 8
+
+
+def probe(trainer, adapter=None):
+    """Velocities of ``adapter`` (default: the trainer's policy as it stands) on seeded latents, two training
+    prompts' conditioning and ``sigma = [0.2, 0.7]``."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, *trainer.latent_shape, generator=g)
+    with torch.no_grad():
+        return (adapter or trainer.adapter).velocity(x, torch.tensor([0.2, 0.7]), trainer.train_cond.index([0, 1]),
+                                                     1.0)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def lora_run(request, family_dirs, prompt_files, tmp_path_factory):
+    """A 2-step GRPO LoRA run (rank 4, alpha 8, checkpoint every step) of each family; the trained and base policies'
+    probe velocities from the trainer's in-memory model."""
+    from flowforge.trainer import Trainer
+
+    family = request.param
+    mp = pytest.MonkeyPatch()
+    if family == "wan":
+        patch_video_media(mp)
+    try:
+        out = tmp_path_factory.mktemp(f"export_{family}")
+        cfg = family_cfg(family, family_dirs[family], out / "runs", out / "cache", prompt_files, "run.name=lora",
+                         f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "checkpoint.every=1")
+        trainer = Trainer(cfg, progress=False)
+        run_dir = trainer.train()
+    finally:
+        mp.undo()
+    with trainer.policy.using("live"):
+        trained = probe(trainer)
+    with trainer.policy.using("ref"):
+        base = probe(trainer)
+    assert (trained - base).abs().max() > 1e-4  # training moved the model: the comparisons below are not vacuous
+    return family, run_dir, trainer, trained, base
+
+
+def _pipeline(family, path):
+    import diffusers
+
+    if family == "sd3":  # the tiny SD3 is a bare pixel-space transformer: a pipeline around it, no VAE / encoders
+        t = diffusers.SD3Transformer2DModel.from_pretrained(str(path), local_files_only=True)
+        return diffusers.StableDiffusion3Pipeline(
+            transformer=t.eval(), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None,
+            tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
+    return getattr(diffusers, PIPELINES[family]).from_pretrained(str(path), local_files_only=True)
+
+
+def _generate(family, pipe):
+    """The diffusers pipeline's own output (fixed generator) as float32; ``None`` for the bare SD3 transformer."""
+    if family == "sd3":
+        return None
+    h, w, frames = SIZES[family]
+    kw = dict(num_frames=frames) if family == "wan" else {}
+    with torch.no_grad():
+        out = pipe(prompt=["a red cat"], height=h, width=w, num_inference_steps=2, output_type="pt",
+                   generator=torch.Generator().manual_seed(0), max_sequence_length=16, **kw)
+    return (out.frames if family == "wan" else out.images).float()
+
+
+def test_adapter_export_loads_into_the_family_pipeline(lora_run, family_dirs, tmp_path):
+    from flowforge.export import export_run, read_export_meta
+
+    family, run_dir, trainer, trained, base = lora_run
+    out = export_run(run_dir, tmp_path / "lora", form="adapter", verify=True)
+    report = read_export_meta(out)["verify"]
+    assert report["passed"] and report["max_abs_diff"] <= 1e-5 and report["base_diff"] > 1e-4
+
+    pipe = _pipeline(family, family_dirs[family])
+    before = _generate(family, pipe)
+    pipe.load_lora_weights(str(out))
+    (config,) = pipe.transformer.peft_config.values()
+    assert (config.r, config.lora_alpha) == (RANK, ALPHA)
+    v = probe(trainer, type(trainer.adapter)(pipe.transformer.eval()))
+    assert (v - trained).abs().max() <= 1e-5  # the pipeline's LoRA is the trained policy (alpha honoured) ...
+    assert (v - base).abs().max() > 1e-4  # ... and not the base
+    if before is not None:
+        after = _generate(family, pipe)
+        assert after.shape == before.shape and (after - before).abs().max() > 1e-6
+
+
+def test_merged_export_loads_with_from_pretrained(lora_run, family_dirs, tmp_path):
+    from flowforge.export import export_run, read_export_meta
+
+    family, run_dir, trainer, trained, base = lora_run
+    out = export_run(run_dir, tmp_path / "merged", form="merged", verify=True)
+    assert read_export_meta(out)["verify"]["passed"]
+    pipe = _pipeline(family, out)
+    assert not any("lora" in k for k in pipe.transformer.state_dict())
+    v = probe(trainer, type(trainer.adapter)(pipe.transformer.eval()))
+    tol = 1e-4 * max(1.0, float(trained.abs().max()))
+    assert (v - trained).abs().max() <= tol and (v - base).abs().max() > 1e-4
