@@ -26,6 +26,10 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 TRAINABLE_MODES = ("lora", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("t2i", "i2i", "t2v", "i2v")
+LOOP_TASKS = ("t2i", "t2v")
+"""Tasks the training loop runs: the trainer starts every rollout from pure noise and never conditions on an image
+(no ``WanAdapter.prepare_i2v`` / ``pin_condition`` call in trainer.py / rollout.py)."""
+VIDEO_TASKS = ("t2v", "i2v")
 FORWARD_SIGMA_MODES = ("uniform_schedule", "full_schedule")
 NFT_REWARD_TRANSFORMS = ("reference", "absolute")
 
@@ -104,6 +108,34 @@ def _trained_step_problems(cfg: Config, problems: list[str]) -> None:
                             f"noise_level={s.noise_level}: its log-prob is undefined; choose other steps")
 
 
+def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> None:
+    """``model.task`` against the adapter class's declared ``tasks`` (imported, no weights loaded), the tasks the
+    loop runs, and ``model.frames``."""
+    from flowforge.models import adapter_tasks
+
+    m = cfg.model
+    if m.task not in TASKS:
+        return
+    try:
+        tasks = adapter_tasks(m.adapter)
+    except ValueError as exc:
+        problems.append(f"model.adapter: {exc}")
+        tasks = ()
+    if tasks is None:
+        warnings.append(f"model.adapter={m.adapter!r} declares no class-level `tasks` tuple: model.task={m.task!r} "
+                        "is not checked against it")
+    elif tasks and m.task not in tasks:
+        problems.append(f"model.task={m.task!r}: model.adapter={m.adapter!r} runs only {list(tasks)}")
+    if m.task not in LOOP_TASKS:
+        problems.append(f"model.task={m.task!r}: the training loop runs only {list(LOOP_TASKS)} (rollouts start from "
+                        "pure noise; no image conditioning is wired into the trainer)")
+    if m.task in VIDEO_TASKS and m.frames is None:
+        problems.append(f"model.task={m.task!r} needs model.frames (e.g. 81 for Wan)")
+    elif m.task not in VIDEO_TASKS and m.frames is not None:
+        problems.append(f"model.frames={m.frames} with model.task={m.task!r}: frames are for video tasks "
+                        f"{list(VIDEO_TASKS)}; remove model.frames")
+
+
 def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
     """Check ``cfg`` as a whole. Returns warnings; raises :class:`PreflightError` listing every error.
 
@@ -127,6 +159,7 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
     _choice(problems, "lora.trainable", lo.trainable, TRAINABLE_MODES)
     _choice(problems, "model.dtype", cfg.model.dtype, DTYPES)
     _choice(problems, "model.task", cfg.model.task, TASKS)
+    _task_problems(cfg, problems, warnings)
     _choice(problems, "nft.loss_mode", cfg.nft.loss_mode, NFT_MODES)
     _choice(problems, "forward.sampler", cfg.forward.sampler, TRANSITION_KINDS)
     _choice(problems, "forward.sample_with", cfg.forward.sample_with, ("old", "live"))

@@ -259,3 +259,77 @@ def test_merged_export_loads_with_from_pretrained(lora_run, family_dirs, tmp_pat
     v = probe(trainer, type(trainer.adapter)(pipe.transformer.eval()))
     tol = 1e-4 * max(1.0, float(trained.abs().max()))
     assert (v - trained).abs().max() <= tol and (v - base).abs().max() > 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ preflight tasks
+class VideoOnlyAdapter:
+    """A bring-your-own adapter class that declares the tasks it runs (never instantiated here)."""
+
+    tasks = ("t2v",)
+
+
+class UndeclaredAdapter:
+    """A bring-your-own adapter class without a ``tasks`` declaration."""
+
+
+def _preflight(*overrides):
+    from flowforge.preflight import preflight
+
+    return preflight(load_config(None, list(overrides)), world_size=1)
+
+
+def _task_problems(*overrides):
+    from flowforge.preflight import PreflightError
+
+    with pytest.raises(PreflightError) as err:
+        _preflight(*overrides)
+    return err.value.problems
+
+
+def test_adapter_class_registry_declares_tasks_without_loading_weights():
+    from flowforge.models import ADAPTER_CLASSES, ADAPTERS, adapter_class, adapter_tasks
+
+    assert sorted(ADAPTER_CLASSES) == sorted(ADAPTERS)
+    for name in ADAPTER_CLASSES:
+        assert adapter_class(name).__module__ == f"flowforge.models.{name}"
+    assert {n: adapter_tasks(n) for n in ADAPTER_CLASSES} == {
+        "sd3": ("t2i",), "flux": ("t2i",), "qwen_image": ("t2i",), "wan": ("t2v", "i2v")}
+    assert adapter_tasks("tests.test_families_loop:VideoOnlyAdapter") == ("t2v",)
+    assert adapter_tasks("tests.test_families_loop:UndeclaredAdapter") is None
+    with pytest.raises(ValueError, match="allowed"):
+        adapter_class("nope")
+
+
+@pytest.mark.parametrize("adapter,task,frames", [("flux", "t2v", 5), ("qwen_image", "t2v", 5), ("sd3", "t2v", 5),
+                                                 ("wan", "t2i", None),
+                                                 ("tests.test_families_loop:VideoOnlyAdapter", "t2i", None)])
+def test_preflight_rejects_a_task_the_adapter_cannot_run(adapter, task, frames):
+    from flowforge.models import adapter_tasks
+
+    problems = _task_problems(f"model.adapter={adapter}", f"model.task={task}",
+                              f"model.frames={'null' if frames is None else frames}")
+    assert problems == [f"model.task={task!r}: model.adapter={adapter!r} runs only "
+                        f"{list(adapter_tasks(adapter))}"]
+
+
+@pytest.mark.parametrize("adapter,task,frames", [("sd3", "t2i", None), ("flux", "t2i", None), ("wan", "t2v", 5),
+                                                 ("tests.test_families_loop:VideoOnlyAdapter", "t2v", 5)])
+def test_preflight_accepts_a_task_the_adapter_runs(adapter, task, frames):
+    report = _preflight(f"model.adapter={adapter}", f"model.task={task}",
+                        f"model.frames={'null' if frames is None else frames}")
+    assert not any("model.task" in w for w in report.warnings)
+
+
+def test_preflight_task_check_edges():
+    # i2v: Wan runs it, the loop does not (no image conditioning in the trainer)
+    (problem,) = _task_problems("model.adapter=wan", "model.task=i2v", "model.frames=5")
+    assert problem.startswith("model.task='i2v': the training loop runs only ['t2i', 't2v']")
+    # frames must match the task
+    assert _task_problems("model.adapter=wan", "model.task=t2v") == [
+        "model.task='t2v' needs model.frames (e.g. 81 for Wan)"]
+    assert _task_problems("model.adapter=sd3", "model.task=t2i", "model.frames=5")[0].startswith("model.frames=5")
+    # unknown / unimportable adapters are reported, a class without `tasks` only warned about
+    assert "unknown model adapter 'nope'" in _task_problems("model.adapter=nope")[0]
+    assert "cannot import module" in _task_problems("model.adapter=no_such_pkg.mod:Cls")[0]
+    report = _preflight("model.adapter=tests.test_families_loop:UndeclaredAdapter")
+    assert any("declares no class-level `tasks`" in w for w in report.warnings)

@@ -3,6 +3,9 @@
 ``build_adapter(name, path, **kw)`` loads a registered family (``ADAPTERS``) or a bring-your-own class named as
 ``"pkg.module:Class"`` (called as ``Class.from_pretrained(path, **kw)`` when it has that classmethod, else
 ``Class(path, **kw)``).
+
+``ADAPTER_CLASSES`` names each registered family's adapter class (``"module:Class"``) so that a config can be checked
+against the class — e.g. which tasks it runs (:func:`adapter_tasks`) — by importing it, without loading weights.
 """
 
 from __future__ import annotations
@@ -46,6 +49,23 @@ ADAPTERS: dict[str, Callable[..., FlowModel]] = {
 """Registered model families: name → loader ``(path, *, dtype, device, ...) -> FlowModel``."""
 
 
+ADAPTER_CLASSES: dict[str, str] = {
+    "sd3": "flowforge.models.sd3:SD3Adapter",
+    "flux": "flowforge.models.flux:FluxAdapter",
+    "qwen_image": "flowforge.models.qwen_image:QwenImageAdapter",
+    "wan": "flowforge.models.wan:WanAdapter",
+}
+"""Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
+
+FAMILY_TASKS: dict[str, tuple[str, ...]] = {
+    "sd3": ("t2i",),
+    "wan": ("t2v", "i2v"),
+}
+"""Tasks of registered families whose class has no class-level ``tasks`` tuple: ``SD3Adapter`` declares none (an
+image model); ``WanAdapter.tasks`` is a per-checkpoint property (T2V: t2v, I2V: i2v, TI2V: both), so the family
+runs the union."""
+
+
 def _import_object(spec: str):
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -58,6 +78,37 @@ def _import_object(spec: str):
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"adapter {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def adapter_class(name: str) -> type:
+    """The adapter class of ``name`` (a key of ``ADAPTER_CLASSES`` or ``"pkg.module:Class"``), imported without
+    loading any weights.
+
+    Raises:
+        ValueError: unknown name (the allowed names are listed) or an import string that does not resolve.
+    """
+    if name in ADAPTER_CLASSES:
+        return _import_object(ADAPTER_CLASSES[name])
+    if ":" in name:
+        return _import_object(name)
+    raise ValueError(f"unknown model adapter {name!r}; allowed: {sorted(ADAPTER_CLASSES)} or 'pkg.module:Class'")
+
+
+def adapter_tasks(name: str) -> tuple[str, ...] | None:
+    """Tasks (``"t2i"``, ``"t2v"``, ``"i2v"``, ...) adapter ``name`` can run, read from its class's ``tasks`` tuple
+    (``FAMILY_TASKS`` for registered families without one); ``None`` when a ``"pkg.module:Class"`` declares none
+    (or only per instance).
+
+    Raises:
+        ValueError: as :func:`adapter_class`.
+    """
+    import inspect
+
+    cls = adapter_class(name)
+    tasks = inspect.getattr_static(cls, "tasks", None)
+    if isinstance(tasks, (tuple, list, frozenset, set)) and all(isinstance(t, str) for t in tasks):
+        return tuple(tasks)
+    return FAMILY_TASKS.get(name)
 
 
 def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
@@ -81,4 +132,5 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
     return adapter
 
 
-__all__ = ["ADAPTERS", "Conditioning", "FlowModel", "build_adapter"]
+__all__ = ["ADAPTERS", "ADAPTER_CLASSES", "Conditioning", "FAMILY_TASKS", "FlowModel", "adapter_class", "adapter_tasks",
+           "build_adapter"]
