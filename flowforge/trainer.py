@@ -273,9 +273,16 @@ class Trainer:
         with torch.no_grad():
             return torch.cat([self.adapter.decode(latents[i:i + bs]) for i in range(0, latents.shape[0], bs)])
 
-    def score(self, images: torch.Tensor, records: list[PromptRecord], group_ids: torch.Tensor):
-        """Stage 3: every reward component ``[B]`` and the reward metrics."""
-        return self.rewards(images, [r.prompt for r in records], [r.metadata for r in records], group_ids)
+    def score(self, media: torch.Tensor, records: list[PromptRecord], group_ids: torch.Tensor):
+        """Stage 3: every reward component ``[B]`` and the reward metrics. Video ``[B, 3, F, H, W]`` is scored
+        frame by frame as images and each component averaged over the frames."""
+        if media.ndim == 4:
+            return self.rewards(media, [r.prompt for r in records], [r.metadata for r in records], group_ids)
+        frames = media.shape[2]
+        components, metrics = self.rewards(_frames(media), [r.prompt for r in records for _ in range(frames)],
+                                           [r.metadata for r in records for _ in range(frames)],
+                                           group_ids.repeat_interleave(frames))
+        return {k: v.view(-1, frames).mean(1) for k, v in components.items()}, metrics
 
     def advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
         """Stage 4: group-relative advantages (combined over components, clipped) and the weighted total reward,
@@ -337,7 +344,8 @@ class Trainer:
                 adv, total, adv_metrics = self.advantages(components, sb)
             if self.sidecars is not None:
                 with timer("sidecars"):
-                    self.sidecars.write(step, traj, sb.group_ids, [r.prompt for r in records], images,
+                    self.sidecars.write(step, traj, sb.group_ids, [r.prompt for r in records],
+                                        images if images.ndim == 4 else images[:, :, 0],
                                         candidate_ids=sb.candidate_ids, extras={"rewards": total, "advantages": adv})
             with timer("optimize"):
                 train_metrics = self.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids,
@@ -398,10 +406,19 @@ class Trainer:
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
         scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
         self.logger.log_eval(step, scalars)
-        save_grid(images[::k], sample_grid_path(self.run_dir, step), nrow=10, scale=2)
+        firsts = images[::k]
+        if firsts.ndim == 5:  # one row of frames per video
+            save_grid(_frames(firsts), sample_grid_path(self.run_dir, step), nrow=firsts.shape[2], scale=2)
+        else:
+            save_grid(firsts, sample_grid_path(self.run_dir, step), nrow=10, scale=2)
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars
 
+
+
+def _frames(video: torch.Tensor) -> torch.Tensor:
+    """``[B, 3, F, H, W]`` -> ``[B * F, 3, H, W]``, frames of a video consecutive."""
+    return video.permute(0, 2, 1, 3, 4).flatten(0, 1)
 
 
 def _model_source(path: str) -> Path | None:

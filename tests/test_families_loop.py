@@ -84,57 +84,10 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-VIDEO_REWARD_GAP = (
-    "trainer.py passes decoded video [B, 3, F, H, W] to image-only consumers: Trainer.score -> RewardProcessor -> "
-    "rewards/base.py check_media (train loop and Trainer.evaluate), metrics.save_grid in Trainer.evaluate, and "
-    "SidecarWriter.write when artifacts.root is set")
-
-
-def frames_as_images(media):
-    """``[B, 3, F, H, W] -> [B*F, 3, H, W]`` (frames of a video consecutive); images unchanged."""
-    return media.permute(0, 2, 1, 3, 4).flatten(0, 1) if media.ndim == 5 else media
-
-
-def patch_video_media(mp: pytest.MonkeyPatch) -> None:
-    """Stand-in for the trainer change proposed in the report (the test may not edit trainer.py): image scorers score
-    every frame and a video's reward is the mean over its frames; the eval grid shows each video's frames in a row."""
-    import flowforge.trainer as trainer_mod
-
-    score, save_grid = trainer_mod.Trainer.score, trainer_mod.save_grid
-
-    def video_score(self, images, records, group_ids):
-        if images.ndim != 5:
-            return score(self, images, records, group_ids)
-        b, f = images.shape[0], images.shape[2]
-        comps, metrics = score(self, frames_as_images(images), [r for r in records for _ in range(f)],
-                               group_ids.repeat_interleave(f))
-        return {k: v.view(b, f).mean(dim=1) for k, v in comps.items()}, metrics
-
-    def video_grid(images, path, *, nrow, scale=1):
-        return save_grid(frames_as_images(images), path, nrow=images.shape[2] if images.ndim == 5 else nrow,
-                         scale=scale)
-
-    mp.setattr(trainer_mod.Trainer, "score", video_score)
-    mp.setattr(trainer_mod, "save_grid", video_grid)
-
-
-LOOP_CASES = [f if f != "wan" else pytest.param(f, marks=pytest.mark.xfail(raises=ValueError, strict=True,
-                                                                              reason=VIDEO_REWARD_GAP))
-              for f in FAMILIES]
-
-
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
-@pytest.mark.parametrize("family", LOOP_CASES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_on_the_real_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
     run_loop(family, algorithm, family_dirs, prompt_files, tmp_path)
-
-
-@pytest.mark.parametrize("algorithm", ["grpo", "nft"])
-def test_wan_trains_with_video_frames_scored_as_images(algorithm, family_dirs, prompt_files, tmp_path, monkeypatch):
-    """Wan t2v through the whole loop (rollout, replay, GRPO / NFT updates, eval) once video media are flattened to
-    frames for the image scorers and the grid (:func:`patch_video_media`, the proposed trainer change)."""
-    patch_video_media(monkeypatch)
-    run_loop("wan", algorithm, family_dirs, prompt_files, tmp_path)
 
 
 def run_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
@@ -185,17 +138,11 @@ def lora_run(request, family_dirs, prompt_files, tmp_path_factory):
     from flowforge.trainer import Trainer
 
     family = request.param
-    mp = pytest.MonkeyPatch()
-    if family == "wan":
-        patch_video_media(mp)
-    try:
-        out = tmp_path_factory.mktemp(f"export_{family}")
-        cfg = family_cfg(family, family_dirs[family], out / "runs", out / "cache", prompt_files, "run.name=lora",
-                         f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "checkpoint.every=1")
-        trainer = Trainer(cfg, progress=False)
-        run_dir = trainer.train()
-    finally:
-        mp.undo()
+    out = tmp_path_factory.mktemp(f"export_{family}")
+    cfg = family_cfg(family, family_dirs[family], out / "runs", out / "cache", prompt_files, "run.name=lora",
+                     f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "checkpoint.every=1")
+    trainer = Trainer(cfg, progress=False)
+    run_dir = trainer.train()
     with trainer.policy.using("live"):
         trained = probe(trainer)
     with trainer.policy.using("ref"):
