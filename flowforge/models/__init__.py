@@ -58,12 +58,10 @@ ADAPTER_CLASSES: dict[str, str] = {
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 
 FAMILY_TASKS: dict[str, tuple[str, ...]] = {
-    "sd3": ("t2i",),
     "wan": ("t2v", "i2v"),
 }
-"""Tasks of registered families whose class has no class-level ``tasks`` tuple: ``SD3Adapter`` declares none (an
-image model); ``WanAdapter.tasks`` is a per-checkpoint property (T2V: t2v, I2V: i2v, TI2V: both), so the family
-runs the union."""
+"""Tasks of registered families whose class has no class-level ``tasks`` tuple: ``WanAdapter.tasks`` is a
+per-checkpoint property (T2V: t2v, I2V: i2v, TI2V: both), so the family runs the union."""
 
 
 def _import_object(spec: str):

@@ -159,3 +159,33 @@ class FlowModel(Protocol):
     def decode(self, latents: Tensor) -> Tensor:
         """Latents → images ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) float32 in [0, 1]."""
         ...
+
+
+class AdapterMixin:
+    """What every diffusers-backed adapter shares: the transformer's config / dtype / device, the text-encoder cache
+    key and releasing the text encoder. Expects ``transformer``, ``text_encoder`` and ``negative_prompt``."""
+
+    @property
+    def config(self):
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def encoder_id(self) -> str:
+        """Cache key of the text encoder + negative prompt (see :func:`flowforge.data.preprocess.encode_cached`)."""
+        if self.text_encoder is None:
+            return "none"
+        return f"{self.text_encoder.encoder_id}|negative={self.negative_prompt!r}"
+
+    def release_text_encoder(self) -> None:
+        """Free the text encoder's weights (a directory-backed encoder reloads lazily on the next ``encode``)."""
+        release = getattr(self.text_encoder, "release", None)
+        if release is not None:
+            release()

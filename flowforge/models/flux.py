@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import Conditioning
+from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
@@ -93,7 +93,7 @@ def flux_text(*, path: str | Path | None = None, components: dict[str, Any] | No
                         min_tokenizer_size=min_tokenizer_size)
 
 
-class FluxAdapter:
+class FluxAdapter(AdapterMixin):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``FluxTransformer2DModel``.
 
     Args:
@@ -123,18 +123,6 @@ class FluxAdapter:
     # ------------------------------------------------------------------ properties
 
     @property
-    def config(self):
-        return self.transformer.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
     def guidance_embeds(self) -> bool:
         """True for guidance-distilled models (FLUX.1-dev): ``guidance_scale`` feeds the guidance embedding."""
         return bool(self.config.guidance_embeds)
@@ -151,12 +139,6 @@ class FluxAdapter:
             return 8
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
-    @property
-    def encoder_id(self) -> str:
-        if self.text_encoder is None:
-            return "none"
-        return f"{self.text_encoder.encoder_id}|negative={self.negative_prompt!r}"
-
     # ------------------------------------------------------------------ FlowModel
 
     def blocks(self) -> list[nn.Module]:
@@ -167,12 +149,6 @@ class FluxAdapter:
         """T5 embeds ``[B, max_sequence_length, D]`` + pooled CLIP ``[B, P]``; ``negative`` per
         :attr:`negative_prompt`."""
         return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
-
-    def release_text_encoder(self) -> None:
-        """Free the text encoders (a directory-backed encoder reloads lazily on the next :meth:`encode`)."""
-        release = getattr(self.text_encoder, "release", None)
-        if release is not None:
-            release()
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """Unpacked ``(C, height / f, width / f)``, ``f`` = :attr:`vae_scale_factor`.

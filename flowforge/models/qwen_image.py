@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import Conditioning
+from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
@@ -101,7 +101,7 @@ def qwen_image_text(*, path: str | Path | None = None, components: dict[str, Any
                         min_tokenizer_size=min_tokenizer_size)
 
 
-class QwenImageAdapter:
+class QwenImageAdapter(AdapterMixin):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``QwenImageTransformer2DModel`` (text-to-image).
 
     Args:
@@ -139,18 +139,6 @@ class QwenImageAdapter:
     # ------------------------------------------------------------------ properties
 
     @property
-    def config(self):
-        return self.transformer.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
     def latent_channels(self) -> int:
         return int(self.config.in_channels) // 4
 
@@ -160,12 +148,6 @@ class QwenImageAdapter:
         if self.vae is None:
             return 8
         return 2 ** len(self.vae.temperal_downsample)
-
-    @property
-    def encoder_id(self) -> str:
-        if self.text_encoder is None:
-            return "none"
-        return f"{self.text_encoder.encoder_id}|negative={self.negative_prompt!r}"
 
     # ------------------------------------------------------------------ FlowModel
 
@@ -177,12 +159,6 @@ class QwenImageAdapter:
         """Qwen2.5-VL embeds ``[B, max_sequence_length, D]`` with ``mask`` (1 = real token); ``negative`` from
         :attr:`negative_prompt`."""
         return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
-
-    def release_text_encoder(self) -> None:
-        """Free the text encoder (a directory-backed encoder reloads lazily on the next :meth:`encode`)."""
-        release = getattr(self.text_encoder, "release", None)
-        if release is not None:
-            release()
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """Unpacked ``(C, height / f, width / f)``, ``f`` = :attr:`vae_scale_factor`.

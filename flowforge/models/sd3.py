@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import Conditioning
+from flowforge.models.base import AdapterMixin, Conditioning
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class SD3PipelineTextEncoder:
         return embeds, None, pooled
 
 
-class SD3Adapter:
+class SD3Adapter(AdapterMixin):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``SD3Transformer2DModel``.
 
     Args:
@@ -127,6 +127,7 @@ class SD3Adapter:
     """
 
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
+    tasks: tuple[str, ...] = ("t2i",)
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str = ""):
@@ -136,18 +137,6 @@ class SD3Adapter:
         self.negative_prompt = negative_prompt
 
     # ------------------------------------------------------------------ properties
-
-    @property
-    def config(self):
-        return self.transformer.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
 
     @property
     def vae_scale_factor(self) -> int:
@@ -160,13 +149,6 @@ class SD3Adapter:
     def default_resolution(self) -> int:
         """Side in pixels of the transformer's training resolution (``sample_size * vae_scale_factor``)."""
         return int(self.config.sample_size) * self.vae_scale_factor
-
-    @property
-    def encoder_id(self) -> str:
-        """Cache key of the text encoder + negative prompt (see :func:`flowforge.data.preprocess.encode_cached`)."""
-        if self.text_encoder is None:
-            return "none"
-        return f"{self.text_encoder.encoder_id}|negative={self.negative_prompt!r}"
 
     # ------------------------------------------------------------------ FlowModel
 
@@ -196,12 +178,6 @@ class SD3Adapter:
         (e_c, e_u), (m_c, m_u), (p_c, p_u) = split(embeds), split(mask), split(pooled)
         negative = Conditioning(prompt_embeds=e_u, pooled=p_u, mask=m_u)
         return Conditioning(prompt_embeds=e_c, pooled=p_c, mask=m_c, negative=negative)
-
-    def release_text_encoder(self) -> None:
-        """Free the text encoder's weights (it reloads lazily on the next :meth:`encode`)."""
-        release = getattr(self.text_encoder, "release", None)
-        if release is not None:
-            release()
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """``(C, height / f, width / f)`` with ``f`` = :attr:`vae_scale_factor`.

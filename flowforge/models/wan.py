@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import Conditioning
+from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
@@ -113,7 +113,7 @@ def wan_text(*, path: str | Path | None = None, components: dict[str, Any] | Non
                         encoder_id=encoder_id, min_tokenizer_size=min_tokenizer_size)
 
 
-class WanAdapter:
+class WanAdapter(AdapterMixin):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``WanTransformer3DModel`` (video).
 
     Args:
@@ -165,18 +165,6 @@ class WanAdapter:
         return ("t2v", "i2v") if self.expand_timesteps else ("t2v",)
 
     @property
-    def config(self):
-        return self.transformer.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
     def z_dim(self) -> int:
         return int(self.config.out_channels)
 
@@ -197,12 +185,6 @@ class WanAdapter:
                 return float(self.scheduler_config[key])
         return WAN_FALLBACK_SHIFT
 
-    @property
-    def encoder_id(self) -> str:
-        if self.text_encoder is None:
-            return "none"
-        return f"{self.text_encoder.encoder_id}|negative={self.negative_prompt!r}"
-
     # ------------------------------------------------------------------ FlowModel
 
     def blocks(self) -> list[nn.Module]:
@@ -213,12 +195,6 @@ class WanAdapter:
         """UMT5 embeds ``[B, max_sequence_length, D]`` (zeros past the real tokens) and the real-token mask;
         ``negative`` from :attr:`negative_prompt`."""
         return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
-
-    def release_text_encoder(self) -> None:
-        """Free the text encoder (a directory-backed encoder reloads lazily on the next :meth:`encode`)."""
-        release = getattr(self.text_encoder, "release", None)
-        if release is not None:
-            release()
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """``(C, (frames - 1) / 4 + 1, height / 8, width / 8)`` (VAE scale factors); ``C = z`` except for the
