@@ -85,14 +85,13 @@ def barrier(info: DistInfo) -> None:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def wrap(adapter, strategy: str, *, param_dtype: str = "float32", reduce_dtype: str = "float32",
-         activation_checkpointing: bool = False) -> None:
+def wrap(adapter, strategy: str, *, param_dtype: str = "float32", reduce_dtype: str = "float32") -> None:
     """Make ``adapter.transformer`` data-parallel in place (call after LoRA injection, before the optimizer).
 
     ``"ddp"``: ``torch.distributed._composable.replicate`` (DDP's gradient all-reduce, keeps the module's class and
     attributes). ``"fsdp"``: FSDP2 ``fully_shard`` on each of ``adapter.blocks()`` then the root, with
-    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; trainable master weights stay fp32.
-    Optional activation checkpointing of each block (non-reentrant).
+    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; trainable master weights stay fp32. (Activation
+    checkpointing is the adapter's: diffusers' ``enable_gradient_checkpointing``, which keeps parameter names.)
 
     Raises:
         ValueError: unknown strategy / dtype (allowed values listed).
@@ -102,11 +101,6 @@ def wrap(adapter, strategy: str, *, param_dtype: str = "float32", reduce_dtype: 
     for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if value not in DTYPES:
             raise ValueError(f"distributed.{name}={value!r} is not one of {sorted(DTYPES)}")
-    if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-        blocks = set(map(id, adapter.blocks()))
-        apply_activation_checkpointing(adapter.transformer, check_fn=lambda m: id(m) in blocks)
     if strategy == "ddp":
         from torch.distributed._composable import replicate
 

@@ -16,6 +16,7 @@ micro-batches, so replaying the first update runs the same computations as the r
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -111,13 +112,13 @@ class Trainer:
         objective_cls = OBJECTIVES[cfg.train.algorithm]
         total = cfg.train.steps * objective_cls.optimizer_steps_per_batch(cfg)
         d = cfg.distributed
-        def wrap():
-            dist_lib.wrap(self.adapter, d.strategy, param_dtype=d.param_dtype, reduce_dtype=d.reduce_dtype)
-
+        wrap = None
+        if self.dist.enabled:
+            wrap = functools.partial(dist_lib.wrap, self.adapter, d.strategy, param_dtype=d.param_dtype,
+                                     reduce_dtype=d.reduce_dtype)
         if d.activation_checkpointing:
             self.adapter.transformer.enable_gradient_checkpointing()
-        self.policy = Policy(self.adapter, cfg.lora, cfg.train, total_optimizer_steps=total,
-                             wrap=wrap if self.dist.enabled else None,
+        self.policy = Policy(self.adapter, cfg.lora, cfg.train, total_optimizer_steps=total, wrap=wrap,
                              **objective_cls.policy_bank(cfg))
         self.objective = objective_cls(cfg, self.adapter, self.policy)
 
