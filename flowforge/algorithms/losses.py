@@ -152,6 +152,29 @@ def _el_mean(t: torch.Tensor) -> torch.Tensor:
     return t.mean(dim=tuple(range(1, t.ndim))) if t.ndim > 1 else t
 
 
+def _check_clip(clip_low: float, clip_high: Optional[float]) -> float:
+    clip_high = clip_low if clip_high is None else clip_high
+    if not (clip_low > 0 and clip_high > 0):
+        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
+    return clip_high
+
+
+def _check_ratio_inputs(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                        adv_clip: Optional[float]) -> None:
+    """Shapes shared by the ratio losses: log-probs ``[B]`` or ``[B, S]``, advantages ``[B]`` or alike."""
+    if adv_clip is not None and not adv_clip > 0:
+        raise ValueError(f"adv_clip must be > 0 or None, got {adv_clip}")
+    if log_prob.shape != old_log_prob.shape or log_prob.ndim not in (1, 2):
+        raise ValueError(
+            f"log_prob and old_log_prob must share a [B] or [B, S] shape, got {tuple(log_prob.shape)} and "
+            f"{tuple(old_log_prob.shape)}"
+        )
+    if advantages.shape != log_prob.shape and advantages.shape != log_prob.shape[:1]:
+        raise ValueError(
+            f"advantages must be [B]={list(log_prob.shape[:1])} or {list(log_prob.shape)}, got {list(advantages.shape)}"
+        )
+
+
 def grpo_clip_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -177,20 +200,8 @@ def grpo_clip_loss(
     Source: flow_grpo ``scripts/train_sd3.py`` (policy loss, ``approx_kl``, ``clipfrac``); PPO (Schulman et al.
         2017); asymmetric clip as DAPO (Yu et al. 2025).
     """
-    clip_high = clip_low if clip_high is None else clip_high
-    if not (clip_low > 0 and clip_high > 0):
-        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
-    if adv_clip is not None and not adv_clip > 0:
-        raise ValueError(f"adv_clip must be > 0 or None, got {adv_clip}")
-    if log_prob.shape != old_log_prob.shape or log_prob.ndim not in (1, 2):
-        raise ValueError(
-            f"log_prob and old_log_prob must share a [B] or [B, S] shape, got {tuple(log_prob.shape)} and "
-            f"{tuple(old_log_prob.shape)}"
-        )
-    if advantages.shape != log_prob.shape and advantages.shape != log_prob.shape[:1]:
-        raise ValueError(
-            f"advantages must be [B]={list(log_prob.shape[:1])} or {list(log_prob.shape)}, got {list(advantages.shape)}"
-        )
+    clip_high = _check_clip(clip_low, clip_high)
+    _check_ratio_inputs(log_prob, old_log_prob, advantages, adv_clip)
     dtype = _dtype(log_prob, old_log_prob, advantages)
     lp = log_prob.to(dtype)
     old = old_log_prob.detach().to(dtype)
@@ -393,13 +404,6 @@ def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, clip_low: float
         "clip_fraction": ((r - 1.0 > clip_high) | (1.0 - r > clip_low)).to(r.dtype).mean(),
         "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean(),
     }
-
-
-def _check_clip(clip_low: float, clip_high: Optional[float]) -> float:
-    clip_high = clip_low if clip_high is None else clip_high
-    if not (clip_low > 0 and clip_high > 0):
-        raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low}, {clip_high}")
-    return clip_high
 
 
 def awm_loss(
@@ -690,17 +694,7 @@ def grpo_guard_loss(
     if step_weight not in GUARD_STEP_WEIGHTS:
         raise ValueError(f"step_weight={step_weight!r} is not one of {GUARD_STEP_WEIGHTS}")
     clip_high = _check_clip(clip_low, clip_high)
-    if adv_clip is not None and not adv_clip > 0:
-        raise ValueError(f"adv_clip must be > 0 or None, got {adv_clip}")
-    if log_prob.shape != old_log_prob.shape or log_prob.ndim not in (1, 2):
-        raise ValueError(
-            f"log_prob and old_log_prob must share a [B] or [B, S] shape, got {tuple(log_prob.shape)} and "
-            f"{tuple(old_log_prob.shape)}"
-        )
-    if advantages.shape != log_prob.shape and advantages.shape != log_prob.shape[:1]:
-        raise ValueError(
-            f"advantages must be [B]={list(log_prob.shape[:1])} or {list(log_prob.shape)}, got {list(advantages.shape)}"
-        )
+    _check_ratio_inputs(log_prob, old_log_prob, advantages, adv_clip)
     if mean.shape != old_mean.shape or mean.ndim <= log_prob.ndim or mean.shape[: log_prob.ndim] != log_prob.shape:
         raise ValueError(
             f"mean and old_mean must share a [{', '.join(['B', 'S'][: log_prob.ndim])}, *latent] shape led by "
