@@ -32,6 +32,32 @@ DEFAULT_MIN_TOKENIZER_SIZE = 1000
 files are missing and the Hub is unreachable (DESIGN.md §9). Tests with tiny word-level tokenizers lower it."""
 
 
+class PackedImageLatents:
+    """Latent geometry of the 2x2-packed image families (FLUX, Qwen-Image). Expects ``family`` (a name for
+    errors), ``latent_channels`` and ``vae_scale_factor``."""
+
+    family: str
+
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """Unpacked ``(C, height / f, width / f)``, ``f`` = ``vae_scale_factor``.
+
+        Raises:
+            ValueError: ``frames`` given, or a size not a positive multiple of ``2 f`` (2x2 packing).
+        """
+        if frames is not None:
+            raise ValueError(f"{self.family} is an image model; frames must be None, got {frames}")
+        unit = 2 * self.vae_scale_factor
+        if height <= 0 or width <= 0 or height % unit or width % unit:
+            raise ValueError(f"height and width must be positive multiples of {unit}, got {height}x{width}")
+        f = self.vae_scale_factor
+        return (self.latent_channels, height // f, width // f)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Number of packed image tokens ``(H/2)(W/2)`` of the latent for ``height x width`` pixels."""
+        _, h, w = self.latent_shape(height, width)
+        return (h // 2) * (w // 2)
+
+
 class PipelineText:
     """The text side of a diffusers pipeline, used through the pipeline's own ``encode_prompt``.
 

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
+    PackedImageLatents,
     PipelineText,
     check_velocity_inputs,
     encode_with_negative,
@@ -93,7 +94,7 @@ def flux_text(*, path: str | Path | None = None, components: dict[str, Any] | No
                         min_tokenizer_size=min_tokenizer_size)
 
 
-class FluxAdapter(AdapterMixin):
+class FluxAdapter(AdapterMixin, PackedImageLatents):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``FluxTransformer2DModel``.
 
     Args:
@@ -107,6 +108,7 @@ class FluxAdapter(AdapterMixin):
         scheduler_config: the pipeline's scheduler config (for :meth:`schedule_mu`); ``None``: pipeline defaults.
     """
 
+    family = "FLUX"
     tasks: tuple[str, ...] = ("t2i",)
     lora_targets: tuple[str, ...] = FLUX_LORA_TARGETS
 
@@ -149,25 +151,6 @@ class FluxAdapter(AdapterMixin):
         """T5 embeds ``[B, max_sequence_length, D]`` + pooled CLIP ``[B, P]``; ``negative`` per
         :attr:`negative_prompt`."""
         return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
-
-    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
-        """Unpacked ``(C, height / f, width / f)``, ``f`` = :attr:`vae_scale_factor`.
-
-        Raises:
-            ValueError: ``frames`` given, or a size not a positive multiple of ``2 f`` (2x2 packing).
-        """
-        if frames is not None:
-            raise ValueError(f"FLUX is an image model; frames must be None, got {frames}")
-        unit = 2 * self.vae_scale_factor
-        if height <= 0 or width <= 0 or height % unit or width % unit:
-            raise ValueError(f"height and width must be positive multiples of {unit}, got {height}x{width}")
-        f = self.vae_scale_factor
-        return (self.latent_channels, height // f, width // f)
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        """Number of packed image tokens ``(H/2)(W/2)`` of the latent for ``height x width`` pixels."""
-        _, h, w = self.latent_shape(height, width)
-        return (h // 2) * (w // 2)
 
     def schedule_mu(self, height: int, width: int) -> float:
         """Dynamic-shift ``mu`` for ``height x width`` pixels, as ``FluxPipeline.__call__`` computes it:

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
+    PackedImageLatents,
     PipelineText,
     check_velocity_inputs,
     encode_with_negative,
@@ -101,7 +102,7 @@ def qwen_image_text(*, path: str | Path | None = None, components: dict[str, Any
                         min_tokenizer_size=min_tokenizer_size)
 
 
-class QwenImageAdapter(AdapterMixin):
+class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``QwenImageTransformer2DModel`` (text-to-image).
 
     Args:
@@ -117,6 +118,7 @@ class QwenImageAdapter(AdapterMixin):
         ValueError: edit / layered variants (``zero_cond_t``, ``use_additional_t_cond``, guidance embeds).
     """
 
+    family = "Qwen-Image"
     tasks: tuple[str, ...] = ("t2i",)
     lora_targets: tuple[str, ...] = QWEN_IMAGE_LORA_TARGETS
 
@@ -159,25 +161,6 @@ class QwenImageAdapter(AdapterMixin):
         """Qwen2.5-VL embeds ``[B, max_sequence_length, D]`` with ``mask`` (1 = real token); ``negative`` from
         :attr:`negative_prompt`."""
         return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
-
-    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
-        """Unpacked ``(C, height / f, width / f)``, ``f`` = :attr:`vae_scale_factor`.
-
-        Raises:
-            ValueError: ``frames`` given, or a size not a positive multiple of ``2 f``.
-        """
-        if frames is not None:
-            raise ValueError(f"Qwen-Image is an image model; frames must be None, got {frames}")
-        unit = 2 * self.vae_scale_factor
-        if height <= 0 or width <= 0 or height % unit or width % unit:
-            raise ValueError(f"height and width must be positive multiples of {unit}, got {height}x{width}")
-        f = self.vae_scale_factor
-        return (self.latent_channels, height // f, width // f)
-
-    def image_seq_len(self, height: int, width: int) -> int:
-        """Packed image tokens ``(H/2)(W/2)`` for ``height x width`` pixels."""
-        _, h, w = self.latent_shape(height, width)
-        return (h // 2) * (w // 2)
 
     def schedule_mu(self, height: int, width: int) -> float:
         """``mu`` as ``QwenImagePipeline.__call__`` computes it: ``calculate_shift(image_seq_len, base_image_seq_len,
