@@ -175,6 +175,14 @@ def _check_ratio_inputs(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
         )
 
 
+def _prepared_advantages(advantages: torch.Tensor, adv_clip: Optional[float], dtype, ndim: int) -> torch.Tensor:
+    """Detached advantages in ``dtype``, clamped to ``±adv_clip`` if given, broadcast to ``ndim`` dims."""
+    adv = advantages.detach().to(dtype)
+    if adv_clip is not None:
+        adv = adv.clamp(-adv_clip, adv_clip)
+    return adv[:, None] if adv.ndim < ndim else adv
+
+
 def grpo_clip_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -205,11 +213,7 @@ def grpo_clip_loss(
     dtype = _dtype(log_prob, old_log_prob, advantages)
     lp = log_prob.to(dtype)
     old = old_log_prob.detach().to(dtype)
-    adv = advantages.detach().to(dtype)
-    if adv_clip is not None:
-        adv = adv.clamp(-adv_clip, adv_clip)
-    if adv.ndim < lp.ndim:
-        adv = adv[:, None]
+    adv = _prepared_advantages(advantages, adv_clip, dtype, lp.ndim)
     diff = lp - old
     ratio = torch.exp(diff)
     unclipped = -adv * ratio
@@ -709,11 +713,7 @@ def grpo_guard_loss(
         raise ValueError("std must be > 0 (a degenerate step has no Gaussian log-prob to normalize)")
     lp = log_prob.to(dtype)
     old = old_log_prob.detach().to(dtype)
-    adv = advantages.detach().to(dtype)
-    if adv_clip is not None:
-        adv = adv.clamp(-adv_clip, adv_clip)
-    if adv.ndim < lp.ndim:
-        adv = adv[:, None]
+    adv = _prepared_advantages(advantages, adv_clip, dtype, lp.ndim)
     sq = (mean.to(dtype) - old_mean.detach().to(dtype)) ** 2
     shift = sq.mean(dim=tuple(range(lp.ndim, sq.ndim))) / (2 * s**2)
     log_ratio = (lp - old + shift) * s

@@ -48,35 +48,33 @@ def jpeg_size_kb(media: Tensor, *, quality: int = JPEG_QUALITY) -> Tensor:
     return torch.tensor(sizes, dtype=torch.float32, device=media.device)
 
 
-class JpegCompressibility:
+class _JpegSize:
+    """Shared body of the two JPEG rewards: ``sign * size_kb`` of the quality-``quality`` JPEG."""
+
+    name: ClassVar[str]
+    sign: ClassVar[float]
+    needs_group: ClassVar[bool] = False
+
+    def __init__(self, quality: int = JPEG_QUALITY) -> None:
+        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 95:
+            raise ValueError(f"quality must be an int in 1..95, got {quality!r}")
+        self.quality = quality
+
+    def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
+        """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 (``sign`` x kilobytes)."""
+        check_inputs(media, prompts, metadata)
+        return self.sign * jpeg_size_kb(media, quality=self.quality)
+
+
+class JpegCompressibility(_JpegSize):
     """DDPO's compressibility reward: ``-size_kb`` of the quality-95 JPEG (higher = smaller file)."""
 
     name = "jpeg_compressibility"
-    needs_group: ClassVar[bool] = False
-
-    def __init__(self, quality: int = JPEG_QUALITY) -> None:
-        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 95:
-            raise ValueError(f"quality must be an int in 1..95, got {quality!r}")
-        self.quality = quality
-
-    def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
-        """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 (negative kilobytes)."""
-        check_inputs(media, prompts, metadata)
-        return -jpeg_size_kb(media, quality=self.quality)
+    sign = -1.0
 
 
-class JpegIncompressibility:
+class JpegIncompressibility(_JpegSize):
     """DDPO's incompressibility reward: ``+size_kb`` of the quality-95 JPEG (higher = larger file)."""
 
     name = "jpeg_incompressibility"
-    needs_group: ClassVar[bool] = False
-
-    def __init__(self, quality: int = JPEG_QUALITY) -> None:
-        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 95:
-            raise ValueError(f"quality must be an int in 1..95, got {quality!r}")
-        self.quality = quality
-
-    def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
-        """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 (kilobytes)."""
-        check_inputs(media, prompts, metadata)
-        return jpeg_size_kb(media, quality=self.quality)
+    sign = 1.0
