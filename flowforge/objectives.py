@@ -13,10 +13,16 @@ Two families share their machinery:
   (:class:`ForwardProcessObjective`). Noise and sigma of a visit are functions of (seed, candidate or group id,
   step, visit) only; group objectives share them within a prompt group and train on whole groups.
 
+Guidance (``sampler.guidance_scale``): replay objectives roll out *and* replay with the same guided velocity
+``adapter.velocity(x, sigma, cond, guidance_scale)`` -- two forwards for classifier-free guidance, one for FLUX-dev's
+distilled guidance embedding -- so the first update's ratio is exactly 1 and the gradient flows through both CFG
+branches (as flow_grpo trains SD3 at CFG 4.5). Forward-process objectives use guidance only to sample; their losses
+compare conditional velocities (guidance 1), as DiffusionNFT trains.
+
 Class attributes read by :mod:`flowforge.preflight` (one source of truth for algorithm properties):
 
 ====================  ==============================================================================
-``uses_log_probs``    replays stored SDE steps and needs per-step log-probs (so guidance must be 1)
+``uses_log_probs``    replays stored SDE steps and needs per-step log-probs (a stochastic kernel)
 ``clipped_ratio``     clips an importance ratio against the rollout policy (so 1 update per batch is moot)
 ====================  ==============================================================================
 """

@@ -234,10 +234,6 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
                 "every update sees the rollout policy, so the importance ratio is identically 1, clipping never "
                 "engages and the logged loss is identically 0 (a plain policy gradient). Use num_updates_per_batch "
                 ">= 2, or set train.allow_unit_ratio=true if that is what you want")
-        if objective.uses_log_probs and s.guidance_scale != 1.0:
-            problems.append(f"sampler.guidance_scale={s.guidance_scale} with train.algorithm={t.algorithm!r}: the "
-                            "log-prob objective replays steps with the conditional policy only, so rollout and replay "
-                            "would sample different policies; use guidance_scale 1.0")
         if world > 1 and objective.needs_whole_groups(cfg) and per_rank % d.group_size:
             problems.append(f"train.algorithm={t.algorithm!r} computes group statistics per rank: the per-rank batch "
                             f"{per_rank} must hold whole groups of data.group_size={d.group_size}")

@@ -84,6 +84,11 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+GUIDANCE = {"sd3": 4.5, "flux": 3.5, "qwen_image": 4.0, "wan": 5.0}
+"""GRPO runs sample with guidance: true CFG (two forwards, replayed as such) for SD3 / Qwen-Image / Wan, the
+distilled guidance embedding (one forward) for FLUX.1-dev; the first ratio must still be exactly 1."""
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_on_the_real_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
@@ -93,8 +98,10 @@ def test_family_trains_on_the_real_loop(family, algorithm, family_dirs, prompt_f
 def run_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
     from flowforge.trainer import Trainer
 
+    guidance = GUIDANCE[family] if algorithm == "grpo" else 1.0
     cfg = family_cfg(family, family_dirs[family], tmp_path / "runs", tmp_path / "cache", prompt_files,
-                     f"run.name={family}-{algorithm}", f"train.algorithm={algorithm}")
+                     f"run.name={family}-{algorithm}", f"train.algorithm={algorithm}",
+                     f"sampler.guidance_scale={guidance}")
     trainer = Trainer(cfg, progress=False)
     assert type(trainer.adapter).__module__ == f"flowforge.models.{family}"
     if family in ("flux", "qwen_image"):  # dynamic schedule: the family pipeline's own sigmas

@@ -67,9 +67,10 @@ def test_group_of_one_with_group_std_is_a_warning():
     assert len(warnings) == 1 and "every advantage is 0" in warnings[0]
 
 
-def test_guidance_with_log_prob_objective():
-    (p,) = _problems("sampler.guidance_scale=4.5")
-    assert "guidance_scale=4.5" in p
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo_guard", "nft"])
+def test_guidance_is_allowed_for_every_objective(algorithm):
+    """Replay objectives replay the guided velocity (ratio 1 tested in test_trainer / test_families_loop)."""
+    preflight(load_config(None, ["sampler.guidance_scale=4.5", f"train.algorithm={algorithm}"]), world_size=1)
 
 
 def test_lora_mode_disagreement():

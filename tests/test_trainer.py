@@ -83,6 +83,29 @@ def test_replayed_log_probs_equal_rollout_bitwise(make_trainer):
             assert torch.equal(tr.log_prob.detach(), traj.log_probs[rows, slot])
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo_guard"])
+def test_cfg_rollout_replays_exactly(make_trainer, algorithm):
+    """Classifier-free guidance with a replay objective: the replay evaluates the same two-branch guided velocity,
+    so the first update's ratio is exactly 1; replaying with the conditional branch alone would not be."""
+    from dataclasses import replace
+
+    from flowforge.rollout import replay_log_prob
+
+    trainer = make_trainer("sampler.guidance_scale=4.5", f"train.algorithm={algorithm}", name=algorithm)
+    batch = train_batch(*one_step(trainer))
+    spec = trainer.objective.rollout_spec_of(batch)
+    assert spec.guidance_scale == 4.5
+    rows = torch.arange(trainer.cfg.train.micro_batch_size)
+    with torch.no_grad():
+        guided = replay_log_prob(trainer.adapter, batch.traj.select(rows), 0, batch.cond.index(rows), spec)
+        plain = replay_log_prob(trainer.adapter, batch.traj.select(rows), 0, batch.cond.index(rows),
+                                replace(spec, guidance_scale=1.0))
+    assert torch.equal(guided.log_prob, batch.traj.log_probs[rows, 0])
+    assert not torch.allclose(plain.log_prob, batch.traj.log_probs[rows, 0])  # guidance matters: not vacuous
+    metrics = trainer.optimize(batch)
+    assert float(metrics["train/first_update_ratio_dev"]) == 0.0
+
+
 def test_second_update_moves_ratio_and_clipping_engages(make_trainer):
     trainer = make_trainer("train.lr=0.05", "grpo.clip_low=1e-6", "train.grad_clip=100.0")
 
