@@ -39,7 +39,8 @@ from flowforge.algorithms import losses, schedules
 from flowforge.config import Config
 from flowforge.models.base import Conditioning
 from flowforge.policy import old_decay
-from flowforge.rollout import RolloutSpec, Trajectory, candidate_noise, candidate_randint, replay_log_prob
+from flowforge.rollout import (RolloutSpec, Trajectory, candidate_noise, candidate_randint, generated_index,
+                               replay_log_prob, with_condition)
 
 
 @dataclass(frozen=True)
@@ -239,12 +240,17 @@ class GRPOGuard(GRPO):
 
 @dataclass(frozen=True)
 class Visit:
-    """One forward-process visit of a micro-batch: the noised input all policies see."""
+    """One forward-process visit of a micro-batch: the noised input all policies see.
 
-    x0: torch.Tensor  # [b, *latent] clean rollout samples
-    noise: torch.Tensor  # [b, *latent]
+    ``x0`` / ``noise`` / ``x_sigma`` (and every velocity :meth:`ForwardProcessObjective.velocity` returns) hold the
+    generated elements ``x[adapter.generated_index]`` -- the whole latent except an i2v condition slot, which is
+    kept clean in ``model_input`` and never enters a loss."""
+
+    x0: torch.Tensor  # [b, *generated] clean rollout samples
+    noise: torch.Tensor  # [b, *generated]
     sigma: torch.Tensor  # [b] in [0, 1]
-    x_sigma: torch.Tensor  # [b, *latent] = (1 - sigma) x0 + sigma noise
+    x_sigma: torch.Tensor  # [b, *generated] = (1 - sigma) x0 + sigma noise
+    model_input: torch.Tensor  # [b, *latent] x_sigma with the condition slot (if any) holding cond.image
 
     @property
     def target(self) -> torch.Tensor:
@@ -317,15 +323,19 @@ class ForwardProcessObjective(Objective):
         sigma = sub.traj.sigmas.to(x0.device)[sigma_index]
         noise = candidate_noise(self.noise_keys(sub).tolist(), x0.shape[1:], self.cfg.run.seed, slot).to(x0.device)
         s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
-        return Visit(x0=x0, noise=noise, sigma=sigma, x_sigma=(1 - s) * x0 + s * noise)
+        x_sigma = with_condition(self.adapter, (1 - s) * x0 + s * noise, sub.cond)
+        gen = generated_index(self.adapter)
+        return Visit(x0=x0[gen], noise=noise[gen], sigma=sigma, x_sigma=x_sigma[gen], model_input=x_sigma)
 
     def velocity(self, visit: Visit, cond: Conditioning, policy: str = "live", guidance_scale: float = 1.0):
-        """A policy's velocity at the visit's ``x_sigma``; other policies without gradients, live registered as
-        pending (the bank refuses switching until its backward)."""
+        """A policy's velocity ``[b, *generated]`` at the visit's ``model_input``; other policies without gradients,
+        live registered as pending (the bank refuses switching until its backward)."""
+        gen = generated_index(self.adapter)
         if policy == "live":
-            return self.policy.pending(self.adapter.velocity(visit.x_sigma, visit.sigma, cond, guidance_scale))
+            return self.policy.pending(self.adapter.velocity(visit.model_input, visit.sigma, cond,
+                                                             guidance_scale)[gen])
         with torch.no_grad(), self.policy.using(policy):
-            return self.adapter.velocity(visit.x_sigma, visit.sigma, cond, guidance_scale)
+            return self.adapter.velocity(visit.model_input, visit.sigma, cond, guidance_scale)[gen]
 
     def prepare(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Hook before training: may drop rows and add per-row tensors (``extras``) and metrics."""

@@ -21,14 +21,11 @@ from flowforge.algorithms.advantages import STD_MODES, COMBINE_MODES
 from flowforge.algorithms.losses import AWM_WEIGHTINGS, CRD_LOSS_TYPES, DGPO_MODES, GUARD_STEP_WEIGHTS, NFT_MODES
 from flowforge.algorithms.sde import TRANSITION_KINDS, transition
 from flowforge.config import Config, ConfigError
+from flowforge.data.prompts import IMAGE_TASKS, TASKS
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 TRAINABLE_MODES = ("lora", "full")
 DTYPES = ("float32", "bfloat16", "float16")
-TASKS = ("t2i", "i2i", "t2v", "i2v")
-LOOP_TASKS = ("t2i", "t2v")
-"""Tasks the training loop runs: the trainer starts every rollout from pure noise and never conditions on an image
-(no ``WanAdapter.prepare_i2v`` / ``pin_condition`` call in trainer.py / rollout.py)."""
 VIDEO_TASKS = ("t2v", "i2v")
 FORWARD_SIGMA_MODES = ("uniform_schedule", "full_schedule")
 NFT_REWARD_TRANSFORMS = ("reference", "absolute")
@@ -109,9 +106,9 @@ def _trained_step_problems(cfg: Config, problems: list[str]) -> None:
 
 
 def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> None:
-    """``model.task`` against the adapter class's declared ``tasks`` (imported, no weights loaded), the tasks the
-    loop runs, and ``model.frames``."""
-    from flowforge.models import adapter_tasks
+    """``model.task`` against the adapter class's declared ``tasks`` (imported, no weights loaded), image tasks
+    against its ``encode_condition_images``, and ``model.frames``."""
+    from flowforge.models import adapter_class, adapter_tasks
 
     m = cfg.model
     if m.task not in TASKS:
@@ -126,9 +123,10 @@ def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> Non
                         "is not checked against it")
     elif tasks and m.task not in tasks:
         problems.append(f"model.task={m.task!r}: model.adapter={m.adapter!r} runs only {list(tasks)}")
-    if m.task not in LOOP_TASKS:
-        problems.append(f"model.task={m.task!r}: the training loop runs only {list(LOOP_TASKS)} (rollouts start from "
-                        "pure noise; no image conditioning is wired into the trainer)")
+    if m.task in IMAGE_TASKS and tasks != () and not hasattr(adapter_class(m.adapter), "encode_condition_images"):
+        problems.append(f"model.task={m.task!r}: model.adapter={m.adapter!r} has no encode_condition_images "
+                        "(the ImageConditioned extension in flowforge/models/base.py), so it cannot take the "
+                        "prompts' condition images")
     if m.task in VIDEO_TASKS and m.frames is None:
         problems.append(f"model.task={m.task!r} needs model.frames (e.g. 81 for Wan)")
     elif m.task not in VIDEO_TASKS and m.frames is not None:

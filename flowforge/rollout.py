@@ -9,9 +9,13 @@ For each step ``i`` of the schedule ``sigmas [T+1]`` (``sigmas[T] == 0``)::
     x      = transition(kind, x, v, sigmas[i], sigmas[i+1], eta, noise=eps_i)   if i is a trained step
     x      = euler_step(x, v, sigmas[i], sigmas[i+1])                           otherwise (ODE)
 
-Trained steps store ``x`` (the step's input), the sampled ``x_next`` and the step's log-prob (mean over elements,
-fp32). :func:`replay_log_prob` re-scores a stored step under the current weights with the *same* kernel call, so the
+Trained steps store ``x`` (the step's input), the sampled ``x_next`` and the step's log-prob (mean over the generated
+elements, fp32). :func:`replay_log_prob` re-scores a stored step under the current weights with the *same* kernel call, so the
 first update's importance ratio is exactly 1 when the weights have not moved.
+
+Image-conditioned latents (Wan i2v, :class:`~flowforge.models.base.ImageConditioned`): ``cond.image`` is written into
+``x[adapter.condition_index]`` before the first step and every transition acts on ``x[adapter.generated_index]``
+only, so the condition slot is re-pinned after every step by construction and never enters a log-prob.
 
 Candidate noise (``x_T`` and each stochastic step's ``eps_i``) is a function of the candidate's stable sample id,
 the run seed and the step index only — never of the rank, batch position or chunking — so two candidates never share
@@ -57,7 +61,7 @@ class Trajectory:
     latents: torch.Tensor | None  # [B, S, *latent] fp32 input x of each trained step
     next_latents: torch.Tensor | None  # [B, S, *latent] fp32 sampled x_next of each trained step
     log_probs: torch.Tensor | None  # [B, S] fp32 rollout log-prob of each trained step, mean over elements
-    means: torch.Tensor | None = None  # [B, S, *latent] fp32 transition mean of each trained step (if stored)
+    means: torch.Tensor | None = None  # [B, S, *generated] fp32 transition mean of each trained step (if stored)
 
     def select(self, rows: torch.Tensor) -> "Trajectory":
         def pick(t):
@@ -119,6 +123,35 @@ def candidate_randint(candidate_ids: Sequence[int], high: int, seed: int, slot: 
     return out
 
 
+ALL = (slice(None),)
+"""The index of a whole batched latent."""
+
+
+def generated_index(adapter: FlowModel) -> tuple[slice, ...]:
+    """``adapter.generated_index`` (the latent elements the rollout generates), or the whole latent."""
+    return getattr(adapter, "generated_index", None) or ALL
+
+
+def with_condition(adapter: FlowModel, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+    """``x [B, *latent]`` with ``cond.image`` written into ``x[adapter.condition_index]`` (a copy); ``x`` itself when
+    ``cond`` has no image or the adapter consumes the image inside its velocity (no ``condition_index``)."""
+    index = getattr(adapter, "condition_index", None)
+    if cond.image is None or index is None:
+        return x
+    out = x.clone()
+    out[index] = cond.image.to(device=out.device, dtype=out.dtype)
+    return out
+
+
+def _assemble(x: torch.Tensor, index: tuple[slice, ...], part: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``x[index]`` replaced by ``part`` (``part`` itself for the whole latent)."""
+    if index == ALL:
+        return part
+    out = x.clone()
+    out[index] = part
+    return out
+
+
 @torch.no_grad()
 def denoise(
     adapter: FlowModel,
@@ -131,7 +164,8 @@ def denoise(
     """The denoising loop from ``x_T [B, *latent]`` over ``sigmas [T+1]`` (fp32, ending in 0).
 
     ``spec.trained_steps`` get ``spec.kind`` transitions with noise ``step_noise(i)`` (``[B, *latent]``; fresh
-    normal noise when None), every other step is an Euler (ODE) step.
+    normal noise when None), every other step is an Euler (ODE) step. ``cond.image`` (i2v) is pinned into the
+    condition slot first; steps act on the generated elements only (see the module docstring).
 
     Returns:
         :class:`Trajectory` with ``latents / next_latents`` ``[B, S, *latent]`` and ``log_probs`` ``[B, S]`` per spec.
@@ -143,22 +177,23 @@ def denoise(
     if any(not 0 <= i < num_steps for i in trained):
         raise ValueError(f"trained steps {sorted(trained)} outside [0, {num_steps})")
     b = x_T.shape[0]
-    x = x_T.float()
+    gen = generated_index(adapter)
+    x = with_condition(adapter, x_T.float(), cond)
     sig = sigmas.to(x.device)
     xs, xns, lps, mus = [], [], [], []
     for i in range(num_steps):
         v = adapter.velocity(x, sig[i].expand(b), cond, spec.guidance_scale)
         if i in trained and spec.kind != "ode":
-            eps = None if step_noise is None else step_noise(i)
-            tr = transition(spec.kind, x, v, sig[i], sig[i + 1], spec.noise_level, noise=eps,
+            eps = None if step_noise is None else step_noise(i)[gen]
+            tr = transition(spec.kind, x[gen], v[gen], sig[i], sig[i + 1], spec.noise_level, noise=eps,
                             sigma_max=sig[1], compute_log_prob=spec.log_probs)
-            x_next = tr.x_next
+            x_next = _assemble(x, gen, tr.x_next)
             if spec.log_probs:
                 lps.append(tr.log_prob)
             if spec.store_means:
                 mus.append(tr.mean)
         else:
-            x_next = euler_step(x, v, sig[i], sig[i + 1])
+            x_next = _assemble(x, gen, euler_step(x[gen], v[gen], sig[i], sig[i + 1]))
         if i in trained and spec.store_steps:
             xs.append(x)
             xns.append(x_next)
@@ -211,17 +246,20 @@ def replay_log_prob(
     """Re-score stored trained step ``traj.trained_steps[slot]`` under the adapter's current weights.
 
     The same :func:`~flowforge.algorithms.sde.transition` call as in :func:`rollout` with ``x_next`` given, so
-    unchanged weights reproduce the rollout log-prob bit for bit. Gradients flow through the velocity.
+    unchanged weights reproduce the rollout log-prob bit for bit. Gradients flow through the velocity of the
+    generated elements only (an i2v condition slot has no gradient path).
 
     Returns:
-        the :class:`~flowforge.algorithms.sde.Transition` (``log_prob`` ``[B]`` fp32, mean over elements).
+        the :class:`~flowforge.algorithms.sde.Transition` over ``x[generated_index]`` (``log_prob`` ``[B]`` fp32,
+        mean over the generated elements).
     """
     i = traj.trained_steps[slot]
+    gen = generated_index(adapter)
     sig = traj.sigmas.to(traj.latents.device)
     x = traj.latents[:, slot]
     v = adapter.velocity(x, sig[i].expand(x.shape[0]), cond, spec.guidance_scale)
-    return transition(spec.kind, x, v, sig[i], sig[i + 1], spec.noise_level, x_next=traj.next_latents[:, slot],
-                      sigma_max=sig[1])
+    return transition(spec.kind, x[gen], v[gen], sig[i], sig[i + 1], spec.noise_level,
+                      x_next=traj.next_latents[:, slot][gen], sigma_max=sig[1])
 
 
 def generate(adapter: FlowModel, cond: Conditioning, x_T: torch.Tensor, sigmas: torch.Tensor,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,10 +31,12 @@ from flowforge import distributed as dist_lib
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
-from flowforge.data.prompts import KRepeatSampler, PromptRecord, load_prompts
+from flowforge.data.images import load_condition_images
+from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, check_task, load_prompts
 from flowforge.metrics import (MetricsLogger, StageTimer, write_provenance, sample_grid_path, save_grid, to_scalars,
                               within_group_diversity)
 from flowforge.models import build_adapter
+from flowforge.models.base import Conditioning
 from flowforge.objectives import OBJECTIVES, TrainBatch
 from flowforge.policy import Policy
 from flowforge.preflight import preflight
@@ -91,6 +93,10 @@ class Trainer:
         self.model_source = _model_source(cfg.model.path)
         if self.model_source is not None:
             ckpt.check_run_dir_outside_source(self.run_dir, self.model_source)
+        self.train_prompts = load_prompts(cfg.data.prompts)  # bad prompt files fail before any model loads
+        self.eval_prompts = load_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]
+        check_task(self.train_prompts, cfg.model.task, "data.prompts")
+        check_task(self.eval_prompts, cfg.model.task, "data.eval_prompts")
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(config_lib.dump_config(cfg))
@@ -98,10 +104,8 @@ class Trainer:
         dist_lib.barrier(self.dist)
 
         m = cfg.model
-        self.adapter = build_adapter(m.adapter, m.path, dtype=DTYPES[m.dtype], device=self.device)
+        self.adapter = build_adapter(m.adapter, m.path, task=m.task, dtype=DTYPES[m.dtype], device=self.device)
         self.latent_shape = tuple(self.adapter.latent_shape(m.height, m.width, m.frames))
-        self.train_prompts = load_prompts(cfg.data.prompts)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]
         self.train_cond = _encode(self.adapter, self.train_prompts, cfg.data.cache_dir).to(self.device)
         self.eval_cond = _encode(self.adapter, self.eval_prompts, cfg.data.cache_dir).to(self.device)
         release = getattr(self.adapter, "release_text_encoder", None)
@@ -261,13 +265,25 @@ class Trainer:
     def sample(self, batch: StepBatch, step: int):
         """Stage 2: roll out the objective's declared trajectories, chunked like the training micro-batches."""
         spec = self.objective.rollout_spec(step)
-        cond = self.train_cond.index(batch.prompt_indices)
+        cond = self._conditioning(self.train_cond, self.train_prompts, batch.prompt_indices)
         chunk = self.cfg.sampler.batch_size or self.cfg.train.micro_batch_size
         with self.policy.using(self.objective.sampling_policy):
             traj = rollout_chunked(self.adapter, cond, batch.candidate_ids.tolist(), self.sigmas, spec,
                                    latent_shape=self.latent_shape, seed=self.cfg.run.seed, batch_size=chunk,
                                    device=self.device)
         return traj, cond
+
+    def _conditioning(self, cond: Conditioning, records: list[PromptRecord], prompt_indices: torch.Tensor):
+        """The conditioning rows of ``prompt_indices``; for image tasks with ``cond.image`` set to the adapter's
+        encoding of each prompt's condition image (each distinct prompt loaded and encoded once)."""
+        rows = cond.index(prompt_indices)
+        if self.cfg.model.task not in IMAGE_TASKS:
+            return rows
+        m = self.cfg.model
+        distinct, inverse = torch.unique(prompt_indices, return_inverse=True)
+        images = load_condition_images([records[i].metadata["image"] for i in distinct.tolist()], m.height, m.width)
+        encoded = self.adapter.encode_condition_images(images.to(self.device), self.latent_shape)
+        return replace(rows, image=encoded[inverse.to(encoded.device)])
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         bs = self.cfg.reward.batch_size
@@ -397,8 +413,9 @@ class Trainer:
         with self.policy.using(self.objective.eval_policy):
             for start in range(0, len(ids), e.batch_size):
                 rows = prompt_idx[start:start + e.batch_size]
-                finals.append(generate(self.adapter, self.eval_cond.index(rows), x_T[start:start + e.batch_size],
-                                       self.sigmas, self.cfg.sampler.guidance_scale))
+                cond = self._conditioning(self.eval_cond, self.eval_prompts, rows)
+                finals.append(generate(self.adapter, cond, x_T[start:start + e.batch_size], self.sigmas,
+                                       self.cfg.sampler.guidance_scale))
         images = self._decode(torch.cat(finals))
         if not self.dist.is_main:
             return {}

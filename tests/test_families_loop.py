@@ -27,12 +27,12 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def _components(family: str, seed: int = 0) -> dict:
+def _components(family: str, seed: int = 0, **kw) -> dict:
     mp = pytest.MonkeyPatch()
     mp.setattr(tiny, "WORDS", list(tiny.WORDS) + EXTRA_WORDS)  # > 1000 tokens: passes the loaders' guard
     try:
         return {"flux": tiny.flux_components, "qwen_image": tiny.qwen_components,
-                "wan": tiny.wan_components}[family](seed)
+                "wan": tiny.wan_components}[family](seed, **kw)
     finally:
         mp.undo()
 
@@ -65,9 +65,9 @@ def prompt_files(tmp_path_factory):
     return files
 
 
-def family_cfg(family, model_dir, out_dir, cache_dir, prompts, *extra):
+def family_cfg(family, model_dir, out_dir, cache_dir, prompts, *extra, task=None):
     h, w, frames = SIZES[family]
-    task = "t2v" if family == "wan" else "t2i"
+    task = task or ("t2v" if family == "wan" else "t2i")
     schedule = {"flux": "dynamic", "qwen_image": "dynamic", "wan": "wan"}.get(family, "static")
     return load_config(None, [
         f"model.adapter={family}", f"model.path={model_dir}", f"model.height={h}", f"model.width={w}",
@@ -226,6 +226,12 @@ class UndeclaredAdapter:
     """A bring-your-own adapter class without a ``tasks`` declaration."""
 
 
+class ImageTaskWithoutEncoder:
+    """Declares i2v but has no ``encode_condition_images``."""
+
+    tasks = ("i2v",)
+
+
 def _preflight(*overrides):
     from flowforge.preflight import preflight
 
@@ -275,9 +281,11 @@ def test_preflight_accepts_a_task_the_adapter_runs(adapter, task, frames):
 
 
 def test_preflight_task_check_edges():
-    # i2v: Wan runs it, the loop does not (no image conditioning in the trainer)
-    (problem,) = _task_problems("model.adapter=wan", "model.task=i2v", "model.frames=5")
-    assert problem.startswith("model.task='i2v': the training loop runs only ['t2i', 't2v']")
+    # i2v: Wan runs it; a class that declares i2v but cannot encode condition images is refused
+    _preflight("model.adapter=wan", "model.task=i2v", "model.frames=5")
+    (problem,) = _task_problems("model.adapter=tests.test_families_loop:ImageTaskWithoutEncoder", "model.task=i2v",
+                                "model.frames=5")
+    assert "has no encode_condition_images" in problem
     # frames must match the task
     assert _task_problems("model.adapter=wan", "model.task=t2v") == [
         "model.task='t2v' needs model.frames (e.g. 81 for Wan)"]

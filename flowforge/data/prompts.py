@@ -9,6 +9,12 @@ string unique within the file. Any other metadata keys are free-form and reach t
 digit scorer reads ``metadata["digit"]``). Other top-level keys are rejected, so a typo cannot be silently ignored.
 ``"demo:train"`` and ``"demo:eval"`` name the packaged prompt files of the embedded default.
 
+Image-conditioned tasks (``i2v``, ``i2i``) also need ``metadata.image``: the path of the condition image (the first
+frame for i2v), relative to the prompt file's directory or absolute; :func:`load_prompts` checks that it exists and
+stores it resolved to an absolute path::
+
+    {"prompt": "the cat walks away", "metadata": {"task": "i2v", "sample_id": "v1", "image": "frames/cat.png"}}
+
 **K-repeat sampling** (GRPO-style group sampling, as in flow_grpo's ``DistributedKRepeatSampler``). Every step draws
 ``M`` distinct prompts and repeats each ``K`` times, giving ``B = M * K`` candidates whose rewards are compared within
 their group. Every rank builds the same batch from the seed alone, with no communication, and keeps a contiguous,
@@ -41,6 +47,9 @@ import torch
 
 TASKS = ("t2i", "i2i", "t2v", "i2v")
 """Allowed values of ``metadata.task``."""
+
+IMAGE_TASKS = ("i2i", "i2v")
+"""Tasks conditioned on an image (``metadata.image``)."""
 
 DEMO_PROMPT_SETS = ("demo:train", "demo:eval")
 """Names that resolve to the embedded default's packaged prompt files."""
@@ -114,6 +123,15 @@ def _parse_row(path: pathlib.Path, line: int, text: str) -> PromptRecord:
     sample_id = metadata.get("sample_id")
     if not isinstance(sample_id, str) or not sample_id:
         raise _row_error(path, line, "metadata.sample_id", f"must be a non-empty string, got {sample_id!r}")
+    if task in IMAGE_TASKS:
+        image = metadata.get("image")
+        if not isinstance(image, str) or not image:
+            raise _row_error(path, line, "metadata.image", f"must be the condition image's path for task {task!r}, "
+                                                           f"got {image!r}")
+        resolved = (path.parent / image).resolve()
+        if not resolved.is_file():
+            raise _row_error(path, line, "metadata.image", f"names {image!r}, which is not a file ({resolved})")
+        metadata = {**metadata, "image": str(resolved)}
     return PromptRecord(prompt=prompt, metadata=metadata)
 
 
@@ -337,3 +355,19 @@ class KRepeatSampler:
         if epoch < 0 or steps < 0 or not 0 <= cursor <= self.num_prompts:
             raise ValueError(f"sampler state position is invalid: epoch={epoch}, cursor={cursor}, steps={steps}")
         self.epoch, self.cursor, self.steps = epoch, cursor, steps
+
+
+def check_task(records: list[PromptRecord], task: str, source: str) -> None:
+    """Every record of ``source`` must agree with ``model.task`` on being image-conditioned (an i2v model needs an
+    image per prompt; a t2v model would silently ignore one).
+
+    Raises:
+        ValueError: naming the first disagreeing record and the allowed tasks.
+    """
+    wanted = task in IMAGE_TASKS
+    for record in records:
+        if (record.task in IMAGE_TASKS) != wanted:
+            allowed = list(IMAGE_TASKS) if wanted else [t for t in TASKS if t not in IMAGE_TASKS]
+            raise ValueError(f"{source}: record {record.sample_id!r} has metadata.task={record.task!r} but "
+                             f"model.task={task!r} needs records with metadata.task in {allowed}")
+

@@ -2,7 +2,7 @@
 
 ``build_adapter(name, path, **kw)`` loads a registered family (``ADAPTERS``) or a bring-your-own class named as
 ``"pkg.module:Class"`` (called as ``Class.from_pretrained(path, **kw)`` when it has that classmethod, else
-``Class(path, **kw)``).
+``Class(path, **kw)``). The trainer passes ``task`` (``model.task``), ``dtype`` and ``device``.
 
 ``ADAPTER_CLASSES`` names each registered family's adapter class (``"module:Class"``) so that a config can be checked
 against the class — e.g. which tasks it runs (:func:`adapter_tasks`) — by importing it, without loading weights.
@@ -16,28 +16,36 @@ from typing import Any, Callable
 from flowforge.models.base import Conditioning, FlowModel
 
 
-def _load_sd3(path: str, **kw: Any):
+def _t2i_only(family: str, task: str) -> None:
+    if task != "t2i":
+        raise ValueError(f"model.task={task!r}: the {family} adapter runs only ['t2i']")
+
+
+def _load_sd3(path: str, task: str = "t2i", **kw: Any):
     from flowforge.models.sd3 import load_sd3
 
+    _t2i_only("sd3", task)
     return load_sd3(path, **kw)
 
 
-def _load_flux(path: str, **kw: Any):
+def _load_flux(path: str, task: str = "t2i", **kw: Any):
     from flowforge.models.flux import load_flux
 
+    _t2i_only("flux", task)
     return load_flux(path, **kw)
 
 
-def _load_qwen_image(path: str, **kw: Any):
+def _load_qwen_image(path: str, task: str = "t2i", **kw: Any):
     from flowforge.models.qwen_image import load_qwen_image
 
+    _t2i_only("qwen_image", task)
     return load_qwen_image(path, **kw)
 
 
-def _load_wan(path: str, **kw: Any):
+def _load_wan(path: str, task: str | None = None, **kw: Any):
     from flowforge.models.wan import load_wan
 
-    return load_wan(path, **kw)
+    return load_wan(path, task=task, **kw)
 
 
 ADAPTERS: dict[str, Callable[..., FlowModel]] = {
@@ -46,7 +54,7 @@ ADAPTERS: dict[str, Callable[..., FlowModel]] = {
     "qwen_image": _load_qwen_image,
     "wan": _load_wan,
 }
-"""Registered model families: name → loader ``(path, *, dtype, device, ...) -> FlowModel``."""
+"""Registered model families: name → loader ``(path, *, task, dtype, device, ...) -> FlowModel``."""
 
 
 ADAPTER_CLASSES: dict[str, str] = {

@@ -45,6 +45,10 @@ class Conditioning:
     joint-attention context and ``pooled`` the pooled-projection vector. ``negative`` is the unconditional
     (empty / negative prompt) conditioning used for classifier-free guidance; it has the same batch size.
 
+    ``image`` is the encoded condition image of image-conditioned tasks (i2v / i2i), in the layout the adapter's
+    :meth:`ImageConditioned.encode_condition_images` returns (Wan i2v: the values of the latent's condition slot);
+    ``None`` for t2i / t2v. The negative branch sees the same latent, so ``negative.image`` stays ``None``.
+
     All row operations (:meth:`index`, :meth:`repeat_interleave`, :meth:`cat`) apply to ``negative`` as well.
     """
 
@@ -52,6 +56,7 @@ class Conditioning:
     pooled: Tensor | None = None  # [B, P]
     mask: Tensor | None = None  # [B, S] (1 = real token, 0 = padding)
     negative: Conditioning | None = None  # same batch size; for CFG
+    image: Tensor | None = None  # [B, *condition] encoded condition image (i2v / i2i), adapter layout
 
     def __post_init__(self) -> None:
         batch = self.prompt_embeds.shape[0]
@@ -65,6 +70,8 @@ class Conditioning:
             )
         if self.negative is not None and self.negative.batch_size != batch:
             raise ValueError(f"negative has batch size {self.negative.batch_size}, expected {batch}")
+        if self.image is not None and self.image.shape[0] != batch:
+            raise ValueError(f"image has batch size {self.image.shape[0]}, expected {batch}")
 
     @property
     def batch_size(self) -> int:
@@ -86,6 +93,7 @@ class Conditioning:
             pooled=_index_rows(self.pooled, idx),
             mask=_index_rows(self.mask, idx),
             negative=None if self.negative is None else self.negative.index(idx),
+            image=_index_rows(self.image, idx),
         )
 
     def repeat_interleave(self, k: int) -> Conditioning:
@@ -116,6 +124,7 @@ class Conditioning:
             pooled=cat_field("pooled"),
             mask=cat_field("mask"),
             negative=Conditioning.cat(negatives) if negatives[0] is not None else None,
+            image=cat_field("image"),
         )
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Conditioning:
@@ -131,6 +140,7 @@ class Conditioning:
             pooled=move(self.pooled, True),
             mask=move(self.mask, False),
             negative=None if self.negative is None else self.negative.to(device, dtype),
+            image=move(self.image, False),
         )
 
 
@@ -158,6 +168,24 @@ class FlowModel(Protocol):
 
     def decode(self, latents: Tensor) -> Tensor:
         """Latents → images ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) float32 in [0, 1]."""
+        ...
+
+
+@runtime_checkable
+class ImageConditioned(Protocol):
+    """Optional extension of :class:`FlowModel` for image-conditioned tasks whose condition lives *inside the
+    latent* (Wan i2v). The loop (:mod:`flowforge.rollout`, :mod:`flowforge.objectives`) writes ``cond.image`` into
+    ``x[condition_index]`` at the start of every rollout and of every forward-process visit, applies transitions
+    to ``x[generated_index]`` only (so the slot never moves: it is re-pinned after every step by construction) and
+    takes every log-prob and loss over ``x[generated_index]`` only (the slot has no gradient path). An adapter
+    without these members is treated as all-generated."""
+
+    condition_index: tuple[slice, ...] | None  # index of the condition slot in a batched latent; None: no slot
+    generated_index: tuple[slice, ...]  # index of the generated elements in a batched latent
+
+    def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
+        """Images ``[N, 3, H, W]`` float32 in [0, 1] -> ``cond.image`` ``[N, *slot]`` for latents of
+        ``latent_shape`` (``x[condition_index]`` has shape ``[B, *slot]``)."""
         ...
 
 

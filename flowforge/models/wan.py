@@ -26,15 +26,16 @@ Image-to-video (``task="i2v"``): the condition travels *inside the latent*, so r
 
 * **first-frame pin** (Wan2.2 TI2V, pipeline ``expand_timesteps=True``): latent frame 0 *is* the VAE latent of the
   input image. The transformer gets timestep 0 on frame-0 tokens (``temp_ts = (first_frame_mask * t)``) and the
-  returned velocity is 0 there, so Euler steps keep it. :meth:`WanAdapter.loss_mask` is 0 on frame 0.
+  returned velocity is 0 there.
 * **channel concat** (Wan2.1 I2V, ``in_channels = 2 z + 4``): ``x = [latents (z) | mask (4) | image latent (z)]``
   along channels, exactly the pipeline's ``torch.cat([latents, condition], dim=1)``; the velocity is 0 on the
-  ``z + 4`` condition channels and :meth:`WanAdapter.loss_mask` is 0 there. Wan2.1-I2V-14B's CLIP image tokens
+  ``z + 4`` condition channels. Wan2.1-I2V-14B's CLIP image tokens
   (``transformer.config.image_dim``) are read from ``cond.pooled`` (flattened ``[B, S_img * image_dim]``).
 
-In both layouts the rollout must call :meth:`WanAdapter.pin_condition` after every stochastic step (the SDE adds
-noise to all elements) and must weight log-probs / losses with :meth:`WanAdapter.loss_mask`; the initial noise is
-turned into an i2v start with :meth:`WanAdapter.prepare_i2v`. Not done here: computing the CLIP image tokens
+In both layouts the loop (:mod:`flowforge.rollout`) writes :meth:`WanAdapter.encode_condition_images` of the
+prompt's first-frame image into :attr:`WanAdapter.condition_index` of the start latent and of every forward-process
+visit, steps only :attr:`WanAdapter.generated_index` (so the slot is re-pinned after every stochastic step) and takes
+log-probs and losses over the generated elements only. Not done here: computing the CLIP image tokens
 (``WanImageToVideoPipeline.encode_image``), last-frame conditioning, and Wan2.2 A14B's two experts
 (``transformer_2`` / ``boundary_ratio``; :func:`load_wan` refuses such a directory).
 """
@@ -275,61 +276,59 @@ class WanAdapter(AdapterMixin):
         v[:, :, 0] = 0.0
         return v
 
-    # ------------------------------------------------------------------ i2v condition slot
+    # ------------------------------------------------------------------ i2v condition slot (ImageConditioned)
 
-    def loss_mask(self, latents: Tensor) -> Tensor:
-        """``[B, C, F, H, W]`` float32: 1 where the latent is generated, 0 on the i2v condition slot (frame 0 in
-        the pin layout, the ``z + 4`` condition channels in the concat layout); all ones for t2v. Log-probs and
-        losses should average over the 1 entries only."""
-        mask = torch.ones_like(latents, dtype=torch.float32)
-        if self.task == "i2v":
-            if self.concat_channels:
-                mask[:, self.z_dim:] = 0.0
-            else:
-                mask[:, :, 0] = 0.0
-        return mask
-
-    def pin_condition(self, x_next: Tensor, x: Tensor) -> Tensor:
-        """``x_next`` with the condition slot copied from the step input ``x`` (no-op for t2v). Call after every
-        stochastic step."""
+    @property
+    def condition_index(self) -> tuple[slice, ...] | None:
+        """Index of the i2v condition slot in a batched latent: frame 0 (pin layout) or the ``z + 4`` condition
+        channels (concat layout); ``None`` for t2v."""
         if self.task != "i2v":
-            return x_next
-        keep = self.loss_mask(x_next).bool()
-        return torch.where(keep, x_next, x.to(x_next.dtype))
+            return None
+        if self.concat_channels:
+            return (slice(None), slice(self.z_dim, None))
+        return (slice(None), slice(None), slice(0, 1))
+
+    @property
+    def generated_index(self) -> tuple[slice, ...]:
+        """Index of the generated elements: everything but :attr:`condition_index`."""
+        if self.task != "i2v":
+            return (slice(None),)
+        if self.concat_channels:
+            return (slice(None), slice(0, self.z_dim))
+        return (slice(None), slice(None), slice(1, None))
 
     @torch.no_grad()
-    def prepare_i2v(self, noise: Tensor, images: Tensor) -> Tensor:
-        """Initial i2v latents: ``noise [B, *latent_shape]`` with the condition slot filled from the first-frame
-        ``images [B, 3, H, W]`` in [0, 1] (VAE ``argmax`` latent, normalised with latents_mean / std, as
-        ``WanImageToVideoPipeline.prepare_latents``).
+    def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
+        """First-frame ``images [N, 3, H, W]`` float32 in [0, 1] -> the condition slot ``[N, *slot]`` fp32 of latents
+        of ``latent_shape`` (the VAE ``argmax`` latent normalised with latents_mean / std, as
+        ``WanImageToVideoPipeline.prepare_latents``): pin layout ``[N, z, 1, h, w]``; concat layout
+        ``[N, z + 4, F, h, w]`` = the first-frame mask (4 channels) and the latent of the image followed by zero
+        frames.
 
         Raises:
             RuntimeError: not an i2v adapter or no VAE.
         """
         if self.task != "i2v":
-            raise RuntimeError("prepare_i2v needs task='i2v'")
+            raise RuntimeError("encode_condition_images needs task='i2v'")
         if self.vae is None:
-            raise RuntimeError("prepare_i2v needs the VAE")
-        b, _, f, h, w = noise.shape
-        image = (images.to(self.vae.dtype) * 2.0 - 1.0).unsqueeze(2)  # [B, 3, 1, H, W]
-        frames = (f - 1) * self.vae_scale_factor_temporal + 1
+            raise RuntimeError("encode_condition_images needs the VAE")
+        _, f, h, w = latent_shape
+        n = images.shape[0]
+        image = (images.to(device=self.vae.device, dtype=self.vae.dtype) * 2.0 - 1.0).unsqueeze(2)  # [N,3,1,H,W]
+        ft = self.vae_scale_factor_temporal
+        frames = (f - 1) * ft + 1
         if self.concat_channels:  # Wan2.1 I2V: image then zero frames, encoded as a video
-            image = torch.cat([image, image.new_zeros(b, 3, frames - 1, *image.shape[3:])], dim=2)
+            image = torch.cat([image, image.new_zeros(n, 3, frames - 1, *image.shape[3:])], dim=2)
         z = self.vae.encode(image).latent_dist.mode().float()
         mean, inv_std = latent_stats(self.vae, z)
-        cond_latent = ((z - mean) * inv_std).to(noise.dtype)
-        out = noise.clone()
+        cond_latent = (z - mean) * inv_std
         if not self.concat_channels:
-            out[:, :, :1] = cond_latent
-            return out
-        ft = self.vae_scale_factor_temporal
-        mask = torch.zeros(b, 1, frames, h, w, dtype=noise.dtype, device=noise.device)
+            return cond_latent
+        mask = torch.zeros(n, 1, frames, h, w, dtype=cond_latent.dtype, device=cond_latent.device)
         mask[:, :, 0] = 1.0
         mask = torch.cat([mask[:, :, :1].repeat_interleave(ft, dim=2), mask[:, :, 1:]], dim=2)
-        mask = mask.view(b, -1, ft, h, w).transpose(1, 2)  # [B, ft, F, h, w]
-        out[:, self.z_dim:self.z_dim + ft] = mask
-        out[:, self.z_dim + ft:] = cond_latent
-        return out
+        mask = mask.view(n, -1, ft, h, w).transpose(1, 2)  # [N, ft, F, h, w]
+        return torch.cat([mask, cond_latent], dim=1)
 
     # ------------------------------------------------------------------ media
 

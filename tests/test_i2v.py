@@ -1,0 +1,205 @@
+"""Wan image-to-video on the real loop: the condition slot is pinned from the prompt's image through every rollout
+step, excluded from every log-prob and loss, and has no gradient path. Both layouts: Wan2.2 TI2V's first-frame pin
+(``expand_timesteps``) and Wan2.1 I2V's channel concat."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowforge.objectives import TrainBatch
+from tests.test_families_loop import _components, family_cfg, read_jsonl
+
+LAYOUTS = ["pin", "concat"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def i2v_dirs(tmp_path_factory):
+    """``layout -> saved WanImageToVideoPipeline directory``."""
+    from diffusers import WanImageToVideoPipeline
+
+    pin = _components("wan")
+    concat = _components("wan", i2v=True)
+    dirs = {}
+    for layout, parts, expand in (("pin", pin, True), ("concat", concat, False)):
+        path = tmp_path_factory.mktemp(f"wan_i2v_{layout}")
+        WanImageToVideoPipeline(**parts, expand_timesteps=expand).save_pretrained(str(path))
+        dirs[layout] = path
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def i2v_prompts(tmp_path_factory):
+    """``{("i2v", split): prompt file}``; every record names its own random 16x16 first frame (relative path)."""
+    root = tmp_path_factory.mktemp("i2v_prompts")
+    (root / "frames").mkdir()
+    rng = np.random.default_rng(0)
+    files = {}
+    for split, prompts in (("train", ["a red cat", "two dogs", "a blue car", "a boat"]), ("eval", ["a bird", "a house"])):
+        rows = []
+        for i, prompt in enumerate(prompts):
+            name = f"frames/{split}{i}.png"
+            Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / name)
+            rows.append({"prompt": prompt, "metadata": {"task": "i2v", "sample_id": f"{split}{i}", "image": name}})
+        files["i2v", split] = root / f"{split}.jsonl"
+        files["i2v", split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return files
+
+
+def make_trainer(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path, *extra):
+    from flowforge.trainer import Trainer
+
+    cfg = family_cfg("wan", i2v_dirs[layout], tmp_path / "runs", tmp_path / "cache", i2v_prompts,
+                     f"run.name=i2v-{layout}-{algorithm}", f"train.algorithm={algorithm}", *extra, task="i2v")
+    trainer = Trainer(cfg, progress=False)
+    assert trainer.adapter.task == "i2v" and trainer.adapter.condition_index is not None
+    return trainer
+
+
+def scored_batch(trainer, step=0) -> TrainBatch:
+    sb = trainer.next_prompts()
+    traj, cond = trainer.sample(sb, step)
+    records = [trainer.train_prompts[i] for i in sb.prompt_indices.tolist()]
+    comps, _ = trainer.score(trainer._decode(traj.final), records, sb.group_ids)
+    adv, total, _ = trainer.advantages(comps, sb)
+    return TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids, rewards=total,
+                      candidate_ids=sb.candidate_ids)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "nft"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_i2v_trains_on_the_real_loop(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path):
+    guidance = "sampler.guidance_scale=5.0" if algorithm == "grpo" else "sampler.guidance_scale=1.0"
+    trainer = make_trainer(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path, guidance)
+    before = {k: v.detach().clone() for k, v in trainer.adapter.transformer.named_parameters() if v.requires_grad}
+    run_dir = trainer.train()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/loss"] == r["train/loss"] for r in rows)  # not NaN
+    if algorithm == "grpo":
+        assert rows[0]["train/first_update_ratio_dev"] == 0.0
+    after = dict(trainer.adapter.transformer.named_parameters())
+    assert max(float((after[k].detach() - v).abs().max()) for k, v in before.items()) > 0
+    assert [e["step"] for e in read_jsonl(run_dir / "eval.jsonl")] == [0, 2]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_condition_slot_is_pinned_through_every_step(layout, i2v_dirs, i2v_prompts, tmp_path):
+    trainer = make_trainer(layout, "grpo", i2v_dirs, i2v_prompts, tmp_path, "sampler.guidance_scale=5.0")
+    batch = scored_batch(trainer)
+    slot, gen = trainer.adapter.condition_index, trainer.adapter.generated_index
+    image = batch.cond.image
+    assert image is not None and image.shape == batch.traj.final[slot].shape
+    # each prompt's own image: rows of different groups hold different conditions (the check is not vacuous)
+    g0, g1 = (batch.group_ids == 0).nonzero()[0], (batch.group_ids == 1).nonzero()[0]
+    assert not torch.equal(image[g0], image[g1])
+    assert torch.equal(batch.traj.final[slot], image)
+    for s in range(len(batch.traj.trained_steps)):
+        assert torch.equal(batch.traj.latents[:, s][slot], image)
+        assert torch.equal(batch.traj.next_latents[:, s][slot], image)  # re-pinned after the stochastic step
+    # the generated part really was sampled (not a copy of the start)
+    assert batch.traj.final[gen].abs().max() > 0
+
+
+def _velocity_spy(monkeypatch, adapter):
+    """Keep every velocity the adapter returns with ``retain_grad`` so a test can read d loss / d velocity."""
+    outputs = []
+    velocity = adapter.velocity
+
+    def spy(x, sigma, cond, guidance_scale):
+        v = velocity(x, sigma, cond, guidance_scale)
+        if v.requires_grad:
+            v.retain_grad()
+            outputs.append(v)
+        return v
+
+    monkeypatch.setattr(adapter, "velocity", spy)
+    return outputs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grpo_log_prob_and_loss_exclude_the_condition_slot(layout, i2v_dirs, i2v_prompts, tmp_path, monkeypatch):
+    from flowforge.rollout import replay_log_prob
+
+    trainer = make_trainer(layout, "grpo", i2v_dirs, i2v_prompts, tmp_path, "sampler.guidance_scale=5.0",
+                           "grpo.kl_weight=0.1")
+    batch = scored_batch(trainer)
+    slot, gen = trainer.adapter.condition_index, trainer.adapter.generated_index
+    spec = trainer.objective.rollout_spec_of(batch)
+    sub = batch.select(torch.arange(2))
+
+    # 1. the stored next latent's slot does not enter the log-prob: scrambling it changes nothing, bit for bit
+    scrambled = sub.traj.next_latents.clone()
+    scrambled[:, 0][slot] = torch.randn_like(scrambled[:, 0][slot]) * 10
+    with torch.no_grad():
+        lp = replay_log_prob(trainer.adapter, sub.traj, 0, sub.cond, spec).log_prob
+        lp2 = replay_log_prob(trainer.adapter, replace(sub.traj, next_latents=scrambled), 0, sub.cond, spec).log_prob
+        assert torch.equal(lp, sub.traj.log_probs[:, 0]) and torch.equal(lp, lp2)
+        # ... while the generated elements do
+        moved = sub.traj.next_latents.clone()
+        moved[:, 0][gen] += 0.1
+        lp3 = replay_log_prob(trainer.adapter, replace(sub.traj, next_latents=moved), 0, sub.cond, spec).log_prob
+        assert not torch.equal(lp, lp3)
+
+    # 2. no gradient path: d loss / d velocity is exactly 0 on the slot, nonzero on the generated elements
+    outputs = _velocity_spy(monkeypatch, trainer.adapter)
+    loss, _ = trainer.objective.step_loss(sub, 0, spec)  # clipped surrogate + transition-mean KL to the reference
+    loss.backward()
+    (v,) = outputs  # the live replay (the reference evaluation runs without gradients)
+    assert v.grad[slot].abs().max() == 0
+    assert v.grad[gen].abs().max() > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_process_loss_excludes_the_condition_slot(layout, i2v_dirs, i2v_prompts, tmp_path, monkeypatch):
+    trainer = make_trainer(layout, "nft", i2v_dirs, i2v_prompts, tmp_path, "nft.ref_weight=0.1")
+    batch = scored_batch(trainer)
+    obj = trainer.objective
+    slot, gen = trainer.adapter.condition_index, trainer.adapter.generated_index
+    prepared, extras, _ = obj.prepare(batch)
+    rows = torch.arange(2)
+    sub, sub_extras = prepared.select(rows), {k: v[rows] for k, v in extras.items()}
+    sigma_index, noise_slot = obj.visits(prepared, 0)[0]
+    visit = obj.make_visit(sub, sigma_index[rows], noise_slot)
+
+    # the model sees a clean slot holding the condition image, the loss sees only the generated elements
+    assert torch.equal(visit.model_input[slot], sub.cond.image)
+    assert visit.x_sigma.shape == sub.traj.final[gen].shape
+    # the rollout's final slot does not matter: the visit takes the slot from cond.image
+    scrambled = sub.traj.final.clone()
+    scrambled[slot] = torch.randn_like(scrambled[slot])
+    other = obj.make_visit(replace(sub, traj=replace(sub.traj, final=scrambled)), sigma_index[rows], noise_slot)
+    assert torch.equal(other.model_input, visit.model_input)
+
+    outputs = _velocity_spy(monkeypatch, trainer.adapter)
+    loss, _ = obj.micro_loss(sub, sub_extras, visit)  # NFT loss + velocity-MSE to the reference
+    trainer.policy.backward(loss)
+    (v,) = outputs
+    assert v.grad[slot].abs().max() == 0
+    assert v.grad[gen].abs().max() > 0
+
+
+def test_i2v_prompt_records_need_an_existing_image(tmp_path, i2v_prompts):
+    from flowforge.data.prompts import check_task, load_prompts
+
+    records = load_prompts(i2v_prompts["i2v", "train"])
+    assert all(r.metadata["image"].endswith(".png") and r.metadata["image"].startswith("/") for r in records)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "p", "metadata": {"task": "i2v", "sample_id": "a"}}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: field 'metadata.image' must be the condition image"):
+        load_prompts(bad)
+    bad.write_text(json.dumps({"prompt": "p", "metadata": {"task": "i2v", "sample_id": "a", "image": "no.png"}})
+                   + "\n")
+    with pytest.raises(ValueError, match=r"'metadata.image' names 'no.png', which is not a file"):
+        load_prompts(bad)
+    with pytest.raises(ValueError, match=r"model.task='t2v' needs records with metadata.task in \['t2i', 't2v'\]"):
+        check_task(records, "t2v", "data.prompts")
