@@ -19,11 +19,12 @@ def _row(i, task="t2i", **extra):
 
 
 def test_load_prompts_reads_records_in_order(tmp_path):
-    path = _write(tmp_path, [_row(0, digit=3), "", _row(1, task="i2v")])
+    (tmp_path / "frame.png").write_bytes(b"")  # existence is checked here; decoding happens in the trainer
+    path = _write(tmp_path, [_row(0, digit=3), "", _row(1, task="i2v", image="frame.png")])
     records = load_prompts(path)
     assert records == [
         PromptRecord("prompt 0", {"task": "t2i", "sample_id": "id0", "digit": 3}),
-        PromptRecord("prompt 1", {"task": "i2v", "sample_id": "id1"}),
+        PromptRecord("prompt 1", {"task": "i2v", "sample_id": "id1", "image": str(tmp_path / "frame.png")}),
     ]
     assert records[1].task == "i2v" and records[0].sample_id == "id0"
     assert records[0].to_dict() == _row(0, digit=3)
