@@ -16,9 +16,13 @@ from typing import Any, Callable
 from flowforge.models.base import Conditioning, FlowModel
 
 
+def _check_task(family: str, task: str, allowed: tuple[str, ...]) -> None:
+    if task not in allowed:
+        raise ValueError(f"model.task={task!r}: the {family} adapter runs only {list(allowed)}")
+
+
 def _t2i_only(family: str, task: str) -> None:
-    if task != "t2i":
-        raise ValueError(f"model.task={task!r}: the {family} adapter runs only ['t2i']")
+    _check_task(family, task, ("t2i",))
 
 
 def _load_sd3(path: str, task: str = "t2i", **kw: Any):
@@ -29,10 +33,10 @@ def _load_sd3(path: str, task: str = "t2i", **kw: Any):
 
 
 def _load_flux(path: str, task: str = "t2i", **kw: Any):
-    from flowforge.models.flux import load_flux
+    from flowforge.models.flux import FLUX_TASKS, load_flux
 
-    _t2i_only("flux", task)
-    return load_flux(path, **kw)
+    _check_task("flux", task, FLUX_TASKS)  # "i2i": FLUX.1 Kontext
+    return load_flux(path, task=task, **kw)
 
 
 def _load_qwen_image(path: str, task: str = "t2i", **kw: Any):

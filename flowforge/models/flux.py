@@ -21,8 +21,36 @@ text                pooled CLIP (``pooler_output``) → ``cond.pooled``; T5 ``la
                     ``max_sequence_length`` → ``cond.prompt_embeds``; via ``FluxPipeline.encode_prompt`` itself.
                     FLUX attends the whole T5 context (pad tokens included); no mask is passed.
 schedule            dynamic shift: ``mu = calculate_shift((H/2)(W/2), base_image_seq_len, max_image_seq_len,
-                    base_shift, max_shift)`` from the scheduler config (:meth:`FluxAdapter.schedule_mu`)
+                    base_shift, max_shift)`` from the scheduler config (:meth:`FluxAdapter.schedule_mu`); Kontext
+                    computes ``mu`` from the noisy tokens only (``image_seq_len = latents.shape[1]``), the same value
 ==================  ================================================================================================
+
+Image-to-image (``task="i2i"``, FLUX.1 Kontext; checked against diffusers 0.42 ``pipeline_flux_kontext.py``)
+---------------------------------------------------------------------------------------------------------------
+
+Kontext is the same ``FluxTransformer2DModel``; the condition image enters as *extra tokens* of the transformer's
+image stream, not inside the latent. So the adapter consumes ``cond.image`` inside :meth:`FluxAdapter.velocity`:
+``condition_index`` is ``None``, the whole latent is generated, and the rollout / objectives treat the latent exactly
+as in t2i (every element is stepped, scored and trained). What we replicate from ``FluxKontextPipeline``:
+
+* ``_encode_vae_image``: ``z = mode(vae.encode(2 * image - 1))`` (``retrieve_latents(..., sample_mode="argmax")``),
+  ``(z - shift_factor) * scaling_factor`` -- :meth:`FluxAdapter.encode_condition_images`;
+* ``prepare_latents``: the image latent is 2x2-packed (``_pack_latents``) to ``[N, (h/2)(w/2), 4C]`` and its
+  ``image_ids`` are ``_prepare_latent_image_ids`` of the image's latent grid with coordinate 0 set to 1;
+* ``__call__``: ``hidden_states = cat([latents, image_latents], dim=1)``, ``img_ids = cat([latent_ids, image_ids])``,
+  the prediction is ``noise_pred[:, : latents.size(1)]`` (the noisy tokens); the true-CFG negative forward uses the
+  same image tokens and ids; distilled guidance (``guidance_embeds``) is one forward as in t2i.
+
+What we do NOT replicate, both in ``__call__``: (1) the input-image preprocessing (step 3, "Preprocess image"):
+with ``_auto_resize=True`` it resizes the image to the ``PREFERRED_KONTEXT_RESOLUTIONS`` entry closest in aspect
+ratio and rounds to a multiple of ``vae_scale_factor * 2``, independently of the output size; (2) the output size:
+it rescales ``height x width`` to the area ``max_area`` (default ``1024**2``) at the same aspect ratio. flowforge
+generates at ``model.height x model.width`` and loads every condition image at that size
+(:func:`flowforge.data.images.load_condition_images`), so the image tokens have the same grid as the noisy latent
+(``encode_condition_images`` checks this). The pipeline called with ``_auto_resize=False``,
+``max_area = height * width`` and an image of the output size is what we reproduce. IP-adapter image embeddings and
+pre-encoded ``image`` latents passed to the pipeline are not supported either. In bf16 the pipeline shifts / scales
+and packs the image latent in the VAE dtype; we do it in fp32 and cast at the forward (fp32 runs are identical).
 
 Note on the schedule: ``FluxPipeline`` passes ``sigmas = linspace(1, 1/T, T)`` to the scheduler and shifts those;
 :func:`flowforge.algorithms.schedules.flow_match_sigmas` (kind "dynamic") starts from ``linspace(1, 1/N_train, T)``
@@ -94,8 +122,14 @@ def flux_text(*, path: str | Path | None = None, components: dict[str, Any] | No
                         min_tokenizer_size=min_tokenizer_size)
 
 
+FLUX_TASKS = ("t2i", "i2i")
+"""Tasks of :class:`FluxAdapter`: text-to-image and FLUX.1 Kontext image-to-image (same transformer class)."""
+
+
 class FluxAdapter(AdapterMixin, PackedImageLatents):
-    """:class:`~flowforge.models.base.FlowModel` around a diffusers ``FluxTransformer2DModel``.
+    """:class:`~flowforge.models.base.FlowModel` around a diffusers ``FluxTransformer2DModel``; image-to-image
+    (FLUX.1 Kontext) through :class:`~flowforge.models.base.ImageConditioned` with the image consumed inside the
+    velocity (``condition_index = None``; see the module docstring).
 
     Args:
         transformer: the ``FluxTransformer2DModel`` (put in eval mode; its dtype is the forward dtype).
@@ -106,14 +140,27 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         negative_prompt: CFG's unconditional prompt; ``"default"`` means ``None`` (no negative encoded) for
             guidance-embedding models and ``""`` otherwise.
         scheduler_config: the pipeline's scheduler config (for :meth:`schedule_mu`); ``None``: pipeline defaults.
+        task: ``"t2i"`` or ``"i2i"``. In ``"i2i"`` every velocity needs ``cond.image`` (the Kontext image tokens of
+            :meth:`encode_condition_images`); in ``"t2i"`` a ``cond.image``, when given, is used the same way.
+
+    Raises:
+        ValueError: unknown ``task``.
     """
 
     family = "FLUX"
-    tasks: tuple[str, ...] = ("t2i",)
+    tasks: tuple[str, ...] = FLUX_TASKS
     lora_targets: tuple[str, ...] = FLUX_LORA_TARGETS
+    condition_index: tuple[slice, ...] | None = None
+    """No condition slot: the Kontext image is consumed inside :meth:`velocity`, never written into the latent."""
+    generated_index: tuple[slice, ...] = (slice(None),)
+    """The whole latent is generated (stepped, scored and trained)."""
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
-                 negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None):
+                 negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,
+                 task: str = "t2i"):
+        if task not in FLUX_TASKS:
+            raise ValueError(f"task={task!r}; allowed: {list(FLUX_TASKS)}")
+        self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
         self.vae = vae.eval().requires_grad_(False) if vae is not None else None
@@ -168,6 +215,9 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         return _pipeline_sigmas(self.scheduler_config, num_steps, self.schedule_mu(height, width))
 
     def _forward(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance: Tensor | None) -> Tensor:
+        """One transformer forward over unpacked ``x [B, C, H, W]``; with ``cond.image`` (Kontext tokens
+        ``[B, (H/2)(W/2), 4C]``) appended to the image stream with ids ``(1, row, col)``, output cropped to the
+        noisy tokens (``FluxKontextPipeline.__call__``). Returns the unpacked fp32 velocity."""
         if cond.pooled is None:
             raise ValueError("FLUX needs a pooled CLIP embedding (cond.pooled is None)")
         from diffusers import FluxPipeline
@@ -175,29 +225,51 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         dtype, device = self.dtype, x.device
         b, _, h, w = x.shape
         embeds = cond.prompt_embeds.to(device=device, dtype=dtype)
+        tokens = pack_2x2(x.to(dtype))
+        num_noisy = tokens.shape[1]
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)
+        if cond.image is not None:
+            image = self._image_tokens(cond.image, tokens.shape)
+            tokens = torch.cat([tokens, image.to(device=device, dtype=dtype)], dim=1)
+            image_ids = img_ids.clone()
+            image_ids[..., 0] = 1  # prepare_latents: "image ids are the same as latent ids with the first dim 1"
+            img_ids = torch.cat([img_ids, image_ids], dim=0)
         out = self.transformer(
-            hidden_states=pack_2x2(x.to(dtype)),
+            hidden_states=tokens,
             timestep=(FLUX_TIMESTEP_SCALE * sigma).to(dtype),
             guidance=guidance,
             pooled_projections=cond.pooled.to(device=device, dtype=dtype),
             encoder_hidden_states=embeds,
             txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
-            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            img_ids=img_ids,
             return_dict=False,
         )[0]
-        return unpack_2x2(out.float(), h, w)
+        return unpack_2x2(out[:, :num_noisy].float(), h, w)
+
+    @staticmethod
+    def _image_tokens(image: Tensor, token_shape: Sequence[int]) -> Tensor:
+        if tuple(image.shape) != tuple(token_shape):
+            raise ValueError(f"cond.image must be the packed Kontext image tokens [B, (H/2)(W/2), 4C] = "
+                             f"{tuple(token_shape)} of the latent (encode_condition_images), got {tuple(image.shape)}")
+        return image
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity ``noise - x0`` at unpacked ``x [B, C, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
 
         Guidance-embedding models: one forward with ``guidance = guidance_scale`` (distilled guidance, not CFG).
         Otherwise ``guidance_scale == 1`` is the conditional branch alone and any other value is true CFG
-        ``v_u + g (v_c - v_u)`` over ``cond.negative`` (one forward over the doubled batch).
+        ``v_u + g (v_c - v_u)`` over ``cond.negative`` (one forward over the doubled batch). ``cond.image`` (i2i,
+        Kontext image tokens) conditions both branches: the negative branch sees the same image, as in
+        ``FluxKontextPipeline``'s true-CFG forward.
 
         Raises:
-            ValueError: bad shapes; CFG without ``cond.negative``; missing pooled embedding.
+            ValueError: bad shapes; CFG without ``cond.negative``; missing pooled embedding; ``task="i2i"`` without
+                ``cond.image``.
         """
         sigma = check_velocity_inputs(x, sigma, cond, 4)
+        if self.task == "i2i" and cond.image is None:
+            raise ValueError("task='i2i' (FLUX.1 Kontext) needs cond.image: the condition image tokens from "
+                             "encode_condition_images (the trainer sets them from each prompt's metadata.image)")
         g = float(guidance_scale)
         if self.guidance_embeds:
             guidance = torch.full((x.shape[0],), g, device=x.device, dtype=torch.float32)
@@ -208,10 +280,35 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         if neg.pooled is None or cond.pooled is None:
             raise ValueError("FLUX needs a pooled CLIP embedding in cond and cond.negative")
         device = cond.prompt_embeds.device
+        image = None if cond.image is None else torch.cat([cond.image, cond.image])
         both = Conditioning(prompt_embeds=torch.cat([neg.prompt_embeds.to(device), cond.prompt_embeds]),
-                            pooled=torch.cat([neg.pooled.to(device), cond.pooled.to(device)]))
+                            pooled=torch.cat([neg.pooled.to(device), cond.pooled.to(device)]), image=image)
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, None).chunk(2)
         return v_u + g * (v_c - v_u)
+
+    @torch.no_grad()
+    def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
+        """Condition images ``[N, 3, H, W]`` float32 in [0, 1] -> Kontext image tokens ``[N, (h/2)(w/2), 4C]`` fp32
+        for latents of ``latent_shape = (C, h, w)`` (``cond.image``).
+
+        As ``FluxKontextPipeline._encode_vae_image`` + ``prepare_latents``: ``z = mode(vae.encode(2 image - 1))``,
+        ``(z - shift_factor) * scaling_factor``, 2x2-packed like ``_pack_latents``. The images must already be at
+        the model's pixel size (the pipeline's resize to a preferred Kontext resolution is not replicated).
+
+        Raises:
+            RuntimeError: no VAE.
+            ValueError: the images' latent grid is not ``latent_shape`` (images not at the model's pixel size).
+        """
+        if self.vae is None:
+            raise RuntimeError("encode_condition_images needs the VAE")
+        cfg = self.vae.config
+        pixels = (images.to(device=self.vae.device, dtype=torch.float32) * 2.0 - 1.0).to(self.vae.dtype)
+        z = self.vae.encode(pixels).latent_dist.mode().float()
+        z = (z - cfg.shift_factor) * cfg.scaling_factor
+        if tuple(z.shape[1:]) != tuple(latent_shape):
+            raise ValueError(f"condition images {tuple(images.shape)} encode to latents {tuple(z.shape[1:])}, expected "
+                             f"latent_shape {tuple(latent_shape)}: load them at the model's height x width")
+        return pack_2x2(z)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -253,15 +350,21 @@ def _pipeline_sigmas(scheduler_config: dict[str, Any], num_steps: int, mu: float
 
 
 def load_flux(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-              text_encoder: Any = None, negative_prompt: str | None = "default", max_sequence_length: int = 512,
-              min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> FluxAdapter:
-    """Load a FLUX model from a local diffusers pipeline directory (``FluxPipeline.save_pretrained``); never downloads.
+              task: str = "t2i", text_encoder: Any = None, negative_prompt: str | None = "default",
+              max_sequence_length: int = 512, min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> FluxAdapter:
+    """Load a FLUX model from a local diffusers pipeline directory (``FluxPipeline.save_pretrained`` or, for
+    ``task="i2i"``, ``FluxKontextPipeline.save_pretrained``); never downloads.
 
-    The transformer and VAE are loaded now; the text encoders lazily, on the first :meth:`FluxAdapter.encode`.
+    The transformer and VAE are loaded now; the text encoders lazily, on the first :meth:`FluxAdapter.encode`. A
+    Kontext directory has the same components as a ``FluxPipeline`` one (only ``model_index.json``'s
+    ``_class_name`` differs), so its text encoders load through ``FluxPipeline`` as well.
 
     Raises:
         FileNotFoundError: ``path`` is not a pipeline directory.
+        ValueError: ``task`` not in ``("t2i", "i2i")``.
     """
+    if task not in FLUX_TASKS:
+        raise ValueError(f"task={task!r}; allowed: {list(FLUX_TASKS)}")
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
     from flowforge.models.common import has_component
@@ -277,4 +380,4 @@ def load_flux(path: str | Path, *, dtype: torch.dtype = torch.float32, device: t
                                  min_tokenizer_size=min_tokenizer_size)
     scheduler_config = read_json(root / "scheduler" / "scheduler_config.json")
     return FluxAdapter(transformer, text_encoder, vae, negative_prompt=negative_prompt,
-                       scheduler_config=scheduler_config)
+                       scheduler_config=scheduler_config, task=task)
