@@ -22,7 +22,7 @@ Tensor shapes in a group file (``k`` = the group's candidates, ``S`` trained ste
     latents        [k, S, *latent]   fp32 input x of each trained step          (absent if not stored)
     next_latents   [k, S, *latent]   fp32 sampled x_next of each trained step   (absent if not stored)
     log_probs      [k, S]            fp32 rollout log-prob, mean over elements   (absent if not recorded)
-    means          [k, S, *latent]   fp32 transition means                       (only when stored)
+    means          [k, S, *generated] fp32 transition means (generated elements)  (only when stored)
     sigmas         [T+1]             fp32 schedule of the rollout
     trained_steps  [S]               int64 step indices into sigmas
     group_ids      [k]               int64 (all equal to the group id)

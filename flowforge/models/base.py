@@ -46,8 +46,9 @@ class Conditioning:
     (empty / negative prompt) conditioning used for classifier-free guidance; it has the same batch size.
 
     ``image`` is the encoded condition image of image-conditioned tasks (i2v / i2i), in the layout the adapter's
-    :meth:`ImageConditioned.encode_condition_images` returns (Wan i2v: the values of the latent's condition slot);
-    ``None`` for t2i / t2v. The negative branch sees the same latent, so ``negative.image`` stays ``None``.
+    :meth:`ImageConditioned.encode_condition_images` returns (Wan i2v: the values of the latent's condition slot;
+    FLUX.1 Kontext i2i: packed image tokens the velocity appends to the image stream); ``None`` for t2i / t2v. Both
+    CFG branches see the same image, so ``negative.image`` stays ``None``.
 
     All row operations (:meth:`index`, :meth:`repeat_interleave`, :meth:`cat`) apply to ``negative`` as well.
     """
@@ -178,7 +179,8 @@ class ImageConditioned(Protocol):
     ``x[condition_index]`` at the start of every rollout and of every forward-process visit, applies transitions
     to ``x[generated_index]`` only (so the slot never moves: it is re-pinned after every step by construction) and
     takes every log-prob and loss over ``x[generated_index]`` only (the slot has no gradient path). An adapter
-    without these members is treated as all-generated."""
+    without these members is treated as all-generated. An adapter that consumes ``cond.image`` inside its velocity
+    instead (FLUX.1 Kontext: extra image tokens) sets ``condition_index = None`` and generates the whole latent."""
 
     condition_index: tuple[slice, ...] | None  # index of the condition slot in a batched latent; None: no slot
     generated_index: tuple[slice, ...]  # index of the generated elements in a batched latent

@@ -22,7 +22,7 @@ text                pooled CLIP (``pooler_output``) → ``cond.pooled``; T5 ``la
                     FLUX attends the whole T5 context (pad tokens included); no mask is passed.
 schedule            dynamic shift: ``mu = calculate_shift((H/2)(W/2), base_image_seq_len, max_image_seq_len,
                     base_shift, max_shift)`` from the scheduler config (:meth:`FluxAdapter.schedule_mu`); Kontext
-                    computes ``mu`` from the noisy tokens only (``image_seq_len = latents.shape[1]``), the same value
+                    computes ``mu`` from the noisy tokens only (``image_seq_len = latents.shape[1]``): the t2i value
 ==================  ================================================================================================
 
 Image-to-image (``task="i2i"``, FLUX.1 Kontext; checked against diffusers 0.42 ``pipeline_flux_kontext.py``)
