@@ -107,7 +107,7 @@ def _trained_step_problems(cfg: Config, problems: list[str]) -> None:
 
 def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> None:
     """``model.task`` against the adapter class's declared ``tasks`` (imported, no weights loaded), image tasks
-    against its ``encode_condition_images``, and ``model.frames``."""
+    against its ``condition_on_images``, and ``model.frames``."""
     from flowforge.models import adapter_class, adapter_tasks
 
     m = cfg.model
@@ -123,8 +123,8 @@ def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> Non
                         "is not checked against it")
     elif tasks and m.task not in tasks:
         problems.append(f"model.task={m.task!r}: model.adapter={m.adapter!r} runs only {list(tasks)}")
-    if m.task in IMAGE_TASKS and tasks != () and not hasattr(adapter_class(m.adapter), "encode_condition_images"):
-        problems.append(f"model.task={m.task!r}: model.adapter={m.adapter!r} has no encode_condition_images "
+    if m.task in IMAGE_TASKS and tasks != () and not hasattr(adapter_class(m.adapter), "condition_on_images"):
+        problems.append(f"model.task={m.task!r}: model.adapter={m.adapter!r} has no condition_on_images "
                         "(the ImageConditioned extension in flowforge/models/base.py), so it cannot take the "
                         "prompts' condition images")
     if m.task in VIDEO_TASKS and m.frames is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -274,16 +274,17 @@ class Trainer:
         return traj, cond
 
     def _conditioning(self, cond: Conditioning, records: list[PromptRecord], prompt_indices: torch.Tensor):
-        """The conditioning rows of ``prompt_indices``; for image tasks with ``cond.image`` set to the adapter's
-        encoding of each prompt's condition image (each distinct prompt loaded and encoded once)."""
-        rows = cond.index(prompt_indices)
+        """The conditioning rows of ``prompt_indices``; for image tasks conditioned on each prompt's image by the
+        adapter (``ImageConditioned.condition_on_images``; each distinct prompt loaded and encoded once)."""
         if self.cfg.model.task not in IMAGE_TASKS:
-            return rows
+            return cond.index(prompt_indices)
         m = self.cfg.model
         distinct, inverse = torch.unique(prompt_indices, return_inverse=True)
-        images = load_condition_images([records[i].metadata["image"] for i in distinct.tolist()], m.height, m.width)
-        encoded = self.adapter.encode_condition_images(images.to(self.device), self.latent_shape)
-        return replace(rows, image=encoded[inverse.to(encoded.device)])
+        chosen = [records[i] for i in distinct.tolist()]
+        images = load_condition_images([r.metadata["image"] for r in chosen], m.height, m.width)
+        conditioned = self.adapter.condition_on_images(cond.index(distinct), [r.prompt for r in chosen],
+                                                       images.to(self.device), self.latent_shape)
+        return conditioned.index(inverse)
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         bs = self.cfg.reward.batch_size

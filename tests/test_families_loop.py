@@ -227,7 +227,7 @@ class UndeclaredAdapter:
 
 
 class ImageTaskWithoutEncoder:
-    """Declares i2v but has no ``encode_condition_images``."""
+    """Declares i2v but has no ``condition_on_images``."""
 
     tasks = ("i2v",)
 
@@ -286,7 +286,7 @@ def test_preflight_task_check_edges():
     _preflight("model.adapter=wan", "model.task=i2v", "model.frames=5")
     (problem,) = _task_problems("model.adapter=tests.test_families_loop:ImageTaskWithoutEncoder", "model.task=i2v",
                                 "model.frames=5")
-    assert "has no encode_condition_images" in problem
+    assert "has no condition_on_images" in problem
     # frames must match the task
     assert _task_problems("model.adapter=wan", "model.task=t2v") == [
         "model.task='t2v' needs model.frames (e.g. 81 for Wan)"]

@@ -46,7 +46,7 @@ class Conditioning:
     (empty / negative prompt) conditioning used for classifier-free guidance; it has the same batch size.
 
     ``image`` is the encoded condition image of image-conditioned tasks (i2v / i2i), in the layout the adapter's
-    :meth:`ImageConditioned.encode_condition_images` returns (Wan i2v: the values of the latent's condition slot;
+    :meth:`ImageConditioned.condition_on_images` sets (Wan i2v: the values of the latent's condition slot;
     FLUX.1 Kontext i2i: packed image tokens the velocity appends to the image stream); ``None`` for t2i / t2v. Both
     CFG branches see the same image, so ``negative.image`` stays ``None``.
 
@@ -185,9 +185,12 @@ class ImageConditioned(Protocol):
     condition_index: tuple[slice, ...] | None  # index of the condition slot in a batched latent; None: no slot
     generated_index: tuple[slice, ...]  # index of the generated elements in a batched latent
 
-    def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
-        """Images ``[N, 3, H, W]`` float32 in [0, 1] -> ``cond.image`` ``[N, *slot]`` for latents of
-        ``latent_shape`` (``x[condition_index]`` has shape ``[B, *slot]``)."""
+    def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor,
+                            latent_shape: Sequence[int]) -> Conditioning:
+        """``cond`` -- the text conditioning of ``prompts``, one row per image -- conditioned on ``images
+        [N, 3, H, W]`` float32 in [0, 1] for latents of ``latent_shape``: sets ``cond.image`` (``[N, *slot]`` when
+        the adapter has a condition slot, ``x[condition_index]`` being ``[B, *slot]``) and may replace other
+        fields (image tokens in ``pooled``; prompts re-encoded by a text encoder that reads the image)."""
         ...
 
 

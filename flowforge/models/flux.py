@@ -59,6 +59,7 @@ like the scheduler's own default. :meth:`FluxAdapter.pipeline_sigmas` returns th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,11 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
                             pooled=torch.cat([neg.pooled.to(device), cond.pooled.to(device)]), image=image)
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, None).chunk(2)
         return v_u + g * (v_c - v_u)
+
+    def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor,
+                            latent_shape: Sequence[int]) -> Conditioning:
+        """``cond`` with ``image`` = :meth:`encode_condition_images` (``ImageConditioned``; ``prompts`` unused)."""
+        return dataclasses.replace(cond, image=self.encode_condition_images(images, latent_shape))
 
     @torch.no_grad()
     def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:

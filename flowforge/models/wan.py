@@ -32,7 +32,8 @@ Image-to-video (``task="i2v"``): the condition travels *inside the latent*, so r
   ``z + 4`` condition channels. Wan2.1-I2V-14B's CLIP image tokens
   (``transformer.config.image_dim``) are read from ``cond.pooled`` (flattened ``[B, S_img * image_dim]``).
 
-In both layouts the loop (:mod:`flowforge.rollout`) writes :meth:`WanAdapter.encode_condition_images` of the
+In both layouts the loop (:mod:`flowforge.rollout`) writes :meth:`WanAdapter.encode_condition_images` (via
+:meth:`WanAdapter.condition_on_images`) of the
 prompt's first-frame image into :attr:`WanAdapter.condition_index` of the start latent and of every forward-process
 visit, steps only :attr:`WanAdapter.generated_index` (so the slot is re-pinned after every stochastic step) and takes
 log-probs and losses over the generated elements only. Not done here: computing the CLIP image tokens
@@ -42,6 +43,7 @@ log-probs and losses over the generated elements only. Not done here: computing 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -296,6 +298,11 @@ class WanAdapter(AdapterMixin):
         if self.concat_channels:
             return (slice(None), slice(0, self.z_dim))
         return (slice(None), slice(None), slice(1, None))
+
+    def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor,
+                            latent_shape: Sequence[int]) -> Conditioning:
+        """``cond`` with ``image`` = :meth:`encode_condition_images` (``ImageConditioned``; ``prompts`` unused)."""
+        return dataclasses.replace(cond, image=self.encode_condition_images(images, latent_shape))
 
     @torch.no_grad()
     def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
