@@ -1,6 +1,7 @@
 """Wan image-to-video on the real loop: the condition slot is pinned from the prompt's image through every rollout
 step, excluded from every log-prob and loss, and has no gradient path. Both layouts: Wan2.2 TI2V's first-frame pin
-(``expand_timesteps``) and Wan2.1 I2V's channel concat."""
+(``expand_timesteps``) and Wan2.1 I2V's channel concat, the latter also with CLIP image tokens (``concat_clip``:
+Wan2.1-I2V-14B's ``image_dim`` transformer, image encoder and processor; tests/models/test_wan_i2v_clip.py)."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,10 @@ import torch
 from PIL import Image
 
 from flowforge.objectives import TrainBatch
+from tests.models.test_wan_i2v_clip import with_clip
 from tests.test_families_loop import _components, family_cfg, read_jsonl
 
-LAYOUTS = ["pin", "concat"]
+LAYOUTS = ["pin", "concat", "concat_clip"]
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +31,10 @@ def i2v_dirs(tmp_path_factory):
 
     pin = _components("wan")
     concat = _components("wan", i2v=True)
+    concat_clip = with_clip(_components("wan", i2v=True))
     dirs = {}
-    for layout, parts, expand in (("pin", pin, True), ("concat", concat, False)):
+    layouts = (("pin", pin, True), ("concat", concat, False), ("concat_clip", concat_clip, False))
+    for layout, parts, expand in layouts:
         path = tmp_path_factory.mktemp(f"wan_i2v_{layout}")
         WanImageToVideoPipeline(**parts, expand_timesteps=expand).save_pretrained(str(path))
         dirs[layout] = path
@@ -103,6 +107,12 @@ def test_condition_slot_is_pinned_through_every_step(layout, i2v_dirs, i2v_promp
     g0, g1 = (batch.group_ids == 0).nonzero()[0], (batch.group_ids == 1).nonzero()[0]
     assert not torch.equal(image[g0], image[g1])
     assert torch.equal(batch.traj.final[slot], image)
+    if layout == "concat_clip":  # each prompt's CLIP tokens, the same in both CFG branches
+        tokens = batch.cond.pooled
+        assert tokens is not None and torch.equal(batch.cond.negative.pooled, tokens)
+        assert not torch.equal(tokens[g0], tokens[g1])
+    else:
+        assert batch.cond.pooled is None
     for s in range(len(batch.traj.trained_steps)):
         assert torch.equal(batch.traj.latents[:, s][slot], image)
         assert torch.equal(batch.traj.next_latents[:, s][slot], image)  # re-pinned after the stochastic step

@@ -29,16 +29,26 @@ Image-to-video (``task="i2v"``): the condition travels *inside the latent*, so r
   returned velocity is 0 there.
 * **channel concat** (Wan2.1 I2V, ``in_channels = 2 z + 4``): ``x = [latents (z) | mask (4) | image latent (z)]``
   along channels, exactly the pipeline's ``torch.cat([latents, condition], dim=1)``; the velocity is 0 on the
-  ``z + 4`` condition channels. Wan2.1-I2V-14B's CLIP image tokens
-  (``transformer.config.image_dim``) are read from ``cond.pooled`` (flattened ``[B, S_img * image_dim]``).
+  ``z + 4`` condition channels.
+* **CLIP image tokens** (Wan2.1-I2V-14B-480P / -720P: ``transformer.config.image_dim`` set, concat layout):
+  :meth:`WanAdapter.encode_image_tokens` replicates ``WanImageToVideoPipeline.encode_image``
+  (``pipeline_wan_i2v.py``: the pipeline's ``image_processor`` then ``image_encoder(..., output_hidden_states=True)
+  .hidden_states[-2]``, ``[N, S_img, image_dim]``; 257 x 1280 for the released ViT-H/14); :meth:`condition_on_images`
+  puts them, flattened to ``[N, S_img * image_dim]`` fp32, into ``cond.pooled`` *and* ``cond.negative.pooled``:
+  the pipeline passes the same ``encoder_hidden_states_image`` to its conditional and unconditional forwards, and
+  :meth:`WanAdapter.velocity` concatenates ``negative.pooled`` / ``pooled`` like the text. Such a transformer's
+  cross-attention takes the last 512 context tokens as text (``WanAttnProcessor``: "512 is the context length of
+  the text encoder, hardcoded"), so the prompt embeddings must be 512 tokens (``max_sequence_length=512``).
 
 In both layouts the loop (:mod:`flowforge.rollout`) writes :meth:`WanAdapter.encode_condition_images` (via
 :meth:`WanAdapter.condition_on_images`) of the
 prompt's first-frame image into :attr:`WanAdapter.condition_index` of the start latent and of every forward-process
 visit, steps only :attr:`WanAdapter.generated_index` (so the slot is re-pinned after every stochastic step) and takes
-log-probs and losses over the generated elements only. Not done here: computing the CLIP image tokens
-(``WanImageToVideoPipeline.encode_image``), last-frame conditioning, and Wan2.2 A14B's two experts
-(``transformer_2`` / ``boundary_ratio``; :func:`load_wan` refuses such a directory).
+log-probs and losses over the generated elements only. Not done here: last-frame conditioning (FLF2V:
+``last_image``, ``pos_embed_seq_len``), and Wan2.2 A14B's two experts (``transformer_2`` / ``boundary_ratio``;
+:func:`load_wan` refuses such a directory). The CLIP tokens are computed from the images the adapter is given
+(the trainer's: already resized to the video size by ``load_condition_images``), while the pipeline hands CLIP the
+caller's original image; the two agree exactly when the source image already has the video size.
 """
 
 from __future__ import annotations
@@ -82,6 +92,10 @@ WAN_LORA_TARGETS = (
 diffusers' Wan LoRA format (``WanPipeline.load_lora_weights``)."""
 
 WAN_FALLBACK_SHIFT = 5.0
+WAN_I2V_TEXT_LEN = 512
+"""Text tokens an ``image_dim`` transformer's cross-attention expects after the image tokens (diffusers
+``transformer_wan.py`` ``WanAttnProcessor``: ``image_context_length = encoder_hidden_states.shape[1] - 512``)."""
+WAN_IMAGE_PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorPil", "CLIPImageProcessorFast")
 WAN_TASKS = ("t2v", "i2v")
 
 
@@ -128,16 +142,25 @@ class WanAdapter(AdapterMixin):
         expand_timesteps: Wan2.2 TI2V (first-frame pin layout for i2v; the pipeline's ``expand_timesteps``).
         negative_prompt: the unconditional prompt (``None``: no negative encoded).
         scheduler_config: the pipeline's scheduler config (for :attr:`default_shift`).
+        image_encoder: the pipeline's ``CLIPVisionModel`` (``image_encoder``), needed by i2v with a transformer
+            whose ``config.image_dim`` is set (Wan2.1-I2V-14B); unused otherwise.
+        image_processor: the pipeline's ``CLIPImageProcessor`` (``image_processor``; without torchvision
+            transformers gives ``CLIPImageProcessorPil``), with ``image_encoder``.
 
     Raises:
-        ValueError: unknown task; i2v with a transformer that has neither layout; t2v with an I2V transformer.
+        ValueError: unknown task; i2v with a transformer that has neither layout; t2v with an I2V transformer;
+            an ``image_dim`` transformer for i2v given a VAE but no ``image_encoder`` / ``image_processor`` (it
+            could encode the latent condition but not the CLIP tokens; a velocity-only adapter without a VAE, as
+            ``flowforge.export``'s check builds, is allowed and reads ``cond.pooled`` as given); a last-frame
+            (FLF2V, ``pos_embed_seq_len``) transformer.
     """
 
     lora_targets: tuple[str, ...] = WAN_LORA_TARGETS
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  task: str = "t2v", expand_timesteps: bool = False, negative_prompt: str | None = "",
-                 scheduler_config: dict[str, Any] | None = None):
+                 scheduler_config: dict[str, Any] | None = None, image_encoder: nn.Module | None = None,
+                 image_processor: Any = None):
         if task not in WAN_TASKS:
             raise ValueError(f"task={task!r}; allowed: {list(WAN_TASKS)}")
         self.transformer = transformer.eval()
@@ -147,6 +170,8 @@ class WanAdapter(AdapterMixin):
         self.expand_timesteps = bool(expand_timesteps)
         self.negative_prompt = negative_prompt
         self.scheduler_config = dict(scheduler_config or {})
+        self.image_encoder = image_encoder.eval().requires_grad_(False) if image_encoder is not None else None
+        self.image_processor = image_processor
         cfg = self.config
         self.concat_channels = int(cfg.in_channels) - int(cfg.out_channels)
         if self.concat_channels not in (0, int(cfg.out_channels) + self.vae_scale_factor_temporal):
@@ -157,6 +182,15 @@ class WanAdapter(AdapterMixin):
         if task == "i2v" and not self.concat_channels and not self.expand_timesteps:
             raise ValueError("task='i2v' needs an I2V transformer (in_channels = 2 z + 4) or a TI2V model "
                              "(expand_timesteps=True)")
+        if task == "i2v" and self.image_dim is not None:
+            if getattr(cfg, "pos_embed_seq_len", None) is not None:
+                raise ValueError("this is a first-last-frame (FLF2V) Wan transformer (pos_embed_seq_len set); "
+                                 "last-frame conditioning is not supported")
+            if vae is not None and (image_encoder is None or image_processor is None):
+                raise ValueError(f"this Wan2.1 I2V transformer (image_dim={self.image_dim}) is conditioned on CLIP "
+                                 "image tokens: pass image_encoder (CLIPVisionModel) and image_processor "
+                                 "(CLIPImageProcessor), e.g. the pipeline directory's image_encoder/ and "
+                                 "image_processor/ (load_wan loads them when model_index.json lists them)")
 
     # ------------------------------------------------------------------ properties
 
@@ -166,6 +200,13 @@ class WanAdapter(AdapterMixin):
         if self.concat_channels:
             return ("i2v",)
         return ("t2v", "i2v") if self.expand_timesteps else ("t2v",)
+
+    @property
+    def image_dim(self) -> int | None:
+        """Width of the CLIP image tokens the transformer reads from ``cond.pooled`` (``config.image_dim``);
+        ``None``: no image tokens (T2V, Wan2.1 I2V without CLIP, Wan2.2)."""
+        value = getattr(self.config, "image_dim", None)
+        return None if value is None else int(value)
 
     @property
     def z_dim(self) -> int:
@@ -229,11 +270,13 @@ class WanAdapter(AdapterMixin):
     def _forward(self, x: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
         dtype, device = self.dtype, x.device
         image_embeds = None
-        if self.config.image_dim is not None:
+        if self.image_dim is not None:
             if cond.pooled is None:
                 raise ValueError("this Wan I2V transformer needs CLIP image tokens in cond.pooled "
-                                 "([B, S_img * image_dim]); cond.pooled is None")
-            image_embeds = cond.pooled.to(device=device, dtype=dtype).view(x.shape[0], -1, self.config.image_dim)
+                                 "([B, S_img * image_dim], set by condition_on_images); cond.pooled is None")
+            # [B, S_img * image_dim] -> [B, S_img, image_dim] in the transformer dtype (the pipeline's
+            # image_embeds.to(transformer_dtype))
+            image_embeds = cond.pooled.to(device=device, dtype=dtype).view(x.shape[0], -1, self.image_dim)
         out = self.transformer(
             hidden_states=x.to(dtype),
             timestep=self._timestep(x, sigma),
@@ -248,6 +291,8 @@ class WanAdapter(AdapterMixin):
 
         ``guidance_scale == 1``: the conditional forward alone; otherwise CFG over ``cond.negative`` (one forward
         over the doubled batch). In i2v the velocity is 0 on the condition slot (frame 0 / condition channels).
+        With ``image_dim``, each branch reads its CLIP image tokens from its own ``pooled`` (``cond.pooled`` /
+        ``cond.negative.pooled``, equal after :meth:`condition_on_images`, as in the pipeline).
 
         Raises:
             ValueError: bad shapes; CFG without ``cond.negative``.
@@ -301,8 +346,51 @@ class WanAdapter(AdapterMixin):
 
     def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor,
                             latent_shape: Sequence[int]) -> Conditioning:
-        """``cond`` with ``image`` = :meth:`encode_condition_images` (``ImageConditioned``; ``prompts`` unused)."""
-        return dataclasses.replace(cond, image=self.encode_condition_images(images, latent_shape))
+        """``cond`` conditioned on the first frames ``images [N, 3, H, W]`` float32 in [0, 1] (``ImageConditioned``;
+        ``prompts`` unused): ``image`` = :meth:`encode_condition_images` and, for an ``image_dim`` transformer
+        (Wan2.1-I2V-14B), ``pooled`` *and* ``negative.pooled`` = :meth:`encode_image_tokens` flattened to
+        ``[N, S_img * image_dim]`` fp32 (replacing any ``pooled``): ``WanImageToVideoPipeline.__call__`` gives the
+        conditional and the unconditional forward the same ``encoder_hidden_states_image``.
+
+        Raises:
+            RuntimeError: not an i2v adapter; no VAE; no image encoder (``image_dim`` set).
+            ValueError: ``image_dim`` set and prompt embeddings not :data:`WAN_I2V_TEXT_LEN` tokens long.
+        """
+        image = self.encode_condition_images(images, latent_shape)
+        if self.image_dim is None:
+            return dataclasses.replace(cond, image=image)
+        for name, c in (("cond", cond), ("cond.negative", cond.negative)):
+            if c is not None and c.prompt_embeds.shape[1] != WAN_I2V_TEXT_LEN:
+                raise ValueError(f"{name}.prompt_embeds has {c.prompt_embeds.shape[1]} tokens; this Wan2.1 I2V "
+                                 f"transformer (image_dim) treats the last {WAN_I2V_TEXT_LEN} context tokens as text "
+                                 f"(diffusers WanAttnProcessor): encode with max_sequence_length={WAN_I2V_TEXT_LEN}")
+        tokens = self.encode_image_tokens(images).flatten(1)  # [N, S_img * image_dim]
+        negative = None if cond.negative is None else dataclasses.replace(cond.negative, pooled=tokens)
+        return dataclasses.replace(cond, image=image, pooled=tokens, negative=negative)
+
+    @torch.no_grad()
+    def encode_image_tokens(self, images: Tensor) -> Tensor:
+        """CLIP image tokens of ``images [N, 3, H, W]`` float32 in [0, 1]: ``[N, S_img, image_dim]`` fp32, the
+        penultimate hidden states of the image encoder, as ``WanImageToVideoPipeline.encode_image``
+        (``diffusers/pipelines/wan/pipeline_wan_i2v.py``) computes them for a PIL image: ``image_processor(images=...,
+        return_tensors="pt")`` (resize, center crop, rescale, normalise), then ``image_encoder(**inputs,
+        output_hidden_states=True).hidden_states[-2]``. The images are handed to the processor as 8-bit RGB PIL images
+        (``round(255 x)``: exact for images read from 8-bit files, as ``load_condition_images`` returns them), so
+        either processor backend (torchvision, or PIL ``CLIPImageProcessorPil``) sees what the pipeline's would.
+
+        Raises:
+            RuntimeError: no ``image_encoder`` / ``image_processor``.
+        """
+        if self.image_encoder is None or self.image_processor is None:
+            raise RuntimeError("encode_image_tokens needs the image_encoder (CLIPVisionModel) and image_processor "
+                               "(CLIPImageProcessor)")
+        from PIL import Image
+
+        pixels = (images.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+        pil = [Image.fromarray(row) for row in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+        device = next(self.image_encoder.parameters()).device
+        inputs = self.image_processor(images=pil, return_tensors="pt").to(device)
+        return self.image_encoder(**inputs, output_hidden_states=True).hidden_states[-2].float()
 
     @torch.no_grad()
     def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
@@ -369,9 +457,13 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
              max_sequence_length: int = 512, min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> WanAdapter:
     """Load Wan from a local diffusers pipeline directory (``WanPipeline`` / ``WanImageToVideoPipeline``
     ``save_pretrained``); never downloads. ``task`` defaults to ``"i2v"`` for an I2V transformer, else ``"t2v"``.
+    For a transformer with ``image_dim`` (Wan2.1-I2V-14B) the directory's ``image_encoder`` (``CLIPVisionModel``,
+    fp32 like the VAE, as in the diffusers Wan I2V example) and ``image_processor`` (the class model_index.json names,
+    resolved through ``transformers`` as diffusers does) are loaded too; the text encoder never loads them.
 
     Raises:
-        FileNotFoundError: not a pipeline directory. ValueError: a two-expert (Wan2.2 A14B) directory.
+        FileNotFoundError: not a pipeline directory. ValueError: a two-expert (Wan2.2 A14B) directory; an
+        ``image_dim`` i2v directory without ``image_encoder`` / ``image_processor``.
     """
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
@@ -389,8 +481,32 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
     if text_encoder is None and has_component(root, "text_encoder"):
         text_encoder = wan_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
                                 min_tokenizer_size=min_tokenizer_size, pipeline_class=index["_class_name"])
+    image_encoder = image_processor = None
+    if getattr(transformer.config, "image_dim", None) is not None:
+        image_encoder, image_processor = _load_image_side(root, index, device)
     if task is None:
         task = "i2v" if transformer.config.in_channels != transformer.config.out_channels else "t2v"
     return WanAdapter(transformer, text_encoder, vae, task=task, expand_timesteps=bool(index.get("expand_timesteps")),
                       negative_prompt=negative_prompt,
-                      scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"))
+                      scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"),
+                      image_encoder=image_encoder, image_processor=image_processor)
+
+
+def _load_image_side(root: Path, index: dict[str, Any], device: torch.device | str) -> tuple[Any, Any]:
+    """``(image_encoder, image_processor)`` of a Wan2.1 I2V directory, each ``None`` when not listed / absent."""
+    import transformers
+
+    image_encoder = image_processor = None
+    if has_component(root, "image_encoder"):
+        image_encoder = transformers.CLIPVisionModel.from_pretrained(
+            str(root / "image_encoder"), dtype=torch.float32, local_files_only=True).to(device)
+    if has_component(root, "image_processor"):
+        # diffusers resolves the class model_index.json names in transformers: "CLIPImageProcessor" (the torchvision
+        # backend, or CLIPImageProcessorPil without torchvision) or, as saved from a PIL processor,
+        # "CLIPImageProcessorPil".
+        name = index["image_processor"][1]
+        if name not in WAN_IMAGE_PROCESSORS:
+            raise ValueError(f"{root!s}: image_processor class {name!r}; expected one of {list(WAN_IMAGE_PROCESSORS)}")
+        image_processor = getattr(transformers, name).from_pretrained(str(root / "image_processor"),
+                                                                      local_files_only=True)
+    return image_encoder, image_processor
