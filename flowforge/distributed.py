@@ -68,13 +68,26 @@ def all_gather_cat(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 
 def mean_across_ranks(scalars: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Average a dict of floats over ranks (same keys on every rank; NaN stays NaN)."""
+    """Average a dict of floats over the ranks where each value is not NaN (same keys on every rank; NaN where
+    every rank has NaN, e.g. a loss no rank computed)."""
     if not info.enabled or not scalars:
         return scalars
     keys = sorted(scalars)
-    t = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
+    values = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
+    present = ~torch.isnan(values)
+    t = torch.stack([torch.where(present, values, 0.0), present.double()])
     dist.all_reduce(t)
-    return {k: float(v) / info.world_size for k, v in zip(keys, t.tolist())}
+    return {k: float(s / n) if n > 0 else float("nan") for k, s, n in zip(keys, t[0].tolist(), t[1].tolist())}
+
+
+def all_reduce_processes(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """``tensor`` reduced over every process of the default group (``op``: ``"sum"`` | ``"max"``); ``tensor``
+    itself when no process group is initialised (a single process). For code that holds no :class:`DistInfo`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    out = tensor.clone()
+    dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return out
 
 
 def barrier(info: DistInfo) -> None:

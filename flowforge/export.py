@@ -308,7 +308,10 @@ def _probe_inputs(adapter: str, config) -> tuple[str, torch.Tensor, torch.Tensor
         _, ph, pw = config.patch_size
         x = randn(2, int(config.in_channels), 2, 2 * ph, 2 * pw)
         image_dim = config.image_dim
-        cond = Conditioning(prompt_embeds=randn(2, 8, int(config.text_dim)),
+        # With CLIP image tokens diffusers' Wan attention takes the last 512 context tokens as text (the length
+        # the Wan pipelines pad to), so an image-conditioned transformer gets 512 text tokens here.
+        text_len = 8 if image_dim is None else 512
+        cond = Conditioning(prompt_embeds=randn(2, text_len, int(config.text_dim)),
                             pooled=None if image_dim is None else randn(2, 4 * int(image_dim)))
     return adapter, x, torch.tensor([0.3, 0.8]), cond
 

@@ -36,6 +36,7 @@ import torch
 
 from flowforge.algorithms import advantages as adv_lib
 from flowforge.algorithms import losses, schedules
+from flowforge.distributed import all_reduce_processes
 from flowforge.config import Config
 from flowforge.models.base import Conditioning
 from flowforge.policy import old_decay
@@ -113,12 +114,6 @@ class Objective:
     @classmethod
     def needs_whole_groups(cls, cfg: Config) -> bool:
         """Whether each rank must hold whole prompt groups (group statistics computed inside the objective)."""
-        return False
-
-    @classmethod
-    def drops_rows(cls, cfg: Config) -> bool:
-        """Whether the number of trained rows can differ between ranks (unsupported with several ranks: data
-        parallel forwards and backwards must run in lockstep)."""
         return False
 
     @classmethod
@@ -338,8 +333,15 @@ class ForwardProcessObjective(Objective):
             return self.adapter.velocity(visit.model_input, visit.sigma, cond, guidance_scale)[gen]
 
     def prepare(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Hook before training: may drop rows and add per-row tensors (``extras``) and metrics."""
+        """Hook before training: may drop rows and add per-row tensors (``extras``) and metrics. An objective that
+        drops rows also implements :meth:`padding`."""
         return batch, {}, {}
+
+    def padding(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, torch.Tensor]]:
+        """A valid micro-batch (rows and ``extras``) of the *unprepared* ``batch``, whose loss is backpropagated
+        times 0 by a data-parallel rank that kept fewer rows than another (so every rank runs the same forwards and
+        backwards). Only objectives whose :meth:`prepare` drops rows need it."""
+        raise NotImplementedError(f"{type(self).__name__}.prepare dropped rows but it has no padding()")
 
     def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
         raise NotImplementedError
@@ -354,37 +356,61 @@ class ForwardProcessObjective(Objective):
         k = int(torch.bincount(torch.unique(batch.group_ids, return_inverse=True)[1]).max())
         return max(k, (mb // k) * k)
 
+    def _plan(self, num_rows: int, size: int) -> tuple[list[list[torch.Tensor | None]], list[int]]:
+        """Updates as lists of micro-batch row indices (``None``: a padding micro-batch), the same number of
+        updates and micro-batches on every data-parallel rank, and each update's trained rows summed over ranks.
+
+        Single process: ``num_updates_per_batch`` consecutive chunks of the micro-batches, no padding. Several
+        ranks that kept different numbers of rows: every rank pads to the largest micro-batch count."""
+        micro: list[torch.Tensor | None] = list(self._micro_batches(torch.arange(num_rows), size))
+        count = int(all_reduce_processes(torch.tensor([len(micro)]), "max")[0])
+        micro += [None] * (count - len(micro))
+        per_update = max(1, -(-count // self.cfg.train.num_updates_per_batch))
+        updates = [micro[u:u + per_update] for u in range(0, count, per_update)]
+        local = torch.tensor([sum(r.numel() for r in upd if r is not None) for upd in updates], dtype=torch.long)
+        return updates, all_reduce_processes(local, "sum").tolist()
+
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """Every inner epoch and update of the batch (see the class docstring). Each micro-batch's loss is scaled by
+        ``rows * world / rows of the update over all ranks``, so the data-parallel mean gradient is the mean over
+        every rank's trained rows; a rank that dropped more rows backpropagates :meth:`padding` times 0."""
         f = self.cfg.forward
+        source = batch
         batch, extras, out = self.prepare(batch)
-        if len(batch) == 0:
-            return out
         order = self._row_order(batch)
         batch = batch.select(order)
         extras = {k: v[order] for k, v in extras.items()}
-        n_updates = self.cfg.train.num_updates_per_batch
-        size = self._micro_size(batch)
-        micro = self._micro_batches(torch.arange(len(batch)), size)
-        per_update = max(1, -(-len(micro) // n_updates))
+        world = int(all_reduce_processes(torch.ones(1, dtype=torch.long), "sum")[0])
+        updates, global_rows = self._plan(len(batch), self._micro_size(batch) if len(batch) else 1)
         acc = _Accumulator()
+        padded_keys: set[str] = set()
         for epoch in range(f.inner_epochs):
-            visits = self.visits(batch, epoch)
-            for u in range(0, len(micro), per_update):
-                chunk = micro[u:u + per_update]
-                total = sum(r.numel() for r in chunk)
+            visits = self.visits(batch, epoch) if len(batch) else []
+            for chunk, total in zip(updates, global_rows):
                 for rows in chunk:
+                    if rows is None:  # as many forwards and backwards as a real micro-batch, zero gradient
+                        sub, sub_extras = self.padding(source)
+                        for sigma_index, slot in self.visits(sub, epoch):
+                            loss, m = self.micro_loss(sub, sub_extras, self.make_visit(sub, sigma_index, slot))
+                            self.policy.backward(loss * 0.0)
+                            padded_keys.update(m, ["loss"])
+                        continue
                     sub = batch.select(rows)
                     sub_extras = {k: v[rows] for k, v in extras.items()}
                     for sigma_index, slot in visits:
                         loss, m = self.micro_loss(sub, sub_extras, self.make_visit(sub, sigma_index[rows], slot))
-                        self.policy.backward(loss * (rows.numel() / total) / len(visits))
+                        self.policy.backward(loss * (rows.numel() * world / total) / len(visits))
                         acc.add({**m, "loss": loss})
                 acc.add({"grad_norm": self.policy.step()})
+        if not updates:
+            return out
         if self.keeps_old:
             decay = self.old_decay()
             self.policy.blend("old", decay)
             out["old_decay"] = torch.tensor(decay)
         out.update(acc.reduce())
+        # a rank that trained only padding reports NaN for the loss metrics (averaged over the ranks that have them)
+        out.update({k: torch.tensor(float("nan")) for k in padded_keys if k not in out})
         return out
 
     def old_decay(self) -> float:
@@ -401,7 +427,8 @@ class NFT(ForwardProcessObjective):
     * ``"absolute"``: ``r = 0.5 + 0.5 clip((S - mean_g) / (adv_clip max(std, std_floor)), -1, 1)``.
 
     With ``nft.guard`` whole groups that tie / spread too little / score too low are skipped (kept in the data,
-    never re-drawn, counted as ``train/guard_skipped_groups``). Optional velocity-MSE penalty to the reference
+    never re-drawn, counted as ``train/guard_skipped_groups``; under data parallelism ranks that skipped more
+    run zero-weight padding so all stay in lockstep). Optional velocity-MSE penalty to the reference
     (``nft.ref_weight``) and an eval EMA (``nft.ema_decay``).
     """
 
@@ -418,10 +445,6 @@ class NFT(ForwardProcessObjective):
     @classmethod
     def needs_whole_groups(cls, cfg: Config) -> bool:
         return cfg.nft.reward_transform == "absolute" or cfg.nft.guard
-
-    @classmethod
-    def drops_rows(cls, cfg: Config) -> bool:
-        return cfg.nft.guard
 
     @classmethod
     def policy_bank(cls, cfg: Config) -> dict:
@@ -448,6 +471,10 @@ class NFT(ForwardProcessObjective):
         metrics = {"r_mean": r[keep].mean() if kept.numel() else torch.tensor(float("nan")),
                    "guard_skipped_groups": torch.tensor(float(len(set(batch.group_ids[~keep].tolist()))))}
         return batch.select(kept), {"r": r[kept]}, metrics
+
+    def padding(self, batch: TrainBatch):
+        rows = torch.arange(min(len(batch), self._micro_size(batch)))
+        return batch.select(rows), {"r": torch.full((rows.numel(),), 0.5)}
 
     def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
         n = self.cfg.nft
@@ -537,16 +564,13 @@ class DPO(ForwardProcessObjective):
     ``SalesforceAIResearch/DiffusionDPO``): after advantages exist, each group's best and worst candidates form a
     chosen / rejected pair (:func:`~flowforge.algorithms.losses.best_worst_pairs`; tied groups form none), noised
     with the same noise and sigma, and :func:`~flowforge.algorithms.losses.diffusion_dpo_loss` is taken against the
-    frozen reference. On-policy (samples with live).
+    frozen reference. On-policy (samples with live). Under data parallelism a rank with fewer pairs runs
+    zero-weight padding pairs so all ranks stay in lockstep.
     """
 
     name = "dpo"
     group_shared = True
     keeps_old = False
-
-    @classmethod
-    def drops_rows(cls, cfg: Config) -> bool:
-        return True  # tied groups form no pair
 
     @classmethod
     def needs_ref(cls, cfg: Config) -> bool:
@@ -557,6 +581,11 @@ class DPO(ForwardProcessObjective):
         rows = torch.cat([chosen, rejected])
         role = torch.cat([torch.ones_like(chosen), torch.zeros_like(rejected)]).float()
         return batch.select(rows), {"chosen": role}, {"pairs": torch.tensor(float(chosen.numel()))}
+
+    def padding(self, batch: TrainBatch):
+        """The first two rows of the first group as a (chosen, rejected) pair (tied or not: its loss counts 0)."""
+        members = torch.nonzero(batch.group_ids == batch.group_ids[0]).squeeze(1).repeat(2)[:2]
+        return batch.select(members), {"chosen": torch.tensor([1.0, 0.0])}
 
     def micro_loss(self, sub: TrainBatch, extras: dict[str, torch.Tensor], visit: Visit):
         chosen = extras["chosen"].bool()

@@ -235,10 +235,6 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
         if world > 1 and objective.needs_whole_groups(cfg) and per_rank % d.group_size:
             problems.append(f"train.algorithm={t.algorithm!r} computes group statistics per rank: the per-rank batch "
                             f"{per_rank} must hold whole groups of data.group_size={d.group_size}")
-        if world > 1 and objective.drops_rows(cfg):
-            problems.append(f"train.algorithm={t.algorithm!r} (with these options) trains a data-dependent number of "
-                            "rows per rank, which data-parallel ranks cannot run in lockstep; run it on one process "
-                            "(or without nft.guard)")
         if objective.uses_log_probs and s.sde_kind == "ode":
             problems.append(f"sampler.sde_kind='ode' with train.algorithm={t.algorithm!r}: a log-prob objective needs "
                             f"a stochastic kernel; allowed: {[k for k in TRANSITION_KINDS if k != 'ode']}")

@@ -91,3 +91,23 @@ def test_fsdp_dcp_checkpoint_written_by_two_ranks_resumes(tiny_model_dir, tmp_pa
     for k, v in full[0]["live"].items():
         assert torch.equal(resumed[0]["live"][k], v), k
     assert _losses(tmp_path / "part")[-1]["train/loss"] == _losses(tmp_path / "full")[-1]["train/loss"]
+
+
+def test_nft_guard_pads_the_rank_that_skipped_and_matches_single_process(tiny_model_dir, tmp_path,
+                                                                          encode_cache_dir):
+    """With ``nft.guard`` a rank can keep fewer rows than another: at step 2 the guard skips rank 1's only group
+    while rank 0 trains its own, so rank 1 backpropagates zero-weight padding (same forwards / backwards, no hang)
+    and the result equals the single-process run, where the skipped group is simply dropped."""
+    extra = ("train.algorithm=nft", "nft.guard=true", "nft.guard_min_spread=0.0005")
+    ref = _run(tmp_path / "ref", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "one", *extra), 1)
+    ref_rows = _losses(tmp_path / "one")
+    assert [r["train/guard_skipped_groups"] for r in ref_rows] == [0.0, 1.0]  # the case under test happens
+    records = _run(tmp_path / "rec", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "two", *extra,
+                                                   "distributed.strategy=ddp"), 2)
+    rows = _losses(tmp_path / "two")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r, want in zip(rows, ref_rows):  # the loss is the mean over the rows trained, on whichever rank
+        assert r["train/loss"] == pytest.approx(want["train/loss"], rel=1e-4, abs=1e-7)
+    for k, v in ref[0]["live"].items():
+        torch.testing.assert_close(records[0]["live"][k], v, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(records[1]["live"][k], v, rtol=1e-4, atol=1e-6)
