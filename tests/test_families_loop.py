@@ -253,7 +253,7 @@ def test_adapter_class_registry_declares_tasks_without_loading_weights():
     for name in ADAPTER_CLASSES:
         assert adapter_class(name).__module__ == f"flowforge.models.{name}"
     assert {n: adapter_tasks(n) for n in ADAPTER_CLASSES} == {
-        "sd3": ("t2i",), "flux": ("t2i", "i2i"), "qwen_image": ("t2i",), "wan": ("t2v", "i2v")}
+        "sd3": ("t2i",), "flux": ("t2i", "i2i"), "qwen_image": ("t2i", "i2i"), "wan": ("t2v", "i2v")}
     assert adapter_tasks("tests.test_families_loop:VideoOnlyAdapter") == ("t2v",)
     assert adapter_tasks("tests.test_families_loop:UndeclaredAdapter") is None
     with pytest.raises(ValueError, match="allowed"):
@@ -273,7 +273,7 @@ def test_preflight_rejects_a_task_the_adapter_cannot_run(adapter, task, frames):
 
 
 @pytest.mark.parametrize("adapter,task,frames", [("sd3", "t2i", None), ("flux", "t2i", None), ("flux", "i2i", None),
-                                                 ("wan", "t2v", 5),
+                                                 ("qwen_image", "i2i", None), ("wan", "t2v", 5),
                                                  ("tests.test_families_loop:VideoOnlyAdapter", "t2v", 5)])
 def test_preflight_accepts_a_task_the_adapter_runs(adapter, task, frames):
     report = _preflight(f"model.adapter={adapter}", f"model.task={task}",

@@ -40,10 +40,10 @@ def _load_flux(path: str, task: str = "t2i", **kw: Any):
 
 
 def _load_qwen_image(path: str, task: str = "t2i", **kw: Any):
-    from flowforge.models.qwen_image import load_qwen_image
+    from flowforge.models.qwen_image import QWEN_IMAGE_TASKS, load_qwen_image
 
-    _t2i_only("qwen_image", task)
-    return load_qwen_image(path, **kw)
+    _check_task("qwen_image", task, QWEN_IMAGE_TASKS)  # "i2i": Qwen-Image-Edit
+    return load_qwen_image(path, task=task, **kw)
 
 
 def _load_wan(path: str, task: str | None = None, **kw: Any):

@@ -26,10 +26,60 @@ schedule            dynamic shift: ``mu = calculate_shift((H/2)(W/2), ...)`` wit
                     (:meth:`QwenImageAdapter.schedule_mu`); the released Qwen-Image scheduler also sets
                     ``shift_terminal``, which only :meth:`QwenImageAdapter.pipeline_sigmas` reproduces.
 ==================  ================================================================================================
+
+Image-to-image (``task="i2i"``, Qwen-Image-Edit; checked against diffusers 0.42 ``pipeline_qwenimage_edit.py``)
+---------------------------------------------------------------------------------------------------------------
+
+Qwen-Image-Edit is the same ``QwenImageTransformer2DModel``; the condition image enters twice, and both happen in
+:meth:`QwenImageAdapter.condition_on_images` (``ImageConditioned``), which returns a new record for the prompts:
+
+* **text**: Qwen2.5-VL reads the prompt *and the image*. ``QwenImageEditPipeline.encode_prompt`` itself
+  (``_get_qwen_prompt_embeds``: the Edit chat template ``prompt_template_encode`` with its
+  ``<|vision_start|><|image_pad|><|vision_end|>`` placeholder, the pipeline's ``processor`` (``Qwen2VLProcessor``)
+  expanding it to one token per merged image patch, ``hidden_states[-1]``, the first
+  ``prompt_template_encode_start_idx`` (64) tokens dropped, padding removed per prompt) is called through
+  :class:`QwenImageEditText`. The negative prompt is encoded with the *same* image, as the pipeline's true-CFG
+  branch does. Rows are zero-padded to ``max_sequence_length`` with ``mask = 0`` (as for t2i);
+* **image tokens** -> ``cond.image`` ``[N, (h/2)(w/2), 4C]`` fp32 (:meth:`QwenImageAdapter.encode_condition_images`):
+  ``_encode_vae_image`` (``mode(vae.encode(2 image - 1))``, ``(z - latents_mean) / latents_std``) and
+  ``prepare_latents`` (``_pack_latents``). :meth:`QwenImageAdapter.velocity` appends them after the noisy tokens
+  (``cat([latents, image_latents], dim=1)``), passes ``img_shapes = [[(1, h/2, w/2), (1, h/2, w/2)]] * B`` (noisy
+  grid, image grid) and keeps ``noise_pred[:, : latents.size(1)]``; the true-CFG negative forward sees the same image
+  tokens; the CFG renormalisation is over the noisy tokens, as in ``__call__``. ``condition_index`` is ``None``: the
+  whole latent is generated, and the rollout / objectives treat it as in t2i.
+
+``mu`` is the t2i value (``__call__`` takes ``image_seq_len = latents.shape[1]``, the noisy tokens only).
+:meth:`QwenImageAdapter.encode` (text only) cannot use the Edit template -- its processor refuses an image
+placeholder without an image -- so it encodes with ``QwenImagePipeline``'s t2i template on the same Qwen2.5-VL; that
+record is only the trainer's cache entry: in i2i every velocity needs ``cond.image`` and the text conditioning must
+come from :meth:`QwenImageAdapter.condition_on_images` (a ``cond.image`` attached to a text-only record is *not*
+what the pipeline computes).
+
+What we do NOT replicate, all in ``QwenImageEditPipeline.__call__``: (1) the condition-image resize
+(``calculate_dimensions(1024 * 1024, width / height)``: the image is resized to about 1024^2 pixels at its aspect
+ratio, rounded to multiples of 32, for both the VAE and the processor) and (2) the default output size (that same
+size). flowforge generates at ``model.height x model.width`` and loads every condition image at that size
+(:func:`flowforge.data.images.load_condition_images`), so the image tokens have the noisy latent's grid
+(``encode_condition_images`` checks it). The pipeline whose ``calculate_dimensions`` returns ``(width, height)`` of
+the output, called with images of that size, is what we reproduce. The processor sees the images as 8-bit RGB PIL
+images (``round(255 x)``), as the pipeline receives them; its own resize (``smart_resize`` to multiples of the
+vision patch, within its min / max pixels) is the processor's, unchanged. Pre-encoded image latents passed as
+``image``, ``num_images_per_prompt > 1`` and the multi-image ``QwenImageEditPlusPipeline`` (Edit-2509: other template,
+condition images resized for the VL encoder) are not supported. In bf16 the pipeline normalises and packs the image
+latent in the text encoder's dtype; we do it in fp32 and cast at the forward (fp32 runs are identical).
+
+Notes on the environment: (a) with transformers 5.x, ``_get_qwen_prompt_embeds`` does not pass the processor's
+``mm_token_type_ids`` to the Qwen2.5-VL, which then uses sequential (1-D) rotary positions for the image tokens
+instead of its 3-D M-RoPE ones; we call the pipeline's function, so we match the pipeline as installed (and follow it
+when it changes), not a hand-written encoder. (b) transformers 5.x builds / loads a ``Qwen2VLProcessor`` only with
+its video processor, which needs torchvision. (c) The i2i text encoder runs at every sampling step (each batch's
+prompts with their images), so it stays loaded: after the trainer's ``release_text_encoder`` a directory-backed
+:class:`QwenImageEditText` reloads on the first :meth:`QwenImageAdapter.condition_on_images`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,19 +122,49 @@ QWEN_IMAGE_LORA_TARGETS = (
 the module names of diffusers' Qwen-Image LoRA format (``QwenImagePipeline.load_lora_weights``)."""
 
 
+def _pad_rows(embeds: Tensor, mask: Tensor | None, max_sequence_length: int) -> tuple[Tensor, Tensor]:
+    """Zero-pad ``[B, S, D]`` rows (and their mask, ``None`` = all real) to ``max_sequence_length``."""
+    b, s, d = embeds.shape
+    if s > max_sequence_length:
+        raise ValueError(f"the prompts encode to {s} tokens, more than max_sequence_length={max_sequence_length} "
+                         "(Qwen-Image-Edit counts the image tokens too); raise max_sequence_length (at most 1024)")
+    if mask is None:  # the pipeline drops an all-ones mask
+        mask = torch.ones(b, s, dtype=torch.long, device=embeds.device)
+    pad = max_sequence_length - s
+    embeds = torch.cat([embeds, embeds.new_zeros(b, pad, d)], dim=1)
+    mask = torch.cat([mask.long(), mask.new_zeros(b, pad).long()], dim=1)
+    return embeds, mask
+
+
 def _qwen_encode_fn(max_sequence_length: int):
     def encode(pipe, prompts: list[str]) -> tuple[Tensor, Tensor, None]:
         embeds, mask = pipe.encode_prompt(prompt=prompts, device=pipe.device, num_images_per_prompt=1,
                                           max_sequence_length=max_sequence_length)
-        b, s, d = embeds.shape
-        if mask is None:  # the pipeline drops an all-ones mask
-            mask = torch.ones(b, s, dtype=torch.long, device=embeds.device)
-        pad = max_sequence_length - s
-        embeds = torch.cat([embeds, embeds.new_zeros(b, pad, d)], dim=1)
-        mask = torch.cat([mask.long(), mask.new_zeros(b, pad).long()], dim=1)
-        return embeds, mask, None
+        return (*_pad_rows(embeds, mask, max_sequence_length), None)
 
     return encode
+
+
+def _qwen_edit_text_only_fn(max_sequence_length: int):
+    """Text-only encoding on an Edit pipeline's Qwen2.5-VL: ``QwenImagePipeline.encode_prompt`` (t2i template) on the
+    same tokenizer / text encoder (the Edit template needs an image; see the module docstring)."""
+    t2i = _qwen_encode_fn(max_sequence_length)
+
+    def encode(pipe, prompts: list[str]) -> tuple[Tensor, Tensor, None]:
+        from diffusers import QwenImagePipeline
+
+        text_only = QwenImagePipeline(scheduler=pipe.scheduler, vae=None, text_encoder=pipe.text_encoder,
+                                      tokenizer=pipe.tokenizer, transformer=None)
+        return t2i(text_only, prompts)
+
+    return encode
+
+
+def _check_max_sequence_length(max_sequence_length: int) -> int:
+    if not 1 <= max_sequence_length <= 1024:
+        raise ValueError(f"max_sequence_length must be in 1..1024 (QwenImagePipeline's limit), got "
+                         f"{max_sequence_length}")
+    return int(max_sequence_length)
 
 
 def qwen_image_text(*, path: str | Path | None = None, components: dict[str, Any] | None = None,
@@ -93,44 +173,110 @@ def qwen_image_text(*, path: str | Path | None = None, components: dict[str, Any
                     min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> PipelineText:
     """Qwen2.5-VL of a Qwen-Image pipeline (directory ``path`` or ``components`` with ``tokenizer`` and
     ``text_encoder``) through ``QwenImagePipeline.encode_prompt``; rows zero-padded to ``max_sequence_length``."""
-    if not 1 <= max_sequence_length <= 1024:
-        raise ValueError(f"max_sequence_length must be in 1..1024 (QwenImagePipeline's limit), got "
-                         f"{max_sequence_length}")
-    return PipelineText("QwenImagePipeline", _qwen_encode_fn(int(max_sequence_length)), path=path,
+    max_sequence_length = _check_max_sequence_length(max_sequence_length)
+    return PipelineText("QwenImagePipeline", _qwen_encode_fn(max_sequence_length), path=path,
                         components=components, device=device, dtype=dtype,
-                        settings=f"max_len={int(max_sequence_length)}", encoder_id=encoder_id,
+                        settings=f"max_len={max_sequence_length}", encoder_id=encoder_id,
                         min_tokenizer_size=min_tokenizer_size)
 
 
+def condition_pil_images(images: Tensor) -> list:
+    """``[N, 3, H, W]`` float in [0, 1] -> ``N`` RGB PIL images, ``round(255 x)`` (diffusers ``VaeImageProcessor``
+    ``pt_to_numpy`` + ``numpy_to_pil``): what the Edit pipeline's ``processor`` is given. Exact for images loaded
+    from 8-bit files (:func:`flowforge.data.images.load_condition_images`)."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be [N, 3, H, W], got shape {tuple(images.shape)}")
+    pixels = images.detach().to(device="cpu", dtype=torch.float32).clamp(0.0, 1.0)
+    return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(pixels))
+
+
+class QwenImageEditText(PipelineText):
+    """Qwen2.5-VL + ``processor`` of a Qwen-Image-Edit pipeline (directory ``path`` or ``components`` with
+    ``tokenizer``, ``text_encoder`` and ``processor``), used through ``QwenImageEditPipeline.encode_prompt``.
+
+    :meth:`encode_with_images` is the Edit conditioning (prompt + image); :meth:`encode` (prompts only) uses the t2i
+    template (see the module docstring). Rows are zero-padded to ``max_sequence_length``; the Edit pipeline does not
+    truncate, so a longer encoding raises.
+    """
+
+    def __init__(self, *, path: str | Path | None = None, components: dict[str, Any] | None = None,
+                 max_sequence_length: int = 512, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, encoder_id: str | None = None,
+                 min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE):
+        self.max_sequence_length = _check_max_sequence_length(max_sequence_length)
+        super().__init__("QwenImageEditPipeline", _qwen_edit_text_only_fn(self.max_sequence_length), path=path,
+                         components=components, device=device, dtype=dtype,
+                         settings=f"max_len={self.max_sequence_length}", encoder_id=encoder_id,
+                         min_tokenizer_size=min_tokenizer_size)
+
+    @torch.no_grad()
+    def encode_with_images(self, prompts: Sequence[str], images: Tensor) -> tuple[Tensor, Tensor, None]:
+        """``prompts[i]`` read with ``images[i]`` (``[N, 3, H, W]`` float in [0, 1]) ->
+        ``(embeds [N, max_sequence_length, D], mask [N, max_sequence_length] int64, None)``.
+
+        Raises:
+            ValueError: not one image per prompt; an encoding longer than ``max_sequence_length``.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a sequence of strings, not a single string")
+        prompts = list(prompts)
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"{len(prompts)} prompts but {images.shape[0]} images: one image per prompt")
+        pipe = self.pipeline
+        embeds, mask = pipe.encode_prompt(prompt=prompts, image=condition_pil_images(images), device=pipe.device,
+                                          num_images_per_prompt=1, max_sequence_length=self.max_sequence_length)
+        return (*_pad_rows(embeds, mask, self.max_sequence_length), None)
+
+
+QWEN_IMAGE_TASKS = ("t2i", "i2i")
+"""Tasks of :class:`QwenImageAdapter`: text-to-image and Qwen-Image-Edit image-to-image (same transformer class)."""
+
+
 class QwenImageAdapter(AdapterMixin, PackedImageLatents):
-    """:class:`~flowforge.models.base.FlowModel` around a diffusers ``QwenImageTransformer2DModel`` (text-to-image).
+    """:class:`~flowforge.models.base.FlowModel` around a diffusers ``QwenImageTransformer2DModel``; image-to-image
+    (Qwen-Image-Edit) through :class:`~flowforge.models.base.ImageConditioned` with the image consumed inside the
+    velocity and the text encoder (``condition_index = None``; see the module docstring).
 
     Args:
         transformer: the ``QwenImageTransformer2DModel`` (eval mode; its dtype is the forward dtype).
-        text_encoder: :func:`qwen_image_text` or any object with ``encode(prompts) -> (embeds, mask, None)`` and
-            ``encoder_id``; ``None``: conditioning must come from a cache.
-        vae: the ``AutoencoderKLQwenImage`` (``None``: :meth:`decode` raises).
+        text_encoder: :func:`qwen_image_text` (t2i), :class:`QwenImageEditText` (i2i: also
+            ``encode_with_images(prompts, images) -> (embeds, mask, None)``) or any object with
+            ``encode(prompts) -> (embeds, mask, None)`` and ``encoder_id``; ``None``: conditioning must come from a
+            cache (and i2i cannot condition on images).
+        vae: the ``AutoencoderKLQwenImage`` (``None``: :meth:`decode` and image conditioning raise).
         negative_prompt: the unconditional prompt (the pipeline's examples use ``" "``; ``None`` encodes none).
         cfg_renorm: rescale the CFG output to the conditional norm per token, as ``QwenImagePipeline`` does.
         scheduler_config: the pipeline's scheduler config (for :meth:`schedule_mu`).
+        task: ``"t2i"`` or ``"i2i"``. In ``"i2i"`` every velocity needs ``cond.image`` (the packed image latents of
+            :meth:`condition_on_images`); in ``"t2i"`` a ``cond.image``, when given, is used the same way.
 
     Raises:
-        ValueError: edit / layered variants (``zero_cond_t``, ``use_additional_t_cond``, guidance embeds).
+        ValueError: unknown ``task``; edit-2511 / layered variants (``zero_cond_t``, ``use_additional_t_cond``,
+            guidance embeds).
     """
 
     family = "Qwen-Image"
-    tasks: tuple[str, ...] = ("t2i",)
+    tasks: tuple[str, ...] = QWEN_IMAGE_TASKS
     lora_targets: tuple[str, ...] = QWEN_IMAGE_LORA_TARGETS
+    condition_index: tuple[slice, ...] | None = None
+    """No condition slot: the Edit image is consumed inside :meth:`velocity`, never written into the latent."""
+    generated_index: tuple[slice, ...] = (slice(None),)
+    """The whole latent is generated (stepped, scored and trained)."""
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = " ", cfg_renorm: bool = True,
-                 scheduler_config: dict[str, Any] | None = None):
+                 scheduler_config: dict[str, Any] | None = None, task: str = "t2i"):
+        if task not in QWEN_IMAGE_TASKS:
+            raise ValueError(f"task={task!r}; allowed: {list(QWEN_IMAGE_TASKS)}")
         cfg = transformer.config
         unsupported = [k for k in ("zero_cond_t", "use_additional_t_cond", "guidance_embeds", "use_layer3d_rope")
                        if getattr(cfg, k, False)]
         if unsupported:
-            raise ValueError(f"QwenImageAdapter supports the text-to-image transformer only; this one sets "
-                             f"{unsupported} (edit / layered variants are not implemented)")
+            raise ValueError(f"QwenImageAdapter supports the Qwen-Image / Qwen-Image-Edit transformer only; this one "
+                             f"sets {unsupported} (edit-2511 / layered variants are not implemented)")
+        self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
         self.vae = vae.eval().requires_grad_(False) if vae is not None else None
@@ -159,12 +305,13 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
 
     def encode(self, prompts: Sequence[str]) -> Conditioning:
         """Qwen2.5-VL embeds ``[B, max_sequence_length, D]`` with ``mask`` (1 = real token); ``negative`` from
-        :attr:`negative_prompt`."""
+        :attr:`negative_prompt`. Text only: for i2i the record to sample with is :meth:`condition_on_images`'s."""
         return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
 
     def schedule_mu(self, height: int, width: int) -> float:
         """``mu`` as ``QwenImagePipeline.__call__`` computes it: ``calculate_shift(image_seq_len, base_image_seq_len,
-        max_image_seq_len, base_shift, max_shift)`` from the scheduler config (fallbacks 256 / 4096 / 0.5 / 1.15)."""
+        max_image_seq_len, base_shift, max_shift)`` from the scheduler config (fallbacks 256 / 4096 / 0.5 / 1.15).
+        The Edit pipeline computes it from the noisy tokens only: the same value."""
         from flowforge.algorithms.schedules import calculate_shift
 
         cfg = {k: self.scheduler_config.get(k, v) for k, v in FLUX_SCHEDULER_DEFAULTS.items()}
@@ -175,7 +322,11 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         """The exact ``[T+1]`` fp32 schedule of ``QwenImagePipeline`` (incl. ``shift_terminal``), ending in 0."""
         return _pipeline_sigmas(self.scheduler_config, num_steps, self.schedule_mu(height, width))
 
-    def _forward_packed(self, x: Tensor, sigma: Tensor, embeds: Tensor, mask: Tensor | None) -> Tensor:
+    def _forward_packed(self, x: Tensor, sigma: Tensor, embeds: Tensor, mask: Tensor | None,
+                        image: Tensor | None = None) -> Tensor:
+        """One transformer forward over unpacked ``x [B, C, H, W]``; returns the packed fp32 prediction of the noisy
+        tokens ``[B, (H/2)(W/2), 4C]``. ``image``: Edit image tokens of the same shape, appended after the noisy
+        tokens with their grid in ``img_shapes`` (``QwenImageEditPipeline.__call__``), output cropped."""
         dtype, device = self.dtype, x.device
         b, _, h, w = x.shape
         if mask is not None:
@@ -185,37 +336,124 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
             embeds, mask = embeds[:, :keep], mask[:, :keep]
             if bool(mask.all()):
                 mask = None  # as QwenImagePipeline.encode_prompt: an all-ones mask is dropped
+        tokens = pack_2x2(x.to(dtype))
+        num_noisy = tokens.shape[1]
+        shapes = [(1, h // 2, w // 2)]
+        if image is not None:
+            tokens = torch.cat([tokens, image.to(device=device, dtype=dtype)], dim=1)
+            shapes.append((1, h // 2, w // 2))  # the condition image's grid: same size as the output
         out = self.transformer(
-            hidden_states=pack_2x2(x.to(dtype)),
+            hidden_states=tokens,
             timestep=(QWEN_TIMESTEP_SCALE * sigma).to(dtype),
             encoder_hidden_states=embeds.to(device=device, dtype=dtype),
             encoder_hidden_states_mask=mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            img_shapes=[shapes] * b,
             return_dict=False,
         )[0]
-        return out.float()
+        return out[:, :num_noisy].float()
+
+    def _image_tokens(self, cond: Conditioning, x: Tensor) -> Tensor | None:
+        if cond.image is None:
+            if self.task == "i2i":
+                raise ValueError("task='i2i' (Qwen-Image-Edit) needs cond.image: the record of condition_on_images "
+                                 "(image tokens + the prompts re-encoded with their images; the trainer sets it from "
+                                 "each prompt's metadata.image)")
+            return None
+        b, c, h, w = x.shape
+        expected = (b, (h // 2) * (w // 2), 4 * c)
+        if tuple(cond.image.shape) != expected:
+            raise ValueError(f"cond.image must be the packed Edit image latents [B, (H/2)(W/2), 4C] = {expected} of "
+                             f"the latent (encode_condition_images), got {tuple(cond.image.shape)}")
+        return cond.image
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity ``noise - x0`` at unpacked ``x [B, C, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
 
         ``guidance_scale == 1``: the conditional forward alone. Otherwise true CFG over ``cond.negative`` (two
         forwards, as the pipeline: the two encodings may differ in length), renormalised when :attr:`cfg_renorm`.
+        ``cond.image`` (i2i: Edit image latents) is appended to both forwards, as in ``QwenImageEditPipeline``.
 
         Raises:
-            ValueError: bad shapes; CFG without ``cond.negative``.
+            ValueError: bad shapes; CFG without ``cond.negative``; ``task="i2i"`` without ``cond.image``.
         """
         sigma = check_velocity_inputs(x, sigma, cond, 4)
+        image = self._image_tokens(cond, x)
         h, w = x.shape[-2:]
         g = float(guidance_scale)
-        v_c = self._forward_packed(x, sigma, cond.prompt_embeds, cond.mask)
+        v_c = self._forward_packed(x, sigma, cond.prompt_embeds, cond.mask, image)
         if g != 1.0:
             neg = require_negative(cond, g)
-            v_u = self._forward_packed(x, sigma, neg.prompt_embeds, neg.mask)
+            v_u = self._forward_packed(x, sigma, neg.prompt_embeds, neg.mask, image)
             comb = v_u + g * (v_c - v_u)
             if self.cfg_renorm:
                 comb = comb * (torch.norm(v_c, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
             v_c = comb
         return unpack_2x2(v_c, h, w)
+
+    # ------------------------------------------------------------------ ImageConditioned (Qwen-Image-Edit)
+
+    def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor,
+                            latent_shape: Sequence[int]) -> Conditioning:
+        """The Edit conditioning of ``prompts`` with ``images [N, 3, H, W]`` float32 in [0, 1] (one per prompt, at
+        the model's pixel size) for latents of ``latent_shape = (C, h, w)``.
+
+        Replaces every text field of ``cond`` (its text-only encoding of the same prompts): ``prompt_embeds`` /
+        ``mask`` are ``QwenImageEditPipeline.encode_prompt(prompts, image=images)`` (``[N, max_sequence_length, D]``,
+        int64 mask), ``negative`` is :attr:`negative_prompt` encoded with the same images (``None`` when
+        :attr:`negative_prompt` is ``None``), and ``image`` = :meth:`encode_condition_images` ``[N, (h/2)(w/2), 4C]``
+        fp32. Fields keep ``cond``'s device; the text fields the text encoder's dtype.
+
+        Raises:
+            RuntimeError: no Edit text encoder (``encode_with_images``) or no VAE.
+            ValueError: ``cond`` / ``prompts`` / ``images`` row counts differ; images not at the model's size.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a sequence of strings, not a single string")
+        prompts = list(prompts)
+        if not (cond.batch_size == len(prompts) == images.shape[0]):
+            raise ValueError(f"cond has {cond.batch_size} rows, {len(prompts)} prompts, {images.shape[0]} images: "
+                             "one of each per row")
+        encode = getattr(self.text_encoder, "encode_with_images", None)
+        if encode is None:
+            raise RuntimeError("Qwen-Image i2i re-encodes the prompts with their images: the text encoder must be a "
+                               "QwenImageEditText (a QwenImageEditPipeline directory loaded with task='i2i'), got "
+                               f"{type(self.text_encoder).__name__}")
+        device = cond.prompt_embeds.device
+        image = self.encode_condition_images(images, latent_shape).to(device)
+        embeds, mask, _ = encode(prompts, images)
+        negative = None
+        if self.negative_prompt is not None:
+            e_u, m_u, _ = encode([self.negative_prompt] * len(prompts), images)
+            negative = Conditioning(prompt_embeds=e_u.to(device), mask=m_u.to(device))
+        return dataclasses.replace(cond, prompt_embeds=embeds.to(device), mask=mask.to(device), pooled=None,
+                                   negative=negative, image=image)
+
+    @torch.no_grad()
+    def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
+        """Condition images ``[N, 3, H, W]`` float32 in [0, 1] -> packed Edit image latents ``[N, (h/2)(w/2), 4C]``
+        fp32 for latents of ``latent_shape = (C, h, w)`` (``cond.image``).
+
+        As ``QwenImageEditPipeline._encode_vae_image`` + ``prepare_latents``: ``z = mode(vae.encode(2 image - 1))``
+        on ``[N, 3, 1, H, W]``, ``(z - latents_mean) / latents_std``, 2x2-packed like ``_pack_latents``. The images
+        must already be at the model's pixel size (the pipeline's ~1024^2 resize is not replicated).
+
+        Raises:
+            RuntimeError: no VAE.
+            ValueError: the images' latent grid is not ``latent_shape`` (images not at the model's pixel size).
+        """
+        if self.vae is None:
+            raise RuntimeError("encode_condition_images needs the VAE")
+        pixels = (images.to(device=self.vae.device, dtype=torch.float32) * 2.0 - 1.0).to(self.vae.dtype)
+        z = self.vae.encode(pixels.unsqueeze(2)).latent_dist.mode()
+        cfg = self.vae.config
+        shape = (1, cfg.z_dim, 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean).view(shape).to(z.device, z.dtype)
+        std = torch.tensor(cfg.latents_std).view(shape).to(z.device, z.dtype)
+        z = ((z - mean) / std)[:, :, 0].float()
+        if tuple(z.shape[1:]) != tuple(latent_shape):
+            raise ValueError(f"condition images {tuple(images.shape)} encode to latents {tuple(z.shape[1:])}, expected "
+                             f"latent_shape {tuple(latent_shape)}: load them at the model's height x width")
+        return pack_2x2(z)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -243,19 +481,31 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
 
 
 def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    text_encoder: Any = None, negative_prompt: str | None = " ", cfg_renorm: bool = True,
-                    max_sequence_length: int = 512,
+                    task: str = "t2i", text_encoder: Any = None, negative_prompt: str | None = " ",
+                    cfg_renorm: bool = True, max_sequence_length: int = 512,
                     min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> QwenImageAdapter:
-    """Load Qwen-Image from a local diffusers pipeline directory (``QwenImagePipeline.save_pretrained``).
+    """Load Qwen-Image from a local diffusers pipeline directory: ``QwenImagePipeline.save_pretrained`` for
+    ``task="t2i"``, ``QwenImageEditPipeline.save_pretrained`` (with its ``processor``) for ``task="i2i"``.
 
-    The transformer and VAE load now; the Qwen2.5-VL text encoder lazily on the first encode. Never downloads.
+    The transformer and VAE load now; the Qwen2.5-VL text encoder (and, for i2i, the processor) lazily on the first
+    encode, through the directory's own pipeline class. Never downloads.
 
     Raises:
         FileNotFoundError: ``path`` is not a pipeline directory.
+        ValueError: ``task`` not in ``("t2i", "i2i")``; an i2i directory that is not a ``QwenImageEditPipeline`` one
+            (e.g. the multi-image ``QwenImageEditPlusPipeline``) or a t2i directory that is.
     """
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
+    if task not in QWEN_IMAGE_TASKS:
+        raise ValueError(f"task={task!r}; allowed: {list(QWEN_IMAGE_TASKS)}")
     root = pipeline_dir(path, "Qwen-Image")
+    pipeline_class = read_json(root / "model_index.json").get("_class_name")
+    if task == "i2i" and pipeline_class != "QwenImageEditPipeline":
+        raise ValueError(f"task='i2i' needs a QwenImageEditPipeline directory (Qwen-Image-Edit); {path!s} holds a "
+                         f"{pipeline_class}")
+    if task == "t2i" and str(pipeline_class).startswith("QwenImageEdit"):
+        raise ValueError(f"{path!s} holds a {pipeline_class} (Qwen-Image-Edit): load it with task='i2i'")
     transformer = QwenImageTransformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                               local_files_only=True).to(device)
     vae = None
@@ -263,7 +513,8 @@ def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         vae = AutoencoderKLQwenImage.from_pretrained(str(root / "vae"), torch_dtype=dtype,
                                                      local_files_only=True).to(device)
     if text_encoder is None and has_component(root, "text_encoder"):
-        text_encoder = qwen_image_text(path=root, max_sequence_length=max_sequence_length, device=device,
-                                       dtype=dtype, min_tokenizer_size=min_tokenizer_size)
+        make = QwenImageEditText if task == "i2i" else qwen_image_text
+        text_encoder = make(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
+                            min_tokenizer_size=min_tokenizer_size)
     return QwenImageAdapter(transformer, text_encoder, vae, negative_prompt=negative_prompt, cfg_renorm=cfg_renorm,
-                            scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"))
+                            scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"), task=task)

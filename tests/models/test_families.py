@@ -139,7 +139,7 @@ def test_registered_and_protocol(fam):
         assert type(blocks[0]).__name__ == "FluxTransformerBlock"
         assert type(blocks[1]).__name__ == "FluxSingleTransformerBlock"
     if fam.name != "sd3":
-        assert fam.adapter.tasks == {"wan": ("t2v",), "flux": ("t2i", "i2i")}.get(fam.name, ("t2i",))
+        assert fam.adapter.tasks == {"wan": ("t2v",)}.get(fam.name, ("t2i", "i2i"))  # FLUX: Kontext, Qwen: Edit
         assert fam.name in fam.adapter.encoder_id or "Pipeline" in fam.adapter.encoder_id
 
 
