@@ -2,7 +2,8 @@
 
 Launch: ``torchrun --nproc_per_node N -m flowforge.cli train CONFIG ...`` (multi-node through torchrun's
 rendezvous). No process management here: torchrun sets ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_*``
-and :func:`init` joins the group (NCCL on CUDA, gloo on CPU).
+and :func:`init` joins the group (on CUDA NCCL for CUDA tensors and gloo for CPU tensors, so small CPU
+bookkeeping collectives work beside NCCL; gloo alone on CPU).
 
 Data parallelism of one step (M prompts x K candidates, canonical group-major order from the K-repeat sampler):
 
@@ -10,9 +11,11 @@ Data parallelism of one step (M prompts x K candidates, canonical group-major or
 * rewards are all-gathered in canonical order so group statistics see every group whole
   (:func:`all_gather_cat`), advantages are computed identically on every rank and each rank keeps its share;
 * gradients are averaged by the wrapper: ``replicate`` (composable DDP) or ``fully_shard`` (FSDP2, applied to
-  ``adapter.blocks()`` then the root, ``MixedPrecisionPolicy`` for param / reduce dtypes). Every rank holds the same
-  number of samples (preflight requires divisibility), so the average of per-rank means is the global mean: no
-  sample is ever duplicated to pad a tail.
+  ``adapter.blocks()`` then the root, ``MixedPrecisionPolicy`` for param / reduce dtypes). Every rank rolls out the
+  same number of samples (preflight requires divisibility). Objectives that then drop rows (NFT guard, DPO ties)
+  scale each rank's loss by its share of the rows trained over all ranks and pad with zero-weight micro-batches, so
+  every rank runs the same forwards / backwards (:meth:`flowforge.objectives.ForwardProcessObjective.optimize`);
+  their metrics are reduced over ranks inside the objective, weighted by rows.
 
 Candidate noise depends on the candidate's sample id (never on the rank), so two ranks never draw the same candidate.
 """
@@ -49,7 +52,7 @@ def init(device: str = "cpu") -> DistInfo:
     if world <= 1:
         return DistInfo()
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend=backend)
     info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")))
@@ -68,25 +71,35 @@ def all_gather_cat(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 
 def mean_across_ranks(scalars: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Average a dict of floats over the ranks where each value is not NaN (same keys on every rank; NaN where
-    every rank has NaN, e.g. a loss no rank computed)."""
-    if not info.enabled or not scalars:
+    """Average a dict of floats over ranks (NaN stays NaN).
+
+    Raises:
+        RuntimeError: the ranks hold different keys (a rank took a different code path; reducing would mix up
+            values), naming the keys that differ.
+    """
+    if not info.enabled:
         return scalars
     keys = sorted(scalars)
-    values = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
-    present = ~torch.isnan(values)
-    t = torch.stack([torch.where(present, values, 0.0), present.double()])
+    every: list[list[str]] = [[] for _ in range(info.world_size)]
+    dist.all_gather_object(every, keys)
+    if any(k != keys for k in every):
+        differ = sorted(set().union(*every) - set().intersection(*map(set, every)))
+        raise RuntimeError(f"ranks logged different metric keys (a rank took another code path): {differ}")
+    if not keys:
+        return scalars
+    t = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t)
-    return {k: float(s / n) if n > 0 else float("nan") for k, s, n in zip(keys, t[0].tolist(), t[1].tolist())}
+    return {k: float(v) / info.world_size for k, v in zip(keys, t.tolist())}
 
 
 def all_reduce_processes(tensor: torch.Tensor, op: str) -> torch.Tensor:
-    """``tensor`` reduced over every process of the default group (``op``: ``"sum"`` | ``"max"``); ``tensor``
-    itself when no process group is initialised (a single process). For code that holds no :class:`DistInfo`."""
+    """``tensor`` (CPU) reduced over every process of the default group (``op``: ``"sum"`` | ``"max"`` |
+    ``"min"``); ``tensor`` itself when no process group is initialised (a single process). For code that holds no
+    :class:`DistInfo`."""
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     out = tensor.clone()
-    dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return out
 
 

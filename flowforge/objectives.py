@@ -29,6 +29,7 @@ Class attributes read by :mod:`flowforge.preflight` (one source of truth for alg
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -73,23 +74,63 @@ def trained_steps_for(cfg: Config, step: int) -> tuple[int, ...]:
         pool=s.sde_pool, resample_seed=None if s.sde_pool is None else cfg.run.seed * 1_000_003 + step))
 
 
+def _extreme(key: str) -> str | None:
+    return "min" if key.endswith("_min") else "max" if key.endswith("_max") else None
+
+
 class _Accumulator:
-    """Per-key lists of 0-d metric tensors, reduced by mean (min / max for ratio extremes)."""
+    """0-d metrics reduced over micro-batches *and data-parallel ranks*: the mean weighted by the rows each value
+    was measured on (min / max for keys ending in ``_min`` / ``_max``), identical on every rank.
+
+    :meth:`reduce` is a collective: every rank must call it with the same keys; :meth:`declare` gives a rank that
+    trained only zero-weight padding the keys with neutral entries (weight 0, or +-inf for extremes)."""
 
     def __init__(self):
-        self.values: dict[str, list[torch.Tensor]] = {}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, float] = {}
 
-    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+    def add(self, metrics: dict[str, torch.Tensor], weight: float = 1.0) -> None:
         for k, v in metrics.items():
-            if v.ndim == 0:
-                self.values.setdefault(k, []).append(v.detach())
+            if v.ndim:
+                continue
+            v = v.detach().double().cpu()
+            kind = _extreme(k)
+            if kind is None:
+                self.sums[k] = self.sums.get(k, torch.zeros((), dtype=torch.float64)) + v * weight
+                self.weights[k] = self.weights.get(k, 0.0) + weight
+            else:
+                self.sums[k] = v if k not in self.sums else getattr(torch, kind)(self.sums[k], v)
+
+    def declare(self, metrics: dict[str, torch.Tensor]) -> None:
+        for k, v in metrics.items():
+            if v.ndim or k in self.sums:
+                continue
+            kind = _extreme(k)
+            self.sums[k] = torch.tensor(math.inf if kind == "min" else -math.inf if kind else 0.0,
+                                        dtype=torch.float64)
+            if kind is None:
+                self.weights[k] = 0.0
 
     def reduce(self) -> dict[str, torch.Tensor]:
+        keys = sorted(self.sums)
+        means = [k for k in keys if _extreme(k) is None]
         out = {}
-        for k, v in self.values.items():
-            stacked = torch.stack(v).float()
-            out[k] = stacked.min() if k.endswith("_min") else stacked.max() if k.endswith("_max") else stacked.mean()
+        if means:
+            t = torch.stack([torch.stack([self.sums[k] for k in means]),
+                             torch.tensor([self.weights[k] for k in means], dtype=torch.float64)])
+            t = all_reduce_processes(t, "sum")
+            out.update({k: (s / w if w > 0 else torch.tensor(math.nan)).float() for k, s, w in zip(means, *t)})
+        for kind in ("min", "max"):
+            ks = [k for k in keys if _extreme(k) == kind]
+            if ks:
+                t = all_reduce_processes(torch.stack([self.sums[k] for k in ks]), kind)
+                out.update({k: v.float() for k, v in zip(ks, t)})
         return out
+
+
+def _global_sum(value: float) -> torch.Tensor:
+    """``value`` summed over data-parallel ranks (a collective; ``value`` itself on one process)."""
+    return all_reduce_processes(torch.tensor(float(value), dtype=torch.float64), "sum").float()
 
 
 class Objective:
@@ -196,12 +237,12 @@ class GRPO(Objective):
                 for slot in range(num_slots):
                     loss, m = self.step_loss(sub, slot, spec)
                     (loss * (rows.numel() / per_update) / num_slots).backward()
-                    acc.add({**m, "loss": loss})
+                    acc.add({**m, "loss": loss}, weight=rows.numel())
                     if u == 0:
                         first_dev = torch.maximum(first_dev, torch.maximum(m["ratio_max"] - 1, 1 - m["ratio_min"]))
             acc.add({"grad_norm": self.policy.step()})
         out = acc.reduce()
-        out["first_update_ratio_dev"] = first_dev
+        out["first_update_ratio_dev"] = all_reduce_processes(first_dev.detach().cpu(), "max")
         return out
 
     def rollout_spec_of(self, batch: TrainBatch) -> RolloutSpec:
@@ -360,8 +401,9 @@ class ForwardProcessObjective(Objective):
         """Updates as lists of micro-batch row indices (``None``: a padding micro-batch), the same number of
         updates and micro-batches on every data-parallel rank, and each update's trained rows summed over ranks.
 
-        Single process: ``num_updates_per_batch`` consecutive chunks of the micro-batches, no padding. Several
-        ranks that kept different numbers of rows: every rank pads to the largest micro-batch count."""
+        Single process: consecutive chunks of ``ceil(micro-batches / num_updates_per_batch)`` micro-batches (so at
+        most ``num_updates_per_batch`` updates), no padding. Several ranks that kept different numbers of rows:
+        every rank pads to the largest micro-batch count, and the chunks are taken of that count."""
         micro: list[torch.Tensor | None] = list(self._micro_batches(torch.arange(num_rows), size))
         count = int(all_reduce_processes(torch.tensor([len(micro)]), "max")[0])
         micro += [None] * (count - len(micro))
@@ -383,7 +425,6 @@ class ForwardProcessObjective(Objective):
         world = int(all_reduce_processes(torch.ones(1, dtype=torch.long), "sum")[0])
         updates, global_rows = self._plan(len(batch), self._micro_size(batch) if len(batch) else 1)
         acc = _Accumulator()
-        padded_keys: set[str] = set()
         for epoch in range(f.inner_epochs):
             visits = self.visits(batch, epoch) if len(batch) else []
             for chunk, total in zip(updates, global_rows):
@@ -393,14 +434,14 @@ class ForwardProcessObjective(Objective):
                         for sigma_index, slot in self.visits(sub, epoch):
                             loss, m = self.micro_loss(sub, sub_extras, self.make_visit(sub, sigma_index, slot))
                             self.policy.backward(loss * 0.0)
-                            padded_keys.update(m, ["loss"])
+                            acc.declare({**m, "loss": loss})
                         continue
                     sub = batch.select(rows)
                     sub_extras = {k: v[rows] for k, v in extras.items()}
                     for sigma_index, slot in visits:
                         loss, m = self.micro_loss(sub, sub_extras, self.make_visit(sub, sigma_index[rows], slot))
                         self.policy.backward(loss * (rows.numel() * world / total) / len(visits))
-                        acc.add({**m, "loss": loss})
+                        acc.add({**m, "loss": loss}, weight=rows.numel())
                 acc.add({"grad_norm": self.policy.step()})
         if not updates:
             return out
@@ -409,8 +450,6 @@ class ForwardProcessObjective(Objective):
             self.policy.blend("old", decay)
             out["old_decay"] = torch.tensor(decay)
         out.update(acc.reduce())
-        # a rank that trained only padding reports NaN for the loss metrics (averaged over the ranks that have them)
-        out.update({k: torch.tensor(float("nan")) for k in padded_keys if k not in out})
         return out
 
     def old_decay(self) -> float:
@@ -468,8 +507,9 @@ class NFT(ForwardProcessObjective):
     def prepare(self, batch: TrainBatch):
         r, keep = self.optimality(batch)
         kept = torch.nonzero(keep).squeeze(1)
-        metrics = {"r_mean": r[keep].mean() if kept.numel() else torch.tensor(float("nan")),
-                   "guard_skipped_groups": torch.tensor(float(len(set(batch.group_ids[~keep].tolist()))))}
+        r_sum, n_kept = _global_sum(r[keep].sum()), _global_sum(kept.numel())  # over every rank's rows
+        metrics = {"r_mean": r_sum / n_kept if n_kept > 0 else torch.tensor(float("nan")),
+                   "guard_skipped_groups": _global_sum(len(set(batch.group_ids[~keep].tolist())))}
         return batch.select(kept), {"r": r[kept]}, metrics
 
     def padding(self, batch: TrainBatch):
@@ -580,7 +620,7 @@ class DPO(ForwardProcessObjective):
         chosen, rejected = losses.best_worst_pairs(batch.rewards, batch.group_ids)
         rows = torch.cat([chosen, rejected])
         role = torch.cat([torch.ones_like(chosen), torch.zeros_like(rejected)]).float()
-        return batch.select(rows), {"chosen": role}, {"pairs": torch.tensor(float(chosen.numel()))}
+        return batch.select(rows), {"chosen": role}, {"pairs": _global_sum(chosen.numel())}
 
     def padding(self, batch: TrainBatch):
         """The first two rows of the first group as a (chosen, rejected) pair (tied or not: its loss counts 0)."""

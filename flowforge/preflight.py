@@ -129,6 +129,9 @@ def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> Non
                         "prompts' condition images")
     if m.task in VIDEO_TASKS and m.frames is None:
         problems.append(f"model.task={m.task!r} needs model.frames (e.g. 81 for Wan)")
+    elif m.task == "i2v" and m.frames < 2:
+        problems.append(f"model.frames={m.frames} with model.task='i2v': the first frame is the condition image, "
+                        "so nothing would be generated; use >= 2 frames (e.g. 81 for Wan)")
     elif m.task not in VIDEO_TASKS and m.frames is not None:
         problems.append(f"model.frames={m.frames} with model.task={m.task!r}: frames are for video tasks "
                         f"{list(VIDEO_TASKS)}; remove model.frames")

@@ -326,8 +326,10 @@ class Trainer:
         return mine(adv), mine(total), metrics
 
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        """Stage 5: the objective's updates; skipped (and said so) when no group has reward variance."""
-        if not bool((batch.advantages != 0).any()):
+        """Stage 5: the objective's updates; skipped (and said so) when no group of the step, on any rank, has
+        reward variance (one decision for every rank: data-parallel ranks must all train or all skip)."""
+        active = torch.tensor([float(bool((batch.advantages != 0).any()))])
+        if not bool(dist_lib.all_reduce_processes(active, "max")[0]):
             return {"train/skipped": torch.ones(())}
         metrics = self.objective.optimize(batch)
         out = {f"train/{k}": v for k, v in metrics.items()}

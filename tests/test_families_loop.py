@@ -226,6 +226,29 @@ class UndeclaredAdapter:
     """A bring-your-own adapter class without a ``tasks`` declaration."""
 
 
+class OldStyleLoader:
+    """A bring-your-own factory written before loaders received ``task`` (never a real adapter)."""
+
+    def __init__(self, path, *, dtype=None, device=None):
+        self.args = (path, dtype, device)
+
+
+class NewStyleLoader(OldStyleLoader):
+    def __init__(self, path, *, task="t2i", **kw):
+        super().__init__(path, **kw)
+        self.task = task
+
+
+def test_bring_your_own_factory_gets_task_only_if_it_takes_it(monkeypatch):
+    import flowforge.models as models
+
+    monkeypatch.setattr(models, "FlowModel", object)  # these stand-ins are not FlowModels; only the call matters
+    old = models.build_adapter("tests.test_families_loop:OldStyleLoader", "p", task="i2v", dtype="d", device="c")
+    assert old.args == ("p", "d", "c")
+    new = models.build_adapter("tests.test_families_loop:NewStyleLoader", "p", task="i2v", dtype="d", device="c")
+    assert new.task == "i2v" and new.args == ("p", "d", "c")
+
+
 class ImageTaskWithoutEncoder:
     """Declares i2v but has no ``condition_on_images``."""
 
@@ -284,6 +307,8 @@ def test_preflight_accepts_a_task_the_adapter_runs(adapter, task, frames):
 def test_preflight_task_check_edges():
     # i2v: Wan runs it; a class that declares i2v but cannot encode condition images is refused
     _preflight("model.adapter=wan", "model.task=i2v", "model.frames=5")
+    assert "the first frame is the condition image" in _task_problems("model.adapter=wan", "model.task=i2v",
+                                                                       "model.frames=1")[0]
     (problem,) = _task_problems("model.adapter=tests.test_families_loop:ImageTaskWithoutEncoder", "model.task=i2v",
                                 "model.frames=5")
     assert "has no condition_on_images" in problem

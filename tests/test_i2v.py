@@ -213,3 +213,31 @@ def test_i2v_prompt_records_need_an_existing_image(tmp_path, i2v_prompts):
         load_prompts(bad)
     with pytest.raises(ValueError, match=r"model.task='t2v' needs records with metadata.task in \['t2i', 't2v'\]"):
         check_task(records, "t2v", "data.prompts")
+    with pytest.raises(ValueError, match=r"model.task='i2i' needs records with metadata.task in \['i2i'\]"):
+        check_task(records, "i2i", "data.prompts")
+    (tmp_path / "corrupt.png").write_text("not an image")
+    bad.write_text(json.dumps({"prompt": "p", "metadata": {"task": "i2v", "sample_id": "a", "image": "corrupt.png"}})
+                   + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: field 'metadata.image' names 'corrupt.png', which is not a "
+                                         r"readable image \(UnidentifiedImageError"):
+        load_prompts(bad)
+
+
+def test_condition_images_follow_exif_orientation(tmp_path):
+    """A phone JPEG rotated by its EXIF tag is loaded upright, as diffusers' load_image does."""
+    from diffusers.utils import load_image
+    from PIL import Image
+
+    from flowforge.data.images import load_condition_images
+
+    pixels = np.zeros((16, 32, 3), dtype=np.uint8)
+    pixels[:, :16] = 255  # left half white: orientation is visible
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    Image.fromarray(pixels).save(tmp_path / "phone.png", exif=exif)
+    ours = load_condition_images([str(tmp_path / "phone.png")], 32, 16)
+    upright = load_image(str(tmp_path / "phone.png"))
+    assert upright.size == (16, 32)  # width 16, height 32 after the EXIF rotation
+    reference = torch.from_numpy(np.array(upright.resize((16, 32), Image.LANCZOS))).permute(2, 0, 1) / 255.0
+    assert ours.shape == (1, 3, 32, 16)
+    torch.testing.assert_close(ours[0], reference.float(), atol=1 / 255, rtol=0)

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 TASKS = ("t2i", "i2i", "t2v", "i2v")
 """Allowed values of ``metadata.task``."""
@@ -131,6 +132,12 @@ def _parse_row(path: pathlib.Path, line: int, text: str) -> PromptRecord:
         resolved = (path.parent / image).resolve()
         if not resolved.is_file():
             raise _row_error(path, line, "metadata.image", f"names {image!r}, which is not a file ({resolved})")
+        try:
+            with Image.open(resolved) as opened:
+                opened.verify()
+        except Exception as exc:  # PIL raises several types for unreadable / truncated files
+            raise _row_error(path, line, "metadata.image", f"names {image!r}, which is not a readable image "
+                                                           f"({type(exc).__name__}: {exc})") from None
         metadata = {**metadata, "image": str(resolved)}
     return PromptRecord(prompt=prompt, metadata=metadata)
 
@@ -358,16 +365,15 @@ class KRepeatSampler:
 
 
 def check_task(records: list[PromptRecord], task: str, source: str) -> None:
-    """Every record of ``source`` must agree with ``model.task`` on being image-conditioned (an i2v model needs an
-    image per prompt; a t2v model would silently ignore one).
+    """Every record of ``source`` must fit ``model.task``: an image task (i2v / i2i) needs records of exactly that
+    task (each with its image); a text task takes t2i / t2v records (an image would be silently ignored).
 
     Raises:
         ValueError: naming the first disagreeing record and the allowed tasks.
     """
-    wanted = task in IMAGE_TASKS
+    allowed = [task] if task in IMAGE_TASKS else [t for t in TASKS if t not in IMAGE_TASKS]
     for record in records:
-        if (record.task in IMAGE_TASKS) != wanted:
-            allowed = list(IMAGE_TASKS) if wanted else [t for t in TASKS if t not in IMAGE_TASKS]
+        if record.task not in allowed:
             raise ValueError(f"{source}: record {record.sample_id!r} has metadata.task={record.task!r} but "
                              f"model.task={task!r} needs records with metadata.task in {allowed}")
 

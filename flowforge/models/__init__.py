@@ -121,6 +121,17 @@ def adapter_tasks(name: str) -> tuple[str, ...] | None:
     return FAMILY_TASKS.get(name)
 
 
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes keyword ``name`` (by name or through ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
     """Load model ``path`` with adapter ``name`` (a key of ``ADAPTERS`` or ``"pkg.module:Class"``).
 
@@ -133,7 +144,10 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
     elif ":" in name:
         obj = _import_object(name)
         factory = getattr(obj, "from_pretrained", None)
-        adapter = factory(path, **kw) if callable(factory) else obj(path, **kw)
+        factory = factory if callable(factory) else obj
+        if "task" in kw and not _accepts(factory, "task"):  # adapters written before loaders received the task
+            kw = {k: v for k, v in kw.items() if k != "task"}
+        adapter = factory(path, **kw)
     else:
         raise ValueError(f"unknown model adapter {name!r}; allowed: {sorted(ADAPTERS)} or 'pkg.module:Class'")
     if not isinstance(adapter, FlowModel):

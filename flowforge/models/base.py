@@ -129,7 +129,8 @@ class Conditioning:
         )
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Conditioning:
-        """Move to ``device``; floating fields are cast to ``dtype`` when given (the mask keeps its dtype)."""
+        """Move to ``device``; the embeddings are cast to ``dtype`` when given (``mask`` and ``image`` keep theirs:
+        the condition image stays fp32 like the latents it is written into)."""
 
         def move(t: Tensor | None, floating: bool) -> Tensor | None:
             if t is None:

@@ -245,12 +245,15 @@ class WanAdapter(AdapterMixin):
         channel-concat i2v layout, where ``C = 2 z + 4`` (latents, mask, image latent).
 
         Raises:
-            ValueError: ``frames`` missing or ``frames - 1`` not a multiple of the temporal factor; a size not a
-                positive multiple of ``spatial factor * patch size``.
+            ValueError: ``frames`` missing or ``frames - 1`` not a multiple of the temporal factor; i2v with a single
+                frame; a size not a positive multiple of ``spatial factor * patch size``.
         """
         ft, fs = self.vae_scale_factor_temporal, self.vae_scale_factor_spatial
         if frames is None or frames < 1 or (frames - 1) % ft:
             raise ValueError(f"Wan needs frames with (frames - 1) a multiple of {ft} (e.g. 81), got {frames}")
+        if self.task == "i2v" and frames < ft + 1:
+            raise ValueError(f"model.frames={frames}: task='i2v' needs >= {ft + 1} frames (the first frame is the "
+                             "condition image; one frame would generate nothing)")
         _, ph, pw = self.config.patch_size
         if height <= 0 or width <= 0 or height % (fs * ph) or width % (fs * pw):
             raise ValueError(f"height / width must be positive multiples of {fs * ph} / {fs * pw}, "

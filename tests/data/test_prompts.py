@@ -19,7 +19,9 @@ def _row(i, task="t2i", **extra):
 
 
 def test_load_prompts_reads_records_in_order(tmp_path):
-    (tmp_path / "frame.png").write_bytes(b"")  # existence is checked here; decoding happens in the trainer
+    from PIL import Image
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "frame.png")  # checked to exist and to be a readable image
     path = _write(tmp_path, [_row(0, digit=3), "", _row(1, task="i2v", image="frame.png")])
     records = load_prompts(path)
     assert records == [

@@ -544,5 +544,7 @@ def test_wan_i2v_pin_layout_timesteps_per_token():
     ts = seen["timestep"]
     assert ts.shape == (2, 3)  # one token per latent frame at 2x2 latents with (1, 2, 2) patches
     torch.testing.assert_close(ts, torch.tensor([[0.0, 250.0, 250.0], [0.0, 750.0, 750.0]]))
+    with pytest.raises(ValueError, match="needs >= 5 frames"):
+        a.latent_shape(16, 16, 1)  # the condition frame alone: nothing to generate
     with pytest.raises(ValueError):
         WanAdapter(c["transformer"], task="i2v")  # a T2V transformer without expand_timesteps has no i2v layout
