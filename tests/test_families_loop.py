@@ -106,6 +106,12 @@ def run_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
     assert type(trainer.adapter).__module__ == f"flowforge.models.{family}"
     if family in ("flux", "qwen_image"):  # dynamic schedule: the family pipeline's own sigmas
         torch.testing.assert_close(trainer.sigmas, trainer.adapter.pipeline_sigmas(4, *SIZES[family][:2]))
+    train_and_check(trainer, algorithm)
+
+
+def train_and_check(trainer, algorithm):
+    """Run the trainer's 2 steps and check the run: metrics present and finite, the first ratio exactly 1 (GRPO),
+    the LoRA moved, evals at steps 0 and 2, a sample grid and the report. Returns the run directory."""
     before = {k: v.detach().clone() for k, v in trainer.adapter.transformer.named_parameters() if v.requires_grad}
     assert before and all("lora" in k for k in before)
     run_dir = trainer.train()
@@ -122,6 +128,27 @@ def run_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
     evals = read_jsonl(run_dir / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2]
     assert (run_dir / "samples" / "step_000002.png").is_file() and (run_dir / "report.html").is_file()
+    return run_dir
+
+
+def image_prompt_files(root, task, seed=0):
+    """``{(task, split): prompt file}`` under ``root`` for an image task: every record names its own random
+    16x16 condition image by a path relative to the prompt file."""
+    import numpy as np
+    from PIL import Image
+
+    (root / "images").mkdir()
+    rng = np.random.default_rng(seed)
+    files = {}
+    for split, prompts in (("train", ["a red cat", "two dogs", "a blue car", "a boat"]), ("eval", ["a bird", "a house"])):
+        rows = []
+        for i, prompt in enumerate(prompts):
+            name = f"images/{split}{i}.png"
+            Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / name)
+            rows.append({"prompt": prompt, "metadata": {"task": task, "sample_id": f"{split}{i}", "image": name}})
+        files[task, split] = root / f"{split}.jsonl"
+        files[task, split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return files
 
 
 # ------------------------------------------------------------------------------------------------ export

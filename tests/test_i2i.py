@@ -3,14 +3,10 @@ whose records name their own condition image, GRPO (distilled guidance 3.5) and 
 is consumed inside the adapter's velocity (no condition slot): the whole latent is generated and trained."""
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from tests.test_families_loop import _components, family_cfg, read_jsonl
+from tests.test_families_loop import _components, family_cfg, image_prompt_files, train_and_check
 
 
 @pytest.fixture(autouse=True)
@@ -29,21 +25,7 @@ def kontext_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def i2i_prompts(tmp_path_factory):
-    """``{("i2i", split): prompt file}``; every record names its own random 16x16 condition image (relative path)."""
-    root = tmp_path_factory.mktemp("i2i_prompts")
-    (root / "images").mkdir()
-    rng = np.random.default_rng(1)
-    files = {}
-    splits = (("train", ["a red cat", "two dogs", "a blue car", "a boat"]), ("eval", ["a bird", "a house"]))
-    for split, prompts in splits:
-        rows = []
-        for i, prompt in enumerate(prompts):
-            name = f"images/{split}{i}.png"
-            Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / name)
-            rows.append({"prompt": prompt, "metadata": {"task": "i2i", "sample_id": f"{split}{i}", "image": name}})
-        files["i2i", split] = root / f"{split}.jsonl"
-        files["i2i", split].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return files
+    return image_prompt_files(tmp_path_factory.mktemp("i2i_prompts"), "i2i", seed=1)
 
 
 def make_trainer(algorithm, kontext_dir, i2i_prompts, tmp_path, *extra):
@@ -59,19 +41,7 @@ def make_trainer(algorithm, kontext_dir, i2i_prompts, tmp_path, *extra):
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
 def test_kontext_i2i_trains_on_the_real_loop(algorithm, kontext_dir, i2i_prompts, tmp_path):
     guidance = "sampler.guidance_scale=3.5" if algorithm == "grpo" else "sampler.guidance_scale=1.0"
-    trainer = make_trainer(algorithm, kontext_dir, i2i_prompts, tmp_path, guidance)
-    before = {k: v.detach().clone() for k, v in trainer.adapter.transformer.named_parameters() if v.requires_grad}
-    assert before and all("lora" in k for k in before)
-    run_dir = trainer.train()
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["train/loss"] == r["train/loss"] for r in rows)  # not NaN
-    if algorithm == "grpo":
-        assert rows[0]["train/first_update_ratio_dev"] == 0.0
-    after = dict(trainer.adapter.transformer.named_parameters())
-    assert max(float((after[k].detach() - v).abs().max()) for k, v in before.items()) > 0  # the LoRA moved
-    assert [e["step"] for e in read_jsonl(run_dir / "eval.jsonl")] == [0, 2]
-    assert (run_dir / "samples" / "step_000002.png").is_file()
+    train_and_check(make_trainer(algorithm, kontext_dir, i2i_prompts, tmp_path, guidance), algorithm)
 
 
 def test_sampled_rows_carry_their_prompts_image_tokens(kontext_dir, i2i_prompts, tmp_path):

@@ -10,11 +10,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from flowforge.objectives import TrainBatch
 from tests.models.test_wan_i2v_clip import with_clip
-from tests.test_families_loop import _components, family_cfg, read_jsonl
+from tests.test_families_loop import _components, family_cfg, image_prompt_files, train_and_check
 
 LAYOUTS = ["pin", "concat", "concat_clip"]
 
@@ -43,20 +42,7 @@ def i2v_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def i2v_prompts(tmp_path_factory):
-    """``{("i2v", split): prompt file}``; every record names its own random 16x16 first frame (relative path)."""
-    root = tmp_path_factory.mktemp("i2v_prompts")
-    (root / "frames").mkdir()
-    rng = np.random.default_rng(0)
-    files = {}
-    for split, prompts in (("train", ["a red cat", "two dogs", "a blue car", "a boat"]), ("eval", ["a bird", "a house"])):
-        rows = []
-        for i, prompt in enumerate(prompts):
-            name = f"frames/{split}{i}.png"
-            Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / name)
-            rows.append({"prompt": prompt, "metadata": {"task": "i2v", "sample_id": f"{split}{i}", "image": name}})
-        files["i2v", split] = root / f"{split}.jsonl"
-        files["i2v", split].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return files
+    return image_prompt_files(tmp_path_factory.mktemp("i2v_prompts"), "i2v")
 
 
 def make_trainer(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path, *extra):
@@ -83,17 +69,7 @@ def scored_batch(trainer, step=0) -> TrainBatch:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_i2v_trains_on_the_real_loop(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path):
     guidance = "sampler.guidance_scale=5.0" if algorithm == "grpo" else "sampler.guidance_scale=1.0"
-    trainer = make_trainer(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path, guidance)
-    before = {k: v.detach().clone() for k, v in trainer.adapter.transformer.named_parameters() if v.requires_grad}
-    run_dir = trainer.train()
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["train/loss"] == r["train/loss"] for r in rows)  # not NaN
-    if algorithm == "grpo":
-        assert rows[0]["train/first_update_ratio_dev"] == 0.0
-    after = dict(trainer.adapter.transformer.named_parameters())
-    assert max(float((after[k].detach() - v).abs().max()) for k, v in before.items()) > 0
-    assert [e["step"] for e in read_jsonl(run_dir / "eval.jsonl")] == [0, 2]
+    train_and_check(make_trainer(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path, guidance), algorithm)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
