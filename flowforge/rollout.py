@@ -10,8 +10,8 @@ For each step ``i`` of the schedule ``sigmas [T+1]`` (``sigmas[T] == 0``)::
     x      = euler_step(x, v, sigmas[i], sigmas[i+1])                           otherwise (ODE)
 
 Trained steps store ``x`` (the step's input), the sampled ``x_next`` and the step's log-prob (mean over the generated
-elements, fp32). :func:`replay_log_prob` re-scores a stored step under the current weights with the *same* kernel call, so the
-first update's importance ratio is exactly 1 when the weights have not moved.
+elements, fp32). :func:`replay_log_prob` re-scores a stored step under the current weights with the *same* kernel
+call, so the first update's importance ratio is exactly 1 when the weights have not moved.
 
 Image-conditioned latents (Wan i2v, :class:`~flowforge.models.base.ImageConditioned`): ``cond.image`` is written into
 ``x[adapter.condition_index]`` before the first step and every transition acts on ``x[adapter.generated_index]``

@@ -140,7 +140,8 @@ def image_prompt_files(root, task, seed=0):
     (root / "images").mkdir()
     rng = np.random.default_rng(seed)
     files = {}
-    for split, prompts in (("train", ["a red cat", "two dogs", "a blue car", "a boat"]), ("eval", ["a bird", "a house"])):
+    splits = (("train", ["a red cat", "two dogs", "a blue car", "a boat"]), ("eval", ["a bird", "a house"]))
+    for split, prompts in splits:
         rows = []
         for i, prompt in enumerate(prompts):
             name = f"images/{split}{i}.png"

@@ -33,8 +33,9 @@ files are missing and the Hub is unreachable (DESIGN.md §9). Tests with tiny wo
 
 
 class PackedImageLatents:
-    """Latent geometry of the 2x2-packed image families (FLUX, Qwen-Image). Expects ``family`` (a name for
-    errors), ``latent_channels`` and ``vae_scale_factor``."""
+    """Latent geometry of the 2x2-packed image families (FLUX, Qwen-Image), and their packed condition-image
+    tokens. Expects ``family`` (a name for errors), ``latent_channels``, ``vae_scale_factor`` and
+    ``encode_images``."""
 
     family: str
 
@@ -56,6 +57,24 @@ class PackedImageLatents:
         """Number of packed image tokens ``(H/2)(W/2)`` of the latent for ``height x width`` pixels."""
         _, h, w = self.latent_shape(height, width)
         return (h // 2) * (w // 2)
+
+    @torch.no_grad()
+    def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
+        """Condition images ``[N, 3, H, W]`` float32 in [0, 1] -> packed image tokens ``[N, (h/2)(w/2), 4C]`` fp32
+        (``cond.image`` of FLUX.1 Kontext / Qwen-Image-Edit) for latents of ``latent_shape = (C, h, w)``: the
+        family's ``encode_images`` (VAE mode, its latent normalisation) then 2x2 packing, as those pipelines'
+        ``_encode_vae_image`` + ``prepare_latents``. The images must already be at the model's pixel size (the
+        pipelines' own resizes are not replicated).
+
+        Raises:
+            RuntimeError: no VAE.
+            ValueError: the images' latent grid is not ``latent_shape`` (images not at the model's pixel size).
+        """
+        z = self.encode_images(images)
+        if tuple(z.shape[1:]) != tuple(latent_shape):
+            raise ValueError(f"condition images {tuple(images.shape)} encode to latents {tuple(z.shape[1:])}, expected "
+                             f"latent_shape {tuple(latent_shape)}: load them at the model's height x width")
+        return pack_2x2(z)
 
 
 class PipelineText:

@@ -293,30 +293,6 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         return dataclasses.replace(cond, image=self.encode_condition_images(images, latent_shape))
 
     @torch.no_grad()
-    def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
-        """Condition images ``[N, 3, H, W]`` float32 in [0, 1] -> Kontext image tokens ``[N, (h/2)(w/2), 4C]`` fp32
-        for latents of ``latent_shape = (C, h, w)`` (``cond.image``).
-
-        As ``FluxKontextPipeline._encode_vae_image`` + ``prepare_latents``: ``z = mode(vae.encode(2 image - 1))``,
-        ``(z - shift_factor) * scaling_factor``, 2x2-packed like ``_pack_latents``. The images must already be at
-        the model's pixel size (the pipeline's resize to a preferred Kontext resolution is not replicated).
-
-        Raises:
-            RuntimeError: no VAE.
-            ValueError: the images' latent grid is not ``latent_shape`` (images not at the model's pixel size).
-        """
-        if self.vae is None:
-            raise RuntimeError("encode_condition_images needs the VAE")
-        cfg = self.vae.config
-        pixels = (images.to(device=self.vae.device, dtype=torch.float32) * 2.0 - 1.0).to(self.vae.dtype)
-        z = self.vae.encode(pixels).latent_dist.mode().float()
-        z = (z - cfg.shift_factor) * cfg.scaling_factor
-        if tuple(z.shape[1:]) != tuple(latent_shape):
-            raise ValueError(f"condition images {tuple(images.shape)} encode to latents {tuple(z.shape[1:])}, expected "
-                             f"latent_shape {tuple(latent_shape)}: load them at the model's height x width")
-        return pack_2x2(z)
-
-    @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Unpacked latents ``[B, C, h, w]`` → images ``[B, 3, h f, w f]`` float32 in [0, 1]."""
         if self.vae is None:

@@ -429,33 +429,6 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
                                    negative=negative, image=image)
 
     @torch.no_grad()
-    def encode_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
-        """Condition images ``[N, 3, H, W]`` float32 in [0, 1] -> packed Edit image latents ``[N, (h/2)(w/2), 4C]``
-        fp32 for latents of ``latent_shape = (C, h, w)`` (``cond.image``).
-
-        As ``QwenImageEditPipeline._encode_vae_image`` + ``prepare_latents``: ``z = mode(vae.encode(2 image - 1))``
-        on ``[N, 3, 1, H, W]``, ``(z - latents_mean) / latents_std``, 2x2-packed like ``_pack_latents``. The images
-        must already be at the model's pixel size (the pipeline's ~1024^2 resize is not replicated).
-
-        Raises:
-            RuntimeError: no VAE.
-            ValueError: the images' latent grid is not ``latent_shape`` (images not at the model's pixel size).
-        """
-        if self.vae is None:
-            raise RuntimeError("encode_condition_images needs the VAE")
-        pixels = (images.to(device=self.vae.device, dtype=torch.float32) * 2.0 - 1.0).to(self.vae.dtype)
-        z = self.vae.encode(pixels.unsqueeze(2)).latent_dist.mode()
-        cfg = self.vae.config
-        shape = (1, cfg.z_dim, 1, 1, 1)
-        mean = torch.tensor(cfg.latents_mean).view(shape).to(z.device, z.dtype)
-        std = torch.tensor(cfg.latents_std).view(shape).to(z.device, z.dtype)
-        z = ((z - mean) / std)[:, :, 0].float()
-        if tuple(z.shape[1:]) != tuple(latent_shape):
-            raise ValueError(f"condition images {tuple(images.shape)} encode to latents {tuple(z.shape[1:])}, expected "
-                             f"latent_shape {tuple(latent_shape)}: load them at the model's height x width")
-        return pack_2x2(z)
-
-    @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Unpacked latents ``[B, C, h, w]`` → images ``[B, 3, h f, w f]`` float32 in [0, 1]."""
         if self.vae is None:
