@@ -21,7 +21,7 @@ from flowforge.algorithms.advantages import STD_MODES, COMBINE_MODES
 from flowforge.algorithms.losses import AWM_WEIGHTINGS, CRD_LOSS_TYPES, DGPO_MODES, GUARD_STEP_WEIGHTS, NFT_MODES
 from flowforge.algorithms.sde import TRANSITION_KINDS, transition
 from flowforge.config import Config, ConfigError
-from flowforge.data.prompts import IMAGE_TASKS, TASKS
+from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, load_prompts, resolve_prompt_path
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 TRAINABLE_MODES = ("lora", "full")
@@ -137,6 +137,27 @@ def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> Non
                         f"{list(VIDEO_TASKS)}; remove model.frames")
 
 
+def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str]) -> None:
+    """The prompt files, when present on this machine: every row valid (images included) and fitting
+    ``model.task``. A file absent here is a warning (a config written for another machine); the trainer loads it
+    again and fails there if it is still missing."""
+    for name, source in (("data.prompts", cfg.data.prompts), ("data.eval_prompts", cfg.data.eval_prompts)):
+        try:
+            path = resolve_prompt_path(source)
+            if not path.is_file():
+                warnings.append(f"{name}={source!r}: no such file on this machine (checked again when training "
+                                "starts)")
+                continue
+            records = load_prompts(path)
+        except ValueError as exc:
+            problems.append(f"{name}: {exc}")
+            continue
+        try:
+            check_task(records, cfg.model.task, name)
+        except ValueError as exc:
+            problems.append(str(exc))
+
+
 def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
     """Check ``cfg`` as a whole. Returns warnings; raises :class:`PreflightError` listing every error.
 
@@ -161,6 +182,7 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
     _choice(problems, "model.dtype", cfg.model.dtype, DTYPES)
     _choice(problems, "model.task", cfg.model.task, TASKS)
     _task_problems(cfg, problems, warnings)
+    _prompt_problems(cfg, problems, warnings)
     _choice(problems, "nft.loss_mode", cfg.nft.loss_mode, NFT_MODES)
     _choice(problems, "forward.sampler", cfg.forward.sampler, TRANSITION_KINDS)
     _choice(problems, "forward.sample_with", cfg.forward.sample_with, ("old", "live"))

@@ -283,10 +283,14 @@ class ImageTaskWithoutEncoder:
     tasks = ("i2v",)
 
 
+ELSEWHERE = ("data.prompts=/elsewhere/train.jsonl", "data.eval_prompts=/elsewhere/eval.jsonl")
+"""Prompt files of another machine: preflight only warns (the demo prompts are t2i records, refused for i2i / i2v)."""
+
+
 def _preflight(*overrides):
     from flowforge.preflight import preflight
 
-    return preflight(load_config(None, list(overrides)), world_size=1)
+    return preflight(load_config(None, [*ELSEWHERE, *overrides]), world_size=1)
 
 
 def _task_problems(*overrides):

@@ -93,3 +93,20 @@ def test_multi_rank_limits_of_group_objectives():
     preflight(load_config(None, ["train.algorithm=dpo"]), world_size=2)  # ranks that pair fewer rows pad
     preflight(load_config(None, ["train.algorithm=nft", "nft.guard=true"]), world_size=2)
     preflight(load_config(None, ["train.algorithm=dgpo"]), world_size=2)  # 32 / 2 = 16 = 2 groups of 8
+
+
+def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
+    """Prompt files present on this machine are validated with the rest of the config (one error listing all);
+    a file absent here is only a warning (a config written for another machine)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a cat", "metadata": {"task": "t2i"}}\n')
+    with pytest.raises(PreflightError) as err:
+        preflight(load_config(None, [f"data.prompts={bad}", "model.task=i2v", "model.adapter=wan", "model.frames=5",
+                                     "train.lr=-1"]), world_size=1)
+    problems = err.value.problems
+    assert any(p.startswith("data.prompts: ") and "bad.jsonl:1: field 'metadata.sample_id'" in p for p in problems)
+    assert any(p.startswith("data.eval_prompts: record 'demo-eval-t00-d0' has metadata.task='t2i' but "
+                            "model.task='i2v' needs records with metadata.task in ['i2v']") for p in problems)
+    assert any("train.lr" in p for p in problems)  # collected with every other violation
+    report = preflight(load_config(None, [f"data.prompts={tmp_path / 'elsewhere.jsonl'}"]), world_size=1)
+    assert any(w.startswith("data.prompts=") and "no such file on this machine" in w for w in report.warnings)
