@@ -73,8 +73,7 @@ Notes on the environment: (a) with transformers 5.x, ``_get_qwen_prompt_embeds``
 instead of its 3-D M-RoPE ones; we call the pipeline's function, so we match the pipeline as installed (and follow it
 when it changes), not a hand-written encoder. (b) transformers 5.x builds / loads a ``Qwen2VLProcessor`` only with
 its video processor, which needs torchvision. (c) The i2i text encoder runs at every sampling step (each batch's
-prompts with their images), so it stays loaded: after the trainer's ``release_text_encoder`` a directory-backed
-:class:`QwenImageEditText` reloads on the first :meth:`QwenImageAdapter.condition_on_images`.
+prompts with their images), so it stays loaded: :meth:`QwenImageAdapter.release_text_encoder` keeps it for i2i.
 """
 
 from __future__ import annotations
@@ -298,6 +297,12 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         return 2 ** len(self.vae.temperal_downsample)
 
     # ------------------------------------------------------------------ FlowModel
+
+    def release_text_encoder(self) -> None:
+        """Free the text encoder after the start-up encoding (t2i); kept for i2i, where
+        :meth:`condition_on_images` re-encodes every step's prompts with their images."""
+        if self.task != "i2i":
+            super().release_text_encoder()
 
     def blocks(self) -> list[nn.Module]:
         """The ``QwenImageTransformerBlock`` modules, in order."""

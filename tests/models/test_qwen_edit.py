@@ -208,7 +208,9 @@ def test_edit_directory_loads_through_the_registry(tmp_path):
     s = torch.tensor([0.6, 0.2])
     with torch.no_grad():
         torch.testing.assert_close(loaded.velocity(x, s, cond, CFG), a.velocity(x, s, ref, CFG), rtol=0, atol=1e-6)
-    loaded.release_text_encoder()  # the trainer releases after the text-only encode; i2i reloads lazily
+    loaded.release_text_encoder()  # the trainer's release after start-up: i2i keeps the encoder it needs per step
+    assert loaded.text_encoder._pipe is not None
+    loaded.text_encoder.release()  # released anyway: it reloads lazily from the directory
     again = loaded.condition_on_images(loaded.encode(PROMPTS[:1]), PROMPTS[:1], images[:1], shape)
     torch.testing.assert_close(again.prompt_embeds, cond.prompt_embeds[:1], rtol=0, atol=1e-6)
 
