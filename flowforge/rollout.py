@@ -128,8 +128,17 @@ ALL = (slice(None),)
 
 
 def generated_index(adapter: FlowModel) -> tuple[slice, ...]:
-    """``adapter.generated_index`` (the latent elements the rollout generates), or the whole latent."""
-    return getattr(adapter, "generated_index", None) or ALL
+    """``adapter.generated_index`` (the latent elements the rollout generates), or the whole latent.
+
+    Raises:
+        TypeError: the adapter declares a ``condition_index`` but no ``generated_index`` (its slot would be stepped
+            and trained as if generated).
+    """
+    index = getattr(adapter, "generated_index", None)
+    if index is None and getattr(adapter, "condition_index", None) is not None:
+        raise TypeError(f"{type(adapter).__name__} declares condition_index but no generated_index; an "
+                        "ImageConditioned adapter with a condition slot must declare both")
+    return index or ALL
 
 
 def with_condition(adapter: FlowModel, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:

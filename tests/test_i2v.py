@@ -217,3 +217,13 @@ def test_condition_images_follow_exif_orientation(tmp_path):
     reference = torch.from_numpy(np.array(upright.resize((16, 32), Image.LANCZOS))).permute(2, 0, 1) / 255.0
     assert ours.shape == (1, 3, 32, 16)
     torch.testing.assert_close(ours[0], reference.float(), atol=1 / 255, rtol=0)
+
+
+def test_a_condition_slot_without_generated_index_is_refused():
+    from flowforge.rollout import generated_index
+
+    class Partial:
+        condition_index = (slice(None), slice(None), slice(0, 1))
+
+    with pytest.raises(TypeError, match="declares condition_index but no generated_index"):
+        generated_index(Partial())
