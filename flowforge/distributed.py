@@ -15,7 +15,8 @@ Data parallelism of one step (M prompts x K candidates, canonical group-major or
   same number of samples (preflight requires divisibility). Objectives that then drop rows (NFT guard, DPO ties)
   scale each rank's loss by its share of the rows trained over all ranks and pad with zero-weight micro-batches, so
   every rank runs the same forwards / backwards (:meth:`flowforge.objectives.ForwardProcessObjective.optimize`);
-  their metrics are reduced over ranks inside the objective, weighted by rows.
+  their metrics are reduced over ranks inside the objective, weighted by rows. Trainer metrics are averaged over
+  the ranks that have a value (:func:`mean_across_ranks`).
 
 Candidate noise depends on the candidate's sample id (never on the rank), so two ranks never draw the same candidate.
 """
@@ -70,26 +71,40 @@ def all_gather_cat(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def mean_across_ranks(scalars: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Average a dict of floats over ranks (NaN stays NaN).
+def check_same_keys(keys: list[str]) -> None:
+    """Raise unless every process holds the same sorted ``keys`` (a no-op on one process). Call before reducing
+    per-key values: a rank that took another code path would otherwise mix up values or hang the collective.
 
     Raises:
-        RuntimeError: the ranks hold different keys (a rank took a different code path; reducing would mix up
-            values), naming the keys that differ.
+        RuntimeError: naming the keys some ranks lack.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, keys)
+    if any(k != keys for k in every):
+        differ = sorted(set().union(*every) - set.intersection(*map(set, every)))
+        raise RuntimeError(f"ranks hold different metric keys (a rank took another code path): {differ}")
+
+
+def mean_across_ranks(scalars: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Average a dict of floats over the ranks where each value is not NaN (NaN only where every rank has NaN: a
+    rank can legitimately lack a value, e.g. within-group diversity on a rank holding no two members of a group).
+
+    Raises:
+        RuntimeError: the ranks hold different keys (:func:`check_same_keys`).
     """
     if not info.enabled:
         return scalars
     keys = sorted(scalars)
-    every: list[list[str]] = [[] for _ in range(info.world_size)]
-    dist.all_gather_object(every, keys)
-    if any(k != keys for k in every):
-        differ = sorted(set().union(*every) - set().intersection(*map(set, every)))
-        raise RuntimeError(f"ranks logged different metric keys (a rank took another code path): {differ}")
+    check_same_keys(keys)
     if not keys:
         return scalars
-    t = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
+    values = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
+    present = ~torch.isnan(values)
+    t = torch.stack([torch.where(present, values, 0.0), present.double()])
     dist.all_reduce(t)
-    return {k: float(v) / info.world_size for k, v in zip(keys, t.tolist())}
+    return {k: float(s / n) if n > 0 else float("nan") for k, s, n in zip(keys, t[0].tolist(), t[1].tolist())}
 
 
 def all_reduce_processes(tensor: torch.Tensor, op: str) -> torch.Tensor:

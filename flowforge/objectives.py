@@ -37,7 +37,7 @@ import torch
 
 from flowforge.algorithms import advantages as adv_lib
 from flowforge.algorithms import losses, schedules
-from flowforge.distributed import all_reduce_processes
+from flowforge.distributed import all_reduce_processes, check_same_keys
 from flowforge.config import Config
 from flowforge.models.base import Conditioning
 from flowforge.policy import old_decay
@@ -93,7 +93,7 @@ class _Accumulator:
         for k, v in metrics.items():
             if v.ndim:
                 continue
-            v = v.detach().double().cpu()
+            v = v.detach().double()  # stays on its device until reduce (no sync per micro-batch)
             kind = _extreme(k)
             if kind is None:
                 self.sums[k] = self.sums.get(k, torch.zeros((), dtype=torch.float64)) + v * weight
@@ -113,6 +113,8 @@ class _Accumulator:
 
     def reduce(self) -> dict[str, torch.Tensor]:
         keys = sorted(self.sums)
+        check_same_keys(keys)
+        self.sums = {k: v.cpu() for k, v in self.sums.items()}
         means = [k for k in keys if _extreme(k) is None]
         out = {}
         if means:

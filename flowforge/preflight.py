@@ -144,13 +144,19 @@ def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str]) -> N
     for name, source in (("data.prompts", cfg.data.prompts), ("data.eval_prompts", cfg.data.eval_prompts)):
         try:
             path = resolve_prompt_path(source)
+            if path.is_dir():
+                problems.append(f"{name}={source!r} is a directory; give a JSONL prompt file")
+                continue
             if not path.is_file():
                 warnings.append(f"{name}={source!r}: no such file on this machine (checked again when training "
                                 "starts)")
                 continue
             records = load_prompts(path)
-        except ValueError as exc:
+        except ValueError as exc:  # a bad row or image (the message names the file, line and field)
             problems.append(f"{name}: {exc}")
+            continue
+        except (OSError, RuntimeError) as exc:  # unreadable file, symlink loop
+            problems.append(f"{name}={source!r} cannot be read ({type(exc).__name__}: {exc})")
             continue
         try:
             check_task(records, cfg.model.task, name)

@@ -112,3 +112,35 @@ def test_nft_guard_pads_the_rank_that_skipped_and_matches_single_process(tiny_mo
     for k, v in ref[0]["live"].items():
         torch.testing.assert_close(records[0]["live"][k], v, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(records[1]["live"][k], v, rtol=1e-4, atol=1e-6)
+
+
+def _reduce_worker(rank, init_file, out_dir):
+    import math
+
+    import torch.distributed as dist
+
+    from flowforge import distributed as dist_lib
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    info = dist_lib.DistInfo(rank=rank, world_size=2)
+    # diversity-like value missing on rank 1, a value on both ranks, a value missing everywhere
+    got = dist_lib.mean_across_ranks({"a": 1.0 if rank == 0 else math.nan, "b": 2.0 * rank, "c": math.nan}, info)
+    try:
+        dist_lib.mean_across_ranks({"x": 1.0} if rank == 0 else {"y": 1.0}, info)
+        mismatch = ""
+    except RuntimeError as exc:
+        mismatch = str(exc)
+    dist.destroy_process_group()
+    torch.save({"got": got, "mismatch": mismatch}, f"{out_dir}/r{rank}.pt")
+
+
+def test_mean_across_ranks_skips_nan_and_refuses_different_keys(tmp_path):
+    import math
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_reduce_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"r{rank}.pt", weights_only=False)
+        assert out["got"]["a"] == 1.0 and out["got"]["b"] == 1.0 and math.isnan(out["got"]["c"])
+        assert "ranks hold different metric keys" in out["mismatch"] and "'x'" in out["mismatch"]

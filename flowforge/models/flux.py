@@ -307,7 +307,8 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         if self.vae is None:
             raise RuntimeError("this FluxAdapter has no VAE")
         cfg = self.vae.config
-        z = self.vae.encode(images.to(self.vae.dtype) * 2.0 - 1.0).latent_dist.mode()
+        pixels = (images.to(device=self.vae.device, dtype=torch.float32) * 2.0 - 1.0).to(self.vae.dtype)
+        z = self.vae.encode(pixels).latent_dist.mode()
         return ((z - cfg.shift_factor) * cfg.scaling_factor).float()
 
     @classmethod

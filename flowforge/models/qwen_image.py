@@ -448,7 +448,8 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         """Images ``[B, 3, H, W]`` in [0, 1] → model latents ``(mode(z) - mean) / std`` fp32 ``[B, C, h, w]``."""
         if self.vae is None:
             raise RuntimeError("this QwenImageAdapter has no VAE")
-        z = self.vae.encode((images.to(self.vae.dtype) * 2.0 - 1.0).unsqueeze(2)).latent_dist.mode()
+        pixels = (images.to(device=self.vae.device, dtype=torch.float32) * 2.0 - 1.0).to(self.vae.dtype)
+        z = self.vae.encode(pixels.unsqueeze(2)).latent_dist.mode()
         mean, inv_std = latent_stats(self.vae, z)
         return ((z - mean) * inv_std)[:, :, 0].float()
 
