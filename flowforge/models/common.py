@@ -38,6 +38,11 @@ class PackedImageLatents:
     ``encode_images``."""
 
     family: str
+    condition_index: tuple[slice, ...] | None = None
+    """No condition slot: a condition image (Kontext / Edit) is consumed inside the velocity as extra image-stream
+    tokens, never written into the latent."""
+    generated_index: tuple[slice, ...] = (slice(None),)
+    """The whole latent is generated (stepped, scored and trained)."""
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """Unpacked ``(C, height / f, width / f)``, ``f`` = ``vae_scale_factor``.

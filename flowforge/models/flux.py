@@ -151,10 +151,6 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
     family = "FLUX"
     tasks: tuple[str, ...] = FLUX_TASKS
     lora_targets: tuple[str, ...] = FLUX_LORA_TARGETS
-    condition_index: tuple[slice, ...] | None = None
-    """No condition slot: the Kontext image is consumed inside :meth:`velocity`, never written into the latent."""
-    generated_index: tuple[slice, ...] = (slice(None),)
-    """The whole latent is generated (stepped, scored and trained)."""
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,

@@ -259,10 +259,6 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     family = "Qwen-Image"
     tasks: tuple[str, ...] = QWEN_IMAGE_TASKS
     lora_targets: tuple[str, ...] = QWEN_IMAGE_LORA_TARGETS
-    condition_index: tuple[slice, ...] | None = None
-    """No condition slot: the Edit image is consumed inside :meth:`velocity`, never written into the latent."""
-    generated_index: tuple[slice, ...] = (slice(None),)
-    """The whole latent is generated (stepped, scored and trained)."""
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = " ", cfg_renorm: bool = True,

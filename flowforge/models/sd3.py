@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.common import check_velocity_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -213,14 +214,10 @@ class SD3Adapter(AdapterMixin):
         unconditional branch from ``cond.negative`` (one forward over the doubled batch).
 
         Raises:
-            ValueError: ``sigma`` not of shape ``[B]``; batch mismatch; guidance != 1 without ``cond.negative``.
+            ValueError: ``x`` not ``[B, C, H, W]``; ``sigma`` not of shape ``[B]``; batch mismatch; guidance != 1
+                without ``cond.negative``.
         """
-        batch = x.shape[0]
-        sigma = torch.as_tensor(sigma)
-        if sigma.shape != (batch,):
-            raise ValueError(f"sigma must have shape [B] = ({batch},), got {tuple(sigma.shape)}")
-        if cond.batch_size != batch:
-            raise ValueError(f"cond has batch size {cond.batch_size}, x has {batch}")
+        sigma = check_velocity_inputs(x, sigma, cond, 4)
         g = float(guidance_scale)
         if g == 1.0:
             return self._forward(x, sigma, cond)
