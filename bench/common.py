@@ -11,7 +11,7 @@ import torch
 def build(extra=()):
     """A Trainer on the embedded default (demo base when shipped), eval disabled; returns it."""
     from flowforge.config import load_config
-    from flowforge.trainer import Trainer
+    from flowforge.train.trainer import Trainer
 
     cfg = load_config("examples/digits/grpo.yaml", ["run.output_dir=/tmp/flowforge-bench", "run.name=bench",
                                                     "eval.every=0", *extra])

@@ -2,7 +2,7 @@
 
 Precedence is defaults < YAML < CLI. Loading checks *shape* (unknown keys, wrong types) and collects every such
 problem into one :class:`ConfigError`; *meaning* (allowed algorithm names, step indices, divisibility, ...) is checked
-by :mod:`flowforge.preflight`, which also collects every violation before any model loads.
+by :mod:`flowforge.train.preflight`, which also collects every violation before any model loads.
 
 This module imports no torch: configs are validated and dumped without touching a model.
 

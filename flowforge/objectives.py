@@ -19,7 +19,7 @@ distilled guidance embedding -- so the first update's ratio is exactly 1 and the
 branches (as flow_grpo trains SD3 at CFG 4.5). Forward-process objectives use guidance only to sample; their losses
 compare conditional velocities (guidance 1), as DiffusionNFT trains.
 
-Class attributes read by :mod:`flowforge.preflight` (one source of truth for algorithm properties):
+Class attributes read by :mod:`flowforge.train.preflight` (one source of truth for algorithm properties):
 
 ====================  ==============================================================================
 ``uses_log_probs``    replays stored SDE steps and needs per-step log-probs (a stochastic kernel)
@@ -37,7 +37,7 @@ import torch
 
 from flowforge.algorithms import advantages as adv_lib
 from flowforge.algorithms import losses, schedules
-from flowforge.distributed import all_reduce_processes, check_same_keys
+from flowforge.runtime.distributed import all_reduce_processes, check_same_keys
 from flowforge.config import Config
 from flowforge.models.base import Conditioning
 from flowforge.policy import old_decay

@@ -90,7 +90,7 @@ class Policy:
         keep_old: build the ``old`` policy (a copy of live at the start).
         keep_ref: the reference policy is needed (under full fine-tuning a frozen copy is kept; LoRA's is free).
         ema_decay: > 0 builds the ``ema`` policy with this decay.
-        wrap: makes the transformer data-parallel in place (:func:`flowforge.distributed.wrap`); called after the
+        wrap: makes the transformer data-parallel in place (:func:`flowforge.runtime.distributed.wrap`); called after the
             bank is built and before the optimizer collects the (possibly sharded) trainable parameters.
     """
 

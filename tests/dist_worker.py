@@ -10,7 +10,7 @@ import sys
 import torch
 
 from flowforge.config import load_config
-from flowforge.trainer import Trainer
+from flowforge.train.trainer import Trainer
 
 
 def main() -> None:

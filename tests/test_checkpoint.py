@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowforge import checkpoint as ckpt
+from flowforge.train import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = {"step": 0, "optimizer_steps": 0, "sampler": {"epoch": 1, "cursor": 4, "steps": 3}}
@@ -202,7 +202,7 @@ def test_resolve_resume_none_missing_and_empty(tmp_path):
 _CHILD = r"""
 import os, sys, time, torch
 torch.set_num_threads(1)
-from flowforge import checkpoint as ckpt
+from flowforge.train import checkpoint as ckpt
 run_dir, stage, target = sys.argv[1], sys.argv[2], sys.argv[3]
 def hook(s, rel):
     if (s, rel) == (stage, target):

@@ -5,7 +5,7 @@ import csv
 import pytest
 
 from flowforge.cli import main
-from flowforge.compare import load_compare, summarize
+from flowforge.tools.compare import load_compare, summarize
 from flowforge.config import ConfigError
 
 

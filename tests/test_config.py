@@ -69,7 +69,7 @@ def test_config_imports_no_torch():
 
 
 def test_examples_load_and_pass_preflight():
-    from flowforge.preflight import preflight
+    from flowforge.train.preflight import preflight
 
     for path in sorted(pathlib.Path(__file__).resolve().parents[1].glob("examples/**/*.yaml")):
         if path.name == "compare.yaml":

@@ -119,7 +119,7 @@ def _reduce_worker(rank, init_file, out_dir):
 
     import torch.distributed as dist
 
-    from flowforge import distributed as dist_lib
+    from flowforge.runtime import distributed as dist_lib
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     info = dist_lib.DistInfo(rank=rank, world_size=2)

@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 
-from flowforge import checkpoint as ckpt
+from flowforge.train import checkpoint as ckpt
 from flowforge.cli import main
 from flowforge.config import dump_config
-from flowforge.export import ExportError, export_run, read_export_meta
+from flowforge.tools.export import ExportError, export_run, read_export_meta
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
 from flowforge.models.sd3 import SD3Adapter
@@ -40,7 +40,7 @@ def fresh(path):
 def lora_run(tiny_model_dir, encode_cache_dir, tmp_path_factory):
     """A 2-step GRPO LoRA run (rank 4, alpha 8, checkpoint every step) and the trained policy's probe velocities,
     taken from the trainer's own in-memory model right after training."""
-    from flowforge.trainer import Trainer
+    from flowforge.train.trainer import Trainer
 
     out = tmp_path_factory.mktemp("export_runs")
     trainer = Trainer(tiny_cfg(tiny_model_dir, out, encode_cache_dir, f"lora.rank={RANK}", f"lora.alpha={ALPHA}",
@@ -162,7 +162,7 @@ def test_cli_export(lora_run, tmp_path, capsys):
 
 
 def test_failed_verification_writes_nothing(lora_run, tmp_path, monkeypatch):
-    from flowforge import export
+    from flowforge.tools import export
 
     run_dir, _, _ = lora_run
     monkeypatch.setitem(export.TOLERANCES, "merged", -1.0)  # any difference, even 0, now fails

@@ -1,4 +1,4 @@
-"""Every model family on the real training loop (``flowforge.trainer.Trainer``), exported, and preflight's task check.
+"""Every model family on the real training loop (``flowforge.train.trainer.Trainer``), exported, and preflight's task check.
 
 Each family's tiny random pipeline (tests/models/tiny_families.py; SD3 is the conftest's tiny pixel-space model) is
 saved with ``save_pretrained`` and loaded by the trainer through ``model.adapter=<family>``, ``model.path=<dir>``.
@@ -96,7 +96,7 @@ def test_family_trains_on_the_real_loop(family, algorithm, family_dirs, prompt_f
 
 
 def run_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
-    from flowforge.trainer import Trainer
+    from flowforge.train.trainer import Trainer
 
     guidance = GUIDANCE[family] if algorithm == "grpo" else 1.0
     cfg = family_cfg(family, family_dirs[family], tmp_path / "runs", tmp_path / "cache", prompt_files,
@@ -170,7 +170,7 @@ def probe(trainer, adapter=None):
 def lora_run(request, family_dirs, prompt_files, tmp_path_factory):
     """A 2-step GRPO LoRA run (rank 4, alpha 8, checkpoint every step) of each family; the trained and base policies'
     probe velocities from the trainer's in-memory model."""
-    from flowforge.trainer import Trainer
+    from flowforge.train.trainer import Trainer
 
     family = request.param
     out = tmp_path_factory.mktemp(f"export_{family}")
@@ -210,7 +210,7 @@ def _generate(family, pipe):
 
 
 def test_adapter_export_loads_into_the_family_pipeline(lora_run, family_dirs, tmp_path):
-    from flowforge.export import export_run, read_export_meta
+    from flowforge.tools.export import export_run, read_export_meta
 
     family, run_dir, trainer, trained, base = lora_run
     out = export_run(run_dir, tmp_path / "lora", form="adapter", verify=True)
@@ -231,7 +231,7 @@ def test_adapter_export_loads_into_the_family_pipeline(lora_run, family_dirs, tm
 
 
 def test_merged_export_loads_with_from_pretrained(lora_run, family_dirs, tmp_path):
-    from flowforge.export import export_run, read_export_meta
+    from flowforge.tools.export import export_run, read_export_meta
 
     family, run_dir, trainer, trained, base = lora_run
     out = export_run(run_dir, tmp_path / "merged", form="merged", verify=True)
@@ -288,13 +288,13 @@ ELSEWHERE = ("data.prompts=/elsewhere/train.jsonl", "data.eval_prompts=/elsewher
 
 
 def _preflight(*overrides):
-    from flowforge.preflight import preflight
+    from flowforge.train.preflight import preflight
 
     return preflight(load_config(None, [*ELSEWHERE, *overrides]), world_size=1)
 
 
 def _task_problems(*overrides):
-    from flowforge.preflight import PreflightError
+    from flowforge.train.preflight import PreflightError
 
     with pytest.raises(PreflightError) as err:
         _preflight(*overrides)

@@ -39,7 +39,7 @@ def i2i_prompts(tmp_path_factory):
 
 
 def make_trainer(family, algorithm, i2i_dirs, i2i_prompts, tmp_path):
-    from flowforge.trainer import Trainer
+    from flowforge.train.trainer import Trainer
 
     guidance = FAMILIES[family][2] if algorithm == "grpo" else 1.0
     cfg = family_cfg(family, i2i_dirs[family], tmp_path / "runs", tmp_path / "cache", i2i_prompts,

@@ -46,7 +46,7 @@ def i2v_prompts(tmp_path_factory):
 
 
 def make_trainer(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path, *extra):
-    from flowforge.trainer import Trainer
+    from flowforge.train.trainer import Trainer
 
     cfg = family_cfg("wan", i2v_dirs[layout], tmp_path / "runs", tmp_path / "cache", i2v_prompts,
                      f"run.name=i2v-{layout}-{algorithm}", f"train.algorithm={algorithm}", *extra, task="i2v")

@@ -1,4 +1,4 @@
-"""flowforge.metrics: scalar reduction, JSONL / TensorBoard sinks, stage timer, group diversity, grids, provenance."""
+"""flowforge.train.metrics: scalar reduction, JSONL / TensorBoard sinks, stage timer, group diversity, grids, provenance."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from flowforge import metrics
-from flowforge.metrics import (
+from flowforge.train import metrics
+from flowforge.train.metrics import (
     MetricsLogger,
     StageTimer,
     run_provenance,

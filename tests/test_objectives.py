@@ -7,7 +7,7 @@ import torch
 
 from flowforge.algorithms.advantages import nft_optimality
 from tests.test_trainer import one_step, tiny_cfg, train_batch
-from flowforge.trainer import Trainer
+from flowforge.train.trainer import Trainer
 
 
 @pytest.fixture

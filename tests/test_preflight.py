@@ -3,7 +3,7 @@
 import pytest
 
 from flowforge.config import load_config
-from flowforge.preflight import PreflightError, preflight
+from flowforge.train.preflight import PreflightError, preflight
 
 
 def _problems(*overrides):

@@ -1,4 +1,4 @@
-"""flowforge.report: self-contained HTML from a run directory; robust to missing files and killed / resumed runs."""
+"""flowforge.train.report: self-contained HTML from a run directory; robust to missing files and killed / resumed runs."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from flowforge.metrics import MetricsLogger, sample_grid_path, save_grid, write_provenance
-from flowforge.report import main, read_jsonl, write_report
+from flowforge.train.metrics import MetricsLogger, sample_grid_path, save_grid, write_provenance
+from flowforge.train.report import main, read_jsonl, write_report
 
 CONFIG_TEXT = "run:\n  name: digits <script>alert(1)</script> & co\ntrain:\n  lr: 0.0001\n"
 
@@ -129,14 +129,14 @@ def test_report_notes_skipped_lines(tmp_path):
     assert "metrics.jsonl:2: not valid JSON (skipped)" in page
 
 
-@pytest.mark.filterwarnings("ignore:'flowforge.report' found in sys.modules:RuntimeWarning")  # runpy re-executes it
+@pytest.mark.filterwarnings("ignore:'flowforge.train.report' found in sys.modules:RuntimeWarning")  # runpy re-executes it
 def test_cli_main_and_module(full_run, capsys, monkeypatch):
     assert main([str(full_run)]) == 0
     assert capsys.readouterr().out.strip() == str(full_run / "report.html")
     (full_run / "report.html").unlink()
-    monkeypatch.setattr(sys, "argv", ["flowforge.report", str(full_run)])
+    monkeypatch.setattr(sys, "argv", ["flowforge.train.report", str(full_run)])
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("flowforge.report", run_name="__main__")
+        runpy.run_module("flowforge.train.report", run_name="__main__")
     assert exit_info.value.code == 0
     assert (full_run / "report.html").is_file()
     assert main([str(full_run / "missing")]) == 2

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 import torch
 
-from flowforge import checkpoint as ckpt
+from flowforge.train import checkpoint as ckpt
 from tests.test_trainer import tiny_cfg
-from flowforge.trainer import Trainer
+from flowforge.train.trainer import Trainer
 
 
 def _rows(run_dir):
@@ -82,9 +82,9 @@ def test_sigkill_during_checkpoint_write_then_auto_resume_completes(tiny_model_d
                  "checkpoint.every=1", "eval.every=0", "eval.max_prompts=2", "run.num_threads=1"]
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from flowforge import checkpoint
+        from flowforge.train import checkpoint
         from flowforge.config import load_config
-        from flowforge.trainer import Trainer
+        from flowforge.train.trainer import Trainer
 
         seen = []
         def die(stage, relpath):

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from flowforge.rollout import Trajectory
-from flowforge.sidecars import SidecarWriter, complete_steps, group_files, read_group
+from flowforge.train.sidecars import SidecarWriter, complete_steps, group_files, read_group
 
 B, S, T = 6, 2, 4
 LATENT = (1, 8, 8)
@@ -100,7 +100,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     import torch
     sys.path.insert(0, {test_dir!r})
     from test_sidecars import make_batch
-    from flowforge import sidecars
+    from flowforge.train import sidecars
 
     target = sys.argv[2]
 

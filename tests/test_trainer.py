@@ -7,7 +7,7 @@ import torch
 
 from flowforge.config import load_config
 from flowforge.objectives import TrainBatch
-from flowforge.trainer import Trainer
+from flowforge.train.trainer import Trainer
 
 
 def tiny_cfg(model_dir, out_dir, cache_dir, *extra):
@@ -153,7 +153,7 @@ def test_rerun_reproduces_metrics_exactly(make_trainer):
 
 
 def test_sidecars_written_per_rollout_and_retained(make_trainer, tmp_path):
-    from flowforge.sidecars import complete_steps, read_group
+    from flowforge.train.sidecars import complete_steps, read_group
 
     root = tmp_path / "sidecars"
     make_trainer(f"artifacts.root={root}", "artifacts.keep=1", "train.steps=2").train()

@@ -56,7 +56,7 @@ The last SD3 block is context-pre-only and has no ``to_add_out``; peft matches s
 DEMO_BASE = "demo:base"
 FLOWFORGE_META = "flowforge.json"
 """Optional file beside a transformer's ``config.json`` naming the text encoder it was trained with
-(written by :func:`flowforge.sft.run_sft`), e.g. ``{"text_encoder": "minilm", "max_length": 16}``."""
+(written by :func:`flowforge.train.sft.run_sft`), e.g. ``{"text_encoder": "minilm", "max_length": 16}``."""
 
 
 def demo_base_dir() -> Path:

@@ -151,7 +151,7 @@ class WanAdapter(AdapterMixin):
         ValueError: unknown task; i2v with a transformer that has neither layout; t2v with an I2V transformer;
             an ``image_dim`` transformer for i2v given a VAE but no ``image_encoder`` / ``image_processor`` (it
             could encode the latent condition but not the CLIP tokens; a velocity-only adapter without a VAE, as
-            ``flowforge.export``'s check builds, is allowed and reads ``cond.pooled`` as given); a last-frame
+            ``flowforge.tools.export``'s check builds, is allowed and reads ``cond.pooled`` as given); a last-frame
             (FLF2V, ``pos_embed_seq_len``) transformer.
     """
 

@@ -163,7 +163,7 @@ def run_sft(
     from flowforge.data.prompts import load_prompts
     from flowforge.demo.data import load_split
     from flowforge.demo.model import build_tiny_sd3, tiny_sd3_config
-    from flowforge.metrics import save_grid
+    from flowforge.train.metrics import save_grid
     from flowforge.models.base import Conditioning
     from flowforge.models.sd3 import FLOWFORGE_META, SD3Adapter
     from flowforge.models.text import MiniLMEncoder
@@ -305,7 +305,7 @@ def run_sft_from_config(cfg, progress: bool = True) -> list[dict[str, Any]]:
 def _cli(argv: Sequence[str] | None = None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(description="flow-matching SFT of the demo policy (see flowforge.sft)")
+    p = argparse.ArgumentParser(description="flow-matching SFT of the demo policy (see flowforge.train.sft)")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=64)

@@ -208,7 +208,7 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
         problems.append(f"artifacts.keep={cfg.artifacts.keep} must be >= 1")
     if cfg.checkpoint.keep < 1:
         problems.append(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1")
-    from flowforge.distributed import STRATEGIES
+    from flowforge.runtime.distributed import STRATEGIES
 
     _choice(problems, "distributed.strategy", cfg.distributed.strategy, STRATEGIES)
     if cfg.forward.inner_epochs < 1:

@@ -2,7 +2,7 @@
 
 What and why
 ------------
-A checkpoint (:mod:`flowforge.checkpoint`) stores only what flowforge needs to resume: the LoRA weights keyed without
+A checkpoint (:mod:`flowforge.train.checkpoint`) stores only what flowforge needs to resume: the LoRA weights keyed without
 the adapter name, and the contract ``{trainable, rank, alpha, targets, dropout}`` in ``trainer_state.json``. Users
 want a model diffusers can load. :func:`export_run` writes one of two forms, for every registered family (``sd3``,
 ``flux``, ``qwen_image``, ``wan``; the table below) and, in the ``merged`` form, for any diffusers transformer class
@@ -85,7 +85,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowforge import checkpoint as ckpt
+from flowforge.train import checkpoint as ckpt
 from flowforge.config import load_config
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning

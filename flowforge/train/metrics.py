@@ -5,7 +5,7 @@ What and why
 The loop (DESIGN §4) produces detached 0-d tensors in its hot paths (losses return ``(loss, metrics)``; no
 ``.item()`` there). Once per step, :func:`to_scalars` turns the step's whole metric mapping into Python floats with a
 single host transfer per device, and :class:`MetricsLogger` appends them to ``<run_dir>/metrics.jsonl`` and
-TensorBoard. Evaluation results go to ``<run_dir>/eval.jsonl``. :mod:`flowforge.report` turns a run directory into
+TensorBoard. Evaluation results go to ``<run_dir>/eval.jsonl``. :mod:`flowforge.train.report` turns a run directory into
 ``report.html``.
 
 Metric names are namespaced by the caller: ``train/…``, ``reward/…``, ``perf/…``, ``time/…``, ``eval/…``.
@@ -30,7 +30,7 @@ made visible by the mean pairwise RMS distance inside groups:
 Dividing by ``sqrt(D)`` makes it a root-mean-square per-element difference in pixel units: 0 for identical images,
 ``c`` for two images that differ by the constant ``c`` everywhere, at most 1; it does not depend on resolution.
 
-Run-directory files (DESIGN §6) are named by the constants below so writers and :mod:`flowforge.report` agree.
+Run-directory files (DESIGN §6) are named by the constants below so writers and :mod:`flowforge.train.report` agree.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from PIL import Image
 from torch import Tensor
 
 from flowforge import __version__
-from flowforge.durable import atomic_write
+from flowforge.runtime.durable import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -137,7 +137,7 @@ class MetricsLogger:
 
     Each :meth:`log` / :meth:`log_eval` call writes one line ``{"step": n, "name": value, ...}`` and flushes it (and
     the TensorBoard writer), so a killed run keeps everything logged before the kill. Files are opened in append
-    mode: a resumed run continues the same files, and readers (:func:`flowforge.report.read_jsonl`) let later lines
+    mode: a resumed run continues the same files, and readers (:func:`flowforge.train.report.read_jsonl`) let later lines
     of a repeated step win. Non-finite values are written to JSONL as ``null`` (strict JSON); TensorBoard gets the
     real value.
 

@@ -51,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "report":
-            from flowforge.report import write_report
+            from flowforge.train.report import write_report
 
             print(write_report(args.run_dir))
             return 0
         if args.command == "export":
-            from flowforge.export import ExportError, ExportVerificationError, export_run, read_export_meta
+            from flowforge.tools.export import ExportError, ExportVerificationError, export_run, read_export_meta
 
             try:
                 out = export_run(args.run_dir, args.out, form=args.form, step=args.step, verify=args.verify,
@@ -72,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
                                                        if report else ""))
             return 0
         if args.command == "compare":
-            from flowforge.compare import load_compare, run_compare
+            from flowforge.tools.compare import load_compare, run_compare
 
             png = run_compare(load_compare(args.config, tuple(args.overrides)), progress=not args.no_progress)
             print(f"comparison: {png}\ntable: {png.with_suffix('.md')}")
             return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "check":
-            from flowforge.preflight import preflight
+            from flowforge.train.preflight import preflight
 
             report = preflight(cfg)
             for w in report.warnings:
@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_config(cfg), end="")
             return 0
         if args.command == "sft":
-            from flowforge.sft import run_sft_from_config
+            from flowforge.train.sft import run_sft_from_config
 
             run_sft_from_config(cfg, progress=not args.no_progress)
             return 0
-        from flowforge.trainer import Trainer
+        from flowforge.train.trainer import Trainer
 
         run_dir = Trainer(cfg, progress=not args.no_progress).train()
         print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
@@ -100,6 +100,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,7 +27,6 @@ Notation: ``B`` candidates in the batch, ``S`` trained steps, ``T`` sampling ste
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -36,6 +35,7 @@ import torch
 from flowforge.algorithms import schedules
 from flowforge.algorithms.sde import euler_step, transition
 from flowforge.models.base import Conditioning, FlowModel
+from flowforge.rollout.noise import candidate_noise
 
 
 @dataclass(frozen=True)
@@ -92,35 +92,6 @@ def sigmas_for(sampler_cfg, latent_shape: Sequence[int] | None = None) -> torch.
             raise ValueError("sampler.schedule='dynamic' without sampler.mu needs the latent shape to compute mu")
         mu = schedules.calculate_shift(int(latent_shape[-1] * latent_shape[-2] // 4))
     return schedules.flow_match_sigmas(sampler_cfg.num_steps, sampler_cfg.shift, mu=mu, kind=sampler_cfg.schedule)
-
-
-def _seed_of(seed: int, candidate_id: int, slot: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{candidate_id}:{slot}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def candidate_noise(candidate_ids: Sequence[int], shape: Sequence[int], seed: int, slot: int) -> torch.Tensor:
-    """Standard normal noise ``[B, *shape]`` fp32 on CPU, row ``b`` a function of ``(seed, candidate_ids[b], slot)``.
-
-    ``slot`` is ``-1`` for the initial ``x_T`` and the step index ``i`` for step ``i``'s transition noise. Drawing
-    on CPU with one generator per candidate makes the noise independent of device, rank, batch size and order.
-    """
-    out = torch.empty(len(candidate_ids), *shape)
-    gen = torch.Generator()
-    for row, cid in enumerate(candidate_ids):
-        gen.manual_seed(_seed_of(seed, int(cid), slot))
-        out[row] = torch.randn(tuple(shape), generator=gen)
-    return out
-
-
-def candidate_randint(candidate_ids: Sequence[int], high: int, seed: int, slot: int) -> torch.Tensor:
-    """``[B]`` int64 uniform in ``[0, high)``, row ``b`` a function of ``(seed, candidate_ids[b], slot)`` only."""
-    gen = torch.Generator()
-    out = torch.empty(len(candidate_ids), dtype=torch.long)
-    for row, cid in enumerate(candidate_ids):
-        gen.manual_seed(_seed_of(seed, int(cid), slot))
-        out[row] = torch.randint(high, (1,), generator=gen)
-    return out
 
 
 ALL = (slice(None),)

@@ -1,7 +1,7 @@
 """One self-contained HTML page per run: curves, sample grids, resolved config, provenance.
 
 ``write_report(run_dir)`` reads the run directory (DESIGN §6) and writes ``<run_dir>/report.html``; every image is
-embedded as a base64 PNG, so the file can be mailed or archived alone. Also ``python -m flowforge.report RUN_DIR``.
+embedded as a base64 PNG, so the file can be mailed or archived alone. Also ``python -m flowforge.train.report RUN_DIR``.
 
 ==================================  ====================================================================================
 read from                           shown as
@@ -12,7 +12,7 @@ read from                           shown as
 ``eval.jsonl``                      ``eval/digit_eval`` and ``eval/diversity`` side by side, then every other ``eval/*``
 ``samples/step_*.png``              the grids in step order, captioned with the step and that step's eval values
 ``config.yaml``                     verbatim
-``provenance.json``                 a table (written by :func:`flowforge.metrics.write_provenance`)
+``provenance.json``                 a table (written by :func:`flowforge.train.metrics.write_provenance`)
 ==================================  ====================================================================================
 
 Missing files are reported in the page, never an error. JSONL reading tolerates what killed and resumed runs leave
@@ -35,8 +35,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from flowforge.durable import atomic_write
-from flowforge.metrics import (
+from flowforge.runtime.durable import atomic_write
+from flowforge.train.metrics import (
     CONFIG_FILE,
     EVAL_FILE,
     METRICS_FILE,
@@ -373,8 +373,8 @@ def write_report(run_dir: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m flowforge.report RUN_DIR``: write the report and print its path."""
-    parser = argparse.ArgumentParser(prog="python -m flowforge.report", description=__doc__.split("\n", 1)[0])
+    """``python -m flowforge.train.report RUN_DIR``: write the report and print its path."""
+    parser = argparse.ArgumentParser(prog="python -m flowforge.train.report", description=__doc__.split("\n", 1)[0])
     parser.add_argument("run_dir", type=Path, help="a run directory (holding metrics.jsonl, config.yaml, ...)")
     args = parser.parse_args(argv)
     try:

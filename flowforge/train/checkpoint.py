@@ -71,7 +71,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from flowforge.durable import atomic_write, fsync_path
+from flowforge.runtime.durable import atomic_write, fsync_path
 
 log = logging.getLogger("flowforge")
 
@@ -141,7 +141,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
-    """:func:`flowforge.durable.atomic_write` reporting its stages to the test hook."""
+    """:func:`flowforge.runtime.durable.atomic_write` reporting its stages to the test hook."""
     atomic_write(path, write, None if _test_hook is None else (lambda stage: _test_hook(stage, relpath)))
 
 

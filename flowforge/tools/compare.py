@@ -181,8 +181,8 @@ def write_outputs(summaries: list[dict[str, Any]], out_dir: Path, target_metric:
 
 def run_compare(cc: CompareConfig, *, progress: bool = True) -> Path:
     """Train every (arm, seed) one after the other (skipping finished runs), then write the comparison."""
-    from flowforge.preflight import preflight
-    from flowforge.trainer import Trainer
+    from flowforge.train.preflight import preflight
+    from flowforge.train.trainer import Trainer
 
     configs = {(arm, seed): _run_config(cc, arm, seed) for arm in cc.arms for seed in cc.seeds}
     for cfg in configs.values():  # every arm validated before any model loads

@@ -71,7 +71,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from flowforge.durable import atomic_write, fsync_path, is_tmp
+from flowforge.runtime.durable import atomic_write, fsync_path, is_tmp
 from flowforge.rollout import Trajectory
 
 log = logging.getLogger("flowforge")
@@ -91,7 +91,7 @@ def step_dir_name(step: int) -> str:
 
 # ------------------------------------------------------------------------------------------------ durable writes
 def _atomic_write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
-    """:func:`flowforge.durable.atomic_write` reporting its stages to the test hook."""
+    """:func:`flowforge.runtime.durable.atomic_write` reporting its stages to the test hook."""
     atomic_write(path, write, None if _test_hook is None else (lambda stage: _test_hook(stage, relpath)))
 
 

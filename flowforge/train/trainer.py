@@ -25,21 +25,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flowforge import checkpoint as ckpt
+from flowforge.train import checkpoint as ckpt
 from flowforge import config as config_lib
-from flowforge import distributed as dist_lib
+from flowforge.runtime import distributed as dist_lib
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, check_task, load_prompts
-from flowforge.metrics import (MetricsLogger, StageTimer, write_provenance, sample_grid_path, save_grid, to_scalars,
+from flowforge.train.metrics import (MetricsLogger, StageTimer, write_provenance, sample_grid_path, save_grid, to_scalars,
                               within_group_diversity)
 from flowforge.models import build_adapter
 from flowforge.models.base import Conditioning
 from flowforge.objectives import OBJECTIVES, TrainBatch
 from flowforge.policy import Policy
-from flowforge.preflight import preflight
+from flowforge.train.preflight import preflight
 from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
 from flowforge.rollout import candidate_noise, generate, rollout_chunked, sigmas_for
@@ -135,7 +135,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir) if self.dist.is_main else None
         self.sidecars = None
         if cfg.artifacts.root is not None:
-            from flowforge.sidecars import SidecarWriter
+            from flowforge.train.sidecars import SidecarWriter
 
             root = Path(cfg.artifacts.root)
             self.sidecars = SidecarWriter(root / f"rank_{self.dist.rank}" if self.dist.enabled else root,
@@ -384,7 +384,7 @@ class Trainer:
             self.logger.close()
         if self.step < cfg.train.steps or not self.dist.is_main:
             return self.run_dir
-        from flowforge.report import write_report
+        from flowforge.train.report import write_report
 
         write_report(self.run_dir)
         return self.run_dir

@@ -1,0 +1,5 @@
+import sys
+
+from flowforge.cli import main
+
+sys.exit(main())

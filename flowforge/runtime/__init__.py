@@ -1,0 +1,1 @@
+"""Runtime services below the loop: torch.distributed set-up, durable (atomic, crash-safe) file writes."""

@@ -1,0 +1,1 @@
+"""Run-level tools built on the trainer: export, compare."""

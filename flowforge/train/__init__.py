@@ -1,0 +1,1 @@
+"""Training: the loop (six stages), checkpoints, metrics, sidecars, preflight, SFT, report."""
