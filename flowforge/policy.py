@@ -36,13 +36,14 @@ import contextlib
 import copy
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from flowforge.config import LoraConfig, TrainConfig
 from flowforge.models import lora as lora_lib
+from flowforge.settings.sections import LR_SCHEDULES, TRAINABLE_MODES
 
 POLICY_NAMES = ("live", "old", "ref", "ema")
 
@@ -69,7 +70,7 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
             return 1.0 - progress
         if schedule == "cosine":
             return 0.5 * (1.0 + math.cos(math.pi * progress))
-        raise ValueError(f"train.lr_schedule={schedule!r} is not one of ['constant', 'linear', 'cosine']")
+        raise ValueError(f"train.lr_schedule={schedule!r} is not one of {list(LR_SCHEDULES)}")
 
     return f
 
@@ -79,32 +80,71 @@ def old_decay(optimizer_steps: int, decay_rate: float = 0.001, decay_max: float 
     return min(decay_rate * optimizer_steps, decay_max)
 
 
+@dataclass(frozen=True)
+class TrainableWeights:
+    """Which weights of the transformer train: LoRA adapters (``mode="lora"``) or every weight (``"full"``)."""
+
+    mode: str  # "lora" | "full"
+    rank: int  # LoRA rank r (read under "lora")
+    alpha: float  # LoRA alpha; the adapter's update is scaled by alpha / r (read under "lora")
+    targets: tuple[str, ...] | None = None  # LoRA target module names; None (or empty): adapter.lora_targets
+
+    @classmethod
+    def from_section(cls, lora) -> "TrainableWeights":
+        """From a ``lora`` config section (rank 8 and alpha = rank when unset)."""
+        return cls(mode=lora.trainable, rank=lora.resolved_rank, alpha=lora.resolved_alpha, targets=lora.targets)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW (decoupled weight decay), gradient-norm clipping and the LR schedule, counted in optimizer steps."""
+
+    lr: float  # base learning rate
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    schedule: str  # "constant" | "linear" | "cosine" after warmup (see lr_lambda)
+    warmup_steps: int  # linear warmup from lr / warmup_steps to lr
+    grad_clip: float  # max global gradient L2 norm
+
+    @classmethod
+    def from_section(cls, train) -> "OptimizerSettings":
+        """From a ``train`` config section."""
+        return cls(lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay,
+                   schedule=train.lr_schedule, warmup_steps=train.warmup_steps, grad_clip=train.grad_clip)
+
+
 class Policy:
     """Trainable weights of ``adapter.transformer``, the other policies of the bank, and the optimizer.
 
     Args:
         adapter: a FlowModel; its ``transformer`` is modified in place (LoRA injected, grads enabled).
-        lora_cfg: ``lora`` section (mode, rank, alpha, targets).
-        train_cfg: ``train`` section (optimizer, LR schedule).
+        trainable: which weights train (LoRA mode, rank, alpha, targets).
+        optim: optimizer, gradient clipping and LR schedule.
         total_optimizer_steps: length of the LR schedule.
         keep_old: build the ``old`` policy (a copy of live at the start).
         keep_ref: the reference policy is needed (under full fine-tuning a frozen copy is kept; LoRA's is free).
         ema_decay: > 0 builds the ``ema`` policy with this decay.
         wrap: makes the transformer data-parallel in place (:func:`flowforge.runtime.distributed.wrap`); called after the
             bank is built and before the optimizer collects the (possibly sharded) trainable parameters.
+
+    Raises:
+        ValueError: ``trainable.mode`` is not one of ``TRAINABLE_MODES``.
     """
 
-    def __init__(self, adapter, lora_cfg: LoraConfig, train_cfg: TrainConfig, total_optimizer_steps: int, *,
-                 keep_old: bool = False, keep_ref: bool = False, ema_decay: float = 0.0,
+    def __init__(self, adapter, trainable: TrainableWeights, optim: OptimizerSettings, total_optimizer_steps: int,
+                 *, keep_old: bool = False, keep_ref: bool = False, ema_decay: float = 0.0,
                  wrap: Callable[[], None] | None = None):
+        if trainable.mode not in TRAINABLE_MODES:
+            raise ValueError(f"trainable mode {trainable.mode!r} is not one of {list(TRAINABLE_MODES)}")
         self.adapter = adapter
-        self.lora = lora_cfg.trainable == "lora"
+        self.lora = trainable.mode == "lora"
         transformer: nn.Module = adapter.transformer
         self.live_module = transformer
         transformer.requires_grad_(False)
         if self.lora:
-            self.targets = list(lora_cfg.targets or adapter.lora_targets)
-            self.rank, self.alpha = lora_cfg.resolved_rank, lora_cfg.resolved_alpha
+            self.targets = list(trainable.targets or adapter.lora_targets)
+            self.rank, self.alpha = trainable.rank, trainable.alpha
             lora_lib.inject_lora(transformer, self.rank, self.alpha, self.targets)
         else:
             transformer.float().requires_grad_(True)
@@ -120,11 +160,11 @@ class Policy:
         if wrap is not None:
             wrap()
         self.params = [p for p in transformer.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=train_cfg.adam_betas,
-                                           eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                           weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, total_optimizer_steps))
-        self.grad_clip = train_cfg.grad_clip
+            self.optimizer, lr_lambda(optim.schedule, optim.warmup_steps, total_optimizer_steps))
+        self.grad_clip = optim.grad_clip
         self.optimizer_steps = 0
         self._pending: weakref.ref | None = None
 
@@ -260,3 +300,51 @@ class Policy:
         """Shorthand for ``using("ref")`` without gradients."""
         with torch.no_grad(), self.using("ref"):
             yield
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The bank's state (``torch.distributed.checkpoint.stateful.Stateful``); every rank calls it under FSDP.
+
+        Returns:
+            ``weights``: ``{name: {key: tensor}}``, :meth:`named_weights` of each of live / old / ema held (``ref``
+            is the immutable base and is never saved); ``scheduler``: the LR schedule's state dict;
+            ``optimizer_steps``: int; then either ``optimizer`` (``optimizer.state_dict()``) or, when the live
+            parameters are FSDP-sharded (DTensor), ``sharded``: ``{"model", "optim"}`` sharded state dicts of the
+            trainable weights and the optimizer for torch.distributed.checkpoint (frozen weights left out) — live
+            is then not in ``weights``.
+        """
+        sharded = any(_is_dtensor(p) for p in self.params)
+        names = [n for n in ("live", "old", "ema") if self.has(n) and not (n == "live" and sharded)]
+        state = {"weights": {name: self.named_weights(name) for name in names},
+                 "scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+        if sharded:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                                 get_optimizer_state_dict)
+
+            opts = StateDictOptions(ignore_frozen_params=True)
+            state["sharded"] = {"model": get_model_state_dict(self.live_module, options=opts),
+                                "optim": get_optimizer_state_dict(self.live_module, self.optimizer, options=opts)}
+        else:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` (each policy of ``weights``, ``optimizer`` and / or ``sharded``, the LR
+        schedule, the optimizer-step counter).
+
+        Raises:
+            ValueError: weights that do not match a policy's (:meth:`load_named_weights`).
+        """
+        for name, tensors in state["weights"].items():
+            self.load_named_weights(name, tensors)
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "sharded" in state:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            opts = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen base weights are not saved
+            set_model_state_dict(self.live_module, state["sharded"]["model"], options=opts)
+            set_optimizer_state_dict(self.live_module, self.optimizer, state["sharded"]["optim"], options=opts)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = int(state["optimizer_steps"])

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowforge.train import checkpoint as ckpt
+from flowforge.train.checkpoint_manager import check_contract
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = {"step": 0, "optimizer_steps": 0, "sampler": {"epoch": 1, "cursor": 4, "steps": 3}}
@@ -338,7 +339,7 @@ def test_contract_mismatch_lists_every_mismatch():
     current = {"lora": {"rank": 16, "alpha": 16.0, "targets": ("to_k", "to_q"), "dropout": 0.1},
                "base_model_sha256": "bbb"}
     with pytest.raises(ValueError) as err:
-        ckpt.check_contract(saved, current)
+        check_contract(saved, current)
     msg = str(err.value)
     assert msg.startswith("resume refused")
     assert msg.splitlines()[1:] == ["  lora.alpha: checkpoint 8.0, this run 16.0",
@@ -349,11 +350,11 @@ def test_contract_mismatch_lists_every_mismatch():
 
 def test_contract_equal_up_to_representation_passes_and_missing_keys_fail():
     current = {"lora": {"rank": 8.0, "alpha": 8, "targets": ("to_k", "to_q"), "dropout": 0}, "base_model_sha256": "a"}
-    ckpt.check_contract({"lora": LORA, "base_model_sha256": "a"}, current)
+    check_contract({"lora": LORA, "base_model_sha256": "a"}, current)
     with pytest.raises(ValueError, match=r"base_model_sha256: checkpoint \(missing\), this run a"):
-        ckpt.check_contract({"lora": LORA}, current)
+        check_contract({"lora": LORA}, current)
     with pytest.raises(ValueError, match=r"lora.targets: checkpoint \['to_k', 'to_q'\], this run \['to_q'\]"):
-        ckpt.check_contract({"lora": LORA}, {"lora": {**LORA, "targets": ["to_q"]}}, keys=("lora",))
+        check_contract({"lora": LORA}, {"lora": {**LORA, "targets": ["to_q"]}}, keys=("lora",))
 
 
 # ------------------------------------------------------------------------------------------------ model identity

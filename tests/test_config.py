@@ -75,3 +75,56 @@ def test_examples_load_and_pass_preflight():
         if path.name == "compare.yaml":
             continue
         preflight(C.load_config(path))
+
+
+def test_sections_check_their_own_values_all_problems_at_once():
+    """A bad value fails at load naming ``section.key``, the value and the allowed values; every section's
+    problems (and every type problem) come in one error."""
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(None, ["train.lr_schedule=step", "forward.sampler=euler", "awm.weighting=cubic",
+                             "data.group_size=0", "sampler.num_steps=1", "run.seed=x"])
+    problems = err.value.problems
+    assert len(problems) == 6, problems
+    assert "train.lr_schedule='step' is not one of ['constant', 'linear', 'cosine']" in problems
+    assert "forward.sampler='euler' is not one of ['sde', 'dance', 'cps', 'ode']" in problems
+    assert "awm.weighting='cubic' is not one of ['uniform', 't', 't**2', 'huber', 'ghuber']" in problems
+    assert "data.group_size=0 must be > 0" in problems
+    assert "sampler.num_steps=1 must be >= 2" in problems
+    assert any(p.startswith("run.seed: expected int") for p in problems)
+
+
+def test_a_section_built_directly_checks_itself():
+    with pytest.raises(C.ConfigError) as err:
+        C.LoraConfig(trainable="half", dropout=0.1)
+    assert err.value.problems[0] == "lora.trainable='half' is not one of ['lora', 'full']"
+    assert "lora.dropout=0.1" in err.value.problems[1] and len(err.value.problems) == 2
+    with pytest.raises(C.ConfigError, match=r"reward.weights is empty"):
+        C.RewardConfig(weights={})
+    with pytest.raises(C.ConfigError, match=r"grpo.clip_low=0.0 / grpo.clip_high=None must be > 0"):
+        C.GRPOConfig(clip_low=0.0)
+    assert C.NFTConfig(ema_decay=0.5).ema_decay == 0.5
+
+
+def test_root_sections_in_dump_order():
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(C.Config)] == [
+        "run", "model", "lora", "data", "sampler", "reward", "advantage", "train", "grpo", "grpo_guard", "forward",
+        "nft", "awm", "dgpo", "dpo", "crd", "eval", "checkpoint", "distributed", "artifacts", "sft"]
+    assert list(yaml.safe_load(C.dump_config(C.Config()))) == [f.name for f in dataclasses.fields(C.Config)]
+
+
+def test_settings_layer_imports_only_stdlib_and_yaml():
+    import subprocess
+    import sys
+
+    settings = pathlib.Path(C.__file__).parent / "settings"
+    for path in settings.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not names - set(sys.stdlib_module_names) - {"yaml", "flowforge", "__future__"}, path
+        assert all(n.module.startswith("flowforge.settings") for n in ast.walk(tree)
+                   if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("flowforge")), path
+    code = "import sys, flowforge.settings; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

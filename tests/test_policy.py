@@ -5,7 +5,7 @@ import torch
 
 from flowforge.config import LoraConfig, TrainConfig
 from flowforge.models import build_adapter
-from flowforge.policy import Policy, old_decay
+from flowforge.policy import OptimizerSettings, Policy, TrainableWeights, lr_lambda, old_decay
 
 
 @pytest.fixture
@@ -30,8 +30,9 @@ def test_old_decay_schedule_values():
 
 @pytest.mark.parametrize("trainable", ["lora", "full"])
 def test_bank_old_ref_ema(adapter, trainable):
-    lora = LoraConfig(trainable=trainable, rank=4 if trainable == "lora" else None)
-    policy = Policy(adapter, lora, TrainConfig(lr=1e-2), 10, keep_old=True, keep_ref=True, ema_decay=0.9)
+    lora = TrainableWeights.from_section(LoraConfig(trainable=trainable, rank=4 if trainable == "lora" else None))
+    policy = Policy(adapter, lora, OptimizerSettings.from_section(TrainConfig(lr=1e-2)), 10, keep_old=True,
+                    keep_ref=True, ema_decay=0.9)
     x, s, c = _inputs(adapter)
     with policy.reference():
         ref_before = adapter.velocity(x, s, c, 1.0)
@@ -74,7 +75,8 @@ def test_bank_old_ref_ema(adapter, trainable):
 
 
 def test_switching_while_live_graph_pending_is_refused(adapter):
-    policy = Policy(adapter, LoraConfig(rank=4), TrainConfig(), 10, keep_old=True)
+    policy = Policy(adapter, TrainableWeights.from_section(LoraConfig(rank=4)),
+                    OptimizerSettings.from_section(TrainConfig()), 10, keep_old=True)
     x, s, c = _inputs(adapter)
     v = policy.pending(adapter.velocity(x, s, c, 1.0))
     with pytest.raises(RuntimeError, match="pending"):
@@ -89,3 +91,22 @@ def test_switching_while_live_graph_pending_is_refused(adapter):
     with pytest.raises(ValueError, match="unknown policy"):
         with policy.using("target"):
             pass
+
+
+def test_policy_takes_plain_records_not_config_sections(adapter):
+    """The bank is built from two plain records; the config sections map onto them one to one."""
+    assert TrainableWeights.from_section(LoraConfig()) == TrainableWeights(mode="lora", rank=8, alpha=8.0)
+    assert TrainableWeights.from_section(LoraConfig(rank=4, alpha=2.0, targets=("attn.to_q",))) == \
+        TrainableWeights(mode="lora", rank=4, alpha=2.0, targets=("attn.to_q",))
+    t = TrainConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=3, weight_decay=0.0, adam_betas=(0.8, 0.9),
+                    adam_eps=1e-6, grad_clip=0.5)
+    optim = OptimizerSettings.from_section(t)
+    assert optim == OptimizerSettings(lr=1e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, schedule="cosine",
+                                      warmup_steps=3, grad_clip=0.5)
+    policy = Policy(adapter, TrainableWeights(mode="lora", rank=2, alpha=4.0, targets=("attn.to_q",)), optim, 10)
+    assert (policy.rank, policy.alpha, policy.targets, policy.grad_clip) == (2, 4.0, ["attn.to_q"], 0.5)
+    group = policy.optimizer.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.9), 1e-6, 0.0)
+    assert policy.lr == pytest.approx(1e-3 * lr_lambda("cosine", 3, 10)(0))
+    with pytest.raises(ValueError, match="'lora', 'full'"):
+        Policy(adapter, TrainableWeights(mode="frozen", rank=2, alpha=2.0), optim, 10)

@@ -1,5 +1,6 @@
 """Flow-matching SFT: loss definition, determinism (a short run is a prefix of a longer one), outputs loadable."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 from flowforge.demo.model import build_tiny_sd3, test_sd3_config
 from flowforge.models.base import Conditioning
 from flowforge.models.sd3 import SD3Adapter, load_sd3
+from flowforge.config import DataConfig, RunConfig, SFTConfig
 from flowforge.train.sft import flow_matching_loss, run_sft, sample_sigmas
 
 
@@ -32,10 +34,12 @@ def test_sigma_sampling():
 
 
 def test_short_run_is_prefix_and_output_loads(tmp_path):
-    kw = dict(batch_size=8, lr=1e-3, seed=5, warmup_steps=2, model_config=test_sd3_config(),
-              cache_dir=tmp_path / "cache", eval_prompts="demo:eval")
-    long_hist = run_sft(output_dir=tmp_path / "long", steps=3, eval_every=2, **kw)
-    short_hist = run_sft(output_dir=tmp_path / "short", steps=2, eval_every=0, save_checkpoints=False, **kw)
+    kw = dict(run=RunConfig(seed=5), data=DataConfig(cache_dir=str(tmp_path / "cache"), eval_prompts="demo:eval"),
+              model_config=test_sd3_config())
+    sft = SFTConfig(batch_size=8, lr=1e-3, warmup_steps=2)
+    long_hist = run_sft(replace(sft, output=str(tmp_path / "long"), steps=3, eval_every=2), **kw)
+    short_hist = run_sft(replace(sft, output=str(tmp_path / "short"), steps=2, eval_every=0, save_checkpoints=False),
+                         **kw)
     assert [h["step"] for h in long_hist] == [0, 2, 3] and [h["step"] for h in short_hist] == [0, 2]
     assert all(0.0 <= h["digit_eval"] <= 1.0 for h in long_hist)
     assert short_hist[1]["loss"] == long_hist[1]["loss"]
@@ -50,3 +54,20 @@ def test_short_run_is_prefix_and_output_loads(tmp_path):
     adapter = load_sd3(tmp_path / "short")
     assert adapter.text_encoder.max_length == 16 and not adapter.transformer.training
     assert (tmp_path / "long" / "samples" / "step_000000.png").is_file()
+
+
+def test_sft_section_checks_its_values_and_old_files_load():
+    """``run_sft``'s former keyword checks live in the ``sft`` section (all problems at once); a config written
+    before the section grew its optional keys still loads with the defaults ``flowforge sft`` always used."""
+    from flowforge.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        SFTConfig(steps=-1, batch_size=0, cond_dropout=1.0, sigma_sampling="beta")
+    text = "\n".join(err.value.problems)
+    assert len(err.value.problems) == 4
+    assert "sft.steps=-1 must be >= 0" in text and "sft.batch_size=0 must be > 0" in text
+    assert "sft.cond_dropout=1.0 must be in [0, 1)" in text
+    assert "sft.sigma_sampling='beta' is not one of ['logit_normal', 'uniform']" in text
+    cfg = load_config(None, ["sft={steps: 5, output: x}"])
+    assert (cfg.sft.weight_decay, cfg.sft.grad_clip, cfg.sft.sigma_sampling, cfg.sft.eval_samples_per_prompt,
+            cfg.sft.eval_seed, cfg.sft.save_checkpoints) == (0.0, 1.0, "logit_normal", 1, 1234, True)

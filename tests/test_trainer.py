@@ -33,8 +33,7 @@ def read_jsonl(path):
 def one_step(trainer, step=0):
     sb = trainer.next_prompts()
     traj, cond = trainer.sample(sb, step)
-    records = [trainer.train_prompts[i] for i in sb.prompt_indices.tolist()]
-    comps, _ = trainer.score(trainer._decode(traj.final), records, sb.group_ids)
+    _, comps, _ = trainer.score(traj, sb)
     adv, total, _ = trainer.advantages(comps, sb)
     return sb, traj, cond, adv, total
 

@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, Mapping, Sequence, Tuple, Union
+from typing import Any, Mapping, Tuple
 
 import torch
+
+from .common import GroupIds, group_index
 
 __all__ = [
     "group_advantages",
@@ -62,9 +64,6 @@ __all__ = [
 STD_MODES = ("group", "batch", "none")
 COMBINE_MODES = ("weighted_sum", "per_component")
 
-GroupIds = Union[torch.Tensor, Sequence[Hashable]]
-
-
 def _as_float(rewards: torch.Tensor, name: str = "rewards") -> torch.Tensor:
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of shape [B], got {type(rewards).__name__}")
@@ -73,23 +72,6 @@ def _as_float(rewards: torch.Tensor, name: str = "rewards") -> torch.Tensor:
     if not rewards.is_floating_point():
         raise ValueError(f"{name} must be a float tensor, got {rewards.dtype}")
     return rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
-
-
-def _group_index(group_ids: GroupIds, batch: int, device: torch.device) -> Tuple[torch.Tensor, int, Tuple[Any, ...]]:
-    """-> (inverse ``[B]`` int64 in ``0..G-1``, ``G``, labels: the original id of each group)."""
-    if isinstance(group_ids, torch.Tensor):
-        if group_ids.shape != (batch,):
-            raise ValueError(f"group_ids must have shape [B]=[{batch}], got {tuple(group_ids.shape)}")
-        if group_ids.is_floating_point():
-            raise ValueError(f"group_ids must be an integer tensor (int64), got {group_ids.dtype}")
-        uniq, inv = torch.unique(group_ids.to(device), return_inverse=True)
-        return inv, int(uniq.numel()), tuple(uniq.tolist())
-    ids = list(group_ids)
-    if len(ids) != batch:
-        raise ValueError(f"group_ids must have {batch} entries (one per reward), got {len(ids)}")
-    table: Dict[Hashable, int] = {}
-    codes = [table.setdefault(g, len(table)) for g in ids]
-    return torch.tensor(codes, dtype=torch.int64, device=device), len(table), tuple(table)
 
 
 def _scatter_mean(values: torch.Tensor, inv: torch.Tensor, num_groups: int, counts: torch.Tensor) -> torch.Tensor:
@@ -137,7 +119,7 @@ def group_advantages(
     if std_mode != "none" and eps == 0 and std_floor == 0:
         raise ValueError("eps and std_floor are both 0: a tied group would divide 0 by 0; set eps > 0 or std_floor > 0")
     r = _as_float(rewards)
-    inv, num_groups, labels = _group_index(group_ids, r.shape[0], r.device)
+    inv, num_groups, labels = group_index(group_ids, r.shape[0], r.device)
     _raise_if_nonfinite(r, inv, labels, "rewards")
     counts = torch.bincount(inv, minlength=num_groups).to(r.dtype)
     mean_g = _scatter_mean(r, inv, num_groups, counts)
@@ -172,7 +154,7 @@ def group_stats(rewards: torch.Tensor, group_ids: GroupIds) -> GroupStats:
     Returns: ``GroupStats`` (``[G]`` tensors, detached).
     """
     r = _as_float(rewards).detach()
-    inv, num_groups, labels = _group_index(group_ids, r.shape[0], r.device)
+    inv, num_groups, labels = group_index(group_ids, r.shape[0], r.device)
     _raise_if_nonfinite(r, inv, labels, "rewards")
     size = torch.bincount(inv, minlength=num_groups)
     counts = size.to(r.dtype)
@@ -237,7 +219,7 @@ def combine_components(
     for k, v in comps.items():
         if v.shape[0] != batch:
             raise ValueError(f"component {k!r} has {v.shape[0]} rewards, expected {batch}")
-    inv, _, labels = _group_index(group_ids, batch, next(iter(comps.values())).device)
+    inv, _, labels = group_index(group_ids, batch, next(iter(comps.values())).device)
     for k, v in comps.items():
         _raise_if_nonfinite(v, inv, labels, f"component {k!r} (weight {dict(active)[k]})")
     if mode == "weighted_sum":
@@ -303,7 +285,7 @@ def nft_absolute_optimality(
     if std_scope not in ("group", "batch"):
         raise ValueError(f"std_scope={std_scope!r} is not one of ('group', 'batch')")
     s = _as_float(scores)
-    inv, num_groups, labels = _group_index(group_ids, s.shape[0], s.device)
+    inv, num_groups, labels = group_index(group_ids, s.shape[0], s.device)
     _raise_if_nonfinite(s, inv, labels, "scores")
     counts = torch.bincount(inv, minlength=num_groups).to(s.dtype)
     centered = s - _scatter_mean(s, inv, num_groups, counts)[inv]
@@ -339,7 +321,7 @@ def group_guard(
     if not min_spread >= 0:
         raise ValueError(f"min_spread must be >= 0, got {min_spread!r}")
     stats = group_stats(scores, group_ids)
-    inv, _, _ = _group_index(group_ids, stats.size.sum().item(), stats.mean.device)
+    inv, _, _ = group_index(group_ids, stats.size.sum().item(), stats.mean.device)
     keep = ~stats.degenerate & (stats.max - stats.min >= min_spread)
     if min_best is not None:
         keep &= stats.max >= min_best

@@ -70,9 +70,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
+
+from .common import compute_dtype, per_sample
 
 __all__ = [
     "Transition",
@@ -100,23 +102,6 @@ class Transition:
     log_prob: Optional[torch.Tensor]  # [B] log-density, mean over elements; None for "ode" / compute_log_prob=False
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def _per_sample(value: Sigma, name: str, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A python float, 0-d or ``[B]`` tensor -> ``[B]`` tensor of ``dtype``."""
-    t = torch.as_tensor(value, device=device)
-    if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
-        raise ValueError(f"{name} must be a float or a float tensor, got dtype {t.dtype}")
-    t = t.to(dtype)
-    if t.ndim == 0:
-        return t.expand(batch)
-    if t.shape != (batch,):
-        raise ValueError(f"{name} must be a python float, a 0-d tensor or shape [B]=[{batch}], got {tuple(t.shape)}")
-    return t
-
-
 def _expand(t: torch.Tensor, ndim: int) -> torch.Tensor:
     """``[B]`` -> ``[B, 1, ..., 1]`` with ``ndim`` dims in total."""
     return t.reshape(t.shape[0], *([1] * (ndim - 1)))
@@ -142,10 +127,10 @@ def euler_step(x: torch.Tensor, velocity: torch.Tensor, sigma: Sigma, sigma_next
     Source: diffusers ``FlowMatchEulerDiscreteScheduler.step`` (``prev = sample + (sigma_next - sigma) * v``).
     """
     _check_pair(x, velocity)
-    dtype = _compute_dtype(x, velocity)
+    dtype = compute_dtype(x, velocity)
     b, nd = x.shape[0], x.ndim
-    s = _expand(_per_sample(sigma, "sigma", b, dtype, x.device), nd)
-    sn = _expand(_per_sample(sigma_next, "sigma_next", b, dtype, x.device), nd)
+    s = _expand(per_sample(sigma, "sigma", (b,), dtype, x.device), nd)
+    sn = _expand(per_sample(sigma_next, "sigma_next", (b,), dtype, x.device), nd)
     return x.to(dtype) + (sn - s) * velocity.to(dtype)
 
 
@@ -229,6 +214,25 @@ def transition(
     Sources: flow_grpo ``sd3_sde_with_logprob.sde_step_with_logprob`` (sde, cps); DanceGRPO ``flux_step`` with
     ``sde_solver=True`` (dance); diffusers ``FlowMatchEulerDiscreteScheduler.step`` (ode).
     """
+    _check_transition_args(kind, x, velocity, noise_level, cps_log_prob)
+    dtype = compute_dtype(x, velocity)
+    b, dev = x.shape[0], x.device
+    s1 = per_sample(sigma, "sigma", (b,), dtype, dev)
+    sn1 = per_sample(sigma_next, "sigma_next", (b,), dtype, dev)
+    mean, std1 = _kernel(kind, x.to(dtype), velocity.to(dtype), s1, sn1, noise_level, sigma_max)
+    x_next_t = _next_sample(kind, x, mean, std1, x_next, noise, generator)
+    log_prob = None
+    if compute_log_prob and kind != "ode":
+        if kind == "cps" and cps_log_prob == "unnormalized":
+            sq = (x_next_t - mean) ** 2
+            log_prob = -sq.mean(dim=tuple(range(1, x.ndim)))
+        else:
+            log_prob = _gaussian_log_prob(x_next_t, mean, std1, kind)
+    return Transition(x_next=x_next_t, mean=mean, std=std1, log_prob=log_prob)
+
+
+def _check_transition_args(kind: str, x: torch.Tensor, velocity: torch.Tensor, noise_level: float,
+                           cps_log_prob: str) -> None:
     if kind not in TRANSITION_KINDS:
         raise ValueError(f"kind={kind!r} is not one of {TRANSITION_KINDS}")
     if cps_log_prob not in CPS_LOG_PROB_MODES:
@@ -239,53 +243,45 @@ def transition(
             raise ValueError(f"noise_level must be a finite number >= 0, got {noise_level!r}")
         if kind == "cps" and noise_level > 1:
             raise ValueError(f"kind='cps' needs 0 <= noise_level <= 1 (eta * pi / 2 is an angle), got {noise_level}")
-    dtype = _compute_dtype(x, velocity)
-    b, nd, dev = x.shape[0], x.ndim, x.device
-    s1 = _per_sample(sigma, "sigma", b, dtype, dev)
-    sn1 = _per_sample(sigma_next, "sigma_next", b, dtype, dev)
-    xf, vf = x.to(dtype), velocity.to(dtype)
+
+
+def _kernel(kind: str, xf: torch.Tensor, vf: torch.Tensor, s1: torch.Tensor, sn1: torch.Tensor, noise_level: float,
+            sigma_max: Optional[Sigma]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Transition ``(mean [B, *latent], std [B])`` of ``kind`` (module-docstring equations), compute dtype."""
+    b, nd = xf.shape[0], xf.ndim
     s, sn = _expand(s1, nd), _expand(sn1, nd)
     dt = sn - s
-
     if kind == "ode":
-        mean = euler_step(xf, vf, s1, sn1)
-        std1 = torch.zeros(b, dtype=dtype, device=dev)
-    elif kind == "sde":
+        return euler_step(xf, vf, s1, sn1), torch.zeros(b, dtype=xf.dtype, device=xf.device)
+    if kind == "sde":
         sm = sn1 if sigma_max is None else sigma_max
         g = _expand(sde_diffusion_coefficient(s1, noise_level, sigma_max=sm), nd)
         mean = xf * (1 + g**2 / (2 * s) * dt) + vf * (1 + g**2 * (1 - s) / (2 * s)) * dt
-        std1 = (g * torch.sqrt(-dt)).reshape(b)
-    elif kind == "dance":
+        return mean, (g * torch.sqrt(-dt)).reshape(b)
+    if kind == "dance":
         x0_hat = xf - s * vf
         score = -(xf - x0_hat * (1 - s)) / s**2
         mean = xf + dt * vf + (-0.5 * noise_level**2 * score) * dt
-        std1 = noise_level * torch.sqrt(s1 - sn1)
-    else:  # cps
-        std1 = sn1 * math.sin(noise_level * math.pi / 2)
-        std = _expand(std1, nd)
-        x0_hat = xf - s * vf
-        noise_hat = xf + vf * (1 - s)
-        mean = x0_hat * (1 - sn) + noise_hat * torch.sqrt(sn**2 - std**2)
+        return mean, noise_level * torch.sqrt(s1 - sn1)
+    std1 = sn1 * math.sin(noise_level * math.pi / 2)  # cps
+    std = _expand(std1, nd)
+    x0_hat = xf - s * vf
+    noise_hat = xf + vf * (1 - s)
+    return x0_hat * (1 - sn) + noise_hat * torch.sqrt(sn**2 - std**2), std1
 
-    if x_next is None:
-        if kind == "ode":
-            x_next_t = mean.detach()
-        else:
-            if noise is None:
-                noise = torch.randn(x.shape, generator=generator, dtype=dtype, device=dev)
-            elif noise.shape != x.shape:
-                raise ValueError(f"noise must have the shape of x {tuple(x.shape)}, got {tuple(noise.shape)}")
-            x_next_t = mean.detach() + _expand(std1, nd) * noise.to(dtype)
-    else:
+
+def _next_sample(kind: str, x: torch.Tensor, mean: torch.Tensor, std1: torch.Tensor, x_next: Optional[torch.Tensor],
+                 noise: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> torch.Tensor:
+    """The given ``x_next`` (detached, compute dtype), or a fresh sample ``mean + std * noise`` (``mean`` for "ode")."""
+    dtype = mean.dtype
+    if x_next is not None:
         if x_next.shape != x.shape:
             raise ValueError(f"x_next must have the shape of x {tuple(x.shape)}, got {tuple(x_next.shape)}")
-        x_next_t = x_next.detach().to(dtype)
-
-    log_prob = None
-    if compute_log_prob and kind != "ode":
-        if kind == "cps" and cps_log_prob == "unnormalized":
-            sq = (x_next_t - mean) ** 2
-            log_prob = -sq.mean(dim=tuple(range(1, nd)))
-        else:
-            log_prob = _gaussian_log_prob(x_next_t, mean, std1, kind)
-    return Transition(x_next=x_next_t, mean=mean, std=std1, log_prob=log_prob)
+        return x_next.detach().to(dtype)
+    if kind == "ode":
+        return mean.detach()
+    if noise is None:
+        noise = torch.randn(x.shape, generator=generator, dtype=dtype, device=x.device)
+    elif noise.shape != x.shape:
+        raise ValueError(f"noise must have the shape of x {tuple(x.shape)}, got {tuple(noise.shape)}")
+    return mean.detach() + _expand(std1, x.ndim) * noise.to(dtype)

@@ -1,4 +1,4 @@
-"""``flowforge`` command line: parse, load the config, call. Nothing else lives here.
+"""``flowforge`` command line: parse, dispatch to one module per verb, and report failures in one line.
 
 ::
 
@@ -6,97 +6,93 @@
     flowforge sft CONFIG [section.key=value ...]     flow-matching supervised fine-tuning (makes the demo base)
     flowforge check CONFIG [section.key=value ...]   load + preflight only; prints warnings, exits 2 on errors
     flowforge compare FILE [section.key=value ...]   several algorithms / seeds, one budget, one plot + table
-    flowforge export RUN OUT --form merged|adapter   a checkpoint as a diffusers transformer or a LoRA
     flowforge report RUN_DIR                         (re)write RUN_DIR/report.html
-    flowforge export RUN_DIR OUT --form merged|adapter [--step N] [--verify] [--base PATH]
+    flowforge export RUN_DIR OUT --form merged|adapter [--step N] [--verify] [--base PATH] [--overwrite]
                                                      a diffusers transformer / LoRA from a run's checkpoint
+    flowforge serve reward --scorers A,B [--port N] [--token-file F | --no-auth]
+                                                     reward scorers over HTTP (prints its URL when ready)
+
+Failures
+--------
+==================================================  ====  =========================================================
+what went wrong                                     exit  stderr
+==================================================  ====  =========================================================
+misuse of the command line (argparse)               2     usage + ``flowforge: error: ...``
+bad input: ``UserError``, ``ConfigError``,          2     one line ``error: <what>: <why>; <fix>`` (a config's
+``PreflightError``, ``ExportError``, other                several problems joined by ``; ``)
+``ValueError`` / ``OSError``, a safetensors or
+pickle error from reading a file
+``export --verify`` found a wrong export            1     one line ``error: export verification failed: ...``
+anything else (a bug)                               1     one line ``error: internal error: <type>: <message> (rerun
+                                                          with --debug for the traceback)``
+==================================================  ====  =========================================================
+
+``--debug`` (before or after the verb) or ``FLOWFORGE_DEBUG=1`` re-raises instead, so the traceback is shown.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import pickle
 import sys
-from pathlib import Path
 
-from flowforge.config import ConfigError, dump_config, load_config
+from flowforge.cli import check, compare, export, report, serve, sft, train
+from flowforge.runtime.errors import file_error, one_line
+
+VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
+         "serve": serve}
+"""Verb -> its module (``add_parser(subparsers)``, ``run(args) -> exit status``), in ``--help`` order."""
+DEBUG_ENV = "FLOWFORGE_DEBUG"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowforge", description=__doc__.split("\n\n")[0])
+    p.add_argument("--debug", action="store_true", help=f"show tracebacks (also: {DEBUG_ENV}=1)")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("train", "online RL post-training"), ("sft", "flow-matching supervised fine-tuning"),
-                        ("check", "validate a config (load + preflight) without loading a model"),
-                        ("compare", "run several algorithms / seeds on one budget and plot them together")):
-        sp = sub.add_parser(name, help=help_)
-        sp.add_argument("config", type=Path, help="YAML config")
-        sp.add_argument("overrides", nargs="*", help="section.key=value (values are YAML literals)")
-        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    rp = sub.add_parser("report", help="write RUN_DIR/report.html from its logs")
-    rp.add_argument("run_dir", type=Path)
-    ep = sub.add_parser("export", help="export a run's checkpoint as a diffusers transformer (merged) or LoRA")
-    ep.add_argument("run_dir", type=Path)
-    ep.add_argument("out", type=Path, help="export directory (new or empty)")
-    ep.add_argument("--form", required=True, choices=["merged", "adapter"])
-    ep.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest committed)")
-    ep.add_argument("--verify", action="store_true", help="reload the export and compare velocities; exit 1 if off")
-    ep.add_argument("--base", default=None, help="base model directory (default: model.path of the run's config)")
-    ep.add_argument("--weights", default="live", choices=["live", "ema", "old"])
-    ep.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    for module in VERBS.values():
+        # SUPPRESS: a verb's parser leaves the attribute alone unless the flag follows the verb, so
+        # `flowforge --debug VERB` is not reset to False by the sub-parser's default
+        module.add_parser(sub).add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                            help=f"show tracebacks (also: {DEBUG_ENV}=1)")
     return p
 
 
+def _debug_from_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """True for errors caused by the input (exit 2): ``ValueError`` (``UserError``, ``ConfigError``,
+    ``ExportError``, ``json.JSONDecodeError`` included), ``OSError``, and the safetensors / pickle errors a damaged
+    file raises. Everything else is a bug."""
+    if isinstance(exc, (ValueError, OSError, pickle.UnpicklingError)):
+        return True
+    safetensors = sys.modules.get("safetensors")  # not imported: nothing can have raised its error
+    return safetensors is not None and isinstance(exc, getattr(safetensors, "SafetensorError", ()))
+
+
+def error_message(exc: BaseException) -> str:
+    """``exc`` as one line (an ``OSError`` names its file)."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return str(file_error(exc.filename, exc, "check the path"))
+    return one_line(str(exc)) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (table above)."""
     args = _parser().parse_args(argv)
+    args.debug = bool(getattr(args, "debug", False)) or _debug_from_env()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "report":
-            from flowforge.train.report import write_report
-
-            print(write_report(args.run_dir))
-            return 0
-        if args.command == "export":
-            from flowforge.tools.export import ExportError, ExportVerificationError, export_run, read_export_meta
-
-            try:
-                out = export_run(args.run_dir, args.out, form=args.form, step=args.step, verify=args.verify,
-                                 base=args.base, weights=args.weights, overwrite=args.overwrite)
-            except ExportError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 2
-            except ExportVerificationError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 1
-            report = read_export_meta(out)["verify"]
-            print(f"exported {args.form} to {out}" + (f"; verify: max abs diff {report['max_abs_diff']:.3g}, passed"
-                                                       if report else ""))
-            return 0
-        if args.command == "compare":
-            from flowforge.tools.compare import load_compare, run_compare
-
-            png = run_compare(load_compare(args.config, tuple(args.overrides)), progress=not args.no_progress)
-            print(f"comparison: {png}\ntable: {png.with_suffix('.md')}")
-            return 0
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "check":
-            from flowforge.train.preflight import preflight
-
-            report = preflight(cfg)
-            for w in report.warnings:
-                print(f"warning: {w}", file=sys.stderr)
-            print(dump_config(cfg), end="")
-            return 0
-        if args.command == "sft":
-            from flowforge.train.sft import run_sft_from_config
-
-            run_sft_from_config(cfg, progress=not args.no_progress)
-            return 0
-        from flowforge.train.trainer import Trainer
-
-        run_dir = Trainer(cfg, progress=not args.no_progress).train()
-        print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
-        return 0
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
+        return VERBS[args.command].run(args)
+    except Exception as exc:  # noqa: BLE001 - every failure ends in one line unless --debug asks for the traceback
+        if args.debug:
+            raise
+        if is_user_error(exc):
+            print(f"error: {error_message(exc)}", file=sys.stderr)
+            return 2
+        print(f"error: internal error: {type(exc).__name__}: {error_message(exc)} (rerun with --debug for the "
+              "traceback)", file=sys.stderr)
+        return 1

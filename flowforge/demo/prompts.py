@@ -1,4 +1,5 @@
-"""Prompts of the embedded default: many phrasings of "draw digit d" (DESIGN.md §7).
+"""Prompts of the embedded default: many phrasings of "draw digit d" (docs/architecture.md, "The embedded
+default").
 
 The demo policy is conditioned on MiniLM sentence embeddings, so it must learn the digit from varied natural
 language, not from one fixed string. Prompts are ``template.format(word=..., numeral=...)`` for every template and

@@ -2,7 +2,9 @@
 
 ``build_adapter(name, path, **kw)`` loads a registered family (``ADAPTERS``) or a bring-your-own class named as
 ``"pkg.module:Class"`` (called as ``Class.from_pretrained(path, **kw)`` when it has that classmethod, else
-``Class(path, **kw)``). The trainer passes ``task`` (``model.task``), ``dtype`` and ``device``.
+``Class(path, **kw)``). The trainer passes ``task`` (``model.task``), ``dtype`` and ``device``; ``path`` is a
+local path or hub id (``demo:`` names are resolved above this package, by
+:func:`flowforge.demo.paths.resolve_demo_path`).
 
 ``ADAPTER_CLASSES`` names each registered family's adapter class (``"module:Class"``) so that a config can be checked
 against the class — e.g. which tasks it runs (:func:`adapter_tasks`) — by importing it, without loading weights.
@@ -13,7 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from flowforge.models.base import Conditioning, FlowModel
+from flowforge.models.base import (HOOK_MEMBERS, AdapterMixin, Conditioning, FlowModel, ImageConditioned,
+                                   check_condition_slot, missing_members)
 
 
 def _check_task(family: str, task: str, allowed: tuple[str, ...]) -> None:
@@ -137,7 +140,8 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
 
     Raises:
         ValueError: unknown name (the allowed names are listed) or an import string that does not resolve.
-        TypeError: the built object does not implement ``FlowModel``.
+        TypeError: the built object does not implement ``FlowModel`` (required members and hooks: the missing ones
+            are listed), or declares a condition slot without ``generated_index``.
     """
     if name in ADAPTERS:
         adapter = ADAPTERS[name](path, **kw)
@@ -151,10 +155,12 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
     else:
         raise ValueError(f"unknown model adapter {name!r}; allowed: {sorted(ADAPTERS)} or 'pkg.module:Class'")
     if not isinstance(adapter, FlowModel):
-        raise TypeError(f"adapter {name!r} built a {type(adapter).__name__}, which does not implement FlowModel "
-                        "(transformer, blocks, encode, latent_shape, velocity, decode)")
+        raise TypeError(f"adapter {name!r} built a {type(adapter).__name__}, which does not implement FlowModel: "
+                        f"missing {missing_members(adapter)} (inherit flowforge.models.base.AdapterMixin for the "
+                        f"defaults of the optional hooks {list(HOOK_MEMBERS)})")
+    check_condition_slot(adapter)
     return adapter
 
 
-__all__ = ["ADAPTERS", "ADAPTER_CLASSES", "Conditioning", "FAMILY_TASKS", "FlowModel", "adapter_class", "adapter_tasks",
-           "build_adapter"]
+__all__ = ["ADAPTERS", "ADAPTER_CLASSES", "AdapterMixin", "Conditioning", "FAMILY_TASKS", "FlowModel",
+           "ImageConditioned", "adapter_class", "adapter_tasks", "build_adapter"]

@@ -2,10 +2,12 @@
 
 flowforge never talks to a diffusers / transformers model directly outside ``flowforge/models``: the rollout loop,
 the objectives and the trainer only see a :class:`FlowModel`. An adapter owns one model family's quirks (native
-timestep unit, text encoders, VAE scaling, guidance) and exposes the flow-matching convention below.
+timestep unit, text encoders, VAE scaling, guidance) and exposes the flow-matching convention below. The members
+the rest of flowforge may use are exactly those of :class:`FlowModel` (six required, seven optional hooks whose
+defaults live in :class:`AdapterMixin`) and, for image-conditioned tasks, :class:`ImageConditioned`.
 
-Conventions (DESIGN.md §1)
---------------------------
+Conventions (docs/architecture.md, "Conventions")
+-------------------------------------------------
 
 ==================  ==========================================================================================
 symbol              meaning
@@ -146,22 +148,38 @@ class Conditioning:
         )
 
 
+REQUIRED_MEMBERS = ("transformer", "blocks", "encode", "latent_shape", "velocity", "decode")
+"""The members of :class:`FlowModel` every adapter implements itself (no default)."""
+
+HOOK_MEMBERS = ("encoder_id", "release_text_encoder", "lora_targets", "pipeline_sigmas",
+                "enable_gradient_checkpointing", "condition_index", "generated_index")
+"""The optional members of :class:`FlowModel`: :class:`AdapterMixin` gives each a default."""
+
+
 @runtime_checkable
 class FlowModel(Protocol):
-    """What the rest of flowforge needs from a generator (DESIGN.md §3). Six members, no ``*args`` / ``**kwargs``."""
+    """What the rest of flowforge needs from a generator (docs/architecture.md, "The adapter contract").
 
-    transformer: nn.Module  # the trainable module (LoRA / FSDP target)
+    Six required members (:data:`REQUIRED_MEMBERS`, no ``*args`` / ``**kwargs``) and seven optional hooks
+    (:data:`HOOK_MEMBERS`) whose defaults come from :class:`AdapterMixin`. The loop, the policy bank, the rollout,
+    the exporter and SFT use nothing else, and use these members directly: an adapter (built-in or
+    ``"pkg.module:Class"``) inherits :class:`AdapterMixin` or defines every hook itself;
+    :func:`flowforge.models.build_adapter` refuses one that does not (``isinstance(adapter, FlowModel)``).
+    """
+
+    # -------------------------------------------------------------------------------------------- required
+    transformer: nn.Module  # the trainable module (LoRA / FSDP target); the policy bank may swap it for a copy
 
     def blocks(self) -> list[nn.Module]:
-        """Units for ``fully_shard`` and activation checkpointing (the transformer blocks)."""
+        """Units for ``fully_shard`` and activation checkpointing (the transformer blocks, in order)."""
         ...
 
     def encode(self, prompts: Sequence[str]) -> Conditioning:
-        """Encode prompts with the frozen text encoder(s); ``negative`` holds the empty-prompt encoding."""
+        """Encode prompts with the frozen text encoder(s); ``negative`` holds the negative-prompt encoding."""
         ...
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
-        """Per-sample latent shape (without batch) for an image of ``height x width`` pixels."""
+        """Per-sample latent shape (without batch) for ``height x width`` pixels (``frames`` for video)."""
         ...
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
@@ -172,16 +190,42 @@ class FlowModel(Protocol):
         """Latents → images ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) float32 in [0, 1]."""
         ...
 
+    # -------------------------------------------------------------------------------------------- hooks
+    lora_targets: tuple[str, ...]  # module-name suffixes LoRA wraps when lora.targets is unset; default ()
+    condition_index: tuple[slice, ...] | None  # condition slot of a batched latent (ImageConditioned); default None
+    generated_index: tuple[slice, ...]  # elements the rollout generates; default (slice(None),): the whole latent
+
+    @property
+    def encoder_id(self) -> str:
+        """Cache key of :meth:`encode` (:func:`flowforge.data.preprocess.encode_cached`)."""
+        ...
+
+    def release_text_encoder(self) -> None:
+        """Free the text encoder's weights once the prompts are encoded."""
+        ...
+
+    def pipeline_sigmas(self, num_steps: int, height: int, width: int) -> Tensor | None:
+        """The family pipeline's own ``[T+1]`` schedule, or ``None`` (use ``sampler``)."""
+        ...
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute the activations of :meth:`blocks` in the backward pass."""
+        ...
+
 
 @runtime_checkable
 class ImageConditioned(Protocol):
-    """Optional extension of :class:`FlowModel` for image-conditioned tasks whose condition lives *inside the
-    latent* (Wan i2v). The loop (:mod:`flowforge.rollout`, :mod:`flowforge.objectives`) writes ``cond.image`` into
-    ``x[condition_index]`` at the start of every rollout and of every forward-process visit, applies transitions
-    to ``x[generated_index]`` only (so the slot never moves: it is re-pinned after every step by construction) and
-    takes every log-prob and loss over ``x[generated_index]`` only (the slot has no gradient path). An adapter
-    without these members is treated as all-generated. An adapter that consumes ``cond.image`` inside its velocity
-    instead (FLUX.1 Kontext: extra image tokens) sets ``condition_index = None`` and generates the whole latent."""
+    """Optional extension of :class:`FlowModel` for image-conditioned tasks (i2v / i2i).
+
+    Two ways to consume ``cond.image``. *Inside the latent* (Wan i2v): the loop (:mod:`flowforge.rollout`,
+    :mod:`flowforge.objectives`) writes ``cond.image`` into ``x[condition_index]`` at the start of every rollout and
+    of every forward-process visit, applies transitions to ``x[generated_index]`` only (so the slot never moves: it
+    is re-pinned after every step by construction) and takes every log-prob and loss over ``x[generated_index]``
+    only (the slot has no gradient path). *Inside the velocity* (FLUX.1 Kontext, Qwen-Image-Edit: extra image
+    tokens): ``condition_index = None`` and the whole latent is generated. ``condition_index`` /
+    ``generated_index`` are :class:`FlowModel` hooks (defaults: no slot, whole latent); what makes an adapter
+    image-conditioned is :meth:`condition_on_images`, which :func:`flowforge.train.preflight.preflight` looks for on
+    the adapter class."""
 
     condition_index: tuple[slice, ...] | None  # index of the condition slot in a batched latent; None: no slot
     generated_index: tuple[slice, ...]  # index of the generated elements in a batched latent
@@ -196,8 +240,27 @@ class ImageConditioned(Protocol):
 
 
 class AdapterMixin:
-    """What every diffusers-backed adapter shares: the transformer's config / dtype / device, the text-encoder cache
-    key and releasing the text encoder. Expects ``transformer``, ``text_encoder`` and ``negative_prompt``."""
+    """The defaults of :class:`FlowModel`'s optional hooks, and what every diffusers-backed adapter shares (the
+    transformer's ``config`` / ``dtype`` / ``device``).
+
+    Expects ``transformer``; ``text_encoder`` (an object with ``encoder_id`` and optionally ``release()``, or
+    ``None``) and ``negative_prompt`` when the adapter encodes text. Override a hook by defining it on the adapter
+    class (a class attribute, property or method of the same name).
+    """
+
+    lora_targets: tuple[str, ...] = ()
+    """Module-name suffixes (peft ``target_modules``) that LoRA wraps when ``lora.targets`` is unset, e.g.
+    ``("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")``. Default ``()``: none declared, so a LoRA run
+    must set ``lora.targets`` (an empty list is refused by :func:`flowforge.models.lora.inject_lora`)."""
+
+    condition_index: tuple[slice, ...] | None = None
+    """Index of the condition slot in a batched latent ``[B, *latent]`` (e.g. ``(slice(None), slice(None),
+    slice(0, 1))``: latent frame 0), written from ``cond.image`` before every step. Default ``None``: no slot (t2i,
+    t2v, or an image consumed inside the velocity)."""
+
+    generated_index: tuple[slice, ...] = (slice(None),)
+    """Index of the elements the rollout steps and every log-prob / loss covers: the complement of
+    :attr:`condition_index`. Default ``(slice(None),)``: the whole latent."""
 
     @property
     def config(self):
@@ -213,13 +276,51 @@ class AdapterMixin:
 
     @property
     def encoder_id(self) -> str:
-        """Cache key of the text encoder + negative prompt (see :func:`flowforge.data.preprocess.encode_cached`)."""
+        """Cache key of :meth:`FlowModel.encode` (see :func:`flowforge.data.preprocess.encode_cached`): it must
+        change whenever the encodings would. Default: ``"<text_encoder.encoder_id>|negative=<negative_prompt!r>"``;
+        ``"none"`` once ``text_encoder`` is ``None``; the class name for an adapter without a ``text_encoder``
+        attribute (override it when such an adapter's encodings depend on weights or settings)."""
+        if not hasattr(self, "text_encoder"):
+            return type(self).__name__
         if self.text_encoder is None:
             return "none"
         return f"{self.text_encoder.encoder_id}|negative={self.negative_prompt!r}"
 
     def release_text_encoder(self) -> None:
-        """Free the text encoder's weights (a directory-backed encoder reloads lazily on the next ``encode``)."""
-        release = getattr(self.text_encoder, "release", None)
+        """Free the text encoder's weights after the trainer has encoded (and cached) its prompts. Default: call
+        ``text_encoder.release()`` when it has one (a directory-backed encoder reloads lazily on the next
+        ``encode``), else nothing."""
+        release = getattr(getattr(self, "text_encoder", None), "release", None)
         if release is not None:
             release()
+
+    def pipeline_sigmas(self, num_steps: int, height: int, width: int) -> Tensor | None:
+        """The family pipeline's exact ``[num_steps + 1]`` fp32 schedule (sigmas in [0, 1], ending in 0) for
+        ``height x width`` pixels, used by the trainer for ``sampler.schedule="dynamic"`` without ``sampler.mu``.
+        Default ``None``: the family has no resolution-dependent pipeline schedule; the ``sampler`` section's own
+        schedule is used."""
+        return None
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute the activations of :meth:`FlowModel.blocks` in the backward pass
+        (``distributed.activation_checkpointing``). Default: diffusers' ``ModelMixin.enable_gradient_checkpointing``
+        on :attr:`transformer`, which keeps parameter names (so LoRA / FSDP / checkpoints are unaffected); override
+        it for a transformer that is not a diffusers model."""
+        self.transformer.enable_gradient_checkpointing()
+
+
+def missing_members(adapter: object) -> list[str]:
+    """The :class:`FlowModel` members (required and hooks) ``adapter`` lacks, in declaration order."""
+    return [name for name in (*REQUIRED_MEMBERS, *HOOK_MEMBERS) if not hasattr(adapter, name)]
+
+
+def check_condition_slot(adapter: object) -> None:
+    """Refuse an adapter that declares a condition slot but not which elements it generates.
+
+    Raises:
+        TypeError: ``adapter.condition_index`` is not ``None`` while ``generated_index`` is missing or ``None``
+            (the slot would be stepped and trained as if generated).
+    """
+    if getattr(adapter, "condition_index", None) is not None and getattr(adapter, "generated_index", None) is None:
+        raise TypeError(f"{type(adapter).__name__} declares condition_index but no generated_index; an "
+                        "ImageConditioned adapter with a condition slot must declare both")

@@ -1,5 +1,6 @@
-"""Helpers shared by the diffusers-family adapters (FLUX, Qwen-Image, Wan): the lazy text side of a pipeline, 2x2
-latent packing, per-channel latent normalisation, input checks and reading a pipeline directory.
+"""Helpers shared by the diffusers-family adapters: the lazy text side of a pipeline, 2x2 latent packing, per-channel
+latent normalisation, the dynamic-shift pipeline schedule, classifier-free-guidance batches, input checks, reading a
+pipeline directory (and its CLIP image encoder) and the ``flowforge.json`` metadata file.
 
 Why a pipeline for the text side
     Each family encodes prompts in its own way (FLUX: pooled CLIP + T5 hidden states; Qwen-Image: Qwen2.5-VL hidden
@@ -13,6 +14,11 @@ Why a pipeline for the text side
 Packing (FLUX, Qwen-Image)
     ``[B, C, H, W] -> [B, (H/2)(W/2), 4C]``: 2x2 patches, channel-major inside a patch (diffusers'
     ``FluxPipeline._pack_latents``); :func:`unpack_2x2` is its inverse (``_unpack_latents``).
+
+Pipeline schedule (FLUX, Qwen-Image)
+    :func:`dynamic_shift_mu` and :func:`flow_match_pipeline_sigmas` reproduce what ``FluxPipeline`` /
+    ``QwenImagePipeline.__call__`` hand their ``FlowMatchEulerDiscreteScheduler``: ``sigmas = linspace(1, 1/T, T)``
+    shifted with ``mu = calculate_shift(image_seq_len, ...)`` read from the scheduler config.
 """
 
 from __future__ import annotations
@@ -29,7 +35,20 @@ from flowforge.models.base import Conditioning
 
 DEFAULT_MIN_TOKENIZER_SIZE = 1000
 """A tokenizer with fewer tokens is rejected: transformers silently yields a 2-token placeholder tokenizer when the
-files are missing and the Hub is unreachable (DESIGN.md §9). Tests with tiny word-level tokenizers lower it."""
+files are missing and the Hub is unreachable (docs/architecture.md, "Environment facts"). Tests with tiny word-level
+tokenizers lower it."""
+
+FLOWFORGE_META = "flowforge.json"
+"""Optional file beside a transformer's ``config.json`` naming the text encoder it was trained with (written by
+:func:`flowforge.train.sft.run_sft`, read by :func:`flowforge.models.sd3.load_sd3`, copied by
+:mod:`flowforge.tools.export`), e.g. ``{"text_encoder": "minilm", "max_length": 16}``."""
+
+DYNAMIC_SHIFT_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+"""The fallbacks ``FluxPipeline.__call__`` / ``QwenImagePipeline.__call__`` use in
+``self.scheduler.config.get(name, default)`` when computing ``mu``."""
+
+CLIP_IMAGE_PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorPil", "CLIPImageProcessorFast")
+"""``image_processor`` classes :func:`load_image_encoder` accepts (transformers' names)."""
 
 
 class PackedImageLatents:
@@ -38,11 +57,8 @@ class PackedImageLatents:
     ``encode_images``."""
 
     family: str
-    condition_index: tuple[slice, ...] | None = None
-    """No condition slot: a condition image (Kontext / Edit) is consumed inside the velocity as extra image-stream
-    tokens, never written into the latent."""
-    generated_index: tuple[slice, ...] = (slice(None),)
-    """The whole latent is generated (stepped, scored and trained)."""
+    # No condition slot (the AdapterMixin defaults condition_index = None, generated_index = whole latent): a
+    # condition image (Kontext / Edit) is consumed inside the velocity as extra image-stream tokens.
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """Unpacked ``(C, height / f, width / f)``, ``f`` = ``vae_scale_factor``.
@@ -271,3 +287,79 @@ def has_component(root: Path, name: str) -> bool:
     """Whether the pipeline directory lists component ``name`` (not null in model_index.json) and has its folder."""
     entry = read_json(root / "model_index.json").get(name)
     return isinstance(entry, list) and entry[0] is not None and (root / name).is_dir()
+
+
+def read_flowforge_meta(directory: Path) -> dict[str, Any]:
+    """The :data:`FLOWFORGE_META` file of a transformer ``directory`` as a dict (``{}`` when absent)."""
+    return read_json(Path(directory) / FLOWFORGE_META)
+
+
+def dynamic_shift_mu(scheduler_config: Mapping[str, Any], image_seq_len: int) -> float:
+    """Dynamic-shift ``mu`` for ``image_seq_len`` packed image tokens, as ``FluxPipeline.__call__`` /
+    ``QwenImagePipeline.__call__`` compute it: ``calculate_shift(image_seq_len, base_image_seq_len,
+    max_image_seq_len, base_shift, max_shift)`` with the scheduler config's values, else
+    :data:`DYNAMIC_SHIFT_DEFAULTS`."""
+    from flowforge.algorithms.schedules import calculate_shift
+
+    cfg = {k: scheduler_config.get(k, v) for k, v in DYNAMIC_SHIFT_DEFAULTS.items()}
+    return calculate_shift(image_seq_len, cfg["base_image_seq_len"], cfg["max_image_seq_len"], cfg["base_shift"],
+                           cfg["max_shift"])
+
+
+def flow_match_pipeline_sigmas(scheduler_config: Mapping[str, Any], num_steps: int, mu: float) -> Tensor:
+    """``[T+1]`` fp32 sigmas (in [0, 1], ending in 0) of diffusers' ``FlowMatchEulerDiscreteScheduler`` built from
+    ``scheduler_config`` (``use_dynamic_shifting`` defaulting to True; ``shift_terminal`` etc. honoured) for
+    ``sigmas = linspace(1, 1/T, T)`` and ``mu``, as the FLUX / Qwen-Image pipelines call it.
+
+    Raises:
+        ValueError: ``num_steps`` not an int >= 1.
+    """
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
+    config.setdefault("use_dynamic_shifting", True)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    return scheduler.sigmas.to(torch.float32).cpu()
+
+
+def cfg_pair(negative: Conditioning, cond: Conditioning) -> Conditioning:
+    """The doubled batch of a classifier-free-guidance forward: ``[negative; cond]`` (unconditional half first) of
+    ``prompt_embeds`` and, when both have one, ``pooled``, on ``cond.prompt_embeds``' device. Masks and images are
+    not carried (the transformers these records feed take neither)."""
+    device = cond.prompt_embeds.device
+
+    def both(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+        return None if a is None or b is None else torch.cat([a.to(device), b.to(device)])
+
+    return Conditioning(prompt_embeds=both(negative.prompt_embeds, cond.prompt_embeds),
+                        pooled=both(negative.pooled, cond.pooled))
+
+
+def load_image_encoder(root: Path, index: Mapping[str, Any], device: torch.device | str) -> tuple[Any, Any]:
+    """``(image_encoder, image_processor)`` of a pipeline directory ``root`` whose ``model_index.json`` is
+    ``index``: a transformers ``CLIPVisionModel`` (fp32) and the CLIP image processor class the index names; each
+    ``None`` when not listed / absent. Never downloads.
+
+    Raises:
+        ValueError: the index names an image processor class outside :data:`CLIP_IMAGE_PROCESSORS`.
+    """
+    import transformers
+
+    image_encoder = image_processor = None
+    if has_component(root, "image_encoder"):
+        image_encoder = transformers.CLIPVisionModel.from_pretrained(
+            str(root / "image_encoder"), dtype=torch.float32, local_files_only=True).to(device)
+    if has_component(root, "image_processor"):
+        # diffusers resolves the class model_index.json names in transformers: "CLIPImageProcessor" (the torchvision
+        # backend, or CLIPImageProcessorPil without torchvision) or, as saved from a PIL processor,
+        # "CLIPImageProcessorPil".
+        name = index["image_processor"][1]
+        if name not in CLIP_IMAGE_PROCESSORS:
+            raise ValueError(f"{root!s}: image_processor class {name!r}; expected one of {list(CLIP_IMAGE_PROCESSORS)}")
+        image_processor = getattr(transformers, name).from_pretrained(str(root / "image_processor"),
+                                                                      local_files_only=True)
+    return image_encoder, image_processor

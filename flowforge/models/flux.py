@@ -73,7 +73,10 @@ from flowforge.models.common import (
     PackedImageLatents,
     PipelineText,
     check_velocity_inputs,
+    dynamic_shift_mu,
     encode_with_negative,
+    flow_match_pipeline_sigmas,
+    has_component,
     pack_2x2,
     pipeline_dir,
     read_json,
@@ -98,9 +101,6 @@ FLUX_LORA_TARGETS = (
 """Attention projections of ``FluxTransformerBlock`` (image ``to_*``, text ``add_*`` / ``to_add_out``) and
 ``FluxSingleTransformerBlock`` (``to_q/k/v``; single blocks have no ``to_out``). These are the module names of the
 diffusers FLUX LoRA format that ``FluxPipeline.load_lora_weights`` reads (``transformer.<module>.lora_A``)."""
-
-FLUX_SCHEDULER_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
-"""The fallbacks ``FluxPipeline.__call__`` uses in ``self.scheduler.config.get(name, default)``."""
 
 
 def _flux_encode_fn(max_sequence_length: int):
@@ -200,16 +200,12 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         """Dynamic-shift ``mu`` for ``height x width`` pixels, as ``FluxPipeline.__call__`` computes it:
         ``calculate_shift(image_seq_len, base_image_seq_len, max_image_seq_len, base_shift, max_shift)`` with the
         scheduler config's values (pipeline defaults 256 / 4096 / 0.5 / 1.15)."""
-        from flowforge.algorithms.schedules import calculate_shift
-
-        cfg = {k: self.scheduler_config.get(k, v) for k, v in FLUX_SCHEDULER_DEFAULTS.items()}
-        return calculate_shift(self.image_seq_len(height, width), cfg["base_image_seq_len"],
-                               cfg["max_image_seq_len"], cfg["base_shift"], cfg["max_shift"])
+        return dynamic_shift_mu(self.scheduler_config, self.image_seq_len(height, width))
 
     def pipeline_sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The exact ``[T+1]`` fp32 schedule of ``FluxPipeline`` (diffusers' scheduler on ``linspace(1, 1/T, T)``
         with :meth:`schedule_mu`), ending in 0."""
-        return _pipeline_sigmas(self.scheduler_config, num_steps, self.schedule_mu(height, width))
+        return flow_match_pipeline_sigmas(self.scheduler_config, num_steps, self.schedule_mu(height, width))
 
     def _forward(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance: Tensor | None) -> Tensor:
         """One transformer forward over unpacked ``x [B, C, H, W]``; with ``cond.image`` (Kontext tokens
@@ -313,21 +309,6 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         return load_flux(path, **kwargs)
 
 
-def _pipeline_sigmas(scheduler_config: dict[str, Any], num_steps: int, mu: float) -> Tensor:
-    """``[T+1]`` fp32 sigmas of diffusers' ``FlowMatchEulerDiscreteScheduler`` (built from ``scheduler_config``)
-    for ``sigmas = linspace(1, 1/T, T)`` and ``mu``, as the FLUX / Qwen-Image pipelines call it."""
-    import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    if not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
-    config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
-    config.setdefault("use_dynamic_shifting", True)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-    return scheduler.sigmas.to(torch.float32).cpu()
-
-
 def load_flux(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
               task: str = "t2i", text_encoder: Any = None, negative_prompt: str | None = "default",
               max_sequence_length: int = 512, min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> FluxAdapter:
@@ -345,8 +326,6 @@ def load_flux(path: str | Path, *, dtype: torch.dtype = torch.float32, device: t
     if task not in FLUX_TASKS:
         raise ValueError(f"task={task!r}; allowed: {list(FLUX_TASKS)}")
     from diffusers import AutoencoderKL, FluxTransformer2DModel
-
-    from flowforge.models.common import has_component
 
     root = pipeline_dir(path, "FLUX")
     transformer = FluxTransformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,

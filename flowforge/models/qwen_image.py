@@ -92,7 +92,9 @@ from flowforge.models.common import (
     PackedImageLatents,
     PipelineText,
     check_velocity_inputs,
+    dynamic_shift_mu,
     encode_with_negative,
+    flow_match_pipeline_sigmas,
     has_component,
     latent_stats,
     pack_2x2,
@@ -102,7 +104,6 @@ from flowforge.models.common import (
     to_unit_range,
     unpack_2x2,
 )
-from flowforge.models.flux import FLUX_SCHEDULER_DEFAULTS, _pipeline_sigmas
 
 QWEN_TIMESTEP_SCALE = 1.0
 """Qwen-Image's transformer input is ``sigma`` itself (its time projection scales by 1000)."""
@@ -313,15 +314,11 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         """``mu`` as ``QwenImagePipeline.__call__`` computes it: ``calculate_shift(image_seq_len, base_image_seq_len,
         max_image_seq_len, base_shift, max_shift)`` from the scheduler config (fallbacks 256 / 4096 / 0.5 / 1.15).
         The Edit pipeline computes it from the noisy tokens only: the same value."""
-        from flowforge.algorithms.schedules import calculate_shift
-
-        cfg = {k: self.scheduler_config.get(k, v) for k, v in FLUX_SCHEDULER_DEFAULTS.items()}
-        return calculate_shift(self.image_seq_len(height, width), cfg["base_image_seq_len"],
-                               cfg["max_image_seq_len"], cfg["base_shift"], cfg["max_shift"])
+        return dynamic_shift_mu(self.scheduler_config, self.image_seq_len(height, width))
 
     def pipeline_sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The exact ``[T+1]`` fp32 schedule of ``QwenImagePipeline`` (incl. ``shift_terminal``), ending in 0."""
-        return _pipeline_sigmas(self.scheduler_config, num_steps, self.schedule_mu(height, width))
+        return flow_match_pipeline_sigmas(self.scheduler_config, num_steps, self.schedule_mu(height, width))
 
     def _forward_packed(self, x: Tensor, sigma: Tensor, embeds: Tensor, mask: Tensor | None,
                         image: Tensor | None = None) -> Tensor:

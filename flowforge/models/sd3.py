@@ -1,6 +1,6 @@
 """Stable Diffusion 3 / 3.5 family adapter (diffusers ``SD3Transformer2DModel``) — also the embedded demo policy.
 
-The adapter turns flowforge's convention (DESIGN.md §1) into the transformer's call:
+The adapter turns flowforge's convention (docs/architecture.md, "Conventions") into the transformer's call:
 
 ==================  ================================================================================================
 flowforge           SD3 transformer
@@ -23,7 +23,6 @@ SD3 / 3.5 checkpoints use :class:`SD3PipelineTextEncoder` (CLIP-L + CLIP-G + T5 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
-from flowforge.models.common import check_velocity_inputs
+from flowforge.models.common import FLOWFORGE_META, check_velocity_inputs, read_flowforge_meta
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +51,6 @@ SD3_LORA_TARGETS = (
 )
 """Attention projections of diffusers' ``JointTransformerBlock`` (image stream ``to_*``, text stream ``add_*``).
 The last SD3 block is context-pre-only and has no ``to_add_out``; peft matches suffixes, so that is fine."""
-
-DEMO_BASE = "demo:base"
-FLOWFORGE_META = "flowforge.json"
-"""Optional file beside a transformer's ``config.json`` naming the text encoder it was trained with
-(written by :func:`flowforge.train.sft.run_sft`), e.g. ``{"text_encoder": "minilm", "max_length": 16}``."""
-
-
-def demo_base_dir() -> Path:
-    """Directory of the shipped demo base policy (``config.json`` + ``diffusion_pytorch_model.safetensors``)."""
-    return Path(__file__).resolve().parents[1] / "demo" / "weights" / "base"
 
 
 class SD3PipelineTextEncoder:
@@ -268,19 +257,15 @@ class SD3Adapter(AdapterMixin):
         return load_sd3(path, **kwargs)
 
 
-def _read_meta(directory: Path) -> dict[str, Any]:
-    meta_file = directory / FLOWFORGE_META
-    return json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-
-
 def load_sd3(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
              text_encoder: Any = None, negative_prompt: str = "", max_sequence_length: int = 256) -> SD3Adapter:
     """Load an SD3-family model from local files (never downloads).
 
     Args:
-        path: ``"demo:base"`` (the shipped tiny pixel-space base + MiniLM); a diffusers pipeline directory
-            (``transformer/``, optional ``vae/``, text encoders); or a bare transformer directory (``config.json``
-            + safetensors, e.g. an SFT output) whose ``flowforge.json`` names its text encoder.
+        path: a diffusers pipeline directory (``transformer/``, optional ``vae/``, text encoders); or a bare
+            transformer directory (``config.json`` + safetensors, e.g. an SFT output or the shipped demo base,
+            ``flowforge.demo.paths.demo_base_dir()``) whose ``flowforge.json`` names its text encoder. The name
+            ``"demo:base"`` is resolved before this call (:func:`flowforge.demo.paths.resolve_demo_path`).
         dtype: dtype of the transformer, VAE and text encoders.
         device: where everything is placed.
         text_encoder: overrides the text encoder chosen from the files.
@@ -295,7 +280,7 @@ def load_sd3(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
 
     from flowforge.models.text import MiniLMEncoder
 
-    root = demo_base_dir() if str(path) == DEMO_BASE else Path(path)
+    root = Path(path)
     if (root / "transformer" / "config.json").is_file():
         transformer_dir, pipeline_dir = root / "transformer", root
     elif (root / "config.json").is_file():
@@ -303,7 +288,7 @@ def load_sd3(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
     else:
         raise FileNotFoundError(
             f"{path!s}: expected a diffusers pipeline directory (transformer/config.json) or a transformer directory "
-            f"(config.json); allowed special names: [{DEMO_BASE!r}]"
+            "(config.json); resolve 'demo:' names first with flowforge.demo.paths.resolve_demo_path"
         )
     transformer = SD3Transformer2DModel.from_pretrained(str(transformer_dir), torch_dtype=dtype,
                                                         local_files_only=True)
@@ -313,7 +298,7 @@ def load_sd3(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
         vae = AutoencoderKL.from_pretrained(str(pipeline_dir / "vae"), torch_dtype=dtype, local_files_only=True)
         vae = vae.to(device)
     if text_encoder is None:
-        meta = _read_meta(transformer_dir)
+        meta = read_flowforge_meta(transformer_dir)
         if meta.get("text_encoder") == "minilm":
             text_encoder = MiniLMEncoder(max_length=int(meta.get("max_length", 16)), device=device, dtype=dtype)
         elif pipeline_dir is not None and (pipeline_dir / "text_encoder").is_dir():

@@ -31,7 +31,7 @@ from torch import Tensor
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 MINILM_DIM = 384
 MINILM_MAX_SEQ = 256  # sentence_bert_config.json: max_seq_length
-MIN_REAL_VOCAB = 1000  # DESIGN §9: offline transformers can hand back an empty 2-token tokenizer
+MIN_REAL_VOCAB = 1000  # offline transformers can hand back an empty 2-token tokenizer (see docs/architecture.md)
 
 
 def minilm_model_dir() -> str:

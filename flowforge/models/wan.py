@@ -65,10 +65,12 @@ from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
+    cfg_pair,
     check_velocity_inputs,
     encode_with_negative,
     has_component,
     latent_stats,
+    load_image_encoder,
     pipeline_dir,
     read_json,
     require_negative,
@@ -95,7 +97,6 @@ WAN_FALLBACK_SHIFT = 5.0
 WAN_I2V_TEXT_LEN = 512
 """Text tokens an ``image_dim`` transformer's cross-attention expects after the image tokens (diffusers
 ``transformer_wan.py`` ``WanAttnProcessor``: ``image_context_length = encoder_hidden_states.shape[1] - 512``)."""
-WAN_IMAGE_PROCESSORS = ("CLIPImageProcessor", "CLIPImageProcessorPil", "CLIPImageProcessorFast")
 WAN_TASKS = ("t2v", "i2v")
 
 
@@ -305,14 +306,7 @@ class WanAdapter(AdapterMixin):
         if g == 1.0:
             v = self._forward(x, sigma, cond)
         else:
-            neg = require_negative(cond, g)
-            device = cond.prompt_embeds.device
-
-            def both(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-                return None if a is None or b is None else torch.cat([a.to(device), b.to(device)])
-
-            pair = Conditioning(prompt_embeds=both(neg.prompt_embeds, cond.prompt_embeds),
-                                pooled=both(neg.pooled, cond.pooled))
+            pair = cfg_pair(require_negative(cond, g), cond)
             v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), pair).chunk(2)
             v = v_u + g * (v_c - v_u)
         return self._zero_condition(v)
@@ -486,30 +480,10 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
                                 min_tokenizer_size=min_tokenizer_size, pipeline_class=index["_class_name"])
     image_encoder = image_processor = None
     if getattr(transformer.config, "image_dim", None) is not None:
-        image_encoder, image_processor = _load_image_side(root, index, device)
+        image_encoder, image_processor = load_image_encoder(root, index, device)
     if task is None:
         task = "i2v" if transformer.config.in_channels != transformer.config.out_channels else "t2v"
     return WanAdapter(transformer, text_encoder, vae, task=task, expand_timesteps=bool(index.get("expand_timesteps")),
                       negative_prompt=negative_prompt,
                       scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"),
                       image_encoder=image_encoder, image_processor=image_processor)
-
-
-def _load_image_side(root: Path, index: dict[str, Any], device: torch.device | str) -> tuple[Any, Any]:
-    """``(image_encoder, image_processor)`` of a Wan2.1 I2V directory, each ``None`` when not listed / absent."""
-    import transformers
-
-    image_encoder = image_processor = None
-    if has_component(root, "image_encoder"):
-        image_encoder = transformers.CLIPVisionModel.from_pretrained(
-            str(root / "image_encoder"), dtype=torch.float32, local_files_only=True).to(device)
-    if has_component(root, "image_processor"):
-        # diffusers resolves the class model_index.json names in transformers: "CLIPImageProcessor" (the torchvision
-        # backend, or CLIPImageProcessorPil without torchvision) or, as saved from a PIL processor,
-        # "CLIPImageProcessorPil".
-        name = index["image_processor"][1]
-        if name not in WAN_IMAGE_PROCESSORS:
-            raise ValueError(f"{root!s}: image_processor class {name!r}; expected one of {list(WAN_IMAGE_PROCESSORS)}")
-        image_processor = getattr(transformers, name).from_pretrained(str(root / "image_processor"),
-                                                                      local_files_only=True)
-    return image_encoder, image_processor

@@ -1,4 +1,4 @@
-"""The reward-scorer protocol (DESIGN.md §3) and input checks shared by the built-in scorers.
+"""The reward-scorer protocol and the input checks shared by the built-in scorers and the reward processor.
 
 A scorer maps a batch of generated media plus their prompts and metadata to one float per sample:
 
@@ -7,7 +7,8 @@ A scorer maps a batch of generated media plus their prompts and metadata to one 
 
 Scorers set ``needs_group = True`` when they must see a whole group of candidates for one prompt at once (ranking,
 VLM judges comparing candidates); the reward processor then gathers the group before calling them. Advantages are
-not computed here (see ``flowforge.algorithms.advantages``).
+not computed here (see ``flowforge.algorithms.advantages``). Where scoring sits in the training loop:
+``docs/architecture.md``, section "Rewards".
 """
 
 from __future__ import annotations
@@ -56,3 +57,13 @@ def check_inputs(media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[
         raise ValueError(f"metadata must have one entry per image ({batch}), got {len(metadata)}")
     return batch
 
+
+def check_batch_size(batch_size: int) -> int:
+    """Return ``batch_size`` (samples per forward / scorer call) after checking it.
+
+    Raises:
+        ValueError: ``batch_size`` is not an ``int >= 1`` (a ``bool`` is rejected too).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return batch_size

@@ -1,8 +1,8 @@
 """Scores a rollout's media with every reward component and reports per-component statistics.
 
-The processor is stage 3 of the loop (DESIGN.md §4): it returns the raw per-sample reward of each component; the
-weighted / group-relative combination into advantages lives in ``flowforge.algorithms.advantages``, which receives
-``components`` and ``weights``. Components come in three kinds:
+The processor is stage 3 of the training loop (``docs/architecture.md``, section "Rewards"): it returns the raw
+per-sample reward of each component; the weighted / group-relative combination into advantages lives in
+``flowforge.algorithms.advantages``, which receives ``components`` and ``weights``. Components come in three kinds:
 
 * **weighted** (a name in ``weights``): enters the advantage with that weight;
 * **required** (a name in ``required``, must also be weighted): a NaN score is an error, not "not applicable";
@@ -16,8 +16,16 @@ is on a GPU):
 ``reward/<name>_std``           population standard deviation (``correction=0``) over the non-NaN scores
 ``reward/<name>_nan_fraction``  fraction of samples scored NaN ("not applicable")
 ``reward/<name>_time``          wall time of this component, all its batches
+``reward/<name>_groups_scored`` ``needs_group`` scorers only: groups scored whole (over every rank with ``dist``)
+``reward/<name>_<flag>_fraction``  fraction of samples a scorer flagged (``sample_flags``, e.g. CLIP's
+                                ``truncated``: prompts cut at the tokenizer's limit)
+``reward/<name>_<metric>``      what a scorer's ``pop_metrics() -> {metric: float}`` returns after the call, e.g.
+                                ``vlm_judge``'s ``requests_sent``, ``served_from_ledger``, ``failures``
 ``reward/score_time``           wall time of the whole call
 ==============================  ===================================================================================
+
+Group scorers see whole groups: one call per group id; with ``dist`` (under ``torchrun``) groups that straddle ranks
+are gathered to one rank, scored and the scores sent back (:mod:`flowforge.rewards.groups`).
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import RewardScorer, check_inputs
+from flowforge.rewards.base import RewardScorer, check_batch_size, check_inputs
+from flowforge.rewards.groups import local_chunks, score_groups_across_ranks, score_local
+from flowforge.runtime.distributed import DistInfo
 
 
 def _sync(device: torch.device) -> None:
@@ -78,20 +88,21 @@ class RewardProcessor:
         for name, weight in weights.items():
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 raise ValueError(f"weights[{name!r}] must be a finite number, got {weight!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        check_batch_size(batch_size)
         self.scorers = dict(scorers)
         self.weights = {name: float(weight) for name, weight in weights.items()}
         self.required = tuple(dict.fromkeys(required))
         self.batch_size = batch_size
 
-    def _chunks(self, scorer: RewardScorer, batch: int, group_ids: Tensor | None) -> list[Tensor]:
-        """Index sets (int64 ``[n]``) on which ``scorer`` is called, covering ``0..B-1`` exactly once."""
-        if getattr(scorer, "needs_group", False):
-            if group_ids is None:
-                return [torch.arange(batch)]
-            return [torch.nonzero(group_ids == g).squeeze(1) for g in torch.unique(group_ids)]
-        return [torch.arange(start, min(start + self.batch_size, batch)) for start in range(0, batch, self.batch_size)]
+    def _score(self, name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
+               metadata: list[dict[str, Any]], group_ids: Tensor | None, dist: DistInfo | None):
+        """One component: ``([B] float32, flags, groups scored or None for a per-sample scorer)``."""
+        needs_group = bool(getattr(scorer, "needs_group", False))
+        if needs_group and group_ids is not None and dist is not None and dist.enabled:
+            return score_groups_across_ranks(name, scorer, media, prompts, metadata, group_ids, dist)
+        chunks = local_chunks(needs_group, media.shape[0], self.batch_size, group_ids)
+        scores, flags = score_local(name, scorer, media, prompts, metadata, chunks)
+        return scores, flags, (len(chunks) if needs_group else None)
 
     def __call__(
         self,
@@ -99,6 +110,8 @@ class RewardProcessor:
         prompts: Sequence[str],
         metadata: Sequence[dict[str, Any]],
         group_ids: Tensor | None = None,
+        *,
+        dist: DistInfo | None = None,
     ) -> tuple[dict[str, Tensor], dict[str, float]]:
         """Score ``media`` with every component.
 
@@ -107,6 +120,8 @@ class RewardProcessor:
             prompts: ``B`` prompt strings.
             metadata: ``B`` metadata dicts (task-specific keys such as ``"digit"`` are read by the scorers).
             group_ids: optional ``[B]`` int group id per sample, used only to call group scorers per group.
+            dist: this rank's :class:`DistInfo` when every rank scores its share of one step together (a collective
+                for group scorers: every rank must call); ``None`` scores this process's batch alone.
 
         Returns:
             ``(components, metrics)``: ``components[name]`` is ``[B]`` float32 on ``media``'s device (NaN = not
@@ -127,29 +142,28 @@ class RewardProcessor:
         call_start = time.perf_counter()
         for name, scorer in self.scorers.items():
             start = time.perf_counter()
-            scores = torch.full((batch,), float("nan"), dtype=torch.float32, device=media.device)
-            for index in self._chunks(scorer, batch, group_cpu):
-                if index.numel() == 0:
-                    continue
-                rows = index.tolist()
-                out = scorer(media[index.to(media.device)], [prompts[i] for i in rows], [metadata[i] for i in rows])
-                if not isinstance(out, Tensor) or out.shape != (len(rows),):
-                    shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-                    raise ValueError(f"reward component {name!r} returned {shape}, expected a [{len(rows)}] tensor")
-                scores[index.to(media.device)] = out.detach().to(device=media.device, dtype=torch.float32)
+            scores, flags, groups = self._score(name, scorer, media, prompts, metadata, group_cpu, dist)
             _sync(media.device)
             metrics[f"reward/{name}_time"] = time.perf_counter() - start
             nan = torch.isnan(scores)
             if name in self.required and bool(nan.any()):
                 first = int(torch.nonzero(nan)[0, 0])
+                cause = getattr(scorer, "last_error", None)  # e.g. the remote scorer's failed request
                 raise ValueError(
                     f"required reward component {name!r} scored NaN for sample {first} "
-                    f"({int(nan.sum())} of {batch} samples are NaN)"
+                    f"({int(nan.sum())} of {batch} samples are NaN)" + (f": {cause}" if cause else "")
                 )
             valid = scores[~nan]
             metrics[f"reward/{name}_mean"] = valid.mean().item() if valid.numel() else float("nan")
             metrics[f"reward/{name}_std"] = valid.std(correction=0).item() if valid.numel() else float("nan")
             metrics[f"reward/{name}_nan_fraction"] = nan.float().mean().item() if batch else 0.0
+            if groups is not None:
+                metrics[f"reward/{name}_groups_scored"] = float(groups)
+            for flag, values in flags.items():
+                metrics[f"reward/{name}_{flag}_fraction"] = values.float().mean().item() if batch else 0.0
+            pop = getattr(scorer, "pop_metrics", None)  # counters of a scorer's own work, e.g. the judge's requests
+            for key, value in (pop() if callable(pop) else {}).items():
+                metrics[f"reward/{name}_{key}"] = float(value)
             components[name] = scores
         metrics["reward/score_time"] = time.perf_counter() - call_start
         return components, metrics

@@ -2,17 +2,30 @@
 
 ``build_scorer("digit")``, ``build_scorer("jpeg_compressibility", quality=95)``. Options are passed to the factory
 as keyword arguments; a wrong option raises the factory's own ``TypeError`` / ``ValueError``.
+
+A new scorer is one module under :mod:`flowforge.rewards.scorers` plus one line in :data:`SCORERS`. Factories are
+only imported here, never called at import time: heavy dependencies (transformers, open_clip) load when a scorer is
+built.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from flowforge.rewards.base import RewardScorer
-from flowforge.rewards.clip_scorers import AestheticScorer, ClipScore, HPSv2Scorer, PickScore
-from flowforge.rewards.digit import DigitEvalScorer, DigitScorer
-from flowforge.rewards.jpeg import JpegCompressibility, JpegIncompressibility
+from flowforge.rewards.byo import build_imported, check_import_spec, is_import_spec, load_factory
+from flowforge.rewards.judge.client import VLMJudge
+from flowforge.rewards.scorers.aesthetic import AestheticScorer
+from flowforge.rewards.scorers.clip_score import ClipScore
+from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
+from flowforge.rewards.scorers.hps import HPSv2Scorer
+from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressibility
+from flowforge.rewards.scorers.ocr import OcrScorer
+from flowforge.rewards.scorers.pickscore import PickScore
+from flowforge.rewards.scorers.remote import RemoteScorer
 
 SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "digit": DigitScorer,
@@ -23,16 +36,53 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "clip_score": ClipScore,
     "aesthetic": AestheticScorer,
     "hps": HPSv2Scorer,
+    "ocr": OcrScorer,
+    "remote": RemoteScorer,
+    "vlm_judge": VLMJudge,
 }
 """Built-in scorer names and their factories."""
 
 
-def build_scorer(name: str, **options: Any) -> RewardScorer:
-    """Build the scorer registered as ``name`` with keyword ``options``.
+def build_scorer(name: str, *, run_dir: str | Path | None = None, **options: Any) -> RewardScorer:
+    """Build the scorer registered as ``name`` (or imported from ``name = "pkg.module:Factory"``,
+    :mod:`flowforge.rewards.byo`) with keyword ``options``.
+
+    ``run_dir`` (the run directory, for scorers that keep files there, e.g. ``vlm_judge``'s request ledger) is passed
+    as the keyword ``run_dir`` to factories whose signature accepts it, and dropped for the others.
 
     Raises:
-        ValueError: ``name`` is not registered (the message lists the allowed names).
+        ValueError: ``name`` is not registered (the message lists the allowed names); an import path that does not
+            import or does not give a scorer.
     """
+    if is_import_spec(name):
+        if run_dir is not None and _accepts_run_dir(load_factory(name)):
+            options = {**options, "run_dir": run_dir}
+        return build_imported(name, options)
     if name not in SCORERS:
         raise ValueError(f"unknown reward scorer {name!r}; allowed names: {sorted(SCORERS)}")
+    if run_dir is not None and _accepts_run_dir(SCORERS[name]):
+        options = {**options, "run_dir": run_dir}
     return SCORERS[name](**options)
+
+
+def _accepts_run_dir(factory: Callable[..., Any]) -> bool:
+    try:
+        return "run_dir" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable without an inspectable signature
+        return False
+
+
+def check_scorer_spec(name: str, options: dict[str, Any]) -> list[str]:
+    """Problems with the reward component ``name`` and its ``options`` without building a built-in scorer ([] when
+    none): an unknown built-in name (the allowed names listed), options that do not fit its factory's signature, or
+    an import path that does not import or does not give a scorer (:func:`flowforge.rewards.byo.check_import_spec`).
+    Preflight lists these."""
+    if is_import_spec(name):
+        return check_import_spec(name, options)
+    if name not in SCORERS:
+        return [f"unknown component {name!r}; allowed: {sorted(SCORERS)} or an import path 'pkg.module:Factory'"]
+    try:
+        inspect.signature(SCORERS[name]).bind(**options)
+    except TypeError as exc:
+        return [f"reward.options.{name}: {exc}"]
+    return []

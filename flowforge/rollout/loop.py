@@ -34,7 +34,7 @@ import torch
 
 from flowforge.algorithms import schedules
 from flowforge.algorithms.sde import euler_step, transition
-from flowforge.models.base import Conditioning, FlowModel
+from flowforge.models.base import Conditioning, FlowModel, check_condition_slot
 from flowforge.rollout.noise import candidate_noise
 
 
@@ -99,23 +99,20 @@ ALL = (slice(None),)
 
 
 def generated_index(adapter: FlowModel) -> tuple[slice, ...]:
-    """``adapter.generated_index`` (the latent elements the rollout generates), or the whole latent.
+    """``adapter.generated_index``: the latent elements the rollout generates (the whole latent by default).
 
     Raises:
         TypeError: the adapter declares a ``condition_index`` but no ``generated_index`` (its slot would be stepped
             and trained as if generated).
     """
-    index = getattr(adapter, "generated_index", None)
-    if index is None and getattr(adapter, "condition_index", None) is not None:
-        raise TypeError(f"{type(adapter).__name__} declares condition_index but no generated_index; an "
-                        "ImageConditioned adapter with a condition slot must declare both")
-    return index or ALL
+    check_condition_slot(adapter)
+    return adapter.generated_index
 
 
 def with_condition(adapter: FlowModel, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
     """``x [B, *latent]`` with ``cond.image`` written into ``x[adapter.condition_index]`` (a copy); ``x`` itself when
     ``cond`` has no image or the adapter consumes the image inside its velocity (no ``condition_index``)."""
-    index = getattr(adapter, "condition_index", None)
+    index = adapter.condition_index
     if cond.image is None or index is None:
         return x
     out = x.clone()

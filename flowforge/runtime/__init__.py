@@ -1,1 +1,2 @@
-"""Runtime services below the loop: torch.distributed set-up, durable (atomic, crash-safe) file writes."""
+"""Runtime services below the loop: torch.distributed set-up (``distributed``), crash-safe files and step
+directories (``durable``), dtype names (``dtypes``)."""

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flowforge.runtime.dtypes import DTYPES
+
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -121,9 +123,6 @@ def all_reduce_processes(tensor: torch.Tensor, op: str) -> torch.Tensor:
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def wrap(adapter, strategy: str, *, param_dtype: str = "float32", reduce_dtype: str = "float32") -> None:

@@ -1,15 +1,36 @@
-"""Crash-safe file writes shared by checkpoints, sidecars and sample grids.
+"""Crash-safe files shared by checkpoints, trajectory sidecars, sample grids and reports.
 
-``atomic_write(path, write)``: ``write(tmp)`` on a temporary sibling, fsync it, ``os.replace`` it onto ``path``,
-fsync the directory. Readers never see a partial file under its final name; a crash leaves at most a stray
-temporary (named ``.<name>.tmp-<pid>``, recognised by :func:`is_tmp`).
+Atomic write
+------------
+:func:`atomic_write` runs ``write(tmp)`` on a temporary sibling ``.<name>.tmp-<pid>``, fsyncs it, renames it onto
+the final name with ``os.replace`` and fsyncs the directory. Readers never see a partial file under its final name;
+a crash leaves at most a stray temporary (recognised by :func:`is_tmp`).
+
+Marked step directories
+-----------------------
+Checkpoints (``checkpoints/step_000040/`` + ``COMMITTED``) and sidecars (``step_000041/`` + ``DONE``) are step
+directories named by :func:`step_dir_name` and trusted only while they hold their marker file, which is written
+last. :func:`remove_marked_dir` deletes one by removing the marker first, so a crash mid-delete leaves an untrusted
+directory, never a half-deleted trusted one.
+
+Test hook
+---------
+``hook(stage, relpath)`` (an argument of :func:`atomic_write`) is called with ``stage`` ``"tmp"`` once the temporary
+is complete and ``"renamed"`` once it is in place; tests use it to SIGKILL a writer at a known point.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Callable
+
+StageHook = Callable[[str, str], None]
+"""``hook(stage, relpath)``: ``stage`` is ``"tmp"`` or ``"renamed"``; ``relpath`` names the file for the caller."""
+
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
 def fsync_path(path: Path) -> None:
@@ -24,6 +45,7 @@ def fsync_path(path: Path) -> None:
 
 
 def tmp_name(path: Path) -> Path:
+    """The temporary sibling :func:`atomic_write` writes first: ``.<name>.tmp-<pid>``."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
@@ -32,12 +54,17 @@ def is_tmp(name: str) -> bool:
     return name.startswith(".") and ".tmp-" in name
 
 
-def atomic_write(path: Path, write: Callable[[Path], None],
-                 on_stage: Callable[[str], None] | None = None) -> None:
+def atomic_write(path: Path, write: Callable[[Path], None], hook: StageHook | None = None,
+                 relpath: str | None = None) -> None:
     """``write(tmp)`` → fsync tmp → ``os.replace`` onto ``path`` → fsync the directory.
 
-    ``on_stage("tmp")`` runs once the temporary is complete and ``on_stage("renamed")`` once it is in place (tests use
-    it to kill a writer at a known point). The temporary is removed if ``write`` raises.
+    Args:
+        path: the final file name.
+        write: writes the whole file to the path it is given (the temporary).
+        hook: optional ``hook(stage, relpath)`` (see the module docstring).
+        relpath: the name passed to ``hook``; ``path.name`` when None.
+
+    The temporary is removed if ``write`` raises (the exception propagates).
     """
     tmp = tmp_name(path)
     try:
@@ -46,9 +73,55 @@ def atomic_write(path: Path, write: Callable[[Path], None],
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if on_stage is not None:
-        on_stage("tmp")
+    label = path.name if relpath is None else relpath
+    if hook is not None:
+        hook("tmp", label)
     os.replace(tmp, path)
     fsync_path(path.parent)
-    if on_stage is not None:
-        on_stage("renamed")
+    if hook is not None:
+        hook("renamed", label)
+
+
+def write_bytes(path: Path, data: bytes, hook: StageHook | None = None, relpath: str | None = None) -> None:
+    """:func:`atomic_write` of ``data``."""
+    atomic_write(path, lambda tmp: tmp.write_bytes(data), hook, relpath)
+
+
+# ------------------------------------------------------------------------------------------------ step directories
+def step_dir_name(step: int) -> str:
+    """``step_000040``: the directory (or file stem) of training step ``step`` (at least six digits)."""
+    return f"step_{step:06d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a :func:`step_dir_name` path, or None for any other name."""
+    m = _STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_*`` directory directly under ``root``, by step (empty if ``root`` is
+    missing). Markers are not checked: callers filter by theirs."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((s, p) for p in root.iterdir() if p.is_dir() and (s := step_of(p)) is not None)
+
+
+def demote(directory: Path, marker: str, rename_to: str | None = None) -> None:
+    """Make a marked directory untrusted, durably: unlink (or rename to ``rename_to``) its ``marker`` file and
+    fsync the directory. A no-op when the marker is absent."""
+    path = directory / marker
+    if path.exists():
+        if rename_to is None:
+            path.unlink()
+        else:
+            os.replace(path, directory / rename_to)
+        fsync_path(directory)
+
+
+def remove_marked_dir(directory: Path, marker: str) -> None:
+    """Delete a marked directory: :func:`demote` it first, then remove the tree and fsync the parent."""
+    demote(directory, marker)
+    shutil.rmtree(directory)
+    fsync_path(directory.parent)

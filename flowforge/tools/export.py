@@ -45,8 +45,13 @@ The pipeline class is the base directory's own (``model_index.json`` ``_class_na
     call looks for ``.bin`` unless told ``use_safetensors=True`` or ``weight_name``).
 
 Every export writes ``OUT/flowforge_export.json`` (run, checkpoint step, weights, form, LoRA contract, base path and
-sha256, and the verification result). The export is assembled in a hidden sibling directory and renamed to ``OUT``
-only when complete (and verified, with ``verify=True``), so ``OUT`` never holds a partial export.
+sha256, the verification result, and ``files``: every file of the export). That file marks ``OUT`` as an export:
+``overwrite=True`` replaces only a directory holding it and nothing it does not list, and deletes only the listed
+files. ``OUT`` may not be, contain or lie inside a run directory, the checkpoint, the base model or the working
+directory (:mod:`flowforge.tools.export_out` lists the rules). The export is assembled in a hidden sibling directory
+and renamed to ``OUT`` only when complete (and verified, with ``verify=True``), so a failed export leaves ``OUT`` as
+it was. Before anything is written the checkpoint's files are checked (a damaged one is named) and its tensors are
+compared with the run's contract (:mod:`flowforge.tools.export_source`).
 
 Verification
 ------------
@@ -76,9 +81,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,10 +89,15 @@ import torch
 from torch import nn
 
 from flowforge.train import checkpoint as ckpt
-from flowforge.config import load_config
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
-from flowforge.models.sd3 import DEMO_BASE, FLOWFORGE_META, demo_base_dir
+from flowforge.demo.paths import DEMO_BASE, demo_base_dir
+from flowforge.models.common import FLOWFORGE_META
+from flowforge.runtime.errors import one_line
+from flowforge.tools.export_out import (EXPORT_META, ExportError, check_location, check_out, install, listed_files,
+                                        work_dir)
+from flowforge.tools.export_source import (SUPPORTED_ADAPTERS, Source, check_contract, layout, load_source,
+                                           pick_checkpoint, read_run_config, transformer_class)
 
 log = logging.getLogger("flowforge")
 
@@ -98,16 +106,10 @@ WEIGHT_GROUPS = ("live", "ema", "old")
 LORA_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
                   "wan": "WanPipeline"}
 """Registered family -> the diffusers pipeline whose ``save_lora_weights`` writes its adapter export (default when the
-base directory names no pipeline class of its own)."""
-SUPPORTED_ADAPTERS = tuple(LORA_PIPELINES)
-EXPORT_META = "flowforge_export.json"
+base directory names no pipeline class of its own); its keys are ``SUPPORTED_ADAPTERS``."""
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 TOLERANCES = {"adapter": 1e-5, "merged": 1e-4, "full": 1e-5}
 """Verification tolerance relative to ``max(1, max |v_trained|)`` (see the module docstring for measurements)."""
-
-
-class ExportError(ValueError):
-    """The run cannot be exported as asked (missing base, wrong form, unsupported model family, ...)."""
 
 
 class ExportVerificationError(RuntimeError):
@@ -125,144 +127,57 @@ class VerifyReport:
     passed: bool
 
 
-# ------------------------------------------------------------------------------------------------ run + base
-@dataclass(frozen=True)
-class _Source:
-    run_dir: Path
-    checkpoint: ckpt.Checkpoint
-    weights: dict[str, torch.Tensor]
-    lora: dict  # trainer_state["lora"]: trainable, rank, alpha, targets, dropout
-    model_path: str  # model.path of the run's config
-    base: Path | None  # local base directory (None: not found locally)
-    adapter: str  # model.adapter of the run's config (a registered family or "pkg.module:Class")
-
-
+# ------------------------------------------------------------------------------------------------ base
 def _resolve_base(path: str | Path) -> Path:
     return demo_base_dir() if str(path) == DEMO_BASE else Path(path).expanduser()
 
 
-def _load_source(run_dir: Path, step: int | None, base: str | Path | None, weights: str) -> _Source:
-    cfg_file = run_dir / "config.yaml"
-    if not cfg_file.is_file():
-        raise ExportError(f"{run_dir} has no config.yaml: not a flowforge run directory")
-    cfg = load_config(cfg_file)
-    if cfg.model.adapter not in SUPPORTED_ADAPTERS and ":" not in cfg.model.adapter:
-        raise ExportError(f"model.adapter={cfg.model.adapter!r}: export supports {list(SUPPORTED_ADAPTERS)} or a "
-                          "'pkg.module:Class' adapter over a diffusers transformer")
-    committed = ckpt.committed_checkpoints(run_dir)
-    if step is None:
-        if not committed:
-            raise ExportError(f"{run_dir / ckpt.CHECKPOINTS_DIR} holds no committed checkpoint (train with "
-                              "checkpoint.every > 0)")
-        path = committed[-1]
-    else:
-        path = run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(step)
-        if not ckpt.is_committed(path):
-            raise ExportError(f"step {step}: {path} is not a committed checkpoint; committed steps: "
-                              f"{[int(p.name.split('_')[1]) for p in committed]}")
-    state = ckpt.load_checkpoint(path)
-    lora = state.trainer_state.get("lora")
-    if not isinstance(lora, dict) or lora.get("trainable") not in ("lora", "full"):
-        raise ExportError(f"{path / ckpt.TRAINER_STATE_FILE} has no LoRA contract ('lora': {{trainable, ...}})")
-    if weights in state.tensors:
-        tensors = state.tensors[weights]
-    elif weights == "live" and (path / ckpt.SHARDED_DIR).is_dir():
-        tensors = _sharded_live_weights(path / ckpt.SHARDED_DIR, lora["trainable"] == "lora")
-    else:
-        raise ExportError(f"{path} holds no {weights!r} weights; it holds {sorted(state.tensors)}")
-    base_dir = _resolve_base(base if base is not None else cfg.model.path)
-    return _Source(run_dir=run_dir, checkpoint=state, weights=tensors, lora=lora,
-                   model_path=str(base if base is not None else cfg.model.path),
-                   base=base_dir if base_dir.exists() else None, adapter=cfg.model.adapter)
-
-
-def _sharded_live_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]:
-    """The live weights of an FSDP run, read from its ``torch.distributed.checkpoint`` directory in one process.
-
-    The trainer saves ``{"model": get_model_state_dict(live, ignore_frozen_params=True), "optim": ...}``: under LoRA
-    the keys name the ``default`` adapter (``<module>.lora_A.default.weight``) and are returned without it, as
-    :func:`flowforge.models.lora.lora_state_dict` keys them; under full fine-tuning they are the transformer's
-    parameter names. Only the ``model`` entries are read.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
-    model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and hasattr(m, "size") and hasattr(m, "properties")}
-    if not model:
-        raise ExportError(f"{directory}: no 'model' tensors in the sharded checkpoint")
-    state = {"model": model}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
-    if not lora:
-        return state["model"]
-    out = {}
-    for key, value in state["model"].items():
-        for kind in ("lora_A", "lora_B"):
-            if f".{kind}.default." in key:
-                out[key.replace(f".{kind}.default.", f".{kind}.")] = value
-    if not out:
-        raise ExportError(f"{directory}: no LoRA weights of the 'default' (live) adapter in the sharded checkpoint")
-    return out
-
-
-def _layout(base: Path) -> tuple[Path, bool]:
-    """``(transformer directory, is a pipeline directory)`` of a base model directory."""
-    if (base / "transformer" / "config.json").is_file():
-        return base / "transformer", True
-    if (base / "config.json").is_file():
-        return base, False
-    raise ExportError(f"{base}: expected a diffusers pipeline directory (transformer/config.json) or a transformer "
-                      "directory (config.json)")
-
-
-def _require_base(src: _Source, why: str) -> Path:
+def _require_base(src: Source, why: str) -> Path:
     if src.base is None:
         raise ExportError(
-            f"{why} needs the base model, but {src.model_path!r} (model.path in {src.run_dir / 'config.yaml'}) "
-            "does not exist here. Pass the base model directory with --base PATH (Python: export_run(..., "
-            "base=PATH)); it must be the model the run was trained from (its sha256 is checked).")
+            f"model.path {src.model_path!r} in {src.run_dir / 'config.yaml'}",
+            f"{why} needs the base model, but it does not exist here",
+            "pass the base model directory with --base PATH (Python: export_run(..., base=PATH)); it must be the "
+            "model the run was trained from (its sha256 is checked)")
     expected = src.checkpoint.trainer_state.get("base_model_sha256")
     if expected is not None:
         actual = ckpt.sha256_of_path(src.base)
         if actual != expected:
-            raise ExportError(f"base model {src.base} (sha256 {actual[:12]}…) is not the model the run was trained "
-                              f"from (sha256 {expected[:12]}…); pass the original base with --base")
+            raise ExportError(f"base model {src.base}", f"sha256 {actual[:12]}… says it is not the model the run "
+                              f"was trained from (sha256 {expected[:12]}…)", "pass the original base with --base")
     return src.base
 
 
-def _transformer_class(transformer_dir: Path):
-    """The diffusers model class named by ``transformer_dir/config.json`` (``_class_name``)."""
-    import diffusers
-
-    name = json.loads((transformer_dir / "config.json").read_text()).get("_class_name")
-    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
-    if cls is None or not hasattr(cls, "from_pretrained"):
-        raise ExportError(f"{transformer_dir / 'config.json'}: _class_name={name!r} is not a diffusers model class")
-    return cls
-
-
 def _load_transformer(transformer_dir: Path) -> nn.Module:
-    return _transformer_class(transformer_dir).from_pretrained(str(transformer_dir), torch_dtype=torch.float32,
-                                                               local_files_only=True).eval()
+    """The diffusers transformer in ``transformer_dir`` in fp32; a damaged weight file is named (diffusers' own
+    message for a garbage safetensors header is "Cannot copy out of meta tensor")."""
+    from safetensors import SafetensorError, safe_open
+
+    cls = transformer_class(transformer_dir)
+    for f in sorted(transformer_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except (OSError, SafetensorError) as exc:
+            raise ExportError(f, f"cannot be read ({type(exc).__name__}: {one_line(str(exc))})",
+                              "restore the base model's weights") from exc
+    try:
+        return cls.from_pretrained(str(transformer_dir), torch_dtype=torch.float32, local_files_only=True).eval()
+    except (OSError, ValueError, RuntimeError, NotImplementedError) as exc:
+        raise ExportError(transformer_dir, f"cannot be loaded as {cls.__name__} ({type(exc).__name__}: "
+                          f"{one_line(str(exc))[:300]})", "restore the base model's files") from exc
 
 
-def _trained_policy(src: _Source, transformer_dir: Path) -> nn.Module:
-    """The trained policy in fp32: base + injected LoRA + checkpoint weights (or the full fine-tuned weights)."""
+def _trained_policy(src: Source, transformer_dir: Path) -> nn.Module:
+    """The trained policy in fp32: base + injected LoRA + checkpoint weights (or the full fine-tuned weights).
+    The weights fit (checked by :func:`~flowforge.tools.export_source.check_contract` before)."""
     transformer = _load_transformer(transformer_dir)
     if src.lora["trainable"] == "lora":
         lora_lib.inject_lora(transformer, int(src.lora["rank"]), float(src.lora["alpha"]), list(src.lora["targets"]))
         lora_lib.load_lora_state_dict(transformer, src.weights)
     else:
         # a sharded (FSDP) checkpoint holds the parameters only; buffers then come from the base
-        missing, unexpected = transformer.load_state_dict({k: v.float() for k, v in src.weights.items()},
-                                                          strict=False)
-        params = {name for name, _ in transformer.named_parameters()}
-        if unexpected or params & set(missing):
-            raise ExportError(f"full fine-tune weights do not fit the base transformer: missing "
-                              f"{sorted(params & set(missing))[:5]}, unexpected {sorted(unexpected)[:5]}")
+        transformer.load_state_dict({k: v.float() for k, v in src.weights.items()}, strict=False)
     return transformer.requires_grad_(False).eval()
 
 
@@ -282,8 +197,8 @@ def _probe_inputs(adapter: str, config) -> tuple[str, torch.Tensor, torch.Tensor
         ExportError: ``adapter`` is not a registered family (nothing says how to call its transformer).
     """
     if adapter not in SUPPORTED_ADAPTERS:
-        raise ExportError(f"verify needs a registered model family {list(SUPPORTED_ADAPTERS)}; model.adapter="
-                          f"{adapter!r} exports unverified (drop --verify)")
+        raise ExportError("--verify", f"needs a registered model family, and model.adapter={adapter!r} is not one",
+                          f"drop --verify to export unverified; verifiable: {list(SUPPORTED_ADAPTERS)}")
     gen = torch.Generator().manual_seed(20240601)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -360,10 +275,10 @@ def _copy_components(base: Path, out: Path) -> None:
             shutil.copy2(entry, out / entry.name)
 
 
-def _write_merged(src: _Source, work: Path, verify: bool) -> VerifyReport | None:
+def _write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     base = _require_base(src, "a merged export" if src.lora["trainable"] == "lora" else "exporting a full "
                          "fine-tune (for its config.json and pipeline components)")
-    transformer_dir, is_pipeline = _layout(base)
+    transformer_dir, is_pipeline = layout(base)
     policy = _trained_policy(src, transformer_dir)
     inputs = _probe_inputs(src.adapter, policy.config) if verify else None
     v_trained = _velocity(policy, inputs) if verify else None
@@ -389,30 +304,32 @@ def _write_merged(src: _Source, work: Path, verify: bool) -> VerifyReport | None
     return _report(_velocity(reloaded, inputs), v_trained, base_diff, TOLERANCES[kind])
 
 
-def _lora_pipeline(src: _Source):
+def _lora_pipeline(src: Source):
     """The diffusers pipeline class whose ``save_lora_weights`` writes this run's adapter: the base directory's own
     (``model_index.json`` ``_class_name``) when it has one, else the family's (:data:`LORA_PIPELINES`)."""
     import diffusers
 
     name = None
     if src.base is not None and (src.base / "model_index.json").is_file():
-        name = json.loads((src.base / "model_index.json").read_text()).get("_class_name")
+        index = src.base / "model_index.json"
+        try:
+            name = json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ExportError(index, f"cannot be read as a diffusers model index ({type(exc).__name__})",
+                              "restore the base model's model_index.json") from exc
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     if cls is not None and hasattr(cls, "save_lora_weights"):
         return cls
     if src.adapter in LORA_PIPELINES:
         return getattr(diffusers, LORA_PIPELINES[src.adapter])
-    raise ExportError(f"model.adapter={src.adapter!r}: no diffusers pipeline with save_lora_weights is known for it "
-                      f"(base model_index.json names {name!r}); export it with --form merged")
+    raise ExportError(f"model.adapter={src.adapter!r}", "no diffusers pipeline with save_lora_weights is known for "
+                      f"it (base model_index.json names {name!r})", "export it with --form merged")
 
 
-def _write_adapter(src: _Source, work: Path, verify: bool) -> VerifyReport | None:
+def _write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     if src.lora["trainable"] != "lora":
-        raise ExportError("this run fine-tuned the full transformer (lora.trainable='full'): it has no adapter; "
-                          "export it with --form merged")
-    bad = [k for k in src.weights if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
-    if bad:
-        raise ExportError(f"checkpoint LoRA weights have unexpected keys {bad[:3]}")
+        raise ExportError("--form adapter", "this run fine-tuned the full transformer (lora.trainable='full'), so "
+                          "it has no adapter", "export it with --form merged")
     peft_cfg = _peft_config(src.lora)
     # flowforge's checkpoint keys drop the adapter name exactly as peft's get_peft_model_state_dict does
     layers = {k: v.detach().float().contiguous() for k, v in sorted(src.weights.items())}
@@ -422,7 +339,7 @@ def _write_adapter(src: _Source, work: Path, verify: bool) -> VerifyReport | Non
     peft_cfg.save_pretrained(str(work))
     if not verify:
         return None
-    transformer_dir, _ = _layout(_require_base(src, "verifying an adapter export"))
+    transformer_dir, _ = layout(_require_base(src, "verifying an adapter export"))
     policy = _trained_policy(src, transformer_dir)
     inputs = _probe_inputs(src.adapter, policy.config)
     v_trained = _velocity(policy, inputs)
@@ -435,13 +352,35 @@ def _write_adapter(src: _Source, work: Path, verify: bool) -> VerifyReport | Non
 
 
 # ------------------------------------------------------------------------------------------------ entry point
+def _load_checked(run_dir: Path, out: Path, step: int | None, base, weights: str, overwrite: bool) -> Source:
+    """The run's checkpoint and weights, after every rule for ``out`` (:func:`check_out`) and the contract
+    (:func:`check_contract`) have passed; nothing is written."""
+    check_location(out, {"run directory": run_dir})  # before anything is read, even a broken run's config
+    cfg = read_run_config(run_dir)
+    path = pick_checkpoint(run_dir, step)
+    model_path = str(base if base is not None else cfg.model.path)
+    base_dir = _resolve_base(model_path)
+    check_out(out, {"run directory": run_dir, "checkpoint": path, "base model directory": base_dir}, overwrite)
+    src = load_source(run_dir, cfg, path, weights, model_path, base_dir if base_dir.exists() else None)
+    transformer_dir = None
+    if src.base is not None:
+        try:
+            transformer_dir = layout(src.base)[0]
+        except ExportError:  # not a diffusers directory: only an adapter export without --verify gets this far
+            transformer_dir = None
+    check_contract(src, transformer_dir)
+    return src
+
+
 def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | None = None, verify: bool = False,
                base: str | Path | None = None, weights: str = "live", overwrite: bool = False) -> Path:
     """Export run ``run_dir``'s checkpoint as ``form`` (``merged`` | ``adapter``) into ``out``.
 
     Args:
         run_dir: the run directory (``config.yaml`` + ``checkpoints/``).
-        out: the export directory (must not exist, or be empty, unless ``overwrite``).
+        out: the export directory: new, empty, or (with ``overwrite``) a previous export holding nothing else; never
+            a run, checkpoint, base model or working directory, nor inside or around one
+            (:mod:`flowforge.tools.export_out`).
         form: ``"merged"`` (a diffusers transformer / pipeline with the LoRA folded in; the only form of a full
             fine-tune) or ``"adapter"`` (a diffusers + peft LoRA).
         step: checkpoint step; ``None`` = the newest committed checkpoint.
@@ -450,44 +389,29 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
         base: base model directory overriding the config's ``model.path`` (``"demo:base"`` allowed).
         weights: which checkpoint weights: ``live`` (default), ``ema`` or ``old`` when the run kept them. An FSDP
             run's live weights are read from the checkpoint's sharded ``dcp/`` directory in this one process.
-        overwrite: replace an existing non-empty ``out``.
+        overwrite: replace a previous export in ``out`` (only its own files are deleted).
 
     Returns:
         ``out`` (complete; assembled elsewhere and renamed into place).
 
     Raises:
-        ExportError (a ValueError): bad ``form`` / ``weights`` / ``step``; no committed checkpoint; unsupported
-            model family; a base that is needed but missing (merged LoRA export, full fine-tune, verify) or differs
-            from the trained-from base; ``out`` exists; ``form="adapter"`` for a full fine-tune.
-        ExportVerificationError: ``verify`` and the difference exceeds the tolerance (``out`` is not written).
+        ExportError (a ``UserError``, so a ValueError): bad ``form`` / ``weights`` / ``step``; no committed
+            checkpoint; a damaged checkpoint file (named); tensors that do not match the run's contract (the first
+            bad key named); unsupported model family; a base that is needed but missing (merged LoRA export, full
+            fine-tune, verify) or differs from the trained-from base; an unsafe or occupied ``out``;
+            ``form="adapter"`` for a full fine-tune. ``out`` is left as it was.
+        ExportVerificationError: ``verify`` and the difference exceeds the tolerance (``out`` is left as it was).
     """
     if form not in FORMS:
-        raise ExportError(f"form={form!r}; allowed: {list(FORMS)}")
+        raise ExportError("--form", f"{form!r} is not an export form", f"allowed: {list(FORMS)}")
     if weights not in WEIGHT_GROUPS:
-        raise ExportError(f"weights={weights!r}; allowed: {list(WEIGHT_GROUPS)}")
+        raise ExportError("--weights", f"{weights!r} is not a weight group", f"allowed: {list(WEIGHT_GROUPS)}")
     run_dir, out = Path(run_dir), Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ExportError(f"{out} exists and is not empty; choose a new directory or pass --overwrite")
-    src = _load_source(run_dir, step, base, weights)
-    if src.base is not None:
-        b, o = src.base.resolve(), out.resolve()
-        if o == b or o.is_relative_to(b) or b.is_relative_to(o):
-            raise ExportError(f"export directory {o} overlaps the base model directory {b}")
+    src = _load_checked(run_dir, out, step, base, weights, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f".{out.name}.export-{os.getpid()}"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir()
+    work = work_dir(out)
     try:
-        writer = _write_merged if form == "merged" else _write_adapter
-        report = writer(src, work, verify)
-        meta = {
-            "run_dir": str(run_dir.resolve()), "checkpoint": str(src.checkpoint.path.resolve()),
-            "step": src.checkpoint.step, "weights": weights, "form": form, "lora": src.lora,
-            "base_model": src.model_path, "base_model_sha256": src.checkpoint.trainer_state.get("base_model_sha256"),
-            "weights_sha256": _tensors_sha256(src.weights), "verify": asdict(report) if report else None,
-        }
-        (work / EXPORT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        report = (_write_merged if form == "merged" else _write_adapter)(src, work, verify)
         if report is not None:
             log.info("export verify: max |v_export - v_trained| = %.3g (tolerance %.1g x max(1, %.3g)); "
                      "max |v_trained - v_base| = %s", report.max_abs_diff, report.tolerance,
@@ -496,9 +420,18 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
                 raise ExportVerificationError(
                     f"export verification failed: max |v_export - v_trained| = {report.max_abs_diff:.3g} > "
                     f"{report.tolerance:.1g} x max(1, {report.max_abs_trained:.3g}); nothing written to {out}")
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(work, out)
+        meta = {
+            "run_dir": str(run_dir.resolve()), "checkpoint": str(src.checkpoint.path.resolve()),
+            "step": src.checkpoint.step, "weights": weights, "form": form, "lora": src.lora,
+            "base_model": src.model_path, "base_model_sha256": src.checkpoint.trainer_state.get("base_model_sha256"),
+            "weights_sha256": _tensors_sha256(src.weights), "verify": asdict(report) if report else None,
+            "files": sorted({*listed_files(work), EXPORT_META}),
+        }
+        (work / EXPORT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        # again: OUT may have changed while the export ran (a file dropped in, a directory made)
+        protected = {"run directory": run_dir, "checkpoint": src.checkpoint.path}
+        previous = check_out(out, protected | ({"base model directory": src.base} if src.base else {}), overwrite)
+        install(work, out, previous)
     finally:
         if work.exists():
             shutil.rmtree(work)

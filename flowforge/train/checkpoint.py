@@ -1,4 +1,7 @@
-"""Durable checkpoints: a crash at any instant never leaves a checkpoint that resume trusts.
+"""The checkpoint format: durable files, a crash at any instant never leaves a checkpoint that resume trusts.
+
+This module is the file layer (write, commit, rotate, resolve, read). What goes into the files (the policy bank,
+the prompt sampler, the trainer's record) is decided by :class:`flowforge.train.checkpoint_manager.CheckpointManager`.
 
 What and why
 ------------
@@ -9,13 +12,14 @@ committed checkpoint or a directory without the marker, which :func:`resolve_res
 (an explicit path). Nothing is unpickled: tensors are safetensors, RNG states are safetensors + JSON, and the
 optimizer state is loaded with ``torch.load(..., weights_only=True)``.
 
-Layout (DESIGN §6)::
+Layout::
 
     <run_dir>/checkpoints/
       latest                          "step_000040\\n" — the last committed save (informational; see below)
       step_000040/
         weights/<group>.safetensors   one file per tensor group the caller passes ("live", "old", "ema", ...)
         optimizer.pt                  the optimizer state dict (torch.save; loaded weights_only) — if given
+        dcp/                          torch.distributed.checkpoint shards (sharded FSDP state; every rank writes)
         rng/rank_<r>.json             python ``random`` + numpy global RNG state of rank r
         rng/rank_<r>.safetensors      torch CPU RNG state (+ ``cuda_<i>`` per visible CUDA device) of rank r
         trainer_state.json            the caller's JSON dict (step counters, sampler state, contract, ...)
@@ -46,9 +50,10 @@ pointer update leaves ``latest`` one save behind, and the marker is the only thi
 
 Test-only knob
 --------------
-``_test_hook`` (module attribute, ``None`` in library use) is called as ``_test_hook(stage, relpath)`` with
-``stage`` ``"tmp"`` (file fully written under its temporary name, not yet renamed) or ``"renamed"`` (in place). Tests
-set it in a subprocess to stop the save at a known point and SIGKILL it there. Library code never sets it.
+``_test_hook`` (module attribute, ``None`` in library use) is passed to every
+:func:`flowforge.runtime.durable.atomic_write` of a save as ``hook(stage, relpath)``, ``stage`` ``"tmp"`` (file fully
+written under its temporary name, not yet renamed) or ``"renamed"`` (in place). Tests set it in a subprocess to stop
+the save at a known point and SIGKILL it there. Library code never sets it.
 """
 
 from __future__ import annotations
@@ -59,9 +64,8 @@ import logging
 import os
 import random
 import re
-import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +75,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from flowforge.runtime.durable import atomic_write, fsync_path
+from flowforge.runtime.durable import (atomic_write, demote, fsync_path, remove_marked_dir, step_dir_name, step_dirs,
+                                       step_of, write_bytes)
 
 log = logging.getLogger("flowforge")
 
@@ -83,16 +88,14 @@ WEIGHTS_DIR = "weights"
 RNG_DIR = "rng"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
+SHARDED_DIR = "dcp"  # torch.distributed.checkpoint shards of sharded (FSDP) state, written by every rank
 FORMAT_VERSION = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
-CONTRACT_KEYS = ("lora", "base_model_sha256")
 
-_STEP_RE = re.compile(r"^step_(\d{6,})$")
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _CHUNK = 1 << 20
 
 _test_hook: Callable[[str, str], None] | None = None
-SHARDED_DIR = "dcp"  # torch.distributed.checkpoint shards of sharded (FSDP) state, written by every rank
 
 
 @dataclass(frozen=True)
@@ -108,21 +111,8 @@ class Checkpoint:
 
 
 # ------------------------------------------------------------------------------------------------ paths
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def _step_of(path: Path) -> int | None:
-    m = _STEP_RE.match(path.name)
-    return int(m.group(1)) if m else None
-
-
 def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    out = [(s, p) for p in root.iterdir() if p.is_dir() and (s := _step_of(p)) is not None]
-    return sorted(out)
+    return step_dirs(Path(run_dir) / CHECKPOINTS_DIR)
 
 
 def is_committed(path: str | Path) -> bool:
@@ -135,40 +125,9 @@ def committed_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in _step_dirs(Path(run_dir)) if is_committed(p)]
 
 
-# ------------------------------------------------------------------------------------------------ durable writes
-def _fsync_dir(path: Path) -> None:
-    fsync_path(path)
-
-
-def _atomic_write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
-    """:func:`flowforge.runtime.durable.atomic_write` reporting its stages to the test hook."""
-    atomic_write(path, write, None if _test_hook is None else (lambda stage: _test_hook(stage, relpath)))
-
-
-def _write_bytes(path: Path, data: bytes, relpath: str) -> None:
-    _atomic_write(path, lambda tmp: tmp.write_bytes(data), relpath)
-
-
-def _write_marker(step_dir: Path, manifest: dict) -> None:
-    """Write ``COMMITTED`` (the commit point). Everything it lists must already be durable."""
-    _write_bytes(step_dir / MARKER, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(), MARKER)
-
-
-def _demote(step_dir: Path, rename_to: str | None = None) -> None:
-    """Make a committed checkpoint untrusted, durably: unlink (or rename) its marker and fsync the directory."""
-    marker = step_dir / MARKER
-    if marker.exists():
-        if rename_to is None:
-            marker.unlink()
-        else:
-            os.replace(marker, step_dir / rename_to)
-        _fsync_dir(step_dir)
-
-
-def _remove_checkpoint(step_dir: Path) -> None:
-    _demote(step_dir)
-    shutil.rmtree(step_dir)
-    _fsync_dir(step_dir.parent)
+def _write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
+    """:func:`atomic_write` reporting to the test hook (read at call time: tests set it after import)."""
+    atomic_write(path, write, _test_hook, relpath)
 
 
 # ------------------------------------------------------------------------------------------------ RNG
@@ -224,10 +183,10 @@ def _write_rng(step_dir: Path, rank: int) -> None:
     rng = capture_rng()
     json_rel, st_rel = _rng_files(rank)
     (step_dir / RNG_DIR).mkdir(exist_ok=True)
-    _write_bytes(step_dir / json_rel, json.dumps({"python": rng["python"], "numpy": rng["numpy"]}).encode(),
-                 json_rel)
+    write_bytes(step_dir / json_rel, json.dumps({"python": rng["python"], "numpy": rng["numpy"]}).encode(),
+                _test_hook, json_rel)
     tensors = {"torch": rng["torch"], **{f"cuda_{i}": s for i, s in enumerate(rng["cuda"])}}
-    _atomic_write(step_dir / st_rel, lambda tmp: save_file(tensors, str(tmp)), st_rel)
+    _write(step_dir / st_rel, lambda tmp: save_file(tensors, str(tmp)), st_rel)
 
 
 def _read_rng(step_dir: Path, rank: int) -> dict | None:
@@ -250,15 +209,15 @@ def _prepare_step_dir(run_dir: Path, step: int, protect: Path | None) -> Path:
         if s > step and is_committed(p) and (protect is None or p.resolve() != protect):
             log.warning("%s is from a run that went past step %d before this one resumed from an earlier "
                         "checkpoint: marked %s (files kept, no longer resumable)", p, step, SUPERSEDED)
-            _demote(p, rename_to=SUPERSEDED)
+            demote(p, MARKER, rename_to=SUPERSEDED)
     if step_dir.exists():
         if protect is not None and step_dir.resolve() == protect:
             raise ValueError(f"refusing to overwrite {step_dir}: it is the checkpoint this run resumed from")
         if is_committed(step_dir):
             log.warning("replacing committed checkpoint %s (this run resumed from an earlier step)", step_dir)
-        _remove_checkpoint(step_dir)
+        remove_marked_dir(step_dir, MARKER)
     step_dir.mkdir()
-    _fsync_dir(root)
+    fsync_path(root)
     return step_dir
 
 
@@ -268,12 +227,72 @@ def _rotate(run_dir: Path, newest: Path, keep: int, protect: Path | None) -> lis
     if protect is not None:
         keep_set.add(protect)
     removed = [p for p in committed if p.resolve() not in keep_set]
-    newest_step = _step_of(newest)
+    newest_step = step_of(newest)
     removed += [p for s, p in _step_dirs(run_dir) if s < newest_step and not is_committed(p)
                 and not (p / SUPERSEDED).exists()]
     for p in removed:
-        _remove_checkpoint(p)
+        remove_marked_dir(p, MARKER)
     return removed
+
+
+def _state_json(step: int, keep: int, rank: int, world_size: int, barrier: Callable[[], None] | None,
+                tensors: Mapping[str, Mapping[str, Tensor]], trainer_state: dict) -> str:
+    """Check :func:`save_checkpoint`'s arguments; returns ``trainer_state`` as JSON text."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if world_size > 1 and barrier is None:
+        raise ValueError("world_size > 1 needs a barrier (e.g. torch.distributed.barrier) to order the commit")
+    bad = [g for g in tensors if not _GROUP_RE.match(g)]
+    if bad:
+        raise ValueError(f"tensor group names {bad} are not file-name safe (letters, digits, '_', '.', '-')")
+    try:
+        return json.dumps(trainer_state, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"trainer_state is not JSON-serialisable: {e}") from e
+
+
+def _write_tensors(step_dir: Path, tensors: Mapping[str, Mapping[str, Tensor]], optimizer_state: dict | None) -> None:
+    """Rank 0's weight groups (contiguous CPU copies) and ``optimizer.pt``."""
+    (step_dir / WEIGHTS_DIR).mkdir()
+    for group in sorted(tensors):
+        copies = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors[group].items()}
+        rel = f"{WEIGHTS_DIR}/{group}.safetensors"
+        _write(step_dir / rel, lambda tmp, c=copies: save_file(c, str(tmp)), rel)
+    if optimizer_state is not None:
+        _write(step_dir / OPTIMIZER_FILE, lambda tmp: torch.save(optimizer_state, tmp), OPTIMIZER_FILE)
+
+
+def _commit(step_dir: Path, step: int, world_size: int, groups: list[str], has_optimizer: bool,
+            rank_timeout_s: float) -> None:
+    """Rank 0: wait for every rank's RNG files, fsync the directories, write the ``COMMITTED`` manifest."""
+    rng_rel = [rel for r in range(world_size) for rel in _rng_files(r)]
+    deadline = time.monotonic() + rank_timeout_s
+    while missing := [rel for rel in rng_rel if not (step_dir / rel).is_file()]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{step_dir}: RNG files {missing} did not appear within {rank_timeout_s} s; "
+                               "not committed")
+        time.sleep(0.05)
+    files = [f"{WEIGHTS_DIR}/{g}.safetensors" for g in groups]
+    files += [OPTIMIZER_FILE] if has_optimizer else []
+    files += rng_rel + [TRAINER_STATE_FILE]
+    if (step_dir / SHARDED_DIR).is_dir():
+        files += sorted(str(f.relative_to(step_dir)) for f in (step_dir / SHARDED_DIR).rglob("*") if f.is_file())
+        fsync_path(step_dir / SHARDED_DIR)
+    for d in (step_dir / WEIGHTS_DIR, step_dir / RNG_DIR, step_dir):
+        fsync_path(d)
+    manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "groups": groups,
+                "files": {rel: (step_dir / rel).stat().st_size for rel in files}}
+    _write_marker(step_dir, manifest)
+
+
+def _write_marker(step_dir: Path, manifest: dict) -> None:
+    """Write ``COMMITTED`` (the commit point). Everything it lists must already be durable."""
+    write_bytes(step_dir / MARKER, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(), _test_hook,
+                MARKER)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Mapping[str, Tensor]],
@@ -291,7 +310,6 @@ def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Map
             copies, one safetensors file per group. Group names: letters, digits, ``_ . -``. Only rank 0's are used.
         optimizer_state: ``optimizer.state_dict()`` (or a dict of several state dicts) made of tensors and plain
             Python values, so that it loads with ``weights_only=True``; ``None`` writes no ``optimizer.pt``.
-            Under FSDP pass the full (gathered) state dict on rank 0.
         trainer_state: JSON-serialisable dict (tuples come back as lists; NaN/inf are refused).
         keep: committed checkpoints to keep (``>= 1``); the new one and ``protect`` are never deleted.
         rank, world_size: this process's rank; every rank calls this, rank 0 writes the shared files and commits.
@@ -310,63 +328,25 @@ def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Map
             ``world_size > 1`` without ``barrier``, or ``step`` is the protected checkpoint's step.
         RuntimeError: (rank 0) another rank's RNG files did not appear within ``rank_timeout_s``.
     """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-    if world_size > 1 and barrier is None:
-        raise ValueError("world_size > 1 needs a barrier (e.g. torch.distributed.barrier) to order the commit")
-    bad = [g for g in tensors if not _GROUP_RE.match(g)]
-    if bad:
-        raise ValueError(f"tensor group names {bad} are not file-name safe (letters, digits, '_', '.', '-')")
-    try:
-        state_json = json.dumps(trainer_state, indent=2, sort_keys=True, allow_nan=False) + "\n"
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"trainer_state is not JSON-serialisable: {e}") from e
+    state_json = _state_json(step, keep, rank, world_size, barrier, tensors, trainer_state)
     sync = barrier if barrier is not None else (lambda: None)
     run_dir = Path(run_dir)
     protect = Path(protect).resolve() if protect is not None else None
     step_dir = run_dir / CHECKPOINTS_DIR / step_dir_name(step)
-
     if rank == 0:
         _prepare_step_dir(run_dir, step, protect)
     sync()
     if rank == 0:
-        (step_dir / WEIGHTS_DIR).mkdir()
-        for group in sorted(tensors):
-            copies = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors[group].items()}
-            rel = f"{WEIGHTS_DIR}/{group}.safetensors"
-            _atomic_write(step_dir / rel, lambda tmp, c=copies: save_file(c, str(tmp)), rel)
-        if optimizer_state is not None:
-            _atomic_write(step_dir / OPTIMIZER_FILE, lambda tmp: torch.save(optimizer_state, tmp), OPTIMIZER_FILE)
+        _write_tensors(step_dir, tensors, optimizer_state)
     if sharded_writer is not None:
         sharded_writer(step_dir / SHARDED_DIR)
     _write_rng(step_dir, rank)
     if rank == 0:
-        _write_bytes(step_dir / TRAINER_STATE_FILE, state_json.encode(), TRAINER_STATE_FILE)
+        write_bytes(step_dir / TRAINER_STATE_FILE, state_json.encode(), _test_hook, TRAINER_STATE_FILE)
     sync()
     if rank == 0:
-        rng_rel = [rel for r in range(world_size) for rel in _rng_files(r)]
-        deadline = time.monotonic() + rank_timeout_s
-        while missing := [rel for rel in rng_rel if not (step_dir / rel).is_file()]:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{step_dir}: RNG files {missing} did not appear within {rank_timeout_s} s; "
-                                   "not committed")
-            time.sleep(0.05)
-        files = [f"{WEIGHTS_DIR}/{g}.safetensors" for g in sorted(tensors)]
-        files += [OPTIMIZER_FILE] if optimizer_state is not None else []
-        files += rng_rel + [TRAINER_STATE_FILE]
-        if (step_dir / SHARDED_DIR).is_dir():
-            files += sorted(str(f.relative_to(step_dir)) for f in (step_dir / SHARDED_DIR).rglob("*") if f.is_file())
-            _fsync_dir(step_dir / SHARDED_DIR)
-        for d in (step_dir / WEIGHTS_DIR, step_dir / RNG_DIR, step_dir):
-            _fsync_dir(d)
-        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
-                    "groups": sorted(tensors), "files": {rel: (step_dir / rel).stat().st_size for rel in files}}
-        _write_marker(step_dir, manifest)
-        _write_bytes(run_dir / CHECKPOINTS_DIR / LATEST, (step_dir.name + "\n").encode(), LATEST)
+        _commit(step_dir, step, world_size, sorted(tensors), optimizer_state is not None, rank_timeout_s)
+        write_bytes(run_dir / CHECKPOINTS_DIR / LATEST, (step_dir.name + "\n").encode(), _test_hook, LATEST)
         for p in _rotate(run_dir, step_dir, keep, protect):
             log.info("removed old checkpoint %s", p)
     sync()
@@ -398,7 +378,7 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None
     newest = committed[-1] if committed else None
     if resume == "auto":
         chosen = f"resuming from {newest.name}" if newest else "no committed checkpoint: starting from step 0"
-        newest_step = _step_of(newest) if newest else -1
+        newest_step = step_of(newest) if newest else -1
         notes = []
         for s, p in _step_dirs(run_dir):
             if s <= newest_step or is_committed(p):
@@ -459,50 +439,6 @@ def load_checkpoint(path: str | Path, *, rank: int = 0) -> Checkpoint:
     trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
     return Checkpoint(path=path, step=step, tensors=tensors, optimizer_state=optimizer_state,
                       trainer_state=trainer_state, rng=_read_rng(path, rank))
-
-
-# ------------------------------------------------------------------------------------------------ contract
-def _normalise(value: Any, key: str) -> Any:
-    if isinstance(value, (list, tuple)):
-        items = [_normalise(v, key) for v in value]
-        # module-name patterns: the order in which they were listed does not change which modules get LoRA
-        return sorted(items) if key == "targets" and all(isinstance(v, str) for v in items) else items
-    if isinstance(value, Mapping):
-        return {k: _normalise(v, k) for k, v in value.items()}
-    return value
-
-
-_MISSING = "(missing)"
-
-
-def _diff(prefix: str, saved: Any, current: Any, out: list[str]) -> None:
-    if isinstance(saved, Mapping) and isinstance(current, Mapping):
-        for k in sorted(set(saved) | set(current), key=str):
-            _diff(f"{prefix}.{k}", saved.get(k, _MISSING), current.get(k, _MISSING), out)
-        return
-    if saved != current:
-        out.append(f"{prefix}: checkpoint {saved}, this run {current}")
-
-
-def check_contract(saved: Mapping[str, Any], current: Mapping[str, Any], *,
-                   keys: Sequence[str] = CONTRACT_KEYS) -> None:
-    """Refuse to resume when the training contract differs: the LoRA contract (``lora`` = {rank, alpha, targets,
-    dropout}) and the base model's sha256, as stored in ``trainer_state`` vs this run's.
-
-    Numbers compare by value (8 == 8.0), sequences ignore tuple/list, ``targets`` ignore order; a key present on one
-    side only is a mismatch.
-
-    Raises:
-        ValueError: one error listing every mismatch, e.g. ``lora.alpha: checkpoint 8.0, this run 16.0``.
-    """
-    mismatches: list[str] = []
-    for key in keys:
-        _diff(key, _normalise(saved.get(key, _MISSING), key), _normalise(current.get(key, _MISSING), key),
-              mismatches)
-    if mismatches:
-        raise ValueError("resume refused: the checkpoint was trained under a different contract than this run "
-                         "(start a new run directory, or restore the original settings):\n  "
-                         + "\n  ".join(mismatches))
 
 
 # ------------------------------------------------------------------------------------------------ model identity

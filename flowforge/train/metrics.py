@@ -54,7 +54,7 @@ from PIL import Image
 from torch import Tensor
 
 from flowforge import __version__
-from flowforge.runtime.durable import atomic_write
+from flowforge.runtime.durable import atomic_write, step_dir_name
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -381,7 +381,7 @@ def save_grid(images: Tensor, path: Path, *, nrow: int, scale: int = 1, padding:
 
 def sample_grid_path(run_dir: Path, step: int) -> Path:
     """``<run_dir>/samples/step_000010.png``: where the loop saves, and the report finds, the grid of ``step``."""
-    return Path(run_dir) / SAMPLES_DIR / f"step_{step:06d}.png"
+    return Path(run_dir) / SAMPLES_DIR / f"{step_dir_name(step)}.png"
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -15,14 +15,14 @@ phrasings of ``d`` (``demo:train``), encoded once by the frozen MiniLM (cached o
 ``cond_dropout`` the condition is replaced by the empty-prompt encoding (``Conditioning.negative``), so the model
 also learns the unconditional velocity that classifier-free guidance needs.
 
-Determinism: the model init (``seed``), the data order, prompt choice, ``sigma``, noise and condition dropout all
-come from generators seeded by ``seed``; evaluation uses its own generator (``eval_seed``) and never touches the
+Determinism: the model init, the data order, prompt choice, ``sigma``, noise and condition dropout all come from
+generators seeded by ``run.seed``; evaluation uses its own generator (``sft.eval_seed``) and never touches the
 training stream. The LR is linear warmup then constant, so a run of ``N`` steps is exactly the first ``N`` steps of
 a longer run: the shipped base is identified by ``(seed, steps)`` alone.
 
 DigitEval during SFT: the eval prompts are generated with the deterministic ODE sampler
-(:func:`flowforge.rollout.generate`, ``eval_num_steps`` Euler steps on the shift-``eval_shift`` schedule) from fixed
-noise, and scored by :func:`flowforge.demo.classifiers.digit_eval_accuracy` (fraction whose EvalNet argmax is the
+(:func:`flowforge.rollout.generate`, ``sampler.num_steps`` Euler steps on the shift-``sampler.shift`` schedule) from
+fixed noise, and scored by :func:`flowforge.demo.classifiers.digit_eval_accuracy` (fraction whose EvalNet argmax is the
 requested digit).
 """
 
@@ -33,14 +33,15 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from flowforge.settings.sections import SIGMA_SAMPLINGS, DataConfig, RunConfig, SamplerConfig, SFTConfig
 
-SIGMA_SAMPLINGS = ("logit_normal", "uniform")
+logger = logging.getLogger(__name__)
 
 
 def sample_sigmas(batch: int, generator: torch.Generator, *, kind: str = "logit_normal", logit_mean: float = 0.0,
@@ -105,51 +106,132 @@ def evaluate_digit_eval(adapter, cond, digits: torch.Tensor, *, seed: int, num_s
     return digit_eval_accuracy(images, digits), images
 
 
-def run_sft(
-    *,
-    output_dir: str | Path,
-    steps: int = 1500,
-    batch_size: int = 64,
-    lr: float = 1e-3,
-    seed: int = 0,
-    warmup_steps: int = 100,
-    weight_decay: float = 0.0,
-    grad_clip: float = 1.0,
-    sigma_sampling: str = "logit_normal",
-    cond_dropout: float = 0.1,
-    train_prompts: str = "demo:train",
-    eval_prompts: str = "demo:eval",
-    eval_every: int = 250,
-    eval_samples_per_prompt: int = 1,
-    eval_seed: int = 1234,
-    eval_num_steps: int = 10,
-    eval_shift: float = 3.0,
-    save_checkpoints: bool = True,
-    model_config: dict[str, Any] | None = None,
-    text_max_length: int = 16,
-    cache_dir: str | Path = ".cache/flowforge",
-    num_threads: int | None = None,
-    progress: bool = False,
-    on_eval: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
+@dataclass
+class _Setup:
+    """The model and the data of an SFT run, built once before the first step."""
+
+    adapter: Any  # SD3Adapter around the trained transformer
+    x0_all: torch.Tensor  # [N, C, H, W] the sft split in [-1, 1]
+    labels: torch.Tensor  # [N] int64 digit of each image
+    table: torch.Tensor  # [10, P] int64 prompt rows of each digit's phrasings
+    cond_embeds: torch.Tensor  # [R, S, D] encodings of the training prompts
+    cond_pooled: torch.Tensor  # [R, D]
+    neg_embeds: torch.Tensor  # [1, S, D] the empty prompt (condition dropout)
+    neg_pooled: torch.Tensor  # [1, D]
+    eval_cond: Any  # Conditioning of the eval prompts, each repeated eval_samples_per_prompt times
+    eval_digits: torch.Tensor  # [E] int64 requested digit of each eval row
+
+
+def _setup(sft: SFTConfig, seed: int, data: DataConfig, model_config: dict[str, Any] | None,
+           text_max_length: int) -> _Setup:
+    from flowforge.data.preprocess import encode_cached
+    from flowforge.data.prompts import load_prompts
+    from flowforge.demo.data import load_split
+    from flowforge.demo.model import build_tiny_sd3, tiny_sd3_config
+    from flowforge.models.sd3 import SD3Adapter
+    from flowforge.models.text import MiniLMEncoder
+
+    config = tiny_sd3_config() if model_config is None else dict(model_config)
+    transformer = build_tiny_sd3(config, seed=seed).train()
+    adapter = SD3Adapter(transformer, MiniLMEncoder(max_length=text_max_length))
+    train_records = load_prompts(data.prompts)
+    eval_records = load_prompts(data.eval_prompts)
+    table = _digit_table(train_records)
+    train_cond = encode_cached(adapter.encode, adapter.encoder_id, [r.prompt for r in train_records], data.cache_dir)
+    eval_cond = encode_cached(adapter.encode, adapter.encoder_id, [r.prompt for r in eval_records], data.cache_dir)
+    adapter.release_text_encoder()
+    k = sft.eval_samples_per_prompt
+    eval_digits = torch.tensor([int(r.metadata["digit"]) for r in eval_records]).repeat_interleave(k)
+    images, labels = load_split("sft")
+    return _Setup(adapter=adapter, x0_all=adapter.encode_images(images), labels=labels, table=table,
+                  cond_embeds=train_cond.prompt_embeds, cond_pooled=train_cond.pooled,
+                  neg_embeds=train_cond.negative.prompt_embeds[:1], neg_pooled=train_cond.negative.pooled[:1],
+                  eval_cond=eval_cond.repeat_interleave(k), eval_digits=eval_digits)
+
+
+def _train_batch(setup: _Setup, idx: torch.Tensor, gen: torch.Generator, sft: SFTConfig):
+    """``(x0, noise, sigma, cond)`` of the images ``idx``; draws prompt choice, condition dropout, sigma and noise
+    from ``gen`` in that order."""
+    from flowforge.models.base import Conditioning
+
+    n = idx.numel()
+    x0 = setup.x0_all[idx]
+    choice = torch.randint(0, setup.table.shape[1], (n,), generator=gen)
+    rows = setup.table[setup.labels[idx], choice]
+    drop = torch.rand(n, generator=gen) < sft.cond_dropout
+    sigma = sample_sigmas(n, gen, kind=sft.sigma_sampling)
+    noise = torch.randn(x0.shape, generator=gen)
+    cond = Conditioning(
+        prompt_embeds=torch.where(drop[:, None, None], setup.neg_embeds, setup.cond_embeds[rows]),
+        pooled=torch.where(drop[:, None], setup.neg_pooled, setup.cond_pooled[rows]),
+    )
+    return x0, noise, sigma, cond
+
+
+class _Evaluations:
+    """DigitEval at step 0, every ``sft.eval_every`` steps and at the end: the history, sample grids, checkpoints."""
+
+    def __init__(self, setup: _Setup, sft: SFTConfig, sampler: SamplerConfig, text_max_length: int,
+                 on_eval: Callable[[dict[str, Any]], None] | None):
+        self.setup = setup
+        self.sft = sft
+        self.sampler = sampler
+        self.text_max_length = text_max_length
+        self.on_eval = on_eval
+        self.out = Path(sft.output)
+        self.history: list[dict[str, Any]] = []
+        self.losses: list[float] = []
+        self.start_time = time.perf_counter()
+        self.train_time = 0.0
+
+    def __call__(self, step: int) -> None:
+        from flowforge.models.common import FLOWFORGE_META
+        from flowforge.train.metrics import save_grid
+
+        s = self.setup
+        acc, samples = evaluate_digit_eval(s.adapter, s.eval_cond, s.eval_digits, seed=self.sft.eval_seed,
+                                           num_steps=self.sampler.num_steps, shift=self.sampler.shift)
+        entry = {
+            "step": step,
+            "digit_eval": acc,
+            "loss": float(sum(self.losses) / len(self.losses)) if self.losses else math.nan,
+            "elapsed_s": time.perf_counter() - self.start_time,
+            "steps_per_s": step / self.train_time if self.train_time > 0 else math.nan,
+        }
+        self.losses.clear()
+        self.history.append(entry)
+        logger.info("sft step %d: DigitEval %.3f, loss %.4f, %.2f steps/s", step, acc, entry["loss"],
+                    entry["steps_per_s"])
+        order = torch.argsort(s.eval_digits, stable=True)
+        save_grid(samples[order], self.out / "samples" / f"step_{step:06d}.png", nrow=max(1, len(order) // 10),
+                  scale=2)
+        if self.sft.save_checkpoints:
+            _save(s.adapter.transformer, self.out / "checkpoints" / f"step_{step:06d}", self.text_max_length,
+                  FLOWFORGE_META)
+        (self.out / "sft_history.json").write_text(json.dumps(self.history, indent=1) + "\n")
+        if self.on_eval is not None:
+            self.on_eval(entry)
+
+
+def run_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataConfig = DataConfig(),
+            sampler: SamplerConfig = SamplerConfig(), model_config: dict[str, Any] | None = None,
+            text_max_length: int = 16, progress: bool = False,
+            on_eval: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Train the demo policy (tiny pixel-space SD3 + MiniLM) from scratch on the ``sft`` digit split.
 
     Args:
-        output_dir: receives the final transformer (``config.json``, ``diffusion_pytorch_model.safetensors``,
-            ``flowforge.json``), ``sft_history.json``, ``samples/step_XXXXXX.png`` grids and, when
-            ``save_checkpoints``, ``checkpoints/step_XXXXXX/`` at every evaluation (each loadable by ``load_sd3``).
-        steps: optimizer steps. batch_size: images per step. lr: AdamW learning rate (linear warmup over
-            ``warmup_steps``, then constant). weight_decay, grad_clip: AdamW decay and max grad norm.
-        seed: model init and the whole training stream.
-        sigma_sampling: ``"logit_normal"`` (SD3) or ``"uniform"``. cond_dropout: probability of the empty prompt.
-        train_prompts / eval_prompts: prompt sources (``flowforge.data.prompts.load_prompts``); rows need
-            ``metadata.digit``.
-        eval_every: evaluate DigitEval at step 0, every ``eval_every`` steps and at the end (0: start and end only).
-        eval_samples_per_prompt: images per eval prompt. eval_seed: fixed eval noise.
-        eval_num_steps, eval_shift: the ODE sampler used for evaluation.
+        sft: steps, batch size, AdamW (lr, weight decay; linear warmup over ``warmup_steps`` then constant), max
+            grad norm, sigma sampling, condition dropout, eval cadence / seed / samples per prompt, and ``output``:
+            the directory receiving the final transformer (``config.json``,
+            ``diffusion_pytorch_model.safetensors``, ``flowforge.json``), ``sft_history.json``,
+            ``samples/step_XXXXXX.png`` grids and, with ``save_checkpoints``, ``checkpoints/step_XXXXXX/`` at
+            every evaluation (each loadable by ``load_sd3``).
+        run: ``seed`` (model init and the whole training stream) and ``num_threads`` (``torch.set_num_threads``
+            when > 0).
+        data: ``prompts`` / ``eval_prompts`` (rows need ``metadata.digit``) and ``cache_dir`` (prompt encodings).
+        sampler: ``num_steps`` / ``shift`` of the deterministic ODE sampler used for evaluation.
         model_config: ``SD3Transformer2DModel`` kwargs; default ``flowforge.demo.model.tiny_sd3_config()``.
         text_max_length: MiniLM context tokens.
-        cache_dir: prompt-encoding cache. num_threads: ``torch.set_num_threads`` when given.
         progress: show a tqdm bar. on_eval: called with each history entry.
 
     Returns:
@@ -157,124 +239,54 @@ def run_sft(
         since the previous evaluation; NaN at step 0), ``elapsed_s`` and ``steps_per_s``.
 
     Raises:
-        ValueError: bad arguments (the allowed values are listed).
+        ValueError: prompts that do not cover every digit equally often (bad section values were refused when the
+            sections were built).
     """
-    from flowforge.data.preprocess import encode_cached
-    from flowforge.data.prompts import load_prompts
-    from flowforge.demo.data import load_split
-    from flowforge.demo.model import build_tiny_sd3, tiny_sd3_config
-    from flowforge.train.metrics import save_grid
-    from flowforge.models.base import Conditioning
-    from flowforge.models.sd3 import FLOWFORGE_META, SD3Adapter
-    from flowforge.models.text import MiniLMEncoder
-
-    if steps < 0 or batch_size < 1 or lr <= 0 or warmup_steps < 0 or eval_every < 0:
-        raise ValueError(f"need steps >= 0, batch_size >= 1, lr > 0, warmup_steps >= 0, eval_every >= 0; got "
-                         f"{steps=}, {batch_size=}, {lr=}, {warmup_steps=}, {eval_every=}")
-    if not 0.0 <= cond_dropout < 1.0:
-        raise ValueError(f"cond_dropout must be in [0, 1), got {cond_dropout}")
-    if sigma_sampling not in SIGMA_SAMPLINGS:
-        raise ValueError(f"sigma_sampling={sigma_sampling!r} is not one of {list(SIGMA_SAMPLINGS)}")
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    # --- model + conditioning
-    config = tiny_sd3_config() if model_config is None else dict(model_config)
-    transformer = build_tiny_sd3(config, seed=seed).train()
-    adapter = SD3Adapter(transformer, MiniLMEncoder(max_length=text_max_length))
-    train_records = load_prompts(train_prompts)
-    eval_records = load_prompts(eval_prompts)
-    table = _digit_table(train_records)
-    train_cond = encode_cached(adapter.encode, adapter.encoder_id, [r.prompt for r in train_records], cache_dir)
-    eval_cond = encode_cached(adapter.encode, adapter.encoder_id, [r.prompt for r in eval_records], cache_dir)
-    adapter.release_text_encoder()
-    eval_cond = eval_cond.repeat_interleave(eval_samples_per_prompt)
-    eval_digits = torch.tensor([int(r.metadata["digit"]) for r in eval_records]).repeat_interleave(
-        eval_samples_per_prompt)
-    cond_embeds, cond_pooled = train_cond.prompt_embeds, train_cond.pooled
-    neg_embeds, neg_pooled = train_cond.negative.prompt_embeds[:1], train_cond.negative.pooled[:1]
-
-    # --- data
-    images, labels = load_split("sft")
-    x0_all = adapter.encode_images(images)  # [N, 1, 32, 32] in [-1, 1]
-    n = x0_all.shape[0]
-
-    gen = torch.Generator().manual_seed(seed)
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: min(1.0, (k + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
-
-    history: list[dict[str, Any]] = []
-    losses: list[float] = []
-    start_time = time.perf_counter()
-    train_time = 0.0
-
-    def do_eval(step: int) -> None:
-        acc, samples = evaluate_digit_eval(adapter, eval_cond, eval_digits, seed=eval_seed,
-                                           num_steps=eval_num_steps, shift=eval_shift)
-        entry = {
-            "step": step,
-            "digit_eval": acc,
-            "loss": float(sum(losses) / len(losses)) if losses else math.nan,
-            "elapsed_s": time.perf_counter() - start_time,
-            "steps_per_s": step / train_time if train_time > 0 else math.nan,
-        }
-        losses.clear()
-        history.append(entry)
-        logger.info("sft step %d: DigitEval %.3f, loss %.4f, %.2f steps/s", step, acc, entry["loss"],
-                    entry["steps_per_s"])
-        order = torch.argsort(eval_digits, stable=True)
-        save_grid(samples[order], out / "samples" / f"step_{step:06d}.png", nrow=max(1, len(order) // 10), scale=2)
-        if save_checkpoints:
-            _save(transformer, out / "checkpoints" / f"step_{step:06d}", text_max_length, FLOWFORGE_META)
-        (out / "sft_history.json").write_text(json.dumps(history, indent=1) + "\n")
-        if on_eval is not None:
-            on_eval(entry)
-
+    if run.num_threads:
+        torch.set_num_threads(run.num_threads)
+    Path(sft.output).mkdir(parents=True, exist_ok=True)
+    setup = _setup(sft, run.seed, data, model_config, text_max_length)
+    n = setup.x0_all.shape[0]
+    gen = torch.Generator().manual_seed(run.seed)
+    params = [p for p in setup.adapter.transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=sft.lr, betas=(0.9, 0.999), weight_decay=sft.weight_decay)
+    warmup = sft.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup) if warmup > 0
+                                                  else 1.0)
+    evaluate = _Evaluations(setup, sft, sampler, text_max_length, on_eval)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, desc="sft")
-    do_eval(0)
+        bar = tqdm(total=sft.steps, desc="sft")
+    evaluate(0)
     perm, cursor = torch.randperm(n, generator=gen), 0
-    for step in range(1, steps + 1):
+    for step in range(1, sft.steps + 1):
         t0 = time.perf_counter()
-        if cursor + batch_size > n:
+        if cursor + sft.batch_size > n:
             perm, cursor = torch.randperm(n, generator=gen), 0
-        idx = perm[cursor : cursor + batch_size]
-        cursor += batch_size
-        x0 = x0_all[idx]
-        choice = torch.randint(0, table.shape[1], (batch_size,), generator=gen)
-        rows = table[labels[idx], choice]
-        drop = torch.rand(batch_size, generator=gen) < cond_dropout
-        sigma = sample_sigmas(batch_size, gen, kind=sigma_sampling)
-        noise = torch.randn(x0.shape, generator=gen)
-        cond = Conditioning(
-            prompt_embeds=torch.where(drop[:, None, None], neg_embeds, cond_embeds[rows]),
-            pooled=torch.where(drop[:, None], neg_pooled, cond_pooled[rows]),
-        )
-        loss = flow_matching_loss(adapter, x0, noise, sigma, cond)
+        idx = perm[cursor : cursor + sft.batch_size]
+        cursor += sft.batch_size
+        loss = flow_matching_loss(setup.adapter, *_train_batch(setup, idx, gen, sft))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if grad_clip and grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        if sft.grad_clip and sft.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, sft.grad_clip)
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss.detach()))
-        train_time += time.perf_counter() - t0
+        evaluate.losses.append(float(loss.detach()))
+        evaluate.train_time += time.perf_counter() - t0
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        if step == steps or (eval_every and step % eval_every == 0):
-            do_eval(step)
+            bar.set_postfix(loss=f"{evaluate.losses[-1]:.4f}")
+        if step == sft.steps or (sft.eval_every and step % sft.eval_every == 0):
+            evaluate(step)
     if bar is not None:
         bar.close()
-    _save(transformer, out, text_max_length, FLOWFORGE_META)
-    return history
+    from flowforge.models.common import FLOWFORGE_META
+
+    _save(setup.adapter.transformer, Path(sft.output), text_max_length, FLOWFORGE_META)
+    return evaluate.history
 
 
 def _save(transformer, directory: Path, text_max_length: int, meta_name: str) -> None:
@@ -283,22 +295,12 @@ def _save(transformer, directory: Path, text_max_length: int, meta_name: str) ->
 
 
 def run_sft_from_config(cfg, progress: bool = True) -> list[dict[str, Any]]:
-    """``flowforge sft CONFIG``: :func:`run_sft` with the ``sft`` section plus ``run.seed`` / ``run.num_threads``,
-    ``data.prompts`` / ``data.eval_prompts`` / ``data.cache_dir`` and the sampler's ``num_steps`` / ``shift`` for
-    evaluation. Optional ``sft`` fields (``sigma_sampling``, ``cond_dropout``, ``weight_decay``, ``grad_clip``,
-    ``eval_samples_per_prompt``, ``eval_seed``) are used when the config defines them."""
-    sft = cfg.sft
-    optional = {k: getattr(sft, k) for k in ("sigma_sampling", "cond_dropout", "weight_decay", "grad_clip",
-                                               "eval_samples_per_prompt", "eval_seed") if hasattr(sft, k)}
-    history = run_sft(
-        output_dir=sft.output, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr, seed=cfg.run.seed,
-        warmup_steps=sft.warmup_steps, eval_every=sft.eval_every, train_prompts=cfg.data.prompts,
-        eval_prompts=cfg.data.eval_prompts, eval_num_steps=cfg.sampler.num_steps, eval_shift=cfg.sampler.shift,
-        cache_dir=cfg.data.cache_dir, num_threads=cfg.run.num_threads or None, progress=progress, **optional,
-    )
+    """``flowforge sft CONFIG``: :func:`run_sft` with the ``sft``, ``run``, ``data`` and ``sampler`` sections;
+    prints the history."""
+    history = run_sft(cfg.sft, run=cfg.run, data=cfg.data, sampler=cfg.sampler, progress=progress)
     for entry in history:
         print(f"step {entry['step']:>6d}  DigitEval {entry['digit_eval']:.3f}  loss {entry['loss']:.4f}")
-    print(f"saved to {sft.output}")
+    print(f"saved to {cfg.sft.output}")
     return history
 
 
@@ -316,13 +318,14 @@ def _cli(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval-samples-per-prompt", type=int, default=1)
     p.add_argument("--cond-dropout", type=float, default=0.1)
     p.add_argument("--sigma-sampling", default="logit_normal", choices=SIGMA_SAMPLINGS)
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    run_sft(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-            warmup_steps=args.warmup_steps, eval_every=args.eval_every,
-            eval_samples_per_prompt=args.eval_samples_per_prompt, cond_dropout=args.cond_dropout,
-            sigma_sampling=args.sigma_sampling, num_threads=args.num_threads, progress=False)
+    sft = SFTConfig(output=args.output_dir, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                    warmup_steps=args.warmup_steps, eval_every=args.eval_every,
+                    eval_samples_per_prompt=args.eval_samples_per_prompt, cond_dropout=args.cond_dropout,
+                    sigma_sampling=args.sigma_sampling)
+    run_sft(sft, run=RunConfig(seed=args.seed, num_threads=args.num_threads), progress=False)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -71,37 +70,25 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from flowforge.runtime.durable import atomic_write, fsync_path, is_tmp
 from flowforge.rollout import Trajectory
+from flowforge.runtime.durable import atomic_write, fsync_path, is_tmp, remove_marked_dir, step_dir_name, step_dirs
 
 log = logging.getLogger("flowforge")
 
 FORMAT = "flowforge-trajectory-1"
 DONE = "DONE"
-_STEP_RE = re.compile(r"^step_(\d{6,})$")
 _GROUP_RE = re.compile(r"^group_(-?\d+)\.safetensors$")
 _TRAJ_FIELDS = ("final", "latents", "next_latents", "log_probs", "means")
 
 _test_hook: Callable[[str, str], None] | None = None
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-# ------------------------------------------------------------------------------------------------ durable writes
-def _atomic_write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
-    """:func:`flowforge.runtime.durable.atomic_write` reporting its stages to the test hook."""
-    atomic_write(path, write, None if _test_hook is None else (lambda stage: _test_hook(stage, relpath)))
+def _write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
+    """:func:`atomic_write` reporting to the test hook (read at call time: tests set it after import)."""
+    atomic_write(path, write, _test_hook, relpath)
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name)))
-
-
 def is_complete(step_dir: str | Path) -> bool:
     """True if ``step_dir`` holds its ``DONE`` marker (every file of the step is in place)."""
     return (Path(step_dir) / DONE).is_file()
@@ -109,7 +96,7 @@ def is_complete(step_dir: str | Path) -> bool:
 
 def complete_steps(root: str | Path) -> list[Path]:
     """Complete ``<root>/step_*`` directories, oldest first."""
-    return [p for _, p in _step_dirs(Path(root)) if is_complete(p)]
+    return [p for _, p in step_dirs(Path(root)) if is_complete(p)]
 
 
 def group_files(step_dir: str | Path) -> list[Path]:
@@ -152,15 +139,6 @@ def _to_png(image: Tensor) -> Image.Image:
     return Image.fromarray(arr[:, :, 0], mode="L") if arr.shape[2] == 1 else Image.fromarray(arr, mode="RGB")
 
 
-def _remove_step_dir(step_dir: Path) -> None:
-    done = step_dir / DONE
-    if done.exists():
-        done.unlink()
-        fsync_path(step_dir)
-    shutil.rmtree(step_dir)
-    fsync_path(step_dir.parent)
-
-
 class SidecarWriter:
     """Writes each rollout's trajectories and media under ``root`` and keeps the newest ``keep`` rollouts.
 
@@ -191,12 +169,12 @@ class SidecarWriter:
             if is_tmp(p.name) and p.is_file():
                 p.unlink()
                 removed.append(p)
-        dirs = _step_dirs(self.root)
+        dirs = step_dirs(self.root)
         complete = [p for _, p in dirs if is_complete(p)]
         keep_n = max(self.keep - reserve, 0)
         doomed = [p for _, p in dirs if not is_complete(p)] + complete[: max(len(complete) - keep_n, 0)]
         for p in doomed:
-            _remove_step_dir(p)
+            remove_marked_dir(p, DONE)
             removed.append(p)
         if removed:
             fsync_path(self.root)
@@ -221,43 +199,13 @@ class SidecarWriter:
         Raises:
             ValueError: ``step < 0``, row counts that disagree, or a group whose rows have different prompts.
         """
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        b = traj.final.shape[0]
-        group_ids = torch.as_tensor(group_ids).detach().cpu().long()
-        sizes = {"group_ids": group_ids.shape[0], "prompts": len(prompts), "images": images.shape[0]}
-        if candidate_ids is not None:
-            sizes["candidate_ids"] = len(candidate_ids)
-        sizes.update({f"extras[{k}]": v.shape[0] for k, v in (extras or {}).items()})
-        bad = {k: n for k, n in sizes.items() if n != b}
-        if bad or group_ids.dim() != 1:
-            raise ValueError(f"the trajectory has B={b} rows but {bad or {'group_ids.dim()': group_ids.dim()}}")
-        if images.dim() != 4 or images.shape[1] not in (1, 3):
-            raise ValueError(f"images must be [B, 3, H, W] (or [B, 1, H, W]), got {tuple(images.shape)}")
-        groups = sorted(set(group_ids.tolist()))
-        group_rows = {g: torch.nonzero(group_ids == g).squeeze(1) for g in groups}
-        for g, rows in group_rows.items():
-            distinct = sorted({prompts[r] for r in rows.tolist()})
-            if len(distinct) > 1:
-                raise ValueError(f"group {g} has rows with different prompts {distinct[:3]}; a group is one prompt")
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        for s, p in _step_dirs(self.root):
-            if s >= step:
-                if s > step and is_complete(p):
-                    log.warning("removing sidecars %s: step %d is past the step being written (%d), left by a run "
-                                "that resumed from an earlier checkpoint", p, s, step)
-                _remove_step_dir(p)
-        self.reap(reserve=1)
-        step_dir = self.root / step_dir_name(step)
-        step_dir.mkdir()
-        fsync_path(self.root)
-
+        group_rows = _group_rows(step, traj, group_ids, prompts, images, candidate_ids, extras)
+        step_dir = self._start_step(step)
         shared = {"sigmas": traj.sigmas.detach().float().cpu().contiguous(),
                   "trained_steps": torch.tensor(list(traj.trained_steps), dtype=torch.long)}
+        group_ids = torch.as_tensor(group_ids).detach().cpu().long()
         files: dict[str, int] = {}
-        for g in groups:
-            rows = group_rows[g]
+        for g, rows in group_rows.items():
             tensors = dict(shared)
             for name in _TRAJ_FIELDS:
                 t = getattr(traj, name)
@@ -271,17 +219,64 @@ class SidecarWriter:
                 tensors[f"extra.{name}"] = t.detach()[rows.to(t.device)].cpu().contiguous()
             meta = {"format": FORMAT, "step": str(step), "group_id": str(g), "prompt": prompts[int(rows[0])],
                     "trained_steps": json.dumps(list(traj.trained_steps)), "num_candidates": str(len(rows))}
-            name = f"group_{g}.safetensors"
-            _atomic_write(step_dir / name, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m),
-                          f"{step_dir.name}/{name}")
-            files[name] = (step_dir / name).stat().st_size
-            for k, r in enumerate(rows.tolist()):
-                png = f"group_{g}_{k}.png"
-                image = _to_png(images[r])
-                _atomic_write(step_dir / png, lambda tmp, im=image: im.save(tmp, format="PNG"),
-                              f"{step_dir.name}/{png}")
-                files[png] = (step_dir / png).stat().st_size
-        done = json.dumps({"format": FORMAT, "step": step, "groups": groups, "files": files}, indent=1) + "\n"
+            files.update(_write_group(step_dir, g, rows, tensors, meta, images))
+        done = json.dumps({"format": FORMAT, "step": step, "groups": list(group_rows), "files": files},
+                          indent=1) + "\n"
         fsync_path(step_dir)
-        _atomic_write(step_dir / DONE, lambda tmp: tmp.write_text(done), f"{step_dir.name}/{DONE}")
+        _write(step_dir / DONE, lambda tmp: tmp.write_text(done), f"{step_dir.name}/{DONE}")
         return step_dir
+
+    def _start_step(self, step: int) -> Path:
+        """Remove directories of steps ``>= step`` (an abandoned future after a resume), reap, create the step's
+        directory durably."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for s, p in step_dirs(self.root):
+            if s >= step:
+                if s > step and is_complete(p):
+                    log.warning("removing sidecars %s: step %d is past the step being written (%d), left by a run "
+                                "that resumed from an earlier checkpoint", p, s, step)
+                remove_marked_dir(p, DONE)
+        self.reap(reserve=1)
+        step_dir = self.root / step_dir_name(step)
+        step_dir.mkdir()
+        fsync_path(self.root)
+        return step_dir
+
+
+def _group_rows(step: int, traj: Trajectory, group_ids: Tensor, prompts: Sequence[str], images: Tensor,
+                candidate_ids: Tensor | None, extras: Mapping[str, Tensor] | None) -> dict[int, Tensor]:
+    """Check :meth:`SidecarWriter.write`'s arguments; returns ``{group id: [k] int64 rows}`` by group id."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    b = traj.final.shape[0]
+    group_ids = torch.as_tensor(group_ids).detach().cpu().long()
+    sizes = {"group_ids": group_ids.shape[0], "prompts": len(prompts), "images": images.shape[0]}
+    if candidate_ids is not None:
+        sizes["candidate_ids"] = len(candidate_ids)
+    sizes.update({f"extras[{k}]": v.shape[0] for k, v in (extras or {}).items()})
+    bad = {k: n for k, n in sizes.items() if n != b}
+    if bad or group_ids.dim() != 1:
+        raise ValueError(f"the trajectory has B={b} rows but {bad or {'group_ids.dim()': group_ids.dim()}}")
+    if images.dim() != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(f"images must be [B, 3, H, W] (or [B, 1, H, W]), got {tuple(images.shape)}")
+    group_rows = {g: torch.nonzero(group_ids == g).squeeze(1) for g in sorted(set(group_ids.tolist()))}
+    for g, rows in group_rows.items():
+        distinct = sorted({prompts[r] for r in rows.tolist()})
+        if len(distinct) > 1:
+            raise ValueError(f"group {g} has rows with different prompts {distinct[:3]}; a group is one prompt")
+    return group_rows
+
+
+def _write_group(step_dir: Path, g: int, rows: Tensor, tensors: dict[str, Tensor], meta: dict[str, str],
+                 images: Tensor) -> dict[str, int]:
+    """Group ``g``'s safetensors file, then one PNG per candidate in row order; returns ``{file: bytes}``."""
+    files: dict[str, int] = {}
+    name = f"group_{g}.safetensors"
+    _write(step_dir / name, lambda tmp: save_file(tensors, str(tmp), metadata=meta), f"{step_dir.name}/{name}")
+    files[name] = (step_dir / name).stat().st_size
+    for k, r in enumerate(rows.tolist()):
+        png = f"group_{g}_{k}.png"
+        image = _to_png(images[r])
+        _write(step_dir / png, lambda tmp, im=image: im.save(tmp, format="PNG"), f"{step_dir.name}/{png}")
+        files[png] = (step_dir / png).stat().st_size
+    return files

@@ -1,11 +1,11 @@
-"""The shipped demo base policy loads from "demo:base" and generates recognisable, prompt-dependent digits."""
+"""The shipped demo base policy (``demo:base``) loads and generates recognisable, prompt-dependent digits."""
 import json
 
 import torch
 
 from flowforge.models import build_adapter
 from flowforge.models.base import FlowModel
-from flowforge.models.sd3 import demo_base_dir
+from flowforge.demo.paths import demo_base_dir, resolve_demo_path
 
 
 def test_shipped_files_and_config():
@@ -20,7 +20,7 @@ def test_demo_base_generates_requested_digits():
     from flowforge.demo.classifiers import digit_eval_accuracy
     from flowforge.rollout import generate
 
-    adapter = build_adapter("sd3", "demo:base", dtype=torch.float32, device="cpu")
+    adapter = build_adapter("sd3", resolve_demo_path("demo:base"), dtype=torch.float32, device="cpu")
     assert isinstance(adapter, FlowModel)
     assert not adapter.transformer.training
     assert adapter.latent_shape(32, 32) == (1, 32, 32)

@@ -131,6 +131,8 @@ def test_registry_errors_and_bring_your_own(tmp_path):
         build_adapter("builtins:list", "x")
     with pytest.raises(FileNotFoundError):
         load_sd3(tmp_path)
+    with pytest.raises(FileNotFoundError, match="resolve_demo_path"):  # demo names are resolved above models/
+        load_sd3("demo:base")
 
 
 def test_load_bare_transformer_dir_with_meta(tmp_path):

@@ -1,0 +1,21 @@
+"""``flowforge report RUN_DIR``: (re)write ``RUN_DIR/report.html`` from the run's logs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "write RUN_DIR/report.html from its logs"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser("report", help=HELP)
+    parser.add_argument("run_dir", type=Path)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowforge.train.report import write_report
+
+    print(write_report(args.run_dir))
+    return 0

@@ -1,0 +1,134 @@
+"""``flowforge serve SERVER ...``: run one of flowforge's HTTP services until interrupted (Ctrl-C / SIGTERM).
+
+::
+
+    flowforge serve reward --scorers digit,jpeg_compressibility [--options FILE] [--host 127.0.0.1] [--port N]
+                           [--token-file F | --no-auth] [--device cpu] [--max-batch N] [--max-body-mb N]
+    flowforge serve judge (--scorer NAME | --model PATH) [--host 127.0.0.1] [--port N] [--token-file F | --no-auth]
+                          [--request-log FILE] [--options FILE] [--score-range LO HI] [--model-name ID]
+
+Each server prints ``serving <name> at http://HOST:PORT`` when it listens (``--port 0`` picks a free port). Auth
+rules (:mod:`flowforge.serve.common`): loopback by default; a bearer token from ``--token-file`` (or generated and
+printed on stderr); ``--no-auth`` only on a loopback host.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "run a flowforge HTTP service (reward scorers, judge)"
+REWARD_PORT = 8765
+
+
+def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """``--host --port --token-file --no-auth``, shared by every server."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=default_port, help=f"port (default {default_port}; 0 = a free one)")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="file holding the bearer token (default: generate one and print it on stderr)")
+    parser.add_argument("--no-auth", action="store_true", help="no token (refused unless --host is loopback)")
+
+
+def _add_reward(servers) -> None:
+    parser = servers.add_parser("reward", help="reward scorers over HTTP (the 'remote' scorer's server)")
+    parser.add_argument("--scorers", required=True,
+                        help="comma-separated scorer names (built-ins or pkg.module:Factory)")
+    parser.add_argument("--options", type=Path, default=None,
+                        help="YAML file: scorer name -> keyword options for its factory")
+    parser.add_argument("--device", default="cpu", help="device the media are scored on (cpu, cuda, cuda:N)")
+    parser.add_argument("--max-batch", type=int, default=256, help="most media items per request")
+    parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    add_server_args(parser, REWARD_PORT)
+
+
+def _run_reward(args: argparse.Namespace) -> int:
+    import yaml
+
+    from flowforge.serve.common import resolve_token, serve_app
+
+    names = [n.strip() for n in args.scorers.split(",") if n.strip()]
+    options = yaml.safe_load(args.options.read_text()) if args.options is not None else {}
+    if not isinstance(options, dict) or any(not isinstance(v, dict) for v in options.values()):
+        raise ValueError(f"--options {args.options}: expected a mapping scorer name -> mapping of options")
+    unused = sorted(set(options) - set(names))
+    if unused:
+        raise ValueError(f"--options names scorers that are not served: {unused} (--scorers: {names})")
+    token = resolve_token(args.token_file, args.no_auth, args.host)  # auth errors before any model loads
+    import torch
+
+    from flowforge.rewards.registry import build_scorer
+    from flowforge.serve.reward_server import build_app
+
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    scorers = {name: build_scorer(name, **options.get(name, {})) for name in names}
+    app = build_app(scorers, token, max_batch=args.max_batch, max_bytes=int(args.max_body_mb * 2**20),
+                    device=args.device)
+    serve_app(app, args.host, args.port, "reward")
+    return 0
+
+
+JUDGE_PORT = 8766
+
+
+def _add_judge(servers) -> None:
+    parser = servers.add_parser("judge", help="an OpenAI-compatible judge: a local VLM or a scorer ('vlm_judge')")
+    backend = parser.add_mutually_exclusive_group(required=True)
+    backend.add_argument("--scorer", help="a scorer wrapped as a group judge (built-in name or pkg.module:Factory)")
+    backend.add_argument("--model", help="a local Hugging Face image-text-to-text model directory")
+    parser.add_argument("--options", type=Path, default=None, help="YAML file: keyword options for the scorer")
+    parser.add_argument("--score-range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"),
+                        help="scorer scores mapped linearly from [LO, HI] to the judge's [0, 100] (default 0 1)")
+    parser.add_argument("--model-name", default=None, help="model id served (default: the scorer / directory name)")
+    parser.add_argument("--request-log", type=Path, default=None, help="append each received request's key here")
+    parser.add_argument("--device", default="cpu", help="device of the model / scorer (cpu, cuda, cuda:N)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="cap on a request's max_tokens (--model)")
+    parser.add_argument("--max-images", type=int, default=512, help="most images per request")
+    parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    add_server_args(parser, JUDGE_PORT)
+
+
+def _run_judge(args: argparse.Namespace) -> int:
+    import yaml
+
+    from flowforge.serve.common import resolve_token, serve_app
+
+    options = yaml.safe_load(args.options.read_text()) if args.options is not None else {}
+    if not isinstance(options, dict):
+        raise ValueError(f"--options {args.options}: expected a mapping of keyword options")
+    if options and args.scorer is None:
+        raise ValueError("--options applies to --scorer only")
+    token = resolve_token(args.token_file, args.no_auth, args.host)  # auth errors before any model loads
+    import torch
+
+    from flowforge.serve.judge_server import build_app, build_backend
+
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    backend = build_backend(scorer=args.scorer, model=args.model, scorer_options=options,
+                            score_range=tuple(args.score_range), device=args.device, dtype=args.dtype,
+                            max_new_tokens=args.max_new_tokens, model_id=args.model_name)
+    app = build_app(backend, token, request_log=args.request_log, max_bytes=int(args.max_body_mb * 2**20),
+                    max_images=args.max_images)
+    serve_app(app, args.host, args.port, "judge")
+    return 0
+
+
+SERVERS = {"reward": (_add_reward, _run_reward), "judge": (_add_judge, _run_judge)}
+"""Server name -> (add its sub-parser, run it)."""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser("serve", help=HELP)
+    servers = parser.add_subparsers(dest="server", required=True, metavar="SERVER")
+    for add, _ in SERVERS.values():
+        add(servers)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    return SERVERS[args.server][1](args)

@@ -1,0 +1,24 @@
+"""``flowforge train CONFIG [section.key=value ...]``: online RL post-training (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+
+from flowforge.cli.common import add_config_args, load_config_file
+
+HELP = "online RL post-training"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser("train", help=HELP)
+    add_config_args(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config_file(args.config, args.overrides)  # config errors surface before torch is imported
+    from flowforge.train.trainer import Trainer
+
+    run_dir = Trainer(cfg, progress=not args.no_progress).train()
+    print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
+    return 0

@@ -1,0 +1,73 @@
+"""The ``demo:`` names of the embedded default and the packaged files they stand for.
+
+A config may name the embedded default's files instead of giving paths (``model.path: demo:base``,
+``data.prompts: demo:train``, ``data.eval_prompts: demo:eval``). Those names are resolved here, in the demo
+package, by the layers that read configs (:mod:`flowforge.train`, :mod:`flowforge.tools`): the model adapters only
+ever see real paths.
+
+==============  =========================================================================================
+name            file
+==============  =========================================================================================
+``demo:base``   ``flowforge/demo/weights/base/``: the SFT base policy (``config.json``,
+                ``diffusion_pytorch_model.safetensors``, ``flowforge.json`` naming its MiniLM text encoder)
+``demo:train``  ``flowforge/demo/prompts/train.jsonl``: 18 phrasings x 10 digits (:mod:`flowforge.demo.prompts`)
+``demo:eval``   ``flowforge/demo/prompts/eval.jsonl``: 6 held-out phrasings x 10 digits
+==============  =========================================================================================
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO_PREFIX = "demo:"
+"""What every demo name starts with."""
+
+DEMO_BASE = "demo:base"
+"""The shipped base policy (``model.path``)."""
+
+DEMO_PROMPT_SETS = ("demo:train", "demo:eval")
+"""The packaged prompt files (``data.prompts`` / ``data.eval_prompts``)."""
+
+DEMO_NAMES = (DEMO_BASE, *DEMO_PROMPT_SETS)
+"""Every name :func:`resolve_demo_path` accepts."""
+
+DEMO_DIR = Path(__file__).resolve().parent
+"""The installed ``flowforge/demo`` package directory."""
+
+
+def demo_base_dir() -> Path:
+    """Directory of the shipped demo base policy (``config.json`` + ``diffusion_pytorch_model.safetensors`` +
+    ``flowforge.json``), loadable by :func:`flowforge.models.sd3.load_sd3`."""
+    return DEMO_DIR / "weights" / "base"
+
+
+def demo_prompts_path(name: str) -> Path:
+    """The packaged JSONL file of prompt set ``name`` (``"demo:train"`` or ``"demo:eval"``).
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`DEMO_PROMPT_SETS`.
+    """
+    if name not in DEMO_PROMPT_SETS:
+        raise ValueError(f"prompt source {name!r}: demo prompt sets are {list(DEMO_PROMPT_SETS)}")
+    return DEMO_DIR / "prompts" / f"{name[len(DEMO_PREFIX):]}.jsonl"
+
+
+def is_demo_name(source: str | Path) -> bool:
+    """Whether ``source`` is spelled as a demo name (starts with ``"demo:"``; a ``Path`` never is)."""
+    return isinstance(source, str) and source.startswith(DEMO_PREFIX)
+
+
+def resolve_demo_path(source: str | Path) -> str | Path:
+    """``source`` with a demo name replaced by its packaged path (:data:`DEMO_NAMES`, see the module table);
+    anything else (a local path, a hub id) is returned unchanged, so callers pass it on exactly as before.
+
+    Raises:
+        ValueError: ``source`` starts with ``"demo:"`` but is not one of :data:`DEMO_NAMES` (they are listed).
+    """
+    if not is_demo_name(source):
+        return source
+    if source == DEMO_BASE:
+        return demo_base_dir()
+    if source in DEMO_PROMPT_SETS:
+        return demo_prompts_path(source)
+    raise ValueError(f"unknown demo name {source!r}; allowed: {list(DEMO_NAMES)}")

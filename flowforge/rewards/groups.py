@@ -1,0 +1,143 @@
+"""Calling one scorer on a batch: checked calls, per-sample flags, and whole groups for ``needs_group`` scorers, also
+when a group's candidates are spread over several ranks.
+
+A group scorer (a ranking, a VLM judge comparing candidates) must see every candidate of a prompt at once. Under
+``torchrun`` each rank holds a contiguous share of the step's candidates in canonical order, so a group can straddle
+two ranks. :func:`score_groups_across_ranks` then:
+
+1. all-gathers every rank's per-group member counts and gives each group one **owner**: the rank holding most of
+   its members (ties: the lowest rank), so only straddling members move;
+2. all-gathers the moving members (media on the CPU, prompt, metadata) and each owner scores its groups whole, the
+   members ordered by (rank, local index);
+3. all-gathers the scores of moved members back to their ranks.
+
+Every rank must call it for the same scorers in the same order (it runs collectives). The number of groups scored
+is the same on every rank (all of the step's groups), so averaging the metric over ranks keeps it.
+
+Per-sample flags: a scorer may set ``sample_flags`` (name -> ``[n]`` bool, for its last call), e.g. CLIP's
+``{"truncated": ...}``; the processor logs their fractions as ``reward/<component>_<flag>_fraction``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowforge.rewards.base import RewardScorer
+from flowforge.runtime.distributed import DistInfo
+
+Flags = dict[str, Tensor]  # flag name -> [n] bool on the CPU
+
+
+def call_scorer(name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
+                metadata: list[dict[str, Any]]) -> tuple[Tensor, Flags]:
+    """``scorer(media, prompts, metadata)`` checked: ``([n] float32 on media's device, flags)``.
+
+    Raises:
+        ValueError: the scorer returned something other than an ``[n]`` tensor, or flags of another length.
+    """
+    n = len(prompts)
+    out = scorer(media, prompts, metadata)
+    if not isinstance(out, Tensor) or out.shape != (n,):
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"reward component {name!r} returned {shape}, expected a [{n}] tensor")
+    flags = {}
+    for flag, values in (getattr(scorer, "sample_flags", None) or {}).items():
+        if not isinstance(values, Tensor) or values.shape != (n,):
+            raise ValueError(f"reward component {name!r} set sample_flags[{flag!r}] of shape "
+                             f"{getattr(values, 'shape', None)}, expected [{n}]")
+        flags[flag] = values.detach().bool().cpu()
+    return out.detach().to(device=media.device, dtype=torch.float32), flags
+
+
+def _owners(counts: list[dict[int, int]]) -> dict[int, int]:
+    """group -> owning rank: the rank holding most members, ties to the lowest rank."""
+    groups = sorted(set().union(*counts))
+    return {g: max(range(len(counts)), key=lambda r: (counts[r].get(g, 0), -r)) for g in groups}
+
+
+def score_groups_across_ranks(name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
+                              metadata: list[dict[str, Any]], group_ids: Tensor,
+                              dist: DistInfo) -> tuple[Tensor, Flags, int]:
+    """Score every group whole, wherever its members are (module docstring). A collective: every rank calls it.
+
+    Args:
+        media: this rank's ``[B, 3, H, W]``; prompts / metadata: its ``B`` entries.
+        group_ids: ``[B]`` int64 ids that name the same group on every rank (the step's group index).
+
+    Returns:
+        ``(scores [B] float32 on media's device, flags (name -> [B] bool), number of groups over all ranks)``.
+
+    Raises:
+        ValueError: as :func:`call_scorer` (on the owning rank).
+    """
+    import torch.distributed as tdist
+
+    rank, world = dist.rank, dist.world_size
+    local = group_ids.tolist()
+    counts: list[Any] = [None] * world
+    tdist.all_gather_object(counts, dict(Counter(local)))
+    owner = _owners(counts)
+    outgoing = [(i, g, media[i].cpu(), prompts[i], metadata[i]) for i, g in enumerate(local) if owner[g] != rank]
+    incoming: list[Any] = [None] * world
+    tdist.all_gather_object(incoming, outgoing)
+
+    scores = torch.full((len(local),), float("nan"), dtype=torch.float32, device=media.device)
+    flags: dict[str, Tensor] = {}
+    returned = []  # (member's rank, its local index, score, {flag: bool}) for members of other ranks
+    for g in (g for g, r in owner.items() if r == rank):
+        members = [(rank, i, media[i], prompts[i], metadata[i]) for i, gi in enumerate(local) if gi == g]
+        members += [(r, i, m.to(media.device), p, md) for r in range(world) if r != rank
+                    for i, gi, m, p, md in incoming[r] if gi == g]
+        members.sort(key=lambda member: (member[0], member[1]))
+        out, out_flags = call_scorer(name, scorer, torch.stack([m[2] for m in members]),
+                                     [m[3] for m in members], [m[4] for m in members])
+        for j, (r, i, *_) in enumerate(members):
+            member_flags = {f: bool(v[j]) for f, v in out_flags.items()}
+            if r == rank:
+                scores[i] = out[j]
+                for f, v in member_flags.items():
+                    flags.setdefault(f, torch.zeros(len(local), dtype=torch.bool))[i] = v
+            else:
+                returned.append((r, i, float(out[j]), member_flags))
+    back: list[Any] = [None] * world
+    tdist.all_gather_object(back, returned)
+    for r, i, value, member_flags in (item for part in back for item in part):
+        if r == rank:
+            scores[i] = value
+            for f, v in member_flags.items():
+                flags.setdefault(f, torch.zeros(len(local), dtype=torch.bool))[i] = v
+    return scores, flags, len(owner)
+
+
+def local_chunks(needs_group: bool, batch: int, batch_size: int, group_ids: Tensor | None) -> list[Tensor]:
+    """Index sets (int64 ``[n]``) on which a scorer is called in one process, covering ``0..B-1`` once: one per
+    group (whole batch without ``group_ids``) for group scorers, else ``batch_size`` slices."""
+    if needs_group:
+        if group_ids is None:
+            return [torch.arange(batch)]
+        return [torch.nonzero(group_ids == g).squeeze(1) for g in torch.unique(group_ids)]
+    return [torch.arange(start, min(start + batch_size, batch)) for start in range(0, batch, batch_size)]
+
+
+def score_local(name: str, scorer: RewardScorer, media: Tensor, prompts: Sequence[str],
+                metadata: Sequence[dict[str, Any]], chunks: list[Tensor]) -> tuple[Tensor, Flags]:
+    """Score ``media`` chunk by chunk in this process: ``([B] float32 on media's device, flags)``; a flag a chunk
+    does not report is False for its samples."""
+    batch = media.shape[0]
+    scores = torch.full((batch,), float("nan"), dtype=torch.float32, device=media.device)
+    flags: dict[str, Tensor] = {}
+    for index in chunks:
+        if index.numel() == 0:
+            continue
+        rows = index.tolist()
+        out, out_flags = call_scorer(name, scorer, media[index.to(media.device)], [prompts[i] for i in rows],
+                                     [metadata[i] for i in rows])
+        scores[index.to(media.device)] = out
+        for flag, values in out_flags.items():
+            flags.setdefault(flag, torch.zeros(batch, dtype=torch.bool))[index] = values
+    return scores, flags

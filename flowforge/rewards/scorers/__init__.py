@@ -1,0 +1,16 @@
+"""The built-in reward scorers, one module per scorer family, each implementing
+:class:`flowforge.rewards.base.RewardScorer`:
+
+================  ===================================================================================
+``digit``         embedded-default digit reward and DigitEval (classifiers from :mod:`flowforge.demo`)
+``jpeg``          DDPO's JPEG (in)compressibility, CPU only
+``clip_common``   shared CLIP pieces: option checks, weak model cache, torch preprocessing, embeddings
+``pickscore``     PickScore (transformers CLIP-H)
+``clip_score``    CLIP score: cosine, CLIPScore, flow_grpo's scaled logit
+``aesthetic``     LAION improved-aesthetic-predictor head on CLIP-L/14 image embeddings
+``hps``           HPSv2 (optional ``open_clip``)
+================  ===================================================================================
+
+Scorers are looked up by name through :mod:`flowforge.rewards.registry`; this package imports nothing itself, so
+importing one scorer module does not load the others' dependencies.
+"""

@@ -1,0 +1,38 @@
+"""The rollout / reward boundary: clean latents become media the reward models read.
+
+A rollout ends in clean latents ``x_0`` (``Trajectory.final``); scorers, sample grids and sidecars take media in
+``[0, 1]``. :func:`decode_media` is the one place that conversion happens, in chunks so a large step never decodes
+its whole batch at once; :func:`video_frames` lays a video batch out as images for per-frame scorers and grids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowforge.models.base import FlowModel
+
+
+@torch.no_grad()
+def decode_media(adapter: FlowModel, latents: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """``adapter.decode`` of clean latents in consecutive chunks, concatenated in row order, without gradients.
+
+    Args:
+        adapter: the model family's adapter (its VAE, or the identity for pixel-space models).
+        latents: ``[B, *latent]`` clean latents ``x_0`` (fp32, as the rollout leaves them).
+        batch_size: rows decoded per ``adapter.decode`` call (``reward.batch_size``), ``>= 1``.
+
+    Returns:
+        Images ``[B, 3, H, W]`` (or ``[B, 1, H, W]`` grey) or video ``[B, 3, F, H, W]`` in ``[0, 1]``, on the
+        adapter's device.
+
+    Raises:
+        ValueError: ``batch_size < 1``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return torch.cat([adapter.decode(latents[i:i + batch_size]) for i in range(0, latents.shape[0], batch_size)])
+
+
+def video_frames(video: torch.Tensor) -> torch.Tensor:
+    """``[B, 3, F, H, W]`` -> ``[B * F, 3, H, W]``, the frames of each video consecutive."""
+    return video.permute(0, 2, 1, 3, 4).flatten(0, 1)

@@ -1,0 +1,164 @@
+"""What every flowforge HTTP server shares: bearer-token auth, the loopback rule, request-size limits, start-up.
+
+Rules (the same for the reward service and the judge server):
+
+* a server binds loopback (``127.0.0.1``) unless told otherwise;
+* it wants ``Authorization: Bearer <token>`` on every route except ``GET /health``; the token is read from a file
+  (``--token-file``), or generated and printed on stderr when no file is given;
+* it runs without a token only when asked (``--no-auth``) **and** bound to a loopback address: anyone who can reach
+  a non-loopback port could otherwise score or judge with this machine's models;
+* request bodies over a byte limit are refused with 413 before they are read whole (:func:`limit_body`).
+
+When the server is listening, :func:`serve_app` prints one line ``serving <name> at http://HOST:PORT`` on stdout
+(flushed), which scripts and tests read to find the port (``--port 0`` picks a free one).
+"""
+
+import hmac
+import ipaddress
+import json
+import secrets
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+LOOPBACK_NAMES = ("localhost",)
+TOKEN_BYTES = 32
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and any address in 127.0.0.0/8 or ``::1``; False for every other name or address
+    (``0.0.0.0`` included: it listens on every interface)."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def server_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` (an IPv6 address in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def resolve_token(token_file: str | Path | None, no_auth: bool, host: str) -> str | None:
+    """The bearer token a server requires, or ``None`` when it runs without auth.
+
+    Args:
+        token_file: a file whose content (stripped) is the token; ``None`` generates a random token
+            (``secrets.token_urlsafe``, 32 bytes) and prints it on stderr.
+        no_auth: run without a token; allowed only on a loopback ``host`` and without ``token_file``.
+        host: the address the server binds.
+
+    Raises:
+        ValueError: ``no_auth`` with a non-loopback host or with a token file; an empty token file.
+        OSError: the token file cannot be read.
+    """
+    if no_auth:
+        if token_file is not None:
+            raise ValueError("--no-auth and --token-file contradict each other; give one")
+        if not is_loopback(host):
+            raise ValueError(f"--no-auth is refused on the non-loopback host {host!r}: anyone reaching the port "
+                             "could use the server; bind 127.0.0.1 or give --token-file")
+        return None
+    if token_file is None:
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        print(f"bearer token (pass --token-file to choose one): {token}", file=sys.stderr, flush=True)
+        return token
+    token = Path(token_file).read_text().strip()
+    if not token:
+        raise ValueError(f"token file {str(token_file)!r} is empty; write the bearer token into it")
+    return token
+
+
+def require_token(token: str | None) -> Callable[..., None]:
+    """A FastAPI dependency that refuses a request without ``Authorization: Bearer <token>`` (401, with a
+    ``WWW-Authenticate: Bearer`` header). ``token=None`` accepts every request (``--no-auth``). The comparison
+    takes constant time (``hmac.compare_digest``).
+
+    Use: ``app.post("/score", dependencies=[Depends(require_token(token))])``."""
+    from fastapi import HTTPException, Request
+
+    # no postponed annotations in this module: FastAPI must see the real ``Request`` class on ``check``
+    expected = None if token is None else token.encode()
+
+    def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token (Authorization: Bearer ...)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def limit_body(app: Any, max_bytes: int) -> Callable:
+    """Wrap an ASGI ``app`` so that an HTTP request body over ``max_bytes`` is answered 413 with a JSON
+    ``{"detail": ...}``: at once from ``Content-Length``, else as soon as the streamed body passes the limit (the
+    body is read here, at most ``max_bytes`` of it, and handed to ``app`` whole)."""
+
+    async def send_413(send, size: str) -> None:
+        body = json.dumps({"detail": f"request body {size} exceeds the limit of {max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def limited(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            return await send_413(send, f"of {int(declared)} bytes")
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > max_bytes:
+                return await send_413(send, "streamed")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: wait for the client to disconnect, as the server would
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        return await app(scope, replay, send)
+
+    return limited
+
+
+def serve_app(app: Any, host: str, port: int, ready_message: str) -> None:
+    """Serve the ASGI ``app`` with uvicorn on ``host:port`` until interrupted (SIGINT / SIGTERM).
+
+    ``port=0`` binds a free port. Once listening, prints ``serving <ready_message> at http://HOST:PORT`` on stdout,
+    flushed (``ready_message`` names the server, e.g. ``"reward"``).
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local).
+    """
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    url = server_url(host, sock.getsockname()[1])
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                print(f"serving {ready_message} at {url}", flush=True)
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    Server(config).run(sockets=[sock])

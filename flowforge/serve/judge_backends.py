@@ -1,0 +1,235 @@
+"""What answers a chat completion in ``flowforge serve judge``: a local Hugging Face vision-language model, or any
+flowforge reward scorer wrapped as a group judge.
+
+A backend is an object with ``model_id: str`` and ``complete(messages, *, max_tokens, temperature, seed) ->
+Completion``; ``messages`` are OpenAI chat messages as plain dicts (``content`` a string or a list of ``text`` /
+``image_url`` parts with base64 ``data:image/...`` URLs). A backend raises ``ValueError`` for a request it cannot
+serve (the server answers 422 with the message) and :class:`BackendError` to answer with a chosen HTTP status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowforge.rewards.base import RewardScorer
+from flowforge.rewards.judge import protocol as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One answer: the reply text and the token counts reported as ``usage``."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class BackendError(Exception):
+    """Answer the request with HTTP ``status_code`` and ``message`` (never a reply)."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+
+
+def decode_image(data: bytes) -> Tensor:
+    """Image bytes (JPEG / PNG / ...) -> ``[3, H, W]`` float32 in [0, 1].
+
+    Raises:
+        ValueError: not a readable image.
+    """
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            array = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"an image_url does not hold a readable image: {exc}") from None
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def first_user_content(messages: Sequence[dict]) -> list[dict]:
+    """The content parts of the first user message (a string becomes one text part).
+
+    Raises:
+        ValueError: no user message.
+    """
+    for message in messages:
+        if message.get("role") == "user":
+            content = message.get("content")
+            return [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    raise ValueError("the request has no user message")
+
+
+class ScorerBackend:
+    """A flowforge scorer as a group judge: reads the group layout of :mod:`flowforge.rewards.judge.protocol`,
+    scores every candidate's frames (one scorer call per frame size; a video's score is the mean over its frames,
+    as the trainer does), and replies with the strict JSON ``{label: score}`` the judge client parses.
+
+    The scorer's score ``s`` maps to ``100 (s - low) / (high - low)`` clamped to ``[0, 100]``. Each candidate's
+    metadata carries ``label`` and, when the request has a reference, ``reference_media`` (``[3, H, W]``, or
+    ``[3, F, H, W]`` for several frames of one size) for scorers that compare against it. Usage reports the number
+    of images as ``prompt_tokens`` and the number of scores as ``completion_tokens``.
+
+    Raises (``complete``):
+        ValueError: a request outside the layout; the scorer rejects the input; a NaN score ("not applicable" has
+            no strict-JSON answer).
+    """
+
+    def __init__(self, scorer: RewardScorer, model_id: str, score_range: tuple[float, float] = (0.0, 1.0)) -> None:
+        low, high = score_range
+        if not (math.isfinite(low) and math.isfinite(high) and high > low):
+            raise ValueError(f"score_range must be two finite numbers low < high, got {score_range}")
+        self.scorer, self.model_id, self.low, self.high = scorer, model_id, float(low), float(high)
+        self._lock = threading.Lock()
+
+    def scores(self, messages: Sequence[dict]) -> dict[str, float]:
+        """``label -> score in [0, 100]`` for the group in ``messages``."""
+        group = P.read_group_request(first_user_content(messages))
+        reference = [decode_image(b) for b in group.reference]
+        extra: dict[str, Any] = {}
+        if reference:
+            same = all(r.shape == reference[0].shape for r in reference)
+            extra["reference_media"] = torch.stack(reference, 1) if same and len(reference) > 1 else reference[0]
+        items = [(label, decode_image(b)) for label, frames in group.candidates.items() for b in frames]
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, (_, image) in enumerate(items):
+            by_shape.setdefault(tuple(image.shape), []).append(i)
+        values = torch.empty(len(items), dtype=torch.float32)
+        with self._lock, torch.no_grad():
+            for rows in by_shape.values():
+                media = torch.stack([items[i][1] for i in rows])
+                out = self.scorer(media, [group.prompt] * len(rows),
+                                  [{"label": items[i][0], **extra} for i in rows])
+                values[rows] = out.detach().float().cpu().view(-1)
+        result = {}
+        for label in group.candidates:
+            mean = values[[i for i, (lab, _) in enumerate(items) if lab == label]].mean().item()
+            if math.isnan(mean):
+                raise ValueError(f"the scorer gave candidate {label} no score (NaN: not applicable)")
+            result[label] = min(max(100.0 * (mean - self.low) / (self.high - self.low), 0.0), 100.0)
+        return result
+
+    def complete(self, messages: Sequence[dict], *, max_tokens: int | None = None, temperature: float = 0.0,
+                 seed: int | None = None) -> Completion:
+        scores = self.scores(messages)
+        images = sum(p.get("type") == "image_url" for p in first_user_content(messages))
+        return Completion(text=P.scores_reply(scores), prompt_tokens=int(images), completion_tokens=len(scores))
+
+
+def load_vl_processor(path: str | Path) -> Any:
+    """The processor of a vision-language model directory.
+
+    ``AutoProcessor`` first. transformers 5.x builds Qwen2-VL-style processors only together with their video
+    processor, which needs torchvision; when that fails (or only a tokenizer comes back), the processor class named
+    in ``processor_config.json`` is built from its image processor and tokenizer alone, without the video part
+    (images only; its own text / image processing unchanged).
+
+    Raises:
+        ValueError: no processor can be built (the message says what was tried).
+    """
+    import transformers
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    path = Path(path)
+    try:
+        processor = AutoProcessor.from_pretrained(str(path))
+        if hasattr(processor, "image_processor"):
+            return processor
+        first_error = "AutoProcessor returned no image processor"
+    except (OSError, ValueError, ImportError, TypeError) as exc:
+        first_error = f"{type(exc).__name__}: {exc}"
+    config = path / "processor_config.json"
+    name = json.loads(config.read_text()).get("processor_class") if config.is_file() else None
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None:
+        raise ValueError(f"cannot build a processor for {str(path)!r}: {first_error}; processor_config.json names "
+                         f"{name!r}, which transformers does not define")
+
+    class ImageOnlyProcessor(cls):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    template_file = path / "chat_template.jinja"
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    template = template_file.read_text() if template_file.is_file() else getattr(tokenizer, "chat_template", None)
+    return ImageOnlyProcessor(image_processor=AutoImageProcessor.from_pretrained(str(path)), tokenizer=tokenizer,
+                              video_processor=None, chat_template=template)
+
+
+class HFVisionLanguageBackend:
+    """A local Hugging Face image-text-to-text model (``AutoModelForImageTextToText`` + its processor's chat
+    template) answering chat completions with ``generate``: greedy at temperature 0, sampled otherwise (seeded by
+    the request's ``seed``). Usage counts the prompt's input ids and the generated ids.
+
+    Args:
+        path: model directory. device: torch device. dtype: ``float32`` / ``bfloat16`` / ``float16``.
+        max_new_tokens: cap on the request's ``max_tokens``.
+    """
+
+    def __init__(self, path: str | Path, *, device: str = "cpu", dtype: str = "float32", max_new_tokens: int = 1024,
+                 model_id: str | None = None) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if dtype not in dtypes:
+            raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+        self.model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtypes[dtype]).to(device).eval()
+        self.processor = load_vl_processor(path)
+        self.device, self.max_new_tokens = torch.device(device), max_new_tokens
+        self.model_id = model_id or Path(path).name
+        self._lock = threading.Lock()
+
+    def _chat(self, messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
+        """OpenAI messages -> the processor's chat format (``{"type": "image"}`` parts) and the PIL images."""
+        from PIL import Image
+
+        chat, images = [], []
+        for message in messages:
+            content = message.get("content")
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+            converted = []
+            for part in parts:
+                if part.get("type") == "text":
+                    converted.append({"type": "text", "text": part.get("text", "")})
+                elif part.get("type") == "image_url":
+                    data = P.decode_data_url((part.get("image_url") or {}).get("url", ""))
+                    try:
+                        images.append(Image.open(io.BytesIO(data)).convert("RGB"))
+                    except OSError as exc:
+                        raise ValueError(f"an image_url does not hold a readable image: {exc}") from None
+                    converted.append({"type": "image"})
+                else:
+                    raise ValueError(f"unknown content part type {part.get('type')!r}")
+            chat.append({"role": message.get("role", "user"), "content": converted})
+        return chat, images
+
+    def complete(self, messages: Sequence[dict], *, max_tokens: int | None = None, temperature: float = 0.0,
+                 seed: int | None = None) -> Completion:
+        chat, images = self._chat(messages)
+        text = self.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        inputs = self.processor(text=[text], images=images or None, return_tensors="pt").to(self.device)
+        budget = min(max_tokens or self.max_new_tokens, self.max_new_tokens)
+        sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+        with self._lock, torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(**inputs, max_new_tokens=budget, **sampling)
+        prompt_len = inputs["input_ids"].shape[1]
+        new = out[0, prompt_len:]
+        reply = self.processor.batch_decode(new[None], skip_special_tokens=True)[0]
+        return Completion(text=reply, prompt_tokens=int(prompt_len), completion_tokens=int(new.numel()))

@@ -1,0 +1,212 @@
+"""``flowforge serve judge``: an OpenAI-compatible chat-completions server in front of a judge backend
+(:mod:`flowforge.serve.judge_backends`): a local Hugging Face vision-language model (``--model PATH``) or a flowforge
+scorer wrapped as a group judge (``--scorer NAME``). The ``vlm_judge`` reward talks to it like to any
+OpenAI-compatible API.
+
+Routes (bearer token as in :mod:`flowforge.serve.common`; ``GET /health`` is open):
+
+``GET /v1/models`` -> ``{"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": 0,
+"owned_by": "flowforge"}]}``
+
+``POST /v1/chat/completions`` with ``{"model", "messages": [{"role", "content": str | [{"type": "text", "text"} |
+{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}]}], "max_tokens" | "max_completion_tokens",
+"temperature", "seed", "n": 1, "stream": false}`` -> a ``chat.completion`` object with one choice and ``usage``
+(``prompt_tokens``, ``completion_tokens``, ``total_tokens``). Other OpenAI fields are accepted and ignored.
+
+Errors (``{"detail": message}``): 400 body not JSON, ``n != 1``, ``stream``; 401 without the token; 404 unknown model
+id; 413 body over ``max_bytes`` or more than ``max_images`` images; 422 schema errors and requests the backend cannot
+serve (bad image data, a message outside the judge layout, ...); 500 a backend failure. Remote image URLs are never
+fetched.
+
+``request_log``: every received request (after auth, as soon as its body parses as JSON) appends one line, the sha256
+hex of its canonical JSON (sorted keys, no spaces), flushed and fsynced -- proof of what was sent, e.g. that a resumed
+run re-sent nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flowforge.serve.common import limit_body, require_token
+from flowforge.serve.judge_backends import BackendError
+
+DEFAULT_MAX_BYTES = 64 * 2**20
+DEFAULT_MAX_IMAGES = 512
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart | ImagePart]
+
+
+class ChatRequest(BaseModel):
+    """The body of ``POST /v1/chat/completions`` (fields this server uses; others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+
+
+def request_key(body: Any) -> str:
+    """sha256 hex of ``body``'s canonical JSON (sorted keys, ``(",", ":")`` separators)."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class RequestLog:
+    """Appends one key per line to ``path`` (flushed + fsynced, thread-safe)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def append(self, key: str) -> None:
+        with self._lock, open(self.path, "a") as f:
+            f.write(key + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _completion(model: str, text: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def build_app(backend: Any, token: str | None, *, request_log: str | Path | None = None,
+              max_bytes: int = DEFAULT_MAX_BYTES, max_images: int = DEFAULT_MAX_IMAGES):
+    """The ASGI app serving ``backend`` (``model_id`` + ``complete``; :mod:`flowforge.serve.judge_backends`).
+
+    Args:
+        token: bearer token every route but ``/health`` requires; ``None`` = no auth (loopback only, by the CLI).
+        request_log: file receiving one request key per received request (module docstring).
+        max_bytes: largest request body. max_images: most images in one request.
+
+    Raises:
+        ValueError: a limit < 1.
+    """
+    for name, value in (("max_bytes", max_bytes), ("max_images", max_images)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    log = RequestLog(request_log) if request_log is not None else None
+    auth = [Depends(require_token(token))]
+    app = FastAPI(title="flowforge judge server")
+
+    def readable(exc: ValidationError | RequestValidationError) -> str:
+        problems = ["/".join(str(p) for p in e.get("loc", ())) + f": {e.get('msg', '')}" for e in exc.errors()]
+        return "; ".join(problems[:8]) or "malformed request"
+
+    @app.exception_handler(RequestValidationError)
+    async def readable_422(request: Request, exc: RequestValidationError):
+        return JSONResponse(status_code=422, content={"detail": readable(exc)})
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "model": backend.model_id}
+
+    @app.get("/v1/models", dependencies=auth)
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": backend.model_id, "object": "model", "created": 0,
+                                            "owned_by": "flowforge"}]}
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    def chat(body: Any = _json_body()) -> dict[str, Any]:
+        if log is not None:
+            log.append(request_key(body))
+        try:
+            req = ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            raise HTTPException(422, readable(exc)) from None
+        if req.n != 1 or req.stream:
+            raise HTTPException(400, "only n=1 and stream=false are supported")
+        if req.model != backend.model_id:
+            raise HTTPException(404, f"unknown model {req.model!r}; this server serves {backend.model_id!r}")
+        images = sum(isinstance(p, ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
+        if images > max_images:
+            raise HTTPException(413, f"{images} images exceed the limit of {max_images} per request")
+        messages = [m.model_dump() for m in req.messages]
+        try:
+            done = backend.complete(messages, max_tokens=req.max_completion_tokens or req.max_tokens,
+                                    temperature=req.temperature or 0.0, seed=req.seed)
+        except BackendError as exc:
+            raise HTTPException(exc.status_code, exc.message) from None
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - a backend failure is the server's (500), reported, never a reply
+            raise HTTPException(500, f"backend failed: {type(exc).__name__}: {exc}") from exc
+        return _completion(backend.model_id, done.text, done.prompt_tokens, done.completion_tokens)
+
+    return limit_body(app, max_bytes)
+
+
+def _json_body():
+    """A FastAPI dependency: the request body parsed as JSON (400 with a message when it is not)."""
+
+    async def parse(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HTTPException(400, f"the body is not JSON: {exc}") from None
+
+    return Depends(parse)
+
+
+def build_backend(*, scorer: str | None = None, model: str | None = None, scorer_options: dict | None = None,
+                  score_range: tuple[float, float] = (0.0, 1.0), device: str = "cpu", dtype: str = "float32",
+                  max_new_tokens: int = 1024, model_id: str | None = None) -> Any:
+    """The backend for ``--scorer NAME`` (a registry name or ``pkg.module:Factory``) or ``--model PATH``.
+
+    Raises:
+        ValueError: both or neither given; an unknown scorer; a model directory that does not load.
+    """
+    from flowforge.serve.judge_backends import HFVisionLanguageBackend, ScorerBackend
+
+    if (scorer is None) == (model is None):
+        raise ValueError("serve judge needs exactly one of --scorer NAME and --model PATH")
+    if model is not None:
+        if not Path(model).is_dir():
+            raise ValueError(f"--model {model!r} is not a model directory")
+        return HFVisionLanguageBackend(model, device=device, dtype=dtype, max_new_tokens=max_new_tokens,
+                                       model_id=model_id)
+    from flowforge.rewards.registry import build_scorer
+
+    return ScorerBackend(build_scorer(scorer, **dict(scorer_options or {})), model_id or scorer, score_range)

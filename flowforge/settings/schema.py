@@ -1,0 +1,300 @@
+"""The config schema machinery: typed frozen dataclass sections, YAML coercion, merging, overrides, dumping.
+
+A *section* is a frozen dataclass deriving from :class:`Section`: its fields are the keys of one top-level mapping
+of a config file, its ``section_name`` class attribute is that mapping's name, and it checks its own values when it
+is constructed (:meth:`Section.problems`; a bad value raises :class:`ConfigError` naming ``section.key``, the value
+and what is allowed). The *root* is a frozen dataclass whose fields are sections (:func:`make_root`).
+
+Precedence is defaults < YAML < ``section.key=value`` overrides. :func:`build` coerces a nested mapping into a
+dataclass and collects *every* problem (unknown keys with the allowed names, wrong types, values a section refuses)
+into one :class:`ConfigError`, so a user fixes a file in one round trip.
+
+This module imports only the standard library and PyYAML: configs are validated and dumped without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config could not be loaded or is invalid. ``problems`` lists every violation found."""
+
+    def __init__(self, problems: Sequence[str], header: str = "invalid config"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{header} ({len(self.problems)} problem{'s' * (len(self.problems) != 1)}):\n{lines}")
+
+
+class Checks:
+    """Collects a section's problems, each naming ``section.key``, the value and what is allowed."""
+
+    def __init__(self, section: "Section"):
+        self.section = section
+        self.problems: list[str] = []
+
+    def where(self, key: str) -> str:
+        return f"{self.section.section_name}.{key}"
+
+    def choice(self, key: str, allowed: Iterable[Any]) -> None:
+        """``key``'s value must be one of ``allowed``."""
+        value = getattr(self.section, key)
+        if value not in tuple(allowed):
+            self.problems.append(f"{self.where(key)}={value!r} is not one of {list(allowed)}")
+
+    def positive(self, *keys: str, allow_zero: bool = False) -> None:
+        """Each of ``keys`` must be > 0 (>= 0 with ``allow_zero``) and finite; ``None`` (unset) passes."""
+        for key in keys:
+            value = getattr(self.section, key)
+            if value is None:
+                continue
+            ok = value >= 0 if allow_zero else value > 0
+            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+                self.problems.append(f"{self.where(key)}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+    def require(self, ok: bool, message: str) -> None:
+        """Record ``message`` unless ``ok``."""
+        if not ok:
+            self.problems.append(message)
+
+
+class Section:
+    """Base of every config section (mix into a ``@dataclass(frozen=True)``).
+
+    Subclasses set ``section_name`` and override :meth:`problems`; construction raises :class:`ConfigError` listing
+    every problem of the section at once. Rules that read more than one section live in
+    :func:`flowforge.train.preflight.preflight`.
+    """
+
+    section_name: ClassVar[str] = ""
+
+    def problems(self) -> list[str]:
+        """Every violation of this section's own rules (empty when valid)."""
+        return []
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems, header=f"invalid section '{self.section_name}'")
+
+
+def make_root(name: str, sections: Sequence[type], module: str, doc: str | None = None) -> type:
+    """A frozen root dataclass with one field per section class (named by its ``section_name``, in this order,
+    defaulting to the section's defaults).
+
+    Raises:
+        ValueError: two sections share a name, or a section class has no ``section_name``.
+    """
+    seen: dict[str, type] = {}
+    for cls in sections:
+        section = getattr(cls, "section_name", "")
+        if not section:
+            raise ValueError(f"{cls.__qualname__} declares no section_name")
+        if section in seen and seen[section] is not cls:
+            raise ValueError(f"section {section!r} is declared by both {seen[section].__qualname__} and "
+                             f"{cls.__qualname__}")
+        seen[section] = cls
+    fields = [(section, cls, dataclasses.field(default_factory=cls)) for section, cls in seen.items()]
+    root = dataclasses.make_dataclass(name, fields, frozen=True)
+    root.__module__ = module  # so the class pickles by reference, as a class defined in ``module``
+    root.__doc__ = doc
+    return root
+
+
+# ----------------------------------------------------------------------------------------------- coercion
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce_container(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    """``tuple[...]`` and ``dict[...]`` values (see :func:`_coerce`)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+            return None
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{where}[{i}]", problems) for i, v in enumerate(value))
+        if len(value) != len(args):
+            problems.append(f"{where}: expected a list of {len(args)} items, got {len(value)}")
+            return None
+        return tuple(_coerce(v, a, f"{where}[{i}]", problems) for i, (v, a) in enumerate(zip(value, args)))
+    if not isinstance(value, Mapping):
+        problems.append(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        return None
+    kt, vt = args
+    return {_coerce(k, kt, f"{where} key", problems): _coerce(v, vt, f"{where}.{k}", problems)
+            for k, v in value.items()}
+
+
+def _coerce_scalar(value: Any, tp: Any) -> tuple[bool, Any]:
+    """``(fits, coerced)`` for bool / int / float / str."""
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
+        return False, None
+    if tp is str:
+        return isinstance(value, str), value
+    return False, None
+
+
+def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    """Coerce a YAML value to ``tp``; append a problem (and return None) when it does not fit."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(value, inner[0], where, problems)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            problems.append(f"{where}: expected a mapping of {sorted(f.name for f in dataclasses.fields(tp))}, "
+                            f"got {type(value).__name__}")
+            return None
+        return _build(tp, value, where, problems)
+    if origin in (tuple, dict):
+        return _coerce_container(value, tp, where, problems)
+    fits, coerced = _coerce_scalar(value, tp)
+    if fits:
+        return coerced
+    problems.append(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return None
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str, problems: list[str]) -> Any:
+    """``cls`` from ``data``; every problem appended. A key whose value does not coerce keeps its default, so the
+    section still checks its other values; a section that refuses its values contributes its problems and None."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            problems.append(f"unknown key '{where + '.' if where else ''}{key}'; allowed: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            before = len(problems)
+            value = _coerce(data[name], hints[name], f"{where + '.' if where else ''}{name}", problems)
+            if len(problems) == before:
+                kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return None
+
+
+def build(cls: type, data: Mapping[str, Any]) -> Any:
+    """A ``cls`` dataclass (a root or one section) from a nested mapping.
+
+    Raises:
+        ConfigError: ``data`` is not a mapping, or any unknown key / wrong type / refused value (all at once).
+    """
+    problems: list[str] = []
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"top level: expected a mapping of sections, got {type(data).__name__}"])
+    out = _build(cls, data, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def merge(base: Mapping, override: Mapping) -> dict:
+    """``base`` with ``override`` applied recursively (mappings merged key by key, other values replaced)."""
+    out = dict(base)
+    for k, v in override.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[str]]:
+    """``["train.lr=1e-4", "sampler.trained_indices=[1,2]"]`` -> (nested dict, problems); values are YAML literals."""
+    nested: dict = {}
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(f"override '{item}': expected section.key=value")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            problems.append(f"override '{item}': value is not a YAML literal ({exc.__class__.__name__})")
+            continue
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                problems.append(f"override '{item}': '{part}' is set to a value and a section at once")
+                break
+        else:
+            node[parts[-1]] = value
+    return nested, problems
+
+
+def read_yaml(path) -> dict:
+    """The top-level mapping of a YAML config file (``{}`` for an empty file).
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, or a top level that is not a mapping.
+    """
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read config file {path}: {exc.strerror}"]) from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path} is not valid YAML: {exc}"]) from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError([f"{path}: expected a mapping of sections at the top level"])
+    return loaded or {}
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain nested dict / list form of a config (tuples become lists), for YAML and fingerprints."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def dump(cfg: Any) -> str:
+    """A config (or section) as YAML in field order; ``build(type(c), yaml.safe_load(dump(c))) == c``."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def fingerprint(cfg: Any) -> str:
+    """sha256 of the canonical YAML of a config or section (first 16 hex digits)."""
+    return hashlib.sha256(yaml.safe_dump(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,317 @@
+"""The base config sections: everything a run needs apart from the algorithm-specific sections.
+
+Each section is a frozen dataclass that checks its own values when constructed (a :class:`ConfigError` naming
+``section.key``, the value and what is allowed). Values whose allowed set is owned by a torch-level module (kernel,
+schedule, advantage modes, dtype, task, adapter, scorer and strategy names) and rules that read several sections are
+checked by :func:`flowforge.train.preflight.preflight`. The algorithm sections (``grpo``, ``forward``, ``nft``, ...)
+are declared by the objectives that own them (:mod:`flowforge.objectives`); :mod:`flowforge.config` assembles the
+root.
+
+===============  ==============================================================================
+``run``          run directory, seed, threads, device
+``model``        adapter name or ``pkg.module:Class``, weights path, dtype, resolution, task
+``lora``         trainable mode (``lora`` | ``full``), LoRA rank / alpha / dropout / targets
+``data``         prompt files, prompts per step (M), group size (K), encoding cache
+``sampler``      schedule, SDE kernel, noise level, guidance, which steps are trained
+``reward``       reward components, weights, required components, per-scorer options
+``advantage``    group normalization (std mode, eps, floor), component combination, clip
+``train``        algorithm, optimizer, LR schedule, updates per batch, micro-batches
+``eval``         held-out evaluation cadence and fixed noise seed
+``checkpoint``   checkpoint cadence and retention
+``distributed``  DDP / FSDP2 under torchrun: strategy, mixed-precision dtypes, activation checkpointing
+``artifacts``    optional per-rollout trajectory sidecars
+``sft``          flow-matching supervised fine-tuning (``flowforge sft``)
+===============  ==============================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowforge.settings.schema import Checks, Section
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+"""``train.lr_schedule`` values: the multiplier after warmup (:func:`flowforge.policy.lr_lambda`)."""
+TRAINABLE_MODES = ("lora", "full")
+"""``lora.trainable`` values."""
+SIGMA_SAMPLINGS = ("logit_normal", "uniform")
+"""``sft.sigma_sampling`` values (:func:`flowforge.train.sft.sample_sigmas`)."""
+
+
+@dataclass(frozen=True)
+class RunConfig(Section):
+    section_name = "run"
+
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    num_threads: int = 0  # 0 = leave torch's default
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    section_name = "model"
+
+    adapter: str = "sd3"  # a registered family or "pkg.module:Class"
+    path: str = "demo:base"  # local diffusers directory, hub id, or "demo:base"
+    dtype: str = "float32"  # dtype of the frozen weights and forwards; trainable weights stay fp32
+    height: int = 32
+    width: int = 32
+    frames: int | None = None
+    task: str = "t2i"
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("height", "width")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class LoraConfig(Section):
+    section_name = "lora"
+
+    trainable: str = "lora"  # "lora" | "full"
+    rank: int | None = None  # None: 8 under "lora"; must stay None under "full"
+    alpha: float | None = None  # None: equal to the rank
+    dropout: float = 0.0
+    targets: tuple[str, ...] | None = None  # None: the adapter's default attention projections
+
+    @property
+    def resolved_rank(self) -> int:
+        return 8 if self.rank is None else self.rank
+
+    @property
+    def resolved_alpha(self) -> float:
+        return float(self.resolved_rank if self.alpha is None else self.alpha)
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.choice("trainable", TRAINABLE_MODES)
+        # Dropout makes the replayed forward a different function from the rollout's.
+        c.require(self.dropout == 0, f"lora.dropout={self.dropout}: dropout in the trained policy makes rollout and "
+                                     "replay different policies (the first ratio would not be 1); set it to 0")
+        c.require(not (self.trainable == "full" and (self.rank is not None or self.alpha is not None
+                                                     or self.targets is not None)),
+                  "lora.trainable='full' but lora.rank / lora.alpha / lora.targets are set: either train LoRA "
+                  "(lora.trainable='lora') or remove the LoRA keys")
+        if self.trainable == "lora":
+            c.require(self.rank is None or self.rank >= 1, f"lora.rank={self.rank} must be >= 1 with "
+                                                           "lora.trainable='lora'")
+            c.require(self.alpha is None or self.alpha > 0, f"lora.alpha={self.alpha} must be > 0")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    section_name = "data"
+
+    prompts: str = "demo:train"  # JSONL in the unified schema, or "demo:train"
+    eval_prompts: str = "demo:eval"
+    prompts_per_step: int = 4  # M
+    group_size: int = 8  # K candidates per prompt
+    cache_dir: str = ".cache/flowforge"
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("prompts_per_step", "group_size")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class SamplerConfig(Section):
+    section_name = "sampler"
+
+    num_steps: int = 10
+    schedule: str = "static"  # "static" | "dynamic" | "wan"
+    shift: float = 3.0
+    mu: float | None = None  # dynamic shift; None with schedule "dynamic" = computed from the resolution
+    sde_kind: str = "sde"  # "sde" | "dance" | "cps" | "ode"
+    noise_level: float = 0.7  # eta
+    guidance_scale: float = 1.0
+    trained_indices: tuple[int, ...] | None = None
+    num_sde_steps: int = 3
+    sde_window: tuple[float, float] = (0.0, 1.0)
+    sde_pool: tuple[int, ...] | None = None  # resample trained steps from this pool every rollout
+    batch_size: int | None = None  # rollout chunk size; None = train.micro_batch_size
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("batch_size")
+        c.positive("noise_level", allow_zero=True)
+        if self.num_steps < 2:
+            c.problems.append(f"sampler.num_steps={self.num_steps} must be >= 2")
+            return c.problems
+        n = self.num_steps
+        for name, values in (("sampler.trained_indices", self.trained_indices), ("sampler.sde_pool", self.sde_pool)):
+            for i in values or ():
+                if not 0 <= i < n:
+                    c.problems.append(f"{name} entry {i} is outside [0, {n}) (sampler.num_steps={n})")
+                elif i == n - 1:  # sigma_next = 0: the transition has no noise, so no log-prob
+                    c.problems.append(f"{name} entry {i} is the last step (sigma_next = 0): its transition is "
+                                      f"degenerate and never trained; allowed 0..{n - 2}")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class RewardConfig(Section):
+    """Reward components. ``device`` is kept for compatibility but not read: scorers run where the media are (the
+    run device) unless a scorer takes its own ``device`` option (``reward.options.<name>.device``)."""
+
+    section_name = "reward"
+
+    weights: dict[str, float] = field(default_factory=lambda: {"digit": 1.0})
+    required: tuple[str, ...] = ()  # components that must never be NaN
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-component scorer kwargs
+    batch_size: int = 64
+    device: str = "cpu"  # not read (see the class docstring)
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("batch_size")
+        for name in self.required:
+            c.require(name in self.weights, f"reward.required lists {name!r} but reward.weights has no weight for it")
+        for name in self.options:
+            c.require(name in self.weights, f"reward.options.{name}: not a weighted component (reward.weights: "
+                                            f"{sorted(self.weights)})")
+        if not self.weights:
+            c.problems.append("reward.weights is empty: give at least one component")
+        elif all(w == 0 for w in self.weights.values()):
+            c.problems.append("reward.weights are all 0: the reward is constant")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class AdvantageConfig(Section):
+    section_name = "advantage"
+
+    std_mode: str = "group"  # "group" | "batch" | "none"
+    eps: float = 1e-4
+    std_floor: float = 0.0
+    combine: str = "weighted_sum"  # "weighted_sum" | "per_component"
+    clip: float = 5.0
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("eps")
+        c.positive("std_floor", allow_zero=True)
+        return c.problems
+
+
+@dataclass(frozen=True)
+class TrainConfig(Section):
+    section_name = "train"
+
+    algorithm: str = "grpo"
+    steps: int = 60
+    lr: float = 3e-4
+    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" (after warmup)
+    warmup_steps: int = 0  # counted in optimizer steps
+    weight_decay: float = 1e-4
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    num_updates_per_batch: int = 2
+    micro_batch_size: int = 8
+    allow_unit_ratio: bool = False  # allow num_updates_per_batch = 1 with a clipped objective
+    resume: str | None = None  # "auto" or a checkpoint path
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.choice("lr_schedule", LR_SCHEDULES)
+        c.positive("lr", "micro_batch_size", "num_updates_per_batch", "grad_clip")
+        c.positive("steps", "warmup_steps", allow_zero=True)
+        return c.problems
+
+
+@dataclass(frozen=True)
+class EvalConfig(Section):
+    section_name = "eval"
+
+    every: int = 10  # 0 = only at the start and the end
+    seed: int = 1234
+    samples_per_prompt: int = 2  # candidates per eval prompt (within-group diversity needs >= 2)
+    scorers: tuple[str, ...] = ()  # eval-only scorers beside the reward components (e.g. digit_eval)
+    max_prompts: int | None = None
+    batch_size: int = 32
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("batch_size", "samples_per_prompt")
+        c.positive("every", allow_zero=True)
+        return c.problems
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(Section):
+    section_name = "checkpoint"
+
+    every: int = 0  # 0 = never
+    keep: int = 3
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("every", allow_zero=True)
+        c.require(self.keep >= 1, f"checkpoint.keep={self.keep} must be >= 1")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class DistributedConfig(Section):
+    section_name = "distributed"
+
+    strategy: str = "ddp"  # "ddp" | "fsdp"; used when launched by torchrun with WORLD_SIZE > 1
+    param_dtype: str = "float32"  # FSDP2 MixedPrecisionPolicy param dtype ("bfloat16" on GPUs)
+    reduce_dtype: str = "float32"
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class ArtifactsConfig(Section):
+    section_name = "artifacts"
+
+    root: str | None = None  # write per-rollout trajectory sidecars under this directory
+    keep: int = 2  # rollouts kept
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.require(self.keep >= 1, f"artifacts.keep={self.keep} must be >= 1")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class SFTConfig(Section):
+    """Flow-matching SFT (:func:`flowforge.train.sft.run_sft`); the seed, threads, prompts, cache and the eval
+    sampler come from ``run``, ``data`` and ``sampler``."""
+
+    section_name = "sft"
+
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 1e-3  # AdamW, linear warmup then constant
+    warmup_steps: int = 50
+    eval_every: int = 100  # DigitEval at step 0, every eval_every steps and at the end (0: start and end)
+    cond_dropout: float = 0.1  # drop the text condition this often (keeps guidance > 1 usable)
+    output: str = "runs/sft-base"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max gradient norm; 0 = no clipping
+    sigma_sampling: str = "logit_normal"  # "logit_normal" (SD3) | "uniform"
+    eval_samples_per_prompt: int = 1
+    eval_seed: int = 1234  # fixed eval noise
+    save_checkpoints: bool = True  # a loadable transformer under output/checkpoints/ at every evaluation
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("batch_size", "lr", "eval_samples_per_prompt")
+        c.positive("steps", "warmup_steps", "eval_every", "weight_decay", "grad_clip", allow_zero=True)
+        c.require(0.0 <= self.cond_dropout < 1.0, f"sft.cond_dropout={self.cond_dropout} must be in [0, 1)")
+        c.choice("sigma_sampling", SIGMA_SAMPLINGS)
+        return c.problems
+
+
+HEAD_SECTIONS: tuple[type, ...] = (RunConfig, ModelConfig, LoraConfig, DataConfig, SamplerConfig, RewardConfig,
+                                   AdvantageConfig, TrainConfig)
+"""Base sections written before the algorithm sections (the order of a dumped config)."""
+TAIL_SECTIONS: tuple[type, ...] = (EvalConfig, CheckpointConfig, DistributedConfig, ArtifactsConfig, SFTConfig)
+"""Base sections written after the algorithm sections."""

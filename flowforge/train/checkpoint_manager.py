@@ -1,0 +1,216 @@
+"""Checkpoint manager: saves and restores the run's Stateful objects in the checkpoint format.
+
+What and why
+------------
+Everything a run needs to continue bit-exactly lives in a few objects that follow the
+``torch.distributed.checkpoint.stateful.Stateful`` protocol (``state_dict()`` / ``load_state_dict(state)``):
+
+=================  ========================================  ===============================================
+object             its state                                 where it goes in ``checkpoints/step_<n>/``
+=================  ========================================  ===============================================
+policy bank        weights of live / old / EMA, optimizer,   ``weights/<name>.safetensors``, ``optimizer.pt``
+(``Policy``)       LR schedule, optimizer-step counter       (``scheduler`` + ``optimizer``), or ``dcp/``
+                                                             under FSDP; counters in ``trainer_state.json``
+trainer record     step, config fingerprint, training        ``trainer_state.json`` (top level)
+(:class:`TrainerState`)  contract (LoRA + base model sha256)
+prompt sampler     epoch, cursor, steps drawn, identity      ``trainer_state.json["sampler"]``
+(``KRepeatSampler``)
+per-rank RNG       python / numpy / torch / CUDA generators  ``rng/rank_<r>.*`` (captured at write time)
+=================  ========================================  ===============================================
+
+:class:`CheckpointManager` is the one place that maps these state dicts onto the files of
+:mod:`flowforge.train.checkpoint` (the durable file layer: write order, ``COMMITTED``, ``latest``, rotation of the
+newest ``checkpoint.keep``) and back. Under FSDP the policy bank hands its trainable weights and optimizer over as
+sharded (DTensor) state dicts, which the manager writes and reads with ``torch.distributed.checkpoint`` (every rank
+its shard, top-level keys ``model`` / ``optim``).
+
+Resume refuses a checkpoint trained under another contract before any weight is touched
+(:func:`check_contract`): a different LoRA rank / alpha / targets / dropout or trainable mode, or another base model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from flowforge.runtime import distributed as dist_lib
+from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, resolve_resume, restore_rng,
+                                        save_checkpoint)
+
+log = logging.getLogger("flowforge")
+
+CONTRACT_KEYS = ("lora", "base_model_sha256")
+SAMPLER_KEY = "sampler"
+
+
+# ------------------------------------------------------------------------------------------------ contract
+def training_contract(lora_cfg: Any, policy: Any, base_model_sha256: str | None) -> dict:
+    """What a checkpoint must agree with to be resumed: ``{"lora": {trainable, dropout[, rank, alpha, targets]},
+    "base_model_sha256": str | None}`` (rank / alpha / targets as the policy bank resolved them)."""
+    lora = {"trainable": lora_cfg.trainable, "dropout": lora_cfg.dropout}
+    if lora_cfg.trainable == "lora":
+        lora.update(rank=policy.rank, alpha=policy.alpha, targets=sorted(policy.targets))
+    return {"lora": lora, "base_model_sha256": base_model_sha256}
+
+
+def _normalise(value: Any, key: str) -> Any:
+    if isinstance(value, (list, tuple)):
+        items = [_normalise(v, key) for v in value]
+        # module-name patterns: the order in which they were listed does not change which modules get LoRA
+        return sorted(items) if key == "targets" and all(isinstance(v, str) for v in items) else items
+    if isinstance(value, Mapping):
+        return {k: _normalise(v, k) for k, v in value.items()}
+    return value
+
+
+_MISSING = "(missing)"
+
+
+def _diff(prefix: str, saved: Any, current: Any, out: list[str]) -> None:
+    if isinstance(saved, Mapping) and isinstance(current, Mapping):
+        for k in sorted(set(saved) | set(current), key=str):
+            _diff(f"{prefix}.{k}", saved.get(k, _MISSING), current.get(k, _MISSING), out)
+        return
+    if saved != current:
+        out.append(f"{prefix}: checkpoint {saved}, this run {current}")
+
+
+def check_contract(saved: Mapping[str, Any], current: Mapping[str, Any], *,
+                   keys: Sequence[str] = CONTRACT_KEYS) -> None:
+    """Refuse to resume when the training contract differs: the LoRA contract (``lora`` = {rank, alpha, targets,
+    dropout}) and the base model's sha256, as stored in ``trainer_state`` vs this run's.
+
+    Numbers compare by value (8 == 8.0), sequences ignore tuple/list, ``targets`` ignore order; a key present on one
+    side only is a mismatch.
+
+    Raises:
+        ValueError: one error listing every mismatch, e.g. ``lora.alpha: checkpoint 8.0, this run 16.0``.
+    """
+    mismatches: list[str] = []
+    for key in keys:
+        _diff(key, _normalise(saved.get(key, _MISSING), key), _normalise(current.get(key, _MISSING), key),
+              mismatches)
+    if mismatches:
+        raise ValueError("resume refused: the checkpoint was trained under a different contract than this run "
+                         "(start a new run directory, or restore the original settings):\n  "
+                         + "\n  ".join(mismatches))
+
+
+# ------------------------------------------------------------------------------------------------ trainer record
+@dataclass
+class TrainerState:
+    """The trainer's own record (Stateful): completed steps, the config fingerprint and the training contract.
+
+    ``state_dict()`` → ``{"step": int, "config_fingerprint": str, "lora": {...}, "base_model_sha256": str | None}``
+    (JSON-able). ``load_state_dict`` checks the contract first (:func:`check_contract`, raises ``ValueError``), warns
+    when the config fingerprint differs (a changed config is allowed, it is the user's call), then takes the step.
+    """
+
+    step: int
+    contract: dict  # training_contract(...): "lora" and "base_model_sha256"
+    config_fingerprint: str
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "config_fingerprint": self.config_fingerprint, **self.contract}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_contract(state, self.contract)
+        if state.get("config_fingerprint") != self.config_fingerprint:
+            log.warning("resuming with a config that differs from the checkpoint's (fingerprint %s vs %s)",
+                        state.get("config_fingerprint"), self.config_fingerprint)
+        self.step = int(state["step"])
+
+
+# ------------------------------------------------------------------------------------------------ manager
+class CheckpointManager:
+    """Save / resume of a run's Stateful objects (see the module docstring for the mapping onto files).
+
+    Args:
+        run_dir: the run directory (checkpoints go to ``<run_dir>/checkpoints/``).
+        policy: the policy bank (``flowforge.policy.Policy``): ``state_dict()`` with ``weights`` / ``scheduler`` /
+            ``optimizer_steps`` and either ``optimizer`` or (FSDP) ``sharded``.
+        record: the trainer's :class:`TrainerState`; its ``step`` names the checkpoint.
+        sampler: the prompt sampler (``KRepeatSampler``), stored under ``trainer_state.json["sampler"]``.
+        keep: committed checkpoints kept (``checkpoint.keep``).
+        dist: this process's rank / world size (every rank calls :meth:`save` and :meth:`restore`).
+    """
+
+    def __init__(self, run_dir: Path, *, policy: Stateful, record: TrainerState, sampler: Stateful, keep: int,
+                 dist: dist_lib.DistInfo):
+        self.run_dir = Path(run_dir)
+        self.policy, self.record, self.sampler = policy, record, sampler
+        self.keep = keep
+        self.dist = dist
+        self.resumed_from: Path | None = None  # never rotated away or overwritten
+
+    def save(self) -> Path:
+        """Commit a checkpoint of ``record.step``: every bank policy's weights, the optimizer and LR schedule, the
+        trainer record, the sampler position and every rank's RNG. A collective: every rank calls it.
+
+        Returns:
+            The committed step directory.
+        """
+        bank = self.policy.state_dict()  # a collective under FSDP (gathers old / EMA shards)
+        optim = {"scheduler": bank["scheduler"]}
+        writer = None
+        if "sharded" in bank:
+            import torch.distributed.checkpoint as dcp
+
+            writer = lambda directory: dcp.save(bank["sharded"], checkpoint_id=str(directory))  # noqa: E731
+        else:
+            optim["optimizer"] = bank["optimizer"]
+        steps = bank["optimizer_steps"]
+        trainer_state = {**self.record.state_dict(), "optimizer_steps": steps, "policy_version": steps,
+                         "lr_schedule_step": bank["scheduler"]["last_epoch"], SAMPLER_KEY: self.sampler.state_dict()}
+        d = self.dist
+        return save_checkpoint(self.run_dir, self.record.step, tensors=bank["weights"], optimizer_state=optim,
+                               trainer_state=trainer_state, keep=self.keep, protect=self.resumed_from, rank=d.rank,
+                               world_size=d.world_size,
+                               barrier=(lambda: dist_lib.barrier(d)) if d.enabled else None, sharded_writer=writer)
+
+    def restore(self, resume: str) -> Path | None:
+        """Restore what :meth:`save` wrote from ``resume`` (``"auto"``: the newest committed checkpoint; else a
+        checkpoint directory); training continues at ``record.step``.
+
+        Returns:
+            The checkpoint restored from, or None when ``"auto"`` finds none (the run starts from scratch).
+
+        Raises:
+            ValueError: an explicit checkpoint without ``COMMITTED``; a LoRA-contract or base-model mismatch (raised
+                before anything is restored); sharded (FSDP) state in a run that is not sharded.
+        """
+        path, notes = resolve_resume(self.run_dir, resume)
+        for note in notes:
+            log.warning(note)
+        if path is None:
+            log.info("train.resume=%s: no committed checkpoint in %s, starting from scratch", resume, self.run_dir)
+            return None
+        ckpt = load_checkpoint(path, rank=self.dist.rank)
+        ts = ckpt.trainer_state
+        self.record.load_state_dict(ts)
+        bank = {"weights": ckpt.tensors, **(ckpt.optimizer_state or {}), "optimizer_steps": ts["optimizer_steps"]}
+        if "optimizer" not in bank:
+            bank["sharded"] = self._load_sharded(path / SHARDED_DIR)
+        self.policy.load_state_dict(bank)
+        self.sampler.load_state_dict(ts[SAMPLER_KEY])
+        if ckpt.rng is not None:
+            restore_rng(ckpt.rng)
+        self.resumed_from = path
+        log.info("resumed from %s at step %d", path, self.record.step)
+        return path
+
+    def _load_sharded(self, directory: Path) -> dict:
+        """The policy bank's sharded state, read collectively from ``directory`` into its own template."""
+        template = self.policy.state_dict().get("sharded")
+        if template is None:
+            raise ValueError(f"{directory.parent} holds sharded (FSDP) state: resume it with distributed.strategy="
+                             "'fsdp' under torchrun")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(template, checkpoint_id=str(directory))  # fails if a trainable tensor is missing from the shards
+        return template

@@ -1,0 +1,104 @@
+"""``vlm_judge`` without a server: options, the registry's ``run_dir``, ledger hits, and the processor's metrics.
+The HTTP paths (un-permutation, parser repairs, retries, SIGKILL resume) are in ``tests/serve/test_judge_server.py``.
+"""
+
+import math
+
+import pytest
+import torch
+
+from flowforge.rewards import RewardProcessor
+from flowforge.rewards.judge import protocol as P
+from flowforge.rewards.judge.client import LEDGER_FILE, VLMJudge, load_reference
+from flowforge.rewards.judge.ledger import LedgerEntry
+from flowforge.rewards.registry import SCORERS, build_scorer
+
+UNREACHABLE = "http://127.0.0.1:9/v1"  # the discard port: nothing answers; these tests never send
+
+
+def _judge(**kw):
+    return VLMJudge(model="m", base_url=UNREACHABLE, api_key_env=None, **kw)
+
+
+def test_registered_with_run_dir_from_the_registry(tmp_path):
+    assert SCORERS["vlm_judge"] is VLMJudge and VLMJudge.needs_group is True
+    judge = build_scorer("vlm_judge", run_dir=tmp_path, model="m", base_url=UNREACHABLE, api_key_env=None)
+    assert judge.ledger.path == str(tmp_path / LEDGER_FILE) and (tmp_path / LEDGER_FILE).exists()
+    assert build_scorer("jpeg_compressibility", run_dir=tmp_path).name == "jpeg_compressibility"  # dropped there
+    defaults = judge.settings
+    assert (defaults["frames"], defaults["max_side"]) == (24, 832)  # the source protocol's defaults
+
+
+@pytest.mark.parametrize("bad", [dict(frames=0), dict(max_side=0), dict(max_repairs=-1), dict(max_concurrency=0),
+                                 dict(timeout_s=0), dict(temperature=-1.0), dict(max_tokens=True)])
+def test_bad_options(bad):
+    with pytest.raises(ValueError, match="vlm_judge"):
+        _judge(**bad)
+
+
+def test_missing_api_key_variable(monkeypatch):
+    monkeypatch.delenv("FF_NO_SUCH_KEY", raising=False)
+    with pytest.raises(ValueError, match="FF_NO_SUCH_KEY"):
+        VLMJudge(model="m", base_url=UNREACHABLE, api_key_env="FF_NO_SUCH_KEY")
+
+
+def test_ledger_hit_is_served_unpermuted_without_sending(tmp_path):
+    """A stored answer for the group's key is used as is: presented label j -> candidate perm[j]."""
+    judge = _judge(run_dir=tmp_path, frames=1, max_side=16, seed=3)
+    media = torch.stack([torch.full((3, 8, 8), v) for v in (0.1, 0.4, 0.7, 0.9)])
+    group = judge._prepare(media, ["p"] * 4, [{}] * 4)
+    presented = [0.11, 0.22, 0.33, 0.44]
+    judge.ledger.record(LedgerEntry(key=group.key, model="m", template_sha256=judge.template.sha256, status="ok",
+                                    scores=dict(zip(group.labels, presented, strict=True)), request=group.request,
+                                    response=[], prompt_tokens=0, completion_tokens=0, latency_s=0.0, attempts=1))
+    out = judge(media, ["p"] * 4, [{}] * 4)
+    expected = torch.empty(4)
+    expected[torch.tensor(group.perm)] = torch.tensor(presented)
+    assert torch.equal(out, expected)
+    metrics = judge.pop_metrics()
+    assert metrics["served_from_ledger"] == 1 and metrics["requests_sent"] == 0 and math.isnan(metrics["latency_s"])
+    # the request kept in the ledger names each frame by hash and file, never base64
+    cands = group.request["candidates"]
+    assert all(f["path"].endswith(f["sha256"] + ".jpg") for c in cands for f in c)
+    assert "base64" not in str(group.request)
+
+
+def test_processor_logs_the_judge_metrics_and_a_malformed_answer_is_nan(tmp_path):
+    judge = _judge(run_dir=tmp_path, frames=1, max_side=16)
+    media = torch.rand(4, 3, 8, 8)
+    group = judge._prepare(media, ["p"] * 4, [{}] * 4)
+    judge.ledger.record(LedgerEntry(key=group.key, model="m", template_sha256=judge.template.sha256,
+                                    status="malformed", scores=None, request=group.request, response=[],
+                                    prompt_tokens=0, completion_tokens=0, latency_s=0.0, attempts=3))
+    processor = RewardProcessor({"vlm_judge": judge}, {})
+    components, metrics = processor(media, ["p"] * 4, [{}] * 4, torch.zeros(4, dtype=torch.long))
+    assert torch.isnan(components["vlm_judge"]).all()
+    assert metrics["reward/vlm_judge_failures"] == 1 and metrics["reward/vlm_judge_served_from_ledger"] == 1
+    assert metrics["reward/vlm_judge_requests_sent"] == 0 and metrics["reward/vlm_judge_nan_fraction"] == 1
+
+
+def test_group_checks_and_reference(tmp_path):
+    from PIL import Image
+
+    judge = _judge(frames=2, max_side=16, reference_root=tmp_path)
+    with pytest.raises(ValueError, match="one prompt"):
+        judge._prepare(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])
+    with pytest.raises(ValueError, match=r"\[K, 3, H, W\]"):
+        judge._prepare(torch.rand(2, 8, 8), ["a", "a"], [{}, {}])
+    Image.new("RGB", (12, 10), (255, 0, 0)).save(tmp_path / "ref.png")
+    (tmp_path / "clip").mkdir()
+    for i in range(3):
+        Image.new("RGB", (12, 10), (0, 80 * i, 0)).save(tmp_path / "clip" / f"{i:03d}.png")
+    assert load_reference(tmp_path / "ref.png").shape == (3, 10, 12)
+    assert load_reference(tmp_path / "clip").shape == (3, 3, 10, 12)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_reference(tmp_path / "missing.png")
+    video = torch.rand(2, 3, 5, 8, 8)
+    with_ref = judge._prepare(video, ["a", "a"], [{"reference": "clip"}, {"reference": "clip"}])
+    without = judge._prepare(video, ["a", "a"], [{}, {}])
+    assert len(with_ref.request["reference"]) == 2 and without.request["reference"] is None
+    assert with_ref.key != without.key
+    assert [len(c) for c in with_ref.request["candidates"]] == [2, 2]
+    assert sum(p["type"] == "image_url" for p in with_ref.content) == 6
+    assert P.read_group_request(with_ref.content).prompt == "a"
+

@@ -1,0 +1,57 @@
+"""Digit reward and DigitEval (:mod:`flowforge.rewards.scorers.digit`) on real held-out digits."""
+
+import pytest
+import torch
+
+from flowforge.demo import data
+from flowforge.rewards.registry import build_scorer
+from flowforge.rewards.scorers.digit import DigitScorer
+
+
+def real_digits(n=8, split="eval_clf"):
+    """``(media [n, 3, H, W], labels [n])``: the first ``n`` digits of a real split, grey replicated to RGB."""
+    images, labels = data.load_split(split)
+    return images[:n].expand(-1, 3, -1, -1).contiguous(), labels[:n]
+
+
+def test_digit_scorer_rewards_the_requested_digit():
+    media, labels = real_digits(16)
+    scorer = DigitScorer()
+    right = scorer(media, ["p"] * 16, [{"digit": int(d)} for d in labels])
+    wrong = scorer(media, ["p"] * 16, [{"digit": (int(d) + 1) % 10} for d in labels])
+    assert right.shape == (16,) and right.dtype == torch.float32
+    assert bool(((right >= 0) & (right <= 1)).all())
+    assert right.mean() > 0.8 and wrong.mean() < 0.1
+    assert bool((right > wrong).all())
+
+
+def test_digit_scorer_matches_softmax_of_the_reward_classifier_and_batches():
+    from flowforge.demo.classifiers import load_reward_classifier
+
+    media, labels = real_digits(10)
+    metadata = [{"digit": int(d)} for d in labels]
+    expected = torch.softmax(load_reward_classifier()(media), dim=1)[torch.arange(10), labels]
+    torch.testing.assert_close(DigitScorer(batch_size=3)(media, ["p"] * 10, metadata), expected)
+
+
+def test_digit_scorer_metadata_errors():
+    media = torch.zeros(2, 3, 32, 32)
+    with pytest.raises(ValueError, match=r"metadata\[1\] has no 'digit'"):
+        DigitScorer()(media, ["a", "b"], [{"digit": 1}, {"task": "t2i"}])
+    with pytest.raises(ValueError, match=r"metadata\[0\]\['digit'\] must be an int in 0..9"):
+        DigitScorer()(media, ["a", "b"], [{"digit": "7"}, {"digit": 1}])
+
+
+def test_digit_eval_scorer_is_the_eval_classifier_argmax():
+    from flowforge.demo.classifiers import load_eval_classifier
+    from flowforge.demo.data import load_split
+
+    images, labels = load_split("reward")
+    media = images[:20].expand(-1, 3, -1, -1)
+    wrong = (labels[:20] + 1) % 10
+    meta = [{"digit": int(d)} for d in labels[:20]]
+    hits = build_scorer("digit_eval")(media, ["p"] * 20, meta)
+    expected = (load_eval_classifier()(media).argmax(1) == labels[:20]).float()
+    assert torch.equal(hits, expected) and hits.mean() >= 0.9
+    misses = build_scorer("digit_eval")(media, ["p"] * 20, [{"digit": int(d)} for d in wrong])
+    assert misses.sum() <= 2

@@ -1,0 +1,275 @@
+"""``flowforge serve judge`` and the ``vlm_judge`` client against it, over real HTTP on loopback.
+
+Servers run as subprocesses on a free port with a token and print the URL they serve at: the scorer backend
+(``python -m flowforge.cli serve judge --scorer ...``), the tiny random Qwen2-VL backend (``--model DIR``), and a
+scripted backend (:mod:`tests.serve.judge_support`, the same app factory) that produces malformed replies, slow
+answers and 5xx errors on demand. Every server keeps a request log: one key per request it received.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowforge.rewards.judge import protocol as P
+from flowforge.rewards.judge.client import JudgeError, VLMJudge
+from tests.serve import judge_support as S
+
+TOKEN = "judge-test-token"
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("auth") / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _token_env(monkeypatch):
+    monkeypatch.setenv(S.TOKEN_ENV, TOKEN)
+
+
+@pytest.fixture(scope="module")
+def scorer_server(token_file, tmp_path_factory):
+    """``serve judge --scorer`` with the content-dependent ``Brightness`` scorer: ``(base URL, request log)``."""
+    log = tmp_path_factory.mktemp("scorer") / "requests.log"
+    proc, url = S.start(["-m", "flowforge.cli", "serve", "judge", "--scorer", "tests.serve.judge_support:Brightness",
+                         "--model-name", "brightness", "--port", "0", "--token-file", str(token_file),
+                         "--request-log", str(log), "--max-body-mb", "1", "--num-threads", "1"])
+    yield url, log
+    S.stop(proc)
+
+
+@pytest.fixture(scope="module")
+def scripted_server(token_file, tmp_path_factory):
+    """The scripted backend: ``(base URL, script file, request log)``; write the behaviours before each request."""
+    root = tmp_path_factory.mktemp("scripted")
+    script, log = root / "script.json", root / "requests.log"
+    proc, url = S.start(["-m", "tests.serve.judge_support", "scripted", "--script", str(script), "--token-file",
+                         str(token_file), "--request-log", str(log)])
+    yield url, script, log
+    S.stop(proc)
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def _brightness(media: torch.Tensor) -> torch.Tensor:
+    return media.float().flatten(1).mean(1)
+
+
+def _http(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
+    request.add_header("Content-Type", "application/json")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+# ------------------------------------------------------------------------------------------------ scorer backend
+
+def test_scores_come_back_to_the_right_candidates_and_are_served_from_the_ledger(scorer_server, tmp_path):
+    url, log = scorer_server
+    judge = VLMJudge(model="brightness", base_url=url + "/v1", api_key_env=S.TOKEN_ENV, ledger=tmp_path / "l.db",
+                     frames=3, max_side=64, max_concurrency=3, seed=7)
+    groups = [S.group(seed) for seed in range(5)] + [S.group(9, k=3, frames=4)]  # images, then videos
+    perms = [judge._prepare(*g).perm for g in groups]
+    assert sum(p != sorted(p) for p in perms) >= 3  # the candidates really were shown shuffled
+    before = len(_lines(log))
+    out = judge.score_groups(groups)
+    for (media, _, _), scores in zip(groups, out, strict=True):
+        # candidates differ by >= 0.2 in brightness, so any mix-up of positions would be far off
+        assert torch.allclose(scores, _brightness(media), atol=0.01), (scores, _brightness(media))
+    metrics = judge.pop_metrics()
+    assert metrics["requests_sent"] == 6 and metrics["served_from_ledger"] == 0 and metrics["failures"] == 0
+    assert metrics["tokens"] > 0 and metrics["latency_s"] > 0
+    assert len(_lines(log)) == before + 6
+    again = judge.score_groups(groups)  # a rerun of the same step: every answer from the ledger, nothing sent
+    assert all(torch.equal(a, b) for a, b in zip(out, again, strict=True))
+    assert judge.pop_metrics()["served_from_ledger"] == 6 and len(_lines(log)) == before + 6
+
+
+def test_the_reference_reaches_the_scorer(scorer_server, tmp_path):
+    from PIL import Image
+
+    url, _ = scorer_server
+    Image.new("RGB", (16, 16), (128, 128, 128)).save(tmp_path / "ref.png")
+    judge = VLMJudge(model="brightness", base_url=url + "/v1", api_key_env=S.TOKEN_ENV, ledger=tmp_path / "l.db",
+                     frames=1, max_side=64, reference_root=tmp_path)
+    media, prompts, metadata = S.group(21)
+    scores = judge(media, prompts, [{**m, "reference": "ref.png"} for m in metadata])
+    assert torch.allclose(scores, 1 - (_brightness(media) - 128 / 255).abs(), atol=0.01)
+
+
+def test_auth_and_payload_errors(scorer_server, tmp_path, monkeypatch):
+    url, _ = scorer_server
+    assert _http(url + "/health", token=None)[0] == 200
+    assert _http(url + "/v1/models", token=None)[0] == 401
+    assert _http(url + "/v1/models", token="wrong")[0] == 401
+    status, body = _http(url + "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["brightness"]
+    chat = url + "/v1/chat/completions"
+    valid = {"model": "brightness", "messages": [{"role": "user", "content": "hi"}]}
+    status, body = _http(chat, json.dumps(valid).encode(), token=None)
+    assert status == 401 and "bearer" in body["detail"].lower()
+    cases = [
+        (b"{not json", 400, "not JSON"),
+        (json.dumps({"model": "brightness"}).encode(), 422, "messages"),
+        (json.dumps({**valid, "model": "gpt-9"}).encode(), 404, "unknown model"),
+        (json.dumps({**valid, "n": 2}).encode(), 400, "n=1"),
+        (json.dumps(valid).encode(), 422, "Candidate"),  # no group in the message
+        (json.dumps({**valid, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Candidate A:"},
+            {"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]}]}).encode(),
+         422, "data:image"),
+        (json.dumps({**valid, "messages": [{"role": "user", "content": "x" * (2 * 2**20)}]}).encode(), 413,
+         "exceeds"),
+    ]
+    for body_bytes, code, text in cases:
+        status, body = _http(chat, body_bytes)
+        assert status == code and text in body["detail"], (code, status, body)
+    monkeypatch.setenv("FF_WRONG_TOKEN_ENV", "not-the-token")
+    wrong = VLMJudge(model="brightness", base_url=url + "/v1", api_key_env="FF_WRONG_TOKEN_ENV",
+                     ledger=tmp_path / "l.db", frames=1, max_side=16)
+    with pytest.raises(JudgeError, match="401"):
+        wrong(*S.group(0))
+
+
+# ------------------------------------------------------------------------------------------------ scripted replies
+
+def _scripted_judge(url: str, tmp_path: Path, **kw) -> VLMJudge:
+    return VLMJudge(model="scripted", base_url=url + "/v1", api_key_env=S.TOKEN_ENV, ledger=tmp_path / "l.db",
+                    frames=1, max_side=32, max_concurrency=1, retry_backoff_s=0.01, **kw)
+
+
+@pytest.mark.parametrize("behaviour, reason", [
+    ("malformed", "not a single JSON object"), ("wrong_count", "wrong count"), ("out_of_range", "outside"),
+    ("extra_key", "extra keys"), ("nan", "non-finite"), ("fence", "not a single JSON object"),
+])
+def test_a_malformed_reply_is_repaired(scripted_server, tmp_path, behaviour, reason):
+    url, script, log = scripted_server
+    script.write_text(json.dumps([behaviour]))
+    judge = _scripted_judge(url, tmp_path, max_repairs=2)
+    media, prompts, metadata = S.group(31)
+    before = len(_lines(log))
+    scores = judge(media, prompts, metadata)
+    assert torch.allclose(scores, _brightness(media), atol=0.01)
+    metrics = judge.pop_metrics()
+    assert (metrics["requests_sent"], metrics["retries"], metrics["failures"]) == (2, 1, 0)
+    assert len(_lines(log)) == before + 2
+    entry = judge.ledger.get(judge.ledger.keys()[0])
+    assert entry.status == "ok" and entry.attempts == 2 and reason in entry.response[0]["verdict"]
+    assert entry.request["repairs"] and "Reply again" in entry.request["repairs"][0]
+
+
+def test_still_malformed_after_every_repair_is_nan_counted_and_never_resent(scripted_server, tmp_path):
+    url, script, log = scripted_server
+    script.write_text(json.dumps(["wrong_count", "out_of_range", "extra_key"]))
+    media, prompts, metadata = S.group(32)
+    judge = _scripted_judge(url, tmp_path, max_repairs=2)
+    before = len(_lines(log))
+    assert torch.isnan(judge(media, prompts, metadata)).all()
+    metrics = judge.pop_metrics()
+    assert (metrics["requests_sent"], metrics["retries"], metrics["failures"]) == (3, 2, 1)
+    entry = judge.ledger.get(judge.ledger.keys()[0])
+    assert entry.status == "malformed" and [a["verdict"].split(":")[0] for a in entry.response] == ["malformed"] * 3
+    judge.close()
+    rerun = _scripted_judge(url, tmp_path, max_repairs=2)  # the answer was given: it is not asked again
+    assert torch.isnan(rerun(media, prompts, metadata)).all()
+    metrics = rerun.pop_metrics()
+    assert (metrics["requests_sent"], metrics["served_from_ledger"], metrics["failures"]) == (0, 1, 1)
+    assert len(_lines(log)) == before + 3
+
+
+def test_timeouts_and_server_errors_are_retried(scripted_server, tmp_path):
+    url, script, log = scripted_server
+    script.write_text(json.dumps(["sleep:2.5", "status:503", "status:500", "ok"]))
+    judge = _scripted_judge(url, tmp_path, timeout_s=1.0, max_retries=3)
+    media, prompts, metadata = S.group(33)
+    assert torch.allclose(judge(media, prompts, metadata), _brightness(media), atol=0.01)
+    metrics = judge.pop_metrics()
+    assert (metrics["requests_sent"], metrics["retries"], metrics["failures"]) == (4, 3, 0)
+
+
+def test_a_request_that_never_got_an_answer_fails_the_group_and_is_asked_again(scripted_server, tmp_path):
+    url, script, _ = scripted_server
+    script.write_text(json.dumps(["status:502", "status:502"]))
+    media, prompts, metadata = S.group(34)
+    judge = _scripted_judge(url, tmp_path, max_retries=1)
+    assert torch.isnan(judge(media, prompts, metadata)).all()
+    assert judge.pop_metrics()["failures"] == 1
+    assert len(judge.ledger) == 0 and "2 tries" in judge.ledger.failures()[0]["error"]
+    script.write_text(json.dumps(["status:400"]))  # a 4xx other than 401/403/404/408/409/429 is not retried
+    assert torch.isnan(judge(media, prompts, metadata)).all()
+    metrics = judge.pop_metrics()
+    assert (metrics["requests_sent"], metrics["retries"], metrics["failures"]) == (1, 0, 1)
+    assert torch.allclose(judge(media, prompts, metadata), _brightness(media), atol=0.01)  # answered now
+    assert len(judge.ledger) == 1
+
+
+# ------------------------------------------------------------------------------------------------ crash + resume
+
+def test_a_run_killed_mid_step_resumes_without_sending_any_request_twice(scorer_server, tmp_path):
+    url, log = scorer_server
+    ledger = tmp_path / "run" / "judge" / "ledger.sqlite"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(S.ROOT)}
+    drive = [sys.executable, "-m", "tests.serve.judge_support", "drive", "--base-url", url + "/v1", "--ledger",
+             str(ledger), "--groups", "6"]
+    before = _lines(log)
+    killed = subprocess.run([*drive, "--kill-after", "3"], cwd=S.ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    sent_before_crash = _lines(log)[len(before):]
+    assert len(sent_before_crash) == 3
+    resumed = subprocess.run(drive, cwd=S.ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    metrics = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert (metrics["served_from_ledger"], metrics["requests_sent"], metrics["failures"]) == (3, 3, 0)
+    rerun = subprocess.run(drive, cwd=S.ROOT, env=env, capture_output=True, text=True, timeout=120)
+    metrics = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert (metrics["served_from_ledger"], metrics["requests_sent"]) == (6, 0)
+    received = _lines(log)[len(before):]
+    assert len(received) == 6 and len(set(received)) == 6  # the server's own log: every request exactly once
+
+
+# ------------------------------------------------------------------------------------------------ HF VLM backend
+
+def test_tiny_qwen2_vl_backend_answers_an_openai_client_request_with_images(token_file, tmp_path):
+    import openai
+
+    model_dir = S.save_tiny_qwen2_vl(tmp_path / "tiny-qwen2-vl")
+    proc, url = S.start(["-m", "flowforge.cli", "serve", "judge", "--model", str(model_dir), "--port", "0",
+                         "--token-file", str(token_file), "--num-threads", "1", "--max-new-tokens", "16"])
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny-qwen2-vl"]
+        images = [P.data_url(P.jpeg_bytes(torch.rand(3, 16, 24), 64)) for _ in range(2)]
+        content = [{"type": "text", "text": "describe the image"},
+                   *({"type": "image_url", "image_url": {"url": u}} for u in images)]
+        reply = client.chat.completions.create(model="tiny-qwen2-vl", max_tokens=6, temperature=0, seed=1,
+                                               messages=[{"role": "user", "content": content}])
+        assert reply.object == "chat.completion" and reply.model == "tiny-qwen2-vl" and len(reply.choices) == 1
+        assert reply.choices[0].message.role == "assistant" and isinstance(reply.choices[0].message.content, str)
+        usage = reply.usage
+        # two 16x24 images at patch 4, merge 1 -> 2 x 24 image tokens in the prompt
+        assert usage.prompt_tokens > 48 and 1 <= usage.completion_tokens <= 6
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        S.stop(proc)

@@ -1,0 +1,189 @@
+"""``flowforge serve reward`` as a real subprocess on loopback: auth, limits, clear 4xx answers, exact scores."""
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowforge.cli import main as cli_main
+from flowforge.rewards.media import encode_image, encode_images
+from flowforge.rewards.registry import build_scorer
+from flowforge.serve.common import is_loopback, resolve_token, server_url
+from tests.serve.server import reward_server
+
+SCORERS = "digit,jpeg_compressibility,tests.serve.scorers:NotApplicable"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with reward_server(SCORERS, "--max-batch", "8", "--max-body-mb", "0.25",
+                       token_dir=tmp_path_factory.mktemp("token")) as (url, token):
+        yield url, {"Authorization": f"Bearer {token}"}
+
+
+def _media(n, seed=0, size=32):
+    return torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _body(media, digits=None, **extra):
+    digits = digits if digits is not None else [i % 10 for i in range(media.shape[0])]
+    return {"prompts": [f"the number {d}" for d in digits], "metadata": [{"digit": d} for d in digits],
+            "media": encode_images(media), **extra}
+
+
+def _jpeg_item(image):
+    buffer = io.BytesIO()
+    Image.fromarray(image, mode="RGB").save(buffer, format="JPEG", quality=90)
+    return {"format": "jpeg", "data": base64.b64encode(buffer.getvalue()).decode()}
+
+
+def test_health_lists_scorers_versions_and_limits(server):
+    url, auth = server
+    health = httpx.get(f"{url}/health", headers=auth).json()
+    assert health["status"] == "ok"
+    assert sorted(health["scorers"]) == sorted(SCORERS.split(","))
+    assert health["scorers"]["digit"] == {"needs_group": False,
+                                          "class": "flowforge.rewards.scorers.digit:DigitScorer"}
+    assert {"flowforge", "torch", "python"} <= set(health["versions"])
+    assert health["limits"]["max_batch"] == 8 and health["limits"]["max_bytes"] == int(0.25 * 2**20)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"},
+                                     {"Authorization": "Bearer"}])
+def test_requests_without_the_token_get_401(server, headers):
+    url, _ = server
+    for response in (httpx.get(f"{url}/health", headers=headers),
+                     httpx.post(f"{url}/score", json=_body(_media(2)), headers=headers)):
+        assert response.status_code == 401
+        assert "bearer token" in response.json()["detail"]
+        assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_scores_equal_in_process_scores_bit_for_bit(server):
+    url, auth = server
+    digit, jpeg = build_scorer("digit"), build_scorer("jpeg_compressibility")
+    floats = _media(6, seed=1)  # off the byte grid: sent as float32
+    on_grid = (floats * 255).round() / 255  # exactly representable: sent as PNG
+    assert [i["format"] for i in encode_images(floats)] == ["float32"] * 6
+    assert [i["format"] for i in encode_images(on_grid)] == ["png"] * 6
+    for media in (floats, on_grid):
+        body = _body(media, components=["digit", "jpeg_compressibility"])
+        scores = httpx.post(f"{url}/score", json=body, headers=auth).json()["scores"]
+        meta = body["metadata"]
+        assert torch.equal(torch.tensor(scores["digit"], dtype=torch.float32), digit(media, body["prompts"], meta))
+        assert torch.equal(torch.tensor(scores["jpeg_compressibility"], dtype=torch.float32),
+                           jpeg(media, body["prompts"], meta))
+
+
+def test_jpeg_media_and_videos_as_frame_lists(server):
+    url, auth = server
+    pixels = (np.random.default_rng(0).random((2, 32, 32, 3)) * 255).astype(np.uint8)
+    body = {"prompts": ["a", "b"], "metadata": [{"digit": 1}, {"digit": 2}],
+            "media": [_jpeg_item(p) for p in pixels], "components": ["digit"]}
+    scores = httpx.post(f"{url}/score", json=body, headers=auth).json()["scores"]["digit"]
+    assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
+    # a video is scored frame by frame and each component averaged over its frames, as the trainer does
+    frames = _media(6, seed=2).view(2, 3, 3, 32, 32)  # 2 videos x 3 frames
+    videos = [{"frames": encode_images(clip)} for clip in frames]
+    body = {"prompts": ["a", "b"], "metadata": [{"digit": 3}, {"digit": 4}], "media": videos,
+            "components": ["digit"]}
+    scores = torch.tensor(httpx.post(f"{url}/score", json=body, headers=auth).json()["scores"]["digit"])
+    per_frame = build_scorer("digit")(frames.flatten(0, 1), ["a"] * 3 + ["b"] * 3,
+                                      [{"digit": 3}] * 3 + [{"digit": 4}] * 3)
+    assert torch.equal(scores, per_frame.view(2, 3).mean(1))
+
+
+def test_not_applicable_scores_come_back_as_null(server):
+    url, auth = server
+    body = {"prompts": ["a", "b"], "metadata": [{"score": 0.25}, {}], "media": encode_images(_media(2)),
+            "components": ["tests.serve.scorers:NotApplicable"]}
+    response = httpx.post(f"{url}/score", json=body, headers=auth)
+    assert response.json()["scores"] == {"tests.serve.scorers:NotApplicable": [0.25, None]}
+
+
+def test_oversized_requests_get_413_with_a_message(server):
+    url, auth = server
+    big = _body(_media(8, size=64))  # 8 x float32 64x64x3 ~ 520 kB of base64 > 0.25 MiB
+    response = httpx.post(f"{url}/score", json=big, headers=auth)
+    assert response.status_code == 413 and "exceeds the limit of 262144 bytes" in response.json()["detail"]
+    response = httpx.post(f"{url}/score", json=_body((_media(9, size=4) * 255).round() / 255), headers=auth)
+    assert response.status_code == 413 and "9 media items exceed the batch limit of 8" in response.json()["detail"]
+    chunks = iter([b"[" + b" " * 200_000] * 2)  # no Content-Length: refused once the streamed body passes the limit
+    response = httpx.post(f"{url}/score", content=chunks, headers={**auth, "content-type": "application/json"})
+    assert response.status_code == 413 and "streamed" in response.json()["detail"]
+
+
+def _malformed_cases():
+    good = _body(_media(2))
+    png = encode_image(_media(1)[0], "png")
+    float_item = encode_image(_media(1)[0], "float32")
+    return [
+        ("not json", b"{not json", "JSON decode error"),
+        ("missing media", {"prompts": ["a"]}, "body/media: Field required"),
+        ("extra key", {**good, "temperature": 1}, "body/temperature: Extra inputs are not permitted"),
+        ("unknown format", {**good, "media": [{"format": "gif", "data": "AAAA"}] * 2}, "format"),
+        ("bad base64", {**good, "media": [{"format": "png", "data": "@@@"}] * 2}, "media[0]: data is not valid base64"),
+        ("mislabelled", {**good, "media": [{**png, "format": "jpeg"}] * 2}, "media[0]: declared jpeg but the bytes are PNG"),
+        ("not an image", {**good, "media": [{"format": "png", "data": "AAAA"}] * 2}, "media[0]: not a decodable png"),
+        ("float32 length", {**good, "media": [{**float_item, "shape": [3, 32, 31]}] * 2},
+         "do not hold float32 values of shape [3, 32, 31]"),
+        ("float32 shape", {**good, "media": [{**float_item, "shape": [1, 32, 32]}] * 2}, "needs shape [3, H, W]"),
+        ("lengths", {**good, "prompts": ["a"]}, "prompts (1), metadata (2) and media (2) must have one entry"),
+        ("unknown component", {**good, "components": ["pickscore"]}, "unknown components ['pickscore']"),
+        ("sizes differ", {**good, "media": [png, encode_image(_media(1, size=16)[0], "png")]},
+         "every item must have one shape"),
+        ("images and videos", {**good, "media": [png, {"frames": [png]}]}, "mixes images and videos"),
+        ("empty video", {**good, "media": [{"frames": []}] * 2}, "frames"),
+        ("scorer rejects", {**good, "metadata": [{}, {}], "components": ["digit"]},
+         "component 'digit' rejected the request: metadata[0] has no 'digit' key"),
+    ]
+
+
+@pytest.mark.parametrize("case", _malformed_cases(), ids=lambda c: c[0])
+def test_malformed_payloads_get_422_with_a_clear_message(server, case):
+    url, auth = server
+    _, body, message = case
+    if isinstance(body, bytes):
+        response = httpx.post(f"{url}/score", content=body, headers={**auth, "content-type": "application/json"})
+    else:
+        response = httpx.post(f"{url}/score", json=body, headers=auth)
+    assert response.status_code == 422, response.text
+    assert message in response.json()["detail"], response.json()["detail"]
+
+
+def test_no_auth_is_refused_on_a_non_loopback_host(capsys, tmp_path):
+    assert cli_main(["serve", "reward", "--scorers", "digit", "--host", "0.0.0.0", "--no-auth"]) == 2
+    assert "--no-auth is refused on the non-loopback host '0.0.0.0'" in capsys.readouterr().err
+    token_file = tmp_path / "token"
+    token_file.write_text("  \n")
+    assert cli_main(["serve", "reward", "--scorers", "digit", "--token-file", str(token_file)]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_no_auth_server_on_loopback_answers_without_a_token(tmp_path):
+    with reward_server("jpeg_compressibility", token_dir=tmp_path, no_auth=True) as (url, token):
+        assert token is None
+        media = (_media(2) * 255).round() / 255
+        response = httpx.post(f"{url}/score", json={"prompts": ["a", "b"], "media": encode_images(media)})
+        assert response.status_code == 200
+        expected = build_scorer("jpeg_compressibility")(media, ["a", "b"], [{}, {}])
+        assert torch.equal(torch.tensor(response.json()["scores"]["jpeg_compressibility"]), expected)
+
+
+def test_common_loopback_url_and_token_rules(tmp_path, capsys):
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.8.9.1", "localhost", "::1", "[::1]"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.4", "example.org"))
+    assert server_url("127.0.0.1", 80) == "http://127.0.0.1:80" and server_url("::1", 8) == "http://[::1]:8"
+    assert resolve_token(None, True, "127.0.0.1") is None
+    generated = resolve_token(None, False, "0.0.0.0")
+    assert len(generated) >= 32 and generated in capsys.readouterr().err
+    (tmp_path / "t").write_text("s3cret\n")
+    assert resolve_token(tmp_path / "t", False, "0.0.0.0") == "s3cret"
+    with pytest.raises(ValueError, match="contradict"):
+        resolve_token(tmp_path / "t", True, "127.0.0.1")
+    with pytest.raises(ValueError, match="non-loopback"):
+        resolve_token(None, True, "10.0.0.1")
