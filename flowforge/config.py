@@ -25,21 +25,12 @@ from flowforge.settings.schema import ConfigError, Section, fingerprint, parse_o
 from flowforge.settings.sections import (HEAD_SECTIONS, TAIL_SECTIONS, AdvantageConfig, ArtifactsConfig,
                                          CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, LoraConfig,
                                          ModelConfig, RewardConfig, RunConfig, SamplerConfig, SFTConfig, TrainConfig)
-from flowforge.objectives.awm import AWMConfig
-from flowforge.objectives.crd import CRDConfig
-from flowforge.objectives.dgpo import DGPOConfig
-from flowforge.objectives.dpo import DPOConfig
-from flowforge.objectives.forward import ForwardConfig
-from flowforge.objectives.grpo import GRPOConfig
-from flowforge.objectives.grpo_guard import GuardConfig
-from flowforge.objectives.nft import NFTConfig
 
 __all__ = [
     "Config", "ConfigError", "Section", "config_class", "from_dict", "load_config", "dump_config", "to_dict",
     "fingerprint", "replace", "parse_overrides",
     "RunConfig", "ModelConfig", "LoraConfig", "DataConfig", "SamplerConfig", "RewardConfig", "AdvantageConfig",
     "TrainConfig", "EvalConfig", "CheckpointConfig", "DistributedConfig", "ArtifactsConfig", "SFTConfig",
-    "GRPOConfig", "GuardConfig", "ForwardConfig", "NFTConfig", "AWMConfig", "DGPOConfig", "DPOConfig", "CRDConfig",
 ]
 
 
@@ -89,3 +80,12 @@ def dump_config(cfg: Config) -> str:
 def replace(cfg: Config, **sections: Mapping[str, Any]) -> Config:
     """Copy of ``cfg`` with some keys of some sections changed, e.g. ``replace(cfg, train={"steps": 2})``."""
     return from_dict(schema.merge(to_dict(cfg), sections))
+
+
+def __getattr__(name: str) -> type:
+    """The algorithm section classes by class name (``from flowforge.config import NFTConfig``, their import path
+    before they moved beside their objectives in :mod:`flowforge.objectives`)."""
+    for section in objective_sections():
+        if section.__name__ == name:
+            return section
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

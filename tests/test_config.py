@@ -128,3 +128,12 @@ def test_settings_layer_imports_only_stdlib_and_yaml():
                    if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("flowforge")), path
     code = "import sys, flowforge.settings; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_algorithm_sections_keep_their_old_import_path():
+    from flowforge.config import AWMConfig, GRPOConfig, NFTConfig
+    from flowforge.objectives import awm, grpo, nft
+
+    assert (GRPOConfig, NFTConfig, AWMConfig) == (grpo.GRPOConfig, nft.NFTConfig, awm.AWMConfig)
+    with pytest.raises(ImportError):
+        from flowforge.config import NoSuchConfig  # noqa: F401

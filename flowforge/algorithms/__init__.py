@@ -1,4 +1,5 @@
-"""Pure-torch math core of flowforge: schedules, transition kernels, advantages, losses.
+"""Pure-torch math core of flowforge: schedules, transition kernels, deterministic solvers, advantages, losses, EMA
+and old-policy decay schedules.
 
 Imports only torch and the standard library (enforced by a test). Conventions: sigma in [0, 1] (1 = pure noise),
 ``x_sigma = (1 - sigma) x0 + sigma noise``, velocity ``v = noise - x0``, log-probs are Gaussian log-densities
@@ -15,7 +16,8 @@ from .advantages import (
     group_stats,
     nft_optimality,
 )
-from .losses import NFT_MODES, grpo_clip_loss, nft_loss, transition_mean_kl, velocity_mse_kl
+from .ema import EMA_SCHEDULES, NFT_DECAY_TYPES, OLD_DECAY_SCHEDULES, ema_decay, old_policy_decay
+from .losses import NFT_MODES, flow_grpo_kl, grpo_clip_loss, nft_loss, transition_mean_kl, velocity_mse_kl
 from .schedules import (
     SCHEDULE_KINDS,
     WAN_DEFAULT_SHIFT,
@@ -28,9 +30,11 @@ from .sde import (
     TRANSITION_KINDS,
     Transition,
     euler_step,
+    reference_std_dev_t,
     sde_diffusion_coefficient,
     transition,
 )
+from .solvers import data_prediction, dpm_solver_2_sample, dpm_solver_2m_step
 
 __all__ = [
     "flow_match_sigmas",
@@ -42,6 +46,10 @@ __all__ = [
     "transition",
     "euler_step",
     "sde_diffusion_coefficient",
+    "reference_std_dev_t",
+    "data_prediction",
+    "dpm_solver_2m_step",
+    "dpm_solver_2_sample",
     "TRANSITION_KINDS",
     "CPS_LOG_PROB_MODES",
     "group_advantages",
@@ -56,5 +64,11 @@ __all__ = [
     "nft_loss",
     "velocity_mse_kl",
     "transition_mean_kl",
+    "flow_grpo_kl",
     "NFT_MODES",
+    "ema_decay",
+    "old_policy_decay",
+    "EMA_SCHEDULES",
+    "OLD_DECAY_SCHEDULES",
+    "NFT_DECAY_TYPES",
 ]

@@ -47,7 +47,12 @@ def per_sample(
         ValueError: a non-numeric dtype (bool, complex), or a shape that is neither 0-d nor ``shape``.
     """
     shape = tuple(shape)
-    t = torch.as_tensor(value, device=device)
+    # A python float is rounded once, to ``dtype``: ``as_tensor`` would round it to float32 first (float64 inputs
+    # would then see e.g. 0.8 as 0.800000011920929).
+    if isinstance(value, float):
+        t = torch.tensor(value, dtype=dtype, device=device)
+    else:
+        t = torch.as_tensor(value, device=device)
     if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
         raise ValueError(f"{name} must be a float or a float tensor, got dtype {t.dtype}")
     t = t.to(dtype)

@@ -58,7 +58,8 @@ Notation
     ``v``/``velocity``  model output, ``noise - x0`` convention, same shape as ``x``
     ``sigma``           noise level in [0, 1], 1 = pure noise; ``[B]``, 0-d tensor or python float
     ``eta``             ``noise_level``, the sampler's stochasticity knob (kind-specific meaning above)
-    ``g``               flow_grpo ``std_dev_t``, SDE diffusion coefficient (``sde_diffusion_coefficient``)
+    ``g``               flow_grpo ``std_dev_t``, SDE diffusion coefficient (``sde_diffusion_coefficient``; per
+                        kind: ``reference_std_dev_t``)
     ``std``             transition std of ``x_next`` given ``x``, ``[B]``
     ==================  ==================================================================================
 
@@ -81,6 +82,7 @@ __all__ = [
     "transition",
     "euler_step",
     "sde_diffusion_coefficient",
+    "reference_std_dev_t",
     "TRANSITION_KINDS",
     "CPS_LOG_PROB_MODES",
 ]
@@ -160,6 +162,38 @@ def sde_diffusion_coefficient(
         sm = torch.as_tensor(sigma_max, device=sigma.device).to(sigma.dtype)
         den = 1 - torch.where(sigma == 1, sm, sigma)
     return torch.sqrt(sigma / den) * noise_level
+
+
+def reference_std_dev_t(kind: str, sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, *,
+                        sigma_max: Optional[Sigma] = None) -> torch.Tensor:
+    """The ``std_dev_t`` that the reference step function of ``kind`` returns (and flow_grpo's KL divides by).
+
+    - "sde":   ``eta * sqrt(sigma / (1 - sigma'))`` (``sigma'`` as in :func:`sde_diffusion_coefficient`), the SDE
+      diffusion coefficient ``g``, NOT the transition std ``g * sqrt(-dt)``;
+    - "cps":   ``sigma_next * sin(eta * pi / 2)``, the transition std (equal to ``Transition.std``);
+    - "dance": ``eta * sqrt(sigma - sigma_next)``, the transition std (equal to ``Transition.std``).
+
+    Computed with the same operations as :func:`transition` (so "sde" gives bit for bit flow_grpo's ``std_dev_t``).
+
+    Args:
+        kind: "sde" | "cps" | "dance". sigma, sigma_next: ``[B]`` float tensors (``0 <= sigma_next < sigma <= 1``).
+        noise_level: ``eta``. sigma_max: the schedule's ``sigmas[1]`` for "sde" at ``sigma == 1`` (default
+            ``sigma_next``, the same number at step 0).
+    Returns:
+        ``[B]`` tensor, dtype of ``sigma``.
+    Raises:
+        ValueError: ``kind`` "ode" (no noise, no ``std_dev_t``) or unknown.
+    Sources: flow_grpo ``sd3_sde_with_logprob.sde_step_with_logprob`` (``sde_type`` "sde" / "cps": its returned
+    ``std_dev_t``); DanceGRPO ``train_grpo_flux.flux_step`` (``std_dev_t = eta * sqrt(delta_t)``).
+    """
+    if kind == "sde":
+        sm = sigma_next if sigma_max is None else sigma_max
+        return sde_diffusion_coefficient(sigma, noise_level, sigma_max=sm)
+    if kind == "cps":
+        return sigma_next * math.sin(noise_level * math.pi / 2)
+    if kind == "dance":
+        return noise_level * torch.sqrt(sigma - sigma_next)
+    raise ValueError(f"kind={kind!r} has no std_dev_t; allowed: ('sde', 'cps', 'dance')")
 
 
 def _gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, kind: str) -> torch.Tensor:

@@ -39,7 +39,7 @@ import pickle
 import sys
 
 from flowforge.cli import check, compare, export, report, serve, sft, train
-from flowforge.runtime.errors import file_error, one_line
+from flowforge.runtime.errors import one_line
 
 VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
          "serve": serve}
@@ -76,7 +76,8 @@ def is_user_error(exc: BaseException) -> bool:
 def error_message(exc: BaseException) -> str:
     """``exc`` as one line (an ``OSError`` names its file)."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        return str(file_error(exc.filename, exc, "check the path"))
+        other = f" -> {exc.filename2}" if exc.filename2 is not None else ""
+        return f"{exc.filename}{other}: {exc.strerror}; check the path and its permissions"
     return one_line(str(exc)) or type(exc).__name__
 
 

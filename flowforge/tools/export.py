@@ -135,7 +135,7 @@ def _resolve_base(path: str | Path) -> Path:
 def _require_base(src: Source, why: str) -> Path:
     if src.base is None:
         raise ExportError(
-            f"model.path {src.model_path!r} in {src.run_dir / 'config.yaml'}",
+            f"base model {src.model_path!r} (model.path in {src.run_dir / 'config.yaml'}, or --base)",
             f"{why} needs the base model, but it does not exist here",
             "pass the base model directory with --base PATH (Python: export_run(..., base=PATH)); it must be the "
             "model the run was trained from (its sha256 is checked)")

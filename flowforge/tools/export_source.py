@@ -156,6 +156,10 @@ def load_source(run_dir: Path, cfg, path: Path, weights: str, model_path: str, b
     if not isinstance(lora, dict) or lora.get("trainable") not in ("lora", "full"):
         raise ExportError(path / ckpt.TRAINER_STATE_FILE, "has no LoRA contract ('lora': {trainable, ...})",
                           "export a checkpoint written by `flowforge train`")
+    absent = [k for k in ("rank", "alpha", "targets") if lora["trainable"] == "lora" and k not in lora]
+    if absent:
+        raise ExportError(path / ckpt.TRAINER_STATE_FILE, f"its LoRA contract lacks {absent}",
+                          "export a checkpoint written by `flowforge train`")
     if weights in state.tensors:
         tensors, weights_file = state.tensors[weights], path / ckpt.WEIGHTS_DIR / f"{weights}.safetensors"
     elif weights == "live" and (path / ckpt.SHARDED_DIR).is_dir():

@@ -409,10 +409,11 @@ def run_provenance() -> dict[str, Any]:
     """Where and with what a run was made; never raises for missing git or packages (those fields are ``None``).
 
     Returns:
-        JSON-serialisable dict: ``flowforge``, ``torch``, ``diffusers`` versions (diffusers read from package
-        metadata, not imported), ``python``, ``platform``, ``git_commit`` of the working tree holding this package
-        (``None`` outside a git checkout), ``git_dirty`` (uncommitted changes to tracked files, or ``None``),
-        ``hostname``, ``time_utc`` (ISO 8601), ``argv``, ``cuda`` (torch's CUDA version or ``None``), ``devices`` (GPU names).
+        JSON-serialisable dict: ``flowforge``, ``torch``, ``diffusers``, ``transformers``, ``peft`` versions
+        (the last three read from package metadata, not imported), ``python``, ``platform``, ``git_commit`` of the
+        working tree holding this package (``None`` outside a git checkout), ``git_dirty`` (uncommitted changes to
+        tracked files, or ``None``), ``hostname``, ``time_utc`` (ISO 8601), ``argv``, ``cuda`` (torch's CUDA
+        version or ``None``), ``devices`` (GPU names).
     """
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if commit is not None else None
@@ -423,6 +424,8 @@ def run_provenance() -> dict[str, Any]:
         "flowforge": __version__,
         "torch": torch.__version__,
         "diffusers": _package_version("diffusers"),
+        "transformers": _package_version("transformers"),
+        "peft": _package_version("peft"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "git_commit": commit,

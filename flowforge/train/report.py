@@ -1,54 +1,60 @@
-"""One self-contained HTML page per run: curves, sample grids, resolved config, provenance.
+"""One self-contained HTML page per run that answers first: the summary, then curves, grids, config, provenance.
 
-``write_report(run_dir)`` reads the run directory (DESIGN §6) and writes ``<run_dir>/report.html``; every image is
-embedded as a base64 PNG, so the file can be mailed or archived alone. Also ``python -m flowforge.train.report RUN_DIR``.
+``write_report(run_dir)`` reads the run directory (``runs/<name>/``, README "A run directory") and writes
+``<run_dir>/report.html``; every image is embedded as a base64 PNG, so the file can be mailed or archived alone.
+Also ``python -m flowforge.train.report RUN_DIR [--smooth A]`` and ``flowforge report RUN_DIR``.
 
-==================================  ====================================================================================
-read from                           shown as
-==================================  ====================================================================================
-``metrics.jsonl``                   reward mean per component (``reward/<c>_mean``, ± ``reward/<c>_std`` band);
-                                    ``train/loss``, ``train/clip_fraction``, ``train/approx_kl``, ``train/diversity``;
-                                    every other key, one figure per namespace (``perf/``, ``time/``, ...)
-``eval.jsonl``                      ``eval/digit_eval`` and ``eval/diversity`` side by side, then every other ``eval/*``
-``samples/step_*.png``              the grids in step order, captioned with the step and that step's eval values
-``config.yaml``                     verbatim
-``provenance.json``                 a table (written by :func:`flowforge.train.metrics.write_provenance`)
-==================================  ====================================================================================
+=========================  ===========================================================================================
+section                    read from, shown as
+=========================  ===========================================================================================
+Summary                    final / best / first held-out eval, training reward, steps, samples seen, wall time,
+                           committed checkpoints, and the ``flowforge export`` / ``flowforge sample`` commands
+                           (:mod:`flowforge.train.report_summary`)
+First and last samples     the first and the last ``samples/step_*.png`` side by side, each image cropped out and
+                           captioned with its prompt and scores from the grid's sidecar
+                           (:mod:`flowforge.train.report_grids`)
+Training                   ``metrics.jsonl``: reward mean per training component (± std band), ``train/loss``,
+                           ``train/clip_fraction``, ``train/approx_kl``, ``train/diversity``, then one figure per
+                           namespace; eval-only scorers (``eval.scorers`` without a reward weight) and metrics that
+                           are 0 at every step are folded away (``<details>``)
+Evaluation                 ``eval.jsonl``: the headline eval metric beside ``eval/diversity``, every other ``eval/*``,
+                           a first / last / min / max table
+Samples                    every grid in step order, captioned with that step's eval values (folded)
+Config                     ``config.yaml`` as a diff against the defaults, the full file folded
+                           (:mod:`flowforge.train.report_config`)
+Provenance                 ``provenance.json``: torch / diffusers / transformers / peft versions first
+=========================  ===========================================================================================
 
-Missing files are reported in the page, never an error. JSONL reading tolerates what killed and resumed runs leave
-behind (see :func:`read_jsonl`). All text from the run directory is HTML-escaped.
+Curves have the step on the x-axis and samples seen (``data.prompts_per_step x data.group_size`` per step) on a
+second axis on top; ``smoothing`` draws TensorBoard's debiased moving average over the raw training curves
+(:mod:`flowforge.train.report_plots`). Missing files are reported in the page, never an error. JSONL reading
+tolerates what killed and resumed runs leave behind (see :func:`read_jsonl`). All text from the run directory is
+HTML-escaped.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import html
-import io
 import json
 import math
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from flowforge.runtime.durable import atomic_write
-from flowforge.train.metrics import (
-    CONFIG_FILE,
-    EVAL_FILE,
-    METRICS_FILE,
-    PROVENANCE_FILE,
-    SAMPLES_DIR,
-)
+from flowforge.train.metrics import EVAL_FILE, METRICS_FILE, SAMPLES_DIR
+from flowforge.train.report_config import config_section, provenance_section
+from flowforge.train.report_plots import figure_tag, img_tag, is_constant_zero, plot_panels, series
+from flowforge.train.report_summary import (RunInfo, esc, first_last_section, fmt, headline_key, note,
+                                            read_run_info, summary_section)
 
 REPORT_FILE = "report.html"
 TRAIN_KEYS = ("train/loss", "train/clip_fraction", "train/approx_kl", "train/diversity")
 EVAL_HEADLINE_KEYS = ("eval/digit_eval", "eval/diversity")
+"""The embedded default's headline pair (other runs lead with their own headline metric beside ``eval/diversity``)."""
 _GRID_NAME = re.compile(r"^step_(\d+)\.png$")
-_PANEL_W, _PANEL_H, _DPI = 4.2, 2.9, 90
 
 Row = dict[str, float]
 
@@ -106,11 +112,6 @@ def _to_float(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan  # null (non-finite) and odd values → NaN
 
 
-def _series(rows: Sequence[Row], key: str) -> tuple[list[float], list[float]]:
-    pairs = [(row["step"], row[key]) for row in rows if key in row]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
 def _keys(rows: Sequence[Row]) -> list[str]:
     seen: dict[str, None] = {}
     for row in rows:
@@ -120,109 +121,70 @@ def _keys(rows: Sequence[Row]) -> list[str]:
     return sorted(seen)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# figures
+def find_grids(run_dir: Path) -> list[tuple[int, Path]]:
+    """``[(step, samples/step_<n>.png)]`` sorted by step (numerically; other files ignored)."""
+    folder = run_dir / SAMPLES_DIR
+    grids = []
+    if folder.is_dir():
+        for path in folder.iterdir():
+            match = _GRID_NAME.match(path.name)
+            if match and path.is_file():
+                grids.append((int(match.group(1)), path))
+    return sorted(grids)
 
 
-def _figure(n_panels: int, ncols: int = 3) -> tuple[Figure, list[Any]]:
-    ncols = max(1, min(ncols, n_panels))
-    nrows = math.ceil(n_panels / ncols)
-    width, height = _PANEL_W * ncols, _PANEL_H * nrows
-    # Figure directly (not pyplot): no global state, Agg canvas, safe headless. Fixed margins in inches instead of a
-    # layout engine, which would draw every figure twice.
-    fig = Figure(figsize=(width, height), dpi=_DPI)
-    fig.subplots_adjust(left=0.8 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.3 / height,
-                        wspace=0.95 / (_PANEL_W - 0.95), hspace=0.8 / (_PANEL_H - 0.8))
-    axes = list(fig.subplots(nrows, ncols, squeeze=False).ravel())
-    for ax in axes[n_panels:]:
-        ax.set_visible(False)
-    return fig, axes[:n_panels]
-
-
-def _style(ax: Any, title: str) -> None:
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(labelsize=8)
-    ax.grid(True, alpha=0.3)
-
-
-def _plot_panels(rows: Sequence[Row], keys: Sequence[str], *, bands: Mapping[str, str] | None = None,
-                 markers: bool = False, ncols: int = 3) -> Figure:
-    fig, axes = _figure(len(keys), ncols)
-    for ax, key in zip(axes, keys):
-        steps, values = _series(rows, key)
-        ax.plot(steps, values, marker="o" if markers else None, markersize=3, linewidth=1.3, color="C0")
-        std_key = (bands or {}).get(key)
-        if std_key is not None:
-            band_steps, band_mean, band_std = [], [], []
-            for row in rows:
-                if key in row and std_key in row:
-                    band_steps.append(row["step"])
-                    band_mean.append(row[key])
-                    band_std.append(row[std_key])
-            ax.fill_between(band_steps, [m - s for m, s in zip(band_mean, band_std)],
-                            [m + s for m, s in zip(band_mean, band_std)], color="C0", alpha=0.2, linewidth=0,
-                            label="± std")
-            ax.legend(fontsize=7, loc="best")
-        if values and not any(math.isfinite(v) for v in values):
-            ax.text(0.5, 0.5, "no finite values", transform=ax.transAxes, ha="center", va="center", fontsize=9)
-        _style(ax, key)
-    return fig
-
-
-def _img_tag(png: bytes, alt: str, css_class: str = "plot") -> str:
-    data = base64.b64encode(png).decode("ascii")
-    return f'<img class="{css_class}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
-
-
-def _figure_tag(fig: Figure, alt: str) -> str:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return _img_tag(buffer.getvalue(), alt)
+def eval_only_keys(keys: Sequence[str], info: RunInfo) -> list[str]:
+    """The ``reward/<s>_*`` training metrics of scorers that are in ``eval.scorers`` but have no reward weight:
+    scored on training batches, never trained on. A key belongs to the longest scorer name it starts with, so
+    ``reward/digit_eval_mean`` is ``digit_eval``'s, not ``digit``'s."""
+    eval_only = set(info.eval_scorers) - set(info.reward_names)
+    names = sorted({*info.eval_scorers, *info.reward_names}, key=len, reverse=True)
+    out = []
+    for key in keys:
+        if key.startswith("reward/"):
+            owner = next((n for n in names if key[len("reward/"):].startswith(n + "_")), None)
+            if owner in eval_only:
+                out.append(key)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # sections
 
 
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+def _folded(title: str, figure: str) -> str:
+    return f"<details><summary>{esc(title)}</summary>{figure}</details>"
 
 
-def _note(text: str) -> str:
-    return f'<p class="note">{_esc(text)}</p>'
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.4g}" if math.isfinite(value) else str(value)
-
-
-def _train_section(rows: list[Row] | None, problems: list[str]) -> str:
+def _train_section(rows: list[Row] | None, problems: list[str], info: RunInfo, smoothing: float) -> str:
     parts = ['<h2 id="training">Training</h2>']
     if rows is None:
-        return "".join(parts) + _note(f"No {METRICS_FILE} in this run directory: no training curves.")
+        return "".join(parts) + note(f"No {METRICS_FILE} in this run directory: no training curves.")
     if not rows:
-        return "".join(parts) + _note(f"{METRICS_FILE} holds no readable lines.")
+        return "".join(parts) + note(f"{METRICS_FILE} holds no readable lines.")
     keys = _keys(rows)
-    used: set[str] = set()
+    plot = lambda ks, **kw: plot_panels(rows, ks, per_step=info.per_step, smoothing=smoothing, **kw)  # noqa: E731
+    eval_only = eval_only_keys(keys, info)
+    zero = [k for k in keys if k not in eval_only and is_constant_zero(rows, k)]
+    used: set[str] = set(eval_only) | set(zero)
 
     parts.append("<h3>Reward (training batches)</h3>")
-    means = [k for k in keys if k.startswith("reward/") and k.endswith("_mean")]
+    means = [k for k in keys if k.startswith("reward/") and k.endswith("_mean") and k not in used]
     if means:
         bands = {m: m[: -len("_mean")] + "_std" for m in means if m[: -len("_mean")] + "_std" in keys}
-        parts.append(_figure_tag(_plot_panels(rows, means, bands=bands), "training reward mean per component"))
+        parts.append(figure_tag(plot(means, bands=bands), "training reward mean per component"))
         used.update(means, bands.values())
     else:
-        parts.append(_note("No reward/*_mean metrics logged."))
+        parts.append(note("No reward/*_mean metrics logged."))
 
     parts.append("<h3>Optimisation and diversity</h3>")
-    present = [k for k in TRAIN_KEYS if k in keys]
+    present = [k for k in TRAIN_KEYS if k in keys and k not in used]
     if present:
-        parts.append(_figure_tag(_plot_panels(rows, present), "training loss, clip fraction, approx KL, diversity"))
+        parts.append(figure_tag(plot(present), "training loss, clip fraction, approx KL, diversity"))
         used.update(present)
     missing = [k for k in TRAIN_KEYS if k not in keys]
     if missing:
-        parts.append(_note("Not logged: " + ", ".join(missing) + "."))
+        parts.append(note("Not logged: " + ", ".join(missing) + "."))
 
     rest = [k for k in keys if k not in used]
     if rest:
@@ -231,92 +193,68 @@ def _train_section(rows: list[Row] | None, problems: list[str]) -> str:
         for key in rest:
             by_namespace.setdefault(key.split("/", 1)[0] if "/" in key else "(no namespace)", []).append(key)
         for namespace, group in by_namespace.items():
-            parts.append(f"<h4>{_esc(namespace)}</h4>")
-            parts.append(_figure_tag(_plot_panels(rows, group, ncols=4), f"{namespace} metrics"))
-    parts.extend(_note(p) for p in problems)
+            parts.append(f"<h4>{esc(namespace)}</h4>")
+            parts.append(figure_tag(plot(group, ncols=4), f"{namespace} metrics"))
+    if eval_only:
+        title = f"Eval-only scorers on training batches (not trained on): {', '.join(eval_only)}"
+        parts.append(_folded(title, figure_tag(plot(eval_only, ncols=4), "eval-only scorers on training batches")))
+    if zero:
+        title = f"{len(zero)} metric(s) 0 at every step: {', '.join(zero)}"
+        parts.append(_folded(title, figure_tag(plot(zero, ncols=4), "metrics that are 0 at every step")))
+    parts.extend(note(p) for p in problems)
     return "".join(parts)
 
 
-def _eval_section(rows: list[Row] | None, problems: list[str]) -> str:
+def _eval_section(rows: list[Row] | None, problems: list[str], headline: str | None) -> str:
     parts = ['<h2 id="evaluation">Evaluation</h2>']
     if rows is None:
-        return "".join(parts) + _note(f"No {EVAL_FILE} in this run directory: no evaluation was logged.")
+        return "".join(parts) + note(f"No {EVAL_FILE} in this run directory: no evaluation was logged.")
     if not rows:
-        return "".join(parts) + _note(f"{EVAL_FILE} holds no readable lines.")
+        return "".join(parts) + note(f"{EVAL_FILE} holds no readable lines.")
     keys = _keys(rows)
-    headline = [k for k in EVAL_HEADLINE_KEYS if k in keys]
-    if headline:
-        # DigitEval and diversity next to each other: a reward gain bought by collapse shows as one rising while the
-        # other falls.
-        parts.append(_figure_tag(_plot_panels(rows, headline, markers=True, ncols=2), "DigitEval and eval diversity"))
-    missing = [k for k in EVAL_HEADLINE_KEYS if k not in keys]
+    pair = EVAL_HEADLINE_KEYS if headline in (None, EVAL_HEADLINE_KEYS[0]) else (headline, "eval/diversity")
+    shown = [k for k in pair if k in keys]
+    if shown:
+        # the eval score and diversity next to each other: a reward gain bought by collapse shows as one rising
+        # while the other falls
+        alt = "DigitEval and eval diversity" if pair == EVAL_HEADLINE_KEYS else f"{headline} and eval diversity"
+        parts.append(figure_tag(plot_panels(rows, shown, markers=True, ncols=2), alt))
+    missing = [k for k in pair if k not in keys]
     if missing:
-        parts.append(_note("Not logged: " + ", ".join(missing) + "."))
-    rest = [k for k in keys if k not in headline]
+        parts.append(note("Not logged: " + ", ".join(missing) + "."))
+    rest = [k for k in keys if k not in shown]
     if rest:
-        parts.append(_figure_tag(_plot_panels(rows, rest, markers=True), "other evaluation metrics"))
+        parts.append(figure_tag(plot_panels(rows, rest, markers=True), "other evaluation metrics"))
     parts.append("<table><tr><th>metric</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>")
     for key in keys:
-        _, values = _series(rows, key)
+        _, values = series(rows, key)
         finite = [v for v in values if math.isfinite(v)]
-        lo, hi = (_fmt(min(finite)), _fmt(max(finite))) if finite else ("–", "–")
-        parts.append(f"<tr><td>{_esc(key)}</td><td>{_esc(_fmt(values[0]))}</td><td>{_esc(_fmt(values[-1]))}</td>"
-                     f"<td>{_esc(lo)}</td><td>{_esc(hi)}</td></tr>")
+        lo, hi = (fmt(min(finite)), fmt(max(finite))) if finite else ("–", "–")
+        parts.append(f"<tr><td>{esc(key)}</td><td>{esc(fmt(values[0]))}</td><td>{esc(fmt(values[-1]))}</td>"
+                     f"<td>{esc(lo)}</td><td>{esc(hi)}</td></tr>")
     parts.append("</table>")
-    parts.extend(_note(p) for p in problems)
+    parts.extend(note(p) for p in problems)
     return "".join(parts)
 
 
-def _samples_section(run_dir: Path, eval_rows: list[Row] | None) -> str:
+def _samples_section(grids: list[tuple[int, Path]], eval_rows: list[Row] | None) -> str:
     parts = ['<h2 id="samples">Samples</h2>']
-    folder = run_dir / SAMPLES_DIR
-    grids = []
-    if folder.is_dir():
-        for path in folder.iterdir():
-            match = _GRID_NAME.match(path.name)
-            if match and path.is_file():
-                grids.append((int(match.group(1)), path))
     if not grids:
-        return "".join(parts) + _note(f"No sample grids ({SAMPLES_DIR}/step_*.png) in this run directory.")
+        return "".join(parts) + note(f"No sample grids ({SAMPLES_DIR}/step_*.png) in this run directory.")
     by_step = {int(row["step"]): row for row in eval_rows or []}
-    parts.append('<div class="grids">')
-    for step, path in sorted(grids):
+    parts.append(f"<details><summary>All {len(grids)} eval grids in step order (first sample of each held-out "
+                 'prompt)</summary><div class="grids">')
+    for step, path in grids:
         row = by_step.get(step)
         if row is None:
             caption = f"step {step} — no eval logged at this step"
         else:
-            values = " · ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "step")
+            values = " · ".join(f"{k} {fmt(v)}" for k, v in row.items() if k != "step")
             caption = f"step {step} — {values}"
-        parts.append(f'<figure>{_img_tag(path.read_bytes(), f"samples at step {step}", "grid")}'
-                     f"<figcaption>{_esc(caption)}</figcaption></figure>")
-    parts.append("</div>")
+        parts.append(f'<figure>{img_tag(path.read_bytes(), f"samples at step {step}", "grid")}'
+                     f"<figcaption>{esc(caption)}</figcaption></figure>")
+    parts.append("</div></details>")
     return "".join(parts)
-
-
-def _config_section(run_dir: Path) -> str:
-    path = run_dir / CONFIG_FILE
-    head = '<h2 id="config">Config</h2>'
-    if not path.is_file():
-        return head + _note(f"No {CONFIG_FILE} in this run directory.")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    return head + f"<pre>{_esc(text)}</pre>"
-
-
-def _provenance_section(run_dir: Path) -> str:
-    path = run_dir / PROVENANCE_FILE
-    head = '<h2 id="provenance">Provenance</h2>'
-    if not path.is_file():
-        return head + _note(f"No {PROVENANCE_FILE} in this run directory.")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return head + _note(f"{PROVENANCE_FILE} is not valid JSON; shown verbatim.") + f"<pre>{_esc(text)}</pre>"
-    if not isinstance(data, dict):
-        return head + f"<pre>{_esc(json.dumps(data, indent=2))}</pre>"
-    body = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v if isinstance(v, str) else json.dumps(v))}</td></tr>"
-                   for k, v in data.items())
-    return head + f'<table class="kv">{body}</table>'
 
 
 _CSS = """
@@ -325,45 +263,62 @@ body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width:
 h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }
 nav a { margin-right: 1em; } .note { color: #666; font-style: italic; }
 img.plot { max-width: 100%; display: block; margin: 0.5em 0; }
-img.grid { image-rendering: pixelated; max-width: 100%; border: 1px solid #ccc; }
+img.grid, img.compare { image-rendering: pixelated; max-width: 100%; border: 1px solid #ccc; }
 .grids { display: flex; flex-wrap: wrap; gap: 1em; } figure { margin: 0; } figcaption { font-size: 0.85em; }
+.first-last { display: flex; gap: 1.5em; align-items: flex-start; } .column { flex: 1 1 0; min-width: 0; }
+.cells { display: flex; flex-wrap: wrap; gap: 0.4em; }
+.cell { width: 88px; } img.cell { width: 88px; image-rendering: pixelated; border: 1px solid #ccc; display: block; }
+.cap { font-size: 0.68em; line-height: 1.15; word-wrap: break-word; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
 table { border-collapse: collapse; font-size: 0.9em; margin: 0.5em 0; }
 td, th { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }
+table.summary th { white-space: nowrap; } details { margin: 0.6em 0; } summary { cursor: pointer; }
 """
 
 
-def write_report(run_dir: Path) -> Path:
+def write_report(run_dir: Path, *, smoothing: float = 0.0) -> Path:
     """Write ``<run_dir>/report.html`` (atomically) from the run directory's files and return its path.
+
+    Args:
+        run_dir: the run directory.
+        smoothing: weight in [0, 1) of the moving average drawn over the raw training curves; 0 = raw only.
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a directory. Missing files inside it are noted in the page instead.
+        ValueError: ``smoothing`` outside [0, 1).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_dir}")
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
     train_rows = train_problems = eval_rows = eval_problems = None
     if (run_dir / METRICS_FILE).is_file():
         train_rows, train_problems = read_jsonl(run_dir / METRICS_FILE)
     if (run_dir / EVAL_FILE).is_file():
         eval_rows, eval_problems = read_jsonl(run_dir / EVAL_FILE)
+    info, grids = read_run_info(run_dir), find_grids(run_dir)
+    headline = headline_key(eval_rows, info)
     steps = f"{len(train_rows)} steps logged" if train_rows else "no training steps logged"
     if train_rows:
         steps += f" ({int(train_rows[0]['step'])}–{int(train_rows[-1]['step'])})"
+    title = esc(run_dir.resolve().name)
     page = [
         "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>flowforge report — {_esc(run_dir.resolve().name)}</title>",
+        f'<html lang="en"><head><meta charset="utf-8"><title>flowforge report — {title}</title>',
         f"<style>{_CSS}</style></head><body>",
-        f"<h1>flowforge report — {_esc(run_dir.resolve().name)}</h1>",
-        f'<p class="note">{_esc(str(run_dir.resolve()))} · {_esc(steps)}</p>',
-        '<nav><a href="#training">Training</a><a href="#evaluation">Evaluation</a><a href="#samples">Samples</a>'
+        f"<h1>flowforge report — {title}</h1>",
+        f'<p class="note">{esc(str(run_dir.resolve()))} · {esc(steps)}</p>',
+        '<nav><a href="#summary">Summary</a><a href="#first-last">First / last samples</a>'
+        '<a href="#training">Training</a><a href="#evaluation">Evaluation</a><a href="#samples">Samples</a>'
         '<a href="#config">Config</a><a href="#provenance">Provenance</a></nav>',
-        _train_section(train_rows, train_problems or []),
-        _eval_section(eval_rows, eval_problems or []),
-        _samples_section(run_dir, eval_rows),
-        _config_section(run_dir),
-        _provenance_section(run_dir),
+        summary_section(run_dir, info, train_rows, eval_rows, grids),
+        first_last_section(grids, eval_rows, headline),
+        _train_section(train_rows, train_problems or [], info, smoothing),
+        _eval_section(eval_rows, eval_problems or [], headline),
+        _samples_section(grids, eval_rows),
+        config_section(run_dir),
+        provenance_section(run_dir),
         "</body></html>\n",
     ]
     path = run_dir / REPORT_FILE
@@ -373,13 +328,15 @@ def write_report(run_dir: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m flowforge.train.report RUN_DIR``: write the report and print its path."""
+    """``python -m flowforge.train.report RUN_DIR [--smooth A]``: write the report and print its path."""
     parser = argparse.ArgumentParser(prog="python -m flowforge.train.report", description=__doc__.split("\n", 1)[0])
     parser.add_argument("run_dir", type=Path, help="a run directory (holding metrics.jsonl, config.yaml, ...)")
+    parser.add_argument("--smooth", type=float, default=0.0, metavar="A",
+                        help="moving-average weight in [0, 1) drawn over the training curves (default 0: raw)")
     args = parser.parse_args(argv)
     try:
-        path = write_report(args.run_dir)
-    except FileNotFoundError as exc:
+        path = write_report(args.run_dir, smoothing=args.smooth)
+    except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(path)

@@ -37,8 +37,9 @@ from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, check_task, load_prompts
-from flowforge.train.metrics import (MetricsLogger, StageTimer, sample_grid_path, save_grid, to_scalars,
+from flowforge.train.metrics import (MetricsLogger, StageTimer, sample_grid_path, to_scalars,
                                      within_group_diversity, write_provenance)
+from flowforge.train.report_grids import save_eval_grid
 from flowforge.demo.paths import DEMO_BASE, demo_base_dir, resolve_demo_path
 from flowforge.models import build_adapter
 from flowforge.models.base import Conditioning
@@ -365,11 +366,9 @@ class Trainer:
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
         scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
         self.logger.log_eval(step, scalars)
-        firsts = images[::k]
-        if firsts.ndim == 5:  # one row of frames per video
-            save_grid(video_frames(firsts), sample_grid_path(self.run_dir, step), nrow=firsts.shape[2], scale=2)
-        else:
-            save_grid(firsts, sample_grid_path(self.run_dir, step), nrow=10, scale=2)
+        # the first sample of each prompt; its prompt and scores go to a sidecar that captions the report's cells
+        save_eval_grid(images[::k], sample_grid_path(self.run_dir, step), [r.prompt for r in records[::k]],
+                       {name: v[::k] for name, v in components.items()}, step)
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars
 

@@ -217,17 +217,31 @@ def test_user_error_prints_what_why_fix(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: lora.rank: must be >= 1, got 0; set lora.rank=4\n"
 
 
-def test_user_error_round_trips_through_pickle():
+def test_user_error_parts_pickle_and_file_error():
+    import json
     import pickle
 
-    from flowforge.runtime.errors import UserError, file_error
+    from flowforge.runtime.errors import UserError, file_error, one_line
 
     e = pickle.loads(pickle.dumps(UserError("a.json", "is garbage", "restore it")))
     assert (e.what, e.why, e.fix, str(e)) == ("a.json", "is garbage", "restore it", "a.json: is garbage; restore it")
-    assert isinstance(e, ValueError)
-    import json
-
-    try:
+    assert isinstance(e, ValueError) and str(UserError("x", "bad")) == "x: bad"
+    with pytest.raises(json.JSONDecodeError) as info:
         json.loads("}")
-    except json.JSONDecodeError as exc:
-        assert str(file_error("t.json", exc, "fix")) == "t.json: is not valid JSON (Expecting value at line 1 column 1); fix"
+    assert str(file_error("t.json", info.value, "fix")) == "t.json: is not valid JSON (Expecting value at line 1 " \
+                                                           "column 1); fix"
+    loop = OSError(40, "Too many levels of symbolic links", "p.jsonl")
+    assert str(file_error("p.jsonl", loop)) == "p.jsonl: cannot be read (Too many levels of symbolic links)"
+    assert one_line("invalid config (2 problems):\n  - a\n  - b") == "invalid config (2 problems): a; b"
+
+
+def test_os_error_names_its_file(monkeypatch, capsys):
+    from flowforge import cli
+
+    def raise_it(args):
+        raise PermissionError(13, "Permission denied", "/root/out")
+
+    monkeypatch.setattr(cli.check, "run", raise_it)
+    monkeypatch.delenv("FLOWFORGE_DEBUG", raising=False)
+    assert cli.main(["check", EXAMPLE]) == 2
+    assert capsys.readouterr().err == "error: /root/out: Permission denied; check the path and its permissions\n"

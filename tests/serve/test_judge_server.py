@@ -102,6 +102,9 @@ def test_scores_come_back_to_the_right_candidates_and_are_served_from_the_ledger
     again = judge.score_groups(groups)  # a rerun of the same step: every answer from the ledger, nothing sent
     assert all(torch.equal(a, b) for a, b in zip(out, again, strict=True))
     assert judge.pop_metrics()["served_from_ledger"] == 6 and len(_lines(log)) == before + 6
+    twice = judge.score_groups([S.group(40), S.group(40)])  # one group twice in one call: asked once
+    assert torch.equal(twice[0], twice[1]) and judge.pop_metrics()["requests_sent"] == 1
+    assert len(_lines(log)) == before + 7
 
 
 def test_the_reference_reaches_the_scorer(scorer_server, tmp_path):
@@ -273,3 +276,14 @@ def test_tiny_qwen2_vl_backend_answers_an_openai_client_request_with_images(toke
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     finally:
         S.stop(proc)
+
+
+def test_cli_refuses_no_auth_off_loopback_and_two_backends():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(S.ROOT)}
+    base = [sys.executable, "-m", "flowforge.cli", "serve", "judge"]
+    off = subprocess.run([*base, "--scorer", "digit", "--no-auth", "--host", "0.0.0.0", "--port", "0"], cwd=S.ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert off.returncode == 2 and "non-loopback" in off.stderr
+    both = subprocess.run([*base, "--scorer", "digit", "--model", "x"], cwd=S.ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

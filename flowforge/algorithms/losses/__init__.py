@@ -5,7 +5,8 @@ tensors. Each module's docstring gives its equations, notation and sources.
 
     ==============  =====================================================================================
     ``grpo``        ``grpo_clip_loss`` (FlowGRPO / DanceGRPO PPO clip over per-step log-probs),
-                    ``transition_mean_kl`` (KL of two Gaussian transitions of equal std)
+                    ``transition_mean_kl`` (KL of two Gaussian transitions of equal std), ``flow_grpo_kl``
+                    (flow_grpo's KL loss, what its ``beta`` weighs)
     ``grpo_guard``  ``grpo_guard_loss`` (GRPO-Guard: RatioNorm + ``1 / -dt`` step reweighting)
     ``dppo``        ``dppo_loss`` (Flow-DPPO: asymmetric divergence mask instead of the ratio clip)
     ``nft``         ``nft_loss`` (DiffusionNFT, forward process, no likelihoods), ``velocity_mse_kl``
@@ -27,7 +28,7 @@ from .crd import CRD_LOSS_TYPES, cfg_velocity, crd_loss
 from .dgpo import DGPO_MODES, dgpo_loss
 from .dpo import best_worst_pairs, diffusion_dpo_loss
 from .dppo import dppo_loss
-from .grpo import grpo_clip_loss, transition_mean_kl
+from .grpo import flow_grpo_kl, grpo_clip_loss, transition_mean_kl
 from .grpo_guard import GUARD_STEP_WEIGHTS, grpo_guard_loss
 from .nft import NFT_MODES, nft_loss, velocity_mse_kl
 
@@ -36,6 +37,7 @@ __all__ = [
     "nft_loss",
     "velocity_mse_kl",
     "transition_mean_kl",
+    "flow_grpo_kl",
     "NFT_MODES",
     "awm_loss",
     "AWM_WEIGHTINGS",

@@ -20,9 +20,9 @@ loss is ``-mean(A)``, FlowGRPO's first-update value and gradient.
 
 The KL is the mean over latent elements (not the sum over them, as the paper's Eq. 14 writes it): the reference code
 reduces with a mean, and ``delta`` is calibrated against that (reference default 1e-5; Flow-Factory's 1e-6).
-``std`` is the TRANSITION std (``sde.Transition.std``, flow_grpo's ``std_dev_t * sqrt(-dt)``), the reference's
-``add_kl_coefficient=True``; ``std=1.0`` gives its ``add_kl_coefficient=False`` score ``mean_el((mu - mu_old)^2) /
-2``.
+``std`` is the TRANSITION std (``sde.Transition.std``, ``g * sqrt(-dt)``: the reference's ``std_dev_t * sqrt_dt``
+with ``add_kl_coefficient=True``, unlike flow_grpo's KL loss, which divides by ``std_dev_t = g`` alone); ``std=1.0``
+gives its ``add_kl_coefficient=False`` score ``mean_el((mu - mu_old)^2) / 2``.
 
 Notation
     =============  =================================================================================

@@ -162,17 +162,19 @@ class VLMJudge:
         """Score several groups, up to ``max_concurrency`` requests in flight; one ``[K_i]`` tensor per group."""
         prepared = [self._prepare(*group) for group in groups]
         results: list[list[float] | None] = [None] * len(prepared)
-        pending = []
+        pending: dict[str, _Group] = {}  # one request per key, even when a group repeats within the call
         for i, group in enumerate(prepared):
             entry = self.ledger.get(group.key)
             if entry is None:
-                pending.append(i)
+                pending.setdefault(group.key, group)
                 continue
             self._count(served_from_ledger=1)
             results[i] = self._presented_scores(entry, group)
         with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-            for i, scores in zip(pending, pool.map(lambda i: self._ask(prepared[i]), pending), strict=True):
-                results[i] = scores
+            asked = dict(zip(pending, pool.map(self._ask, pending.values()), strict=True))
+        for i, group in enumerate(prepared):
+            if group.key in asked:
+                results[i] = asked[group.key]
         out = []
         for (media, _, _), group, scores in zip(groups, prepared, results, strict=True):
             row = torch.full((len(group.perm),), float("nan"), dtype=torch.float32)

@@ -18,11 +18,12 @@ FORMER_NAMES = [
 
 
 def test_former_public_names_are_re_exported_from_their_algorithm_modules():
-    for name in FORMER_NAMES + ["dppo_loss"]:
+    for name in FORMER_NAMES + ["dppo_loss", "flow_grpo_kl"]:
         assert hasattr(losses, name), name
-    assert set(losses.__all__) == set(FORMER_NAMES + ["dppo_loss"])
+    assert set(losses.__all__) == set(FORMER_NAMES + ["dppo_loss", "flow_grpo_kl"])
     from flowforge.algorithms.losses import awm, crd, dgpo, dpo, dppo, grpo, grpo_guard, nft
     assert losses.grpo_clip_loss is grpo.grpo_clip_loss and losses.transition_mean_kl is grpo.transition_mean_kl
+    assert losses.flow_grpo_kl is grpo.flow_grpo_kl
     assert losses.grpo_guard_loss is grpo_guard.grpo_guard_loss and losses.dppo_loss is dppo.dppo_loss
     assert losses.nft_loss is nft.nft_loss and losses.velocity_mse_kl is nft.velocity_mse_kl
     assert losses.awm_loss is awm.awm_loss and losses.dgpo_loss is dgpo.dgpo_loss

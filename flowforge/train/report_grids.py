@@ -1,0 +1,100 @@
+"""Eval sample grids with their captions: the grid PNG and a JSON sidecar naming each cell's prompt and scores.
+
+The eval stage tiles the first sample of every held-out prompt into ``samples/step_<n>.png``
+(:func:`flowforge.train.metrics.save_grid`); :func:`save_eval_grid` also writes ``samples/step_<n>.json``::
+
+    {"step": 10, "image": "step_000010.png",
+     "cells": [{"prompt": "a handwritten seven", "scores": {"digit_eval": 1.0, ...}, "box": [l, t, r, b]}, ...]}
+
+``box`` is the cell's pixel rectangle in the PNG (left, top, right exclusive, bottom exclusive), so readers (the
+report, trackers) crop cells without knowing the grid geometry. A video's cell is its whole row of frames.
+Non-finite scores are written as ``null``. :func:`read_grid_cells` reads a sidecar back and tolerates its absence
+(grids written before sidecars existed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowforge.rollout import video_frames
+from flowforge.runtime.durable import atomic_write
+from flowforge.train.metrics import save_grid
+
+GRID_NROW, GRID_SCALE, GRID_PADDING = 10, 2, 2
+"""Images per row, nearest-neighbour upscaling and padding (source pixels) of the eval grids."""
+
+
+def grid_boxes(count: int, height: int, width: int, *, nrow: int, scale: int, padding: int) -> list[list[int]]:
+    """Pixel boxes ``[left, top, right, bottom]`` (right / bottom exclusive) of ``count`` tiles of ``height x width``
+    source pixels in a :func:`~flowforge.train.metrics.save_grid` PNG, in tile order (rows filled left to right)."""
+    boxes = []
+    for k in range(count):
+        r, q = divmod(k, nrow)
+        top, left = padding + r * (height + padding), padding + q * (width + padding)
+        boxes.append([scale * left, scale * top, scale * (left + width), scale * (top + height)])
+    return boxes
+
+
+def _score(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # strict JSON: NaN / inf as null
+
+
+def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
+                   scores: Mapping[str, torch.Tensor], step: int) -> Path:
+    """Write the eval grid ``path`` (PNG) and its caption sidecar ``path.with_suffix(".json")``.
+
+    Args:
+        media: ``[N, 3, H, W]`` images (tiled ``GRID_NROW`` per row) or ``[N, 3, F, H, W]`` videos (one row of
+            ``F`` frames each), float in [0, 1].
+        path: the PNG (``samples/step_<n>.png``).
+        prompts: ``[N]`` the prompt of each image / video.
+        scores: scorer name -> ``[N]`` float score of each image / video (higher is better; NaN allowed).
+        step: the training step evaluated.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: ``prompts`` or a score does not have ``N`` entries (and as ``save_grid``).
+    """
+    n = media.shape[0]
+    if len(prompts) != n or any(v.numel() != n for v in scores.values()):
+        raise ValueError(f"need {n} prompts and {n} scores per scorer, got {len(prompts)} prompts and "
+                         f"{ {k: v.numel() for k, v in scores.items()} }")
+    if media.ndim == 5:
+        frames, (h, w) = media.shape[2], media.shape[-2:]
+        save_grid(video_frames(media), path, nrow=frames, scale=GRID_SCALE, padding=GRID_PADDING)
+        rows = grid_boxes(n * frames, h, w, nrow=frames, scale=GRID_SCALE, padding=GRID_PADDING)
+        boxes = [[rows[i * frames][0], rows[i * frames][1], rows[i * frames + frames - 1][2], rows[i * frames][3]]
+                 for i in range(n)]
+    else:
+        save_grid(media, path, nrow=GRID_NROW, scale=GRID_SCALE, padding=GRID_PADDING)
+        boxes = grid_boxes(n, media.shape[-2], media.shape[-1], nrow=GRID_NROW, scale=GRID_SCALE,
+                           padding=GRID_PADDING)
+    values = {k: v.detach().float().cpu().reshape(-1).tolist() for k, v in scores.items()}
+    cells = [{"prompt": p, "scores": {k: _score(v[i]) for k, v in values.items()}, "box": boxes[i]}
+             for i, p in enumerate(prompts)]
+    text = json.dumps({"step": step, "image": Path(path).name, "cells": cells}, indent=1, allow_nan=False) + "\n"
+    atomic_write(Path(path).with_suffix(".json"), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return Path(path)
+
+
+def read_grid_cells(png: Path) -> list[dict[str, Any]] | None:
+    """The cells of grid ``png`` from its sidecar (``prompt``, ``scores`` with ``None`` for non-finite, ``box``);
+    ``None`` when there is no sidecar or it cannot be read (never raises)."""
+    try:
+        data = json.loads(Path(png).with_suffix(".json").read_text(encoding="utf-8"))
+        cells = data["cells"]
+        for cell in cells:
+            if not (isinstance(cell["prompt"], str) and isinstance(cell["scores"], dict)
+                    and len(cell["box"]) == 4 and all(isinstance(b, int) for b in cell["box"])):
+                return None
+        return cells
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

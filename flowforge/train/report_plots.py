@@ -1,0 +1,136 @@
+"""Curves for ``report.html``: panels of metrics over steps (and samples seen), optional smoothing, embedded PNGs.
+
+Smoothing is TensorBoard's debiased exponential moving average (TensorBoard ``scalars`` dashboard, "smoothing"):
+
+.. math::
+
+    m_n = a\\,m_{n-1} + (1 - a)\\,x_n, \\quad m_0 = 0, \\qquad s_n = m_n / (1 - a^{c_n})
+
+=========  =====================================================================
+``a``      smoothing weight in [0, 1): 0 = raw values, 0.9 = heavy smoothing
+``x_n``    the n-th finite value of the series (NaN points are skipped, kept NaN)
+``c_n``    number of finite values seen up to ``n`` (the debiasing count)
+=========  =====================================================================
+
+With smoothing the raw series is drawn faintly under the smoothed one. The x-axis is the step; when the samples per
+step are known (``data.prompts_per_step x data.group_size``) a second axis on top counts samples seen.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from matplotlib.figure import Figure
+
+Row = dict[str, float]
+_PANEL_W, _PANEL_H, _DPI = 4.2, 3.1, 90
+
+
+def series(rows: Sequence[Row], key: str) -> tuple[list[float], list[float]]:
+    """``(steps, values)`` of ``key`` over the rows that hold it."""
+    pairs = [(row["step"], row[key]) for row in rows if key in row]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def is_constant_zero(rows: Sequence[Row], key: str) -> bool:
+    """True when every finite value of ``key`` is exactly 0 and there is at least one (an all-NaN series is not)."""
+    finite = [v for v in series(rows, key)[1] if math.isfinite(v)]
+    return bool(finite) and all(v == 0.0 for v in finite)
+
+
+def smooth(values: Sequence[float], weight: float) -> list[float]:
+    """Debiased exponential moving average of ``values`` (module docstring); NaN / inf points stay NaN and do not
+    enter the average.
+
+    Raises:
+        ValueError: ``weight`` is not in [0, 1).
+    """
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    out, m, count = [], 0.0, 0
+    for v in values:
+        if not math.isfinite(v):
+            out.append(math.nan)
+            continue
+        m, count = weight * m + (1.0 - weight) * v, count + 1
+        out.append(m / (1.0 - weight**count))
+    return out
+
+
+def _figure(n_panels: int, ncols: int) -> tuple[Figure, list[Any]]:
+    ncols = max(1, min(ncols, n_panels))
+    nrows = math.ceil(n_panels / ncols)
+    width, height = _PANEL_W * ncols, _PANEL_H * nrows
+    # Figure directly (not pyplot): no global state, Agg canvas, safe headless. Fixed margins in inches instead of a
+    # layout engine, which would draw every figure twice.
+    fig = Figure(figsize=(width, height), dpi=_DPI)
+    fig.subplots_adjust(left=0.8 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.6 / height,
+                        wspace=0.95 / (_PANEL_W - 0.95), hspace=1.1 / (_PANEL_H - 1.1))
+    axes = list(fig.subplots(nrows, ncols, squeeze=False).ravel())
+    for ax in axes[n_panels:]:
+        ax.set_visible(False)
+    return fig, axes[:n_panels]
+
+
+def _style(ax: Any, title: str, per_step: int | None) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(True, alpha=0.3)
+    if per_step:
+        top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda n: n / per_step))
+        top.set_xlabel("samples seen", fontsize=7)
+        top.tick_params(labelsize=7)
+
+
+def _band(ax: Any, rows: Sequence[Row], key: str, std_key: str) -> None:
+    steps, mean, std = [], [], []
+    for row in rows:
+        if key in row and std_key in row:
+            steps.append(row["step"])
+            mean.append(row[key])
+            std.append(row[std_key])
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color="C0",
+                    alpha=0.2, linewidth=0, label="± std")
+    ax.legend(fontsize=7, loc="best")
+
+
+def plot_panels(rows: Sequence[Row], keys: Sequence[str], *, bands: Mapping[str, str] | None = None,
+                markers: bool = False, ncols: int = 3, per_step: int | None = None,
+                smoothing: float = 0.0) -> Figure:
+    """One panel per key over the step (plus a samples-seen axis when ``per_step`` is given); ``bands`` maps a key
+    to the key of its std (a ± std band); ``smoothing`` in [0, 1) draws the smoothed curve over the faint raw one."""
+    fig, axes = _figure(len(keys), ncols)
+    for ax, key in zip(axes, keys):
+        steps, values = series(rows, key)
+        marker = "o" if markers else None
+        if smoothing > 0:
+            ax.plot(steps, values, marker=marker, markersize=2, linewidth=0.8, color="C0", alpha=0.3)
+            ax.plot(steps, smooth(values, smoothing), linewidth=1.4, color="C0")
+        else:
+            ax.plot(steps, values, marker=marker, markersize=3, linewidth=1.3, color="C0")
+        std_key = (bands or {}).get(key)
+        if std_key is not None:
+            _band(ax, rows, key, std_key)
+        if values and not any(math.isfinite(v) for v in values):
+            ax.text(0.5, 0.5, "no finite values", transform=ax.transAxes, ha="center", va="center", fontsize=9)
+        _style(ax, key, per_step)
+    return fig
+
+
+def img_tag(png: bytes, alt: str, css_class: str = "plot") -> str:
+    """``<img>`` with ``png`` embedded as a base64 data URI (the page stays one self-contained file)."""
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img class="{css_class}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def figure_tag(fig: Figure, alt: str) -> str:
+    """``fig`` rendered to PNG and embedded (:func:`img_tag`)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return img_tag(buffer.getvalue(), alt)

@@ -1,0 +1,227 @@
+"""The parts of ``report.html`` that answer first.
+
+* :func:`summary_section`: final and best held-out eval, wall time, samples seen, checkpoints, and the commands that
+  export the run and sample from it.
+* :func:`first_last_section`: the first and the last eval grid side by side, each image captioned with its prompt
+  and scores (from the grid's sidecar, :mod:`flowforge.train.report_grids`; a grid without one is shown whole).
+
+The headline eval metric is ``eval/<s>`` for the first of ``eval.scorers`` that was logged, else the first logged
+``eval/<c>`` of a reward component, else the first other ``eval/*`` metric except ``eval/diversity``. Scores are
+higher-is-better (the scorer protocol, :class:`flowforge.rewards.base.RewardScorer`), so "best" is the maximum.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import io
+import json
+import math
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from PIL import Image
+
+from flowforge.config import load_config
+from flowforge.train import checkpoint as ckpt
+from flowforge.train.metrics import CONFIG_FILE, EVAL_FILE, METRICS_FILE, PROVENANCE_FILE
+from flowforge.train.report_grids import read_grid_cells
+from flowforge.train.report_plots import img_tag, series
+
+Row = dict[str, float]
+
+
+def esc(value: Any) -> str:
+    """``value`` as HTML-escaped text (quotes included)."""
+    return html.escape(str(value), quote=True)
+
+
+def note(text: str) -> str:
+    """A grey italic remark."""
+    return f'<p class="note">{esc(text)}</p>'
+
+
+def fmt(value: float) -> str:
+    """4 significant digits; ``nan`` / ``inf`` as such."""
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the report needs from the run's ``config.yaml`` (``None`` / empty when it is absent or unreadable)."""
+
+    raw: dict | None  # config.yaml as parsed YAML
+    cfg: Any  # the loaded flowforge Config, or None
+    per_step: int | None  # samples per training step: data.prompts_per_step x data.group_size
+    eval_scorers: tuple[str, ...]  # eval.scorers
+    reward_names: tuple[str, ...]  # reward.weights keys
+
+
+def read_run_info(run_dir: Path) -> RunInfo:
+    """Parse ``run_dir/config.yaml``; never raises (a config that no longer loads still shows as text)."""
+    path = run_dir / CONFIG_FILE
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace")) if path.is_file() else None
+    except yaml.YAMLError:
+        raw = None
+    cfg = None
+    if isinstance(raw, dict):
+        try:
+            cfg = load_config(path)
+        except (ValueError, OSError, TypeError):  # ConfigError is a ValueError; a run of an older schema
+            cfg = None
+    if cfg is None:
+        return RunInfo(raw if isinstance(raw, dict) else None, None, None, (), ())
+    return RunInfo(raw, cfg, cfg.data.prompts_per_step * cfg.data.group_size, tuple(cfg.eval.scorers),
+                   tuple(cfg.reward.weights))
+
+
+def headline_key(eval_rows: Sequence[Row] | None, info: RunInfo) -> str | None:
+    """The eval metric the summary leads with (module docstring), or ``None`` when none was logged."""
+    keys = {k for row in eval_rows or [] for k in row if k != "step"}
+    for name in (*info.eval_scorers, *info.reward_names):
+        if f"eval/{name}" in keys:
+            return f"eval/{name}"
+    rest = sorted(k for k in keys if k != "eval/diversity")
+    return rest[0] if rest else None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h} h {m:02d} min" if h else (f"{m} min {s:02d} s" if m else f"{s} s")
+
+
+def _wall_time(run_dir: Path, train_rows: Sequence[Row] | None) -> str:
+    """Elapsed time from the (last) start, read from ``provenance.json``, to the last log line; and the training
+    stages' own time summed over the logged steps (``time/*``: covers resumed sessions, excludes evals)."""
+    parts = []
+    stage = sum(v for row in train_rows or [] for k, v in row.items() if k.startswith("time/") and math.isfinite(v))
+    logs = [run_dir / f for f in (METRICS_FILE, EVAL_FILE) if (run_dir / f).is_file()]
+    try:
+        start = _dt.datetime.fromisoformat(json.loads((run_dir / PROVENANCE_FILE).read_text())["time_utc"])
+        elapsed = max(p.stat().st_mtime for p in logs) - start.timestamp() if logs else math.nan
+    except (OSError, ValueError, KeyError, TypeError):
+        elapsed = math.nan
+    if math.isfinite(elapsed) and elapsed >= 0:
+        parts.append(f"{_duration(elapsed)} (start to last log line)")
+    if stage > 0:
+        parts.append(f"{_duration(stage)} in training stages (summed over steps, evals excluded)")
+    return "; ".join(parts) or "unknown"
+
+
+def _checkpoints(run_dir: Path) -> str:
+    steps = []
+    for path in ckpt.committed_checkpoints(run_dir):
+        try:
+            steps.append(int(path.name.rsplit("_", 1)[-1]))
+        except ValueError:
+            continue
+    if not steps:
+        return "none committed (nothing to export or sample from)"
+    return f"{len(steps)} committed, steps {', '.join(map(str, steps))} (newest: {ckpt.CHECKPOINTS_DIR}/" \
+           f"{ckpt.step_dir_name(steps[-1])})"
+
+
+def _eval_line(eval_rows: Sequence[Row], key: str, with_best: bool = True) -> str:
+    steps, values = series(eval_rows, key)
+    finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+    if not finite:
+        return "no finite values"
+    text = f"final <strong>{esc(fmt(finite[-1][1]))}</strong> (step {int(finite[-1][0])})"
+    if with_best:
+        best = max(finite, key=lambda sv: sv[1])
+        text += f" · best <strong>{esc(fmt(best[1]))}</strong> (step {int(best[0])})"
+    return text + f" · start {esc(fmt(finite[0][1]))} (step {int(finite[0][0])})"
+
+
+def _commands(run_dir: Path, name: str, prompt: str) -> str:
+    run, out = shlex.quote(str(run_dir)), shlex.quote(f"exports/{name}")
+    lines = [f"flowforge export {run} {out} --form merged --verify",
+             f"flowforge sample {out} --prompt {shlex.quote(prompt)} --out grid.png",
+             f"flowforge sample {run} --prompt {shlex.quote(prompt)} --num 4 --seed 0 --out grid.png"]
+    return f"<pre class=\"cmd\">{esc(chr(10).join(lines))}</pre>"
+
+
+def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, eval_rows: list[Row] | None,
+                    grids: Sequence[tuple[int, Path]]) -> str:
+    """The answer first: a key-value table and the export / sample commands."""
+    rows: list[tuple[str, str]] = []
+    key = headline_key(eval_rows, info)
+    if key is not None:
+        rows.append((f"held-out {esc(key)}", _eval_line(eval_rows, key)))
+        if key != "eval/diversity" and any("eval/diversity" in r for r in eval_rows):
+            # not a score: higher is not better, so no "best"
+            rows.append(("held-out eval/diversity", _eval_line(eval_rows, "eval/diversity", with_best=False)))
+    else:
+        rows.append(("held-out eval", "none logged"))
+    if train_rows and any("reward/total_mean" in r for r in train_rows):
+        _, total = series(train_rows, "reward/total_mean")
+        rows.append(("training reward (batch mean)", f"{esc(fmt(total[0]))} → {esc(fmt(total[-1]))}"))
+    last = int(train_rows[-1]["step"]) if train_rows else 0
+    planned = f" of {info.cfg.train.steps}" if info.cfg is not None else ""
+    rows.append(("steps", f"{last}{planned}"))
+    seen = f"{last * info.per_step:,} ({info.cfg.data.prompts_per_step} prompts × {info.cfg.data.group_size} " \
+           "candidates per step)" if info.per_step else "unknown (no readable config.yaml)"
+    rows.append(("samples seen", esc(seen)))
+    rows.append(("wall time", esc(_wall_time(run_dir, train_rows))))
+    rows.append(("checkpoints", esc(_checkpoints(run_dir))))
+    if info.cfg is not None:
+        c = info.cfg
+        rows.append(("run", esc(f"{c.train.algorithm} on {c.model.adapter} {c.model.path} ({c.lora.trainable}); "
+                                f"reward {dict(c.reward.weights)}")))
+    prompt = next((cells[0]["prompt"] for cells in (read_grid_cells(p) for _, p in grids[-1:]) if cells), "...")
+    body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
+    name = info.cfg.run.name if info.cfg is not None else run_dir.resolve().name
+    return (f'<h2 id="summary">Summary</h2><table class="kv summary">{body}</table>'
+            f"<p>Export the trained model and generate with it:</p>{_commands(run_dir, name, prompt)}")
+
+
+def _cell_png(grid: Image.Image, box: Sequence[int]) -> bytes:
+    buffer = io.BytesIO()
+    grid.crop(tuple(box)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _scores_text(scores: dict, first: str | None) -> str:
+    names = sorted(scores, key=lambda n: (n != first, n))
+    return " · ".join(f"{n} {fmt(v) if isinstance(v, (int, float)) else 'nan'}" for n, v in
+                      ((n, scores[n]) for n in names))
+
+
+def _grid_column(step: int, path: Path, eval_rows: list[Row] | None, headline: str | None) -> str:
+    row = {int(r["step"]): r for r in eval_rows or []}.get(step)
+    title = f"step {step}"
+    if row is not None and headline in row:
+        title += f" — {headline} {fmt(row[headline])}"
+    cells = read_grid_cells(path)
+    parts = [f'<div class="column"><h3>{esc(title)}</h3>']
+    if cells is None:
+        parts.append(img_tag(path.read_bytes(), f"eval grid at step {step}", "compare"))
+        parts.append(note("No per-image prompts and scores were saved with this grid."))
+        return "".join(parts) + "</div>"
+    first = headline.removeprefix("eval/") if headline else None
+    with Image.open(path) as grid:
+        grid.load()
+        parts.append('<div class="cells">')
+        for cell in cells:
+            caption = f"{cell['prompt']} — {_scores_text(cell['scores'], first)}"
+            image = img_tag(_cell_png(grid, cell["box"]), f"step {step}: {cell['prompt']}", "cell")
+            parts.append(f'<div class="cell">{image}<div class="cap">{esc(caption)}</div></div>')
+        parts.append("</div>")
+    return "".join(parts) + "</div>"
+
+
+def first_last_section(grids: Sequence[tuple[int, Path]], eval_rows: list[Row] | None, headline: str | None) -> str:
+    """The first and the last eval grid side by side (one grid when there is only one)."""
+    head = '<h2 id="first-last">First and last eval samples</h2>'
+    if not grids:
+        return head + note("No eval sample grids in this run directory.")
+    chosen = [grids[0]] if len(grids) == 1 else [grids[0], grids[-1]]
+    columns = "".join(_grid_column(step, path, eval_rows, headline) for step, path in chosen)
+    return head + f'<div class="first-last">{columns}</div>'
