@@ -15,6 +15,7 @@ Prints requests (groups) per second of each arm and the ratios to direct.
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
     n = args.groups
     print(f"{n} groups of {args.k} x {args.frames} frame(s) at {args.size}px, concurrency {args.concurrency}")
     print(f"direct            {n / direct:8.1f} requests/s")

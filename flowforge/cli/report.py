@@ -1,4 +1,4 @@
-"""``flowforge report RUN_DIR``: (re)write ``RUN_DIR/report.html`` from the run's logs."""
+"""``flowforge report RUN_DIR [--smooth A]``: (re)write ``RUN_DIR/report.html`` from the run's logs."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ HELP = "write RUN_DIR/report.html from its logs"
 def add_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser("report", help=HELP)
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--smooth", type=float, default=0.0, metavar="A",
+                        help="moving-average weight in [0, 1) drawn over the training curves (default 0: raw)")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     from flowforge.train.report import write_report
 
-    print(write_report(args.run_dir))
+    print(write_report(args.run_dir, smoothing=args.smooth))
     return 0

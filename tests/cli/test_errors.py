@@ -22,14 +22,49 @@ NEEDS_PREFLIGHT_FIX = pytest.mark.xfail(strict=True, reason="preflight treats an
                                         "then drop this mark")
 
 
-def run_cli(args, cwd, env=None):
+def run_cli(args, cwd, env=None, in_process=False):
     """Run ``python -m flowforge.cli ARGS`` in ``cwd``; returns ``(exit status, stdout, stderr)``. The child gets
-    ``HF_HUB_OFFLINE=1`` and no ``FLOWFORGE_DEBUG`` unless ``env`` sets it."""
+    ``HF_HUB_OFFLINE=1`` and no ``FLOWFORGE_DEBUG`` unless ``env`` sets it.
+
+    ``in_process=True`` calls :func:`flowforge.cli.main` in this process instead (no interpreter start-up, torch
+    already imported: for long catalogues); an exception escaping ``main`` is returned as exit 1 with its traceback
+    on stderr, exactly what the process would print. Log records go to pytest's handlers, not to the stderr text.
+    """
+    if in_process:
+        return _run_in_process([str(a) for a in args], cwd, env or {})
     child_env = {k: v for k, v in os.environ.items() if k != "FLOWFORGE_DEBUG"}
     child_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
     proc = subprocess.run([sys.executable, "-m", "flowforge.cli", *map(str, args)], cwd=cwd, env=child_env,
                           capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def _run_in_process(args, cwd, env):
+    import contextlib
+    import io
+    import traceback
+
+    from flowforge.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.pop("FLOWFORGE_DEBUG", None)
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(args)
+            except SystemExit as exc:  # argparse
+                rc = exc.code if isinstance(exc.code, int) else 1
+            except Exception:  # noqa: BLE001 - what the interpreter would print for an escaping exception
+                traceback.print_exc()
+                rc = 1
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return rc, out.getvalue(), err.getvalue()
 
 
 def assert_one_line_error(rc, stderr, must_mention=()):
@@ -245,3 +280,15 @@ def test_os_error_names_its_file(monkeypatch, capsys):
     monkeypatch.delenv("FLOWFORGE_DEBUG", raising=False)
     assert cli.main(["check", EXAMPLE]) == 2
     assert capsys.readouterr().err == "error: /root/out: Permission denied; check the path and its permissions\n"
+
+
+@pytest.mark.parametrize("case", ["config-missing", "config-two-problems-one-line", "export-out-is-run"])
+def test_in_process_harness_agrees_with_the_process(places, case):
+    (param,) = [p for p in CASES if p.id == case]
+    args, must_mention = param.values
+    args = [a.format(**places) for a in args]
+    rc, _, stderr = run_cli(args, places["cwd"], in_process=True)
+    assert_one_line_error(rc, stderr, must_mention)
+    assert (rc, stderr) == run_cli(args, places["cwd"])[::2]
+    rc, _, stderr = run_cli(["--debug", *args], places["cwd"], in_process=True)
+    assert rc == 1 and "Traceback (most recent call last)" in stderr

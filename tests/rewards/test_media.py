@@ -29,7 +29,7 @@ def test_decoding_errors_name_the_item():
     image = encode_image(torch.rand(3, 4, 4), "png")
     with pytest.raises(ValueError, match=r"media\[3\]: .* exceeds the limit of 10 pixels"):
         decode_image(image, "media[3]", max_pixels=10)
-    with pytest.raises(ValueError, match="exceeds the limit of 2"):
+    with pytest.raises(ValueError, match="3 frames exceed the limit of 2"):
         decode_media([{"frames": [image] * 3}], max_frames=2)
     with pytest.raises(ValueError, match="media is empty"):
         decode_media([])
