@@ -9,6 +9,8 @@
     flowforge report RUN_DIR                         (re)write RUN_DIR/report.html
     flowforge export RUN_DIR OUT --form merged|adapter [--step N] [--verify] [--base PATH] [--overwrite]
                                                      a diffusers transformer / LoRA from a run's checkpoint
+    flowforge sample RUN_OR_EXPORT --prompt "..." [--num N] [--seed S] --out grid.png
+                                                     images (PNG each + a labelled grid) from a run or an export
     flowforge serve reward --scorers A,B [--port N] [--token-file F | --no-auth]
                                                      reward scorers over HTTP (prints its URL when ready)
 
@@ -38,11 +40,11 @@ import os
 import pickle
 import sys
 
-from flowforge.cli import check, compare, export, report, serve, sft, train
+from flowforge.cli import check, compare, export, report, sample, serve, sft, train
 from flowforge.runtime.errors import one_line
 
 VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
-         "serve": serve}
+         "sample": sample, "serve": serve}
 """Verb -> its module (``add_parser(subparsers)``, ``run(args) -> exit status``), in ``--help`` order."""
 DEBUG_ENV = "FLOWFORGE_DEBUG"
 

@@ -40,3 +40,12 @@ def test_visits_follow_the_batch_step_not_the_last_rollout(make):
     assert [slot for _, slot in first] == [base - j for j in range(num_steps)]
     assert [slot for _, slot in obj.visits(replace(batch, step=4), 1)] != [slot for _, slot in first]
     assert batch.select(torch.arange(2)).step == 3  # a micro-batch keeps its step
+
+
+def test_the_trainer_hands_each_batch_its_step(make, monkeypatch):
+    trainer = make("train.algorithm=nft")
+    seen = []
+    optimize = trainer.objective.optimize
+    monkeypatch.setattr(trainer.objective, "optimize", lambda batch: seen.append(batch.step) or optimize(batch))
+    trainer.train()
+    assert seen == [0, 1]
