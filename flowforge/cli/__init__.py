@@ -40,11 +40,11 @@ import os
 import pickle
 import sys
 
-from flowforge.cli import check, compare, export, report, sample, serve, sft, train
+from flowforge.cli import check, compare, data, export, report, sample, serve, sft, train
 from flowforge.runtime.errors import one_line
 
 VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
-         "sample": sample, "serve": serve}
+         "sample": sample, "serve": serve, "data": data}
 """Verb -> its module (``add_parser(subparsers)``, ``run(args) -> exit status``), in ``--help`` order."""
 DEBUG_ENV = "FLOWFORGE_DEBUG"
 

@@ -20,6 +20,7 @@ import math
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
@@ -258,14 +259,12 @@ def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[str]]:
     return nested, problems
 
 
-def read_yaml(path) -> dict:
+def read_yaml(path: str | Path) -> dict:
     """The top-level mapping of a YAML config file (``{}`` for an empty file).
 
     Raises:
         ConfigError: unreadable file, invalid YAML, or a top level that is not a mapping.
     """
-    from pathlib import Path
-
     try:
         text = Path(path).read_text()
     except OSError as exc:

@@ -27,8 +27,7 @@ def test_transformers_clip_scorers_flag_truncated_prompts(clip_dirs):
     logits, *_ = direct_clip(model_dir, processor_dir, media, PROMPTS)  # scores stay those of the truncated text
     pickscore = build_scorer("pickscore", model_path=model_dir, processor_path=processor_dir)
     torch.testing.assert_close(pickscore(media, PROMPTS, [{}] * 4), logits)
-    short = RewardProcessor({"p": build_scorer("pickscore", model_path=model_dir,
-                                                        processor_path=processor_dir)}, {"p": 1.0})
+    short = RewardProcessor({"p": pickscore}, {"p": 1.0})
     assert short(media, ["a cat"] * 4, [{}] * 4)[1]["reward/p_truncated_fraction"] == 0.0
 
 
