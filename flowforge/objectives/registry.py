@@ -12,6 +12,7 @@ from flowforge.objectives.base import Objective
 from flowforge.objectives.crd import CRD
 from flowforge.objectives.dgpo import DGPO
 from flowforge.objectives.dpo import DPO
+from flowforge.objectives.dppo import DPPO
 from flowforge.objectives.grpo import GRPO
 from flowforge.objectives.grpo_guard import GRPOGuard
 from flowforge.objectives.nft import NFT
@@ -24,6 +25,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "dgpo": DGPO,
     "dpo": DPO,
     "crd": CRD,
+    "dppo": DPPO,
 }
 """Every algorithm, by its ``train.algorithm`` name (each key equals its class's ``name``)."""
 

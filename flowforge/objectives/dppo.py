@@ -1,0 +1,56 @@
+"""Flow-DPPO: FlowGRPO's replay with a divergence trust-region mask in place of the ratio clip (sections ``grpo`` +
+``dppo``).
+
+Ping et al. 2026, "Flow-DPPO: Divergence Proximal Policy Optimization for Flow Matching Models" (Eq. 14, 18);
+reference implementation Tencent-Hunyuan/UniRL ``unirl/algorithms/flowdppo.py``. The loss is
+:func:`~flowforge.algorithms.losses.dppo_loss`: per stored step, the unclipped surrogate ``-A * ratio`` whose gradient
+is dropped only where the KL between the live and the rollout transition (from their means, equal std) is at least
+``dppo.delta`` AND the update moves further out in the advantage's direction. The rollout stores each trained step's
+transition mean (the old mean). ``grpo.kl_weight`` (KL to the reference policy) applies as in FlowGRPO; the ``grpo``
+clip range is not used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flowforge.algorithms import losses
+from flowforge.objectives.base import TrainBatch
+from flowforge.objectives.grpo import GRPO, GRPOConfig
+from flowforge.settings import Checks, Section
+
+
+@dataclass(frozen=True)
+class DPPOConfig(Section):
+    """Flow-DPPO's trust region."""
+
+    section_name = "dppo"
+
+    delta: float = 1e-5  # KL threshold of the mask, mean over latent elements (UniRL's default kl_mask_threshold)
+    adv_clip: float | None = None  # clamp advantages to [-adv_clip, adv_clip] first (Flow-Factory's DPPOTrainer)
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        # inf is allowed on purpose: it disables the mask (plain unclipped policy gradient)
+        c.require(self.delta > 0 and not math.isnan(self.delta), f"dppo.delta={self.delta} must be > 0 (inf: no mask)")
+        c.require(self.adv_clip is None or (self.adv_clip > 0 and math.isfinite(self.adv_clip)),
+                  f"dppo.adv_clip={self.adv_clip} must be a finite number > 0 or null")
+        return c.problems
+
+
+class DPPO(GRPO):
+    """Flow-DPPO (see the module docstring). Needs a Gaussian transition with a stored mean: ``sampler.sde_kind``
+    "sde" or "dance". The first update's ratio is exactly 1 and nothing is masked there."""
+
+    name = "dppo"
+    sections = (GRPOConfig, DPPOConfig)
+    store_means = True
+    dppo: DPPOConfig
+
+    def surrogate(self, tr, sub: TrainBatch, slot: int) -> tuple[torch.Tensor, dict]:
+        d = self.dppo
+        return losses.dppo_loss(tr.log_prob, sub.traj.log_probs[:, slot], sub.advantages, mean=tr.mean,
+                                old_mean=sub.traj.means[:, slot], std=tr.std, delta=d.delta, adv_clip=d.adv_clip)
