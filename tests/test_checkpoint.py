@@ -400,3 +400,125 @@ def test_run_dir_must_lie_outside_the_source_model(tmp_path):
     link.symlink_to(src)
     with pytest.raises(ValueError, match="lies inside the source model"):
         ckpt.check_run_dir_outside_source(link / "run", src)
+
+
+# ------------------------------------------------------------------------------------------------ Stateful + manager
+class _Bank:
+    """A policy bank in miniature (Stateful): one trainable linear layer as ``live``, a frozen ``old`` copy, AdamW and
+    a LambdaLR schedule, in the state-dict layout of ``flowforge.policy.Policy``."""
+
+    def __init__(self, seed: int):
+        self.model, self.optimizer = _trained_adamw(seed)
+        self.old = {k: v.clone() + 1 for k, v in self.model.state_dict().items()}
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda n: 1.0 / (n + 1))
+        self.optimizer.step()  # no gradients: moves nothing, orders the schedule step after an optimizer step
+        self.scheduler.step()
+        self.optimizer_steps = 2 + seed
+
+    def state_dict(self):
+        return {"weights": {"live": {k: v.clone() for k, v in self.model.state_dict().items()},
+                            "old": {k: v.clone() for k, v in self.old.items()}},
+                "scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps,
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["weights"]["live"])
+        self.old = {k: v.clone() for k, v in state["weights"]["old"].items()}
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = state["optimizer_steps"]
+
+
+def _manager(run_dir, seed, *, step=0, lora_rank=4):
+    from flowforge.data.prompts import KRepeatSampler
+    from flowforge.runtime.distributed import DistInfo
+    from flowforge.train.checkpoint_manager import CheckpointManager, TrainerState
+
+    contract = {"lora": {"trainable": "lora", "rank": lora_rank, "alpha": 8.0, "targets": ["to_q"], "dropout": 0.0},
+                "base_model_sha256": "abc"}
+    record = TrainerState(step=step, contract=contract, config_fingerprint="f0")
+    sampler = KRepeatSampler(10, 3, 2, seed=5)
+    bank = _Bank(seed)
+    return CheckpointManager(run_dir, policy=bank, record=record, sampler=sampler, keep=2, dist=DistInfo()), bank
+
+
+def test_bank_sampler_and_record_are_stateful():
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from flowforge.data.prompts import KRepeatSampler
+    from flowforge.policy import Policy
+    from flowforge.train.checkpoint_manager import TrainerState
+
+    for cls in (Policy, KRepeatSampler, TrainerState):
+        assert callable(getattr(cls, "state_dict", None)) and callable(getattr(cls, "load_state_dict", None)), cls
+    assert isinstance(KRepeatSampler(10, 3, 2, seed=5), Stateful)
+    assert isinstance(TrainerState(step=0, contract={}, config_fingerprint=""), Stateful)
+
+
+def test_sampler_state_round_trip_continues_the_same_batches():
+    from flowforge.data.prompts import KRepeatSampler
+
+    a = KRepeatSampler(10, 3, 2, seed=5)
+    for _ in range(4):  # past an epoch boundary (10 // 3 = 3 steps per epoch)
+        a.next_batch()
+    state = json.loads(json.dumps(a.state_dict()))  # as stored in trainer_state.json
+    b = KRepeatSampler(10, 3, 2, seed=5, num_replicas=2, rank=1)  # another world size may resume it
+    b.load_state_dict(state)
+    for _ in range(3):
+        x, y = a.next_batch(), b.next_batch()
+        assert torch.equal(x.prompt_indices, y.prompt_indices) and torch.equal(x.candidate_ids, y.candidate_ids)
+        assert (x.step, x.epoch) == (y.step, y.epoch)
+    with pytest.raises(ValueError, match="seed"):
+        KRepeatSampler(10, 3, 2, seed=6).load_state_dict(state)
+
+
+def test_trainer_state_round_trip_and_contract_refusal():
+    from flowforge.train.checkpoint_manager import TrainerState
+
+    contract = {"lora": {"trainable": "full", "dropout": 0.0}, "base_model_sha256": "abc"}
+    a = TrainerState(step=7, contract=contract, config_fingerprint="f1")
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state == {"step": 7, "config_fingerprint": "f1", **contract}
+    b = TrainerState(step=0, contract=contract, config_fingerprint="f2")  # a changed config only warns
+    b.load_state_dict(state)
+    assert b.step == 7
+    c = TrainerState(step=0, contract={**contract, "base_model_sha256": "xyz"}, config_fingerprint="f1")
+    with pytest.raises(ValueError, match="base_model_sha256: checkpoint abc, this run xyz"):
+        c.load_state_dict(state)
+    assert c.step == 0  # refused before anything was taken
+
+
+def test_manager_writes_the_checkpoint_format_and_restores_every_stateful(tmp_path):
+    saver, bank = _manager(tmp_path, seed=0, step=3)
+    saver.sampler.next_batch()
+    sampler_state = saver.sampler.state_dict()
+    want = bank.state_dict()
+    path = saver.save()
+    assert path.name == "step_000003" and ckpt.is_committed(path)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003\n"
+    assert sorted(p.name for p in (path / "weights").iterdir()) == ["live.safetensors", "old.safetensors"]
+    assert set(torch.load(path / "optimizer.pt", weights_only=True)) == {"scheduler", "optimizer"}
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert state == {"step": 3, "config_fingerprint": "f0", "lora": saver.record.contract["lora"],
+                     "base_model_sha256": "abc", "optimizer_steps": 2, "policy_version": 2, "lr_schedule_step": 1,
+                     "sampler": sampler_state}
+
+    loader, other = _manager(tmp_path, seed=1)
+    assert loader.restore("auto") == path and loader.resumed_from == path
+    assert loader.record.step == 3 and loader.sampler.state_dict() == sampler_state
+    got = other.state_dict()
+    for name in ("live", "old"):
+        for k, v in want["weights"][name].items():
+            assert torch.equal(got["weights"][name][k], v), (name, k)
+    assert got["optimizer_steps"] == 2 and got["scheduler"] == want["scheduler"]
+    for i, s in want["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(got["optimizer"]["state"][i][k]), torch.as_tensor(v)), (i, k)
+
+    fresh, _ = _manager(tmp_path / "empty", seed=1)
+    assert fresh.restore("auto") is None and fresh.record.step == 0
+    refused, kept = _manager(tmp_path, seed=1, lora_rank=8)
+    before = kept.state_dict()["weights"]["live"]
+    with pytest.raises(ValueError, match="lora.rank: checkpoint 4, this run 8"):
+        refused.restore("auto")
+    assert all(torch.equal(kept.state_dict()["weights"]["live"][k], v) for k, v in before.items())

@@ -111,3 +111,27 @@ def test_sigkill_during_checkpoint_write_then_auto_resume_completes(tiny_model_d
     trainer.train()
     assert ckpt.is_committed(run_dir / "checkpoints" / "step_000003")
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-2:] == [2, 3]
+
+
+@pytest.mark.parametrize("trainable", ["lora", "full"])
+def test_policy_bank_state_dict_round_trip(tiny_model_dir, tmp_path, encode_cache_dir, trainable):
+    """The bank is Stateful: live / old weights, AdamW moments, LR schedule and step counter move to another bank."""
+    extra = ["train.algorithm=nft", "train.steps=3", "eval.every=0", "train.lr_schedule=cosine"]
+    if trainable == "full":
+        extra += ["lora.trainable=full", "train.lr=1e-4"]
+
+    def make(name):
+        return Trainer(tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, f"run.name={name}", *extra),
+                       progress=False)
+
+    trained = make("a")
+    trained.train(stop_at=1)
+    state = trained.policy.state_dict()
+    assert set(state) == {"weights", "scheduler", "optimizer_steps", "optimizer"}
+    assert set(state["weights"]) == {"live", "old"}  # ref is the immutable base: never part of the state
+    fresh = make("b")
+    fresh.policy.load_state_dict(state)
+    _assert_same(_state(trained), _state(fresh))
+    assert fresh.policy.optimizer_steps == trained.policy.optimizer_steps > 0
+    assert fresh.policy.scheduler.state_dict() == trained.policy.scheduler.state_dict()
+    assert fresh.policy.lr == trained.policy.lr

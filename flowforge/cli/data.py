@@ -31,25 +31,30 @@ def _add_prepare(verbs) -> None:
     # prepare() checks --source and --task and lists the allowed values
     p = verbs.add_parser("prepare", help="a raw prompt source -> one unified-schema JSONL file")
     p.add_argument("--source", required=True, help="pickapic | parquet | jsonl | lines")
-    p.add_argument("--input", required=True, type=Path, help="the raw file (parquet: a file or a directory)")
-    p.add_argument("--column", default=None, help="prompt column of a parquet source (pickapic: caption / prompt)")
-    p.add_argument("--prompt-field", default=None, help="prompt field of a jsonl source (default: prompt)")
+    p.add_argument("--input", required=True, type=Path, metavar="PATH",
+                   help="the raw file (parquet: a file or a directory)")
+    p.add_argument("--column", default=None, metavar="C",
+                   help="prompt column of a parquet source (pickapic: caption / prompt)")
+    p.add_argument("--prompt-field", default=None, metavar="F", help="prompt field of a jsonl source (default: prompt)")
     p.add_argument("--task", default="t2i", help="metadata.task of every row: t2i | i2i | t2v | i2v (default t2i)")
-    p.add_argument("--output", required=True, type=Path, help="the JSONL file to write")
+    p.add_argument("--output", required=True, type=Path, metavar="PATH", help="the JSONL file to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     _debug_flag(p)
 
 
 def _add_curate(verbs) -> None:
     p = verbs.add_parser("curate", help="filter, dedup and split a JSONL file into train / eval files")
-    p.add_argument("--input", required=True, type=Path)
-    p.add_argument("--out-dir", required=True, type=Path)
-    p.add_argument("--prefix", default="", help="file-name prefix: PREFIXtrain.jsonl, PREFIXeval.jsonl, ...")
-    p.add_argument("--min-prompt-words", type=int, default=6, help="drop shorter prompts (default 6; 0 keeps all)")
-    p.add_argument("--eval-size", type=int, default=None,
+    p.add_argument("--input", required=True, type=Path, metavar="PATH", help="a JSONL file of the unified schema")
+    p.add_argument("--out-dir", required=True, type=Path, metavar="DIR", help="where the outputs go")
+    p.add_argument("--prefix", default="", metavar="P",
+                   help="file-name prefix: PREFIXtrain.jsonl, PREFIXeval.jsonl, ...")
+    p.add_argument("--min-prompt-words", type=int, default=6, metavar="N",
+                   help="drop shorter prompts (default 6; 0 keeps all)")
+    p.add_argument("--eval-size", type=int, default=None, metavar="N",
                    help="eval records (default 2048; with --eval-fraction: the cap on the fraction)")
-    p.add_argument("--eval-fraction", type=float, default=None, help="eval share of the kept records, in (0, 1)")
-    p.add_argument("--eval-subset-sizes", type=int, nargs="*", default=[64, 256],
+    p.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+                   help="eval share of the kept records, in (0, 1)")
+    p.add_argument("--eval-subset-sizes", type=int, nargs="*", default=[64, 256], metavar="N",
                    help="nested eval subsets PREFIXeval<N>.jsonl (default 64 256; none when given empty)")
     p.add_argument("--no-check-media", action="store_true", help="keep records whose media files are missing")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
@@ -58,8 +63,8 @@ def _add_curate(verbs) -> None:
 
 def _add_inspect(verbs) -> None:
     p = verbs.add_parser("inspect", help="list every problem of train / eval prompt files (exit 1 if any)")
-    p.add_argument("--train", type=Path, default=None)
-    p.add_argument("--eval", type=Path, default=None)
+    p.add_argument("--train", type=Path, default=None, metavar="T", help="the training prompt file")
+    p.add_argument("--eval", type=Path, default=None, metavar="E", help="the held-out prompt file")
     p.add_argument("--decode-media", action="store_true", help="decode every media file too")
     _debug_flag(p)
 
@@ -110,7 +115,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if report.problems:
         print(f"{len(report.problems)} problem{'s' * (len(report.problems) > 1)} in {files}")
         return 1
-    print(f"clean: {files}" + ("; every media file decodes" if report.decoded else ""))
+    decoded = "" if report.decoded is None else f"; {report.decoded} media file{'s' * (report.decoded != 1)} decoded"
+    print(f"clean: {files}{decoded}")
     return 0
 
 

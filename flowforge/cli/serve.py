@@ -4,8 +4,9 @@
 
     flowforge serve reward --scorers digit,jpeg_compressibility [--options FILE] [--host 127.0.0.1] [--port N]
                            [--token-file F | --no-auth] [--device cpu] [--max-batch N] [--max-body-mb N]
-    flowforge serve judge (--scorer NAME | --model PATH) [--host 127.0.0.1] [--port N] [--token-file F | --no-auth]
-                          [--request-log FILE] [--options FILE] [--score-range LO HI] [--model-name ID]
+    flowforge serve judge (--scorer NAME | --model PATH | --student PATH) [--host 127.0.0.1] [--port N]
+                          [--token-file F | --no-auth] [--request-log FILE] [--options FILE] [--score-range LO HI]
+                          [--model-name ID]
 
 Each server prints ``serving <name> at http://HOST:PORT`` when it listens (``--port 0`` picks a free port). Auth
 rules (:mod:`flowforge.serve.common`): loopback by default; a bearer token from ``--token-file`` (or generated and
@@ -78,6 +79,7 @@ def _add_judge(servers) -> None:
     backend = parser.add_mutually_exclusive_group(required=True)
     backend.add_argument("--scorer", help="a scorer wrapped as a group judge (built-in name or pkg.module:Factory)")
     backend.add_argument("--model", help="a local Hugging Face image-text-to-text model directory")
+    backend.add_argument("--student", help="a saved student reward model directory (flowforge.reward_model)")
     parser.add_argument("--options", type=Path, default=None, help="YAML file: keyword options for the scorer")
     parser.add_argument("--score-range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"),
                         help="scorer scores mapped linearly from [LO, HI] to the judge's [0, 100] (default 0 1)")
@@ -109,9 +111,14 @@ def _run_judge(args: argparse.Namespace) -> int:
 
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
-    backend = build_backend(scorer=args.scorer, model=args.model, scorer_options=options,
-                            score_range=tuple(args.score_range), device=args.device, dtype=args.dtype,
-                            max_new_tokens=args.max_new_tokens, model_id=args.model_name)
+    if args.student is not None:
+        from flowforge.serve.judge_backends import student_backend
+
+        backend = student_backend(args.student, device=args.device, model_id=args.model_name)
+    else:
+        backend = build_backend(scorer=args.scorer, model=args.model, scorer_options=options,
+                                score_range=tuple(args.score_range), device=args.device, dtype=args.dtype,
+                                max_new_tokens=args.max_new_tokens, model_id=args.model_name)
     app = build_app(backend, token, request_log=args.request_log, max_bytes=int(args.max_body_mb * 2**20),
                     max_images=args.max_images)
     serve_app(app, args.host, args.port, "judge")

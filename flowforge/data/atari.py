@@ -258,7 +258,8 @@ def cache_path(config: AtariDataConfig, cache_dir: str | Path) -> Path:
 
 def prepare_atari_clips(config: AtariDataConfig, cache_dir: str | Path) -> Path:
     """Record the clips of ``config`` once and cache them (safetensors: ``frames``, ``actions``, ``episode``,
-    ``clip_starts``, ``heldout``; metadata: the config, the ROM md5 and the ale-py version). An existing file is
+    ``clip_starts``, ``heldout``; metadata ``flowforge``: JSON of the config, the ROM md5, the ale-py version and the
+    action names). An existing file is
     reused; a new one is written to a temporary name and renamed into place. Returns its path."""
     import ale_py
     from safetensors.torch import save_file
@@ -270,8 +271,9 @@ def prepare_atari_clips(config: AtariDataConfig, cache_dir: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"frames": clips.frames, "actions": clips.actions, "episode": clips.episode,
                "clip_starts": clips.clip_starts, "heldout": clips.heldout.to(torch.uint8)}
-    meta = {"config": json.dumps(dataclasses.asdict(config), sort_keys=True), "rom_md5": rom_md5(),
-            "ale_py": ale_py.__version__, "actions": ",".join(ACTIONS)}
+    # One metadata key: safetensors writes a metadata map in arbitrary order, a single entry keeps the bytes fixed.
+    meta = {"flowforge": json.dumps({"config": dataclasses.asdict(config), "rom_md5": rom_md5(),
+                                     "ale_py": ale_py.__version__, "actions": list(ACTIONS)}, sort_keys=True)}
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
@@ -295,7 +297,7 @@ def load_atari_clips(config: AtariDataConfig | None = None, cache_dir: str | Pat
     config = AtariDataConfig() if config is None else config
     path = prepare_atari_clips(config, cache_dir)
     with safe_open(str(path), framework="pt") as f:
-        stored = json.loads(f.metadata()["config"])
+        stored = json.loads(f.metadata()["flowforge"])["config"]
         if stored != dataclasses.asdict(config):
             raise ValueError(f"{path}: cached for config {stored}, asked for {dataclasses.asdict(config)}")
         t = {k: f.get_tensor(k) for k in f.keys()}

@@ -257,6 +257,9 @@ class KRepeatSampler:
     The counter fixes (epoch, position in the epoch, prompt index, k) and the map is one-to-one, so ids never repeat
     within a run (exactly, not just with high probability) and change with the seed.
 
+    Stateful (``torch.distributed.checkpoint.stateful.Stateful``): :meth:`state_dict` / :meth:`load_state_dict`
+    carry the position, so a resumed run draws exactly the batches the interrupted one would have.
+
     Raises:
         ValueError: any argument outside the ranges above (the message names it).
     """

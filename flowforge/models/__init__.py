@@ -55,11 +55,18 @@ def _load_wan(path: str, task: str | None = None, **kw: Any):
     return load_wan(path, task=task, **kw)
 
 
+def _load_world_model(path: str, task: str = "i2v", **kw: Any):
+    from flowforge.models.world_model.adapter import load_world_model
+
+    return load_world_model(path, task=task, **kw)
+
+
 ADAPTERS: dict[str, Callable[..., FlowModel]] = {
     "sd3": _load_sd3,
     "flux": _load_flux,
     "qwen_image": _load_qwen_image,
     "wan": _load_wan,
+    "world_model": _load_world_model,
 }
 """Registered model families: name → loader ``(path, *, task, dtype, device, ...) -> FlowModel``."""
 
@@ -69,6 +76,7 @@ ADAPTER_CLASSES: dict[str, str] = {
     "flux": "flowforge.models.flux:FluxAdapter",
     "qwen_image": "flowforge.models.qwen_image:QwenImageAdapter",
     "wan": "flowforge.models.wan:WanAdapter",
+    "world_model": "flowforge.models.world_model.adapter:WorldModelAdapter",
 }
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 

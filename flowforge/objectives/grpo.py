@@ -2,8 +2,9 @@
 
 Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL"; flow_grpo ``scripts/train_sd3.py``.
 Per trained step the clipped surrogate :func:`~flowforge.algorithms.losses.grpo_clip_loss` with
-``ratio = exp(log p_live - log p_rollout)``; optional KL to the reference policy (``grpo.kl_weight``), the
-transition-mean KL ``|mean - mean_ref|^2 / (2 std^2)`` (flow_grpo's ``kl_loss``), mean over elements.
+``ratio = exp(log p_live - log p_rollout)``; optional KL to the reference policy (``grpo.kl_weight`` = flow_grpo's
+``beta``), flow_grpo's ``kl_loss`` ``mean_el(|mean - mean_ref|^2) / (2 std_dev_t^2)`` with ``std_dev_t`` the SDE
+coefficient (not the transition std), :func:`~flowforge.algorithms.losses.flow_grpo_kl`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class GRPOConfig(Section):
 
     clip_low: float = 1e-4
     clip_high: float | None = None  # None: equal to clip_low
-    kl_weight: float = 0.0  # transition-mean KL to the reference policy (flow_grpo's beta)
+    kl_weight: float = 0.0  # flow_grpo's beta: weight of its kl_loss to the reference policy
 
     def problems(self) -> list[str]:
         c = Checks(self)
@@ -65,7 +66,12 @@ class GRPO(ReplayObjective):
         tr = replay_log_prob(self.adapter, sub.traj, slot, sub.cond, spec)
         loss, metrics = self.surrogate(tr, sub, slot)
         if ref is not None:
-            kl = losses.transition_mean_kl(tr.mean, ref.mean, tr.std).mean()
+            # flow_grpo's kl_loss: the squared mean difference over 2 std_dev_t^2 (the SDE coefficient, without the
+            # sqrt(-dt) of the transition std), so grpo.kl_weight is exactly flow_grpo's beta
+            i = sub.traj.trained_steps[slot]
+            sig = sub.traj.sigmas.to(tr.mean.device)
+            kl = losses.flow_grpo_kl(tr.mean, ref.mean, sig[i], sig[i + 1], spec.noise_level, kind=spec.kind,
+                                     sigma_max=sig[1]).mean()
             loss = loss + g.kl_weight * kl
             metrics = {**metrics, "kl": kl.detach()}
         return loss, metrics

@@ -11,18 +11,18 @@ per-sample reward of each component; the weighted / group-relative combination i
 Metrics (python floats; times in seconds, measured with ``time.perf_counter``, after a CUDA synchronise when the media
 is on a GPU):
 
-==============================  ===================================================================================
-``reward/<name>_mean``          mean over the non-NaN scores (NaN when all are NaN)
-``reward/<name>_std``           population standard deviation (``correction=0``) over the non-NaN scores
-``reward/<name>_nan_fraction``  fraction of samples scored NaN ("not applicable")
-``reward/<name>_time``          wall time of this component, all its batches
-``reward/<name>_groups_scored`` ``needs_group`` scorers only: groups scored whole (over every rank with ``dist``)
-``reward/<name>_<flag>_fraction``  fraction of samples a scorer flagged (``sample_flags``, e.g. CLIP's
-                                ``truncated``: prompts cut at the tokenizer's limit)
-``reward/<name>_<metric>``      what a scorer's ``pop_metrics() -> {metric: float}`` returns after the call, e.g.
-                                ``vlm_judge``'s ``requests_sent``, ``served_from_ledger``, ``failures``
-``reward/score_time``           wall time of the whole call
-==============================  ===================================================================================
+=================================  ===================================================================================
+``reward/<name>_mean``             mean over the non-NaN scores (NaN when all are NaN)
+``reward/<name>_std``              population standard deviation (``correction=0``) over the non-NaN scores
+``reward/<name>_nan_fraction``     fraction of samples scored NaN ("not applicable")
+``reward/<name>_time``             wall time of this component, all its batches
+``reward/<name>_groups_scored``    ``needs_group`` scorers only: groups scored whole (with ``dist``: of all ranks)
+``reward/<name>_<flag>_fraction``  fraction of samples a scorer flagged in ``sample_flags`` (e.g. CLIP's
+                                   ``truncated``: prompts cut at the tokenizer's limit)
+``reward/<name>_<metric>``         what a scorer's ``pop_metrics() -> {metric: float}`` returns after the call, e.g.
+                                   ``vlm_judge``'s ``requests_sent``, ``served_from_ledger``, ``failures``
+``reward/score_time``              wall time of the whole call
+=================================  ===================================================================================
 
 Group scorers see whole groups: one call per group id; with ``dist`` (under ``torchrun``) groups that straddle ranks
 are gathered to one rank, scored and the scores sent back (:mod:`flowforge.rewards.groups`).

@@ -18,6 +18,7 @@ from typing import Any
 from flowforge.rewards.base import RewardScorer
 from flowforge.rewards.byo import build_imported, check_import_spec, is_import_spec, load_factory
 from flowforge.rewards.judge.client import VLMJudge
+from flowforge.rewards.scorers.action_following import ActionFollowingScorer
 from flowforge.rewards.scorers.aesthetic import AestheticScorer
 from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
@@ -39,6 +40,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "ocr": OcrScorer,
     "remote": RemoteScorer,
     "vlm_judge": VLMJudge,
+    "action_following": ActionFollowingScorer,
 }
 """Built-in scorer names and their factories."""
 

@@ -233,3 +233,38 @@ class HFVisionLanguageBackend:
         new = out[0, prompt_len:]
         reply = self.processor.batch_decode(new[None], skip_special_tokens=True)[0]
         return Completion(text=reply, prompt_tokens=int(prompt_len), completion_tokens=int(new.numel()))
+
+
+class StudentBackend:
+    """A saved ``vlm_json`` student reward model (:mod:`flowforge.reward_model.vlm_json`) answering chat
+    completions with its own generation (greedy at temperature 0, stopped at its end of turn); usage counts the
+    prompt's tokens and the generated ones."""
+
+    def __init__(self, student: Any, model_id: str) -> None:
+        self.student, self.model_id = student, model_id
+        self._lock = threading.Lock()
+
+    def complete(self, messages: Sequence[dict], *, max_tokens: int | None = None, temperature: float = 0.0,
+                 seed: int | None = None) -> Completion:
+        with self._lock:
+            text, prompt_tokens, new_tokens = self.student.reply(messages, max_new_tokens=max_tokens,
+                                                                 temperature=temperature, seed=seed)
+        return Completion(text=text, prompt_tokens=prompt_tokens, completion_tokens=new_tokens)
+
+
+def student_backend(path: str | Path, *, device: str = "cpu", model_id: str | None = None) -> Any:
+    """The backend of ``serve judge --student PATH``, a saved student reward model (:mod:`flowforge.reward_model`):
+    ``vlm_json`` answers with its own generation (:class:`StudentBackend`); ``scalar_head`` is a scorer wrapped as a
+    group judge (:class:`ScorerBackend`, its scores on [0, 1]). The model id defaults to the directory name.
+
+    Raises:
+        ValueError: ``path`` is not a saved student.
+    """
+    from flowforge.reward_model.students import load_student, student_kind
+
+    name = model_id or Path(path).resolve().name
+    if student_kind(path) == "scalar_head":
+        from flowforge.reward_model.scalar_head import ScalarHeadScorer
+
+        return ScorerBackend(ScalarHeadScorer(path, device=device), name)
+    return StudentBackend(load_student(path, device=device), name)

@@ -34,13 +34,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from torch.distributed.checkpoint.stateful import Stateful
+from typing import TYPE_CHECKING, Any
 
 from flowforge.runtime import distributed as dist_lib
 from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, resolve_resume, restore_rng,
                                         save_checkpoint)
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint is imported only when a sharded checkpoint is written or read
+    from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger("flowforge")
 

@@ -38,8 +38,8 @@ def main() -> None:
         share = torch.arange(len(group_ids))[shares[info.rank]]
         share = share[torch.randperm(len(share), generator=torch.Generator().manual_seed(info.rank))]  # local order
         scorer = build_scorer("tests.rewards.byo_scorers:GroupRank")
-        processor = RewardProcessor({"rank": scorer, "brightness": build_scorer("tests.rewards.byo_scorers:Brightness")},
-                                    {"rank": 1.0}, batch_size=2)
+        brightness = build_scorer("tests.rewards.byo_scorers:Brightness")
+        processor = RewardProcessor({"rank": scorer, "brightness": brightness}, {"rank": 1.0}, batch_size=2)
         rows = share.tolist()
         components, metrics = processor(media[share], [prompts[i] for i in rows], [meta[i] for i in rows],
                                         torch.tensor(group_ids)[share], dist=info)

@@ -133,7 +133,7 @@ def flow_grpo_kl(
 ) -> torch.Tensor:
     """flow_grpo's KL loss per sample, ``mean_el((mean - mean_ref)^2) / (2 std_dev_t^2)``: ``[B]`` (``beta``'s term).
 
-    ``std_dev_t`` is what the reference step of ``kind`` returns (:func:`~flowforge.algorithms.sde.reference_std_dev_t`):
+    ``std_dev_t`` is what the reference step of ``kind`` returns (``sde.reference_std_dev_t``):
     for "sde" the SDE diffusion coefficient ``g = eta * sqrt(sigma / (1 - sigma'))``, so the value is ``-dt`` times
     the transition KL (:func:`transition_mean_kl` with ``Transition.std``); for "cps" and "dance" it is the transition
     std, so the two agree. Bit for bit the same operations as flow_grpo (``g`` as in ``transition``, the element mean

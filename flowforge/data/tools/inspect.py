@@ -44,7 +44,7 @@ class Inspection:
 
     problems: list[Problem]  # file order (train, eval), then line order
     records: dict[str, int]  # file -> rows read (non-blank lines)
-    decoded: bool  # whether media were decoded
+    decoded: int | None  # distinct media files decoded (None: decoding not asked for)
 
     @property
     def clean(self) -> bool:
@@ -142,4 +142,4 @@ def inspect_files(train: str | Path | None = None, evaluation: str | Path | None
     if train is not None and evaluation is not None:
         leaks = _leakage(files[0], seen[files[0]], files[1], seen[files[1]])
         problems = sorted(problems + leaks, key=lambda p: (p.path != str(files[0]), p.line))
-    return Inspection(problems=problems, records=records, decoded=decode_media)
+    return Inspection(problems=problems, records=records, decoded=len(cache) if decode_media else None)

@@ -110,12 +110,7 @@ class RemoteScorer:
         """Why the last failed batch failed (the reward processor adds it to a required component's error)."""
         import httpx
 
-        import socket
-
-        # TCP_NODELAY: without it a request whose headers and body go out in two writes waits for the server's
-        # delayed ACK (about 40 ms on Linux) before the body is sent
-        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self._client = httpx.Client(headers=headers, timeout=self.timeout, transport=transport)
+        self._client = httpx.Client(headers=headers, timeout=self.timeout)
 
     def close(self) -> None:
         self._client.close()

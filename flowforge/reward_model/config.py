@@ -1,0 +1,129 @@
+"""The ``student`` config section: which student reward model to train on the judged groups, how, and the quality
+gate it must pass before it may replace the teacher.
+
+::
+
+    student:
+      kind: vlm_json            # or scalar_head
+      epochs: 3
+      lr: 1.0e-4
+      batch_size: 4             # groups per optimizer step
+      split: [0.8, 0.1, 0.1]    # train / val / test by condition cluster (flowforge.reward_model.data)
+      vlm_json: {base: /models/Qwen2.5-VL-3B-Instruct, lora_rank: 16, lora_alpha: 32, lora_dropout: 0.05}
+      scalar_head: {image_size: 32, text_encoder: minilm, pairwise_weight: 1.0, regression_weight: 1.0}
+      gate: {min_spearman: 0.6, min_pairwise_accuracy: 0.75, max_mae: 0.15}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flowforge.settings.schema import Checks, Section
+
+KINDS = ("vlm_json", "scalar_head")
+LANGUAGE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Default LoRA targets of ``vlm_json``: the attention and MLP projections of the language model's decoder layers
+(module-name suffixes, resolved to exact names under the language model only)."""
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class VLMJsonOptions:
+    """``student.vlm_json``: an image-text-to-text VLM fine-tuned with LoRA to answer the teacher's JSON."""
+
+    base: str = ""  # local Hugging Face model directory (AutoModelForImageTextToText + AutoProcessor)
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    lora_targets: tuple[str, ...] = LANGUAGE_PROJECTIONS
+    dtype: str = "float32"  # weights of the frozen base; LoRA weights train in float32
+    score_decimals: int = 0  # decimals of the 0-100 scores in the answer
+    max_new_tokens: int = 64  # generation cap when the student answers
+
+
+@dataclass(frozen=True)
+class ScalarHeadOptions:
+    """``student.scalar_head``: a small CNN + prompt embedding -> one score per candidate image."""
+
+    image_size: int = 32  # frames are resized to image_size x image_size
+    channels: tuple[int, ...] = (16, 32, 64)  # conv stages (stride 2 each)
+    hidden: int = 64
+    text_encoder: str = "minilm"  # "minilm" | "none" | "pkg.module:function" (prompts -> [B, E] float tensor)
+    pairwise_weight: float = 1.0  # Bradley-Terry term
+    regression_weight: float = 1.0  # squared error to the teacher score
+    tie_margin: float = 0.0  # teacher pairs closer than this are not compared
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    """``student.gate``: held-out agreement the student must reach (:func:`flowforge.reward_model.evaluate.gate`)."""
+
+    min_spearman: float = 0.5  # mean within-group Spearman vs the teacher
+    min_pairwise_accuracy: float = 0.7  # fraction of teacher-ordered pairs the student orders the same way
+    max_mae: float = 0.25  # mean |student - teacher| on [0, 1]
+    max_failure_rate: float = 0.05  # groups the student could not score (unparseable answers)
+    min_groups: int = 1  # held-out groups needed to judge at all
+
+
+@dataclass(frozen=True)
+class StudentConfig(Section):
+    section_name = "student"
+
+    kind: str = "scalar_head"
+    seed: int = 0
+    epochs: int = 5
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    batch_size: int = 8  # groups per optimizer step
+    grad_clip: float = 1.0  # max grad norm; 0 = off
+    device: str = "cpu"
+    split_seed: int = 0
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    keep_checkpoints: int = 2  # epoch checkpoints kept
+    vlm_json: VLMJsonOptions = dataclasses.field(default_factory=VLMJsonOptions)
+    scalar_head: ScalarHeadOptions = dataclasses.field(default_factory=ScalarHeadOptions)
+    gate: GateThresholds = dataclasses.field(default_factory=GateThresholds)
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.choice("kind", KINDS)
+        c.positive("epochs", "lr", "batch_size", "keep_checkpoints")
+        c.positive("weight_decay", "grad_clip", allow_zero=True)
+        c.require(len(self.split) == 3 and min(self.split) >= 0 and abs(sum(self.split) - 1) < 1e-9,
+                  f"student.split={self.split} must be three numbers >= 0 summing to 1")
+        v, s = self.vlm_json, self.scalar_head
+        if self.kind == "vlm_json":
+            c.require(bool(v.base), "student.vlm_json.base must name a local image-text-to-text model directory")
+        c.require(v.lora_rank >= 1 and v.lora_alpha > 0, f"student.vlm_json.lora_rank={v.lora_rank} must be >= 1 "
+                                                         f"and lora_alpha={v.lora_alpha} > 0")
+        c.require(0 <= v.lora_dropout < 1, f"student.vlm_json.lora_dropout={v.lora_dropout} must be in [0, 1)")
+        c.require(len(v.lora_targets) > 0, "student.vlm_json.lora_targets must name at least one module")
+        c.require(v.dtype in DTYPES, f"student.vlm_json.dtype={v.dtype!r} is not one of {list(DTYPES)}")
+        c.require(0 <= v.score_decimals <= 3 and v.max_new_tokens >= 1,
+                  "student.vlm_json.score_decimals must be in [0, 3] and max_new_tokens >= 1")
+        c.require(s.image_size >= 8 and len(s.channels) >= 1 and min(s.channels) >= 1 and s.hidden >= 1,
+                  "student.scalar_head needs image_size >= 8, at least one channel count >= 1 and hidden >= 1")
+        c.require(s.text_encoder in ("minilm", "none") or ":" in s.text_encoder,
+                  f"student.scalar_head.text_encoder={s.text_encoder!r} is not 'minilm', 'none' or "
+                  "'pkg.module:function'")
+        c.require(s.pairwise_weight >= 0 and s.regression_weight >= 0 and s.pairwise_weight + s.regression_weight > 0,
+                  "student.scalar_head.pairwise_weight and regression_weight must be >= 0, not both 0")
+        c.require(s.tie_margin >= 0, f"student.scalar_head.tie_margin={s.tie_margin} must be >= 0")
+        g = self.gate
+        c.require(g.min_groups >= 1 and 0 <= g.max_failure_rate <= 1 and g.max_mae >= 0,
+                  "student.gate needs min_groups >= 1, max_failure_rate in [0, 1] and max_mae >= 0")
+        return c.problems
+
+
+def student_config(data: StudentConfig | dict | None = None) -> StudentConfig:
+    """A :class:`StudentConfig` from itself, a mapping (YAML's ``student:`` section) or None (the defaults).
+
+    Raises:
+        flowforge.settings.schema.ConfigError: unknown keys (the allowed ones listed), wrong types, bad values.
+    """
+    from flowforge.settings.schema import build
+
+    if isinstance(data, StudentConfig):
+        return data
+    return build(StudentConfig, dict(data or {}))

@@ -1,0 +1,236 @@
+"""Student training data: the teacher's judged groups, read from the judge's request ledger, and the cluster split.
+
+A judged group is one answered ``requests`` row of the ``vlm_judge`` request ledger
+(:mod:`flowforge.rewards.judge.ledger`) with ``status = 'ok'``. Its ``request_json`` holds what was sent -- the
+prompt, the rendered instructions, the presented labels, the permutation, each candidate's frames as
+``{"sha256", "path"}`` in presented order, the reference's frames (or null) and the candidates' ``sample_ids`` --
+and ``scores_json`` holds ``presented label -> teacher score in [0, 1]``. Frames are read from their stored path, or
+found by hash under ``<ledger dir>/media/<sha[:2]>/<sha>.jpg`` (the judge's layout) when the path is relative to
+another working directory; their bytes must hash to the recorded sha256.
+
+The **condition** of a group is the candidates' common ``sample_id`` (the trainer repeats one prompt record ``K``
+times); its **cluster** comes from the condition ledger's map (:meth:`ConditionLedger.clusters
+<flowforge.orchestrate.ledger.ConditionLedger.clusters>`) or, for a condition it does not know, from the prompt
+text (:func:`flowforge.orchestrate.ledger.text_cluster`).
+
+**Split** (:func:`split_of`): ``u = int(sha256("<seed>:<cluster>")[:16], 16) / 2**64``; ``train`` when
+``u < f_train``, ``val`` when ``u < f_train + f_val``, else ``test``. A function of the cluster id alone, so every
+group of a cluster lands in the same split (no near-duplicate of a held-out condition is trained on), and a group
+keeps its split when more groups are added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flowforge.orchestrate.ledger import text_cluster
+from flowforge.rewards.judge import protocol as P
+from flowforge.rewards.judge.ledger import RequestLedger
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+DEFAULT_FRACTIONS = (0.8, 0.1, 0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgedGroup:
+    """One teacher-judged group, candidates in **presented** order (as the judge showed them).
+
+    ``candidates[j]`` are the frame files of presented candidate ``j`` (label ``labels[j]``, original index
+    ``permutation[j]``); ``scores[j]`` is the teacher's score of it in ``[0, 1]``; ``reference`` the reference's
+    frame files (None without one).
+    """
+
+    key: str  # the judge request key (sha256 hex)
+    condition_id: str
+    cluster: str
+    prompt: str
+    instructions: str
+    labels: tuple[str, ...]
+    permutation: tuple[int, ...]
+    candidates: tuple[tuple[str, ...], ...]
+    scores: tuple[float, ...]
+    reference: tuple[str, ...] | None = None
+    model: str = ""
+    template_sha256: str = ""
+    hashes: tuple[tuple[str, ...], ...] = ()  # sha256 of each candidate frame, as ``candidates``
+    reference_hashes: tuple[str, ...] = ()
+
+
+def _frame_path(frame: Mapping[str, str], media_root: Path) -> str | None:
+    path = frame.get("path")
+    if path and Path(path).is_file():
+        return str(path)
+    digest = frame.get("sha256", "")
+    fallback = media_root / digest[:2] / f"{digest}.jpg"
+    return str(fallback) if digest and fallback.is_file() else None
+
+
+def _condition(request: Mapping, prompt: str) -> str:
+    ids = {i for i in request.get("sample_ids") or [] if i is not None}
+    return ids.pop() if len(ids) == 1 else text_cluster(prompt)
+
+
+def group_from_entry(entry, media_root: Path, clusters: Mapping[str, str] | None = None) -> JudgedGroup | None:
+    """One ledger entry (:class:`flowforge.rewards.judge.ledger.LedgerEntry`) as a :class:`JudgedGroup`; None when
+    it is not usable (malformed, or a frame file is missing); the reason is logged."""
+    if entry.status != "ok" or entry.scores is None:
+        return None
+    req = entry.request
+    labels = tuple(req["labels"])
+    candidates, hashes = [], []
+    for frames in req["candidates"]:
+        paths = [_frame_path(f, media_root) for f in frames]
+        if any(p is None for p in paths):
+            log.warning("judged group %s skipped: a frame file is missing (sha256 %s)", entry.key[:12],
+                        [f["sha256"] for f, p in zip(frames, paths) if p is None][:2])
+            return None
+        candidates.append(tuple(paths))
+        hashes.append(tuple(f["sha256"] for f in frames))
+    reference = None
+    if req.get("reference") is not None:
+        reference = tuple(_frame_path(f, media_root) for f in req["reference"])
+        if any(p is None for p in reference):
+            log.warning("judged group %s skipped: a reference frame file is missing", entry.key[:12])
+            return None
+    prompt = req["prompt"]
+    condition = _condition(req, prompt)
+    return JudgedGroup(
+        key=entry.key, condition_id=condition, cluster=(clusters or {}).get(condition) or text_cluster(prompt),
+        prompt=prompt, instructions=req["instructions"], labels=labels, permutation=tuple(req["permutation"]),
+        candidates=tuple(candidates), scores=tuple(float(entry.scores[label]) for label in labels),
+        reference=reference, model=entry.model, template_sha256=entry.template_sha256, hashes=tuple(hashes),
+        reference_hashes=tuple(f["sha256"] for f in req["reference"]) if reference is not None else ())
+
+
+def read_judged_groups(ledger_path: str | Path, clusters: Mapping[str, str] | None = None,
+                       media_root: str | Path | None = None) -> list[JudgedGroup]:
+    """Every usable judged group of the request ledger at ``ledger_path``, in the order they were answered.
+
+    Args:
+        clusters: ``condition id -> cluster id`` (the condition ledger's); conditions not in it are clustered by
+            their prompt text.
+        media_root: where frames are found by hash (default: ``<ledger dir>/media``).
+
+    Raises:
+        FileNotFoundError: no ledger at ``ledger_path``.
+    """
+    path = Path(ledger_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no judge request ledger at {path}")
+    root = Path(media_root) if media_root is not None else path.parent / "media"
+    ledger = RequestLedger(path)
+    try:
+        entries = [ledger.get(key) for key in ledger.keys()]
+    finally:
+        ledger.close()
+    groups = [g for g in (group_from_entry(e, root, clusters) for e in entries) if g is not None]
+    skipped = len(entries) - len(groups)
+    if skipped:
+        log.info("read %d judged groups from %s (%d rows skipped: malformed or missing frames)", len(groups), path,
+                 skipped)
+    return groups
+
+
+def read_frame(path: str, sha256: str | None = None) -> bytes:
+    """The bytes of one stored frame, checked against its recorded sha256 when given.
+
+    Raises:
+        ValueError: the bytes do not hash to ``sha256`` (the media store was changed).
+    """
+    data = Path(path).read_bytes()
+    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"frame {path} does not match its recorded sha256 {sha256[:12]}...")
+    return data
+
+
+def decode_frame(data: bytes) -> Tensor:
+    """Image bytes (JPEG / PNG) -> ``[3, H, W]`` float32 RGB in [0, 1].
+
+    Raises:
+        ValueError: not a readable image.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"not a readable image: {exc}") from None
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def group_frames(group: JudgedGroup) -> tuple[list[bytes] | None, list[list[bytes]]]:
+    """``(reference frames or None, candidate frames)`` of ``group`` as image bytes, presented order."""
+    hashes = group.hashes or tuple(tuple([None] * len(c)) for c in group.candidates)
+    candidates = [[read_frame(p, h) for p, h in zip(paths, digests, strict=True)]
+                  for paths, digests in zip(group.candidates, hashes, strict=True)]
+    if group.reference is None:
+        return None, candidates
+    ref_hashes = group.reference_hashes or (None,) * len(group.reference)
+    return [read_frame(p, h) for p, h in zip(group.reference, ref_hashes, strict=True)], candidates
+
+
+def group_message(group: JudgedGroup) -> list[dict]:
+    """The chat messages the teacher was sent for ``group`` (the first attempt: one user message laid out by
+    :func:`flowforge.rewards.judge.protocol.build_content`, frames as data URLs)."""
+    reference, candidates = group_frames(group)
+    content = P.build_content(group.instructions, group.prompt,
+                              None if reference is None else [P.data_url(f) for f in reference],
+                              [[P.data_url(f) for f in frames] for frames in candidates], group.labels)
+    return [{"role": "user", "content": content}]
+
+
+def score_answer(group: JudgedGroup, decimals: int = 0) -> str:
+    """The teacher's scores as the strict reply the judge parser accepts: compact JSON ``{label: 100 s}`` rounded
+    to ``decimals`` places (integers for 0), labels in presented order."""
+    values = [round(100.0 * s, decimals) for s in group.scores]
+    return json.dumps({label: (int(v) if decimals == 0 else v) for label, v in zip(group.labels, values)},
+                      separators=(",", ":"))
+
+
+def split_of(cluster: str, seed: int = 0, fractions: Sequence[float] = DEFAULT_FRACTIONS) -> str:
+    """The split (``"train"``, ``"val"`` or ``"test"``) of a cluster (module docstring).
+
+    Raises:
+        ValueError: ``fractions`` are not three non-negative numbers summing to 1.
+    """
+    if len(fractions) != 3 or min(fractions) < 0 or abs(sum(fractions) - 1.0) > 1e-9:
+        raise ValueError(f"split fractions must be three numbers >= 0 summing to 1, got {tuple(fractions)}")
+    u = int(hashlib.sha256(f"{seed}:{cluster}".encode("utf-8")).hexdigest()[:16], 16) / 2.0**64
+    if u < fractions[0]:
+        return "train"
+    return "val" if u < fractions[0] + fractions[1] else "test"
+
+
+def split_groups(groups: Sequence[JudgedGroup], seed: int = 0,
+                 fractions: Sequence[float] = DEFAULT_FRACTIONS) -> dict[str, list[JudgedGroup]]:
+    """``{"train", "val", "test"} -> groups`` by :func:`split_of` of each group's cluster, order kept."""
+    out: dict[str, list[JudgedGroup]] = {s: [] for s in SPLITS}
+    for group in groups:
+        out[split_of(group.cluster, seed, fractions)].append(group)
+    return out
+
+
+def group_to_dict(group: JudgedGroup) -> dict:
+    """A JSON-ready dict of ``group`` (:func:`group_from_dict` reverses it)."""
+    return dataclasses.asdict(group)
+
+
+def group_from_dict(data: Mapping) -> JudgedGroup:
+    """The :class:`JudgedGroup` of a :func:`group_to_dict` dict (lists back to tuples)."""
+    def tup(value):
+        return tuple(tup(v) for v in value) if isinstance(value, list) else value
+
+    return JudgedGroup(**{k: tup(v) for k, v in data.items()})

@@ -1,0 +1,256 @@
+"""Student kind ``scalar_head``: a small CNN over each frame plus the prompt embedding -> one score per candidate.
+
+Cheap enough to train and run on a CPU, and a plain flowforge reward scorer (:class:`ScalarHeadScorer`,
+``needs_group = False``) usable in-process or behind ``flowforge serve judge --student PATH``.
+
+Model, for a frame ``x`` (``[3, H, W]`` in [0, 1], resized to ``S x S``, scaled to [-1, 1]) and prompt embedding
+``e`` (``[E]``; MiniLM's pooled sentence embedding, a given function's output, or none):
+
+    z = W_i pool(CNN(x)),   u = W_t e,   l = MLP([z, u, z * u])   (just MLP(z) without a prompt embedding)
+    frame score σ(l);   candidate score s = mean over its frames of σ(l)   (the trainer's rule for videos)
+
+Loss over a batch of groups, with teacher scores ``t`` on [0, 1] and ``r = logit(s)``:
+
+    L = w_pair * mean_{(i, j): t_i - t_j > margin} softplus(-(r_i - r_j))  +  w_reg * mean (s - t)^2
+
+the first term is the Bradley-Terry negative log-likelihood of the teacher's within-group order (Bradley & Terry
+1952; as in reward-model training from pairwise preferences, e.g. Ouyang et al. 2022), over every ordered pair of
+each group; the second keeps the scale of the teacher's scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flowforge.reward_model.config import ScalarHeadOptions
+from flowforge.reward_model.data import JudgedGroup, decode_frame, group_frames
+from flowforge.rewards.base import check_inputs
+
+KIND = "scalar_head"
+META_FILE = "meta.json"
+WEIGHTS_FILE = "model.safetensors"
+EPS = 1e-6
+
+
+class ScalarHeadNet(nn.Module):
+    """The CNN + prompt-embedding head (module docstring): ``(images [N, 3, S, S], text [N, E] | None) -> [N]``
+    logits (float32)."""
+
+    def __init__(self, channels: Sequence[int], hidden: int, text_dim: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c_in = 3
+        for c in channels:  # GroupNorm(1, c): per-sample normalisation, so a score never depends on its batch
+            layers += [nn.Conv2d(c_in, c, 3, stride=2, padding=1), nn.GroupNorm(1, c), nn.SiLU()]
+            c_in = c
+        self.backbone = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.image_proj = nn.Linear(c_in, hidden)
+        self.text_proj = nn.Linear(text_dim, hidden) if text_dim else None
+        self.head = nn.Sequential(nn.SiLU(), nn.Linear(hidden * (3 if text_dim else 1), hidden), nn.SiLU(),
+                                  nn.Linear(hidden, 1))
+
+    def forward(self, images: Tensor, text: Tensor | None = None) -> Tensor:
+        z = self.image_proj(self.backbone(images))
+        if self.text_proj is not None:
+            u = self.text_proj(text)
+            z = torch.cat([z, u, z * u], dim=-1)
+        return self.head(z).squeeze(-1)
+
+
+def _import_function(spec: str):
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class ScalarHeadStudent:
+    """A ``scalar_head`` student (module docstring).
+
+    Args:
+        options: the ``student.scalar_head`` section.
+        device: where it runs. seed: initialisation seed.
+        text_dim: the prompt embedding's size (None: measured by embedding one prompt).
+    """
+
+    kind = KIND
+
+    def __init__(self, options: ScalarHeadOptions, *, device: str = "cpu", seed: int = 0,
+                 text_dim: int | None = None) -> None:
+        self.options, self.device = options, torch.device(device)
+        self._encoder: Any = None
+        self._text_cache: dict[str, Tensor] = {}
+        self._frames: dict[str, list[Tensor]] = {}
+        if text_dim is None:
+            probe = self.embed(["a prompt"])
+            text_dim = 0 if probe is None else int(probe.shape[-1])
+        self.text_dim = text_dim
+        torch.manual_seed(seed)
+        self.net = ScalarHeadNet(options.channels, options.hidden, text_dim).to(self.device)
+
+    # ------------------------------------------------------------------------------------------------ inputs
+    def embed(self, prompts: Sequence[str]) -> Tensor | None:
+        """``[B, E]`` float32 prompt embeddings (cached per prompt), or None with ``text_encoder: none``."""
+        kind = self.options.text_encoder
+        if kind == "none":
+            return None
+        missing = sorted({p for p in prompts if p not in self._text_cache})
+        if missing:
+            if kind == "minilm":
+                from flowforge.models.text import MiniLMEncoder
+
+                self._encoder = self._encoder or MiniLMEncoder(device=self.device)
+                vectors = self._encoder.encode(missing)[2]
+            else:
+                self._encoder = self._encoder or _import_function(kind)
+                vectors = torch.as_tensor(self._encoder(missing))
+            for prompt, vector in zip(missing, vectors.float().to(self.device), strict=True):
+                self._text_cache[prompt] = vector
+        return torch.stack([self._text_cache[p] for p in prompts])
+
+    def preprocess(self, images: Tensor) -> Tensor:
+        """``[N, 3, H, W]`` in [0, 1] -> ``[N, 3, S, S]`` in [-1, 1] (bilinear, antialiased)."""
+        size = self.options.image_size
+        images = images.to(self.device, torch.float32)
+        if images.shape[-2:] != (size, size):
+            images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        return images * 2.0 - 1.0
+
+    def _group_frames(self, group: JudgedGroup) -> list[Tensor]:
+        """Per presented candidate: its preprocessed frames ``[F, 3, S, S]`` (decoded once, cached)."""
+        if group.key not in self._frames:
+            _, candidates = group_frames(group)
+            self._frames[group.key] = [self.preprocess(torch.stack([decode_frame(f) for f in frames]))
+                                       for frames in candidates]
+        return self._frames[group.key]
+
+    def candidate_scores(self, groups: Sequence[JudgedGroup]) -> list[Tensor]:
+        """One ``[K]`` float32 tensor of candidate scores in (0, 1) per group (presented order), with gradients."""
+        frames = [self._group_frames(g) for g in groups]
+        flat = torch.cat([f for per_group in frames for f in per_group])
+        counts = [f.shape[0] for per_group in frames for f in per_group]
+        text = None
+        if self.text_dim:
+            prompts = [g.prompt for g, per_group in zip(groups, frames) for f in per_group for _ in range(len(f))]
+            text = self.embed(prompts)
+        frame_scores = torch.sigmoid(self.net(flat, text))
+        per_candidate = torch.stack([s.mean() for s in torch.split(frame_scores, counts)])
+        sizes = [len(per_group) for per_group in frames]
+        return list(torch.split(per_candidate, sizes))
+
+    # ------------------------------------------------------------------------------------------------ training
+    def loss(self, groups: Sequence[JudgedGroup]) -> tuple[Tensor, dict[str, float]]:
+        """The module docstring's loss over ``groups`` and its parts (``pair_loss``, ``mse``, ``pairs``)."""
+        o = self.options
+        bt_terms, sq_terms = [], []
+        for scores, group in zip(self.candidate_scores(groups), groups, strict=True):
+            teacher = torch.tensor(group.scores, dtype=torch.float32, device=scores.device)
+            r = torch.logit(scores.clamp(EPS, 1 - EPS))
+            ordered = (teacher[:, None] - teacher[None, :]) > o.tie_margin  # [K, K]: i beats j
+            bt_terms.append(F.softplus(-(r[:, None] - r[None, :]))[ordered])
+            sq_terms.append((scores - teacher) ** 2)
+        pairs = torch.cat(bt_terms)
+        pair_loss = pairs.mean() if pairs.numel() else torch.zeros((), device=self.device)
+        mse = torch.cat(sq_terms).mean()
+        loss = o.pairwise_weight * pair_loss + o.regression_weight * mse
+        return loss, {"loss": float(loss.detach()), "pair_loss": float(pair_loss.detach()),
+                      "mse": float(mse.detach()), "pairs": float(pairs.numel())}
+
+    def backward(self, groups: Sequence[JudgedGroup]) -> dict[str, float]:
+        """Accumulate the gradient of :meth:`loss` over ``groups``; its metrics."""
+        loss, metrics = self.loss(groups)
+        loss.backward()
+        return metrics
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return list(self.net.parameters())
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+
+    def load_trainable_state(self, state: dict[str, Tensor]) -> None:
+        self.net.load_state_dict(state)
+
+    def train(self) -> None:
+        self.net.train()
+
+    def eval(self) -> None:
+        self.net.eval()
+
+    # ------------------------------------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def predict(self, groups: Sequence[JudgedGroup]) -> list[Tensor]:
+        """One ``[K]`` float32 CPU tensor of scores per group (presented order)."""
+        return [s.detach().float().cpu() for s in self.candidate_scores(groups)]
+
+    @torch.no_grad()
+    def score_images(self, media: Tensor, prompts: Sequence[str]) -> Tensor:
+        """``[B, 3, H, W]`` in [0, 1] + ``B`` prompts -> ``[B]`` float32 frame scores in (0, 1)."""
+        text = self.embed(prompts) if self.text_dim else None
+        return torch.sigmoid(self.net(self.preprocess(media), text)).float()
+
+    # ------------------------------------------------------------------------------------------------ files
+    def save(self, path: str | Path) -> None:
+        """Write ``meta.json`` + ``model.safetensors`` into the directory ``path`` (created)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous().cpu() for k, v in self.net.state_dict().items()}, str(path / WEIGHTS_FILE))
+        meta = {"kind": KIND, "version": 1, "options": dataclasses.asdict(self.options), "text_dim": self.text_dim}
+        (path / META_FILE).write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str = "cpu") -> ScalarHeadStudent:
+        """The student saved at ``path``.
+
+        Raises:
+            ValueError: the directory holds another kind of student.
+        """
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        meta = json.loads((path / META_FILE).read_text())
+        if meta.get("kind") != KIND:
+            raise ValueError(f"{path} holds a {meta.get('kind')!r} student, not {KIND!r}")
+        options = meta["options"]
+        options = ScalarHeadOptions(**{**options, "channels": tuple(options["channels"])})
+        student = cls(options, device=device, text_dim=meta["text_dim"])
+        student.net.load_state_dict(load_file(str(path / WEIGHTS_FILE), device=str(student.device)))
+        student.eval()
+        return student
+
+
+class ScalarHeadScorer:
+    """A saved ``scalar_head`` student as a flowforge reward scorer: ``[B, 3, H, W]`` in [0, 1] -> ``[B]`` float32
+    scores in (0, 1), higher is better, one image at a time (``needs_group = False``).
+
+    In a training config: ``reward.weights: {"flowforge.reward_model.scalar_head:ScalarHeadScorer": 1.0}`` with
+    ``reward.options: {"flowforge.reward_model.scalar_head:ScalarHeadScorer": {path: STUDENT_DIR}}``.
+
+    Args:
+        path: the student directory. device: where it runs. batch_size: images per forward.
+    """
+
+    name = "scalar_head"
+    needs_group: ClassVar[bool] = False
+
+    def __init__(self, path: str | Path, device: str = "cpu", batch_size: int = 64) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.student = ScalarHeadStudent.load(path, device=device)
+        self.batch_size = batch_size
+
+    def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
+        check_inputs(media, prompts, metadata)
+        chunks = [self.student.score_images(media[i:i + self.batch_size], prompts[i:i + self.batch_size])
+                  for i in range(0, media.shape[0], self.batch_size)]
+        return torch.cat(chunks).to(media.device)

@@ -1,0 +1,186 @@
+"""Train a student reward model on judged groups, resumably: one atomic checkpoint per epoch; a rerun continues.
+
+Output directory::
+
+    out_dir/
+      run.json                   the student config, the split (group keys per split) and their fingerprints
+      checkpoints/step_000002/   after epoch 2: trainable.pt (the student's trainable weights), optimizer.pt,
+                                 history.json, then COMMITTED (written last; a directory without it is discarded)
+      student/                   the final student (:mod:`flowforge.reward_model.students`), COMMITTED last
+      metrics.json               per-epoch history, held-out ``val`` and ``test`` agreement with the teacher
+
+Determinism: the groups are split by cluster (:func:`flowforge.reward_model.data.split_groups`); epoch ``e`` visits
+the training groups sorted by ``sha256("<seed>:<e>:<group key>")`` and seeds torch with a hash of ``(seed, e)``
+before it starts (LoRA dropout), so an epoch depends only on the weights it starts from: a run killed in epoch
+``e`` and rerun repeats epoch ``e`` from checkpoint ``e - 1`` and ends with the same weights as an uninterrupted
+run. Rerunning a finished directory returns its result without training. A rerun with another config or other
+groups is refused (``epochs`` may grow: training continues from the last epoch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowforge.reward_model.config import StudentConfig, student_config
+from flowforge.reward_model.data import SPLITS, JudgedGroup, split_groups
+from flowforge.reward_model.evaluate import evaluate
+from flowforge.reward_model.students import create_student
+from flowforge.runtime.durable import atomic_write, remove_marked_dir, step_dir_name, step_dirs, write_bytes
+from flowforge.settings.schema import to_dict
+
+log = logging.getLogger(__name__)
+
+COMMITTED = "COMMITTED"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What :func:`train_student` produced: the saved student, the per-epoch history, held-out metrics and the
+    number of groups per split."""
+
+    student_dir: Path
+    history: list[dict[str, Any]]
+    val: dict[str, float]
+    test: dict[str, float]
+    split_sizes: dict[str, int]
+
+
+def _hash_int(*parts: Any) -> int:
+    return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    write_bytes(path, json.dumps(data, indent=1, default=float).encode("utf-8"))
+
+
+def _run_record(cfg: StudentConfig, splits: dict[str, list[JudgedGroup]]) -> dict[str, Any]:
+    config = to_dict(cfg)
+    config.pop("epochs")  # more epochs continue a run; anything else is another run
+    return {"config": config, "splits": {s: [g.key for g in splits[s]] for s in SPLITS}}
+
+
+def _check_run(out_dir: Path, record: dict[str, Any]) -> None:
+    """Write ``run.json`` on the first run; refuse a rerun whose config or split differs."""
+    path = out_dir / "run.json"
+    if not path.is_file():
+        _write_json(path, record)
+        return
+    old = json.loads(path.read_text())
+    if old != json.loads(json.dumps(record, default=float)):
+        changed = [k for k in ("config", "splits") if old.get(k) != json.loads(json.dumps(record[k], default=float))]
+        raise ValueError(f"{out_dir} holds a student run with another {' and '.join(changed)}; use a new directory")
+
+
+def _latest_checkpoint(root: Path) -> tuple[int, Path | None]:
+    """``(epochs done, directory)`` of the newest committed checkpoint; uncommitted ones are removed."""
+    best: tuple[int, Path | None] = (0, None)
+    for epoch, path in step_dirs(root):
+        if (path / COMMITTED).is_file():
+            best = (epoch, path)
+        else:
+            log.warning("discarding the uncommitted student checkpoint %s", path)
+            shutil.rmtree(path)
+    return best
+
+
+def _save_checkpoint(root: Path, epoch: int, student: Any, optimizer: torch.optim.Optimizer,
+                     history: list[dict], keep: int) -> None:
+    path = root / step_dir_name(epoch)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    atomic_write(path / "trainable.pt", lambda tmp: torch.save(student.trainable_state(), tmp))
+    atomic_write(path / "optimizer.pt", lambda tmp: torch.save(optimizer.state_dict(), tmp))
+    _write_json(path / "history.json", history)
+    write_bytes(path / COMMITTED, b"")
+    committed = [p for _, p in step_dirs(root) if (p / COMMITTED).is_file()]
+    for old in committed[:-keep]:
+        remove_marked_dir(old, COMMITTED)
+
+
+def _run_epoch(student: Any, optimizer: torch.optim.Optimizer, cfg: StudentConfig, groups: list[JudgedGroup],
+               epoch: int) -> dict[str, float]:
+    order = sorted(groups, key=lambda g: hashlib.sha256(f"{cfg.seed}:{epoch}:{g.key}".encode()).hexdigest())
+    torch.manual_seed(_hash_int(cfg.seed, epoch))
+    student.train()
+    sums: dict[str, float] = {}
+    batches = 0
+    for start in range(0, len(order), cfg.batch_size):
+        optimizer.zero_grad(set_to_none=True)
+        metrics = student.backward(order[start:start + cfg.batch_size])
+        if cfg.grad_clip > 0:
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(student.trainable_parameters(),
+                                                                        cfg.grad_clip))
+        optimizer.step()
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+        batches += 1
+    student.eval()
+    return {k: v / max(batches, 1) for k, v in sums.items()}
+
+
+def train_student(cfg_section: StudentConfig | dict | None, groups: Sequence[JudgedGroup], out_dir: str | Path, *,
+                  on_epoch: Callable[[int, dict[str, Any]], None] | None = None) -> TrainResult:
+    """Train a student of ``cfg_section.kind`` on the train split of ``groups`` for ``epochs`` epochs (module
+    docstring), save it to ``out_dir/student`` and measure it on the held-out splits.
+
+    Args:
+        cfg_section: the ``student`` section (a :class:`StudentConfig`, its mapping, or None for the defaults).
+        groups: the judged groups (:func:`flowforge.reward_model.data.read_judged_groups`).
+        out_dir: the run directory (created; a rerun continues it).
+        on_epoch: called as ``on_epoch(epoch, record)`` after each epoch's checkpoint is committed.
+
+    Raises:
+        ValueError: no training groups; a rerun with another config or other groups.
+        flowforge.settings.schema.ConfigError: a bad config section.
+    """
+    cfg = student_config(cfg_section)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = split_groups(groups, cfg.split_seed, cfg.split)
+    if not splits["train"]:
+        raise ValueError(f"no training groups among {len(groups)} judged groups (split {cfg.split})")
+    _check_run(out, _run_record(cfg, splits))
+    sizes = {s: len(splits[s]) for s in SPLITS}
+    final, metrics_file = out / "student", out / "metrics.json"
+    if (final / COMMITTED).is_file() and metrics_file.is_file():
+        done = json.loads(metrics_file.read_text())
+        if len(done["history"]) == cfg.epochs:
+            return TrainResult(final, done["history"], done["val"], done["test"], sizes)
+    student = create_student(cfg)
+    optimizer = torch.optim.AdamW(student.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    root = out / "checkpoints"
+    start, latest = _latest_checkpoint(root)
+    history: list[dict[str, Any]] = []
+    if latest is not None:
+        student.load_trainable_state(torch.load(latest / "trainable.pt", weights_only=True))
+        optimizer.load_state_dict(torch.load(latest / "optimizer.pt", weights_only=True))
+        history = json.loads((latest / "history.json").read_text())
+        log.info("student: resuming after epoch %d from %s", start, latest)
+    if start > cfg.epochs:
+        raise ValueError(f"{out} already trained {start} epochs; student.epochs={cfg.epochs} is fewer")
+    for epoch in range(start + 1, cfg.epochs + 1):
+        record = {"epoch": epoch, "train": _run_epoch(student, optimizer, cfg, splits["train"], epoch)}
+        record["val"] = evaluate(student, splits["val"]) if splits["val"] else {}
+        history.append(record)
+        _save_checkpoint(root, epoch, student, optimizer, history, cfg.keep_checkpoints)
+        if on_epoch is not None:
+            on_epoch(epoch, record)
+    student.eval()
+    test = evaluate(student, splits["test"]) if splits["test"] else {}
+    val = history[-1]["val"] if history else {}
+    if final.exists():  # an earlier, shorter run's student (or a half-written one): replaced
+        remove_marked_dir(final, COMMITTED)
+    student.save(final)
+    write_bytes(final / COMMITTED, b"")
+    _write_json(metrics_file, {"history": history, "val": val, "test": test, "split_sizes": sizes})
+    return TrainResult(final, history, val, test, sizes)
