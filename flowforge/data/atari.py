@@ -40,7 +40,7 @@ NOOP         ``|v_t| <= tau`` or ``|v_t| < |v_{t-1}| - tau`` (at rest or slowing
 
 ``tau = 0.25`` pixel at 32 (scaled with ``size``), a wall is a paddle centre within ``0.05 * size`` of either edge.
 Only transitions ``1..F-2`` are read (``v_{-1}`` is not in the clip). On 8-frame clips of this data the true actions
-agree on 0.98-0.99 of the transitions; the same clips with the actions of other clips on ~0.57.
+agree on ~0.98 of the transitions; the same clips with the actions of other clips on ~0.6.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def test_ranks_spearman_and_pairs_by_hand():
     assert math.isnan(spearman(t(1, 2, 3), t(0.5, 0.5, 0.5)))  # the teacher gives no order
     assert spearman(t(0.2, 0.2, 0.2), t(1, 2, 3)) == 0.0
     # teacher pairs (i<j, t_i != t_j): (0,1) (0,2) (1,2); student: agree, tie (1/2), disagree
-    assert pair_agreement(t(0.1, 0.1, 0.0), t(0.0, 0.5, 1.0)) == (1.5, 3)
+    assert pair_agreement(t(0.1, 0.5, 0.1), t(0.0, 0.5, 1.0)) == (1.5, 3)
     assert pair_agreement(t(1, 2), t(0.5, 0.5)) == (0.0, 0)
 
 

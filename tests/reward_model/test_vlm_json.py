@@ -145,6 +145,19 @@ def test_sft_overfits_saves_reloads_and_serves(base, judged, tmp_path, monkeypat
         S.stop(proc)
 
 
+def test_train_student_trains_and_saves_a_vlm_json_student(base, judged, tmp_path):
+    from flowforge.reward_model.train import train_student
+
+    _, groups = judged
+    cfg = {"kind": "vlm_json", "epochs": 2, "lr": 0.02, "batch_size": 2, "split": [1.0, 0.0, 0.0],
+           "vlm_json": {"base": str(base), "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.1}}
+    result = train_student(cfg, groups, tmp_path / "b")
+    assert result.split_sizes == {"train": 3, "val": 0, "test": 0} and len(result.history) == 2
+    assert result.history[1]["train"]["loss"] < result.history[0]["train"]["loss"]
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert isinstance(load_student(result.student_dir), VLMJsonStudent)
+
+
 def test_options_are_checked():
     from flowforge.settings.schema import ConfigError
 

@@ -1,0 +1,121 @@
+"""The ``scalar_head`` student: its loss by hand, training on a separable set, the scorer it saves as, the judge
+server's scorer backend in front of it, and resumable training (kill after an epoch, rerun, same weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flowforge.reward_model.config import ScalarHeadOptions, student_config
+from flowforge.reward_model.data import group_message
+from flowforge.reward_model.evaluate import evaluate, gate
+from flowforge.reward_model.scalar_head import ScalarHeadScorer, ScalarHeadStudent
+from flowforge.reward_model.students import load_student
+from flowforge.reward_model.train import train_student
+from flowforge.rewards.judge import protocol as P
+from tests.reward_model import support
+
+FAST = {"kind": "scalar_head", "epochs": 12, "lr": 3e-3, "batch_size": 8,
+        "scalar_head": {"image_size": 16, "channels": [8, 16], "hidden": 16, "text_encoder": "none"}}
+
+
+def hash_embedding(prompts):
+    """A given prompt embedding (``text_encoder: "tests.reward_model.test_scalar_head:hash_embedding"``)."""
+    return torch.stack([torch.tensor([float(len(p)), float(sum(map(ord, p)) % 7), 1.0]) for p in prompts])
+
+
+def test_the_loss_is_bradley_terry_plus_regression(tmp_path):
+    group = support.synthetic_groups(tmp_path, 1, k=3)[0]
+    student = ScalarHeadStudent(ScalarHeadOptions(image_size=16, channels=(4,), hidden=4, text_encoder="none",
+                                                  pairwise_weight=0.7, regression_weight=0.3))
+    loss, parts = student.loss([group])
+    s = student.candidate_scores([group])[0].detach().double()
+    teacher = torch.tensor(group.scores, dtype=torch.float64)
+    r = torch.log(s / (1 - s))
+    pairs = [F.softplus(-(r[i] - r[j])) for i in range(3) for j in range(3) if teacher[i] > teacher[j]]
+    assert parts["pairs"] == 3 == len(pairs)
+    expected = 0.7 * torch.stack(pairs).mean() + 0.3 * ((s - teacher) ** 2).mean()
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_training_separates_a_separable_set_and_serves_as_a_scorer(tmp_path):
+    torch.set_num_threads(1)
+    train = support.synthetic_groups(tmp_path / "train", 48, seed=0)
+    held_out = support.synthetic_groups(tmp_path / "held", 16, seed=1)
+    result = train_student(student_config(FAST), train, tmp_path / "run")
+    student = load_student(result.student_dir)
+    metrics = evaluate(student, held_out)
+    assert metrics["pairwise_accuracy"] > 0.9 and metrics["spearman"] > 0.8
+    assert gate(metrics, {"min_spearman": 0.8, "min_pairwise_accuracy": 0.9, "max_mae": 0.5,
+                          "max_failure_rate": 0.0, "min_groups": 16}) == (True, [])
+    assert result.history[-1]["train"]["loss"] < result.history[0]["train"]["loss"]
+    assert result.split_sizes["train"] + result.split_sizes["val"] + result.split_sizes["test"] == 48
+
+    from flowforge.rewards.registry import build_scorer
+
+    scorer = build_scorer("flowforge.reward_model.scalar_head:ScalarHeadScorer", path=str(result.student_dir))
+    assert scorer.needs_group is False and isinstance(scorer, ScalarHeadScorer)
+    media = torch.stack([torch.full((3, 24, 24), v) for v in (0.2, 0.5, 0.8)])
+    scores = scorer(media, ["p"] * 3, [{}] * 3)
+    assert scores.dtype == torch.float32 and scores.shape == (3,) and scores[0] < scores[1] < scores[2]
+
+    from flowforge.serve.judge_backends import ScorerBackend, student_backend
+
+    backend = student_backend(result.student_dir)
+    assert isinstance(backend, ScorerBackend) and backend.model_id == "student"
+    group = held_out[0]
+    served = P.parse_scores(backend.complete(group_message(group)).text, group.labels)
+    assert served == pytest.approx(student.predict([group])[0].tolist(), abs=1e-5)
+
+
+def test_a_given_prompt_embedding_is_saved_and_used(tmp_path):
+    groups = support.synthetic_groups(tmp_path / "g", 4)
+    options = ScalarHeadOptions(image_size=16, channels=(4,), hidden=4,
+                                text_encoder="tests.reward_model.test_scalar_head:hash_embedding")
+    student = ScalarHeadStudent(options, seed=3)
+    assert student.text_dim == 3 and student.net.text_proj is not None
+    student.save(tmp_path / "s")
+    again = ScalarHeadStudent.load(tmp_path / "s")
+    assert [torch.equal(a, b) for a, b in zip(again.predict(groups), student.predict(groups))] == [True] * 4
+
+
+def test_the_default_prompt_embedding_is_minilm(tmp_path):
+    groups = support.synthetic_groups(tmp_path / "g", 2)
+    student = ScalarHeadStudent(ScalarHeadOptions(image_size=16, channels=(4,), hidden=4))
+    assert student.text_dim == 384
+    scores = student.predict(groups)
+    assert [s.shape for s in scores] == [(4,), (4,)] and all(((s > 0) & (s < 1)).all() for s in scores)
+
+
+def test_training_resumes_after_a_kill_with_the_same_weights(tmp_path):
+    groups = support.synthetic_groups(tmp_path / "g", 24, seed=2)
+    cfg = {**FAST, "epochs": 3, "keep_checkpoints": 2}
+    straight = train_student(cfg, groups, tmp_path / "straight")
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_two(epoch, record):
+        if epoch == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_student(cfg, groups, tmp_path / "resumed", on_epoch=kill_after_two)
+    (tmp_path / "resumed" / "checkpoints" / "step_000003").mkdir()  # a half-written epoch-3 checkpoint
+    epochs = []
+    resumed = train_student(cfg, groups, tmp_path / "resumed", on_epoch=lambda e, r: epochs.append(e))
+    assert epochs == [3] and not (tmp_path / "resumed" / "checkpoints" / "step_000001").exists()  # keep=2
+    a, b = load_student(straight.student_dir), load_student(resumed.student_dir)
+    assert all(torch.equal(x, y) for x, y in zip(a.net.state_dict().values(), b.net.state_dict().values()))
+    assert resumed.history == json.loads(json.dumps(straight.history)) and resumed.test == straight.test
+    again = train_student(cfg, groups, tmp_path / "resumed", on_epoch=lambda e, r: epochs.append(e))
+    assert epochs == [3] and again.history == resumed.history  # finished: nothing retrained
+    more = train_student({**cfg, "epochs": 4}, groups, tmp_path / "resumed", on_epoch=lambda e, r: epochs.append(e))
+    assert epochs == [3, 4] and len(more.history) == 4  # more epochs continue the run
+    with pytest.raises(ValueError, match="another config"):
+        train_student({**cfg, "lr": 1e-2}, groups, tmp_path / "resumed")
+    with pytest.raises(ValueError, match="another splits"):
+        train_student(cfg, groups[:-1], tmp_path / "resumed")
