@@ -58,8 +58,7 @@ def make_trainer(layout, algorithm, i2v_dirs, i2v_prompts, tmp_path, *extra):
 def scored_batch(trainer, step=0) -> TrainBatch:
     sb = trainer.next_prompts()
     traj, cond = trainer.sample(sb, step)
-    records = [trainer.train_prompts[i] for i in sb.prompt_indices.tolist()]
-    comps, _ = trainer.score(trainer._decode(traj.final), records, sb.group_ids)
+    _, comps, _ = trainer.score(traj, sb)
     adv, total, _ = trainer.advantages(comps, sb)
     return TrainBatch(traj=traj, cond=cond, advantages=adv, group_ids=sb.group_ids, rewards=total,
                       candidate_ids=sb.candidate_ids)

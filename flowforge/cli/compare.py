@@ -8,11 +8,26 @@ import argparse
 from flowforge.cli.common import add_config_args
 
 HELP = "run several algorithms / seeds on one budget and plot them together"
+SCHEMA = """compare file (YAML; examples/digits/compare.yaml):
+  base: grpo.yaml            required  the run config every arm starts from (path relative to this file)
+  arms:                      required  arm name -> list of section.key=value overrides applied to the base
+    grpo: []
+    nft: [train.algorithm=nft, train.lr=3e-4]
+  budget_samples: 1920       required  training samples per run: train.steps = budget_samples //
+                                       (data.prompts_per_step * data.group_size) of that arm
+  target: {metric: eval/digit_eval, value: 0.9}
+                             optional  samples and seconds until the metric first reaches the value (these defaults)
+  seeds: [0]                 optional  one run per (arm, seed); run.seed is set to the seed
+  output_dir: runs/compare   optional  runs go to <output_dir>/<arm>-s<seed>/ (one after another); writes
+                                       compare.png, compare.csv and compare.md there
+
+overrides on the command line (section.key=value) apply to every arm, after the arm's own."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    parser = sub.add_parser("compare", help=HELP)
-    add_config_args(parser)
+    parser = sub.add_parser("compare", help=HELP, description=HELP, epilog=SCHEMA,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser, what="compare file (schema below)")
     return parser
 
 

@@ -38,13 +38,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
+import stat
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+
+from flowforge.runtime.errors import UserError, file_error
 
 TASKS = ("t2i", "i2i", "t2v", "i2v")
 """Allowed values of ``metadata.task``."""
@@ -54,6 +58,10 @@ IMAGE_TASKS = ("i2i", "i2v")
 
 DEMO_PROMPT_SETS = ("demo:train", "demo:eval")
 """Names that resolve to the embedded default's packaged prompt files."""
+
+PACKAGED_PROMPTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo" / "prompts"
+"""Where the packaged prompt files live (package data of ``flowforge/demo``; the data layer names the files by path
+and imports no demo code, so :mod:`flowforge.demo.paths` resolves its prompt names through here)."""
 
 _TOP_LEVEL_KEYS = ("prompt", "metadata")
 
@@ -92,9 +100,7 @@ def resolve_prompt_path(source: str | pathlib.Path) -> pathlib.Path:
     if text.startswith("demo:"):
         if text not in DEMO_PROMPT_SETS:
             raise ValueError(f"prompt source {text!r}: demo prompt sets are {list(DEMO_PROMPT_SETS)}")
-        import importlib.resources
-
-        return pathlib.Path(str(importlib.resources.files("flowforge.demo") / "prompts" / f"{text[5:]}.jsonl"))
+        return PACKAGED_PROMPTS_DIR / f"{text[len('demo:'):]}.jsonl"
     return pathlib.Path(source)
 
 
@@ -142,6 +148,34 @@ def _parse_row(path: pathlib.Path, line: int, text: str) -> PromptRecord:
     return PromptRecord(prompt=prompt, metadata=metadata)
 
 
+_FIX = "give a JSONL prompt file (one {\"prompt\": ..., \"metadata\": ...} object per line)"
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def check_prompt_file(path: pathlib.Path) -> None:
+    """``path`` (symlinks followed) is a regular file that can be opened.
+
+    Raises:
+        FileNotFoundError: nothing is there (or a symlink points at nothing).
+        UserError: a directory, something that is not a regular file (``/dev/null``, a FIFO, whose reading would
+            give nothing or block), or a path that cannot be reached or read (a symlink loop, no permission).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"prompt file {path} does not exist") from None
+    except OSError as exc:
+        raise file_error(path, exc, _FIX) from None
+    if stat.S_ISDIR(mode):
+        raise UserError(path, "is a directory", _FIX)
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+        raise UserError(path, f"is not a regular file ({kind})", _FIX)
+    if not os.access(path, os.R_OK):
+        raise UserError(path, "cannot be read (Permission denied)", _FIX)
+
+
 def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
     """Load and validate a JSONL prompt file (see the module docstring for the schema).
 
@@ -153,26 +187,35 @@ def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: a row is invalid (the message names the file, the 1-based line number and the field), a
-            ``sample_id`` repeats (naming both lines), or the file holds no rows.
+        UserError: (a ``ValueError``) the path is a directory, not a regular file (``/dev/null``, a FIFO), or
+            cannot be read (a symlink loop, no permission), naming it and the cause.
+        ValueError: a row is invalid or not UTF-8 text (the message names the file, the 1-based line number and
+            the field), a ``sample_id`` repeats (naming both lines), or the file holds no rows.
     """
     path = resolve_prompt_path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+    check_prompt_file(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise file_error(path, exc, _FIX) from None
     records: list[PromptRecord] = []
     first_line: dict[str, int] = {}
-    with path.open(encoding="utf-8") as handle:
-        for line, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            record = _parse_row(path, line, text)
-            if record.sample_id in first_line:
-                raise _row_error(
-                    path, line, "metadata.sample_id",
-                    f"{record.sample_id!r} repeats the one on line {first_line[record.sample_id]}; ids must be unique",
-                )
-            first_line[record.sample_id] = line
-            records.append(record)
+    for line, raw in enumerate(data.splitlines(), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}:{line}: not UTF-8 text (byte {exc.start + 1} of the line is "
+                             f"0x{raw[exc.start]:02x}); save the file as UTF-8") from None
+        if not text.strip():
+            continue
+        record = _parse_row(path, line, text)
+        if record.sample_id in first_line:
+            raise _row_error(
+                path, line, "metadata.sample_id",
+                f"{record.sample_id!r} repeats the one on line {first_line[record.sample_id]}; ids must be unique",
+            )
+        first_line[record.sample_id] = line
+        records.append(record)
     if not records:
         raise ValueError(f"{path}: holds no prompt rows")
     return records

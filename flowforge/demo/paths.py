@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flowforge.data.prompts import DEMO_PROMPT_SETS, resolve_prompt_path
+
 DEMO_PREFIX = "demo:"
 """What every demo name starts with."""
 
 DEMO_BASE = "demo:base"
 """The shipped base policy (``model.path``)."""
 
-DEMO_PROMPT_SETS = ("demo:train", "demo:eval")
-"""The packaged prompt files (``data.prompts`` / ``data.eval_prompts``)."""
 
 DEMO_NAMES = (DEMO_BASE, *DEMO_PROMPT_SETS)
 """Every name :func:`resolve_demo_path` accepts."""
@@ -42,14 +42,15 @@ def demo_base_dir() -> Path:
 
 
 def demo_prompts_path(name: str) -> Path:
-    """The packaged JSONL file of prompt set ``name`` (``"demo:train"`` or ``"demo:eval"``).
+    """The packaged JSONL file of prompt set ``name`` (``"demo:train"`` or ``"demo:eval"``), resolved by the data
+    layer's :func:`flowforge.data.prompts.resolve_prompt_path` (one source of truth for the file names).
 
     Raises:
         ValueError: ``name`` is not one of :data:`DEMO_PROMPT_SETS`.
     """
     if name not in DEMO_PROMPT_SETS:
         raise ValueError(f"prompt source {name!r}: demo prompt sets are {list(DEMO_PROMPT_SETS)}")
-    return DEMO_DIR / "prompts" / f"{name[len(DEMO_PREFIX):]}.jsonl"
+    return resolve_prompt_path(name)
 
 
 def is_demo_name(source: str | Path) -> bool:

@@ -3,8 +3,13 @@
 ``build_adapter(name, path, **kw)`` loads a registered family (``ADAPTERS``) or a bring-your-own class named as
 ``"pkg.module:Class"`` (called as ``Class.from_pretrained(path, **kw)`` when it has that classmethod, else
 ``Class(path, **kw)``). The trainer passes ``task`` (``model.task``), ``dtype`` and ``device``; ``path`` is a
-local path or hub id (``demo:`` names are resolved above this package, by
+local path or a Hugging Face Hub id (``demo:`` names are resolved above this package, by
 :func:`flowforge.demo.paths.resolve_demo_path`).
+
+**Hub ids.** For a registered family, a ``path`` that is not on disk and looks like a Hub id (``org/name``,
+:func:`looks_like_hub_id`) is resolved to a local snapshot by :func:`resolve_model_path`
+(``huggingface_hub.snapshot_download``: the local cache first; a download only when ``HF_HUB_OFFLINE`` is unset).
+Offline and not cached is a :class:`~flowforge.runtime.errors.UserError` saying how to download it.
 
 ``ADAPTER_CLASSES`` names each registered family's adapter class (``"module:Class"``) so that a config can be checked
 against the class — e.g. which tasks it runs (:func:`adapter_tasks`) — by importing it, without loading weights.
@@ -13,10 +18,14 @@ against the class — e.g. which tasks it runs (:func:`adapter_tasks`) — by im
 from __future__ import annotations
 
 import importlib
+import os
+import re
+from pathlib import Path
 from typing import Any, Callable
 
 from flowforge.models.base import (HOOK_MEMBERS, AdapterMixin, Conditioning, FlowModel, ImageConditioned,
                                    check_condition_slot, missing_members)
+from flowforge.runtime.errors import UserError, one_line
 
 
 def _check_task(family: str, task: str, allowed: tuple[str, ...]) -> None:
@@ -148,11 +157,12 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
 
     Raises:
         ValueError: unknown name (the allowed names are listed) or an import string that does not resolve.
+        UserError: a registered family's ``path`` is a Hub id that cannot be resolved (:func:`resolve_model_path`).
         TypeError: the built object does not implement ``FlowModel`` (required members and hooks: the missing ones
             are listed), or declares a condition slot without ``generated_index``.
     """
     if name in ADAPTERS:
-        adapter = ADAPTERS[name](path, **kw)
+        adapter = ADAPTERS[name](resolve_model_path(path), **kw)
     elif ":" in name:
         obj = _import_object(name)
         factory = getattr(obj, "from_pretrained", None)
@@ -170,5 +180,66 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
     return adapter
 
 
+# ------------------------------------------------------------------------------------------------ Hub ids
+_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_HUB_ID = re.compile(rf"{_HUB_PART}/{_HUB_PART}")
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """Whether ``path`` has the form of a Hub repository id, ``org/name`` (letters, digits, ``-``, ``_``, ``.``;
+    no ``--`` or ``..``), and is not on disk. A relative two-part path that exists is a path."""
+    text = str(path)
+    return bool(_HUB_ID.fullmatch(text)) and "--" not in text and ".." not in text and not Path(text).exists()
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` is set (to anything but ``0`` / ``false`` / ``no``): nothing may be downloaded."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def cached_hub_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot directory of Hub model ``repo_id`` in the Hugging Face cache, or None (no network)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        return None
+
+
+def download_hint(repo_id: str) -> str:
+    """How to put Hub model ``repo_id`` on disk by hand, and what to set then."""
+    return (f"download it with `hf download {repo_id} --local-dir DIR` (older huggingface_hub: `huggingface-cli "
+            f"download {repo_id} --local-dir DIR`), then set model.path=DIR")
+
+
+def resolve_model_path(path: str | os.PathLike) -> str:
+    """``path`` itself, or for a Hub id (:func:`looks_like_hub_id`) its local snapshot directory: from the
+    Hugging Face cache, else downloaded (``huggingface_hub.snapshot_download``) unless ``HF_HUB_OFFLINE`` is set.
+
+    Raises:
+        UserError: a Hub id that is not cached while offline, or whose download fails (naming ``model.path``, the
+            cause and how to download it by hand).
+    """
+    text = str(path)
+    if not looks_like_hub_id(text):
+        return text
+    cached = cached_hub_snapshot(text)
+    if cached is not None:
+        return str(cached)
+    if hub_offline():
+        raise UserError(f"model.path={text!r}", "a Hub id that is not in the local Hugging Face cache, and "
+                                                "HF_HUB_OFFLINE=1 forbids downloading it", download_hint(text))
+    from huggingface_hub import snapshot_download
+
+    try:
+        return str(snapshot_download(text))
+    except Exception as exc:  # noqa: BLE001 - network, auth and missing-repo errors all mean "cannot get it"
+        raise UserError(f"model.path={text!r}", f"cannot download this Hub model ({type(exc).__name__}: "
+                                                f"{one_line(str(exc))[:300]})", download_hint(text)) from exc
+
+
 __all__ = ["ADAPTERS", "ADAPTER_CLASSES", "AdapterMixin", "Conditioning", "FAMILY_TASKS", "FlowModel",
-           "ImageConditioned", "adapter_class", "adapter_tasks", "build_adapter"]
+           "ImageConditioned", "adapter_class", "adapter_tasks", "build_adapter", "cached_hub_snapshot",
+           "download_hint", "hub_offline", "looks_like_hub_id", "resolve_model_path"]

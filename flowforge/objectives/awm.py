@@ -35,7 +35,7 @@ class AWMConfig(Section):
     def problems(self) -> list[str]:
         c = Checks(self)
         c.choice("weighting", AWM_WEIGHTINGS)
-        c.positive("clip_low")
+        c.positive("clip_low", "clip_high", "ghuber_power", "adv_max")
         c.positive("kl_weight", allow_zero=True)
         return c.problems
 

@@ -13,14 +13,14 @@ clip range is not used.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from flowforge.algorithms import losses
 from flowforge.objectives.base import TrainBatch
 from flowforge.objectives.grpo import GRPO, GRPOConfig
-from flowforge.settings import Checks, Section
+from flowforge.settings import ALLOW_INF, Checks, Section
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class DPPOConfig(Section):
 
     section_name = "dppo"
 
-    delta: float = 1e-5  # KL threshold of the mask, mean over latent elements (UniRL's default kl_mask_threshold)
+    # KL threshold of the mask, mean over latent elements (UniRL's default kl_mask_threshold); inf: no mask
+    delta: float = field(default=1e-5, metadata=ALLOW_INF)
     adv_clip: float | None = None  # clamp advantages to [-adv_clip, adv_clip] first (Flow-Factory's DPPOTrainer)
 
     def problems(self) -> list[str]:

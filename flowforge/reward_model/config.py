@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from flowforge.runtime.dtypes import DTYPE_NAMES as DTYPES
 from flowforge.settings.schema import Checks, Section
 
 KINDS = ("vlm_json", "scalar_head")
 LANGUAGE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Default LoRA targets of ``vlm_json``: the attention and MLP projections of the language model's decoder layers
 (module-name suffixes, resolved to exact names under the language model only)."""
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class VLMJsonOptions:
     lora_targets: tuple[str, ...] = LANGUAGE_PROJECTIONS
     dtype: str = "float32"  # weights of the frozen base; LoRA weights train in float32
     score_decimals: int = 0  # decimals of the 0-100 scores in the answer
-    max_new_tokens: int = 64  # generation cap when the student answers
+    max_new_tokens: int = 128  # generation cap when the student answers
 
 
 @dataclass(frozen=True)

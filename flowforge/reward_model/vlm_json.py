@@ -134,11 +134,13 @@ def _end_of_turn(processor: Any) -> str:
     chat = [{"role": "user", "content": [{"type": "text", "text": "probe"}]}]
     answer = '{"A":50}'
     prefix = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    full = processor.apply_chat_template([*chat, {"role": "assistant", "content": answer}], tokenize=False)
-    if not full.startswith(prefix + answer):
-        raise ValueError("the chat template does not write an assistant answer right after its generation prompt; "
-                         f"got {full[len(prefix) - 20:len(prefix) + 40]!r}")
-    return full[len(prefix) + len(answer):]
+    full = ""
+    for content in (answer, [{"type": "text", "text": answer}]):  # templates take a string or a list of parts
+        full = processor.apply_chat_template([*chat, {"role": "assistant", "content": content}], tokenize=False)
+        if full.startswith(prefix + answer):
+            return full[len(prefix) + len(answer):]
+    raise ValueError("the chat template does not write an assistant answer right after its generation prompt; "
+                     f"got {full[max(0, len(prefix) - 20):len(prefix) + 40]!r}")
 
 
 def _config_sha256(base: Path) -> str:
@@ -177,8 +179,9 @@ class VLMJsonStudent:
         self.model, self.processor, self.meta = model, processor, meta
         self.device = torch.device(device)
         self.tokenizer = processor.tokenizer
-        stop = self.tokenizer(meta["end_of_turn"], add_special_tokens=False)["input_ids"] if meta[
-            "end_of_turn"].strip() else []
+        end = meta["end_of_turn"]
+        stop = self.tokenizer(end, add_special_tokens=False)["input_ids"] if end.strip() else []
+        # the first token the template writes after an answer ends the turn (the tokenizer's EOS without one)
         self.stop_id = int(stop[0]) if stop else int(self.tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------------------------------------ build
@@ -242,6 +245,19 @@ class VLMJsonStudent:
     def lm_head(self) -> nn.Module:
         return self.vlm.get_output_embeddings()
 
+    @property
+    def body(self) -> nn.Module:
+        """The VLM without its LM head (transformers' ``...ForConditionalGeneration.model``: vision tower + language
+        model, returning ``last_hidden_state``).
+
+        Raises:
+            ValueError: the model keeps no ``model`` submodule.
+        """
+        body = getattr(self.vlm, "model", None)
+        if not isinstance(body, nn.Module):
+            raise ValueError(f"{type(self.vlm).__name__} has no .model (vision + language body without the LM head)")
+        return body
+
     # ------------------------------------------------------------------------------------------------ examples
     def encode_prompt(self, messages: Sequence[dict]) -> dict[str, Tensor]:
         """The processor's tensors (batch 1) for ``messages`` + the generation prompt."""
@@ -271,17 +287,19 @@ class VLMJsonStudent:
         """``[T, V]`` float32 logits at the positions that predict the target (module docstring): the base model
         runs to hidden states and the LM head sees only the last ``T`` positions."""
         inputs = {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in example.inputs.items()}
-        out = self.vlm.model(**inputs, use_cache=False)
+        out = self.body(**inputs, use_cache=False)
         hidden = out.last_hidden_state[:, example.prefix_len - 1:]  # [1, T, H]
         return self.lm_head(hidden)[0].float()
 
     def backward(self, groups: Sequence[JudgedGroup]) -> dict[str, float]:
         """Accumulate the gradient of the mean answer-token cross-entropy over ``groups`` (one sequence per
         forward); its metrics: ``loss`` and ``token_accuracy`` (greedy argmax == target)."""
-        examples = [self.build_example(g) for g in groups]
-        total = sum(int(e.target_ids.numel()) for e in examples)
+        decimals = self.meta["options"]["score_decimals"]
+        total = sum(len(self.tokenizer(score_answer(g, decimals), add_special_tokens=False)["input_ids"]) + 1
+                    for g in groups)  # target tokens of the batch, known before any image is processed
         loss_sum, correct = 0.0, 0
-        for example in examples:
+        for group in groups:  # one sequence at a time: only one group's frames and activations are held
+            example = self.build_example(group)
             logits = self.answer_logits(example)
             target = example.target_ids.to(logits.device)
             loss = F.cross_entropy(logits, target, reduction="sum")

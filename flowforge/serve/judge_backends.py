@@ -185,7 +185,7 @@ class HFVisionLanguageBackend:
                  model_id: str | None = None) -> None:
         from transformers import AutoModelForImageTextToText
 
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        from flowforge.runtime.dtypes import DTYPES as dtypes
         if dtype not in dtypes:
             raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
         self.model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtypes[dtype]).to(device).eval()

@@ -5,17 +5,21 @@
 by the registered objectives, is assembled in :mod:`flowforge.config`.
 """
 
-from flowforge.settings.schema import (Checks, ConfigError, Section, build, dump, fingerprint, make_root, merge,
-                                       parse_overrides, read_yaml, to_dict)
-from flowforge.settings.sections import (HEAD_SECTIONS, LR_SCHEDULES, SIGMA_SAMPLINGS, TAIL_SECTIONS,
-                                         TRAINABLE_MODES, AdvantageConfig, ArtifactsConfig, CheckpointConfig,
-                                         DataConfig, DistributedConfig, EvalConfig, LoraConfig, ModelConfig,
-                                         RewardConfig, RunConfig, SamplerConfig, SFTConfig, TrainConfig)
+from flowforge.settings.schema import (ALLOW_INF, Checks, ConfigError, Section, build, config_diff, dump,
+                                       fingerprint, flatten, make_root, merge, nonfinite_problems, parse_overrides,
+                                       read_yaml, to_dict, without)
+from flowforge.settings.sections import (HEAD_SECTIONS, LR_SCHEDULES, MAX_SAMPLER_STEPS, RESUME_NEUTRAL_KEYS,
+                                         SEED_LIMIT, SIGMA_SAMPLINGS, TAIL_SECTIONS, TRAINABLE_MODES,
+                                         AdvantageConfig, ArtifactsConfig, CheckpointConfig, DataConfig,
+                                         DistributedConfig, EvalConfig, LoraConfig, ModelConfig, RewardConfig,
+                                         RunConfig, SamplerConfig, SFTConfig, TrainConfig, resume_fingerprint,
+                                         resume_neutral_keys)
 
 __all__ = [
-    "Checks", "ConfigError", "Section", "build", "dump", "fingerprint", "make_root", "merge", "parse_overrides",
-    "read_yaml", "to_dict",
-    "HEAD_SECTIONS", "LR_SCHEDULES", "SIGMA_SAMPLINGS", "TAIL_SECTIONS", "TRAINABLE_MODES",
+    "ALLOW_INF", "Checks", "ConfigError", "Section", "build", "config_diff", "dump", "fingerprint", "flatten",
+    "make_root", "merge", "nonfinite_problems", "parse_overrides", "read_yaml", "to_dict", "without",
+    "HEAD_SECTIONS", "LR_SCHEDULES", "MAX_SAMPLER_STEPS", "RESUME_NEUTRAL_KEYS", "SEED_LIMIT", "SIGMA_SAMPLINGS",
+    "TAIL_SECTIONS", "TRAINABLE_MODES", "resume_fingerprint", "resume_neutral_keys",
     "AdvantageConfig", "ArtifactsConfig", "CheckpointConfig", "DataConfig", "DistributedConfig", "EvalConfig",
     "LoraConfig", "ModelConfig", "RewardConfig", "RunConfig", "SamplerConfig", "SFTConfig", "TrainConfig",
 ]

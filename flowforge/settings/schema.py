@@ -82,9 +82,47 @@ class Section:
         return []
 
     def __post_init__(self) -> None:
+        # Non-finite floats first: a NaN compares false with everything, so a section's own rules would either let
+        # it through or describe it misleadingly ("must be > 0"); their problems about that key are dropped.
+        bad = nonfinite_problems(self)
         problems = self.problems()
+        if bad:
+            problems = [*bad.values(), *(p for p in problems if not any(f"{where}=" in p for where in bad))]
         if problems:
             raise ConfigError(problems, header=f"invalid section '{self.section_name}'")
+
+
+ALLOW_INF: Mapping[str, Any] = types.MappingProxyType({"allow_inf": True})
+"""``dataclasses.field(metadata=ALLOW_INF)``: a float field where ``inf`` means something (e.g. "no limit").
+Every other float field of a section refuses ``inf`` and ``-inf``; every float field refuses NaN."""
+
+
+def _nonfinite(value: Any, where: str, allow_inf: bool, out: dict[str, str]) -> None:
+    if isinstance(value, float):
+        if math.isnan(value):
+            out[where] = f"{where}=nan is not a number; give a finite number"
+        elif math.isinf(value) and not allow_inf:
+            out[where] = f"{where}={value!r} must be finite"
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            _nonfinite(item, f"{where}[{i}]", allow_inf, out)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _nonfinite(item, f"{where}.{key}", allow_inf, out)
+
+
+def nonfinite_problems(section: Section) -> dict[str, str]:
+    """``{"section.key": problem}`` for every NaN float of ``section`` (inside lists and mappings too) and every
+    infinite one outside fields marked :data:`ALLOW_INF`; the key is the field's ``section.key`` even when the value
+    sits inside it (the problem names the exact place, e.g. ``reward.weights.digit=nan``)."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(section):
+        found: dict[str, str] = {}
+        _nonfinite(getattr(section, f.name), f"{section.section_name}.{f.name}", bool(f.metadata.get("allow_inf")),
+                   found)
+        if found:
+            out[f"{section.section_name}.{f.name}"] = "; ".join(found.values())
+    return out
 
 
 def make_root(name: str, sections: Sequence[type], module: str, doc: str | None = None) -> type:
@@ -294,6 +332,57 @@ def dump(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def fingerprint(cfg: Any) -> str:
-    """sha256 of the canonical YAML of a config or section (first 16 hex digits)."""
-    return hashlib.sha256(yaml.safe_dump(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+def _ignored(key: str, ignore: Iterable[str]) -> bool:
+    return any(key == i or key.startswith(i + ".") for i in ignore)
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"section.key": value}`` of a nested mapping (lists and scalars are leaves)."""
+    if not isinstance(data, Mapping):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, where))
+        else:
+            out[where] = value
+    return out
+
+
+def without(data: Any, ignore: Iterable[str] = ()) -> dict[str, Any]:
+    """The ``{"section.key": value}`` form (:func:`flatten`) of a config or nested mapping, minus every key in
+    ``ignore`` (a dotted key, or a prefix such as ``"eval"`` for a whole section)."""
+    ignore = tuple(ignore)
+    return {k: v for k, v in flatten(to_dict(data)).items() if not _ignored(k, ignore)}
+
+
+def fingerprint(cfg: Any, ignore: Iterable[str] = ()) -> str:
+    """sha256 of the canonical YAML of a config or section (first 16 hex digits), leaving out the keys in
+    ``ignore`` (as :func:`without`; none by default)."""
+    data = to_dict(cfg) if not tuple(ignore) else without(cfg, ignore)
+    return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_ABSENT = "(absent)"
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], ignore: Iterable[str] = ()) -> list[str]:
+    """The keys that differ between two configs (nested mappings, e.g. :func:`to_dict` of each), as
+    ``"section.key: old -> new"`` lines in key order; keys in ``ignore`` (as :func:`without`) are left out, and a
+    key present on one side only shows ``(absent)`` on the other. Values are compared as loaded from YAML / JSON
+    (a list equals a tuple, ``8`` equals ``8.0``)."""
+    before, after = without(old, ignore), without(new, ignore)
+    lines = []
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key, _ABSENT), after.get(key, _ABSENT)
+        if a != b:
+            lines.append(f"{key}: {_show(a)} -> {_show(b)}")
+    return lines
+
+
+def _show(value: Any) -> str:
+    """A value as a short YAML flow literal (``0.0003``, ``[1, 2]``, ``null``), as a user would type it."""
+    if value is _ABSENT:
+        return value
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).removesuffix("\n").removesuffix("\n...")

@@ -26,10 +26,11 @@ root.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowforge.settings.schema import Checks, Section
+from flowforge.settings.schema import Checks, Section, fingerprint, to_dict
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """``train.lr_schedule`` values: the multiplier after warmup (:func:`flowforge.policy.lr_lambda`)."""
@@ -37,6 +38,13 @@ TRAINABLE_MODES = ("lora", "full")
 """``lora.trainable`` values."""
 SIGMA_SAMPLINGS = ("logit_normal", "uniform")
 """``sft.sigma_sampling`` values (:func:`flowforge.train.sft.sample_sigmas`)."""
+SEED_LIMIT = 2**32
+"""``run.seed`` is in ``[0, SEED_LIMIT)``: the prompt sampler needs a non-negative seed and the per-step order
+generator is seeded with ``seed * 7919 + step``, which must stay inside torch's 64-bit seed range."""
+MAX_SAMPLER_STEPS = 1000
+"""Most ``sampler.num_steps``: the families discretise sigma into 1000 training timesteps (SD3 / Wan feed
+``1000 * sigma``), so a finer schedule repeats timesteps; a larger value is a typo that would take hours per
+rollout."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,19 @@ class RunConfig(Section):
     seed: int = 0
     num_threads: int = 0  # 0 = leave torch's default
     device: str = "cpu"
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        # the run directory is output_dir/name: a name with a separator, "..", or an absolute path would put it
+        # somewhere else (and a later cleanup would act there)
+        c.require(self.name not in ("", ".", "..") and not any(ch in self.name for ch in "/\\\0"),
+                  f"run.name={self.name!r} must be one directory name (no '/', not empty, '.' or '..'); put the "
+                  "parent directories in run.output_dir")
+        c.require(self.output_dir != "", "run.output_dir='' is empty; give a directory (e.g. runs)")
+        c.require(0 <= self.seed < SEED_LIMIT, f"run.seed={self.seed} must be in [0, 2**32)")
+        c.positive("num_threads", allow_zero=True)
+        c.require(bool(self.device.strip()), "run.device='' is empty; give cpu, cuda, cuda:N or mps")
+        return c.problems
 
 
 @dataclass(frozen=True)
@@ -64,7 +85,9 @@ class ModelConfig(Section):
 
     def problems(self) -> list[str]:
         c = Checks(self)
-        c.positive("height", "width")
+        c.positive("height", "width", "frames")
+        c.require(bool(self.path.strip()), "model.path='' is empty; give a local diffusers directory, a Hub id "
+                                          "(org/name) or demo:base")
         return c.problems
 
 
@@ -100,6 +123,9 @@ class LoraConfig(Section):
             c.require(self.rank is None or self.rank >= 1, f"lora.rank={self.rank} must be >= 1 with "
                                                            "lora.trainable='lora'")
             c.require(self.alpha is None or self.alpha > 0, f"lora.alpha={self.alpha} must be > 0")
+        c.require(self.targets is None or all(t.strip() for t in self.targets),
+                  f"lora.targets={list(self.targets or ())} holds an empty name; give module names such as "
+                  "attn.to_q")
         return c.problems
 
 
@@ -140,8 +166,11 @@ class SamplerConfig(Section):
         c = Checks(self)
         c.positive("batch_size")
         c.positive("noise_level", allow_zero=True)
-        if self.num_steps < 2:
-            c.problems.append(f"sampler.num_steps={self.num_steps} must be >= 2")
+        c.positive("num_sde_steps", allow_zero=True)
+        if not 2 <= self.num_steps <= MAX_SAMPLER_STEPS:
+            c.problems.append(f"sampler.num_steps={self.num_steps} must be >= 2" if self.num_steps < 2 else
+                              f"sampler.num_steps={self.num_steps} must be <= {MAX_SAMPLER_STEPS} (the models "
+                              "discretise sigma into 1000 timesteps)")
             return c.problems
         n = self.num_steps
         for name, values in (("sampler.trained_indices", self.trained_indices), ("sampler.sde_pool", self.sde_pool)):
@@ -194,7 +223,7 @@ class AdvantageConfig(Section):
 
     def problems(self) -> list[str]:
         c = Checks(self)
-        c.positive("eps")
+        c.positive("eps", "clip")
         c.positive("std_floor", allow_zero=True)
         return c.problems
 
@@ -220,8 +249,10 @@ class TrainConfig(Section):
     def problems(self) -> list[str]:
         c = Checks(self)
         c.choice("lr_schedule", LR_SCHEDULES)
-        c.positive("lr", "micro_batch_size", "num_updates_per_batch", "grad_clip")
-        c.positive("steps", "warmup_steps", allow_zero=True)
+        c.positive("lr", "micro_batch_size", "num_updates_per_batch", "grad_clip", "adam_eps")
+        c.positive("steps", "warmup_steps", "weight_decay", allow_zero=True)
+        c.require(all(0 <= b < 1 for b in self.adam_betas),
+                  f"train.adam_betas={list(self.adam_betas)} must both be in [0, 1) (e.g. [0.9, 0.999])")
         return c.problems
 
 
@@ -238,7 +269,7 @@ class EvalConfig(Section):
 
     def problems(self) -> list[str]:
         c = Checks(self)
-        c.positive("batch_size", "samples_per_prompt")
+        c.positive("batch_size", "samples_per_prompt", "max_prompts")
         c.positive("every", allow_zero=True)
         return c.problems
 
@@ -315,3 +346,35 @@ HEAD_SECTIONS: tuple[type, ...] = (RunConfig, ModelConfig, LoraConfig, DataConfi
 """Base sections written before the algorithm sections (the order of a dumped config)."""
 TAIL_SECTIONS: tuple[type, ...] = (EvalConfig, CheckpointConfig, DistributedConfig, ArtifactsConfig, SFTConfig)
 """Base sections written after the algorithm sections."""
+
+
+RESUME_NEUTRAL_KEYS: tuple[str, ...] = (
+    "run.name", "run.output_dir",  # where the run is written, not what it computes
+    "run.num_threads",  # CPU threads: a resource of the machine the run continues on (may change rounding only)
+    "data.cache_dir",  # where encoded prompts are cached; the encodings are the same
+    "data.eval_prompts", "eval",  # held-out evaluation: fixed noise of its own, never feeds the update
+    "reward.device",  # not read (see RewardConfig)
+    "train.resume",  # how this invocation starts, not what it computes
+    "checkpoint", "artifacts",  # what is written beside the run and how much of it is kept
+    "distributed.activation_checkpointing",  # recomputes activations to save memory; the values are the same
+    "sft",  # read by `flowforge sft` only
+)
+"""Config keys (dotted, or a whole section) that do not change what a resumed run computes: the config
+fingerprint stored in a checkpoint (:func:`resume_fingerprint`) leaves them out, so changing them on resume is not
+reported. ``train.steps`` is left out too unless the LR schedule decays over it (:func:`resume_neutral_keys`).
+Everything else -- model, LoRA, prompts, sampler, reward, advantage, optimizer, the algorithm sections, seed,
+device, distributed dtypes -- is in the fingerprint."""
+
+
+def resume_neutral_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """:data:`RESUME_NEUTRAL_KEYS` for ``config`` (a nested mapping, e.g. :func:`~flowforge.settings.to_dict` of a
+    root config), plus ``train.steps`` when ``train.lr_schedule`` is ``constant``: with ``linear`` / ``cosine`` the
+    LR at every step depends on the total number of steps, so a changed ``train.steps`` changes the run."""
+    schedule = (config.get("train") or {}).get("lr_schedule", "constant")
+    return RESUME_NEUTRAL_KEYS + (("train.steps",) if schedule == "constant" else ())
+
+
+def resume_fingerprint(cfg: Any) -> str:
+    """The fingerprint a checkpoint stores: :func:`~flowforge.settings.schema.fingerprint` of the root config
+    ``cfg`` without its :func:`resume_neutral_keys`."""
+    return fingerprint(cfg, resume_neutral_keys(to_dict(cfg)))

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowforge.runtime import distributed as dist_lib
+from flowforge.settings import config_diff, resume_neutral_keys
 from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, resolve_resume, restore_rng,
                                         save_checkpoint)
 
@@ -114,17 +115,28 @@ class TrainerState:
 
     step: int
     contract: dict  # training_contract(...): "lora" and "base_model_sha256"
-    config_fingerprint: str
+    config_fingerprint: str  # flowforge.settings.resume_fingerprint of the run's config
+    config: dict | None = None  # the run's config as a nested dict (to_dict), stored to say what changed on resume
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "config_fingerprint": self.config_fingerprint, **self.contract}
+        extra = {} if self.config is None else {"config": self.config}
+        return {"step": self.step, "config_fingerprint": self.config_fingerprint, **self.contract, **extra}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_contract(state, self.contract)
         if state.get("config_fingerprint") != self.config_fingerprint:
-            log.warning("resuming with a config that differs from the checkpoint's (fingerprint %s vs %s)",
-                        state.get("config_fingerprint"), self.config_fingerprint)
+            log.warning("resuming with a config that differs from the checkpoint's in what it computes: %s",
+                        resume_changes(state.get("config"), self.config))
         self.step = int(state["step"])
+
+
+def resume_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> str:
+    """The changed keys as ``"key: old -> new; ..."`` (:func:`flowforge.settings.config_diff` without the
+    resume-neutral keys), or a note that the checkpoint does not record its config."""
+    if saved is None or current is None:
+        return "the checkpoint does not record its config (written by an older flowforge)"
+    changed = config_diff(saved, current, resume_neutral_keys(current))
+    return "; ".join(changed) or "no key differs (the fingerprint was computed by an older flowforge)"
 
 
 # ------------------------------------------------------------------------------------------------ manager

@@ -3,18 +3,30 @@
 :func:`preflight` returns the warnings (things that run but are probably not what the user wants) and raises
 :class:`PreflightError` listing *every* error at once, so a user fixes a config in one round trip.
 
-Each config section has already checked its own values when it was built (:mod:`flowforge.settings`); preflight
-checks what no single section can: names owned by other modules (algorithm, kernel, schedule, advantage modes, dtype,
-task, adapter, scorers, strategy), trained steps against the schedule and kernel, batch divisibility across ranks,
-prompt files against the task, and each algorithm's own rules across sections
+Each config section has already checked its own values when it was built (:mod:`flowforge.settings`: types,
+ranges, NaN / inf in every float field, ``run.name`` one path component); preflight checks what no single section
+can: names owned by other modules (algorithm, kernel, schedule, advantage modes, dtypes, task, adapter, scorers and
+their options, strategy), trained steps against the schedule and kernel, batch divisibility across ranks, prompt
+files against the task and ``data.prompts_per_step``, and each algorithm's own rules across sections
 (:meth:`flowforge.objectives.Objective.preflight_problems`, reached through ``flowforge.objectives.OBJECTIVES``:
 algorithm properties are never listed a second time here).
+
+With ``this_machine=True`` (the default; ``flowforge check`` and ``train``) it also checks the config against this
+machine: ``run.device`` exists here, ``model.path`` is on disk (a Hub id not in the local cache is a warning), the
+output and cache directories are directories, and one step's decoded media -- a lower bound of what a step holds --
+fit in this machine's memory (so a huge ``data.group_size`` is refused with an estimate instead of hanging).
+
+What needs the loaded model -- the latent shape (``model.height`` / ``width`` / ``frames`` divisibility), LoRA
+targets that match no module, and the memory estimate with the real latent and LoRA sizes -- is checked by
+:func:`check_loaded_model` right after the model loads, before the run directory is written.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +36,7 @@ from flowforge.algorithms.sde import TRANSITION_KINDS, transition
 from flowforge.config import Config, ConfigError
 from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, load_prompts, resolve_prompt_path
 from flowforge.runtime.dtypes import DTYPE_NAMES
+from flowforge.runtime.errors import UserError, one_line
 
 VIDEO_TASKS = ("t2v", "i2v")
 
@@ -116,31 +129,60 @@ def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> Non
                         f"{list(VIDEO_TASKS)}; remove model.frames")
 
 
-def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str]) -> None:
-    """The prompt files, when present on this machine: every row valid (images included) and fitting
-    ``model.task``. A file absent here is a warning (a config written for another machine); the trainer loads it
-    again and fails there if it is still missing."""
+def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str]) -> dict[str, int]:
+    """The prompt files, when present on this machine: every row valid (images included), fitting ``model.task``,
+    and at least ``data.prompts_per_step`` training prompts. A file absent here is a warning (a config written for
+    another machine); the trainer loads it again and fails there if it is still missing. A path that is there but
+    is a directory, not a regular file (``/dev/null``) or unreadable (a symlink loop) is a problem.
+
+    Returns:
+        The number of prompts of each file that loaded, by key (``data.prompts`` / ``data.eval_prompts``).
+    """
+    counts: dict[str, int] = {}
     for name, source in (("data.prompts", cfg.data.prompts), ("data.eval_prompts", cfg.data.eval_prompts)):
         try:
-            path = resolve_prompt_path(source)
-            if path.is_dir():
-                problems.append(f"{name}={source!r} is a directory; give a JSONL prompt file")
-                continue
-            if not path.is_file():
-                warnings.append(f"{name}={source!r}: no such file on this machine (checked again when training "
-                                "starts)")
-                continue
-            records = load_prompts(path)
-        except ValueError as exc:  # a bad row or image (the message names the file, line and field)
-            problems.append(f"{name}: {exc}")
+            records = load_prompts(resolve_prompt_path(source))
+        except FileNotFoundError:
+            warnings.append(f"{name}={source!r}: no such file on this machine (checked again when training "
+                            "starts)")
             continue
-        except (OSError, RuntimeError) as exc:  # unreadable file, symlink loop
+        except ValueError as exc:  # a bad row or image (file, line, field), or not a readable regular file
+            problems.append(f"{name}: {one_line(str(exc))}")
+            continue
+        except OSError as exc:  # a read error the file checks could not foresee
             problems.append(f"{name}={source!r} cannot be read ({type(exc).__name__}: {exc})")
             continue
+        counts[name] = len(records)
         try:
             check_task(records, cfg.model.task, name)
         except ValueError as exc:
             problems.append(str(exc))
+    n, m = counts.get("data.prompts"), cfg.data.prompts_per_step
+    if n is not None and m > n:
+        problems.append(f"data.prompts_per_step={m} is more than the {n} prompts in data.prompts "
+                        f"({cfg.data.prompts!r}): the prompts of one step are distinct; use at most {n} or add prompts")
+    return counts
+
+
+def _scorer_problems(name: str, options: dict) -> list[str]:
+    """:func:`flowforge.rewards.registry.check_scorer_spec` of one reward component, each problem naming its key
+    (``reward.options.<name>`` with the allowed option names, or ``reward.weights``); no scorer is built."""
+    import inspect
+
+    from flowforge.rewards.registry import SCORERS, check_scorer_spec
+
+    out = []
+    for problem in check_scorer_spec(name, options):
+        if not problem.startswith("reward.options."):
+            out.append(f"reward.weights: {problem}")
+            continue
+        if "unexpected keyword argument" in problem and name in SCORERS:
+            params = inspect.signature(SCORERS[name]).parameters
+            allowed = [p for p in params if p != "run_dir" and params[p].kind is not inspect.Parameter.VAR_KEYWORD]
+            unknown = sorted(set(options) - set(params))
+            problem = f"reward.options.{name}: unknown option{'s' * (len(unknown) > 1)} {unknown}; allowed: {allowed}"
+        out.append(problem)
+    return out
 
 
 def _name_problems(cfg: Config, problems: list[str]) -> None:
@@ -157,8 +199,10 @@ def _name_problems(cfg: Config, problems: list[str]) -> None:
     _choice(problems, "model.dtype", cfg.model.dtype, DTYPE_NAMES)
     _choice(problems, "model.task", cfg.model.task, TASKS)
     _choice(problems, "distributed.strategy", cfg.distributed.strategy, STRATEGIES)
+    _choice(problems, "distributed.param_dtype", cfg.distributed.param_dtype, DTYPE_NAMES)
+    _choice(problems, "distributed.reduce_dtype", cfg.distributed.reduce_dtype, DTYPE_NAMES)
     for name in cfg.reward.weights:
-        problems.extend(f"reward.weights: {p}" for p in check_scorer_spec(name, cfg.reward.options.get(name, {})))
+        problems.extend(_scorer_problems(name, cfg.reward.options.get(name, {})))
     for name in cfg.eval.scorers:
         problems.extend(f"eval.scorers: {p}" for p in check_scorer_spec(name, {}))
 
@@ -181,12 +225,140 @@ def _batch_problems(cfg: Config, world: int, problems: list[str]) -> None:
                         f"{t.num_updates_per_batch})")
 
 
-def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
+# ------------------------------------------------------------------------------------------------ this machine
+def _device_problems(cfg: Config, problems: list[str]) -> None:
+    """``run.device`` names a device torch knows and this machine has."""
+    name = cfg.run.device
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        problems.append(f"run.device={name!r} is not a device ({one_line(str(exc))}); use cpu, cuda, cuda:N or mps")
+        return
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            problems.append(f"run.device={name!r} but this machine has no CUDA device (torch.cuda.is_available() is "
+                            f"False for torch {torch.__version__}); use run.device=cpu or run on a GPU machine")
+        elif device.index is not None and device.index >= count:
+            problems.append(f"run.device={name!r} but this machine has {count} CUDA device(s): cuda:0 .. "
+                            f"cuda:{count - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        problems.append(f"run.device={name!r} but MPS is not available on this machine; use run.device=cpu")
+
+
+def _model_path_problems(cfg: Config, problems: list[str], warnings: list[str], this_machine: bool) -> None:
+    """``model.path``: a known demo name; for a registered family (a ``pkg.module:Class`` adapter decides what its
+    path means) and ``this_machine``, a path on disk, or a Hub id -- a warning when it is not in the local cache."""
+    from flowforge.demo.paths import is_demo_name, resolve_demo_path
+    from flowforge.models import ADAPTERS, cached_hub_snapshot, download_hint, hub_offline, looks_like_hub_id
+
+    path = cfg.model.path
+    if is_demo_name(path):
+        try:
+            resolve_demo_path(path)
+        except ValueError as exc:
+            problems.append(f"model.path: {exc}")
+        return
+    if not this_machine or cfg.model.adapter not in ADAPTERS or os.path.exists(path):
+        return
+    if looks_like_hub_id(path):
+        if cached_hub_snapshot(path) is None:
+            then = (f"HF_HUB_OFFLINE is set, so training will fail: {download_hint(path)}" if hub_offline() else
+                    "training downloads it")
+            warnings.append(f"model.path={path!r} is not a directory here and looks like a Hub id that is not in the "
+                            f"local Hugging Face cache; {then}")
+        return
+    why = "cannot be reached (a symlink loop or a broken link)" if os.path.lexists(path) else "does not exist"
+    problems.append(f"model.path={path!r} {why} on this machine; give a local diffusers directory, a Hub id "
+                    "(org/name) or demo:base")
+
+
+def _directory_problems(cfg: Config, problems: list[str]) -> None:
+    """Directories flowforge will create or write into must not be files."""
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    for key, path in (("run.output_dir", Path(cfg.run.output_dir)), ("run.name", run_dir),
+                      ("data.cache_dir", Path(cfg.data.cache_dir))):
+        if path.exists() and not path.is_dir():
+            problems.append(f"{key}: {path} is a file, not a directory; choose another {key}")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes < 2**50 else f"{nbytes / 2**50:.3g} PiB"
+
+
+def memory_limit(device: str, available: bool = False) -> tuple[int, str] | None:
+    """``(bytes, what)``: the memory of ``device`` -- a CUDA device's total (or free) memory, else this machine's
+    RAM (its cgroup limit when lower; ``MemAvailable`` with ``available``). None when it cannot be told."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        if available:
+            return torch.cuda.mem_get_info(index)[0], f"free memory on {device}"
+        return torch.cuda.get_device_properties(index).total_memory, f"memory on {device}"
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:  # a container's limit (cgroup v2) is what the process may really use
+        total = min(total, int(Path("/sys/fs/cgroup/memory.max").read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    if available:
+        try:
+            meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+            return min(total, int(meminfo["MemAvailable"].split()[0]) * 1024), "available RAM"
+        except (OSError, ValueError, KeyError):
+            return total, "RAM"
+    return total, "RAM"
+
+
+def media_bytes(cfg: Config, rows: int) -> int:
+    """A lower bound of the decoded media of ``rows`` samples: float32, one channel, ``height x width x frames``
+    (media are ``[B, 3, H, W]`` float32, grey ``[B, 1, H, W]`` for pixel-space digits)."""
+    m = cfg.model
+    return rows * m.height * m.width * (m.frames or 1) * 4
+
+
+def _memory_problems(cfg: Config, world: int, counts: dict[str, int], problems: list[str]) -> None:
+    """One step's and one evaluation's decoded media (lower bounds, :func:`media_bytes`) against the memory of
+    ``run.device`` on this machine: a run that cannot hold them would exhaust memory (or swap for hours)."""
+    limit = memory_limit(cfg.run.device)
+    if limit is None:
+        return
+    total, what = limit
+    d, m, e = cfg.data, cfg.model, cfg.eval
+    per_rank = max(1, d.prompts_per_step * d.group_size // max(world, 1))
+    size = f"{m.height}x{m.width}" + (f"x{m.frames} frames" if m.frames else "")
+    need = media_bytes(cfg, per_rank)
+    if need > total:
+        problems.append(f"data.prompts_per_step x data.group_size = {per_rank} samples per rank at {size}: one step's "
+                        f"decoded media alone need at least {_gib(need)}, more than the {_gib(total)} {what} of this "
+                        "machine; lower data.group_size / data.prompts_per_step or model.height / model.width")
+    n_eval = counts.get("data.eval_prompts")
+    if n_eval is not None:
+        rows = min(n_eval, e.max_prompts or n_eval) * e.samples_per_prompt
+        need = media_bytes(cfg, rows)
+        if need > total:
+            problems.append(f"eval: {rows} samples ({min(n_eval, e.max_prompts or n_eval)} prompts x "
+                            f"eval.samples_per_prompt={e.samples_per_prompt}) at {size} need at least {_gib(need)} of "
+                            f"decoded media, more than the {_gib(total)} {what}; lower eval.max_prompts or "
+                            "eval.samples_per_prompt")
+
+
+def _machine_problems(cfg: Config, world: int, counts: dict[str, int], problems: list[str]) -> None:
+    _device_problems(cfg, problems)
+    _directory_problems(cfg, problems)
+    _memory_problems(cfg, world, counts, problems)
+
+
+def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool = True) -> PreflightReport:
     """Check ``cfg`` as a whole (each section has checked its own values when it was built). Returns warnings;
     raises :class:`PreflightError` listing every error.
 
     Args:
         world_size: number of ranks sharing each step's batch (default: ``$WORLD_SIZE`` or 1).
+        this_machine: also check the config against this machine (device, ``model.path`` on disk, directories,
+            memory; see the module docstring). False checks only the config itself (e.g. a GPU config on a
+            laptop).
     """
     from flowforge.objectives import OBJECTIVES
 
@@ -195,9 +367,12 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     _name_problems(cfg, problems)
     _task_problems(cfg, problems, warnings)
-    _prompt_problems(cfg, problems, warnings)
+    counts = _prompt_problems(cfg, problems, warnings)
+    _model_path_problems(cfg, problems, warnings, this_machine)
     _trained_step_problems(cfg, problems)
     _batch_problems(cfg, world, problems)
+    if this_machine:
+        _machine_problems(cfg, world, counts, problems)
     objective = OBJECTIVES.get(cfg.train.algorithm)
     if objective is not None:
         problems += objective.preflight_problems(cfg, world_size=world)
@@ -210,3 +385,84 @@ def preflight(cfg: Config, *, world_size: int | None = None) -> PreflightReport:
     if problems:
         raise PreflightError(problems)
     return PreflightReport(warnings=tuple(warnings))
+
+
+# ------------------------------------------------------------------------------------------------ after loading
+_ADAPTABLE = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+
+
+def _target_problems(cfg: Config, adapter, problems: list[str]) -> list[torch.nn.Module]:
+    """Each ``lora.targets`` entry (peft's rule: a module whose name is the entry or ends with ``.entry``) must
+    match a layer peft can adapt. Returns the matched layers."""
+    modules = dict(adapter.transformer.named_modules())
+    targets = cfg.lora.targets or (adapter.lora_targets if cfg.lora.trainable == "lora" else ())
+    kind = type(adapter.transformer).__name__
+    hint = f"the adapter's default targets are {list(adapter.lora_targets)}"
+    layers = []
+    for target in targets:
+        hits = [mod for name, mod in modules.items() if name == target or name.endswith("." + target)]
+        usable = [mod for mod in hits if isinstance(mod, _ADAPTABLE) or type(mod).__name__ == "Conv1D"]
+        layers += usable
+        if cfg.lora.targets is None:
+            continue  # the adapter's own defaults: not the user's to fix
+        if not hits:
+            problems.append(f"lora.targets entry {target!r} matches no module of {kind}; {hint}")
+        elif not usable:
+            problems.append(f"lora.targets entry {target!r} matches only {sorted({type(h).__name__ for h in hits})} "
+                            f"modules of {kind}, which LoRA cannot adapt (it needs Linear / Conv / Embedding "
+                            f"layers); {hint}")
+    return layers
+
+
+def loaded_memory_bytes(cfg: Config, latent_shape, lora_layers, world: int) -> int:
+    """A lower bound of what training holds beyond the model, in bytes: one step's trajectories (the final latent,
+    plus input / output latents and means of every trained step for a replay objective) and decoded media, one
+    evaluation's noise, latents and media, and the LoRA weights with their gradients and two Adam moments."""
+    from flowforge.objectives import OBJECTIVES, ReplayObjective, trained_steps_for
+
+    d, e = cfg.data, cfg.eval
+    numel = math.prod(int(x) for x in latent_shape)
+    rows = max(1, d.prompts_per_step * d.group_size // max(world, 1))
+    objective = OBJECTIVES.get(cfg.train.algorithm)
+    per_row = 1
+    if objective is not None and issubclass(objective, ReplayObjective):
+        stored = len(trained_steps_for(cfg.sampler, cfg.run.seed, 0))
+        per_row += stored * (3 if objective.store_means else 2)
+    step = rows * numel * 4 * per_row + media_bytes(cfg, rows)
+    eval_rows = (e.max_prompts or 0) * e.samples_per_prompt
+    evaluation = eval_rows * numel * 4 * 2 + media_bytes(cfg, eval_rows)
+    rank = cfg.lora.resolved_rank if cfg.lora.trainable == "lora" else 0
+    lora = sum(rank * (getattr(m, "in_features", 0) + getattr(m, "out_features", 0)) for m in lora_layers) * 4 * 4
+    return step + evaluation + lora
+
+
+def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1) -> None:
+    """What only the loaded model can tell, checked right after it loads and before the run directory is written:
+    ``model.height`` / ``width`` / ``frames`` fit the model (:meth:`FlowModel.latent_shape`: VAE factor x patch
+    size), every ``lora.targets`` entry matches a layer LoRA can adapt, and the memory a step needs
+    (:func:`loaded_memory_bytes`) fits what is available now on ``run.device``.
+
+    Raises:
+        UserError: naming every such problem at once (``"after loading model.path=...: <problems>"``).
+    """
+    problems: list[str] = []
+    m = cfg.model
+    try:
+        latent = adapter.latent_shape(m.height, m.width, m.frames)
+    except ValueError as exc:
+        sizes = f"model.height={m.height} / model.width={m.width}" + (f" / model.frames={m.frames}" if m.frames else "")
+        problems.append(f"{sizes} do not fit this model: {one_line(str(exc))}")
+        latent = None
+    layers = _target_problems(cfg, adapter, problems)
+    limit = memory_limit(cfg.run.device, available=True)
+    if latent is not None and limit is not None:
+        need = loaded_memory_bytes(cfg, latent, layers, world_size)
+        if need > limit[0]:
+            problems.append(f"one step needs at least {_gib(need)} beyond the model (trajectories of "
+                            f"{cfg.data.prompts_per_step * cfg.data.group_size // max(world_size, 1)} samples per rank "
+                            f"with latents {list(latent)}, media, evaluation, LoRA), more than the {_gib(limit[0])} "
+                            f"{limit[1]}; lower data.group_size / data.prompts_per_step, the resolution or "
+                            "eval.max_prompts")
+    if problems:
+        raise UserError(f"after loading model.path={m.path!r}", "; ".join(problems),
+                        "fix these keys and run again")

@@ -173,8 +173,9 @@ def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, 
     rows.append(("checkpoints", esc(_checkpoints(run_dir))))
     if info.cfg is not None:
         c = info.cfg
+        reward = " + ".join(f"{w:g} {name}" for name, w in c.reward.weights.items())
         rows.append(("run", esc(f"{c.train.algorithm} on {c.model.adapter} {c.model.path} ({c.lora.trainable}); "
-                                f"reward {dict(c.reward.weights)}")))
+                                f"reward {reward}")))
     prompt = next((cells[0]["prompt"] for cells in (read_grid_cells(p) for _, p in grids[-1:]) if cells), "...")
     body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
     name = info.cfg.run.name if info.cfg is not None else run_dir.resolve().name

@@ -45,7 +45,8 @@ from flowforge.models import build_adapter
 from flowforge.models.base import Conditioning
 from flowforge.objectives import OBJECTIVES, TrainBatch
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
-from flowforge.train.preflight import preflight
+from flowforge.settings import resume_fingerprint
+from flowforge.train.preflight import check_loaded_model, preflight
 from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
 from flowforge.rollout import (Trajectory, candidate_noise, decode_media, generate, rollout_chunked, sigmas_for,
@@ -102,6 +103,7 @@ class Trainer:
         m = cfg.model
         self.adapter = build_adapter(m.adapter, resolve_demo_path(m.path), task=m.task,
                                      dtype=resolve_dtype(m.dtype, key="model.dtype"), device=self.device)
+        check_loaded_model(cfg, self.adapter, world_size=self.dist.world_size)  # what only the model can tell
         self.latent_shape = tuple(self.adapter.latent_shape(m.height, m.width, m.frames))
         self.train_cond = _encode(self.adapter, self.train_prompts, cfg.data.cache_dir).to(self.device)
         self.eval_cond = _encode(self.adapter, self.eval_prompts, cfg.data.cache_dir).to(self.device)
@@ -128,7 +130,7 @@ class Trainer:
         self._build_outputs()
         base_sha256 = sha256_of_path(self.model_source) if self.model_source is not None else None
         self.state = TrainerState(step=0, contract=training_contract(cfg.lora, self.policy, base_sha256),
-                                  config_fingerprint=config_lib.fingerprint(cfg))
+                                  config_fingerprint=resume_fingerprint(cfg), config=config_lib.to_dict(cfg))
         self.checkpoints = CheckpointManager(self.run_dir, policy=self.policy, record=self.state, sampler=self.sampler,
                                              keep=cfg.checkpoint.keep, dist=self.dist)
         if cfg.train.resume:

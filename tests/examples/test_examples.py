@@ -53,3 +53,12 @@ def test_sd35m_example_states_its_recipe(algorithm):
     cfg = load_config(path)
     assert (cfg.train.algorithm, cfg.model.adapter, cfg.lora.trainable) == (algorithm, "sd3", "lora")
     assert dict(cfg.reward.weights) == {"pickscore": 1.0} and cfg.run.device == "cuda"
+
+
+def test_compare_help_documents_the_file_schema(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for key in ("base:", "arms:", "budget_samples:", "target:", "seeds:", "output_dir:", "required", "optional"):
+        assert key in out, key

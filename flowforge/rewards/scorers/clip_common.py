@@ -44,34 +44,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flowforge.rewards.base import check_batch_size
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+from flowforge.runtime.dtypes import resolve_dtype  # names, aliases (bf16, ...) or a torch dtype; re-exported
 
 _RESAMPLE_MODES = {2: "bilinear", 3: "bicubic"}  # PIL resample codes in processor configs -> F.interpolate modes
 
 _MIN_TOKENIZER_SIZE = 10  # transformers hands back a 2-token stub when the files are missing and the Hub is offline
 
 _LOADED: weakref.WeakValueDictionary[tuple, Any] = weakref.WeakValueDictionary()
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``torch.float32 / bfloat16 / float16`` from a dtype or one of the names in ``_DTYPES``.
-
-    Raises:
-        ValueError: anything else (the message lists the allowed names).
-    """
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (or the torch dtype), got {dtype!r}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from wm_helpers import FRAMES, PROMPTS, make_adapter
+from tests.models.world_model.wm_helpers import FRAMES, PROMPTS, make_adapter
 
 
 @pytest.fixture

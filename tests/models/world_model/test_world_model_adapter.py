@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 import torch
-from wm_helpers import FRAMES, PROMPTS, make_adapter
+from tests.models.world_model.wm_helpers import FRAMES, PROMPTS, make_adapter
 
 from flowforge.models import build_adapter
 from flowforge.models.base import FlowModel, ImageConditioned
