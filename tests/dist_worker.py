@@ -10,6 +10,7 @@ import sys
 import torch
 
 from flowforge.config import load_config
+from flowforge.runtime.distributed import shutdown
 from flowforge.train.trainer import Trainer
 
 
@@ -36,6 +37,7 @@ def main() -> None:
     record = {k: torch.cat(v) if v else torch.empty(0) for k, v in seen.items()}
     record["live"] = live
     torch.save(record, f"{out}.rank{trainer.dist.rank}")
+    shutdown()
 
 
 if __name__ == "__main__":

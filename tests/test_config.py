@@ -110,7 +110,7 @@ def test_root_sections_in_dump_order():
 
     assert [f.name for f in dataclasses.fields(C.Config)] == [
         "run", "model", "lora", "data", "sampler", "reward", "advantage", "train", "grpo", "grpo_guard", "forward",
-        "nft", "awm", "dgpo", "dpo", "crd", "eval", "checkpoint", "distributed", "artifacts", "sft"]
+        "nft", "awm", "dgpo", "dpo", "crd", "dppo", "eval", "checkpoint", "distributed", "artifacts", "sft"]
     assert list(yaml.safe_load(C.dump_config(C.Config()))) == [f.name for f in dataclasses.fields(C.Config)]
 
 

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from flowforge.rollout import Trajectory
-from flowforge.train.sidecars import SidecarWriter, complete_steps, group_files, read_group
+from flowforge.train.sidecars import ROOT_MARKER, SidecarWriter, complete_steps, group_files, read_group
 
 B, S, T = 6, 2, 4
 LATENT = (1, 8, 8)
@@ -81,7 +81,8 @@ def test_retention_keeps_exactly_keep(tmp_path, keep):
         w.write(step, *batch)
         assert [p.name for p in complete_steps(tmp_path)] == [f"step_{s:06d}" for s in
                                                               range(max(0, step + 1 - keep), step + 1)]
-    assert len(list(tmp_path.iterdir())) == keep
+    assert len([p for p in tmp_path.iterdir() if p.name != ROOT_MARKER]) == keep  # + the ownership marker
+    assert (tmp_path / ROOT_MARKER).is_file()
 
 
 def test_resumed_run_replaces_abandoned_future(tmp_path):

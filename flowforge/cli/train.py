@@ -12,6 +12,8 @@ HELP = "online RL post-training"
 def add_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser("train", help=HELP)
     add_config_args(parser)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="move an existing run in the run directory aside to <name>.old-<n>, then start anew")
     return parser
 
 
@@ -19,6 +21,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config_file(args.config, args.overrides)  # config errors surface before torch is imported
     from flowforge.train.trainer import Trainer
 
-    run_dir = Trainer(cfg, progress=not args.no_progress).train()
+    run_dir = Trainer(cfg, progress=not args.no_progress, overwrite=args.overwrite).train()
     print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
     return 0

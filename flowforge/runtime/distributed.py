@@ -120,6 +120,16 @@ def all_reduce_processes(tensor: torch.Tensor, op: str) -> torch.Tensor:
     return out
 
 
+def shutdown() -> None:
+    """Destroy the default process group if this process joined one (a no-op otherwise).
+
+    Called at the end of a torchrun job: leaving the group to interpreter teardown can abort the process after its
+    work is done ("terminate called without an active exception", seen with FSDP + DCP on gloo).
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()

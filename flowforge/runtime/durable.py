@@ -21,11 +21,14 @@ is complete and ``"renamed"`` once it is in place; tests use it to SIGKILL a wri
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Callable
+
+from flowforge.runtime.errors import UserError
 
 StageHook = Callable[[str, str], None]
 """``hook(stage, relpath)``: ``stage`` is ``"tmp"`` or ``"renamed"``; ``relpath`` names the file for the caller."""
@@ -125,3 +128,47 @@ def remove_marked_dir(directory: Path, marker: str) -> None:
     demote(directory, marker)
     shutil.rmtree(directory)
     fsync_path(directory.parent)
+
+
+# ------------------------------------------------------------------------------------------------ ownership
+def sha256_file(path: Path) -> str:
+    """sha256 hex digest of a file's bytes (equals ``sha256sum``), streamed in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def only_layout_files(directory: Path, layout: re.Pattern) -> bool:
+    """Whether every file below ``directory`` (relative POSIX path, temporaries of :func:`atomic_write` with their
+    ``.<name>.tmp-<pid>`` prefix/suffix removed) fully matches ``layout``; symlinks and other non-files count as
+    foreign. An empty directory is flowforge's (a save that crashed right after ``mkdir``)."""
+    for p in Path(directory).rglob("*"):
+        if p.is_symlink() or not (p.is_file() or p.is_dir()):
+            return False
+        if p.is_dir():
+            continue
+        rel = p.relative_to(directory).as_posix()
+        head, _, name = rel.rpartition("/")
+        if is_tmp(name):
+            name = name[1:name.rindex(".tmp-")]
+            rel = f"{head}/{name}" if head else name
+        if not layout.fullmatch(rel):
+            return False
+    return True
+
+
+def refuse_escaping_symlink(path: Path, root: Path) -> None:
+    """Refuse to write ``path`` (a file of the run directory ``root``) when it is a symlink that resolves outside
+    ``root``: writing through it would overwrite or append to a file elsewhere.
+
+    Raises:
+        UserError: naming the link and its target.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        target = path.resolve()
+        if not target.is_relative_to(Path(root).resolve()):
+            raise UserError(path, f"is a symlink to {target}, outside the run directory {root}",
+                            "remove the link (flowforge never writes a run's files through a link leading out of it)")

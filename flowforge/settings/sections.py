@@ -20,6 +20,7 @@ root.
 ``checkpoint``   checkpoint cadence and retention
 ``distributed``  DDP / FSDP2 under torchrun: strategy, mixed-precision dtypes, activation checkpointing
 ``artifacts``    optional per-rollout trajectory sidecars
+``metrics``      experiment trackers (JSONL always, TensorBoard, W&B) and the log-line cadence
 ``sft``          flow-matching supervised fine-tuning (``flowforge sft``)
 ===============  ==============================================================================
 """
@@ -38,6 +39,9 @@ TRAINABLE_MODES = ("lora", "full")
 """``lora.trainable`` values."""
 SIGMA_SAMPLINGS = ("logit_normal", "uniform")
 """``sft.sigma_sampling`` values (:func:`flowforge.train.sft.sample_sigmas`)."""
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+"""``metrics.trackers`` values (:mod:`flowforge.train.trackers`). ``jsonl`` (``metrics.jsonl`` / ``eval.jsonl``) is
+always written whether listed or not: the report, ``flowforge compare`` and resume read it."""
 SEED_LIMIT = 2**32
 """``run.seed`` is in ``[0, SEED_LIMIT)``: the prompt sampler needs a non-negative seed and the per-step order
 generator is seeded with ``seed * 7919 + step``, which must stay inside torch's 64-bit seed range."""
@@ -312,6 +316,26 @@ class ArtifactsConfig(Section):
 
 
 @dataclass(frozen=True)
+class MetricsConfig(Section):
+    """Where the rank-0 process logs: ``trackers`` beside the always-written JSONL files (``tensorboard`` under
+    ``<run>/tb/``, ``wandb`` through the ``wandb`` library, ``pip install flowforge[wandb]``; its own environment
+    variables such as ``WANDB_MODE=offline`` / ``WANDB_PROJECT`` apply), and ``log_every``: a log line with the key
+    metrics every that many steps when the progress bar is off (``--no-progress``; 0 = never)."""
+
+    section_name = "metrics"
+
+    trackers: tuple[str, ...] = ("jsonl", "tensorboard")
+    log_every: int = 10
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        for name in self.trackers:
+            c.require(name in TRACKERS, f"metrics.trackers lists {name!r}; allowed: {list(TRACKERS)}")
+        c.positive("log_every", allow_zero=True)
+        return c.problems
+
+
+@dataclass(frozen=True)
 class SFTConfig(Section):
     """Flow-matching SFT (:func:`flowforge.train.sft.run_sft`); the seed, threads, prompts, cache and the eval
     sampler come from ``run``, ``data`` and ``sampler``."""
@@ -344,7 +368,8 @@ class SFTConfig(Section):
 HEAD_SECTIONS: tuple[type, ...] = (RunConfig, ModelConfig, LoraConfig, DataConfig, SamplerConfig, RewardConfig,
                                    AdvantageConfig, TrainConfig)
 """Base sections written before the algorithm sections (the order of a dumped config)."""
-TAIL_SECTIONS: tuple[type, ...] = (EvalConfig, CheckpointConfig, DistributedConfig, ArtifactsConfig, SFTConfig)
+TAIL_SECTIONS: tuple[type, ...] = (EvalConfig, CheckpointConfig, DistributedConfig, ArtifactsConfig, MetricsConfig,
+                                   SFTConfig)
 """Base sections written after the algorithm sections."""
 
 
@@ -356,6 +381,7 @@ RESUME_NEUTRAL_KEYS: tuple[str, ...] = (
     "reward.device",  # not read (see RewardConfig)
     "train.resume",  # how this invocation starts, not what it computes
     "checkpoint", "artifacts",  # what is written beside the run and how much of it is kept
+    "metrics",  # where the metrics are logged, not what they are
     "distributed.activation_checkpointing",  # recomputes activations to save memory; the values are the same
     "sft",  # read by `flowforge sft` only
 )

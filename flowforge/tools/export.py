@@ -94,6 +94,8 @@ from flowforge.models.base import Conditioning
 from flowforge.demo.paths import DEMO_BASE, demo_base_dir
 from flowforge.models.common import FLOWFORGE_META
 from flowforge.runtime.errors import one_line
+from flowforge.tools.export_card import (PIPELINE_FILE, is_demo_base, loading_snippet, write_card_and_config,
+                                         write_demo_pipeline)
 from flowforge.tools.export_out import (EXPORT_META, ExportError, check_location, check_out, install, listed_files,
                                         work_dir)
 from flowforge.tools.export_source import (SUPPORTED_ADAPTERS, Source, check_contract, layout, load_source,
@@ -108,6 +110,10 @@ LORA_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qw
 """Registered family -> the diffusers pipeline whose ``save_lora_weights`` writes its adapter export (default when the
 base directory names no pipeline class of its own); its keys are ``SUPPORTED_ADAPTERS``."""
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+PEFT_WEIGHT_NAME = "adapter_model.safetensors"
+"""peft's own adapter file (``PeftModel.save_pretrained`` / ``PeftModel.from_pretrained``): keys
+``base_model.model.<module>.lora_A.weight``."""
+PEFT_PREFIX = "base_model.model."
 TOLERANCES = {"adapter": 1e-5, "merged": 1e-4, "full": 1e-5}
 """Verification tolerance relative to ``max(1, max |v_trained|)`` (see the module docstring for measurements)."""
 
@@ -289,13 +295,16 @@ def _write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
                 base_diff = float((_velocity(policy, inputs) - v_trained).abs().max())
         policy.fuse_lora(lora_scale=1.0, safe_fusing=True, adapter_names=["default"])
         policy.unload_lora()
-    out_transformer = work / "transformer" if is_pipeline else work
+    demo = not is_pipeline and is_demo_base(transformer_dir, src.adapter)  # becomes a custom diffusers pipeline
+    out_transformer = work / "transformer" if is_pipeline or demo else work
     out_transformer.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(str(out_transformer), safe_serialization=True)
     if (transformer_dir / FLOWFORGE_META).is_file():  # the text encoder flowforge loads the model with
         shutil.copy2(transformer_dir / FLOWFORGE_META, out_transformer / FLOWFORGE_META)
     if is_pipeline:
         _copy_components(base, work)
+    elif demo:
+        write_demo_pipeline(work, transformer_dir, read_run_config(src.run_dir))
     del policy
     if not verify:
         return None
@@ -336,6 +345,11 @@ def _write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None
     _lora_pipeline(src).save_lora_weights(str(work), transformer_lora_layers=layers,
                                                transformer_lora_adapter_metadata=peft_cfg.to_dict(),
                                                weight_name=LORA_WEIGHT_NAME, safe_serialization=True)
+    from safetensors.torch import save_file
+
+    # peft's own layout, so PeftModel.from_pretrained(transformer, OUT) loads it without diffusers' loader
+    save_file({PEFT_PREFIX + k: v for k, v in layers.items()}, str(work / PEFT_WEIGHT_NAME), metadata={"format": "pt"})
+    peft_cfg.base_model_name_or_path = _base_name(src)
     peft_cfg.save_pretrained(str(work))
     if not verify:
         return None
@@ -420,6 +434,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
                 raise ExportVerificationError(
                     f"export verification failed: max |v_export - v_trained| = {report.max_abs_diff:.3g} > "
                     f"{report.tolerance:.1g} x max(1, {report.max_abs_trained:.3g}); nothing written to {out}")
+        _write_card(src, work, out, form, weights)
         meta = {
             "run_dir": str(run_dir.resolve()), "checkpoint": str(src.checkpoint.path.resolve()),
             "step": src.checkpoint.step, "weights": weights, "form": form, "lora": src.lora,
@@ -436,6 +451,38 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
         if work.exists():
             shutil.rmtree(work)
     return out
+
+
+def _base_name(src: Source) -> str:
+    """The base as a user names it: its local directory (a ``demo:`` name resolved), else ``model.path``."""
+    return str(src.base.resolve()) if src.base is not None else src.model_path
+
+
+def _write_card(src: Source, work: Path, out: Path, form: str, weights: str) -> None:
+    """``config.yaml`` and the model card ``README.md`` (:mod:`flowforge.tools.export_card`) into ``work``."""
+    cls_name, base_transformer = "SD3Transformer2DModel", _base_name(src)
+    if src.base is not None:
+        try:
+            transformer_dir = layout(src.base)[0]
+            cls_name, base_transformer = transformer_class(transformer_dir).__name__, str(transformer_dir.resolve())
+        except ExportError:
+            pass
+    pipeline = None
+    if form == "adapter":
+        try:
+            pipeline = _lora_pipeline(src).__name__
+        except ExportError:
+            pipeline = None
+    elif (work / "model_index.json").is_file():
+        name = json.loads((work / "model_index.json").read_text()).get("_class_name")
+        pipeline = name if isinstance(name, str) else None
+    kind = ("demo" if (work / PIPELINE_FILE).is_file() else "pipeline" if (work / "model_index.json").is_file()
+            else "transformer")
+    snippet = loading_snippet(form, out.resolve(), transformer_class=cls_name, base_transformer=base_transformer,
+                              pipeline=pipeline, layout_kind=kind)
+    write_card_and_config(work, out.resolve(), read_run_config(src.run_dir), run_dir=src.run_dir.resolve(),
+                          step=src.checkpoint.step, weights=weights, form=form, base_model=src.model_path,
+                          snippet=snippet)
 
 
 def _tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:

@@ -23,7 +23,8 @@ Layout::
         rng/rank_<r>.json             python ``random`` + numpy global RNG state of rank r
         rng/rank_<r>.safetensors      torch CPU RNG state (+ ``cuda_<i>`` per visible CUDA device) of rank r
         trainer_state.json            the caller's JSON dict (step counters, sampler state, contract, ...)
-        COMMITTED                     written last: JSON manifest {format, step, world_size, files: {path: bytes}}
+        COMMITTED                     written last: JSON manifest {format, step, world_size, files: {path: bytes},
+                                      sha256: {path: hex digest}}
 
 Write order (one save of step ``n``)
 ------------------------------------
@@ -45,8 +46,14 @@ Rotation (rank 0, after the commit) keeps the newest ``keep`` committed checkpoi
 crash mid-delete leaves an uncommitted directory, never a half-deleted committed one. Uncommitted directories with a
 step below the newest committed one (debris of crashed saves) are deleted too.
 
+Only flowforge's own directories are ever deleted (rotation, debris, a replaced step): one whose every file has a
+name of the layout above (:func:`flowforge.runtime.durable.only_layout_files`); a directory holding anything else is
+left alone and named in the log.
+
 ``resume="auto"`` picks the newest committed checkpoint by step, not ``latest``: a crash between the marker and the
-pointer update leaves ``latest`` one save behind, and the marker is the only thing resume trusts.
+pointer update leaves ``latest`` one save behind, and the marker is the only thing resume trusts. Each file's sha256
+(recorded in the manifest) is checked before a checkpoint is trusted: ``"auto"`` falls back to the previous committed
+checkpoint naming the file that failed; an explicit path is refused.
 
 Test-only knob
 --------------
@@ -58,10 +65,8 @@ the save at a known point and SIGKILL it there. Library code never sets it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import random
 import re
 import time
@@ -75,8 +80,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from flowforge.runtime.durable import (atomic_write, demote, fsync_path, remove_marked_dir, step_dir_name, step_dirs,
-                                       step_of, write_bytes)
+from flowforge.runtime.durable import (atomic_write, demote, fsync_path, only_layout_files, remove_marked_dir,
+                                       sha256_file, step_dir_name, step_dirs, step_of, write_bytes)
+from flowforge.runtime.errors import UserError
+from flowforge.train.run_dir import (WEIGHT_SUFFIXES, check_run_dir_outside_source,  # noqa: F401  (re-exported:
+                                     sha256_of_path)  # their old home)
 
 log = logging.getLogger("flowforge")
 
@@ -90,10 +98,11 @@ OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 SHARDED_DIR = "dcp"  # torch.distributed.checkpoint shards of sharded (FSDP) state, written by every rank
 FORMAT_VERSION = 1
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
 
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_CHUNK = 1 << 20
+# every file a checkpoint directory may hold (relative path); anything else makes it not flowforge's to delete
+_LAYOUT = re.compile(r"weights/[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors|optimizer\.pt|rng/rank_\d+\.(json|safetensors)"
+                     r"|trainer_state\.json|dcp/.+|COMMITTED|SUPERSEDED")
 
 _test_hook: Callable[[str, str], None] | None = None
 
@@ -213,6 +222,9 @@ def _prepare_step_dir(run_dir: Path, step: int, protect: Path | None) -> Path:
     if step_dir.exists():
         if protect is not None and step_dir.resolve() == protect:
             raise ValueError(f"refusing to overwrite {step_dir}: it is the checkpoint this run resumed from")
+        if not only_layout_files(step_dir, _LAYOUT):
+            raise UserError(step_dir, "holds files flowforge did not write, so it will not be replaced",
+                            "move those files out of the checkpoints directory")
         if is_committed(step_dir):
             log.warning("replacing committed checkpoint %s (this run resumed from an earlier step)", step_dir)
         remove_marked_dir(step_dir, MARKER)
@@ -230,6 +242,10 @@ def _rotate(run_dir: Path, newest: Path, keep: int, protect: Path | None) -> lis
     newest_step = step_of(newest)
     removed += [p for s, p in _step_dirs(run_dir) if s < newest_step and not is_committed(p)
                 and not (p / SUPERSEDED).exists()]
+    foreign = [p for p in removed if not only_layout_files(p, _LAYOUT)]
+    for p in foreign:
+        log.warning("%s holds files flowforge did not write: not deleted", p)
+    removed = [p for p in removed if p not in foreign]
     for p in removed:
         remove_marked_dir(p, MARKER)
     return removed
@@ -285,7 +301,8 @@ def _commit(step_dir: Path, step: int, world_size: int, groups: list[str], has_o
     for d in (step_dir / WEIGHTS_DIR, step_dir / RNG_DIR, step_dir):
         fsync_path(d)
     manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "groups": groups,
-                "files": {rel: (step_dir / rel).stat().st_size for rel in files}}
+                "files": {rel: (step_dir / rel).stat().st_size for rel in files},
+                "sha256": {rel: sha256_file(step_dir / rel) for rel in files}}
     _write_marker(step_dir, manifest)
 
 
@@ -368,8 +385,12 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None
     superseded newer directories are skipped and named in the notes), or ``(None, notes)`` if there is none. Any other
     string is a checkpoint directory path, returned as given.
 
+    Every file's size and sha256 are checked against the manifest (:func:`verify_checkpoint`): ``"auto"`` skips a
+    damaged checkpoint (named with its file in the notes) for the previous committed one.
+
     Raises:
         ValueError: an explicit path does not exist or has no ``COMMITTED`` marker.
+        UserError: an explicit path holds a file that differs from its manifest.
     """
     if resume is None:
         return None, []
@@ -377,9 +398,19 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None
     committed = committed_checkpoints(run_dir)
     newest = committed[-1] if committed else None
     if resume == "auto":
+        notes = []
+        while committed:
+            try:
+                verify_checkpoint(committed[-1])
+                break
+            except UserError as e:
+                damaged = committed.pop()
+                notes.append(f"{e}; falling back to "
+                             f"{committed[-1].name if committed else 'step 0 (no other committed checkpoint)'}")
+                log.warning("resume=auto: %s is damaged, not used: %s", damaged, e)
+        newest = committed[-1] if committed else None
         chosen = f"resuming from {newest.name}" if newest else "no committed checkpoint: starting from step 0"
         newest_step = step_of(newest) if newest else -1
-        notes = []
         for s, p in _step_dirs(run_dir):
             if s <= newest_step or is_committed(p):
                 continue
@@ -399,30 +430,28 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None
                if (path / SUPERSEDED).exists() else "incomplete or interrupted write, or not a checkpoint directory")
         raise ValueError(f"resume={resume!r}: {path} has no {MARKER} marker ({why}); refusing to resume from it. "
                          f"{fallback}")
+    verify_checkpoint(path, f"restore it, or resume another checkpoint ({fallback})")
     return path, []
 
 
-def load_checkpoint(path: str | Path, *, rank: int = 0) -> Checkpoint:
-    """Load a committed checkpoint (tensors on CPU; the optimizer state with ``weights_only=True``).
-
-    ``rng`` is this ``rank``'s saved state, or ``None`` when the checkpoint was written by fewer ranks.
+def verify_checkpoint(path: str | Path, fix: str = "restore it, or resume from another checkpoint") -> dict:
+    """Check every file a committed checkpoint's manifest lists: present, its size, and its sha256 (when the
+    manifest records checksums). Returns the manifest.
 
     Raises:
-        ValueError: not committed, the manifest is unreadable, or a listed file is missing or has the wrong size.
+        UserError: the manifest is unreadable or of another format, or a file is missing, has another size or
+            another sha256 — naming the first such file.
     """
     path = Path(path)
-    if not is_committed(path):
-        raise ValueError(f"{path} has no {MARKER} marker (incomplete or interrupted write); refusing to load it")
     try:
         manifest = json.loads((path / MARKER).read_text())
         files: dict[str, int] = manifest["files"]
-        step = int(manifest["step"])
-        groups: list[str] = manifest["groups"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path / MARKER} is not a valid checkpoint manifest: {e!r}") from e
+        int(manifest["step"]), list(manifest["groups"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise UserError(path / MARKER, f"is not a valid checkpoint manifest ({e!r})", fix) from e
     if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {manifest.get('format')!r}, this flowforge reads "
-                         f"{FORMAT_VERSION}")
+        raise UserError(path, f"checkpoint format {manifest.get('format')!r}, this flowforge reads {FORMAT_VERSION}",
+                        fix)
     problems = []
     for rel, size in files.items():
         f = path / rel
@@ -431,7 +460,29 @@ def load_checkpoint(path: str | Path, *, rank: int = 0) -> Checkpoint:
         elif f.stat().st_size != size:
             problems.append(f"{rel} has {f.stat().st_size} bytes, the manifest says {size}")
     if problems:
-        raise ValueError(f"{path} is committed but damaged: " + "; ".join(problems))
+        raise UserError(path, "is committed but damaged: " + "; ".join(problems), fix)
+    for rel, expected in sorted((manifest.get("sha256") or {}).items()):
+        if sha256_file(path / rel) != expected:
+            raise UserError(path / rel, f"sha256 differs from the checkpoint manifest's {str(expected)[:12]}… (the "
+                            "file changed after it was written)", fix)
+    return manifest
+
+
+def load_checkpoint(path: str | Path, *, rank: int = 0) -> Checkpoint:
+    """Load a committed checkpoint (tensors on CPU; the optimizer state with ``weights_only=True``).
+
+    ``rng`` is this ``rank``'s saved state, or ``None`` when the checkpoint was written by fewer ranks.
+
+    Raises:
+        ValueError: not committed; (:class:`UserError`) the manifest is unreadable, or a listed file is missing or
+            has the wrong size or sha256 (:func:`verify_checkpoint`).
+    """
+    path = Path(path)
+    if not is_committed(path):
+        raise ValueError(f"{path} has no {MARKER} marker (incomplete or interrupted write); refusing to load it")
+    manifest = verify_checkpoint(path)
+    files: dict[str, int] = manifest["files"]
+    step, groups = int(manifest["step"]), list(manifest["groups"])
     tensors = {g: load_file(str(path / WEIGHTS_DIR / f"{g}.safetensors"), device="cpu") for g in groups}
     optimizer_state = None
     if OPTIMIZER_FILE in files:
@@ -439,57 +490,3 @@ def load_checkpoint(path: str | Path, *, rank: int = 0) -> Checkpoint:
     trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
     return Checkpoint(path=path, step=step, tensors=tensors, optimizer_state=optimizer_state,
                       trainer_state=trainer_state, rng=_read_rng(path, rank))
-
-
-# ------------------------------------------------------------------------------------------------ model identity
-def _hash_file_into(h: Any, path: Path) -> None:
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-
-
-def sha256_of_path(path: str | Path) -> str:
-    """sha256 hex digest identifying a model: of a file's bytes (equals ``sha256sum``), or of a directory's weight
-    files — every ``*.safetensors`` / ``*.bin`` / ``*.json`` below it (hidden directories skipped, file symlinks
-    followed), in sorted relative-path order, each framed as ``relpath NUL size NUL contents``. Read-only, streamed
-    in 1 MiB chunks.
-
-    Raises:
-        ValueError: the path does not exist, or a directory holds no weight files.
-    """
-    path = Path(path)
-    h = hashlib.sha256()
-    if path.is_file():
-        _hash_file_into(h, path)
-        return h.hexdigest()
-    if not path.is_dir():
-        raise ValueError(f"{path} does not exist (cannot hash the base model)")
-    files = []
-    for root, dirs, names in os.walk(path):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        files += [Path(root) / n for n in names if n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".")]
-    if not files:
-        raise ValueError(f"{path} holds no {list(WEIGHT_SUFFIXES)} files (cannot hash the base model)")
-    for f in sorted(files, key=lambda p: p.relative_to(path).as_posix()):
-        rel = f.relative_to(path).as_posix().encode()
-        h.update(rel + b"\0" + str(f.stat().st_size).encode() + b"\0")
-        _hash_file_into(h, f)
-    return h.hexdigest()
-
-
-def check_run_dir_outside_source(run_dir: str | Path, source_dir: str | Path) -> None:
-    """Refuse a run directory that equals, lies inside, or contains the source model directory (symlinks resolved),
-    so checkpoints and rotation can never write into or delete the base model.
-
-    Raises:
-        ValueError: naming both resolved paths.
-    """
-    run, src = Path(run_dir).resolve(), Path(source_dir).resolve()
-    if run == src:
-        raise ValueError(f"run directory {run} is the source model directory; choose a run directory elsewhere")
-    if run.is_relative_to(src):
-        raise ValueError(f"run directory {run} lies inside the source model directory {src}; choose a run "
-                         "directory elsewhere")
-    if src.is_relative_to(run):
-        raise ValueError(f"run directory {run} contains the source model directory {src}; choose a run "
-                         "directory elsewhere")

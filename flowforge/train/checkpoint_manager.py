@@ -160,6 +160,7 @@ class CheckpointManager:
         self.keep = keep
         self.dist = dist
         self.resumed_from: Path | None = None  # never rotated away or overwritten
+        self.saved_step: int | None = None  # the step of the last checkpoint saved or restored (None: none yet)
 
     def save(self) -> Path:
         """Commit a checkpoint of ``record.step``: every bank policy's weights, the optimizer and LR schedule, the
@@ -181,10 +182,12 @@ class CheckpointManager:
         trainer_state = {**self.record.state_dict(), "optimizer_steps": steps, "policy_version": steps,
                          "lr_schedule_step": bank["scheduler"]["last_epoch"], SAMPLER_KEY: self.sampler.state_dict()}
         d = self.dist
-        return save_checkpoint(self.run_dir, self.record.step, tensors=bank["weights"], optimizer_state=optim,
+        path = save_checkpoint(self.run_dir, self.record.step, tensors=bank["weights"], optimizer_state=optim,
                                trainer_state=trainer_state, keep=self.keep, protect=self.resumed_from, rank=d.rank,
                                world_size=d.world_size,
                                barrier=(lambda: dist_lib.barrier(d)) if d.enabled else None, sharded_writer=writer)
+        self.saved_step = self.record.step
+        return path
 
     def restore(self, resume: str) -> Path | None:
         """Restore what :meth:`save` wrote from ``resume`` (``"auto"``: the newest committed checkpoint; else a
@@ -194,6 +197,8 @@ class CheckpointManager:
             The checkpoint restored from, or None when ``"auto"`` finds none (the run starts from scratch).
 
         Raises:
+            UserError: (a ``ValueError``) an explicit checkpoint whose file differs from its manifest (size or
+                sha256); under ``"auto"`` such a checkpoint is skipped for the previous committed one instead.
             ValueError: an explicit checkpoint without ``COMMITTED``; a LoRA-contract or base-model mismatch (raised
                 before anything is restored); sharded (FSDP) state in a run that is not sharded.
         """
@@ -214,6 +219,7 @@ class CheckpointManager:
         if ckpt.rng is not None:
             restore_rng(ckpt.rng)
         self.resumed_from = path
+        self.saved_step = self.record.step
         log.info("resumed from %s at step %d", path, self.record.step)
         return path
 

@@ -1,12 +1,12 @@
-"""Metrics: scalar reduction, JSONL + TensorBoard sinks, stage timing, group diversity, sample grids, provenance.
+"""Metrics: scalar reduction, JSONL + tracker sinks, stage timing, group diversity, sample grids, provenance.
 
 What and why
 ------------
 The loop (DESIGN §4) produces detached 0-d tensors in its hot paths (losses return ``(loss, metrics)``; no
 ``.item()`` there). Once per step, :func:`to_scalars` turns the step's whole metric mapping into Python floats with a
 single host transfer per device, and :class:`MetricsLogger` appends them to ``<run_dir>/metrics.jsonl`` and
-TensorBoard. Evaluation results go to ``<run_dir>/eval.jsonl``. :mod:`flowforge.train.report` turns a run directory into
-``report.html``.
+the trackers (:mod:`flowforge.train.trackers`). Evaluation results go to ``<run_dir>/eval.jsonl``.
+:mod:`flowforge.train.report` turns a run directory into ``report.html``.
 
 Metric names are namespaced by the caller: ``train/…``, ``reward/…``, ``perf/…``, ``time/…``, ``eval/…``.
 
@@ -44,7 +44,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -133,19 +133,26 @@ def _check_scalars(scalars: Mapping[str, float], *, prefix: str | None) -> dict[
 
 
 class MetricsLogger:
-    """Append-only sinks for one run: ``metrics.jsonl``, ``eval.jsonl`` and TensorBoard under ``tb/``.
+    """Append-only sinks for one run: ``metrics.jsonl``, ``eval.jsonl`` (always) and the trackers of
+    :mod:`flowforge.train.trackers` (TensorBoard under ``tb/``, W&B).
 
     Each :meth:`log` / :meth:`log_eval` call writes one line ``{"step": n, "name": value, ...}`` and flushes it (and
     the TensorBoard writer), so a killed run keeps everything logged before the kill. Files are opened in append
     mode: a resumed run continues the same files, and readers (:func:`flowforge.train.report.read_jsonl`) let later lines
     of a repeated step win. Non-finite values are written to JSONL as ``null`` (strict JSON); TensorBoard gets the
-    real value.
+    real value. :meth:`log_grid` sends an eval grid and :meth:`log_config` the resolved config to the trackers.
 
     Only one process per run should own a logger (rank 0 under ``torchrun``).
 
     Args:
         run_dir: the run directory; created if missing.
-        tensorboard: also write TensorBoard event files to ``<run_dir>/tb/``.
+        tensorboard: also write TensorBoard event files to ``<run_dir>/tb/`` (read only when ``trackers`` is None).
+        trackers: ``metrics.trackers`` names (``jsonl``, ``tensorboard``, ``wandb``); ``None`` = TensorBoard as
+            ``tensorboard`` says. JSONL is written either way.
+        run_name: the run's name at the trackers that show one (W&B); default the run directory's name.
+
+    Raises:
+        ValueError / ImportError: as :func:`flowforge.train.trackers.build_trackers`.
 
     Usage::
 
@@ -154,22 +161,48 @@ class MetricsLogger:
             logger.log_eval(step, {"eval/digit_eval": 0.9, "eval/diversity": 0.21})
     """
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, trackers: Sequence[str] | None = None,
+                 run_name: str | None = None):
+        # Imported here: trackers reads grid sidecars (report_grids), which imports this module.
+        from flowforge.train.trackers import build_trackers
+
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
         self.eval_path = self.run_dir / EVAL_FILE
         self._files: dict[Path, Any] = {}
-        self._writer = None
-        if tensorboard:
-            # Imported here: TensorBoard takes seconds to import and many users of this module never log.
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR))
+        names = (("tensorboard",) if tensorboard else ()) if trackers is None else tuple(trackers)
+        self._trackers = build_trackers(names, self.run_dir, run_name=run_name or self.run_dir.name)
         self._closed = False
 
+    def log_grid(self, step: int, png: Path) -> None:
+        """Send the eval grid ``png`` of ``step`` to the trackers, captioned from its sidecar
+        (:func:`flowforge.train.report_grids.read_grid_cells`; uncaptioned without one).
+
+        Raises:
+            RuntimeError: the logger is closed.
+        """
+        from flowforge.train.report_grids import read_grid_cells  # imports this module
+
+        if self._closed:
+            raise RuntimeError("MetricsLogger is closed")
+        cells = read_grid_cells(png)
+        for tracker in self._trackers:
+            tracker.log_grid(step, Path(png), cells)
+
+    def log_config(self, config: Mapping[str, Any], yaml_text: str) -> None:
+        """Send the resolved config (nested ``config`` and its YAML ``yaml_text``) to the trackers.
+
+        Raises:
+            RuntimeError: the logger is closed.
+        """
+        if self._closed:
+            raise RuntimeError("MetricsLogger is closed")
+        for tracker in self._trackers:
+            tracker.log_config(config, yaml_text)
+
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
-        """Append ``{"step": step, **scalars}`` to ``metrics.jsonl`` and write each scalar to TensorBoard.
+        """Append ``{"step": step, **scalars}`` to ``metrics.jsonl`` and send each scalar to the trackers.
 
         Raises:
             ValueError: ``step`` is not a non-negative int, a name is ``"step"`` / empty / not a str, or a value is
@@ -201,10 +234,8 @@ class MetricsLogger:
             f = self._files[path] = open(path, "a", encoding="utf-8")
         f.write(line + "\n")
         f.flush()
-        if self._writer is not None:
-            for key, value in scalars.items():
-                self._writer.add_scalar(key, value, global_step=step)
-            self._writer.flush()
+        for tracker in self._trackers:
+            tracker.log_scalars(step, scalars)
 
     def close(self) -> None:
         """Flush and close every sink. Idempotent."""
@@ -214,9 +245,9 @@ class MetricsLogger:
         for f in self._files.values():
             f.close()
         self._files.clear()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self

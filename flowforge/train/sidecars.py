@@ -40,9 +40,16 @@ process killed at any instant leaves either the complete file under its final na
 never list (:func:`group_files` matches ``group_*.safetensors`` only). ``DONE`` is written the same way after every
 other file of the step; :func:`complete_steps` lists only directories holding it.
 
+Ownership
+---------
+``root`` must be empty (or missing) or flowforge's own: the writer puts a ``.flowforge-artifacts`` marker in it when
+it takes it, and refuses a non-empty root without one (:class:`~flowforge.runtime.errors.UserError`). Inside it,
+only step directories whose every file has a name of the layout above (``group_*``, ``DONE`` and their temporaries)
+are ever deleted; anything else (a user's ``step_000001/notes.txt``, a ``.x.tmp-1`` at the top) is left alone.
+
 Retention
 ---------
-:meth:`SidecarWriter.reap` deletes every incomplete step directory (debris of a crash), stray tmp files, and all but
+:meth:`SidecarWriter.reap` deletes every incomplete step directory (debris of a crash) and all but
 the newest ``keep`` complete ones; a directory is deleted by unlinking ``DONE`` first, so a crash mid-delete leaves an
 incomplete directory, never a half-deleted complete one. :meth:`SidecarWriter.write` reaps at its start leaving room
 for the step it writes, so after each write exactly ``min(keep, writes)`` complete step directories exist. A write of
@@ -71,7 +78,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from flowforge.rollout import Trajectory
-from flowforge.runtime.durable import atomic_write, fsync_path, is_tmp, remove_marked_dir, step_dir_name, step_dirs
+from flowforge.runtime.durable import (atomic_write, fsync_path, is_tmp, only_layout_files, remove_marked_dir,
+                                       step_dir_name, step_dirs)
+from flowforge.runtime.errors import UserError
 
 log = logging.getLogger("flowforge")
 
@@ -79,6 +88,8 @@ FORMAT = "flowforge-trajectory-1"
 DONE = "DONE"
 _GROUP_RE = re.compile(r"^group_(-?\d+)\.safetensors$")
 _TRAJ_FIELDS = ("final", "latents", "next_latents", "log_probs", "means")
+ROOT_MARKER = ".flowforge-artifacts"
+_LAYOUT = re.compile(r"group_-?\d+(_\d+\.png|\.safetensors)|DONE")
 
 _test_hook: Callable[[str, str], None] | None = None
 
@@ -155,21 +166,22 @@ class SidecarWriter:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.root = Path(root)
         self.keep = int(keep)
+        if self.root.is_dir() and any(self.root.iterdir()) and not (self.root / ROOT_MARKER).is_file():
+            raise UserError(self.root, "is not empty and was not created by flowforge (no "
+                            f"{ROOT_MARKER} marker); its files could be deleted as old rollouts",
+                            "point artifacts.root at an empty or new directory")
 
     def reap(self, *, reserve: int = 0) -> list[Path]:
         """Delete incomplete step directories, stray tmp files in ``root``, and all but the newest
         ``keep - reserve`` complete step directories. Call it at the start of a rollout. Returns what was deleted.
 
-        ``reserve`` makes room for directories about to be written (:meth:`write` passes 1).
+        ``reserve`` makes room for directories about to be written (:meth:`write` passes 1). Directories holding
+        anything flowforge did not write are neither deleted nor counted.
         """
         if not self.root.is_dir():
             return []
         removed: list[Path] = []
-        for p in self.root.iterdir():
-            if is_tmp(p.name) and p.is_file():
-                p.unlink()
-                removed.append(p)
-        dirs = step_dirs(self.root)
+        dirs = [(s, p) for s, p in step_dirs(self.root) if _ours(p)]
         complete = [p for _, p in dirs if is_complete(p)]
         keep_n = max(self.keep - reserve, 0)
         doomed = [p for _, p in dirs if not is_complete(p)] + complete[: max(len(complete) - keep_n, 0)]
@@ -230,17 +242,31 @@ class SidecarWriter:
         """Remove directories of steps ``>= step`` (an abandoned future after a resume), reap, create the step's
         directory durably."""
         self.root.mkdir(parents=True, exist_ok=True)
+        marker = self.root / ROOT_MARKER
+        if not marker.exists():
+            atomic_write(marker, lambda tmp: tmp.write_text("flowforge rollout sidecars (safe to delete)\n"))
         for s, p in step_dirs(self.root):
-            if s >= step:
+            if s >= step and _ours(p):
                 if s > step and is_complete(p):
                     log.warning("removing sidecars %s: step %d is past the step being written (%d), left by a run "
                                 "that resumed from an earlier checkpoint", p, s, step)
                 remove_marked_dir(p, DONE)
         self.reap(reserve=1)
         step_dir = self.root / step_dir_name(step)
+        if step_dir.exists():
+            raise UserError(step_dir, "holds files flowforge did not write, and step %d's rollout goes there" % step,
+                            "move them out of artifacts.root")
         step_dir.mkdir()
         fsync_path(self.root)
         return step_dir
+
+
+def _ours(step_dir: Path) -> bool:
+    """Whether ``step_dir`` holds only files of the sidecar layout (deletable); says so in the log when not."""
+    if only_layout_files(step_dir, _LAYOUT):
+        return True
+    log.warning("%s holds files flowforge did not write: not deleted", step_dir)
+    return False
 
 
 def _group_rows(step: int, traj: Trajectory, group_ids: Tensor, prompts: Sequence[str], images: Tensor,

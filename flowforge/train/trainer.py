@@ -51,9 +51,13 @@ from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
 from flowforge.rollout import (Trajectory, candidate_noise, decode_media, generate, rollout_chunked, sigmas_for,
                                video_frames)
+from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
+from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint import check_run_dir_outside_source, sha256_of_path
+from flowforge.train.run_dir import WRITTEN_FILES, check_artifacts_root, existing_run, move_aside, refuse_rerun
 from flowforge.train.checkpoint_manager import CheckpointManager, TrainerState, training_contract
 from flowforge.train.sidecars import SidecarWriter
+from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
 
 log = logging.getLogger("flowforge")
 
@@ -83,7 +87,18 @@ class Trainer:
         PreflightError: the config is invalid (every violation listed), before any model loads.
     """
 
-    def __init__(self, cfg: Config, *, progress: bool = True):
+    def __init__(self, cfg: Config, *, progress: bool = True, overwrite: bool = False):
+        self.overwrite = overwrite  # --overwrite: move an existing run in the run directory aside
+        self.run_lock: RunLock | None = None
+        self._created_run_dir = False
+        try:
+            self._setup(cfg, progress=progress)
+        except BaseException:
+            self._abandon()  # a refused command leaves the run directory as it found it
+            raise
+
+    def _setup(self, cfg: Config, *, progress: bool) -> None:
+        """Everything :meth:`__init__` builds, in order; the run directory is written only at the end."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         report = preflight(cfg, world_size=world)
         self.dist = dist_lib.init(cfg.run.device)
@@ -135,6 +150,7 @@ class Trainer:
                                              keep=cfg.checkpoint.keep, dist=self.dist)
         if cfg.train.resume:
             self.checkpoints.restore(cfg.train.resume)
+        self._accept_run()
 
     @property
     def step(self) -> int:
@@ -142,8 +158,10 @@ class Trainer:
         return self.state.step
 
     def _prepare_run(self) -> None:
-        """Run directory (refused inside the base model's), prompt files (bad ones fail before any model loads),
-        resolved config and provenance (rank 0)."""
+        """Checks before anything is written: the run directory (refused inside the base model's; an existing run
+        needs ``train.resume`` or ``--overwrite``; none of its files a symlink leading out of it), ``artifacts.root``
+        (not inside checkpoints), the prompt files (bad ones fail before any model loads); then the run's lock
+        (rank 0). ``config.yaml`` and provenance wait for :meth:`_accept_run`."""
         cfg = self.cfg
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.model_source = _model_source(cfg.model.path)
@@ -153,11 +171,53 @@ class Trainer:
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]
         check_task(self.train_prompts, cfg.model.task, "data.prompts")
         check_task(self.eval_prompts, cfg.model.task, "data.eval_prompts")
+        if cfg.artifacts.root is not None:
+            check_artifacts_root(Path(cfg.artifacts.root), self.run_dir)
+        for name in WRITTEN_FILES:
+            refuse_escaping_symlink(self.run_dir / name, self.run_dir)
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(config_lib.dump_config(cfg))
-            write_provenance(self.run_dir)
+            self._claim_run_dir()
         dist_lib.barrier(self.dist)
+
+    def _claim_run_dir(self) -> None:
+        """Rank 0: refuse a new run into a directory holding one (or move that aside under ``--overwrite``), create
+        the directory if missing, take its lock (a second process is refused, naming the holder)."""
+        found = existing_run(self.run_dir)
+        if found and not self.cfg.train.resume:
+            if not self.overwrite:
+                refuse_rerun(self.run_dir, found)
+            RunLock(self.run_dir).check_free()  # refused while another process runs the old run
+            move_aside(self.run_dir)
+        if not self.run_dir.exists():
+            self.run_dir.mkdir(parents=True)
+            self._created_run_dir = True
+        self.run_lock = RunLock(self.run_dir)
+        self.run_lock.acquire()
+
+    def _accept_run(self) -> None:
+        """The command is accepted (model loaded, resume checked): write the resolved config and provenance
+        atomically and open the metrics logger (rank 0)."""
+        if self.dist.is_main:
+            write_bytes(self.run_dir / "config.yaml", config_lib.dump_config(self.cfg).encode())
+            write_provenance(self.run_dir)
+            self.logger = MetricsLogger(self.run_dir, trackers=self.cfg.metrics.trackers, run_name=self.cfg.run.name)
+            self.logger.log_config(config_lib.to_dict(self.cfg), config_lib.dump_config(self.cfg))
+        dist_lib.barrier(self.dist)
+
+    def _abandon(self) -> None:
+        """Undo what a refused command did to the run directory: its lock files, the directory if it made it."""
+        if self.run_lock is not None:
+            self.run_lock.release(undo=True)
+        if self._created_run_dir:
+            try:
+                self.run_dir.rmdir()
+            except OSError:  # not empty: something else wrote there meanwhile; left alone
+                pass
+
+    def close(self) -> None:
+        """Release the run directory's lock (:meth:`train` does at its end; a later :meth:`train` takes it again)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _build_outputs(self) -> None:
         """Reward processor (training components + eval scorers), metrics logger (rank 0), trajectory sidecars."""
@@ -165,7 +225,7 @@ class Trainer:
         names = list(dict.fromkeys([*r.weights, *cfg.eval.scorers]))
         scorers = {n: build_scorer(n, run_dir=self.run_dir, **r.options.get(n, {})) for n in names}
         self.rewards = RewardProcessor(scorers, r.weights, r.required, batch_size=r.batch_size)
-        self.logger = MetricsLogger(self.run_dir) if self.dist.is_main else None
+        self.logger = None  # opened by _accept_run: nothing is written before the command is accepted
         self.sidecars = None
         if cfg.artifacts.root is not None:
             root = Path(cfg.artifacts.root)
@@ -279,11 +339,26 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ loop
     def train(self, stop_at: int | None = None) -> Path:
         """Run to ``train.steps`` steps (evaluating before the first, every ``eval.every`` and after the last);
-        writes ``metrics.jsonl``, ``eval.jsonl``, ``samples/``, ``report.html``. Returns the run directory.
+        writes ``metrics.jsonl``, ``eval.jsonl``, ``samples/``, ``train.log``, ``report.html`` and the
+        ``metrics.trackers``. Returns the run directory.
 
         ``stop_at`` ends the run early after that many steps, as an interruption would (no final eval / report;
         the LR schedule still spans ``train.steps``); a later ``train.resume`` continues it exactly."""
+        with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None):
+            return self._train(stop_at)
+
+    def _log_progress(self, scalars: dict[str, float]) -> None:
+        """Without a progress bar (``--no-progress``), on rank 0: a log line with the key metrics every
+        ``metrics.log_every`` steps and after the last."""
+        every = self.cfg.metrics.log_every
+        if not self.progress and self.dist.is_main and every and (self.step % every == 0
+                                                                  or self.step == self.cfg.train.steps):
+            log.info("%s", progress_line(self.step, self.cfg.train.steps, scalars))
+
+    def _train(self, stop_at: int | None) -> Path:
         cfg = self.cfg
+        if self.run_lock is not None:
+            self.run_lock.acquire()  # released at the end of an earlier train()
         if self.step == 0:
             self.evaluate(0)
         end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
@@ -311,8 +386,12 @@ class Trainer:
             local = {**reward_metrics, **to_scalars(train_metrics)}
             scalars = self.finish_step(step, batch, media, local, adv_metrics, timer.scalars())
             bar.set_postfix(reward=f"{scalars['reward/total_mean']:.3f}")
+            self._log_progress(scalars)
+        if self.step == cfg.train.steps and self.checkpoints.saved_step != self.step:
+            self.checkpoints.save()  # the trained model is never lost, also with checkpoint.every=0
         if self.logger is not None:
             self.logger.close()
+        self.close()
         if self.step < cfg.train.steps or not self.dist.is_main:
             return self.run_dir
         from flowforge.train.report import write_report
@@ -371,6 +450,7 @@ class Trainer:
         # the first sample of each prompt; its prompt and scores go to a sidecar that captions the report's cells
         save_eval_grid(images[::k], sample_grid_path(self.run_dir, step), [r.prompt for r in records[::k]],
                        {name: v[::k] for name, v in components.items()}, step)
+        self.logger.log_grid(step, sample_grid_path(self.run_dir, step))  # to TensorBoard / W&B, captioned
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars
 

@@ -28,7 +28,7 @@ def test_registry_keys_are_names_and_sections_are_config_fields():
         for section in cls.sections:
             assert fields[section.section_name] is section, (key, section)
     assert [s.section_name for s in objective_sections()] == [
-        "grpo", "grpo_guard", "forward", "nft", "awm", "dgpo", "dpo", "crd"]
+        "grpo", "grpo_guard", "forward", "nft", "awm", "dgpo", "dpo", "crd", "dppo"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,129 @@
+"""Run-directory safety: one run per directory, explicitly; the base model and the run directory kept apart; the
+base model's identity (sha256).
+
+What and why
+------------
+A run directory holds a week of work, so flowforge refuses anything that could silently mix two runs or destroy one:
+
+- :func:`existing_run` tells whether a directory already holds a run (``config.yaml``, ``metrics.jsonl`` or
+  ``checkpoints/``). A new run into it is refused unless it resumes (``train.resume``) or the user passes
+  ``--overwrite``, which moves the old run aside to ``<name>.old-<n>`` (:func:`move_aside`) after saying so: nothing
+  is deleted.
+- :func:`check_run_dir_outside_source` refuses a run directory inside, equal to, or containing the base model, so
+  checkpoint rotation can never delete model files.
+- :func:`check_artifacts_root` refuses an ``artifacts.root`` that is, or lies inside, a run's ``checkpoints/``.
+- :func:`sha256_of_path` identifies the base model, stored in every checkpoint's training contract.
+
+The per-run lock (one process per run directory) is :class:`flowforge.runtime.lock.RunLock`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from flowforge.runtime.errors import UserError
+
+log = logging.getLogger("flowforge")
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints")
+WRITTEN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "train.log", "provenance.json")
+
+
+def existing_run(run_dir: Path) -> list[str]:
+    """The entries of ``run_dir`` that show it already holds a run (of :data:`RUN_FILES`); empty for a new run."""
+    return [n for n in RUN_FILES if os.path.lexists(Path(run_dir) / n)]
+
+
+def refuse_rerun(run_dir: Path, found: list[str]) -> None:
+    """Refuse a new (not resuming) run into ``run_dir`` that already holds ``found``.
+
+    Raises:
+        UserError: saying the three ways on.
+    """
+    raise UserError(run_dir, f"already holds a run ({', '.join(found)})",
+                    "continue it with train.resume=auto, choose another run.name, or pass --overwrite to move the "
+                    f"old run aside to {Path(run_dir).name}.old-<n>")
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Rename ``run_dir`` to the first free ``<name>.old-<n>`` (n = 1, 2, ...) beside it, saying so; returns it."""
+    run_dir = Path(run_dir)
+    n = 1
+    while os.path.lexists(aside := run_dir.with_name(f"{run_dir.name}.old-{n}")):
+        n += 1
+    log.warning("--overwrite: moving the old run %s aside to %s (nothing is deleted)", run_dir, aside)
+    os.rename(run_dir, aside)
+    return aside
+
+
+def check_artifacts_root(root: Path, run_dir: Path) -> None:
+    """Refuse an ``artifacts.root`` equal to or inside a run's checkpoint directory (this run's, or any directory
+    named ``checkpoints`` that holds ``step_*`` checkpoints), where reaping rollouts would delete checkpoints.
+
+    Raises:
+        UserError: naming ``artifacts.root``.
+    """
+    root = Path(root).resolve()
+    own = (Path(run_dir) / "checkpoints").resolve()
+    for d in (root, *root.parents):
+        if d == own or (d.name == "checkpoints" and (d.parent / "config.yaml").exists()):
+            raise UserError("artifacts.root", f"{root} is inside the checkpoint directory {d}",
+                            "point artifacts.root at an empty directory of its own")
+
+
+def check_run_dir_outside_source(run_dir: str | Path, source_dir: str | Path) -> None:
+    """Refuse a run directory that equals, lies inside, or contains the source model directory (symlinks resolved),
+    so checkpoints and rotation can never write into or delete the base model.
+
+    Raises:
+        ValueError: naming both resolved paths.
+    """
+    run, src = Path(run_dir).resolve(), Path(source_dir).resolve()
+    if run == src:
+        raise ValueError(f"run directory {run} is the source model directory; choose a run directory elsewhere")
+    if run.is_relative_to(src):
+        raise ValueError(f"run directory {run} lies inside the source model directory {src}; choose a run "
+                         "directory elsewhere")
+    if src.is_relative_to(run):
+        raise ValueError(f"run directory {run} contains the source model directory {src}; choose a run "
+                         "directory elsewhere")
+
+
+def _hash_file_into(h: Any, path: Path) -> None:
+    with open(path, "rb") as f:
+        while chunk := f.read((1 << 20)):
+            h.update(chunk)
+
+
+def sha256_of_path(path: str | Path) -> str:
+    """sha256 hex digest identifying a model: of a file's bytes (equals ``sha256sum``), or of a directory's weight
+    files — every ``*.safetensors`` / ``*.bin`` / ``*.json`` below it (hidden directories skipped, file symlinks
+    followed), in sorted relative-path order, each framed as ``relpath NUL size NUL contents``. Read-only, streamed
+    in 1 MiB chunks.
+
+    Raises:
+        ValueError: the path does not exist, or a directory holds no weight files.
+    """
+    path = Path(path)
+    h = hashlib.sha256()
+    if path.is_file():
+        _hash_file_into(h, path)
+        return h.hexdigest()
+    if not path.is_dir():
+        raise ValueError(f"{path} does not exist (cannot hash the base model)")
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(root) / n for n in names if n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".")]
+    if not files:
+        raise ValueError(f"{path} holds no {list(WEIGHT_SUFFIXES)} files (cannot hash the base model)")
+    for f in sorted(files, key=lambda p: p.relative_to(path).as_posix()):
+        rel = f.relative_to(path).as_posix().encode()
+        h.update(rel + b"\0" + str(f.stat().st_size).encode() + b"\0")
+        _hash_file_into(h, f)
+    return h.hexdigest()

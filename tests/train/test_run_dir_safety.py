@@ -1,0 +1,195 @@
+"""Run-directory safety: ownership before deletion, one run per directory (refusal, --overwrite, lock), nothing written
+by a refused command, no writes through symlinks leading out, checkpoint checksums, the final checkpoint."""
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from flowforge.runtime.errors import UserError
+from flowforge.runtime.lock import OWNER_FILE
+from flowforge.train import checkpoint as ckpt
+from flowforge.train.run_dir import check_artifacts_root
+from flowforge.train.sidecars import SidecarWriter, complete_steps
+from flowforge.train.trainer import Trainer
+from tests.test_sidecars import make_batch
+from tests.test_trainer import tiny_cfg
+
+
+def tree_hash(root):
+    """sha256 over every path below ``root`` (names, link targets, file bytes): equal iff the tree is unchanged."""
+    h = hashlib.sha256()
+    for dirpath, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            p = os.path.join(dirpath, name)
+            h.update(os.path.relpath(p, root).encode() + b"\0")
+            if os.path.islink(p):
+                h.update(b"link:" + os.readlink(p).encode())
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def _save(run_dir, step, keep=5):
+    tensors = {"live": {"w": torch.full((4, 4), float(step))}}
+    return ckpt.save_checkpoint(run_dir, step, tensors=tensors, optimizer_state=None, trainer_state={"step": step},
+                                keep=keep)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, encode_cache_dir, tmp_path_factory):
+    """One finished run (1 step, checkpoint.every=0) and a factory of configs for the same output directory."""
+    out = tmp_path_factory.mktemp("runs")
+
+    def cfg(*extra, name="r"):
+        return tiny_cfg(tiny_model_dir, out, encode_cache_dir, f"run.name={name}", "train.steps=1",
+                        "checkpoint.every=0", "lora.rank=4", "lora.alpha=8", *extra)
+
+    Trainer(cfg(), progress=False).train()
+    return out / "r", cfg
+
+
+# ------------------------------------------------------------------------------------------------ ownership
+def test_foreign_files_in_artifacts_root_survive(tmp_path):
+    foreign_root = tmp_path / "mine"
+    (foreign_root / "step_000001").mkdir(parents=True)
+    (foreign_root / "step_000001" / "notes.txt").write_text("a week of notes")
+    (foreign_root / ".x.tmp-1").write_text("not flowforge's")
+    before = tree_hash(foreign_root)
+    with pytest.raises(UserError, match="not empty and was not created by flowforge"):
+        SidecarWriter(foreign_root, keep=1)
+    assert tree_hash(foreign_root) == before
+    # a root flowforge owns: a user's files dropped into it are never reaped either
+    root = tmp_path / "side"
+    w = SidecarWriter(root, keep=1)
+    w.write(0, *make_batch())
+    (root / "step_000001").mkdir()
+    (root / "step_000001" / "notes.txt").write_text("mine")
+    (root / ".x.tmp-1").write_text("mine")
+    w = SidecarWriter(root, keep=1)
+    for step in (2, 3):
+        w.write(step, *make_batch())
+    w.reap()
+    assert (root / "step_000001" / "notes.txt").read_text() == "mine" and (root / ".x.tmp-1").read_text() == "mine"
+    assert [p.name for p in complete_steps(root)] == ["step_000003"]
+
+
+def test_rotation_never_deletes_foreign_directories_and_artifacts_root_in_checkpoints_is_refused(tmp_path):
+    _save(tmp_path, 1, keep=1)
+    foreign = tmp_path / "checkpoints" / "step_000002"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (tmp_path / "checkpoints" / "step_000001" / "notes.txt").write_text("mine too")
+    for step in (3, 4):
+        _save(tmp_path, step, keep=1)
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "checkpoints" / "step_000001" / "notes.txt").read_text() == "mine too"
+    assert [p.name for p in ckpt.committed_checkpoints(tmp_path)] == ["step_000001", "step_000004"]
+    (tmp_path / "config.yaml").write_text("run: {}\n")
+    for root in (tmp_path / "checkpoints", tmp_path / "checkpoints" / "x"):
+        with pytest.raises(UserError, match="artifacts.root"):
+            check_artifacts_root(root, tmp_path / "other")
+
+
+# ------------------------------------------------------------------------------------------------ checksums
+def test_flipped_bytes_auto_falls_back_explicit_is_refused(tmp_path):
+    _save(tmp_path, 1)
+    step2 = _save(tmp_path, 2)
+    weights = step2 / "weights" / "live.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum can tell
+    weights.write_bytes(bytes(data))
+    path, notes = ckpt.resolve_resume(tmp_path, "auto")
+    assert path.name == "step_000001"
+    assert any("weights/live.safetensors" in n and "sha256" in n and "step_000001" in n for n in notes)
+    with pytest.raises(UserError, match=r"weights/live.safetensors: sha256 differs"):
+        ckpt.resolve_resume(tmp_path, str(step2))
+    with pytest.raises(UserError, match="sha256"):
+        ckpt.load_checkpoint(step2)
+
+
+# ------------------------------------------------------------------------------------------------ one run per dir
+def test_final_checkpoint_with_checkpoint_every_0(trained):
+    run_dir, _ = trained
+    assert [p.name for p in ckpt.committed_checkpoints(run_dir)] == ["step_000001"]
+    assert not (run_dir / OWNER_FILE).exists()  # the lock was released at the end of train()
+
+
+def test_rerun_without_resume_is_refused_and_leaves_the_dir_unchanged(trained):
+    run_dir, cfg = trained
+    before = tree_hash(run_dir)
+    with pytest.raises(UserError, match=r"already holds a run .*train.resume=auto.*--overwrite"):
+        Trainer(cfg(), progress=False)
+    assert tree_hash(run_dir) == before
+
+
+def test_failed_command_leaves_the_run_dir_byte_identical(trained):
+    run_dir, cfg = trained
+    before = tree_hash(run_dir)
+    with pytest.raises(ValueError, match="resume refused"):  # contract mismatch, found after the model loaded
+        Trainer(cfg("lora.alpha=16", "train.resume=auto"), progress=False)
+    assert tree_hash(run_dir) == before
+    new_dir = run_dir.parent / "never"
+    with pytest.raises(ValueError):
+        Trainer(cfg("train.resume=" + str(run_dir / "checkpoints" / "step_000009"), name="never"), progress=False)
+    assert not new_dir.exists()
+
+
+def test_symlinks_leading_out_of_the_run_dir_are_refused(trained, tmp_path):
+    run_dir, cfg = trained
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("precious")
+    for name, run in (("config.yaml", "r"), ("metrics.jsonl", "fresh")):
+        target = run_dir.parent / run / name
+        target.parent.mkdir(exist_ok=True)
+        saved = target.with_name(name + ".saved")
+        if target.exists():
+            os.replace(target, saved)
+        target.symlink_to(outside)
+        try:
+            with pytest.raises(UserError, match=f"{name}: is a symlink to .* outside the run directory"):
+                Trainer(cfg("train.resume=auto", name=run), progress=False)
+        finally:
+            target.unlink()
+            if saved.exists():
+                os.replace(saved, target)
+    assert outside.read_text() == "precious"
+
+
+def test_concurrent_second_trainer_is_refused_naming_pid_and_host(trained):
+    run_dir, cfg = trained
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from flowforge.runtime.lock import RunLock
+        RunLock({str(run_dir)!r}).acquire()
+        print("held", flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError, match=rf"in use by another flowforge process \(pid {holder.pid} on host "
+                                            rf"{socket.gethostname()}\)"):
+            Trainer(cfg("train.resume=auto"), progress=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+
+
+def test_overwrite_moves_the_old_run_aside(trained, caplog):
+    run_dir, cfg = trained
+    before = tree_hash(run_dir)
+    with caplog.at_level("WARNING", logger="flowforge"):
+        Trainer(cfg("train.steps=1"), progress=False, overwrite=True).train()
+    aside = run_dir.with_name("r.old-1")
+    assert any("moving the old run" in r.getMessage() and "r.old-1" in r.getMessage() for r in caplog.records)
+    assert tree_hash(aside) == before
+    assert [p.name for p in ckpt.committed_checkpoints(run_dir)] == ["step_000001"]
