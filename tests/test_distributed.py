@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +27,9 @@ def _run(out, stop_at, overrides, nproc):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if nproc == 1:
         cmd = [sys.executable, str(WORKER)]
-    else:
-        torchrun = shutil.which("torchrun") or "torchrun"
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", str(WORKER)]
+    else:  # torchrun's module through this interpreter: works without an activated venv (no `torchrun` on PATH)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(WORKER)]
     proc = subprocess.run(cmd + [str(out), str(stop_at), *overrides], env=env, capture_output=True, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]

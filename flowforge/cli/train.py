@@ -21,6 +21,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config_file(args.config, args.overrides)  # config errors surface before torch is imported
     from flowforge.train.trainer import Trainer
 
-    run_dir = Trainer(cfg, progress=not args.no_progress, overwrite=args.overwrite).train()
-    print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
+    trainer = Trainer(cfg, progress=not args.no_progress, overwrite=args.overwrite)
+    run_dir = trainer.train()
+    if trainer.dist.is_main:  # under torchrun one summary, not one per rank
+        print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
     return 0

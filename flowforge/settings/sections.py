@@ -380,7 +380,7 @@ RESUME_NEUTRAL_KEYS: tuple[str, ...] = (
     "data.eval_prompts", "eval",  # held-out evaluation: fixed noise of its own, never feeds the update
     "reward.device",  # not read (see RewardConfig)
     "train.resume",  # how this invocation starts, not what it computes
-    "checkpoint", "artifacts",  # what is written beside the run and how much of it is kept
+    "checkpoint", "artifacts", "metrics",  # what is written or logged beside the run, and how much is kept
     "metrics",  # where the metrics are logged, not what they are
     "distributed.activation_checkpointing",  # recomputes activations to save memory; the values are the same
     "sft",  # read by `flowforge sft` only

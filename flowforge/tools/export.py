@@ -27,10 +27,11 @@ The pipeline class is the base directory's own (``model_index.json`` ``_class_na
     ``ModelMixin.fuse_lora`` = peft ``LoraLayer.merge``, then ``unload_lora`` strips the peft wrappers), saved with
     ``save_pretrained`` (safetensors, fp32). A pipeline-directory base (``transformer/``, ``vae/``, text
     encoders) gives ``OUT/transformer/`` plus copies of every other component, so
-    ``<Pipeline>.from_pretrained(OUT)`` works; a bare-transformer base gives a transformer directory at
-    ``OUT``. The base transformer's ``flowforge.json`` (its text encoder) is copied beside the new ``config.json``,
-    so ``flowforge`` (``model.path=OUT``) loads it. A full fine-tune run saves its live weights the same way (the
-    base is then needed for its ``config.json`` and pipeline components only).
+    ``<Pipeline>.from_pretrained(OUT)`` works; a MiniLM demo base (``demo:base`` and what was trained from it)
+    becomes a custom diffusers pipeline (``OUT/pipeline.py``, :mod:`flowforge.tools.export_card`); any other
+    bare-transformer base gives a transformer directory at ``OUT``. The base's ``flowforge.json`` (its text
+    encoder) is copied beside the new ``config.json``, so ``flowforge`` (``model.path=OUT``) loads it. A full
+    fine-tune saves its live weights the same way (the base is needed for its config and components only).
 
 ``adapter``
     ``OUT/pytorch_lora_weights.safetensors`` written by the family pipeline's ``save_lora_weights`` (above)
@@ -39,13 +40,15 @@ The pipeline class is the base directory's own (``model_index.json`` ``_class_na
     safetensors header under ``lora_adapter_metadata``. diffusers rebuilds the ``LoraConfig`` from that metadata
     (``load_lora_adapter`` → ``_create_lora_config(metadata=...)``), so ``lora_alpha`` is honoured; without it
     diffusers would assume ``alpha = rank`` and scale the update wrongly whenever ``alpha != rank``. Also
-    ``OUT/adapter_config.json`` (``peft.LoraConfig.save_pretrained``) for peft users. Load with the pipeline's
-    ``load_lora_weights(OUT)`` (e.g. ``FluxPipeline``) or
-    ``<Transformer>.load_lora_adapter(OUT, prefix="transformer", use_safetensors=True)`` (the model-level
-    call looks for ``.bin`` unless told ``use_safetensors=True`` or ``weight_name``).
+    peft's own ``OUT/adapter_model.safetensors`` (keys ``base_model.model.<module>.lora_A.weight``) and
+    ``adapter_config.json`` (with ``base_model_name_or_path``): ``PeftModel.from_pretrained(transformer, OUT)``.
+    Load with the pipeline's ``load_lora_weights(OUT)`` (e.g. ``FluxPipeline``) or
+    ``<Transformer>.load_lora_adapter(OUT, prefix="transformer", use_safetensors=True)`` (the model-level call
+    looks for ``.bin`` unless told ``use_safetensors=True`` or ``weight_name``).
 
 Every export writes ``OUT/flowforge_export.json`` (run, checkpoint step, weights, form, LoRA contract, base path and
-sha256, the verification result, and ``files``: every file of the export). That file marks ``OUT`` as an export:
+sha256, the verification result, and ``files``: every file of the export), the run's ``config.yaml`` and a model
+card ``README.md`` (:mod:`flowforge.tools.export_card`). The marker makes ``OUT`` an export:
 ``overwrite=True`` replaces only a directory holding it and nothing it does not list, and deletes only the listed
 files. ``OUT`` may not be, contain or lie inside a run directory, the checkpoint, the base model or the working
 directory (:mod:`flowforge.tools.export_out` lists the rules). The export is assembled in a hidden sibling directory
@@ -110,9 +113,7 @@ LORA_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qw
 """Registered family -> the diffusers pipeline whose ``save_lora_weights`` writes its adapter export (default when the
 base directory names no pipeline class of its own); its keys are ``SUPPORTED_ADAPTERS``."""
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-PEFT_WEIGHT_NAME = "adapter_model.safetensors"
-"""peft's own adapter file (``PeftModel.save_pretrained`` / ``PeftModel.from_pretrained``): keys
-``base_model.model.<module>.lora_A.weight``."""
+PEFT_WEIGHT_NAME = "adapter_model.safetensors"  # peft's own adapter file (PeftModel.save_pretrained)
 PEFT_PREFIX = "base_model.model."
 TOLERANCES = {"adapter": 1e-5, "merged": 1e-4, "full": 1e-5}
 """Verification tolerance relative to ``max(1, max |v_trained|)`` (see the module docstring for measurements)."""

@@ -118,14 +118,18 @@ def loading_snippet(form: str, out: Path, *, transformer_class: str, base_transf
     o = str(out)
     if form == "adapter":
         return (f"from diffusers import {transformer_class}\nfrom peft import PeftModel\n\n"
-                f"base = {transformer_class}.from_pretrained({base_transformer!r})\n"
-                f"model = PeftModel.from_pretrained(base, {o!r})  # peft: adapter_model.safetensors\n\n"
-                f"# or diffusers: pipe.load_lora_weights({o!r}) on a {pipeline or 'diffusers'} pipeline of the base\n"
-                f"base.load_lora_adapter({o!r}, prefix=\"transformer\", use_safetensors=True)\n")
+                "# peft: adapter_model.safetensors + adapter_config.json\n"
+                f"model = PeftModel.from_pretrained({transformer_class}.from_pretrained({base_transformer!r}), "
+                f"{o!r})\n\n"
+                "# diffusers: pytorch_lora_weights.safetensors (or pipe.load_lora_weights(OUT) on a "
+                f"{pipeline or 'diffusers'} of the base)\n"
+                f"transformer = {transformer_class}.from_pretrained({base_transformer!r})\n"
+                f"transformer.load_lora_adapter({o!r}, prefix=\"transformer\", use_safetensors=True)\n")
     if layout_kind == "demo":
         return ("import torch\nfrom diffusers import DiffusionPipeline\n\n"
-                f"pipe = DiffusionPipeline.from_pretrained({o!r}, custom_pipeline={o + '/' + PIPELINE_FILE!r},\n"
-                f"                                         trust_remote_code=True)\n"
+                f"out = {o!r}\n"
+                f"pipe = DiffusionPipeline.from_pretrained(out, custom_pipeline=out + \"/{PIPELINE_FILE}\", "
+                "trust_remote_code=True)\n"
                 "images = pipe([\"the digit 7\"], generator=torch.Generator().manual_seed(0)).images\n")
     if layout_kind == "pipeline":
         name = pipeline or "DiffusionPipeline"

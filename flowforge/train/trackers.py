@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,7 +107,7 @@ class WandbTracker:
         if id_file.exists():
             run_id = id_file.read_text(encoding="utf-8").strip()
         else:
-            run_id = wandb.util.generate_id()
+            run_id = secrets.token_hex(4)  # 8 hex characters, the length W&B's own ids have
             id_file.write_text(run_id + "\n", encoding="utf-8")
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "flowforge"), name=name, id=run_id,
                                resume="allow", dir=os.environ.get("WANDB_DIR") or str(run_dir))

@@ -53,7 +53,7 @@ class Dummy(ForwardProcessObjective):
 def test_a_registered_objective_adds_its_section_to_the_root_config():
     root = C.config_class({**OBJECTIVES, "dummy": Dummy})
     names = [f.name for f in dataclasses.fields(root)]
-    assert names[names.index("crd") + 1] == "dummy" and names[-5:] == ["eval", "checkpoint", "distributed",
+    assert names[names.index("dppo") + 1] == "dummy" and names[-5:] == ["eval", "checkpoint", "distributed",
                                                                           "artifacts", "sft"]
     from flowforge.settings import build
 

@@ -97,10 +97,11 @@ def test_merged_export_reloads_with_from_pretrained(lora_run, tiny_model_dir, tm
     out = export_run(run_dir, tmp_path / "merged", form="merged", verify=True)
     report = read_export_meta(out)["verify"]
     assert report["passed"] and report["max_abs_diff"] <= 1e-4 * max(1.0, report["max_abs_trained"])
-    assert {"config.json", "diffusion_pytorch_model.safetensors", "flowforge.json"} <= {p.name for p in
-                                                                                       out.iterdir()}
-    assert (out / "flowforge.json").read_text() == (tiny_model_dir / "flowforge.json").read_text()
-    t = fresh(out)
+    # a MiniLM demo base becomes a diffusers pipeline directory: the merged transformer is in transformer/
+    assert {"config.json", "diffusion_pytorch_model.safetensors", "flowforge.json"} <= {
+        p.name for p in (out / "transformer").iterdir()}
+    assert (out / "transformer" / "flowforge.json").read_text() == (tiny_model_dir / "flowforge.json").read_text()
+    t = fresh(out / "transformer")
     assert not any("lora" in k for k in t.state_dict())
     v = probe(t)
     assert (v - trained).abs().max() <= 1e-4 * max(1.0, float(trained.abs().max()))
@@ -146,7 +147,7 @@ def test_merged_export_without_base_says_how_to_pass_it(lora_run, tiny_model_dir
         export_run(moved, tmp_path / "a2", form="adapter", verify=True)
     # --base supplies it; a different base is refused by its sha256
     out = export_run(moved, tmp_path / "m", form="merged", base=tiny_model_dir, verify=True)
-    assert (probe(fresh(out)) - trained).abs().max() <= 1e-4 * max(1.0, float(trained.abs().max()))
+    assert (probe(fresh(out / "transformer")) - trained).abs().max() <= 1e-4 * max(1.0, float(trained.abs().max()))
     other = tmp_path / "other"
     shutil.copytree(tiny_model_dir, other)
     (other / "flowforge.json").write_text("{}")
@@ -160,7 +161,8 @@ def test_cli_export(lora_run, tmp_path, capsys):
     assert main(["export", str(run_dir), str(tmp_path / "c"), "--form", "adapter", "--verify", "--step", "2"]) == 0
     assert "passed" in capsys.readouterr().out
     assert main(["export", str(run_dir), str(tmp_path / "m"), "--form", "merged"]) == 0
-    assert (probe(fresh(tmp_path / "m")) - trained).abs().max() <= 1e-4 * max(1.0, float(trained.abs().max()))
+    v = probe(fresh(tmp_path / "m" / "transformer"))
+    assert (v - trained).abs().max() <= 1e-4 * max(1.0, float(trained.abs().max()))
 
 
 def test_failed_verification_writes_nothing(lora_run, tmp_path, monkeypatch):
@@ -270,7 +272,7 @@ def test_full_finetune_exports_merged_only(tiny_model_dir, encode_cache_dir, tmp
         export_run(run_dir, tmp_path / "a", form="adapter")
     out = export_run(run_dir, tmp_path / "m", form="merged", verify=True)
     assert read_export_meta(out)["verify"]["max_abs_diff"] <= 1e-5
-    assert torch.equal(probe(fresh(out)), expected)
+    assert torch.equal(probe(fresh(out / "transformer")), expected)
 
 
 def test_merged_export_of_pipeline_base_copies_components(tiny_model_dir, encode_cache_dir, tmp_path):
@@ -335,7 +337,8 @@ def test_overwrite_replaces_only_a_previous_export(lora_crafted, tmp_path):
     out = export_run(lora_crafted, tmp_path / "exp" / "m", form="merged")
     meta = read_export_meta(out)
     assert meta["files"] == sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert "diffusion_pytorch_model.safetensors" in meta["files"] and "flowforge_export.json" in meta["files"]
+    assert "transformer/diffusion_pytorch_model.safetensors" in meta["files"]
+    assert "flowforge_export.json" in meta["files"]
     with pytest.raises(ExportError, match="--overwrite"):
         export_run(lora_crafted, out, form="adapter")
     # an adapter export replaces the merged one: the merged files are gone, the adapter's are there
@@ -411,6 +414,10 @@ def _refresh_manifest(step_dir):
 
     manifest = json.loads((step_dir / "COMMITTED").read_text())
     manifest["files"] = {rel: (step_dir / rel).stat().st_size for rel in manifest["files"]}
+    if "sha256" in manifest:  # checkpoints record per-file sha256 digests too
+        from flowforge.train.checkpoint import sha256_file
+
+        manifest["sha256"] = {rel: sha256_file(step_dir / rel) for rel in manifest["sha256"]}
     (step_dir / "COMMITTED").write_text(json.dumps(manifest))
 
 

@@ -124,7 +124,7 @@ def test_merged_demo_export_is_a_custom_diffusers_pipeline_equal_to_flowforge_sa
 
 
 @pytest.mark.parametrize("form", ["adapter", "merged"])
-def test_every_export_has_a_model_card_and_the_run_config(lora_run, tmp_path, form):
+def test_every_export_has_a_model_card_and_the_run_config(lora_run, tiny_model_dir, tmp_path, form):
     run_dir, _, _ = lora_run
     copy = tmp_path / "run_copy"
     shutil.copytree(run_dir, copy)
@@ -140,9 +140,14 @@ def test_every_export_has_a_model_card_and_the_run_config(lora_run, tmp_path, fo
     for text in ("base model", "grpo", "`digit`", "checkpoint step 2", "## Evaluation", "```yaml", "```python"):
         assert text in card, text
     snippet = card.split("```python")[1].split("```")[0]
-    if form == "adapter":
-        assert f'PeftModel.from_pretrained(base, {str(out.resolve())!r})' in snippet
-        assert "load_lora_weights" in snippet
-    else:
-        assert f'custom_pipeline={str(out.resolve()) + "/pipeline.py"!r},' in snippet and "trust_remote_code=True" in snippet
     assert "flowforge" not in snippet
+    if form == "adapter":
+        assert f"PeftModel.from_pretrained(SD3Transformer2DModel.from_pretrained({str(tiny_model_dir.resolve())!r}), " \
+               f"{str(out.resolve())!r})" in snippet
+        assert "load_lora_weights" in snippet and "load_lora_adapter" in snippet
+    else:
+        assert f"out = {str(out.resolve())!r}" in snippet
+        assert 'custom_pipeline=out + "/pipeline.py", trust_remote_code=True' in snippet
+    # the card's snippet runs as written, without flowforge
+    (tmp_path / "snippet.py").write_text(snippet)
+    run_outside_flowforge('exec(open("{tmp}/snippet.py").read())', tmp_path, tmp=tmp_path)

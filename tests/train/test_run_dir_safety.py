@@ -169,7 +169,8 @@ def test_concurrent_second_trainer_is_refused_naming_pid_and_host(trained):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from flowforge.runtime.lock import RunLock
-        RunLock({str(run_dir)!r}).acquire()
+        lock = RunLock({str(run_dir)!r})
+        lock.acquire()
         print("held", flush=True)
         time.sleep(120)
     """)], stdout=subprocess.PIPE, text=True)
