@@ -53,8 +53,8 @@ class Dummy(ForwardProcessObjective):
 def test_a_registered_objective_adds_its_section_to_the_root_config():
     root = C.config_class({**OBJECTIVES, "dummy": Dummy})
     names = [f.name for f in dataclasses.fields(root)]
-    assert names[names.index("dppo") + 1] == "dummy" and names[-5:] == ["eval", "checkpoint", "distributed",
-                                                                          "artifacts", "sft"]
+    assert names[names.index("dppo") + 1] == "dummy" and names[-6:] == ["eval", "checkpoint", "distributed",
+                                                                          "artifacts", "metrics", "sft"]
     from flowforge.settings import build
 
     cfg = build(root, {"dummy": {"alpha": 2.5}, "train": {"algorithm": "dummy"}})
