@@ -190,7 +190,9 @@ def _pipeline(family, path):
     import diffusers
 
     if family == "sd3":  # the tiny SD3 is a bare pixel-space transformer: a pipeline around it, no VAE / encoders
-        t = diffusers.SD3Transformer2DModel.from_pretrained(str(path), local_files_only=True)
+        # a merged export of a MiniLM demo-style base is a pipeline directory with the transformer in transformer/
+        sub = path / "transformer" if (path / "transformer").is_dir() else path
+        t = diffusers.SD3Transformer2DModel.from_pretrained(str(sub), local_files_only=True)
         return diffusers.StableDiffusion3Pipeline(
             transformer=t.eval(), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None,
             tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)

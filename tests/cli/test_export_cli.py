@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.cli.test_errors import assert_one_line_error, run_cli
-from tests.tools.test_export import tree_digest
+from tests.tools.test_export import _refresh_manifest, tree_digest
 
 
 @pytest.fixture
@@ -16,11 +16,6 @@ def run_copy(cli_run, tmp_path):
     """A private copy of the module's LoRA run, free to damage."""
     return shutil.copytree(cli_run, tmp_path / "run")
 
-
-def _refresh_manifest(step_dir):
-    manifest = json.loads((step_dir / "COMMITTED").read_text())
-    manifest["files"] = {rel: (step_dir / rel).stat().st_size for rel in manifest["files"]}
-    (step_dir / "COMMITTED").write_text(json.dumps(manifest))
 
 
 def test_renamed_tensor_key_is_refused(run_copy, tmp_path):
