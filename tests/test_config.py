@@ -140,3 +140,143 @@ def test_algorithm_sections_keep_their_old_import_path():
     assert (GRPOConfig, NFTConfig, AWMConfig) == (grpo.GRPOConfig, nft.NFTConfig, awm.AWMConfig)
     with pytest.raises(ImportError):
         from flowforge.config import NoSuchConfig  # noqa: F401
+
+
+# ------------------------------------------------------------------------------------------------ issue 11
+def _float_fields():
+    """``(section.key, yaml for NaN, yaml for inf)`` of every float field of the root config, nested ones too."""
+    import dataclasses
+    import typing
+
+    out = []
+    for section in dataclasses.fields(C.Config):
+        cls = section.type if isinstance(section.type, type) else section.default_factory
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            where, tp = f"{section.name}.{f.name}", hints[f.name]
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            allow_inf = bool(f.metadata.get("allow_inf"))
+            if tp is float or args == [float]:
+                out.append((where, ".nan", ".inf", allow_inf))
+            elif typing.get_origin(tp) is tuple and float in typing.get_args(tp):  # adam_betas, sde_window
+                n = len(typing.get_args(tp))
+                out.append((where, "[" + ", ".join([".nan"] + ["0.5"] * (n - 1)) + "]",
+                            "[" + ", ".join(["0.0"] * (n - 1) + [".inf"]) + "]", allow_inf))
+            elif typing.get_origin(tp) is dict and typing.get_args(tp)[1] is float:  # reward.weights
+                out.append((where, "{digit: .nan}", "{digit: .inf}", allow_inf))
+    return out
+
+
+def test_every_float_field_refuses_nan_and_inf():
+    """NaN (and inf, outside the fields where it means "no limit") is refused by the schema for every float field,
+    nested in lists and mappings too, with one problem naming the key; the section's own rules say nothing more
+    about that key."""
+    fields = _float_fields()
+    assert len(fields) > 40 and ("dppo.delta", ".nan", ".inf", True) in fields
+    assert {"train.adam_betas", "sampler.sde_window", "reward.weights", "grpo.clip_low"} <= {f[0] for f in fields}
+    for where, nan, inf, allow_inf in fields:
+        with pytest.raises(C.ConfigError) as err:
+            C.load_config(None, [f"{where}={nan}"])
+        assert len(err.value.problems) == 1 and err.value.problems[0].startswith(where), err.value.problems
+        assert "nan is not a number" in err.value.problems[0]
+        if allow_inf:
+            C.load_config(None, [f"{where}={inf}"])
+            continue
+        with pytest.raises(C.ConfigError) as err:
+            C.load_config(None, [f"{where}={inf}"])
+        assert any(p.startswith(where) and "must be finite" in p for p in err.value.problems), err.value.problems
+    # a section built directly checks the same way
+    with pytest.raises(C.ConfigError, match=r"grpo.clip_low=nan is not a number"):
+        C.GRPOConfig(clip_low=float("nan"))
+    assert C.DPPOConfig(delta=float("inf")).delta == float("inf")
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "/abs", "", ".", "..", "a\\b"])
+def test_run_name_is_one_path_component(name):
+    with pytest.raises(C.ConfigError, match=r"run.name=.* must be one directory name"):
+        C.load_config(None, [f"run.name={name!r}"])
+
+
+def test_run_name_may_be_any_single_directory_name():
+    for name in ("exp-1", "run.v2", "~me", "a b", "..x"):
+        assert C.load_config(None, [f"run.name={name!r}"]).run.name == name
+
+
+@pytest.mark.parametrize("override, key, text", [
+    ("run.seed=-1", "run.seed", "must be in [0, 2**32)"), ("run.seed=4294967296", "run.seed", "[0, 2**32)"),
+    ("advantage.clip=-1", "advantage.clip", "must be > 0"), ("advantage.clip=0", "advantage.clip", "must be > 0"),
+    ("eval.max_prompts=0", "eval.max_prompts", "must be > 0"), ("eval.max_prompts=-1", "eval.max_prompts", "> 0"),
+    ("train.adam_betas=[0.9, 1.0]", "train.adam_betas", "[0, 1)"), ("train.adam_eps=0", "train.adam_eps", "> 0"),
+    ("train.weight_decay=-1", "train.weight_decay", ">= 0"), ("sampler.num_steps=100000", "sampler.num_steps",
+                                                                  "<= 1000"),
+    ("sampler.num_sde_steps=-1", "sampler.num_sde_steps", ">= 0"), ("model.frames=0", "model.frames", "> 0"),
+    ("model.path=''", "model.path", "empty"), ("run.num_threads=-2", "run.num_threads", ">= 0"),
+    ("lora.targets=['']", "lora.targets", "empty name"), ("awm.clip_high=-1", "awm.clip_high", "> 0"),
+    ("awm.adv_max=0", "awm.adv_max", "> 0"), ("run.device=''", "run.device", "empty"),
+])
+def test_values_that_used_to_crash_after_check_are_refused_at_load(override, key, text):
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(None, [override])
+    (problem,) = err.value.problems
+    assert problem.startswith(key) and text in problem, problem
+
+
+def test_config_diff_lists_changed_keys_old_to_new():
+    from flowforge.settings import config_diff
+
+    old = C.to_dict(C.load_config(None, []))
+    new = C.to_dict(C.load_config(None, ["train.lr=1e-4", "sampler.trained_indices=[1, 2]", "run.name=other",
+                                         "reward.weights={digit: 1.0, jpeg_compressibility: 0.5}"]))
+    assert config_diff(old, new, ignore=("run.name",)) == [
+        "reward.weights.jpeg_compressibility: (absent) -> 0.5", "sampler.trained_indices: null -> [1, 2]",
+        "train.lr: 0.0003 -> 0.0001"]
+    assert config_diff(old, new, ignore=("run", "reward", "sampler", "train")) == []
+    assert config_diff(old, old) == []
+    assert config_diff({"a": {"x": (1, 2)}}, {"a": {"x": [1, 2]}}) == []  # as loaded from JSON
+
+
+def test_resume_fingerprint_covers_only_what_changes_the_computation():
+    from flowforge.settings import RESUME_NEUTRAL_KEYS, resume_fingerprint, resume_neutral_keys
+
+    base = resume_fingerprint(C.load_config(None, []))
+    neutral = ["run.name=x", "run.output_dir=elsewhere", "run.num_threads=1", "train.resume=auto", "train.steps=999",
+               "eval.every=1", "eval.max_prompts=3", "checkpoint.every=5", "checkpoint.keep=9", "artifacts.root=a",
+               "data.cache_dir=c", "data.eval_prompts=e.jsonl", "reward.device=cuda", "sft.steps=3",
+               "distributed.activation_checkpointing=true", "metrics.log_every=3"]
+    for override in neutral:
+        assert resume_fingerprint(C.load_config(None, [override])) == base, override
+    for override in ["train.lr=1e-4", "run.seed=3", "sampler.noise_level=0.5", "grpo.clip_low=1e-3", "run.device=cuda",
+                     "data.group_size=4", "lora.rank=4", "model.path=elsewhere", "reward.batch_size=3",
+                     "train.lr_schedule=linear"]:
+        assert resume_fingerprint(C.load_config(None, [override])) != base, override
+    # with a decaying LR schedule the number of steps sets every step's LR: then it counts
+    linear = C.load_config(None, ["train.lr_schedule=linear"])
+    assert "train.steps" not in resume_neutral_keys(C.to_dict(linear))
+    assert resume_fingerprint(linear) != resume_fingerprint(C.load_config(None, ["train.lr_schedule=linear",
+                                                                                 "train.steps=999"]))
+    assert "train.steps" not in RESUME_NEUTRAL_KEYS and "run.name" in RESUME_NEUTRAL_KEYS
+
+
+def test_resume_warning_names_the_changed_keys(caplog):
+    from flowforge.settings import resume_fingerprint
+    from flowforge.train.checkpoint_manager import TrainerState
+
+    def record(*overrides):
+        cfg = C.load_config(None, list(overrides))
+        return TrainerState(step=0, contract={}, config_fingerprint=resume_fingerprint(cfg), config=C.to_dict(cfg))
+
+    saved = record("train.lr=3e-4", "run.name=a").state_dict()
+    saved = yaml.safe_load(yaml.safe_dump(saved))  # as stored (tuples become lists)
+    caplog.set_level("WARNING", logger="flowforge")
+    record("train.lr=3e-4", "run.name=b", "train.resume=auto", "train.steps=99").load_state_dict({**saved, "step": 2})
+    assert not caplog.records  # only resume-neutral keys changed: nothing to say
+    resumed = record("train.lr=1e-4", "sampler.noise_level=0.5", "run.name=b", "train.resume=auto")
+    resumed.load_state_dict({**saved, "step": 2})
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.endswith("differs from the checkpoint's in what it computes: "
+                            "sampler.noise_level: 0.7 -> 0.5; train.lr: 0.0003 -> 0.0001"), message
+    assert resumed.step == 2
+    caplog.clear()
+    old = {k: v for k, v in saved.items() if k != "config"}  # a checkpoint of an older flowforge
+    resumed.load_state_dict({**old, "config_fingerprint": "0" * 16, "step": 2})
+    assert "does not record its config" in caplog.records[0].getMessage()

@@ -150,3 +150,182 @@ def test_algorithm_rules_come_from_the_objective_class():
     assert len(expected) == 1 and "a log-prob objective needs a stochastic kernel" in expected[0]
     assert _problems("sampler.sde_kind=ode", "train.algorithm=grpo_guard") == expected
     assert OBJECTIVES["nft"].preflight_problems(load_config(None, ["sampler.sde_kind=ode"]), world_size=1) == []
+
+
+# ------------------------------------------------------------------------------------------------ issue 11
+def _prompt_file(tmp_path, name, rows):
+    import json
+
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "metadata": {"task": "t2i", "sample_id": f"s{i}"}})
+                            + "\n" for i in range(rows)))
+    return path
+
+
+def test_unreadable_prompt_files_are_problems_not_absent(tmp_path):
+    """Only a file that is not there is "absent" (a warning): /dev/null, a FIFO, a symlink loop, a directory or a
+    non-UTF-8 file is a problem naming the key and the file (the line, for a decoding error)."""
+    import os
+
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(_prompt_file(tmp_path, "ok.jsonl", 2).read_bytes() + '{"prompt": "café"}\n'.encode("latin-1"))
+    for source, text in [("/dev/null", "is not a regular file (a character device)"),
+                         (fifo, "is not a regular file (a named pipe)"),
+                         (loop, "cannot be read (Too many levels of symbolic links)"),
+                         (tmp_path, "is a directory"),
+                         (latin, "latin1.jsonl:3: not UTF-8 text (byte 16 of the line is 0xe9)")]:
+        (problem,) = _problems(f"data.prompts={source}")
+        assert problem.startswith("data.prompts: ") and str(source) in problem and text in problem, problem
+    (problem,) = _problems("data.eval_prompts=/dev/null")
+    assert problem.startswith("data.eval_prompts: /dev/null: is not a regular file")
+    report = preflight(load_config(None, [f"data.prompts={tmp_path / 'absent.jsonl'}"]), world_size=1)
+    assert [w for w in report.warnings if "no such file on this machine" in w]
+
+
+def test_prompts_per_step_must_fit_the_prompt_file(tmp_path):
+    path = _prompt_file(tmp_path, "three.jsonl", 3)
+    (problem,) = _problems(f"data.prompts={path}", "data.prompts_per_step=4", "data.group_size=8")
+    assert problem.startswith("data.prompts_per_step=4 is more than the 3 prompts in data.prompts")
+    preflight(load_config(None, [f"data.prompts={path}", "data.prompts_per_step=2", "train.micro_batch_size=8"]),
+              world_size=1)
+
+
+@pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="this machine has CUDA")
+def test_a_device_this_machine_lacks_is_refused():
+    (problem,) = _problems("run.device=cuda")
+    assert problem.startswith("run.device='cuda' but this machine has no CUDA device")
+    (problem,) = _problems("run.device=gpu")
+    assert problem.startswith("run.device='gpu' is not a device") and "cuda:N" in problem
+    preflight(load_config(None, ["run.device=cuda"]), world_size=1, this_machine=False)  # a config for elsewhere
+
+
+def test_sizes_that_would_exhaust_memory_are_refused_with_an_estimate():
+    import time
+
+    start = time.perf_counter()
+    (problem,) = _problems("data.group_size=1000000000", "train.micro_batch_size=8")
+    assert problem.startswith("data.prompts_per_step x data.group_size = 4000000000 samples per rank at 32x32")
+    assert "GiB" in problem and "RAM" in problem and "lower data.group_size" in problem
+    (problem,) = _problems("eval.samples_per_prompt=100000000")
+    assert problem.startswith("eval: 6000000000 samples (60 prompts x eval.samples_per_prompt=100000000)")
+    assert time.perf_counter() - start < 30  # refused at once, never attempted
+    preflight(load_config(None, ["data.group_size=1000000000", "train.micro_batch_size=8"]), world_size=1,
+              this_machine=False)
+
+
+def test_model_path_missing_here_is_a_problem_and_an_uncached_hub_id_a_warning(tmp_path, monkeypatch):
+    (problem,) = _problems(f"model.path={tmp_path / 'no_model'}")
+    assert problem.startswith(f"model.path='{tmp_path / 'no_model'}' does not exist on this machine")
+    assert "Hub id (org/name) or demo:base" in problem
+    (problem,) = _problems("model.path=demo:nope")
+    assert problem.startswith("model.path: unknown demo name 'demo:nope'")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    warnings = preflight(load_config(None, ["model.path=some-org/some-model"]), world_size=1).warnings
+    (warning,) = [w for w in warnings if w.startswith("model.path=")]
+    assert "looks like a Hub id that is not in the local Hugging Face cache" in warning
+    assert "hf download some-org/some-model --local-dir DIR" in warning
+    # a bring-your-own adapter decides what its path means; a config for another machine is not checked here
+    preflight(load_config(None, [f"model.path={tmp_path / 'x'}"]), world_size=1, this_machine=False)
+
+
+def _fake_hub_cache(root, repo_id):
+    """The Hugging Face cache layout of one model snapshot: models--org--name/{refs/main, snapshots/<sha>/}."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    sha = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    (repo / "snapshots" / sha).mkdir(parents=True)
+    (repo / "snapshots" / sha / "config.json").write_text("{}")
+    return repo / "snapshots" / sha
+
+
+def test_hub_ids_resolve_from_the_cache_and_offline_misses_say_how_to_download(tmp_path, monkeypatch):
+    from flowforge.models import build_adapter, looks_like_hub_id, resolve_model_path
+    from flowforge.runtime.errors import UserError
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = _fake_hub_cache(tmp_path / "hub", "org/model")
+    assert resolve_model_path("org/model") == str(snapshot)
+    assert preflight(load_config(None, ["model.path=org/model"]), world_size=1).warnings == ()
+    with pytest.raises(UserError) as err:
+        resolve_model_path("org/other")
+    assert str(err.value) == ("model.path='org/other': a Hub id that is not in the local Hugging Face cache, and "
+                              "HF_HUB_OFFLINE=1 forbids downloading it; download it with `hf download org/other "
+                              "--local-dir DIR` (older huggingface_hub: `huggingface-cli download org/other "
+                              "--local-dir DIR`), then set model.path=DIR")
+    with pytest.raises(UserError, match="org/other"):  # what `train` reaches (through build_adapter)
+        build_adapter("sd3", "org/other")
+    assert [looks_like_hub_id(p) for p in ("org/name", "a.b/c-d_e", "/abs/x", "./a/b", "a/b/c", "demo:base",
+                                           "a--b/c", "a/..b", str(tmp_path))] == [True, True] + [False] * 7
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)  # a path on disk is a path
+
+
+def test_unknown_scorer_options_and_distributed_dtypes_name_the_key():
+    problems = _problems("reward.options={digit: {foo: 1, bar: 2}}", "distributed.param_dtype=fp8")
+    assert "reward.options.digit: unknown options ['bar', 'foo']; allowed: ['model', 'batch_size']" in problems
+    assert "distributed.param_dtype='fp8' is not one of ['float32', 'bfloat16', 'float16']" in problems
+
+
+def test_directories_that_are_files_are_refused(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    problems = _problems(f"run.output_dir={a_file}", f"data.cache_dir={a_file}")
+    assert f"run.output_dir: {a_file} is a file, not a directory; choose another run.output_dir" in problems
+    assert any(p.startswith("data.cache_dir: ") for p in problems)
+
+
+# ------------------------------------------------------------------------------------------------ after loading
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_model_dir):
+    from flowforge.models import build_adapter
+
+    return build_adapter("sd3", str(tiny_model_dir))
+
+
+def _loaded_problems(adapter, *overrides):
+    from flowforge.runtime.errors import UserError
+    from flowforge.train.preflight import check_loaded_model
+
+    with pytest.raises(UserError) as err:
+        check_loaded_model(load_config(None, list(overrides)), adapter, world_size=1)
+    assert err.value.what == "after loading model.path='demo:base'"
+    return err.value.why
+
+
+def test_after_loading_targets_and_sizes_are_checked(tiny_adapter):
+    from flowforge.train.preflight import check_loaded_model
+
+    check_loaded_model(load_config(None, []), tiny_adapter)  # the defaults fit
+    check_loaded_model(load_config(None, ["lora.targets=[attn.to_q, to_v]"]), tiny_adapter)
+    why = _loaded_problems(tiny_adapter, "lora.targets=[attn.to_q, to_qq]")
+    assert why.startswith("lora.targets entry 'to_qq' matches no module of SD3Transformer2DModel; the adapter's "
+                          "default targets are [")
+    why = _loaded_problems(tiny_adapter, "lora.targets=[attn]")
+    assert "lora.targets entry 'attn' matches only ['Attention'] modules" in why and "Linear" in why
+    why = _loaded_problems(tiny_adapter, "model.height=30", "model.width=32")
+    assert why.startswith("model.height=30 / model.width=32 do not fit this model: height and width must be "
+                          "positive multiples of 4")
+    why = _loaded_problems(tiny_adapter, "lora.targets=[nope]", "model.width=31")  # every problem at once
+    assert "model.width=31" in why and "'nope'" in why
+
+
+def test_after_loading_memory_uses_the_real_latent_and_lora_sizes(tiny_adapter, monkeypatch):
+    from flowforge.objectives import trained_steps_for
+    from flowforge.train import preflight as pf
+
+    cfg = load_config(None, ["lora.rank=4"])
+    layers = pf._target_problems(cfg, tiny_adapter, [])
+    assert layers and all(hasattr(m, "in_features") for m in layers)
+    need = pf.loaded_memory_bytes(cfg, (1, 32, 32), layers, 1)
+    stored = len(trained_steps_for(cfg.sampler, 0, 0))
+    lora = sum(4 * (m.in_features + m.out_features) for m in layers) * 16
+    assert need == 32 * 1024 * 4 * (1 + 2 * stored) + 32 * 1024 * 4 + lora
+    monkeypatch.setattr(pf, "memory_limit", lambda device, available=False: (need - 1, "available RAM"))
+    why = _loaded_problems(tiny_adapter, "lora.rank=4")
+    assert why.startswith("one step needs at least") and "latents [1, 32, 32]" in why and "available RAM" in why

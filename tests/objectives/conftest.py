@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.test_trainer import tiny_cfg
+from tests.train.test_trainer import tiny_cfg
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.test_trainer import one_step, train_batch
+from tests.train.test_trainer import one_step, train_batch
 
 
 def test_awm_first_update_ratio_is_one_and_old_resyncs(make):

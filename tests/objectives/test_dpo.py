@@ -1,6 +1,6 @@
 """Online Diffusion-DPO on the real loop: each group's best and worst candidates form the pair."""
 
-from tests.test_trainer import one_step, train_batch
+from tests.train.test_trainer import one_step, train_batch
 
 
 def test_dpo_pairs_best_and_worst_of_each_group(make):

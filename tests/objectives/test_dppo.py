@@ -5,7 +5,7 @@ import math
 import pytest
 
 from flowforge.config import ConfigError, load_config
-from tests.test_trainer import one_step, read_jsonl, train_batch
+from tests.train.test_trainer import one_step, read_jsonl, train_batch
 
 
 def test_dppo_first_update_ratio_is_one_and_nothing_masked(make):

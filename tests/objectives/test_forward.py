@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import torch
 
-from tests.test_trainer import one_step, train_batch
+from tests.train.test_trainer import one_step, train_batch
 
 
 def test_group_objectives_share_noise_within_groups(make):

@@ -1,6 +1,6 @@
 """GRPO-Guard on the real loop: the rollout stores transition means and the first update's ratio is exactly 1."""
 
-from tests.test_trainer import one_step, train_batch
+from tests.train.test_trainer import one_step, train_batch
 
 
 def test_grpo_guard_first_update_ratio_is_one(make):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowforge.algorithms.advantages import nft_optimality
-from tests.test_trainer import one_step, train_batch
+from tests.train.test_trainer import one_step, train_batch
 
 
 def test_nft_two_step_smoke(make):

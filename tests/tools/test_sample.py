@@ -11,7 +11,7 @@ from flowforge.cli import main
 from flowforge.rollout import candidate_noise, decode_media, generate
 from flowforge.tools.export import export_run
 from flowforge.tools.sample import load_for_sampling, read_prompts, run_sample, sample
-from tests.test_trainer import tiny_cfg
+from tests.train.test_trainer import tiny_cfg
 
 PROMPT = "a handwritten seven"
 
@@ -132,7 +132,7 @@ def test_every_family_samples_from_a_run_and_a_merged_export(family, tmp_path):
     import diffusers
 
     from flowforge.train.trainer import Trainer
-    from tests.test_families_loop import PIPELINES, SIZES, _components, family_cfg
+    from tests.train.test_families_loop import PIPELINES, SIZES, _components, family_cfg
 
     base = tmp_path / "base"
     getattr(diffusers, PIPELINES[family])(**_components(family)).save_pretrained(str(base))

@@ -335,7 +335,7 @@ def test_grid_sidecar_matches_the_grid(tmp_path):
 def test_trainer_eval_writes_captioned_grids(tiny_model_dir, encode_cache_dir, tmp_path):
     """A real 2-step run: every eval grid has its sidecar (prompt and score of each cell), and the report shows
     them captioned."""
-    from tests.test_trainer import tiny_cfg
+    from tests.train.test_trainer import tiny_cfg
     from flowforge.train.trainer import Trainer
 
     run = Trainer(tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, "eval.samples_per_prompt=2"),

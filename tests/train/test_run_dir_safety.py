@@ -18,8 +18,8 @@ from flowforge.train import checkpoint as ckpt
 from flowforge.train.run_dir import check_artifacts_root
 from flowforge.train.sidecars import SidecarWriter, complete_steps
 from flowforge.train.trainer import Trainer
-from tests.test_sidecars import make_batch
-from tests.test_trainer import tiny_cfg
+from tests.train.test_sidecars import make_batch
+from tests.train.test_trainer import tiny_cfg
 
 
 def tree_hash(root):

@@ -172,7 +172,7 @@ def test_run_logging_writes_the_file_and_undoes_itself(tmp_path):
 
 def test_tiny_run_logs_to_every_tracker_and_train_log(tiny_model_dir, tmp_path, encode_cache_dir, wandb_offline):
     from flowforge.train.trainer import Trainer
-    from tests.test_trainer import tiny_cfg
+    from tests.train.test_trainer import tiny_cfg
 
     cfg = tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, "metrics.trackers=[jsonl,tensorboard,wandb]",
                    "metrics.log_every=1")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_families_loop import _components, family_cfg, image_prompt_files, train_and_check
+from tests.train.test_families_loop import _components, family_cfg, image_prompt_files, train_and_check
 
 FAMILIES = {"flux": ("FluxKontextPipeline", {}, 3.5), "qwen_image": ("QwenImageEditPipeline", {"edit": True}, 4.0)}
 """family -> (diffusers i2i pipeline, tiny-component options, GRPO guidance)."""

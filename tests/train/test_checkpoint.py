@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from flowforge.train import checkpoint as ckpt
 from flowforge.train.checkpoint_manager import check_contract
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STATE = {"step": 0, "optimizer_steps": 0, "sampler": {"epoch": 1, "cursor": 4, "steps": 3}}
 
 

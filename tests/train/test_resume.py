@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flowforge.train import checkpoint as ckpt
-from tests.test_trainer import tiny_cfg
+from tests.train.test_trainer import tiny_cfg
 from flowforge.train.trainer import Trainer
 
 

@@ -273,9 +273,9 @@ def test_bring_your_own_factory_gets_task_only_if_it_takes_it(monkeypatch):
     import flowforge.models as models
 
     monkeypatch.setattr(models, "FlowModel", object)  # these stand-ins are not FlowModels; only the call matters
-    old = models.build_adapter("tests.test_families_loop:OldStyleLoader", "p", task="i2v", dtype="d", device="c")
+    old = models.build_adapter("tests.train.test_families_loop:OldStyleLoader", "p", task="i2v", dtype="d", device="c")
     assert old.args == ("p", "d", "c")
-    new = models.build_adapter("tests.test_families_loop:NewStyleLoader", "p", task="i2v", dtype="d", device="c")
+    new = models.build_adapter("tests.train.test_families_loop:NewStyleLoader", "p", task="i2v", dtype="d", device="c")
     assert new.task == "i2v" and new.args == ("p", "d", "c")
 
 
@@ -312,15 +312,15 @@ def test_adapter_class_registry_declares_tasks_without_loading_weights():
     assert {n: adapter_tasks(n) for n in ADAPTER_CLASSES} == {
         "sd3": ("t2i",), "flux": ("t2i", "i2i"), "qwen_image": ("t2i", "i2i"), "wan": ("t2v", "i2v"),
         "world_model": ("i2v",)}
-    assert adapter_tasks("tests.test_families_loop:VideoOnlyAdapter") == ("t2v",)
-    assert adapter_tasks("tests.test_families_loop:UndeclaredAdapter") is None
+    assert adapter_tasks("tests.train.test_families_loop:VideoOnlyAdapter") == ("t2v",)
+    assert adapter_tasks("tests.train.test_families_loop:UndeclaredAdapter") is None
     with pytest.raises(ValueError, match="allowed"):
         adapter_class("nope")
 
 
 @pytest.mark.parametrize("adapter,task,frames", [("flux", "t2v", 5), ("qwen_image", "t2v", 5), ("sd3", "t2v", 5),
                                                  ("wan", "t2i", None),
-                                                 ("tests.test_families_loop:VideoOnlyAdapter", "t2i", None)])
+                                                 ("tests.train.test_families_loop:VideoOnlyAdapter", "t2i", None)])
 def test_preflight_rejects_a_task_the_adapter_cannot_run(adapter, task, frames):
     from flowforge.models import adapter_tasks
 
@@ -332,7 +332,7 @@ def test_preflight_rejects_a_task_the_adapter_cannot_run(adapter, task, frames):
 
 @pytest.mark.parametrize("adapter,task,frames", [("sd3", "t2i", None), ("flux", "t2i", None), ("flux", "i2i", None),
                                                  ("qwen_image", "i2i", None), ("wan", "t2v", 5),
-                                                 ("tests.test_families_loop:VideoOnlyAdapter", "t2v", 5)])
+                                                 ("tests.train.test_families_loop:VideoOnlyAdapter", "t2v", 5)])
 def test_preflight_accepts_a_task_the_adapter_runs(adapter, task, frames):
     report = _preflight(f"model.adapter={adapter}", f"model.task={task}",
                         f"model.frames={'null' if frames is None else frames}")
@@ -344,7 +344,7 @@ def test_preflight_task_check_edges():
     _preflight("model.adapter=wan", "model.task=i2v", "model.frames=5")
     assert "the first frame is the condition image" in _task_problems("model.adapter=wan", "model.task=i2v",
                                                                        "model.frames=1")[0]
-    (problem,) = _task_problems("model.adapter=tests.test_families_loop:ImageTaskWithoutEncoder", "model.task=i2v",
+    (problem,) = _task_problems("model.adapter=tests.train.test_families_loop:ImageTaskWithoutEncoder", "model.task=i2v",
                                 "model.frames=5")
     assert "has no condition_on_images" in problem
     # frames must match the task
@@ -354,5 +354,5 @@ def test_preflight_task_check_edges():
     # unknown / unimportable adapters are reported, a class without `tasks` only warned about
     assert "unknown model adapter 'nope'" in _task_problems("model.adapter=nope")[0]
     assert "cannot import module" in _task_problems("model.adapter=no_such_pkg.mod:Cls")[0]
-    report = _preflight("model.adapter=tests.test_families_loop:UndeclaredAdapter")
+    report = _preflight("model.adapter=tests.train.test_families_loop:UndeclaredAdapter")
     assert any("declares no class-level `tasks`" in w for w in report.warnings)

@@ -13,7 +13,7 @@ import torch
 
 from flowforge.objectives import TrainBatch
 from tests.models.test_wan_i2v_clip import with_clip
-from tests.test_families_loop import _components, family_cfg, image_prompt_files, train_and_check
+from tests.train.test_families_loop import _components, family_cfg, image_prompt_files, train_and_check
 
 LAYOUTS = ["pin", "concat", "concat_clip"]
 
