@@ -229,7 +229,7 @@ def test_model_path_missing_here_is_a_problem_and_an_uncached_hub_id_a_warning(t
     (warning,) = [w for w in warnings if w.startswith("model.path=")]
     assert "looks like a Hub id that is not in the local Hugging Face cache" in warning
     assert "hf download some-org/some-model --local-dir DIR" in warning
-    # a bring-your-own adapter decides what its path means; a config for another machine is not checked here
+    # a config for another machine is not checked against this one
     preflight(load_config(None, [f"model.path={tmp_path / 'x'}"]), world_size=1, this_machine=False)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import math
 import shutil
@@ -93,36 +92,6 @@ def resolve_lora_targets(vlm: nn.Module, suffixes: Sequence[str]) -> list[str]:
     if vision:
         raise ValueError(f"LoRA targets {vision[:3]} lie under the vision tower")
     return targets
-
-
-def chat_from_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
-    """OpenAI chat messages (``text`` / ``image_url`` data-URL parts) -> the processor's chat format (``{"type":
-    "image"}`` placeholders) and the PIL images in order.
-
-    Raises:
-        ValueError: an unknown part type, a non-data URL, or image bytes that do not decode.
-    """
-    from PIL import Image
-
-    chat, images = [], []
-    for message in messages:
-        content = message.get("content")
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-        converted = []
-        for part in parts:
-            if part.get("type") == "text":
-                converted.append({"type": "text", "text": part.get("text", "")})
-            elif part.get("type") == "image_url":
-                data = P.decode_data_url((part.get("image_url") or {}).get("url", ""))
-                try:
-                    images.append(Image.open(io.BytesIO(data)).convert("RGB"))
-                except OSError as exc:
-                    raise ValueError(f"an image_url does not hold a readable image: {exc}") from None
-                converted.append({"type": "image"})
-            else:
-                raise ValueError(f"unknown content part type {part.get('type')!r}")
-        chat.append({"role": message.get("role", "user"), "content": converted})
-    return chat, images
 
 
 def _end_of_turn(processor: Any) -> str:
@@ -261,7 +230,7 @@ class VLMJsonStudent:
     # ------------------------------------------------------------------------------------------------ examples
     def encode_prompt(self, messages: Sequence[dict]) -> dict[str, Tensor]:
         """The processor's tensors (batch 1) for ``messages`` + the generation prompt."""
-        chat, images = chat_from_messages(messages)
+        chat, images = P.chat_from_messages(messages)
         text = self.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         return dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
 

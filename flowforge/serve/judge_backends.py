@@ -195,28 +195,8 @@ class HFVisionLanguageBackend:
         self._lock = threading.Lock()
 
     def _chat(self, messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
-        """OpenAI messages -> the processor's chat format (``{"type": "image"}`` parts) and the PIL images."""
-        from PIL import Image
-
-        chat, images = [], []
-        for message in messages:
-            content = message.get("content")
-            parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-            converted = []
-            for part in parts:
-                if part.get("type") == "text":
-                    converted.append({"type": "text", "text": part.get("text", "")})
-                elif part.get("type") == "image_url":
-                    data = P.decode_data_url((part.get("image_url") or {}).get("url", ""))
-                    try:
-                        images.append(Image.open(io.BytesIO(data)).convert("RGB"))
-                    except OSError as exc:
-                        raise ValueError(f"an image_url does not hold a readable image: {exc}") from None
-                    converted.append({"type": "image"})
-                else:
-                    raise ValueError(f"unknown content part type {part.get('type')!r}")
-            chat.append({"role": message.get("role", "user"), "content": converted})
-        return chat, images
+        """OpenAI messages -> the processor's chat format and the PIL images (:func:`P.chat_from_messages`)."""
+        return P.chat_from_messages(messages)
 
     def complete(self, messages: Sequence[dict], *, max_tokens: int | None = None, temperature: float = 0.0,
                  seed: int | None = None) -> Completion:

@@ -1,25 +1,29 @@
 """Every failure of the command line is one clear line: ``error: <what>: <why>; <fix>`` on stderr, exit 2, no
 traceback (``--debug`` / ``FLOWFORGE_DEBUG=1`` show it). The catalogue below is one table: a case is one line
 ``(args, must_mention)``; ``{placeholders}`` in the args are paths from :func:`places`, and every case checks that the
-run directory it may name is byte-identical afterwards.
+run directory and the scratch directory (every other input, and where a refused ``train`` would have written) are
+byte-identical afterwards.
+
+Each case runs the real command line in a subprocess. Config values go through ``flowforge check`` (no model load);
+what needs a model or a checkpoint goes through ``train`` / ``export`` with the tiny model and the prepared LoRA run
+(:func:`places`). The whole table takes about 1.5 s a case on 2 cores (interpreter + torch start-up).
 
 Add a case: append ``pytest.param([...args], ["text the error must contain"], id="short-name")`` to ``CASES``.
 """
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.tools.test_export import tree_digest
+from tests.tools.test_export import _refresh_manifest, tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "digits" / "grpo.yaml")
-NEEDS_PREFLIGHT_FIX = pytest.mark.xfail(strict=True, reason="preflight treats an unreadable prompt file as absent "
-                                        "(a warning, exit 0); the preflight owner's fix for issue 11 makes this pass: "
-                                        "then drop this mark")
 
 
 def run_cli(args, cwd, env=None, in_process=False):
@@ -87,11 +91,57 @@ def assert_usage_error(rc, stderr, must_mention=()):
         assert text in lines[-1], (text, lines[-1])
 
 
+def _prompt_rows(n, start=0):
+    return "".join(json.dumps({"prompt": f"a digit {i}", "metadata": {"task": "t2i", "sample_id": f"s{i}"}}) + "\n"
+                   for i in range(start, start + n))
+
+
+def _bad_prompt_files(tmp):
+    """Prompt files that must each fail in one line naming the file (and the line)."""
+    (tmp / "latin1.jsonl").write_bytes(_prompt_rows(2).encode() + '{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    (tmp / "badjson.jsonl").write_text(_prompt_rows(1) + '{"prompt": "x", \n')
+    (tmp / "empty.jsonl").write_text("\n\n")
+    (tmp / "dup.jsonl").write_text(_prompt_rows(2) + _prompt_rows(1))
+    (tmp / "two.jsonl").write_text(_prompt_rows(2))
+    (tmp / "extra_key.jsonl").write_text('{"prompt": "x", "metadata": {"task": "t2i", "sample_id": "a"}, "y": 1}\n')
+    (tmp / "bad_task.jsonl").write_text('{"prompt": "x", "metadata": {"task": "t2x", "sample_id": "a"}}\n')
+    (tmp / "i2v.jsonl").write_text('{"prompt": "x", "metadata": {"task": "i2v", "sample_id": "a", "image": "no.png"}}\n')
+    os.mkfifo(tmp / "fifo.jsonl")
+    (tmp / "loop.jsonl").symlink_to(tmp / "loop.jsonl")
+    (tmp / "dangling.jsonl").symlink_to(tmp / "nowhere.jsonl")
+
+
+def _damaged_runs(run, tmp):
+    """Copies of the prepared LoRA run, each with one thing wrong (``ck_*``)."""
+    def copy(name):
+        return Path(shutil.copytree(run, tmp / name))
+
+    step = Path("checkpoints") / "step_000001"
+    weights = copy("ck_flipped") / step / "weights" / "live.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = bytes(b ^ 0xFF for b in data[-8:])  # same size: only the sha256 can tell
+    weights.write_bytes(bytes(data))
+    (copy("ck_uncommitted") / step / "COMMITTED").unlink()
+    (copy("ck_badmarker") / step / "COMMITTED").write_text("{garbage")
+    shutil.rmtree(copy("ck_nockpt") / "checkpoints")
+    (copy("ck_badconfig") / "config.yaml").write_text("train: {lr: [\n")
+    (copy("ck_missing_file") / step / "trainer_state.json").unlink()
+    zeroed = copy("ck_zeroed_opt") / step
+    (zeroed / "optimizer.pt").write_bytes(b"\0" * (zeroed / "optimizer.pt").stat().st_size)
+    _refresh_manifest(zeroed)  # the checksums agree: what is read must say what is wrong with it
+    state = copy("ck_badstate") / step
+    (state / "trainer_state.json").write_text("{not json")
+    _refresh_manifest(state)
+
+
 @pytest.fixture(scope="module")
 def places(cli_run, tiny_model_dir, tmp_path_factory):
     """The paths the ``{placeholders}`` name: ``run`` (a LoRA run) and ``run_parent``, ``base`` (its base model),
-    ``cwd`` (empty; the CLI runs here), ``example`` (examples/digits/grpo.yaml), and ``tmp``, a scratch directory
-    holding bad input files (garbage / non-mapping / binary YAML, a symlink loop, a non-export directory, ...)."""
+    ``cwd`` (empty; the CLI runs here), ``example`` (examples/digits/grpo.yaml), ``run_config`` (the run's
+    config.yaml: the tiny base model, the session's encoding cache), ``ckpt`` (the run's committed checkpoint), and
+    ``tmp``, a scratch directory holding bad input files (garbage / non-mapping / binary YAML, bad prompt files, a
+    symlink loop, a FIFO, a non-export directory, damaged copies of the run ``ck_*``, a model directory with
+    garbage weights, ...)."""
     tmp = tmp_path_factory.mktemp("cli_errors")
     (tmp / "cwd").mkdir()
     (tmp / "garbage.yaml").write_text("train: {lr: [1e-4\nmodel: :\n")
@@ -101,13 +151,23 @@ def places(cli_run, tiny_model_dir, tmp_path_factory):
     (tmp / "wrong_type.yaml").write_text("train: {steps: many}\n")
     (tmp / "two_problems.yaml").write_text("train: {lrr: 1e-4, steps: many}\n")
     (tmp / "config_dir.yaml").mkdir()
-    (tmp / "loop.jsonl").symlink_to(tmp / "loop.jsonl")
     (tmp / "foreign").mkdir()
     (tmp / "foreign" / "precious.txt").write_text("keep")
     (tmp / "a_file").write_text("keep")
     (tmp / "not_a_run").mkdir()
+    _bad_prompt_files(tmp)
+    _damaged_runs(cli_run, tmp)
+    broken = Path(shutil.copytree(tiny_model_dir, tmp / "broken_model"))
+    weights = broken / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(b"\x07" * weights.stat().st_size)
     return {"run": str(cli_run), "run_parent": str(cli_run.parent), "base": str(tiny_model_dir), "tmp": str(tmp),
-            "cwd": str(tmp / "cwd"), "example": EXAMPLE}
+            "cwd": str(tmp / "cwd"), "example": EXAMPLE, "run_config": str(cli_run / "config.yaml"),
+            "ckpt": str(cli_run / "checkpoints" / "step_000001")}
+
+
+TRAIN = ["train", "{run_config}", "run.output_dir={tmp}", "run.name=refused", "--no-progress"]
+"""A `train` of the tiny model (cache outside the scratch directory) into {tmp}/refused, which a refused run must
+not leave behind."""
 
 
 CASES = [
@@ -128,10 +188,11 @@ CASES = [
     pytest.param(["compare", "{tmp}/missing.yaml"], ["missing.yaml"], id="compare-file-missing"),
     pytest.param(["report", "{tmp}/no_such_run"], ["no_such_run"], id="report-missing-run"),
     # --- prompt files given as data.prompts (issue 11: "/dev/null ... gives 'does not exist'") ---
-    pytest.param(["check", "{example}", "data.prompts=/dev/null"], ["/dev/null", "data.prompts"],
-                 id="prompts-dev-null", marks=NEEDS_PREFLIGHT_FIX),
-    pytest.param(["check", "{example}", "data.prompts={tmp}/loop.jsonl"], ["loop.jsonl", "data.prompts"],
-                 id="prompts-symlink-loop", marks=NEEDS_PREFLIGHT_FIX),
+    pytest.param(["check", "{example}", "data.prompts=/dev/null"], ["/dev/null", "data.prompts",
+                                                                    "not a regular file"], id="prompts-dev-null"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/loop.jsonl"], ["loop.jsonl", "data.prompts",
+                                                                           "symbolic links"],
+                 id="prompts-symlink-loop"),
     pytest.param(["check", "{example}", "data.prompts={tmp}"], ["data.prompts"], id="prompts-directory"),
     # --- export: OUT would destroy data (issue 11 reproductions) ---
     pytest.param(["export", "{run}", "{run}", "--form", "adapter", "--overwrite"], ["run directory"],
@@ -161,16 +222,136 @@ CASES = [
                  ["no_base", "--base"], id="export-base-missing"),
     pytest.param(["export", "{run}", "{tmp}/o5", "--form", "merged", "--base", "{tmp}/foreign"],
                  ["foreign", "base model"], id="export-base-wrong"),
+    # --- config values that passed `check` and crashed later (issue 11); `check` loads no model ---
+    *[pytest.param(["check", "{example}", override], [key], id=f"value-{key}-{ident}") for override, key, ident in [
+        ("grpo.clip_low=.nan", "grpo.clip_low", "nan"),
+        ("grpo.clip_high=.inf", "grpo.clip_high", "inf"),
+        ("advantage.clip=-1", "advantage.clip", "negative"),
+        ("run.seed=-1", "run.seed", "negative"),
+        ("reward.weights={digit: .nan}", "reward.weights.digit", "nan"),
+        ("reward.options={digit: {foo: 1}}", "reward.options.digit", "unknown-option"),
+        ("eval.max_prompts=0", "eval.max_prompts", "zero"),
+        ("eval.max_prompts=-1", "eval.max_prompts", "negative"),
+        ("data.prompts_per_step=1000", "data.prompts_per_step", "more-than-the-file"),
+        ("run.device=gpu", "run.device", "not-a-device"),
+        ("data.group_size=1000000000", "data.group_size", "exhausts-memory"),
+        ("eval.samples_per_prompt=100000000", "eval.samples_per_prompt", "exhausts-memory"),
+        ("run.name=../escape", "run.name", "parent"),
+        ("run.name=/abs/name", "run.name", "absolute"),
+        ("run.name=''", "run.name", "empty"),
+        ("train.lr=.inf", "train.lr", "inf"),
+        ("sampler.noise_level=.nan", "sampler.noise_level", "nan"),
+        ("train.adam_betas=[0.9, 1.5]", "train.adam_betas", "range"),
+        ("sampler.num_steps=100000", "sampler.num_steps", "huge"),
+        ("model.height=0", "model.height", "zero"),
+        ("lora.rank=0", "lora.rank", "zero"),
+        ("distributed.param_dtype=fp8", "distributed.param_dtype", "unknown"),
+        ("sampler.trained_indices=[9]", "sampler.trained_indices", "last-step"),
+        ("train.micro_batch_size=7", "train.micro_batch_size", "divisibility"),
+        ("model.path=demo:nope", "model.path", "unknown-demo"),
+        ("model.path=/nonexistent/model", "model.path", "missing-dir"),
+        ("model.adapter=nope", "model.adapter", "unknown"),
+        ("data.cache_dir={tmp}/a_file", "data.cache_dir", "a-file"),
+        ("run.output_dir={tmp}/a_file", "run.output_dir", "a-file"),
+        ("lora.targets=['']", "lora.targets", "empty-name"),
+    ]],
+    pytest.param(["check", "{example}", "run.device=cuda"], ["run.device", "no CUDA device"], id="value-cuda-here",
+                 marks=pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="CUDA is here")),
+    pytest.param(["check", "{example}", "train.algorithm=dppo", "dppo.delta=.nan"], ["dppo.delta"],
+                 id="value-dppo.delta-nan"),
+    # --- prompt files ---
+    pytest.param(["check", "{example}", "data.prompts={tmp}/latin1.jsonl"], ["data.prompts", "latin1.jsonl:3",
+                                                                             "UTF-8"], id="prompts-not-utf8"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/badjson.jsonl"], ["badjson.jsonl:2", "JSON"],
+                 id="prompts-bad-json-row"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/empty.jsonl"], ["empty.jsonl", "no prompt rows"],
+                 id="prompts-empty"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/fifo.jsonl"], ["fifo.jsonl", "named pipe"],
+                 id="prompts-fifo"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/dup.jsonl"], ["dup.jsonl:3", "sample_id"],
+                 id="prompts-duplicate-id"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/extra_key.jsonl"], ["extra_key.jsonl:1", "'y'"],
+                 id="prompts-unknown-key"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/bad_task.jsonl"], ["bad_task.jsonl:1", "metadata.task"],
+                 id="prompts-unknown-task"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/two.jsonl"], ["data.prompts_per_step", "2 prompts"],
+                 id="prompts-fewer-than-a-step"),
+    pytest.param(["check", "{example}", "data.eval_prompts=/dev/null"], ["data.eval_prompts", "/dev/null"],
+                 id="eval-prompts-dev-null"),
+    pytest.param(["check", "{example}", "data.prompts={tmp}/i2v.jsonl"], ["data.prompts"], id="prompts-other-task"),
+    pytest.param(["check", "{example}", "data.prompts=demo:nope"], ["demo:nope"], id="prompts-unknown-demo"),
+    pytest.param([*TRAIN, "data.prompts={tmp}/dangling.jsonl"], ["dangling.jsonl", "does not exist"],
+                 id="train-prompts-dangling-symlink"),
+    # --- model directories (`train`: caught at load, or right after it, before anything is written) ---
+    pytest.param([*TRAIN, "model.path={tmp}/foreign"], ["foreign"], id="model-dir-not-a-model"),
+    pytest.param([*TRAIN, "model.path={tmp}/a_file"], ["a_file"], id="model-dir-is-a-file"),
+    pytest.param([*TRAIN, "model.path=no-such-org/no-such-model"], ["model.path", "hf download"],
+                 id="model-hub-id-offline"),
+    pytest.param([*TRAIN, "lora.targets=[attn.to_q, to_qq]"], ["lora.targets", "'to_qq'"],
+                 id="model-lora-target-matches-nothing"),
+    pytest.param([*TRAIN, "lora.targets=[attn]"], ["lora.targets", "Attention"], id="model-lora-target-not-linear"),
+    pytest.param([*TRAIN, "model.height=30"], ["model.height=30", "multiples of 4"], id="model-size-not-patch-multiple"),
+    # --- checkpoints (resume and export read them) ---
+    pytest.param([*TRAIN, "train.resume={tmp}/ck_flipped/checkpoints/step_000001"], ["live.safetensors", "sha256"],
+                 id="resume-flipped-bytes"),
+    pytest.param([*TRAIN, "train.resume={tmp}/ck_uncommitted/checkpoints/step_000001"], ["COMMITTED"],
+                 id="resume-uncommitted"),
+    pytest.param([*TRAIN, "train.resume={tmp}/no_checkpoint_here"], ["no_checkpoint_here"], id="resume-missing"),
+    pytest.param([*TRAIN, "train.resume={tmp}/ck_zeroed_opt/checkpoints/step_000001"], ["optimizer.pt"],
+                 id="resume-zeroed-optimizer"),
+    pytest.param([*TRAIN, "train.resume={tmp}/ck_badstate/checkpoints/step_000001"], ["trainer_state.json", "JSON"],
+                 id="resume-garbage-trainer-state"),
+    pytest.param([*TRAIN, "train.resume={ckpt}", "lora.rank=8"], ["lora.rank"], id="resume-other-lora-rank"),
+    pytest.param(["export", "{tmp}/ck_flipped", "{tmp}/o6", "--form", "adapter"], ["live.safetensors", "sha256"],
+                 id="export-flipped-bytes"),
+    pytest.param(["export", "{tmp}/ck_uncommitted", "{tmp}/o7", "--form", "adapter"], ["ck_uncommitted"],
+                 id="export-no-committed-checkpoint"),
+    pytest.param(["export", "{tmp}/ck_badmarker", "{tmp}/o8", "--form", "adapter"], ["COMMITTED"],
+                 id="export-garbage-manifest"),
+    pytest.param(["export", "{tmp}/ck_nockpt", "{tmp}/o9", "--form", "adapter"], ["ck_nockpt"],
+                 id="export-no-checkpoints"),
+    pytest.param(["export", "{tmp}/ck_badconfig", "{tmp}/o10", "--form", "adapter"], ["config.yaml"],
+                 id="export-garbage-config"),
+    pytest.param(["export", "{tmp}/ck_missing_file", "{tmp}/o11", "--form", "adapter"], ["trainer_state.json"],
+                 id="export-checkpoint-file-missing"),
+    # --- export arguments ---
+    pytest.param(["export", "{tmp}/no_such_run", "{tmp}/o12", "--form", "adapter"], ["no_such_run"],
+                 id="export-run-missing"),
+    pytest.param(["export", "{run}", "{run}/sub/out", "--form", "adapter"], ["run directory"],
+                 id="export-out-inside-run"),
+    pytest.param(["export", "{run}", "{tmp}/o13", "--form", "adapter", "--step", "-1"], ["--step -1"],
+                 id="export-negative-step"),
+    pytest.param(["export", "{run}", "{tmp}/o14", "--form", "merged", "--base", "{tmp}/a_file"], ["a_file"],
+                 id="export-base-is-a-file"),
+    # --- other verbs and command-line misuse that argparse cannot see ---
+    pytest.param(["check", "{example}", "=1"], ["=1"], id="override-empty-key"),
+    pytest.param(["check", "{example}", "train.lr=[1"], ["train.lr"], id="override-bad-yaml-literal"),
+    pytest.param(["check", "{example}", "train=1"], ["train"], id="override-section-as-value"),
+    pytest.param(["check", "{example}", "train.lr.x=1"], ["train.lr"], id="override-key-below-a-value"),
+    pytest.param(["sft", "{example}", "sft.steps=-1"], ["sft.steps"], id="sft-bad-value"),
+    pytest.param(["compare", "{example}"], ["grpo.yaml"], id="compare-a-run-config"),
+    pytest.param(["report", "{tmp}/a_file"], ["a_file"], id="report-a-file"),
+    pytest.param(["report", "{tmp}/not_a_run"], ["not_a_run"], id="report-not-a-run"),
+    pytest.param(["sample", "{tmp}/not_a_run", "--prompt", "a seven", "--out", "{tmp}/s.png"], ["not_a_run"],
+                 id="sample-not-a-run"),
 ]
 
 
 @pytest.mark.parametrize(("args", "must_mention"), CASES)
 def test_bad_input_is_one_line(places, args, must_mention):
     args = [a.format(**places) for a in args]
-    before = tree_digest(places["run"])
+    before = tree_digest(places["run"]), tree_digest(places["tmp"])
     rc, _, stderr = run_cli(args, places["cwd"])
     assert_one_line_error(rc, stderr, [m.format(**places) for m in must_mention])
-    assert tree_digest(places["run"]) == before
+    assert (tree_digest(places["run"]), tree_digest(places["tmp"])) == before
+
+
+def test_the_catalogue_covers_every_kind_of_input():
+    """At least 60 bad inputs, of every kind issue 11 names."""
+    ids = [p.id for p in CASES]
+    assert len(ids) >= 60 and len(set(ids)) == len(ids)
+    for prefix in ("config-", "value-", "prompts-", "model-", "resume-", "export-", "override-"):
+        assert any(i.startswith(prefix) for i in ids), prefix
 
 
 USAGE_CASES = [

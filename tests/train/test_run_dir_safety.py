@@ -1,7 +1,6 @@
 """Run-directory safety: ownership before deletion, one run per directory (refusal, --overwrite, lock), nothing written
 by a refused command, no writes through symlinks leading out, checkpoint checksums, the final checkpoint."""
 
-import hashlib
 import os
 import socket
 import subprocess
@@ -20,22 +19,10 @@ from flowforge.train.sidecars import SidecarWriter, complete_steps
 from flowforge.train.trainer import Trainer
 from tests.train.test_sidecars import make_batch
 from tests.train.test_trainer import tiny_cfg
+from tests.tools.test_export import tree_digest
 
 
-def tree_hash(root):
-    """sha256 over every path below ``root`` (names, link targets, file bytes): equal iff the tree is unchanged."""
-    h = hashlib.sha256()
-    for dirpath, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        for name in sorted(dirs + files):
-            p = os.path.join(dirpath, name)
-            h.update(os.path.relpath(p, root).encode() + b"\0")
-            if os.path.islink(p):
-                h.update(b"link:" + os.readlink(p).encode())
-            elif os.path.isfile(p):
-                with open(p, "rb") as f:
-                    h.update(f.read())
-    return h.hexdigest()
+tree_hash = tree_digest  # one tree digest for every byte-identical check
 
 
 def _save(run_dir, step, keep=5):

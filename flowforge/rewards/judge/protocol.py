@@ -42,6 +42,7 @@ import re
 import string
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -333,3 +334,33 @@ def repair_message(reason: str, labels: Sequence[str]) -> str:
 def scores_reply(scores: dict[str, float]) -> str:
     """The strict reply for ``label -> score in [0, 100]`` (what :func:`parse_scores` accepts)."""
     return json.dumps({label: float(value) for label, value in scores.items()}, allow_nan=False)
+
+
+def chat_from_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
+    """OpenAI chat messages (``text`` / ``image_url`` data-URL parts) -> the processor's chat format (``{"type":
+    "image"}`` placeholders) and the PIL images in order.
+
+    Raises:
+        ValueError: an unknown part type, a non-data URL, or image bytes that do not decode.
+    """
+    from PIL import Image
+
+    chat, images = [], []
+    for message in messages:
+        content = message.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        converted = []
+        for part in parts:
+            if part.get("type") == "text":
+                converted.append({"type": "text", "text": part.get("text", "")})
+            elif part.get("type") == "image_url":
+                data = decode_data_url((part.get("image_url") or {}).get("url", ""))
+                try:
+                    images.append(Image.open(io.BytesIO(data)).convert("RGB"))
+                except OSError as exc:
+                    raise ValueError(f"an image_url does not hold a readable image: {exc}") from None
+                converted.append({"type": "image"})
+            else:
+                raise ValueError(f"unknown content part type {part.get('type')!r}")
+        chat.append({"role": message.get("role", "user"), "content": converted})
+    return chat, images
