@@ -184,6 +184,9 @@ def test_unreadable_prompt_files_are_problems_not_absent(tmp_path):
     assert problem.startswith("data.eval_prompts: /dev/null: is not a regular file")
     report = preflight(load_config(None, [f"data.prompts={tmp_path / 'absent.jsonl'}"]), world_size=1)
     assert [w for w in report.warnings if "no such file on this machine" in w]
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "absent.jsonl")
+    (problem,) = _problems(f"data.prompts={tmp_path / 'dangling.jsonl'}")
+    assert problem.endswith(f"dangling.jsonl' is a symlink to '{tmp_path / 'absent.jsonl'}', which does not exist")
 
 
 def test_prompts_per_step_must_fit_the_prompt_file(tmp_path):
@@ -221,14 +224,21 @@ def test_model_path_missing_here_is_a_problem_and_an_uncached_hub_id_a_warning(t
     (problem,) = _problems(f"model.path={tmp_path / 'no_model'}")
     assert problem.startswith(f"model.path='{tmp_path / 'no_model'}' does not exist on this machine")
     assert "Hub id (org/name) or demo:base" in problem
+    (problem,) = _problems(f"model.path={tmp_path}")
+    assert problem.startswith(f"model.path='{tmp_path}' holds neither config.json nor transformer/config.json")
+    (tmp_path / "f").write_text("x")
+    (problem,) = _problems(f"model.path={tmp_path / 'f'}")
+    assert problem.startswith(f"model.path='{tmp_path / 'f'}' is a file")
     (problem,) = _problems("model.path=demo:nope")
     assert problem.startswith("model.path: unknown demo name 'demo:nope'")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online: training would download it
     warnings = preflight(load_config(None, ["model.path=some-org/some-model"]), world_size=1).warnings
     (warning,) = [w for w in warnings if w.startswith("model.path=")]
-    assert "looks like a Hub id that is not in the local Hugging Face cache" in warning
-    assert "hf download some-org/some-model --local-dir DIR" in warning
+    assert "looks like a Hub id that is not in the local Hugging Face cache; training downloads it" in warning
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: training here cannot get it
+    (problem,) = _problems("model.path=some-org/some-model")
+    assert "HF_HUB_OFFLINE is set" in problem and "hf download some-org/some-model --local-dir DIR" in problem
     # a config for another machine is not checked against this one
     preflight(load_config(None, [f"model.path={tmp_path / 'x'}"]), world_size=1, this_machine=False)
 
@@ -329,3 +339,13 @@ def test_after_loading_memory_uses_the_real_latent_and_lora_sizes(tiny_adapter, 
     monkeypatch.setattr(pf, "memory_limit", lambda device, available=False: (need - 1, "available RAM"))
     why = _loaded_problems(tiny_adapter, "lora.rank=4")
     assert why.startswith("one step needs at least") and "latents [1, 32, 32]" in why and "available RAM" in why
+
+
+def test_an_explicit_resume_path_must_be_a_committed_checkpoint(tmp_path):
+    (problem,) = _problems(f"train.resume={tmp_path / 'gone'}")
+    assert problem.startswith(f"train.resume='{tmp_path / 'gone'}': {tmp_path / 'gone'} does not exist")
+    (problem,) = _problems(f"train.resume={tmp_path}")
+    assert "has no COMMITTED marker" in problem and "train.resume=auto" in problem
+    (tmp_path / "COMMITTED").write_text("{}")  # the files' checksums are verified when training resumes
+    preflight(load_config(None, [f"train.resume={tmp_path}"]), world_size=1)
+    preflight(load_config(None, ["train.resume=auto"]), world_size=1)

@@ -7,7 +7,12 @@ and what is allowed). The *root* is a frozen dataclass whose fields are sections
 
 Precedence is defaults < YAML < ``section.key=value`` overrides. :func:`build` coerces a nested mapping into a
 dataclass and collects *every* problem (unknown keys with the allowed names, wrong types, values a section refuses)
-into one :class:`ConfigError`, so a user fixes a file in one round trip.
+into one :class:`ConfigError`, so a user fixes a file in one round trip. Every float value of every section, inside
+lists and mappings too, must be a number (NaN is refused) and finite unless its field is marked :data:`ALLOW_INF`
+(:func:`nonfinite_problems`, checked by :class:`Section` itself, so no section repeats it).
+
+:func:`fingerprint` and :func:`config_diff` compare configs key by key (``"section.key"``), leaving out keys that do
+not matter for the comparison (e.g. the resume-neutral keys of :mod:`flowforge.settings.sections`).
 
 This module imports only the standard library and PyYAML: configs are validated and dumped without torch.
 """

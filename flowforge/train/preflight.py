@@ -12,9 +12,9 @@ files against the task and ``data.prompts_per_step``, and each algorithm's own r
 algorithm properties are never listed a second time here).
 
 With ``this_machine=True`` (the default; ``flowforge check`` and ``train``) it also checks the config against this
-machine: ``run.device`` exists here, ``model.path`` is on disk (a Hub id not in the local cache is a warning), the
-output and cache directories are directories, and one step's decoded media -- a lower bound of what a step holds --
-fit in this machine's memory (so a huge ``data.group_size`` is refused with an estimate instead of hanging).
+machine: ``run.device`` exists, ``model.path`` is a model directory (a Hub id not in the local cache is a warning, a
+problem offline), output and cache directories are directories, an explicit ``train.resume`` is committed, and one
+step's decoded media (a lower bound) fit in memory: a huge ``data.group_size`` is refused with an estimate.
 
 What needs the loaded model -- the latent shape (``model.height`` / ``width`` / ``frames`` divisibility), LoRA
 targets that match no module, and the memory estimate with the real latent and LoRA sizes -- is checked by
@@ -141,10 +141,14 @@ def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str]) -> d
     counts: dict[str, int] = {}
     for name, source in (("data.prompts", cfg.data.prompts), ("data.eval_prompts", cfg.data.eval_prompts)):
         try:
-            records = load_prompts(resolve_prompt_path(source))
+            path = resolve_prompt_path(source)
+            records = load_prompts(path)
         except FileNotFoundError:
-            warnings.append(f"{name}={source!r}: no such file on this machine (checked again when training "
-                            "starts)")
+            if os.path.islink(path):  # a link to nothing is a broken input, not a file of another machine
+                problems.append(f"{name}={source!r} is a symlink to {os.readlink(path)!r}, which does not exist")
+            else:
+                warnings.append(f"{name}={source!r}: no such file on this machine (checked again when training "
+                                "starts)")
             continue
         except ValueError as exc:  # a bad row or image (file, line, field), or not a readable regular file
             problems.append(f"{name}: {one_line(str(exc))}")
@@ -248,7 +252,8 @@ def _device_problems(cfg: Config, problems: list[str]) -> None:
 
 def _model_path_problems(cfg: Config, problems: list[str], warnings: list[str], this_machine: bool) -> None:
     """``model.path``: a known demo name; for a registered family (a ``pkg.module:Class`` adapter decides what its
-    path means) and ``this_machine``, a path on disk, or a Hub id -- a warning when it is not in the local cache."""
+    path means) and ``this_machine``, a path on disk, or a Hub id -- a warning when it is not in the local cache
+    (training downloads it), a problem when it is not and ``HF_HUB_OFFLINE`` forbids the download."""
     from flowforge.demo.paths import is_demo_name, resolve_demo_path
     from flowforge.models import ADAPTERS, cached_hub_snapshot, download_hint, hub_offline, looks_like_hub_id
 
@@ -259,14 +264,28 @@ def _model_path_problems(cfg: Config, problems: list[str], warnings: list[str], 
         except ValueError as exc:
             problems.append(f"model.path: {exc}")
         return
-    if not this_machine or cfg.model.adapter not in ADAPTERS or os.path.exists(path):
+    if not this_machine or cfg.model.adapter not in ADAPTERS:
+        return
+    if os.path.exists(path):
+        # every registered family loads a transformer config.json, at the top (a bare transformer, a world model)
+        # or under transformer/ (a diffusers pipeline)
+        if not os.path.isdir(path):
+            problems.append(f"model.path={path!r} is a file; give a model directory (diffusers pipeline or "
+                            "transformer), a Hub id (org/name) or demo:base")
+        elif not any(os.path.isfile(os.path.join(path, *rel)) for rel in (("config.json",),
+                                                                          ("transformer", "config.json"))):
+            problems.append(f"model.path={path!r} holds neither config.json nor transformer/config.json: not a "
+                            "diffusers model directory; give the directory save_pretrained wrote")
         return
     if looks_like_hub_id(path):
-        if cached_hub_snapshot(path) is None:
-            then = (f"HF_HUB_OFFLINE is set, so training will fail: {download_hint(path)}" if hub_offline() else
-                    "training downloads it")
-            warnings.append(f"model.path={path!r} is not a directory here and looks like a Hub id that is not in the "
-                            f"local Hugging Face cache; {then}")
+        missing = (f"model.path={path!r} is not a directory here and looks like a Hub id that is not in the local "
+                   "Hugging Face cache")
+        if cached_hub_snapshot(path) is not None:
+            return
+        if hub_offline():  # training here cannot get it
+            problems.append(f"{missing}, and HF_HUB_OFFLINE is set; {download_hint(path)}")
+        else:
+            warnings.append(f"{missing}; training downloads it")
         return
     why = "cannot be reached (a symlink loop or a broken link)" if os.path.lexists(path) else "does not exist"
     problems.append(f"model.path={path!r} {why} on this machine; give a local diffusers directory, a Hub id "
@@ -282,6 +301,23 @@ def _directory_problems(cfg: Config, problems: list[str]) -> None:
             problems.append(f"{key}: {path} is a file, not a directory; choose another {key}")
 
 
+def _resume_problems(cfg: Config, problems: list[str]) -> None:
+    """An explicit ``train.resume`` path is a committed checkpoint directory (its files' checksums are verified when
+    training resumes: hashing a large checkpoint here would make ``check`` slow)."""
+    from flowforge.train.checkpoint import MARKER, is_committed
+
+    resume = cfg.train.resume
+    if resume in (None, "auto"):
+        return
+    path = Path(resume).expanduser()
+    fix = "give a committed checkpoint directory (<run>/checkpoints/step_N) or train.resume=auto"
+    if not path.exists():
+        problems.append(f"train.resume={resume!r}: {path} does not exist; {fix}")
+    elif not is_committed(path):
+        problems.append(f"train.resume={resume!r}: {path} has no {MARKER} marker (not a checkpoint directory, or an "
+                        f"interrupted or superseded write); {fix}")
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.3g} GiB" if nbytes < 2**50 else f"{nbytes / 2**50:.3g} PiB"
 
@@ -289,8 +325,8 @@ def _gib(nbytes: float) -> str:
 def memory_limit(device: str, available: bool = False) -> tuple[int, str] | None:
     """``(bytes, what)``: the memory of ``device`` -- a CUDA device's total (or free) memory, else this machine's
     RAM (its cgroup limit when lower; ``MemAvailable`` with ``available``). None when it cannot be told."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        index = torch.device(device).index or 0
+    if device.split(":")[0] == "cuda" and torch.cuda.is_available():
+        index = int(device.split(":")[1]) if device[5:].isdigit() else 0
         if available:
             return torch.cuda.mem_get_info(index)[0], f"free memory on {device}"
         return torch.cuda.get_device_properties(index).total_memory, f"memory on {device}"
@@ -344,12 +380,6 @@ def _memory_problems(cfg: Config, world: int, counts: dict[str, int], problems: 
                             "eval.samples_per_prompt")
 
 
-def _machine_problems(cfg: Config, world: int, counts: dict[str, int], problems: list[str]) -> None:
-    _device_problems(cfg, problems)
-    _directory_problems(cfg, problems)
-    _memory_problems(cfg, world, counts, problems)
-
-
 def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool = True) -> PreflightReport:
     """Check ``cfg`` as a whole (each section has checked its own values when it was built). Returns warnings;
     raises :class:`PreflightError` listing every error.
@@ -372,7 +402,9 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     _trained_step_problems(cfg, problems)
     _batch_problems(cfg, world, problems)
     if this_machine:
-        _machine_problems(cfg, world, counts, problems)
+        for check in (_device_problems, _directory_problems, _resume_problems):
+            check(cfg, problems)
+        _memory_problems(cfg, world, counts, problems)
     objective = OBJECTIVES.get(cfg.train.algorithm)
     if objective is not None:
         problems += objective.preflight_problems(cfg, world_size=world)
