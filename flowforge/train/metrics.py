@@ -2,7 +2,7 @@
 
 What and why
 ------------
-The loop (DESIGN §4) produces detached 0-d tensors in its hot paths (losses return ``(loss, metrics)``; no
+The loop (docs/architecture.md, "Data flow") produces detached 0-d tensors in its hot paths (losses return ``(loss, metrics)``; no
 ``.item()`` there). Once per step, :func:`to_scalars` turns the step's whole metric mapping into Python floats with a
 single host transfer per device, and :class:`MetricsLogger` appends them to ``<run_dir>/metrics.jsonl`` and
 the trackers (:mod:`flowforge.train.trackers`). Evaluation results go to ``<run_dir>/eval.jsonl``.
@@ -30,7 +30,7 @@ made visible by the mean pairwise RMS distance inside groups:
 Dividing by ``sqrt(D)`` makes it a root-mean-square per-element difference in pixel units: 0 for identical images,
 ``c`` for two images that differ by the constant ``c`` everywhere, at most 1; it does not depend on resolution.
 
-Run-directory files (DESIGN §6) are named by the constants below so writers and :mod:`flowforge.train.report` agree.
+Run-directory files (docs/architecture.md, "The run directory") are named by the constants below so writers and :mod:`flowforge.train.report` agree.
 """
 
 from __future__ import annotations
