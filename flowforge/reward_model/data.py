@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
-import torch
 from torch import Tensor
 
 from flowforge.orchestrate.ledger import text_cluster
@@ -156,19 +153,12 @@ def read_frame(path: str, sha256: str | None = None) -> bytes:
 
 
 def decode_frame(data: bytes) -> Tensor:
-    """Image bytes (JPEG / PNG) -> ``[3, H, W]`` float32 RGB in [0, 1].
+    """Image bytes (JPEG / PNG) -> ``[3, H, W]`` float32 RGB in [0, 1] (:func:`P.decode_image_bytes`).
 
     Raises:
         ValueError: not a readable image.
     """
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    except (UnidentifiedImageError, OSError) as exc:
-        raise ValueError(f"not a readable image: {exc}") from None
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+    return P.decode_image_bytes(data, "frame")
 
 
 def group_frames(group: JudgedGroup) -> tuple[list[bytes] | None, list[list[bytes]]]:

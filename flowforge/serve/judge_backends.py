@@ -10,7 +10,6 @@ serve (the server answers 422 with the message) and :class:`BackendError` to ans
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import threading
@@ -44,20 +43,12 @@ class BackendError(Exception):
 
 
 def decode_image(data: bytes) -> Tensor:
-    """Image bytes (JPEG / PNG / ...) -> ``[3, H, W]`` float32 in [0, 1].
+    """An image_url's bytes -> ``[3, H, W]`` float32 in [0, 1] (:func:`P.decode_image_bytes`).
 
     Raises:
         ValueError: not a readable image.
     """
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            array = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
-    except (UnidentifiedImageError, OSError) as exc:
-        raise ValueError(f"an image_url does not hold a readable image: {exc}") from None
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+    return P.decode_image_bytes(data, "an image_url")
 
 
 def first_user_content(messages: Sequence[dict]) -> list[dict]:

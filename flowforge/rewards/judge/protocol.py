@@ -364,3 +364,20 @@ def chat_from_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]
                 raise ValueError(f"unknown content part type {part.get('type')!r}")
         chat.append({"role": message.get("role", "user"), "content": converted})
     return chat, images
+
+
+def decode_image_bytes(data: bytes, what: str = "image") -> Tensor:
+    """Image bytes (JPEG / PNG / ...) -> ``[3, H, W]`` float32 RGB in [0, 1].
+
+    Raises:
+        ValueError: ``what`` is not a readable image.
+    """
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"{what} is not a readable image: {exc}") from None
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
