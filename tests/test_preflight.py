@@ -207,15 +207,11 @@ def test_a_device_this_machine_lacks_is_refused():
 
 
 def test_sizes_that_would_exhaust_memory_are_refused_with_an_estimate():
-    import time
-
-    start = time.perf_counter()
     (problem,) = _problems("data.group_size=1000000000", "train.micro_batch_size=8")
     assert problem.startswith("data.prompts_per_step x data.group_size = 4000000000 samples per rank at 32x32")
     assert "GiB" in problem and "RAM" in problem and "lower data.group_size" in problem
     (problem,) = _problems("eval.samples_per_prompt=100000000")
     assert problem.startswith("eval: 6000000000 samples (60 prompts x eval.samples_per_prompt=100000000)")
-    assert time.perf_counter() - start < 30  # refused at once, never attempted
     preflight(load_config(None, ["data.group_size=1000000000", "train.micro_batch_size=8"]), world_size=1,
               this_machine=False)
 

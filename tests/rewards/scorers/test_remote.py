@@ -96,10 +96,9 @@ def test_failures_after_retries_are_nan_never_zero(remote, caplog):
 def test_timeouts_are_retried_then_nan(remote):
     media, prompts, meta = _batch(1)
     scorer = remote([SLOW], timeout=0.3, retries=1)
-    start = time.perf_counter()
     scores = scorer(media, prompts, [{"sleep": 0.8}])
     assert torch.isnan(scores).all() and "ReadTimeout" in scorer.last_error
-    assert time.perf_counter() - start >= 0.6  # two attempts of 0.3 s each
+    assert "failed after 2 attempts" in scorer.last_error  # the timeout was retried once (no timing assertion)
     time.sleep(1.2)  # let the server finish the abandoned requests before the next test
 
 
