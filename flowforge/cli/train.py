@@ -19,10 +19,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config_file(args.config, args.overrides)  # config errors surface before torch is imported
+    from flowforge.runtime.distributed import shutdown
     from flowforge.train.trainer import Trainer
 
-    trainer = Trainer(cfg, progress=not args.no_progress, overwrite=args.overwrite)
-    run_dir = trainer.train()
-    if trainer.dist.is_main:  # under torchrun one summary, not one per rank
-        print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
+    try:
+        trainer = Trainer(cfg, progress=not args.no_progress, overwrite=args.overwrite)
+        run_dir = trainer.train()
+        if trainer.dist.is_main:  # under torchrun one summary, not one per rank
+            print(f"run directory: {run_dir}\nreport: {run_dir / 'report.html'}")
+    finally:
+        # leaving the process group to interpreter teardown can abort a finished rank (SIGABRT, gloo threads)
+        shutdown()
     return 0

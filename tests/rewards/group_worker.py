@@ -47,6 +47,7 @@ def main() -> None:
                         "groups_scored": metrics["reward/rank_groups_scored"],
                         "first_fraction": metrics["reward/rank_first_fraction"]}
     torch.save(record, f"{out}.rank{info.rank}")
+    dist_lib.shutdown()  # a group left to interpreter teardown can abort the rank after its work is done
 
 
 if __name__ == "__main__":
