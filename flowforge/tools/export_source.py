@@ -1,11 +1,10 @@
 """What an export reads: the run's config, one committed checkpoint, its weights, and the check that those weights
 are the ones the run's contract says they are.
 
-Every file is read here or checked before :func:`flowforge.train.checkpoint.load_checkpoint` reads it, so a
-damaged file gives an :class:`~flowforge.tools.export_out.ExportError` naming that file instead of the reader's own
-message (a garbage ``trainer_state.json`` -> ``not valid JSON (... at line 1 column 1)``; a zeroed
-``optimizer.pt`` -> ``not a torch.save archive``; a garbage safetensors header -> ``cannot be read
-(SafetensorError: ...)``).
+A damaged checkpoint file gives an :class:`~flowforge.tools.export_out.ExportError` naming that file instead of the
+reader's own message (a garbage ``trainer_state.json`` -> ``not valid JSON (... at line 1 column 1)``; a zeroed
+``optimizer.pt`` -> ``not a torch.save archive``; a changed file -> its sha256 against the manifest's); the reading
+is :func:`flowforge.train.checkpoint.load_checkpoint`'s, shared with resume.
 
 The contract (``trainer_state.json`` ``"lora"``) fixes which tensors a checkpoint holds:
 
@@ -28,14 +27,13 @@ from __future__ import annotations
 import json
 import re
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from flowforge.config import ConfigError, load_config
-from flowforge.runtime.errors import file_error, one_line
+from flowforge.runtime.errors import UserError, file_error, one_line
 from flowforge.tools.export_out import ExportError
 from flowforge.train import checkpoint as ckpt
 
@@ -100,52 +98,15 @@ def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
     return path
 
 
-def check_checkpoint_files(path: Path, fix: str) -> None:
-    """Read every JSON file, safetensors header and ``torch.save`` archive signature of checkpoint ``path``
-    (``dcp/`` excluded: its reader checks it); raises ExportError naming the first damaged file."""
-    from safetensors import SafetensorError, safe_open
-
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and ckpt.SHARDED_DIR not in p.relative_to(path).parts):
-        try:
-            if f.suffix == ".json" or f.name == ckpt.MARKER:
-                json.loads(f.read_text())
-            elif f.suffix == ".safetensors":
-                with safe_open(str(f), framework="pt") as handle:
-                    handle.keys()
-            elif f.suffix == ".pt" and not zipfile.is_zipfile(f):  # torch.save writes a zip archive
-                raise ExportError(f, "is not a torch.save archive (zeroed, truncated or overwritten)", fix)
-        except (OSError, ValueError, SafetensorError) as exc:
-            if isinstance(exc, ExportError):
-                raise
-            raise _as_export_error(f, exc, fix) from exc
-
-
-def verify_checksums(path: Path, fix: str) -> None:
-    """Hook for per-file checksums in the checkpoint manifest (``COMMITTED``): when it holds ``"sha256":
-    {relative path: hex digest}``, every listed file is hashed and the first that differs raises ExportError.
-    Format-1 checkpoints record sizes only (checked by ``load_checkpoint``); this is where the checksums the
-    checkpoint format is to record are verified."""
-    import hashlib
-
-    digests = json.loads((path / ckpt.MARKER).read_text()).get("sha256")
-    for rel, expected in sorted((digests or {}).items()):
-        h = hashlib.sha256()
-        with open(path / rel, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != expected:
-            raise ExportError(path / rel, f"sha256 {h.hexdigest()[:12]}… differs from the manifest's "
-                              f"{str(expected)[:12]}… (the file changed after it was written)", fix)
-
-
 def read_checkpoint(run_dir: Path, path: Path) -> ckpt.Checkpoint:
-    """Load checkpoint ``path`` after checking its files (each damaged file is named)."""
+    """Load checkpoint ``path``; a missing, resized, changed (sha256) or unreadable file raises ExportError naming
+    that file (:func:`flowforge.train.checkpoint.load_checkpoint` names it)."""
     fix = f"restore it, or export another committed step with --step N (committed: {committed_steps(run_dir)})"
-    check_checkpoint_files(path, fix)
-    verify_checksums(path, fix)
     try:
-        return ckpt.load_checkpoint(path)
-    except (OSError, ValueError, RuntimeError) as exc:  # what the checks above cannot see (sizes, torch.load)
+        return ckpt.load_checkpoint(path, fix=fix)
+    except UserError as exc:
+        raise ExportError(exc.what, exc.why, exc.fix) from exc
+    except (OSError, ValueError, RuntimeError) as exc:  # not committed (a race with a concurrent save)
         raise ExportError(path, f"cannot be loaded ({one_line(str(exc))})", fix) from exc
 
 

@@ -67,22 +67,23 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import re
 import time
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from flowforge.runtime.durable import (atomic_write, demote, fsync_path, only_layout_files, remove_marked_dir,
                                        sha256_file, step_dir_name, step_dirs, step_of, write_bytes)
-from flowforge.runtime.errors import UserError
+from flowforge.runtime.errors import UserError, file_error
+from flowforge.runtime.rng import capture_rng
 from flowforge.train.run_dir import (WEIGHT_SUFFIXES, check_run_dir_outside_source,  # noqa: F401  (re-exported:
                                      sha256_of_path)  # their old home)
 
@@ -140,50 +141,6 @@ def _write(path: Path, write: Callable[[Path], None], relpath: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ RNG
-def capture_rng() -> dict:
-    """This process's global RNG states: ``python`` and ``numpy`` (JSON-able), ``torch`` (uint8 tensor) and
-    ``cuda`` (list of uint8 tensors, one per visible device; empty without CUDA)."""
-    version, internal, gauss_next = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
-        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state().clone(),
-        "cuda": [s.clone() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-    }
-
-
-def restore_rng(rng: Mapping[str, Any]) -> None:
-    """Restore what :func:`capture_rng` returned (python, numpy, torch CPU, and CUDA when saved and available).
-
-    Raises:
-        ValueError: a required key (``python``, ``numpy``, ``torch``) is missing or malformed.
-    """
-    missing = [k for k in ("python", "numpy", "torch") if k not in rng]
-    if missing:
-        raise ValueError(f"RNG state is missing {missing}; expected keys ['python', 'numpy', 'torch', 'cuda']")
-    try:
-        py = rng["python"]
-        random.setstate((int(py["version"]), tuple(int(v) for v in py["state"]), py["gauss_next"]))
-        npy = rng["numpy"]
-        np.random.set_state((npy["name"], np.asarray(npy["keys"], dtype=np.uint32), int(npy["pos"]),
-                             int(npy["has_gauss"]), float(npy["cached_gaussian"])))
-        torch.set_rng_state(rng["torch"].to(torch.uint8).cpu())
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"RNG state is malformed: {e!r}") from e
-    cuda = list(rng.get("cuda") or [])
-    if cuda:
-        if not torch.cuda.is_available():
-            log.warning("checkpoint has CUDA RNG states for %d devices but CUDA is unavailable: not restored",
-                        len(cuda))
-        elif len(cuda) != torch.cuda.device_count():
-            log.warning("checkpoint has CUDA RNG states for %d devices, %d are visible: not restored", len(cuda),
-                        torch.cuda.device_count())
-        else:
-            torch.cuda.set_rng_state_all([s.to(torch.uint8).cpu() for s in cuda])
-
-
 def _rng_files(rank: int) -> tuple[str, str]:
     return f"{RNG_DIR}/rank_{rank}.json", f"{RNG_DIR}/rank_{rank}.safetensors"
 
@@ -198,12 +155,12 @@ def _write_rng(step_dir: Path, rank: int) -> None:
     _write(step_dir / st_rel, lambda tmp: save_file(tensors, str(tmp)), st_rel)
 
 
-def _read_rng(step_dir: Path, rank: int) -> dict | None:
+def _read_rng(step_dir: Path, rank: int, fix: str) -> dict | None:
     json_rel, st_rel = _rng_files(rank)
     if not (step_dir / json_rel).is_file() or not (step_dir / st_rel).is_file():
         return None
-    state = json.loads((step_dir / json_rel).read_text())
-    tensors = load_file(str(step_dir / st_rel), device="cpu")
+    state = _read(step_dir / json_rel, lambda f: json.loads(f.read_text()), fix)
+    tensors = _read(step_dir / st_rel, lambda f: load_file(str(f), device="cpu"), fix)
     n_cuda = sum(1 for k in tensors if k.startswith("cuda_"))
     return {"python": state["python"], "numpy": state["numpy"], "torch": tensors["torch"],
             "cuda": [tensors[f"cuda_{i}"] for i in range(n_cuda)]}
@@ -468,25 +425,41 @@ def verify_checkpoint(path: str | Path, fix: str = "restore it, or resume from a
     return manifest
 
 
-def load_checkpoint(path: str | Path, *, rank: int = 0) -> Checkpoint:
+def _read(f: Path, read: Callable[[Path], Any], fix: str) -> Any:
+    """``read(f)``, with a damaged file (its checksum may agree when the manifest predates the damage) raising
+    :class:`UserError` that names ``f`` instead of the reader's bare message (``legacy .tar format``, a JSON
+    position, a safetensors header error)."""
+    try:
+        if f.suffix == ".pt" and not zipfile.is_zipfile(f):  # torch.save writes a zip archive
+            raise ValueError("is not a torch.save archive (zeroed, truncated or overwritten)")
+        return read(f)
+    except (OSError, ValueError, RuntimeError, EOFError, KeyError, SafetensorError) as e:
+        raise file_error(f, e, fix) from e
+
+
+def load_checkpoint(path: str | Path, *, rank: int = 0,
+                    fix: str = "restore it, or resume from another checkpoint") -> Checkpoint:
     """Load a committed checkpoint (tensors on CPU; the optimizer state with ``weights_only=True``).
 
     ``rng`` is this ``rank``'s saved state, or ``None`` when the checkpoint was written by fewer ranks.
 
     Raises:
-        ValueError: not committed; (:class:`UserError`) the manifest is unreadable, or a listed file is missing or
-            has the wrong size or sha256 (:func:`verify_checkpoint`).
+        ValueError: not committed; (:class:`UserError`, ending in ``fix``) the manifest is unreadable, a listed
+            file is missing or has the wrong size or sha256 (:func:`verify_checkpoint`), or a file cannot be read
+            (naming it).
     """
     path = Path(path)
     if not is_committed(path):
         raise ValueError(f"{path} has no {MARKER} marker (incomplete or interrupted write); refusing to load it")
-    manifest = verify_checkpoint(path)
+    manifest = verify_checkpoint(path, fix)
     files: dict[str, int] = manifest["files"]
     step, groups = int(manifest["step"]), list(manifest["groups"])
-    tensors = {g: load_file(str(path / WEIGHTS_DIR / f"{g}.safetensors"), device="cpu") for g in groups}
+    tensors = {g: _read(path / WEIGHTS_DIR / f"{g}.safetensors", lambda f: load_file(str(f), device="cpu"), fix)
+               for g in groups}
     optimizer_state = None
     if OPTIMIZER_FILE in files:
-        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-    trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
+        optimizer_state = _read(path / OPTIMIZER_FILE,
+                                lambda f: torch.load(f, map_location="cpu", weights_only=True), fix)
+    trainer_state = _read(path / TRAINER_STATE_FILE, lambda f: json.loads(f.read_text()), fix)
     return Checkpoint(path=path, step=step, tensors=tensors, optimizer_state=optimizer_state,
-                      trainer_state=trainer_state, rng=_read_rng(path, rank))
+                      trainer_state=trainer_state, rng=_read_rng(path, rank, fix))

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from flowforge.runtime import distributed as dist_lib
 from flowforge.settings import config_diff, resume_neutral_keys
-from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, resolve_resume, restore_rng,
+from flowforge.runtime.rng import restore_rng
+from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, resolve_resume,
                                         save_checkpoint)
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported only when a sharded checkpoint is written or read
@@ -57,6 +58,8 @@ def training_contract(lora_cfg: Any, policy: Any, base_model_sha256: str | None)
     lora = {"trainable": lora_cfg.trainable, "dropout": lora_cfg.dropout}
     if lora_cfg.trainable == "lora":
         lora.update(rank=policy.rank, alpha=policy.alpha, targets=sorted(policy.targets))
+    if lora_cfg.trainable == "module":
+        lora["modules"] = sorted(policy.modules)
     return {"lora": lora, "base_model_sha256": base_model_sha256}
 
 

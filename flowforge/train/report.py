@@ -44,7 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from flowforge.runtime.durable import atomic_write
+from flowforge.runtime.errors import UserError
 from flowforge.train.metrics import EVAL_FILE, METRICS_FILE, SAMPLES_DIR
+from flowforge.train.run_dir import RUN_FILES, existing_run
 from flowforge.train.report_config import config_section, provenance_section
 from flowforge.train.report_plots import figure_tag, img_tag, is_constant_zero, plot_panels, series
 from flowforge.train.report_summary import (RunInfo, esc, first_last_section, fmt, headline_key, note,
@@ -285,11 +287,15 @@ def write_report(run_dir: Path, *, smoothing: float = 0.0) -> Path:
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a directory. Missing files inside it are noted in the page instead.
+        UserError: ``run_dir`` holds none of the files a run writes (:data:`flowforge.train.run_dir.RUN_FILES`).
         ValueError: ``smoothing`` outside [0, 1).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_dir}")
+    if not existing_run(run_dir):  # never drop a report.html into a directory flowforge did not write
+        raise UserError(run_dir, f"is not a flowforge run directory (none of {list(RUN_FILES)} in it)",
+                        "give the directory `flowforge train` wrote (runs/<name>)")
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
     train_rows = train_problems = eval_rows = eval_problems = None

@@ -24,11 +24,6 @@ from tests.tools.test_export import _refresh_manifest, tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "digits" / "grpo.yaml")
-NEEDS_CHECKPOINT_READ_FIX = pytest.mark.xfail(
-    strict=True, reason="resume reads a checkpoint whose checksums agree but whose content is damaged with "
-    "flowforge.train.checkpoint.load_checkpoint, which does not name the file (a zeroed optimizer.pt is an internal "
-    "error 'legacy .tar format', a garbage trainer_state.json a bare JSON error); export names it "
-    "(flowforge.tools.export_source). The checkpoint owner's fix makes this pass: then drop this mark")
 
 
 def run_cli(args, cwd, env=None, in_process=False):
@@ -290,9 +285,9 @@ CASES = [
     pytest.param(train("train.resume={tmp}/no_checkpoint_here"), ["train.resume", "no_checkpoint_here"],
                  id="resume-missing"),
     pytest.param(train("train.resume={tmp}/ck_zeroed_opt/checkpoints/step_000001"), ["optimizer.pt"],
-                 id="resume-zeroed-optimizer", marks=NEEDS_CHECKPOINT_READ_FIX),
+                 id="resume-zeroed-optimizer"),
     pytest.param(train("train.resume={tmp}/ck_badstate/checkpoints/step_000001"), ["trainer_state.json", "JSON"],
-                 id="resume-garbage-trainer-state", marks=NEEDS_CHECKPOINT_READ_FIX),
+                 id="resume-garbage-trainer-state"),
     pytest.param(train("train.resume={ckpt}", "lora.rank=8"), ["lora.rank"], id="resume-other-lora-rank"),
     pytest.param(["export", "{tmp}/ck_flipped", "{tmp}/o6", "--form", "adapter"], ["live.safetensors", "sha256"],
                  id="export-flipped-bytes"),
@@ -323,6 +318,7 @@ CASES = [
     pytest.param(["sft", "{example}", "sft.steps=-1"], ["sft.steps"], id="sft-bad-value"),
     pytest.param(["compare", "{example}"], ["grpo.yaml"], id="compare-a-run-config"),
     pytest.param(["report", "{tmp}/a_file"], ["a_file"], id="report-a-file"),
+    pytest.param(["report", "{tmp}/foreign"], ["foreign", "not a flowforge run directory"], id="report-not-a-run"),
     pytest.param(["sample", "{tmp}/not_a_run", "--prompt", "a seven", "--out", "{tmp}/s.png"], ["not_a_run"],
                  id="sample-not-a-run"),
 ]

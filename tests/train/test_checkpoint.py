@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flowforge.runtime.rng import restore_rng
 from flowforge.train import checkpoint as ckpt
 from flowforge.train.checkpoint_manager import check_contract
 
@@ -100,17 +101,8 @@ def test_round_trip_tensors_optimizer_state_and_rng(tmp_path):
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
 
-    ckpt.restore_rng(loaded.rng)
+    restore_rng(loaded.rng)
     assert _draws() == expected_draws
-
-
-def test_capture_restore_rng_in_memory():
-    state = ckpt.capture_rng()
-    first = _draws()
-    ckpt.restore_rng(state)
-    assert _draws() == first
-    with pytest.raises(ValueError, match=r"missing \['numpy'\]"):
-        ckpt.restore_rng({"python": state["python"], "torch": state["torch"]})
 
 
 def test_no_optimizer_and_invalid_inputs_write_nothing(tmp_path):
@@ -203,6 +195,7 @@ def test_resolve_resume_none_missing_and_empty(tmp_path):
 _CHILD = r"""
 import os, sys, time, torch
 torch.set_num_threads(1)
+from flowforge.runtime.rng import restore_rng
 from flowforge.train import checkpoint as ckpt
 run_dir, stage, target = sys.argv[1], sys.argv[2], sys.argv[3]
 def hook(s, rel):

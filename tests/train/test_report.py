@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from flowforge.runtime.errors import UserError
 from flowforge.train.metrics import MetricsLogger, sample_grid_path, save_grid, write_provenance
 from flowforge.train.report import main, read_jsonl, write_report
 from flowforge.train.report_grids import read_grid_cells, save_eval_grid
@@ -88,10 +89,17 @@ def test_report_without_eval_samples_config_provenance(tmp_path):
     assert [alt for _, alt, _ in img_tags(page)] == ["training loss, clip fraction, approx KL, diversity"]
 
 
-def test_report_empty_run_dir(tmp_path):
+def test_report_of_a_run_without_logs_and_refusal_of_a_foreign_dir(tmp_path):
+    (tmp_path / "checkpoints").mkdir()  # a run killed before it logged a step
     page = write_report(tmp_path).read_text()
     assert "No metrics.jsonl" in page and "No eval.jsonl" in page
     assert img_tags(page) == []
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(UserError, match="not a flowforge run directory"):
+        write_report(foreign)
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]  # no report.html dropped there
 
 
 def test_report_missing_run_dir(tmp_path):
@@ -102,6 +110,7 @@ def test_report_missing_run_dir(tmp_path):
 def test_grid_captions_without_eval_and_numeric_order(tmp_path):
     for name in ("step_10.png", "step_9.png", "step_abc.png"):
         save_grid(torch.zeros(1, 3, 2, 2), tmp_path / "samples" / name, nrow=1)
+    (tmp_path / "metrics.jsonl").write_text("")
     page = write_report(tmp_path).read_text()
     assert [alt for cls, alt, _ in img_tags(page) if cls == "grid"] == ["samples at step 9", "samples at step 10"]
     assert "step 9 — no eval logged at this step" in page
