@@ -32,13 +32,18 @@ def test_example_passes_flowforge_check(path, capsys):
             assert main(["check", str(compare.base), *compare.overrides, *overrides]) == 0, arm
     elif path.parent.name == "gpu":
         # GPU examples name devices, models and data of a GPU machine: checked as configs, not against this one
-        from flowforge.config import load_config
-        from flowforge.train.preflight import preflight
-
-        preflight(load_config(path), this_machine=False)
+        assert main(["check", str(path), "--portable"]) == 0, capsys.readouterr().err
     else:
         assert main(["check", str(path)]) == 0, capsys.readouterr().err
     assert "error" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has the GPU the config asks for")
+def test_check_against_this_machine_refuses_a_gpu_config_portable_accepts_it(capsys):
+    path = str(EXAMPLES / "gpu" / "sd35m_pickscore_grpo.yaml")
+    assert main(["check", path]) == 2
+    assert "run.device='cuda'" in capsys.readouterr().err
+    assert main(["check", path, "--portable"]) == 0
 
 
 def test_one_digits_config_per_algorithm():
