@@ -13,6 +13,7 @@
                                                      images (PNG each + a labelled grid) from a run or an export
     flowforge serve reward --scorers A,B [--port N] [--token-file F | --no-auth]
                                                      reward scorers over HTTP (prints its URL when ready)
+    flowforge stages CONFIG [--stage A|B|C]          teacher-judge RL -> student reward model -> student RL
 
 Failures
 --------
@@ -40,11 +41,11 @@ import os
 import pickle
 import sys
 
-from flowforge.cli import check, compare, data, export, report, sample, serve, sft, train
+from flowforge.cli import check, compare, data, export, report, sample, serve, sft, stages, train
 from flowforge.runtime.errors import one_line
 
 VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
-         "sample": sample, "serve": serve, "data": data}
+         "sample": sample, "serve": serve, "data": data, "stages": stages}
 """Verb -> its module (``add_parser(subparsers)``, ``run(args) -> exit status``), in ``--help`` order."""
 DEBUG_ENV = "FLOWFORGE_DEBUG"
 

@@ -1,0 +1,52 @@
+"""``flowforge stages CONFIG [--stage A|B|C] [section.key=value ...]``: the three-stage pipeline
+(:mod:`flowforge.orchestrate.stages`): teacher-judge RL (A) -> student reward model (B) -> student-reward RL (C).
+
+Every stage is checked as a whole before anything loads (:func:`flowforge.orchestrate.config.check_pipeline`).
+Rerunning the same command continues where a killed run stopped. Exit status: 0 when the stages asked for are done;
+3 when the pipeline stopped early (the quality gate failed, or an audit stopped stage C: the reason and the last good
+checkpoint are printed and written to ``<pipeline>/summary.json``); 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flowforge.cli.common import add_config_args
+
+HELP = "three-stage pipeline: teacher-judge RL -> student reward model -> student-reward RL"
+STOPPED_EARLY = 3
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser("stages", help=HELP)
+    add_config_args(parser, "pipeline config (YAML with a 'stages' section)")
+    parser.add_argument("--stage", choices=["A", "B", "C"], default=None,
+                        help="run one stage only (its predecessors must be done); default: A -> B -> C")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per judge request otherwise
+    from flowforge.orchestrate.config import check_pipeline, load_pipeline, pipeline_dir
+    from flowforge.runtime.errors import file_error
+
+    try:
+        pcfg = load_pipeline(args.config, args.overrides)
+    except (UnicodeDecodeError, OSError) as exc:
+        raise file_error(args.config, exc, "give a YAML pipeline config") from exc
+    for warning in check_pipeline(pcfg):
+        print(f"warning: {warning}", file=sys.stderr)
+    from flowforge.orchestrate.stages import run_pipeline
+
+    outcome = run_pipeline(pcfg, stage=args.stage, progress=not args.no_progress)
+    directory = pipeline_dir(pcfg)
+    print(f"pipeline directory: {directory}\nreport: {directory / 'report.html'}")
+    if outcome.status == "done":
+        return 0
+    print(f"pipeline stopped: {outcome.reason}", file=sys.stderr)
+    if outcome.last_good:
+        print(f"last good checkpoint: {outcome.last_good}", file=sys.stderr)
+    return STOPPED_EARLY

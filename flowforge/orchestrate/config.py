@@ -1,0 +1,283 @@
+"""The pipeline config: one YAML file holding the run sections shared by stages A and C plus the pipeline's own.
+
+A pipeline file is an ordinary run config (``run``, ``model``, ``data``, ``sampler``, ``train``, the algorithm
+sections, ``eval``, ...) with four more sections: ``stages`` (budgets, the extension rule, per-stage overrides),
+``teacher`` (the judge endpoint), ``student`` (:class:`flowforge.reward_model.config.StudentConfig`, with the quality
+gate) and ``audit`` (stage C's checks against the teacher). The ``stages`` section is what marks a file as a pipeline
+config (:func:`is_pipeline_file`; ``flowforge check`` uses it).
+
+The pipeline directory is ``run.output_dir / run.name``; stage ``A`` and ``C`` are run directories inside it, made by
+:func:`stage_config` from the shared sections with these keys set by the pipeline:
+
+=====================  ================================================================================================
+key                    stage A / stage C
+=====================  ================================================================================================
+``run.output_dir``     the pipeline directory; ``run.name`` ``A`` / ``C``
+``reward.weights``     ``{vlm_judge: 1.0}``: the teacher's endpoint in A, the student's in C (or the in-process
+                       ``scalar_head`` scorer with ``stages.student_serving: in_process``)
+``reward.options``     ``vlm_judge``: ``teacher.judge`` plus the endpoint (``base_url``, ``model``, ``api_key_env``)
+``train.steps``        A: ``budget_A / M``; C: A's steps + ``budget_C / M`` (or ``stages.c_steps``)
+``train.resume``       ``auto`` (C's first start: A's last checkpoint)
+``checkpoint.every``   C: ``audit.every`` when audits run every k steps (the last good checkpoint is an audited one)
+=====================  ================================================================================================
+
+then ``stages.a_overrides`` / ``stages.c_overrides`` (``section.key=value`` strings). The file must not set
+``reward.weights`` / ``reward.options`` / ``reward.required``: the teacher and the student are the rewards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flowforge.config import Config, ConfigError, from_dict
+from flowforge.reward_model.config import StudentConfig
+from flowforge.settings import schema
+from flowforge.settings.schema import Checks, Section, merge, parse_overrides, to_dict
+
+STUDENT_SERVING = ("server", "in_process")
+GATE_ACTIONS = ("stop", "extend")
+JUDGE = "vlm_judge"
+SCALAR_HEAD_SCORER = "flowforge.reward_model.scalar_head:ScalarHeadScorer"
+PIPELINE_SECTIONS = ("stages", "teacher", "audit", "student")
+REWARD_KEYS_SET_BY_PIPELINE = ("weights", "options", "required")
+
+
+@dataclass(frozen=True)
+class StagesConfig(Section):
+    """``stages``: the condition budgets (conditions = rows of ``data.prompts``), the A extension and the gate."""
+
+    section_name = "stages"
+
+    n_a: int = 0  # stage A's budget in conditions; a multiple of data.prompts_per_step (M)
+    extend_delta: int = 0  # conditions one extension moves from C to A (0: no extension); a multiple of M
+    extend_cap: int = 0  # the most conditions A may ever get (0: all of them)
+    c_steps: int = 0  # cap on stage C's steps (0: until its budget or the pass is used up)
+    seed: int = 0  # seed of the pass order (flowforge.orchestrate.ledger)
+    on_gate_fail: str = "stop"  # stop | extend (give A extend_delta more conditions, retrain the student)
+    student_serving: str = "server"  # server: `flowforge serve judge --student`; in_process: scalar_head scorer
+    a_overrides: tuple[str, ...] = ()  # section.key=value for stage A only
+    c_overrides: tuple[str, ...] = ()  # section.key=value for stage C only
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("n_a", "extend_delta", "extend_cap", "c_steps", "seed", allow_zero=True)
+        c.choice("on_gate_fail", GATE_ACTIONS)
+        c.choice("student_serving", STUDENT_SERVING)
+        c.require(self.n_a >= 1, f"stages.n_a={self.n_a} must be >= 1 (stage A's budget in conditions)")
+        c.require(not (self.on_gate_fail == "extend" and self.extend_delta == 0),
+                  "stages.on_gate_fail='extend' needs stages.extend_delta >= 1")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class TeacherConfig(Section):
+    """``teacher``: the judge stage A trains with and stage C is audited by.
+
+    ``url`` empty: the pipeline starts ``flowforge serve judge`` on loopback with a random free port and a fresh
+    token, with ``scorer`` (``--scorer``) or ``model_dir`` (``--model``) as the backend, and stops it when done; its
+    request log is ``<pipeline>/teacher/requests.log``. Otherwise ``url`` is an OpenAI-compatible API root and
+    ``api_key_env`` names the variable holding its key.
+    """
+
+    section_name = "teacher"
+
+    url: str = ""
+    model: str = "teacher"  # model id sent with every request (the auto-started server serves this id)
+    api_key_env: str = ""  # "" with a url: no key (a server run with --no-auth)
+    scorer: str = ""  # the auto-started server's --scorer (a registry name or pkg.module:Factory)
+    model_dir: str = ""  # the auto-started server's --model (a local image-text-to-text model)
+    score_range: tuple[float, float] = (0.0, 1.0)  # --score-range of the auto-started scorer judge
+    judge: dict[str, Any] = field(default_factory=dict)  # vlm_judge options shared by teacher and student
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        if not self.url:
+            c.require(bool(self.scorer) != bool(self.model_dir),
+                      "teacher: without teacher.url give exactly one of teacher.scorer and teacher.model_dir (the "
+                      "backend of the judge server the pipeline starts)")
+        else:
+            c.require(self.url.startswith(("http://", "https://")),
+                      f"teacher.url={self.url!r} must be an http(s) API root, e.g. http://127.0.0.1:8000/v1")
+        c.require(bool(self.model), "teacher.model must name the judge model id")
+        c.require(len(self.score_range) == 2 and self.score_range[1] > self.score_range[0],
+                  f"teacher.score_range={list(self.score_range)} must be [low, high] with high > low")
+        bad = sorted(set(self.judge) & {"model", "base_url", "api_key_env", "run_dir", "ledger"})
+        c.require(not bad, f"teacher.judge sets {bad}: the pipeline sets the endpoint and the ledger; give the other "
+                           "vlm_judge options only")
+        return c.problems
+
+
+@dataclass(frozen=True)
+class AuditConfig(Section):
+    """``audit``: stage C's teacher audits. The teacher re-judges every group of C's steps until ``first_groups``
+    groups were audited, then the groups of every step that is a multiple of ``every`` (0: no periodic audit).
+    An audit whose agreement falls below a threshold stops stage C at the last good checkpoint."""
+
+    section_name = "audit"
+
+    first_groups: int = 8
+    every: int = 5
+    min_spearman: float = 0.0  # mean within-group Spearman of student vs teacher on the audited groups
+    min_pairwise_accuracy: float = 0.5  # teacher-ordered pairs the student orders the same way
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.positive("first_groups", "every", allow_zero=True)
+        c.require(-1.0 <= self.min_spearman <= 1.0, f"audit.min_spearman={self.min_spearman} must be in [-1, 1]")
+        c.require(0.0 <= self.min_pairwise_accuracy <= 1.0,
+                  f"audit.min_pairwise_accuracy={self.min_pairwise_accuracy} must be in [0, 1]")
+        return c.problems
+
+
+RUN_SECTIONS: tuple[type, ...] = tuple(f.default_factory for f in dataclasses.fields(Config))
+PipelineConfig = schema.make_root(
+    "PipelineConfig", (*RUN_SECTIONS, StagesConfig, TeacherConfig, AuditConfig, StudentConfig), module=__name__,
+    doc="A three-stage pipeline's configuration: the run sections of stages A and C plus stages / teacher / audit / "
+        "student (see flowforge.orchestrate.config).")
+
+
+def is_pipeline_file(path: str | Path) -> bool:
+    """Whether the YAML file at ``path`` is a pipeline config (has a top-level ``stages`` section); False when it
+    cannot be read as YAML (the run-config loader reports that)."""
+    try:
+        return "stages" in schema.read_yaml(path)
+    except (ConfigError, UnicodeDecodeError):
+        return False
+
+
+def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Any:
+    """Defaults < the YAML file < ``section.key=value`` overrides, as a :data:`PipelineConfig`.
+
+    Raises:
+        ConfigError: unknown keys, wrong types, refused values, or reward keys the pipeline sets -- all at once.
+    """
+    data = schema.read_yaml(path)
+    nested, problems = parse_overrides(overrides)
+    merged = merge(data, nested)
+    reward = merged.get("reward") or {}
+    if isinstance(reward, Mapping):
+        problems += [f"reward.{key}: set by the pipeline (the teacher in stage A, the student in stage C); remove "
+                     "it and configure the teacher section" for key in REWARD_KEYS_SET_BY_PIPELINE if key in reward]
+    try:
+        cfg = schema.build(PipelineConfig, merged)
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        raise ConfigError(problems, header=f"invalid pipeline config {path}")
+    return cfg
+
+
+def pipeline_dir(pcfg: Any) -> Path:
+    """``run.output_dir / run.name``: the directory holding the ledger and every stage."""
+    return Path(pcfg.run.output_dir) / pcfg.run.name
+
+
+def run_sections(pcfg: Any) -> dict[str, Any]:
+    """The shared run sections of ``pcfg`` as a nested dict (what stages A and C start from)."""
+    data = to_dict(pcfg)
+    return {f.name: data[f.name] for f in dataclasses.fields(Config)}
+
+
+def judge_options(pcfg: Any, *, base_url: str, model: str, api_key_env: str | None) -> dict[str, Any]:
+    """``reward.options.vlm_judge`` for an endpoint: ``teacher.judge`` plus the endpoint."""
+    return {**pcfg.teacher.judge, "model": model, "base_url": base_url, "api_key_env": api_key_env}
+
+
+def stage_config(pcfg: Any, stage: str, *, steps: int, reward: Mapping[str, Any], resume: str = "auto") -> Config:
+    """The run config of stage ``stage`` (``"A"`` or ``"C"``): the shared sections with the keys of the module
+    table set (``reward`` = ``{"weights": ..., "options": ...}``), then the stage's overrides.
+
+    Raises:
+        ConfigError: the stage's overrides do not parse or give a bad config.
+        ValueError: an unknown stage.
+    """
+    if stage not in ("A", "C"):
+        raise ValueError(f"stage must be 'A' or 'C', got {stage!r}")
+    s = pcfg.stages
+    set_here: dict[str, Any] = {"run": {"output_dir": str(pipeline_dir(pcfg)), "name": stage},
+                                "train": {"steps": steps, "resume": resume}}
+    if stage == "C" and pcfg.audit.every > 0:
+        set_here["checkpoint"] = {"every": pcfg.audit.every}
+    nested, problems = parse_overrides(s.a_overrides if stage == "A" else s.c_overrides)
+    if problems:
+        raise ConfigError(problems, header=f"invalid stages.{stage.lower()}_overrides")
+    data = merge(run_sections(pcfg), set_here)
+    # replaced, not merged: the default weights ({digit: 1.0}) must not join the judge
+    data["reward"] = {**data["reward"], "weights": dict(reward["weights"]),
+                      "options": dict(reward.get("options", {})), "required": []}
+    return from_dict(merge(data, nested))
+
+
+PLACEHOLDER_URL = "http://127.0.0.1:1/v1"
+"""The endpoint :func:`check_pipeline` puts in the stage configs (the real ones exist only while the pipeline runs)."""
+
+
+def _budget_problems(pcfg: Any, total: int) -> list[str]:
+    s, m = pcfg.stages, pcfg.data.prompts_per_step
+    problems = [f"stages.{key}={getattr(s, key)} must be a multiple of data.prompts_per_step={m} (a step takes M "
+                "conditions)" for key in ("n_a", "extend_delta", "extend_cap") if getattr(s, key) % m]
+    cap = s.extend_cap or total
+    if s.n_a > total or cap > total:
+        problems.append(f"stages.n_a={s.n_a} and stages.extend_cap={s.extend_cap} must not exceed the {total} "
+                        f"conditions of data.prompts={pcfg.data.prompts!r}")
+    elif cap < s.n_a:
+        problems.append(f"stages.extend_cap={s.extend_cap} must be 0 or >= stages.n_a={s.n_a}")
+    return problems
+
+
+def check_pipeline(pcfg: Any, *, this_machine: bool = True) -> list[str]:
+    """Check a pipeline config as a whole before anything loads: the budgets against the prompt file, the student
+    and audit rules, the teacher's scorer, and both stage run configs through
+    :func:`flowforge.train.preflight.preflight` (with a placeholder endpoint; ``this_machine`` as there). Returns the
+    warnings.
+
+    Raises:
+        ConfigError: every problem found, in one error.
+    """
+    from flowforge.data.prompts import load_prompts
+    from flowforge.demo.paths import resolve_demo_path
+    from flowforge.orchestrate.ledger import conditions_from_records
+    from flowforge.rewards.registry import check_scorer_spec
+    from flowforge.train.preflight import preflight
+
+    problems, warnings = [], []
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        problems.append("the pipeline runs in one process (one writer of the condition ledger); start it without "
+                        "torchrun")
+    total = 0
+    try:
+        total = len(conditions_from_records(load_prompts(resolve_demo_path(pcfg.data.prompts))))
+    except (ValueError, OSError, KeyError) as exc:
+        problems.append(f"data.prompts={pcfg.data.prompts!r}: {exc} (every row needs a unique metadata.sample_id: "
+                        "it is the condition id)")
+    if total:
+        problems += _budget_problems(pcfg, total)
+        rest = (total - pcfg.stages.n_a) // pcfg.data.prompts_per_step
+        if rest == 0:
+            warnings.append(f"stage C gets no step: {total} conditions - stages.n_a={pcfg.stages.n_a} is fewer than "
+                            f"data.prompts_per_step={pcfg.data.prompts_per_step}")
+    if pcfg.stages.student_serving == "in_process" and pcfg.student.kind != "scalar_head":
+        problems.append(f"stages.student_serving='in_process' needs student.kind='scalar_head' (a vlm_json student "
+                        f"is served with `flowforge serve judge --student`), got {pcfg.student.kind!r}")
+    if pcfg.teacher.scorer and not pcfg.teacher.url:
+        problems += [f"teacher.scorer: {p}" for p in check_scorer_spec(pcfg.teacher.scorer, {})]
+    judge = judge_options(pcfg, base_url=PLACEHOLDER_URL, model=pcfg.teacher.model, api_key_env=None)
+    reward = {"weights": {JUDGE: 1.0}, "options": {JUDGE: judge}}
+    for stage in ("A", "C"):
+        try:
+            cfg = stage_config(pcfg, stage, steps=1, reward=reward)
+            warnings += [f"stage {stage}: {w}" for w in preflight(cfg, this_machine=this_machine).warnings]
+        except ConfigError as exc:
+            problems += [f"stage {stage}: {p}" for p in exc.problems]
+            continue
+        if stage == "C" and pcfg.audit.every > 0 and cfg.checkpoint.keep < 2:
+            problems.append(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 2 for stage C with audits every "
+                            f"{pcfg.audit.every} steps (the last good checkpoint must outlive the next one)")
+    if problems:
+        raise ConfigError(problems, header="invalid pipeline config")
+    return warnings

@@ -1,0 +1,200 @@
+"""The trainer of stages A and C: the ordinary :class:`~flowforge.train.trainer.Trainer`, with its prompts drawn
+from the condition ledger and, in stage C, teacher audits of the student.
+
+:class:`StageTrainer` changes three of the six stages and nothing else:
+
+1. **prompts** -- the K-repeat sampler still fixes the step's layout (candidate ids, which seed each candidate's
+   noise; group ids; the training order), but the ``M`` prompts are the next ``M`` conditions of the ledger's one
+   pass (:meth:`ConditionLedger.take <flowforge.orchestrate.ledger.ConditionLedger.take>`, recorded for the
+   trainer's step before the rollout; a resumed step gets the same conditions back);
+2. **sample** / **reward** -- the conditions are marked ``rolled_out`` and, for groups the reward scored (not NaN),
+   ``judged``; in stage C an :class:`Auditor` has the teacher re-judge the step's groups when an audit is due;
+6. **finish** -- the conditions are marked ``trained_on`` with the policy version after the update (the optimizer
+   steps so far), unless the step was skipped.
+
+Audits (:class:`Auditor`): the teacher scores every group of an audited step; agreement with the student's scores of
+the same candidates (:func:`flowforge.reward_model.evaluate.agreement`: within-group Spearman, pairwise accuracy,
+MAE) is logged as ``audit/<metric>`` in ``metrics.jsonl`` and appended to ``audit.jsonl`` in the run directory. An
+audit below ``audit.min_spearman`` or ``audit.min_pairwise_accuracy`` raises :class:`AuditStop` before the step's
+update, so the stage ends without training on the student's verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowforge.orchestrate.ledger import ConditionLedger
+from flowforge.reward_model.evaluate import agreement
+from flowforge.runtime.durable import fsync_path
+from flowforge.train.trainer import StepBatch, Trainer
+
+AUDIT_FILE = "audit.jsonl"
+
+
+class AuditStop(Exception):
+    """An audit found the student below a threshold at ``step``: stage C stops (``record`` is the audit's line)."""
+
+    def __init__(self, step: int, record: dict[str, Any]) -> None:
+        super().__init__(f"audit at step {step}: {'; '.join(record['reasons'])}")
+        self.step, self.record = step, record
+
+
+def read_audits(run_dir: Path) -> list[dict[str, Any]]:
+    """The audit records of a stage-C run directory, one per audited step (a step audited again after a resume
+    keeps its first record)."""
+    path = Path(run_dir) / AUDIT_FILE
+    if not path.is_file():
+        return []
+    out: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line after a crash
+            continue
+        out.setdefault(record["step"], record)
+    return [out[s] for s in sorted(out)]
+
+
+class Auditor:
+    """Teacher audits of stage C (module docstring).
+
+    Args:
+        judge: the teacher as a group scorer (``score_groups``, ``pop_metrics``:
+            :class:`flowforge.rewards.judge.client.VLMJudge`, its ledger under the C run directory).
+        audit: the ``audit`` section. first_step: stage C's first trainer step. prompts_per_step: ``M``.
+        run_dir: stage C's run directory (``audit.jsonl``).
+    """
+
+    def __init__(self, judge: Any, audit: Any, *, first_step: int, prompts_per_step: int, run_dir: Path) -> None:
+        self.judge, self.cfg, self.first_step, self.m = judge, audit, first_step, prompts_per_step
+        self.path = Path(run_dir) / AUDIT_FILE
+
+    def due(self, step: int) -> bool:
+        """Whether trainer step ``step`` is audited: while fewer than ``first_groups`` groups of C were audited,
+        then every step that is a multiple of ``every``."""
+        early = (step - self.first_step) * self.m < self.cfg.first_groups
+        return early or (self.cfg.every > 0 and step % self.cfg.every == 0)
+
+    def audit(self, step: int, policy_version: int, media: torch.Tensor, batch: StepBatch,
+              student: torch.Tensor) -> dict[str, float]:
+        """Audit step ``step``: teacher scores of its groups vs the ``[B]`` student scores ``student`` (rows as
+        ``media``). Returns the ``audit/*`` metrics.
+
+        Raises:
+            AuditStop: the agreement is below a threshold (or nothing could be compared).
+        """
+        groups = torch.unique(batch.group_ids).tolist()
+        rows = [torch.nonzero(batch.group_ids == g).view(-1) for g in groups]
+        requests = [(media[r], [batch.records[i].prompt for i in r.tolist()],
+                     [batch.records[i].metadata for i in r.tolist()]) for r in rows]
+        teacher = [t.detach().float().cpu() for t in self.judge.score_groups(requests)]
+        sent = self.judge.pop_metrics()
+        kept = [(student[r].detach().float().cpu(), t) for r, t in zip(rows, teacher, strict=True)
+                if not torch.isnan(t).any()]
+        result = agreement([s for s, _ in kept], [t for _, t in kept]) if kept else {}
+        reasons = []
+        for metric, bound in (("spearman", self.cfg.min_spearman),
+                              ("pairwise_accuracy", self.cfg.min_pairwise_accuracy)):
+            value = result.get(metric, math.nan)
+            if not value >= bound:  # NaN fails: nothing to compare is not agreement
+                reasons.append(f"{metric}={value:.4g} < audit.min_{metric}={bound:g}")
+        record = {"step": step, "policy_version": policy_version, "groups": len(groups),
+                  "teacher_failures": len(groups) - len(kept), "teacher_requests_sent": sent["requests_sent"],
+                  "teacher_served_from_ledger": sent["served_from_ledger"],
+                  **{k: result.get(k, math.nan) for k in ("spearman", "pairwise_accuracy", "mae")},
+                  "passed": not reasons, "reasons": reasons,
+                  "conditions": sorted({r.metadata["sample_id"] for r in batch.records})}
+        self._append(record)
+        if reasons:
+            raise AuditStop(step, record)
+        return {f"audit/{k}": float(record[k]) for k in ("spearman", "pairwise_accuracy", "mae", "groups",
+                                                           "teacher_requests_sent")}
+
+    def _append(self, record: dict[str, Any]) -> None:
+        new = not self.path.exists()
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        if new:
+            fsync_path(self.path.parent)
+
+
+class StageTrainer(Trainer):
+    """A :class:`~flowforge.train.trainer.Trainer` whose prompts come from ``ledger`` for ``stage`` (module
+    docstring).
+
+    Args:
+        cfg: the stage's run config (:func:`flowforge.orchestrate.config.stage_config`).
+        ledger: the pipeline's condition ledger (its conditions are the rows of ``cfg.data.prompts``).
+        stage: ``"A"`` or ``"C"``. reward_name: the reward component whose NaN marks a group as not judged.
+        auditor: stage C's :class:`Auditor`, or None.
+
+    Raises:
+        ValueError: a prompt row is not a condition of the ledger (another prompt file).
+    """
+
+    def __init__(self, cfg: Any, *, ledger: ConditionLedger, stage: str, reward_name: str,
+                 auditor: Auditor | None = None, progress: bool = True) -> None:
+        self.ledger, self.stage, self.reward_name, self.auditor = ledger, stage, reward_name, auditor
+        super().__init__(cfg, progress=progress)
+        self.index = {r.metadata.get("sample_id"): i for i, r in enumerate(self.train_prompts)}
+        missing = [c.id for c in ledger.order if c.id not in self.index]
+        if missing:
+            self.close()
+            raise ValueError(f"conditions {missing[:3]} of the ledger are not rows of data.prompts="
+                             f"{cfg.data.prompts!r}; the pipeline's prompt file changed")
+
+    @property
+    def policy_version(self) -> int:
+        """Optimizer steps taken so far (the version of the live policy)."""
+        return self.policy.optimizer_steps
+
+    @staticmethod
+    def condition_ids(batch: StepBatch) -> list[str]:
+        """The step's condition ids, each once, in order of first appearance."""
+        return list(dict.fromkeys(r.metadata["sample_id"] for r in batch.records))
+
+    def next_prompts(self) -> StepBatch:
+        batch = super().next_prompts()
+        m = self.cfg.data.prompts_per_step
+        taken = self.ledger.take(self.stage, m, step=self.step, policy_version=self.policy_version)
+        if len(taken) != m:
+            raise RuntimeError(f"stage {self.stage} step {self.step}: the condition ledger had {len(taken)} of the "
+                               f"{m} conditions a step needs (budget or pass used up)")
+        chosen = torch.tensor([self.index[c.id] for c in taken], dtype=torch.int64)
+        prompt_indices = chosen[batch.group_ids]
+        return dataclasses.replace(batch, prompt_indices=prompt_indices,
+                                   records=[self.train_prompts[i] for i in prompt_indices.tolist()])
+
+    def sample(self, batch: StepBatch, step: int):
+        out = super().sample(batch, step)
+        self.ledger.mark("rolled_out", self.condition_ids(batch), stage=self.stage, step=step,
+                         policy_version=self.policy_version)
+        return out
+
+    def score(self, traj, batch: StepBatch):
+        media, components, metrics = super().score(traj, batch)
+        scores = components[self.reward_name].detach().cpu()
+        judged = [r.metadata["sample_id"] for r, s in zip(batch.records, scores.tolist(), strict=True)
+                  if not math.isnan(s)]
+        if judged:
+            self.ledger.mark("judged", dict.fromkeys(judged), stage=self.stage, step=self.step,
+                             policy_version=self.policy_version)
+        if self.auditor is not None and self.auditor.due(self.step):
+            metrics.update(self.auditor.audit(self.step, self.policy_version, media, batch, scores))
+        return media, components, metrics
+
+    def finish_step(self, step, batch, media, local, adv_metrics, times):
+        if not local.get("train/skipped", 0.0):
+            # before the checkpoint: a crash after it would otherwise never record the step (it is not replayed)
+            self.ledger.mark("trained_on", self.condition_ids(batch), stage=self.stage, step=step,
+                             policy_version=self.policy_version)
+        return super().finish_step(step, batch, media, local, adv_metrics, times)

@@ -1,0 +1,335 @@
+"""The three-stage pipeline: teacher-judge RL (A) -> student reward model (B) -> student-reward RL (C).
+
+::
+
+    <pipeline>/                      run.output_dir / run.name of the pipeline config
+      conditions.jsonl               the condition ledger: one seeded pass, budgets, extensions, states
+      judge.token                    bearer token of the judge servers the pipeline starts (0600)
+      teacher/requests.log           every request the auto-started teacher received (one key per line)
+      A/                             stage A run directory: RL with the teacher; A/judge/ledger.sqlite + media
+      B/attempt_<n>/                 stage B: the student trained on A's judged groups (n = extensions so far),
+                                     gate.json: held-out agreement and the gate's verdict
+      C/                             stage C run directory: RL with the student, audit.jsonl, audit/judge/ (the
+                                     teacher's audit ledger)
+      summary.json, report.html      the pipeline report (flowforge.orchestrate.report)
+
+Stage A trains ``budget_A / M`` steps on the first ``budget_A`` conditions of the pass with ``vlm_judge`` pointed at
+the teacher. Stage B reads A's judged groups (only the groups of conditions A judged: held-out eval prompts never
+reach the student), trains the student (:func:`flowforge.reward_model.train.train_student`) and gates it on its
+held-out groups, ``val`` and ``test`` together (:func:`flowforge.reward_model.evaluate.gate`). A failed gate stops the pipeline with the
+reasons, or with ``stages.on_gate_fail: extend`` moves ``extend_delta`` conditions from C to A
+(:meth:`ConditionLedger.extend_a <flowforge.orchestrate.ledger.ConditionLedger.extend_a>`, recorded once per gate
+attempt), continues A and retrains the student in a new attempt directory, until the gate passes or the cap is
+reached. Stage C resumes A's last checkpoint in its own run directory (the trainer's step, policy, optimizer and
+old-policy continue) and trains on the rest of the pass with the student as the reward; audits
+(:class:`~flowforge.orchestrate.stage_trainer.Auditor`) may stop it, naming the last good checkpoint.
+
+Resume: every stage continues from what it committed -- A and C through ``train.resume=auto`` (C's first start:
+A's last checkpoint), B through the student trainer's per-epoch checkpoints; the condition ledger replays a
+resumed step's conditions, the judges' request ledgers answer every request already answered, so a rerun of the
+same command after ``kill -9`` continues without handing out a condition or sending a teacher request twice.
+Whether a stage is done is read from its files (checkpoints, ``gate.json``, ``audit.jsonl``), never from a state
+file that could disagree with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from flowforge.data.prompts import load_prompts
+from flowforge.demo.paths import resolve_demo_path
+from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, judge_options, pipeline_dir, stage_config
+from flowforge.orchestrate.ledger import ConditionLedger, conditions_from_records
+from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
+from flowforge.runtime.durable import step_dir_name, write_bytes
+from flowforge.runtime.lock import RunLock
+from flowforge.train.checkpoint import committed_checkpoints, step_of
+
+log = logging.getLogger("flowforge")
+
+LEDGER_FILE = "conditions.jsonl"
+GATE_FILE = "gate.json"
+STAGES = ("A", "B", "C")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How a pipeline invocation ended: ``status`` is ``done`` (every stage asked for finished), ``gate_failed``
+    or ``audit_stopped``; ``reason`` says why it stopped; ``last_good`` is the checkpoint to use after an audit
+    stop."""
+
+    status: str
+    reason: str = ""
+    last_good: str | None = None
+
+
+def open_ledger(pcfg: Any) -> ConditionLedger:
+    """The pipeline's condition ledger over the rows of ``data.prompts`` (created on the first run).
+
+    Raises:
+        ValueError: the ledger was made for another prompt file, seed or budget; rows without unique sample ids.
+    """
+    records = load_prompts(resolve_demo_path(pcfg.data.prompts))
+    s = pcfg.stages
+    return ConditionLedger(pipeline_dir(pcfg) / LEDGER_FILE, conditions_from_records(records), seed=s.seed,
+                           n_a=s.n_a, extend_delta=s.extend_delta, extend_cap=s.extend_cap or None)
+
+
+def a_steps(pcfg: Any, ledger: ConditionLedger) -> int:
+    """Stage A's trainer steps: ``budget_A // M``."""
+    return ledger.budget("A") // pcfg.data.prompts_per_step
+
+
+def c_steps(pcfg: Any, ledger: ConditionLedger) -> int:
+    """Stage C's trainer steps: ``budget_C // M``, at most ``stages.c_steps`` when set."""
+    steps = ledger.budget("C") // pcfg.data.prompts_per_step
+    return min(steps, pcfg.stages.c_steps) if pcfg.stages.c_steps else steps
+
+
+def newest_step(run_dir: Path) -> int:
+    """The step of the newest committed checkpoint of ``run_dir`` (-1: none)."""
+    found = committed_checkpoints(run_dir)
+    return step_of(found[-1]) if found else -1
+
+
+class Endpoints:
+    """The judge endpoints of one invocation: the teacher (``teacher.url``, or a server started on first use) and
+    the student's server; every started server is stopped by :meth:`close`."""
+
+    def __init__(self, pcfg: Any, directory: Path) -> None:
+        self.pcfg, self.directory = pcfg, directory
+        self.stack = contextlib.ExitStack()
+        self._teacher: dict[str, Any] | None = None
+        self.token_file = pipeline_token(directory)
+
+    def teacher(self) -> dict[str, Any]:
+        """``reward.options.vlm_judge`` for the teacher."""
+        if self._teacher is None:
+            t = self.pcfg.teacher
+            if t.url:
+                self._teacher = judge_options(self.pcfg, base_url=t.url, model=t.model,
+                                              api_key_env=t.api_key_env or None)
+            else:
+                backend = ["--scorer", t.scorer] if t.scorer else ["--model", t.model_dir]
+                backend += ["--score-range", str(t.score_range[0]), str(t.score_range[1])]
+                server = self._start(backend, t.model, "teacher", request_log=True)
+                self._teacher = judge_options(self.pcfg, base_url=server.api_root, model=t.model,
+                                              api_key_env=TOKEN_ENV)
+        return self._teacher
+
+    def student(self, student_dir: Path) -> dict[str, Any]:
+        """``reward.options.vlm_judge`` for a ``flowforge serve judge --student`` server of ``student_dir``."""
+        server = self._start(["--student", str(student_dir)], "student", "student", request_log=True)
+        return judge_options(self.pcfg, base_url=server.api_root, model="student", api_key_env=TOKEN_ENV)
+
+    def _start(self, backend: list[str], model: str, name: str, *, request_log: bool) -> JudgeServer:
+        where = self.directory / name
+        log.info("starting the %s judge server (%s)", name, " ".join(backend))
+        server = JudgeServer(backend, token_file=self.token_file, model_name=model, num_threads=1,
+                             request_log=where / "requests.log" if request_log else None,
+                             log_file=where / "server.log")
+        self.stack.callback(server.stop)
+        log.info("%s judge at %s", name, server.api_root)
+        return server
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+# ------------------------------------------------------------------------------------------------ stage A
+def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, progress: bool = True) -> Path:
+    """Train stage A up to its current budget (nothing when its last checkpoint is already there)."""
+    from flowforge.orchestrate.stage_trainer import StageTrainer
+    from flowforge.train.report import write_report
+
+    steps = a_steps(pcfg, ledger)
+    run_dir = pipeline_dir(pcfg) / "A"
+    if newest_step(run_dir) == steps:
+        if not (run_dir / "report.html").is_file():
+            write_report(run_dir)
+        return run_dir
+    reward = {"weights": {JUDGE: 1.0}, "options": {JUDGE: endpoints.teacher()}}
+    cfg = stage_config(pcfg, "A", steps=steps, reward=reward)
+    log.info("stage A: %d steps on %d conditions (teacher %s)", steps, ledger.budget("A"), reward["options"][JUDGE]
+             ["base_url"])
+    StageTrainer(cfg, ledger=ledger, stage="A", reward_name=JUDGE, progress=progress).train()
+    return run_dir
+
+
+# ------------------------------------------------------------------------------------------------ stage B
+def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
+    """Train (or reload) the student of the current attempt on A's judged groups and gate it; the gate record
+    (also written to ``B/attempt_<n>/gate.json``).
+
+    Raises:
+        ValueError: stage A has judged nothing yet.
+    """
+    from flowforge.reward_model.data import read_judged_groups, split_groups
+    from flowforge.reward_model.evaluate import evaluate, gate
+    from flowforge.reward_model.students import load_student
+    from flowforge.reward_model.train import train_student
+
+    attempt = len(ledger.extensions)
+    out = pipeline_dir(pcfg) / "B" / f"attempt_{attempt}"
+    if (out / GATE_FILE).is_file():
+        return json.loads((out / GATE_FILE).read_text())
+    judged = set(ledger.with_state("judged", "A"))
+    source = pipeline_dir(pcfg) / "A" / "judge" / "ledger.sqlite"
+    if not judged or not source.is_file():
+        raise ValueError(f"stage B needs stage A's judged groups ({source}); run stage A first")
+    by_condition = {g.condition_id: g for g in read_judged_groups(source, ledger.clusters())
+                    if g.condition_id in judged}  # the last answer of a condition wins
+    groups = list(by_condition.values())
+    s = pcfg.student
+    log.info("stage B: training a %s student on %d judged groups (attempt %d)", s.kind, len(groups), attempt)
+    result = train_student(s, groups, out)
+    splits = split_groups(groups, s.split_seed, s.split)
+    ledger.mark("used_for_rm", [g.condition_id for g in splits["train"]], stage="B", step=attempt,
+                policy_version=0)
+    # gated on every held-out group (val and test: train_student selects nothing on val), not on test alone
+    held_out = evaluate(load_student(result.student_dir, device=s.device), splits["val"] + splits["test"])
+    passed, reasons = gate(held_out, s.gate)
+    record = {"attempt": attempt, "student": str(result.student_dir), "groups": len(groups),
+              "split_sizes": result.split_sizes, "held_out": held_out, "val": result.val, "test": result.test,
+              "passed": passed, "reasons": reasons, "budget_a": ledger.budget("A")}
+    write_bytes(out / GATE_FILE, json.dumps(record, indent=1, default=float).encode())
+    return record
+
+
+# ------------------------------------------------------------------------------------------------ stage C
+def last_good_checkpoint(pcfg: Any, ledger: ConditionLedger, audits: list[dict[str, Any]]) -> str:
+    """The newest committed checkpoint (of C, else A's last) at or before the last passed audit's step."""
+    passed = [a["step"] for a in audits if a["passed"]]
+    start = a_steps(pcfg, ledger)
+    bound = max(passed) if passed else start
+    directory = pipeline_dir(pcfg)
+    good = [p for p in committed_checkpoints(directory / "C") if start < step_of(p) <= bound]
+    return str(good[-1] if good else directory / "A" / "checkpoints" / step_dir_name(start))
+
+
+def audit_outcome(pcfg: Any, ledger: ConditionLedger) -> Outcome | None:
+    """The audit stop recorded in ``C/audit.jsonl``, or None."""
+    from flowforge.orchestrate.stage_trainer import read_audits
+
+    audits = read_audits(pipeline_dir(pcfg) / "C")
+    failed = [a for a in audits if not a["passed"]]
+    if not failed:
+        return None
+    return Outcome("audit_stopped", f"audit at step {failed[0]['step']}: {'; '.join(failed[0]['reasons'])}",
+                   last_good_checkpoint(pcfg, ledger, audits))
+
+
+def _student_reward(pcfg: Any, endpoints: Endpoints, student_dir: Path) -> tuple[dict[str, Any], str]:
+    if pcfg.stages.student_serving == "in_process":
+        return {"weights": {SCALAR_HEAD_SCORER: 1.0},
+                "options": {SCALAR_HEAD_SCORER: {"path": str(student_dir)}}}, SCALAR_HEAD_SCORER
+    return {"weights": {JUDGE: 1.0}, "options": {JUDGE: endpoints.student(student_dir)}}, JUDGE
+
+
+def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, student_dir: Path, *,
+                progress: bool = True) -> Outcome:
+    """Train stage C on the rest of the pass with the student as the reward, audited by the teacher."""
+    from flowforge.orchestrate.stage_trainer import AuditStop, Auditor, StageTrainer
+    from flowforge.rewards.registry import build_scorer
+
+    stopped = audit_outcome(pcfg, ledger)
+    if stopped is not None:
+        return stopped
+    start, steps = a_steps(pcfg, ledger), c_steps(pcfg, ledger)
+    directory = pipeline_dir(pcfg)
+    run_dir = directory / "C"
+    if steps == 0 or newest_step(run_dir) == start + steps:
+        return Outcome("done", "" if steps else "the pass has no conditions left for stage C")
+    a_last = directory / "A" / "checkpoints" / step_dir_name(start)
+    resume = "auto" if newest_step(run_dir) > start else str(a_last)
+    reward, name = _student_reward(pcfg, endpoints, student_dir)
+    cfg = stage_config(pcfg, "C", steps=start + steps, reward=reward, resume=resume)
+    auditor = None
+    if pcfg.audit.first_groups > 0 or pcfg.audit.every > 0:
+        teacher = build_scorer(JUDGE, run_dir=run_dir / "audit", **endpoints.teacher())
+        auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=pcfg.data.prompts_per_step,
+                          run_dir=run_dir)
+    log.info("stage C: steps %d..%d on %d conditions, student %s", start, start + steps, ledger.budget("C"),
+             student_dir)
+    trainer = StageTrainer(cfg, ledger=ledger, stage="C", reward_name=name, auditor=auditor, progress=progress)
+    try:
+        trainer.train()
+    except AuditStop as stop:
+        if trainer.logger is not None:
+            trainer.logger.close()
+        trainer.close()
+        log.warning("stage C stopped: %s", stop)
+        return audit_outcome(pcfg, ledger) or Outcome("audit_stopped", str(stop))
+    return Outcome("done")
+
+
+# ------------------------------------------------------------------------------------------------ the pipeline
+def _a_and_b(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, stage: str | None,
+             progress: bool) -> tuple[dict[str, Any] | None, Outcome | None]:
+    """Stages A and B with the gate's extension loop: ``(passed gate record or None, outcome when stopped)``."""
+    while True:
+        if stage in (None, "A"):
+            run_stage_a(pcfg, ledger, endpoints, progress=progress)
+            if stage == "A":
+                return None, Outcome("done")
+        elif newest_step(pipeline_dir(pcfg) / "A") != a_steps(pcfg, ledger):
+            raise ValueError(f"stage {stage} needs stage A finished ({a_steps(pcfg, ledger)} steps); run "
+                             "`flowforge stages CONFIG --stage A` (or without --stage) first")
+        record = run_stage_b(pcfg, ledger)
+        if record["passed"]:
+            return record, None
+        reason = "quality gate failed: " + "; ".join(record["reasons"])
+        if stage is None and pcfg.stages.on_gate_fail == "extend":
+            moved = ledger.extend_a(f"gate-{record['attempt']}")
+            if moved:
+                log.warning("%s; extending stage A by %d conditions (budget %d)", reason, moved,
+                            ledger.budget("A"))
+                continue
+            reason += " (stage A cannot be extended further: the cap or the pass is used up)"
+        return None, Outcome("gate_failed", reason)
+
+
+def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True) -> Outcome:
+    """Run the pipeline (every stage, or only ``stage``), then write its report. Holds the pipeline directory's
+    lock throughout (a second process is refused).
+
+    Raises:
+        ValueError: an unknown stage; a stage whose predecessor has not finished; ledger mismatches.
+    """
+    from flowforge.orchestrate.report import write_pipeline_report
+
+    if stage is not None and stage not in STAGES:
+        raise ValueError(f"--stage must be one of {list(STAGES)}, got {stage!r}")
+    directory = pipeline_dir(pcfg)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(directory)
+    lock.acquire()
+    endpoints = Endpoints(pcfg, directory)
+    try:
+        ledger = open_ledger(pcfg)
+        record, outcome = (None, None)
+        if stage != "C":
+            record, outcome = _a_and_b(pcfg, ledger, endpoints, stage, progress)
+        else:
+            record = _passed_gate(pcfg, ledger)
+        if outcome is None and stage in (None, "C"):
+            outcome = run_stage_c(pcfg, ledger, endpoints, Path(record["student"]), progress=progress)
+        outcome = outcome or Outcome("done")
+        write_pipeline_report(pcfg, ledger, outcome)
+        return outcome
+    finally:
+        endpoints.close()
+        lock.release()
+
+
+def _passed_gate(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
+    path = pipeline_dir(pcfg) / "B" / f"attempt_{len(ledger.extensions)}" / GATE_FILE
+    record = json.loads(path.read_text()) if path.is_file() else None
+    if record is None or not record["passed"]:
+        raise ValueError(f"stage C needs a student that passed the quality gate ({path}); run stage B first")
+    return record

@@ -1,0 +1,47 @@
+"""A tiny three-stage pipeline config for the tests: the tiny random SD3 of ``tests/conftest.py`` trained with
+DiffusionNFT on the demo prompts, the demo teacher (:class:`flowforge.orchestrate.demo.PromptDigitScorer`) behind a
+real ``flowforge serve judge`` the pipeline starts, a small ``scalar_head`` student without a text encoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+TINY_RUN = {
+    "run": {"name": "p", "seed": 0, "num_threads": 1},
+    "lora": {"trainable": "full"},
+    "data": {"prompts": "demo:train", "eval_prompts": "demo:eval", "prompts_per_step": 2, "group_size": 4},
+    "sampler": {"num_steps": 4, "guidance_scale": 1.0},
+    "train": {"algorithm": "nft", "lr": 1e-3, "num_updates_per_batch": 1, "micro_batch_size": 4},
+    "forward": {"sampler": "ode", "sample_with": "old", "sigma_mode": "uniform_schedule"},
+    "eval": {"every": 0, "max_prompts": 2, "samples_per_prompt": 2, "scorers": ["digit_eval"]},
+    "checkpoint": {"keep": 3},
+    "metrics": {"trackers": ["jsonl"]},
+}
+PIPELINE = {
+    "stages": {"n_a": 4, "seed": 0},
+    "teacher": {"model": "digit-teacher", "scorer": "flowforge.orchestrate.demo:PromptDigitScorer",
+                "judge": {"frames": 1, "max_side": 32, "max_concurrency": 2, "timeout_s": 60.0}},
+    "student": {"kind": "scalar_head", "epochs": 2, "batch_size": 2, "split": [0.5, 0.0, 0.5],
+                "scalar_head": {"image_size": 16, "channels": [4, 8], "hidden": 8, "text_encoder": "none"},
+                "gate": {"min_spearman": -1.0, "min_pairwise_accuracy": 0.0, "max_mae": 1.0, "min_groups": 1}},
+    "audit": {"first_groups": 2, "every": 0, "min_spearman": -1.0, "min_pairwise_accuracy": 0.0},
+}
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def write_pipeline(path: Path, model_dir: Path, out_dir: Path, cache_dir: Path, **sections: dict) -> Path:
+    """A pipeline YAML at ``path``: :data:`TINY_RUN` + :data:`PIPELINE` with ``sections`` merged over them."""
+    data = merge(merge(TINY_RUN, PIPELINE), {"model": {"path": str(model_dir)},
+                                             "run": {"output_dir": str(out_dir)},
+                                             "data": {"cache_dir": str(cache_dir)}})
+    data = merge(data, sections)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -1,0 +1,83 @@
+"""The pipeline config: its sections, the stage run configs made from it, and the whole-pipeline check (also
+through ``flowforge check`` / ``flowforge stages``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flowforge.cli import main
+from flowforge.config import ConfigError
+from flowforge.orchestrate.config import (JUDGE, check_pipeline, is_pipeline_file, load_pipeline, pipeline_dir,
+                                          stage_config)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "stages" / "digits.yaml"
+REWARD = {"weights": {JUDGE: 1.0}, "options": {JUDGE: {"model": "m", "base_url": "http://127.0.0.1:9/v1"}}}
+
+
+def test_the_example_is_a_valid_pipeline():
+    assert is_pipeline_file(EXAMPLE) and not is_pipeline_file(ROOT / "examples" / "digits" / "nft.yaml")
+    pcfg = load_pipeline(EXAMPLE)
+    assert check_pipeline(pcfg) == []
+    assert pipeline_dir(pcfg) == Path("runs/digits-stages")
+    assert (pcfg.stages.n_a, pcfg.student.kind, pcfg.train.algorithm) == (96, "scalar_head", "nft")
+
+
+def test_stage_configs_replace_the_reward_and_set_the_pipeline_keys():
+    pcfg = load_pipeline(EXAMPLE, ["stages.c_overrides=[train.lr=1.0e-4]", "audit.every=4"])
+    a = stage_config(pcfg, "A", steps=24, reward=REWARD)
+    c = stage_config(pcfg, "C", steps=45, reward=REWARD, resume="/x/step_000024")
+    assert a.reward.weights == {JUDGE: 1.0} and a.reward.required == ()  # the default {digit: 1.0} is gone
+    assert (a.run.output_dir, a.run.name, c.run.name) == ("runs/digits-stages", "A", "C")
+    assert (a.train.steps, a.train.resume, c.train.steps, c.train.resume) == (24, "auto", 45, "/x/step_000024")
+    assert (a.train.lr, c.train.lr) == (3e-4, 1e-4)
+    assert c.checkpoint.every == 4 and a.checkpoint.every == pcfg.checkpoint.every
+    with pytest.raises(ValueError, match="stage must be"):
+        stage_config(pcfg, "B", steps=1, reward=REWARD)
+
+
+def _bad(tmp_path, **changes) -> Path:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["run"]["output_dir"] = str(tmp_path / "runs")
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        data.setdefault(section, {})[field] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_every_problem_of_a_pipeline_is_listed_at_once(tmp_path):
+    path = _bad(tmp_path, stages__n_a=98, stages__extend_delta=3, teacher__scorer="no_such_scorer",
+                stages__student_serving="in_process", student__kind="vlm_json", student__vlm_json={"base": "/m"},
+                checkpoint__keep=1)
+    with pytest.raises(ConfigError) as info:
+        check_pipeline(load_pipeline(path))
+    text = str(info.value)
+    for expected in ("stages.n_a=98 must be a multiple", "stages.extend_delta=3 must be a multiple",
+                     "teacher.scorer: unknown component 'no_such_scorer'", "needs student.kind='scalar_head'",
+                     "checkpoint.keep=1 must be >= 2"):
+        assert expected in text, expected
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(_bad(tmp_path, reward__weights={"digit": 1.0}, stages__on_gate_fail="retry",
+                           stages__bogus=1, teacher__judge={"base_url": "http://x"}))
+    text = str(info.value)
+    for expected in ("reward.weights: set by the pipeline", "stages.on_gate_fail='retry' is not one of",
+                     "unknown key 'stages.bogus'", "teacher.judge sets ['base_url']"):
+        assert expected in text, expected
+    with pytest.raises(ConfigError, match="must not exceed the 180 conditions"):
+        check_pipeline(load_pipeline(EXAMPLE, ["stages.n_a=200"]))
+
+
+def test_check_and_stages_refuse_a_bad_pipeline_in_one_line(tmp_path, capsys):
+    path = _bad(tmp_path, stages__n_a=98)
+    for verb in ("check", "stages"):
+        assert main([verb, str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: invalid pipeline config") and "stages.n_a=98" in err[0]
+    assert not (tmp_path / "runs").exists()
+    assert main(["check", str(EXAMPLE)]) == 0
+    assert "stages:" in capsys.readouterr().out
