@@ -9,8 +9,8 @@ scorers, trained-step transition stds, batch divisibility, prompt files, ...) ar
 The schema machinery and the base sections live in :mod:`flowforge.settings` (standard library + PyYAML); the
 algorithm sections (``grpo``, ``grpo_guard``, ``forward``, ``nft``, ``awm``, ``dgpo``, ``dpo``, ``crd``) live beside
 their objectives in :mod:`flowforge.objectives` and are gathered from :data:`flowforge.objectives.OBJECTIVES`, so
-adding an algorithm changes nothing here. A dumped config lists ``run`` ... ``train``, then the algorithm sections
-in registry order, then ``eval`` ... ``sft``.
+adding an algorithm changes nothing here. A dumped config lists ``run`` ... ``train``, ``rollout``, then the
+algorithm sections in registry order, then ``eval`` ... ``sft``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from flowforge.objectives.registry import objective_sections
 from flowforge.settings import schema
+from flowforge.settings.rollout import RolloutConfig
 from flowforge.settings.schema import ConfigError, Section, fingerprint, parse_overrides, to_dict
 from flowforge.settings.sections import (HEAD_SECTIONS, TAIL_SECTIONS, AdvantageConfig, ArtifactsConfig,
                                          CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, LoraConfig,
@@ -30,7 +31,8 @@ __all__ = [
     "Config", "ConfigError", "Section", "config_class", "from_dict", "load_config", "dump_config", "to_dict",
     "fingerprint", "replace", "parse_overrides",
     "RunConfig", "ModelConfig", "LoraConfig", "DataConfig", "SamplerConfig", "RewardConfig", "AdvantageConfig",
-    "TrainConfig", "EvalConfig", "CheckpointConfig", "DistributedConfig", "ArtifactsConfig", "SFTConfig",
+    "TrainConfig", "RolloutConfig", "EvalConfig", "CheckpointConfig", "DistributedConfig", "ArtifactsConfig",
+    "SFTConfig",
 ]
 
 
@@ -42,7 +44,7 @@ def config_class(objectives: Mapping[str, type] | None = None) -> type:
         ValueError: two different section classes share a name.
     """
     extra = objective_sections(None if objectives is None else dict(objectives))
-    return schema.make_root("Config", (*HEAD_SECTIONS, *extra, *TAIL_SECTIONS), module=__name__,
+    return schema.make_root("Config", (*HEAD_SECTIONS, RolloutConfig, *extra, *TAIL_SECTIONS), module=__name__,
                             doc="A whole run's configuration: one frozen section per field (see flowforge.config).")
 
 

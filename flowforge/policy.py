@@ -9,17 +9,21 @@ ref      the immutable starting point (KL terms)     adapters off               
 ema      optional eval EMA of live                   peft adapter ``"ema"`` (frozen)      a frozen copy
 =======  ==========================================  ===================================  ======================
 
+Under ``module`` mode (``lora.trainable: module``) live is exactly the submodules ``lora.modules`` (e.g. a world
+model's transition module) and old / ref / EMA are frozen copies of those submodules only, swapped into the module
+tree while they are evaluated (:mod:`flowforge.models.submodules`); the rest is one frozen backbone for all of them.
+
 ``old`` and ``ema`` exist only when asked for (``Policy(..., keep_old=True, ema_decay=...)``); ``ref`` under full
 fine-tuning is copied only when asked for (``keep_ref=True``).
 
-Soft update of the old policy after each batch (DiffusionNFT, NVlabs ``train_nft_sd3.py`` ``return_decay`` and the
-old-adapter update)::
+Soft updates toward live, ``name <- d * name + (1 - d) * live`` (:meth:`Policy.blend`), with the decay ``d`` of
+:mod:`flowforge.algorithms.ema` (``n`` = optimizer steps so far, counting the one just taken):
 
-    decay(n) = min(decay_rate * n, decay_max)          n = optimizer steps so far
-    old     <- decay(n) * old + (1 - decay(n)) * live
-
-so ``old`` tracks ``live`` exactly at first and lags more as training goes (at most ``decay_max``). The EMA is
-``ema <- ema_decay * ema + (1 - ema_decay) * live`` after every optimizer step.
+* ``old``, after each batch, by the forward-process objectives: DiffusionNFT's ``old_policy_decay(n)`` ("linear"
+  ``min(decay_rate * n, decay_max)`` or "flat_ramp"), so ``old`` tracks ``live`` exactly at first and lags more as
+  training goes;
+* ``ema``, after every optimizer step (:meth:`Policy.step`): ``ema_decay(n, schedule, decay)``, the constant
+  ``decay`` or NVlabs' warm-up ``min((1 + n) / (10 + n), decay)`` (``ema_schedule="warmup"``).
 
 Weights can be switched only between live forwards: :meth:`Policy.using` raises while a live forward's autograd
 graph is pending (registered with :meth:`Policy.pending` and released by :meth:`Policy.backward`), because a
@@ -42,7 +46,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from flowforge.algorithms.ema import EMA_SCHEDULES, ema_decay as ema_decay_at
 from flowforge.models import lora as lora_lib
+from flowforge.models import submodules
 from flowforge.settings.sections import LR_SCHEDULES, TRAINABLE_MODES
 
 POLICY_NAMES = ("live", "old", "ref", "ema")
@@ -75,24 +81,21 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     return f
 
 
-def old_decay(optimizer_steps: int, decay_rate: float = 0.001, decay_max: float = 0.5) -> float:
-    """DiffusionNFT's old-policy decay ``min(decay_rate * n, decay_max)`` after ``n`` optimizer steps."""
-    return min(decay_rate * optimizer_steps, decay_max)
-
-
 @dataclass(frozen=True)
 class TrainableWeights:
     """Which weights of the transformer train: LoRA adapters (``mode="lora"``) or every weight (``"full"``)."""
 
-    mode: str  # "lora" | "full"
+    mode: str  # "lora" | "full" | "module"
     rank: int  # LoRA rank r (read under "lora")
     alpha: float  # LoRA alpha; the adapter's update is scaled by alpha / r (read under "lora")
     targets: tuple[str, ...] | None = None  # LoRA target module names; None (or empty): adapter.lora_targets
+    modules: tuple[str, ...] = ()  # "module": exact submodule paths of the transformer trained in full
 
     @classmethod
     def from_section(cls, lora) -> "TrainableWeights":
         """From a ``lora`` config section (rank 8 and alpha = rank when unset)."""
-        return cls(mode=lora.trainable, rank=lora.resolved_rank, alpha=lora.resolved_alpha, targets=lora.targets)
+        return cls(mode=lora.trainable, rank=lora.resolved_rank, alpha=lora.resolved_alpha, targets=lora.targets,
+                   modules=tuple(lora.modules or ()))
 
 
 @dataclass(frozen=True)
@@ -119,38 +122,49 @@ class Policy:
 
     Args:
         adapter: a FlowModel; its ``transformer`` is modified in place (LoRA injected, grads enabled).
-        trainable: which weights train (LoRA mode, rank, alpha, targets).
+        trainable: which weights train (LoRA mode, rank, alpha, targets; module mode's submodules).
         optim: optimizer, gradient clipping and LR schedule.
         total_optimizer_steps: length of the LR schedule.
         keep_old: build the ``old`` policy (a copy of live at the start).
         keep_ref: the reference policy is needed (under full fine-tuning a frozen copy is kept; LoRA's is free).
-        ema_decay: > 0 builds the ``ema`` policy with this decay.
+        ema_decay: > 0 builds the ``ema`` policy with this decay (the cap of the "warmup" schedule).
+        ema_schedule: "constant" (``d = ema_decay``) | "warmup" (``d = min((1 + n) / (10 + n), ema_decay)`` after the
+            ``n``-th optimizer step, NVlabs DiffusionNFT's eval EMA): :func:`flowforge.algorithms.ema.ema_decay`.
         wrap: makes the transformer data-parallel in place (:func:`flowforge.runtime.distributed.wrap`); called after the
             bank is built and before the optimizer collects the (possibly sharded) trainable parameters.
 
     Raises:
-        ValueError: ``trainable.mode`` is not one of ``TRAINABLE_MODES``.
+        ValueError: ``trainable.mode`` is not one of ``TRAINABLE_MODES``; ``ema_schedule`` not one of
+            ``EMA_SCHEDULES``; module-mode paths that are not exact
+            submodules (:func:`flowforge.models.submodules.check_submodules`).
     """
 
     def __init__(self, adapter, trainable: TrainableWeights, optim: OptimizerSettings, total_optimizer_steps: int,
                  *, keep_old: bool = False, keep_ref: bool = False, ema_decay: float = 0.0,
-                 wrap: Callable[[], None] | None = None):
+                 ema_schedule: str = "constant", wrap: Callable[[], None] | None = None):
         if trainable.mode not in TRAINABLE_MODES:
             raise ValueError(f"trainable mode {trainable.mode!r} is not one of {list(TRAINABLE_MODES)}")
+        if ema_schedule not in EMA_SCHEDULES:
+            raise ValueError(f"ema_schedule={ema_schedule!r} is not one of {list(EMA_SCHEDULES)}")
         self.adapter = adapter
         self.lora = trainable.mode == "lora"
         transformer: nn.Module = adapter.transformer
         self.live_module = transformer
+        # module mode: live / old / ref / EMA hold exactly these submodules; the rest is one shared frozen backbone
+        self.modules = submodules.check_submodules(transformer, trainable.modules) if trainable.mode == "module" else ()
         transformer.requires_grad_(False)
         if self.lora:
             self.targets = list(trainable.targets or adapter.lora_targets)
             self.rank, self.alpha = trainable.rank, trainable.alpha
             lora_lib.inject_lora(transformer, self.rank, self.alpha, self.targets)
+        elif self.modules:
+            for path in self.modules:
+                transformer.get_submodule(path).float().requires_grad_(True)
         else:
             transformer.float().requires_grad_(True)
         transformer.eval()  # no dropout anywhere: rollout and replay must be the same function
         self._copies: dict[str, nn.Module] = {}
-        self.ema_decay = ema_decay
+        self.ema_decay, self.ema_schedule = ema_decay, ema_schedule
         if keep_old:
             self._add("old")
         if ema_decay > 0:
@@ -174,7 +188,12 @@ class Policy:
             lora_lib.add_adapter(self.live_module, name, self.rank, self.alpha, self.targets, trainable=False)
             lora_lib.copy_adapter(self.live_module, "default", name)
         else:
-            self._copies[name] = copy.deepcopy(self.live_module).requires_grad_(False).eval()
+            source = self._live_parts() if self.modules else self.live_module
+            self._copies[name] = copy.deepcopy(source).requires_grad_(False).eval()
+
+    def _live_parts(self) -> nn.ModuleList:
+        """Module mode: the live trained submodules, in ``modules`` order (a view; nothing is copied)."""
+        return nn.ModuleList(self.live_module.get_submodule(p) for p in self.modules)
 
     def has(self, name: str) -> bool:
         if name == "live":
@@ -220,6 +239,9 @@ class Policy:
         elif self.lora:
             with lora_lib.using_adapter(self.live_module, name):
                 yield
+        elif self.modules:
+            with submodules.swapped_submodules(self.live_module, self.modules, list(self._copies[name])):
+                yield
         else:
             self.adapter.transformer = self._copies[name]
             try:
@@ -230,6 +252,9 @@ class Policy:
     def _tensors(self, name: str) -> dict[str, torch.Tensor]:
         if self.lora:
             return lora_lib.lora_parameters(self.live_module, "default" if name == "live" else name)
+        if self.modules:
+            parts = self._live_parts() if name == "live" else self._copies[name]
+            return {f"{p}.{k}": v for p, m in zip(self.modules, parts) for k, v in m.state_dict(keep_vars=True).items()}
         module = self.live_module if name == "live" else self._copies[name]
         return dict(module.state_dict(keep_vars=True))
 
@@ -265,7 +290,8 @@ class Policy:
             live = lora_lib.lora_parameters(self.live_module, "default")
             other = lora_lib.lora_parameters(self.live_module, name)
             return [(other[k], live[k]) for k in live]
-        return list(zip(self._copies[name].parameters(), self.live_module.parameters()))
+        live = self._live_parts() if self.modules else self.live_module
+        return list(zip(self._copies[name].parameters(), live.parameters()))
 
     @torch.no_grad()
     def blend(self, name: str, decay: float) -> None:
@@ -273,6 +299,9 @@ class Policy:
         if name not in ("old", "ema"):
             raise ValueError(f"only 'old' and 'ema' are blended toward live, got {name!r}")
         for target, source in self._pairs(name):
+            # under FSDP full fine-tuning live is sharded (DTensor) while the old / EMA copy made before wrapping is
+            # whole on every rank: gather live (a collective; every rank blends in lockstep)
+            source = source if _is_dtensor(target) else _full(source)
             target.mul_(decay).add_(source, alpha=1.0 - decay)
 
     # ------------------------------------------------------------------------------------------------ optim
@@ -284,16 +313,22 @@ class Policy:
         return sum(p.numel() for p in self.params)
 
     def step(self) -> torch.Tensor:
-        """Clip gradients, take one optimizer + LR-schedule step, zero the gradients, update the EMA.
-        Returns the pre-clip gradient norm (0-d tensor)."""
+        """Clip gradients, take one optimizer + LR-schedule step, zero the gradients, update the EMA with
+        :meth:`current_ema_decay`. Returns the pre-clip gradient norm (0-d tensor)."""
         grad_norm = _full(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         if self.ema_decay > 0:
-            self.blend("ema", self.ema_decay)
+            self.blend("ema", self.current_ema_decay())
         return grad_norm.detach()
+
+    def current_ema_decay(self) -> float:
+        """The EMA's decay after the optimizer step just taken (``n = optimizer_steps``); 0.0 without an EMA."""
+        if self.ema_decay <= 0:
+            return 0.0
+        return ema_decay_at(self.optimizer_steps, schedule=self.ema_schedule, decay=self.ema_decay)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:

@@ -78,6 +78,16 @@ def test_two_ranks_match_single_process(single, tiny_model_dir, tmp_path, encode
         torch.testing.assert_close(records[1]["live"][k], v, rtol=1e-4, atol=1e-6)
 
 
+def test_full_fine_tuning_nft_under_fsdp_matches_ddp(tiny_model_dir, tmp_path, encode_cache_dir):
+    """DiffusionNFT with full fine-tuning keeps a whole old-policy copy on every rank while FSDP shards live: the
+    old <- decay * old + (1 - decay) * live blend gathers live, and both strategies end with the same weights."""
+    extra = ("train.algorithm=nft", "lora.trainable=full", "forward.decay_rate=0.25")
+    runs = {s: _run(tmp_path / s, 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, s, *extra,
+                                                f"distributed.strategy={s}"), 2) for s in ("ddp", "fsdp")}
+    for k, v in runs["ddp"][0]["live"].items():
+        torch.testing.assert_close(runs["fsdp"][0]["live"][k], v, rtol=1e-4, atol=1e-6)
+
+
 def test_fsdp_dcp_checkpoint_written_by_two_ranks_resumes(tiny_model_dir, tmp_path, encode_cache_dir):
     extra = ["train.algorithm=grpo", "distributed.strategy=fsdp", "checkpoint.every=1", "train.steps=2"]
     full = _run(tmp_path / "full", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "full", *extra), 2)

@@ -5,7 +5,8 @@ import torch
 
 from flowforge.config import LoraConfig, TrainConfig
 from flowforge.models import build_adapter
-from flowforge.policy import OptimizerSettings, Policy, TrainableWeights, lr_lambda, old_decay
+from flowforge.algorithms.ema import ema_decay
+from flowforge.policy import OptimizerSettings, Policy, TrainableWeights, lr_lambda
 
 
 @pytest.fixture
@@ -19,13 +20,35 @@ def _inputs(adapter, b=2):
     return torch.randn(b, 1, 32, 32, generator=g), torch.full((b,), 0.6), c
 
 
-def test_old_decay_schedule_values():
-    assert old_decay(0) == 0.0
-    assert old_decay(1) == pytest.approx(0.001)
-    assert old_decay(250) == pytest.approx(0.25)
-    assert old_decay(500) == pytest.approx(0.5)
-    assert old_decay(10_000) == 0.5
-    assert old_decay(10, decay_rate=0.1, decay_max=0.9) == pytest.approx(0.9)
+def _train_steps(policy, adapter, n):
+    x, s, c = _inputs(adapter)
+    for _ in range(n):
+        v = policy.pending(adapter.velocity(x, s, c, 1.0))
+        policy.backward(((v - 1.0) ** 2).mean())
+        policy.step()
+
+
+@pytest.mark.parametrize("schedule", ["constant", "warmup"])
+def test_ema_decay_schedule_through_the_policy(adapter, schedule):
+    """The EMA after each optimizer step is exactly ``d(n) ema + (1 - d(n)) live`` with NVlabs' warm-up
+    ``d(n) = min((1 + n) / (10 + n), 0.9)`` (2/11, 3/12, 4/13 for n = 1, 2, 3), or the constant 0.9."""
+    lora = TrainableWeights.from_section(LoraConfig(trainable="lora", rank=4))
+    policy = Policy(adapter, lora, OptimizerSettings.from_section(TrainConfig(lr=1e-2)), 10, ema_decay=0.9,
+                    ema_schedule=schedule)
+    expected = {"constant": [0.9, 0.9, 0.9], "warmup": [2 / 11, 3 / 12, 4 / 13]}[schedule]
+    ema = policy.named_weights("ema")
+    for n, d in enumerate(expected, start=1):
+        _train_steps(policy, adapter, 1)
+        assert policy.optimizer_steps == n and policy.current_ema_decay() == d
+        live = policy.named_weights("live")
+        want = {k: d * ema[k] + (1 - d) * live[k] for k in ema}  # the same two fp32 ops as Policy.blend
+        ema = policy.named_weights("ema")
+        for k in ema:
+            torch.testing.assert_close(ema[k], want[k], rtol=1e-6, atol=1e-7)
+    assert policy.current_ema_decay() == ema_decay(3, schedule=schedule, decay=0.9)
+    # after 3 warm-up updates the base weights keep 2/11 * 3/12 * 4/13 = 1.4% of the EMA (constant: 0.9^3 = 73%)
+    with pytest.raises(ValueError, match="ema_schedule='cosine' is not one of"):
+        Policy(adapter, lora, OptimizerSettings.from_section(TrainConfig()), 10, ema_decay=0.9, ema_schedule="cosine")
 
 
 @pytest.mark.parametrize("trainable", ["lora", "full"])

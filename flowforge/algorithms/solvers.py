@@ -2,8 +2,10 @@
 
 What
     ``dpm_solver_2m_step`` takes one step ``x (sigma) -> x_next (sigma_next)`` from the current and the previous
-    data predictions ``x0_hat = x - sigma v``; ``dpm_solver_2_sample`` runs a whole schedule from noise with a
-    velocity callable and returns the sample (optionally every iterate).
+    data predictions ``x0_hat = x - sigma v``; ``dpm_solver_2_update`` is step ``i`` of a schedule from the velocity
+    (what a denoising loop calls, :func:`flowforge.rollout.denoise` with ``RolloutSpec(solver="dpm2")``);
+    ``dpm_solver_2_sample`` runs a whole schedule from noise with a velocity callable and returns the sample
+    (optionally every iterate).
 
 Why
     DiffusionNFT trains on the forward process, so its rollouts need only clean samples, not per-step likelihoods;
@@ -58,7 +60,7 @@ import torch
 
 from .common import compute_dtype
 
-__all__ = ["data_prediction", "dpm_solver_2m_step", "dpm_solver_2_sample"]
+__all__ = ["data_prediction", "dpm_solver_2m_step", "dpm_solver_2_update", "dpm_solver_2_sample"]
 
 Scalar = Union[float, torch.Tensor]
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -147,6 +149,33 @@ def dpm_solver_2m_step(
     return x_next + (0.5 * e * h / h_0) * (x0_hat.to(dtype) - x0_hat_prev.to(dtype))
 
 
+def dpm_solver_2_update(
+    x: torch.Tensor, velocity: torch.Tensor, sigmas: torch.Tensor, i: int, x0_hat_prev: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step ``i`` (``sigmas[i] -> sigmas[i + 1]``) of DPM-Solver++(2M) sampling from the velocity at ``x``.
+
+    Args:
+        x: ``[B, *latent]`` iterate at ``sigmas[i]``. velocity: its velocity (same shape, ``noise - x0`` convention).
+        sigmas: the ``[T + 1]`` schedule (keep it on the CPU: its entries are read as python floats).
+        i: the step index, ``0 <= i < T``.
+        x0_hat_prev: the data prediction step ``i - 1`` returned (None at step 0, or after a step that was not a
+            DPM-Solver step: this step is then 1st order).
+    Returns:
+        ``(x_next, x0_hat)``: the iterate at ``sigmas[i + 1]`` and this step's data prediction (pass it as the next
+        step's ``x0_hat_prev``), float32 (float64 for float64 input).
+    Raises:
+        ValueError: as :func:`dpm_solver_2m_step`; ``i`` outside ``[0, T)``; ``x0_hat_prev`` given at step 0.
+    Source: as :func:`dpm_solver_2m_step`.
+    """
+    if not 0 <= i < sigmas.shape[0] - 1:
+        raise ValueError(f"step index {i} outside [0, {sigmas.shape[0] - 1})")
+    if i == 0 and x0_hat_prev is not None:
+        raise ValueError("step 0 has no previous data prediction (x0_hat_prev must be None)")
+    x0_hat = data_prediction(x, velocity, sigmas[i])
+    prev = {} if x0_hat_prev is None else {"x0_hat_prev": x0_hat_prev, "sigma_prev": sigmas[i - 1]}
+    return dpm_solver_2m_step(x, x0_hat, sigmas[i], sigmas[i + 1], **prev), x0_hat
+
+
 def dpm_solver_2_sample(
     velocity_fn: VelocityFn, x: torch.Tensor, sigmas: torch.Tensor, *, return_trajectory: bool = False
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
@@ -175,11 +204,7 @@ def dpm_solver_2_sample(
     states = [cur]
     x0_prev: Optional[torch.Tensor] = None
     for i in range(sig.numel() - 1):
-        v = velocity_fn(cur, sigmas[i])
-        x0 = data_prediction(cur, v, sig[i])
-        prev = {} if x0_prev is None else {"x0_hat_prev": x0_prev, "sigma_prev": sig[i - 1]}
-        cur = dpm_solver_2m_step(cur, x0, sig[i], sig[i + 1], **prev)
-        x0_prev = x0
+        cur, x0_prev = dpm_solver_2_update(cur, velocity_fn(cur, sigmas[i]), sig, i, x0_prev)
         states.append(cur)
     if return_trajectory:
         return cur, torch.stack(states, dim=1)

@@ -12,14 +12,16 @@ SCHEMA = """compare file (YAML; examples/digits/compare.yaml):
   base: grpo.yaml            required  the run config every arm starts from (path relative to this file)
   arms:                      required  arm name -> list of section.key=value overrides applied to the base
     grpo: []
-    nft: [train.algorithm=nft, train.lr=3e-4]
-  budget_samples: 1920       required  training samples per run: train.steps = budget_samples //
+    nft: [train.algorithm=nft, forward.sigma_mode=full_schedule, train.lr=3e-4]
+  budget_samples: 4800       required  training samples per run: train.steps = budget_samples //
                                        (data.prompts_per_step * data.group_size) of that arm
-  target: {metric: eval/digit_eval, value: 0.9}
-                             optional  samples and seconds until the metric first reaches the value (these defaults)
-  seeds: [0]                 optional  one run per (arm, seed); run.seed is set to the seed
+  target: {metric: eval/digit_eval, values: [0.8, 0.9]}
+                             optional  samples and seconds until the metric first reaches each value (these
+                                       defaults; `value: 0.9` for one); per arm: median and range over seeds
+  seeds: [0, 1]              optional  one run per (arm, seed); run.seed is set to the seed (default [0])
   output_dir: runs/compare   optional  runs go to <output_dir>/<arm>-s<seed>/ (one after another); writes
-                                       compare.png, compare.csv and compare.md there
+                                       compare.png (main panel: metric vs samples; also vs wall time),
+                                       compare.csv and compare.md there
 
 overrides on the command line (section.key=value) apply to every arm, after the arm's own."""
 

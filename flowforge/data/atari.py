@@ -368,8 +368,9 @@ def write_prompt_file(clips: AtariClips, indices: torch.Tensor | list[int], dire
                       name: str) -> Path:
     """Write clips ``indices`` as i2v prompts: ``<directory>/<name>.jsonl`` (one row per clip: ``prompt`` = the
     action names joined by spaces, ``metadata`` = task ``i2v``, ``sample_id``, ``image`` = the first frame's PNG,
-    ``actions`` = the names, ``clip`` = the clip index) and ``<directory>/<name>/<clip>.png`` (RGB, ``size x size``).
-    Returns the JSONL path."""
+    ``actions`` = the names, ``clip`` = the clip index, ``real_clip`` = the file name, in the image's directory, of
+    the real clip's frames side by side), ``<directory>/<name>/<clip>.png`` (RGB, ``size x size``) and
+    ``<directory>/<name>/<clip>-clip.png`` (grey, ``size x F size``). Returns the JSONL path."""
     from PIL import Image
 
     root = Path(directory)
@@ -378,11 +379,13 @@ def write_prompt_file(clips: AtariClips, indices: torch.Tensor | list[int], dire
     lines = []
     for i, clip in enumerate(torch.as_tensor(indices).tolist()):
         png = root / name / f"{clip:06d}.png"
-        first = (video[i, 0, 0] * 255.0).round().to(torch.uint8).numpy()
-        Image.fromarray(first, mode="L").convert("RGB").save(png)
+        frames = (video[i, 0] * 255.0).round().to(torch.uint8)  # [F, size, size]
+        Image.fromarray(frames[0].numpy(), mode="L").convert("RGB").save(png)
+        strip = root / name / f"{clip:06d}-clip.png"  # the real clip, frames side by side: the real future
+        Image.fromarray(frames.permute(1, 0, 2).flatten(1).numpy(), mode="L").save(strip)
         names = [ACTIONS[a] for a in acts[i].tolist()]
         meta = {"task": "i2v", "sample_id": f"atari-{name}-{clip:06d}", "image": f"{name}/{png.name}",
-                "actions": names, "clip": clip}
+                "actions": names, "clip": clip, "real_clip": strip.name}
         lines.append(json.dumps({"prompt": " ".join(names), "metadata": meta}))
     path = root / f"{name}.jsonl"
     path.write_text("\n".join(lines) + "\n")

@@ -56,7 +56,7 @@ TASKS = ("t2i", "i2i", "t2v", "i2v")
 IMAGE_TASKS = ("i2i", "i2v")
 """Tasks conditioned on an image (``metadata.image``)."""
 
-DEMO_PROMPT_SETS = ("demo:train", "demo:eval")
+DEMO_PROMPT_SETS = ("demo:train", "demo:eval", "demo:world-train", "demo:world-eval")
 """Names that resolve to the embedded default's packaged prompt files."""
 
 PACKAGED_PROMPTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo" / "prompts"

@@ -12,6 +12,8 @@ name            file
                 ``diffusion_pytorch_model.safetensors``, ``flowforge.json`` naming its MiniLM text encoder)
 ``demo:train``  ``flowforge/demo/prompts/train.jsonl``: 18 phrasings x 10 digits (:mod:`flowforge.demo.prompts`)
 ``demo:eval``   ``flowforge/demo/prompts/eval.jsonl``: 6 held-out phrasings x 10 digits
+``demo:world``  ``flowforge/demo/weights/world/``: the Atari world model (:mod:`flowforge.demo.world`)
+``demo:world-train`` / ``demo:world-eval``: Breakout start frames + actions (train / held-out episodes)
 ==============  =========================================================================================
 """
 
@@ -28,7 +30,10 @@ DEMO_BASE = "demo:base"
 """The shipped base policy (``model.path``)."""
 
 
-DEMO_NAMES = (DEMO_BASE, *DEMO_PROMPT_SETS)
+DEMO_WORLD = "demo:world"
+"""The shipped action-conditioned world model (``model.path`` with ``model.adapter: world_model``)."""
+
+DEMO_NAMES = (DEMO_BASE, DEMO_WORLD, *DEMO_PROMPT_SETS)
 """Every name :func:`resolve_demo_path` accepts."""
 
 DEMO_DIR = Path(__file__).resolve().parent
@@ -39,6 +44,12 @@ def demo_base_dir() -> Path:
     """Directory of the shipped demo base policy (``config.json`` + ``diffusion_pytorch_model.safetensors`` +
     ``flowforge.json``), loadable by :func:`flowforge.models.sd3.load_sd3`."""
     return DEMO_DIR / "weights" / "base"
+
+
+def demo_world_dir() -> Path:
+    """Directory of the shipped world model (``config.json`` + ``diffusion_pytorch_model.safetensors`` +
+    ``flowforge.json``), loadable by :func:`flowforge.models.world_model.load_world_model`."""
+    return DEMO_DIR / "weights" / "world"
 
 
 def demo_prompts_path(name: str) -> Path:
@@ -69,6 +80,8 @@ def resolve_demo_path(source: str | Path) -> str | Path:
         return source
     if source == DEMO_BASE:
         return demo_base_dir()
+    if source == DEMO_WORLD:
+        return demo_world_dir()
     if source in DEMO_PROMPT_SETS:
         return demo_prompts_path(source)
     raise ValueError(f"unknown demo name {source!r}; allowed: {list(DEMO_NAMES)}")

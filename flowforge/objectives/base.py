@@ -152,6 +152,7 @@ class Objective:
     clipped_ratio: ClassVar[bool] = False
     sampling_policy: str = "live"  # the bank policy that rolls out (see flowforge.policy)
     eval_policy: str = "live"
+    anchor = None  # extra supervised terms added before every optimizer step (flowforge.objectives.anchors)
 
     def __init__(self, ctx: ObjectiveContext, adapter, policy):
         missing = [s.section_name for s in self.sections if s.section_name not in ctx.sections]
@@ -223,6 +224,12 @@ class Objective:
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """Every update of one scored batch; returns 0-d metrics, identical on every rank."""
         raise NotImplementedError
+
+    def optimizer_step(self) -> dict[str, torch.Tensor]:
+        """One optimizer step of the policy bank after the RL gradients of an update: the :attr:`anchor`'s gradients
+        (when a run has one) are added first. Returns ``grad_norm`` and the anchor's metrics."""
+        metrics = self.anchor.backward() if self.anchor is not None else {}
+        return {**metrics, "grad_norm": self.policy.step()}
 
     def micro_batches(self, rows: torch.Tensor, size: int | None = None) -> list[torch.Tensor]:
         """``rows`` ([n] int64) in consecutive chunks of ``size`` (default ``ctx.micro_batch_size``)."""

@@ -1,15 +1,23 @@
 """The forward-process family: objectives that train on noised final samples (section ``forward``).
 
-Any sampler rolls out (``forward.sampler``, ODE by default, under ``forward.sample_with``) and only the final clean
-sample ``x0`` is kept. The update noises it, ``x_sigma = (1 - sigma) x0 + sigma noise``, and compares policies'
-velocities there. Noise and sigma of a visit are functions of (run seed, candidate or group id, training step, inner
-epoch, visit) only, so a resumed run draws the same ones; group objectives share them within a prompt group and
-train on whole groups. The losses compare conditional velocities (guidance 1), as DiffusionNFT trains; guidance
+Any sampler rolls out (``forward.sampler`` under ``forward.sample_with``) and only the final clean sample ``x0`` is
+kept: ``ode`` (Euler, the default), ``dpm2`` (the deterministic 2nd-order DPM-Solver++(2M) of
+:mod:`flowforge.algorithms.solvers`, NVlabs DiffusionNFT's rollout sampler), or a stochastic kernel (``sde``,
+``dance``, ``cps``: every step but the degenerate last one stochastic, at ``sampler.noise_level``). The update noises
+it, ``x_sigma = (1 - sigma) x0 + sigma noise``, and compares policies' velocities there. Noise and sigma of a visit
+are functions of (run seed, candidate or group id, training step, inner epoch, visit) only, so a resumed run draws
+the same ones; group objectives share them within a prompt group and train on whole groups. The losses compare conditional velocities (guidance 1), as DiffusionNFT trains; guidance
 only shapes the samples.
 
-After each batch the old policy follows DiffusionNFT's soft update (NVlabs ``train_nft_sd3.py``)::
+After each batch the old policy follows DiffusionNFT's soft update (NVlabs ``train_nft_sd3.py`` ``return_decay``),
+``n`` = optimizer steps so far (:func:`flowforge.algorithms.ema.old_policy_decay`)::
 
-    old <- d old + (1 - d) live,    d = min(forward.decay_rate * n, forward.decay_max),  n = optimizer steps so far
+    old <- d old + (1 - d) live,   forward.decay_schedule "linear":    d = min(decay_rate * n, decay_max)
+                                   "flat_ramp":  d = 0 for n < decay_flat_steps, then
+                                                 d = min((n - decay_flat_steps) * decay_rate, decay_max)
+
+NVlabs' presets ("decay types"): 0 = ``decay_rate 0, decay_max 0``; 1 = ``0.001, 0.5`` (the default); 2 (its OCR
+configuration) = ``flat_ramp`` with ``decay_flat_steps 75, decay_rate 0.0075, decay_max 0.999``.
 """
 
 from __future__ import annotations
@@ -19,15 +27,16 @@ from typing import ClassVar
 
 import torch
 
+from flowforge.algorithms.ema import OLD_DECAY_SCHEDULES, old_policy_decay
 from flowforge.algorithms.sde import TRANSITION_KINDS
 from flowforge.models.base import Conditioning
 from flowforge.objectives.base import MetricAccumulator, Objective, ObjectiveContext, TrainBatch
-from flowforge.policy import old_decay
 from flowforge.rollout import RolloutSpec, candidate_noise, candidate_randint, generated_index, with_condition
 from flowforge.runtime.distributed import all_reduce_processes
 from flowforge.settings import Checks, Section
 
 FORWARD_SIGMA_MODES = ("uniform_schedule", "full_schedule")
+FORWARD_SAMPLERS = (*TRANSITION_KINDS, "dpm2")
 SAMPLE_WITH = ("old", "live")
 
 
@@ -37,16 +46,22 @@ class ForwardConfig(Section):
 
     section_name = "forward"
 
-    sampler: str = "ode"  # rollout kernel: "sde" | "dance" | "cps" | "ode" (only the final x0 is kept)
+    sampler: str = "ode"  # rollout: "ode" (Euler) | "dpm2" (DPM-Solver++(2M)) | "sde" | "dance" | "cps" (final x0 kept)
     sample_with: str = "old"  # policy that samples: "old" (off-policy, DiffusionNFT's default) | "live"
     sigma_mode: str = "uniform_schedule"  # "uniform_schedule" (one schedule sigma per visit) | "full_schedule"
     inner_epochs: int = 1
     decay_rate: float = 0.001  # old <- decay * old + (1 - decay) * live, decay = min(decay_rate * n, decay_max)
     decay_max: float = 0.5
+    decay_schedule: str = "linear"  # "linear" | "flat_ramp" (d = 0 for the first decay_flat_steps optimizer steps)
+    decay_flat_steps: int = 0  # flat start of "flat_ramp" (NVlabs' decay type 2: 75)
 
     def problems(self) -> list[str]:
         c = Checks(self)
-        c.choice("sampler", TRANSITION_KINDS)
+        c.choice("sampler", FORWARD_SAMPLERS)
+        c.choice("decay_schedule", OLD_DECAY_SCHEDULES)
+        c.require(self.decay_flat_steps >= 0 and (self.decay_flat_steps == 0 or self.decay_schedule == "flat_ramp"),
+                  f"forward.decay_flat_steps={self.decay_flat_steps} must be >= 0, and 0 unless "
+                  "forward.decay_schedule='flat_ramp'")
         c.choice("sample_with", SAMPLE_WITH)
         c.choice("sigma_mode", FORWARD_SIGMA_MODES)
         c.require(0 <= self.decay_max < 1 and self.decay_rate >= 0,
@@ -113,9 +128,14 @@ class ForwardProcessObjective(Objective):
         return ctx.num_updates_per_batch * ctx.sections["forward"].inner_epochs
 
     def rollout_spec(self, step: int) -> RolloutSpec:
-        s = self.ctx.sampler
-        return RolloutSpec(kind=self.forward.sampler, noise_level=s.noise_level, trained_steps=(),
-                           guidance_scale=s.guidance_scale, store_steps=False, log_probs=False)
+        """Only the final sample is kept: a deterministic solver (``ode`` Euler, ``dpm2``) on every step, or a
+        stochastic kernel on every step but the last (whose transition is degenerate), nothing stored."""
+        s, kind = self.ctx.sampler, self.forward.sampler
+        deterministic = kind in ("ode", "dpm2")
+        return RolloutSpec(kind="ode" if deterministic else kind, noise_level=s.noise_level,
+                           trained_steps=() if deterministic else tuple(range(s.num_steps - 1)),
+                           guidance_scale=s.guidance_scale, store_steps=False, log_probs=False,
+                           solver="dpm2" if kind == "dpm2" else "euler")
 
     def noise_keys(self, batch: TrainBatch) -> torch.Tensor:
         """``[B]`` ids seeding each row's visit noise: the candidate id, or the group's smallest candidate id."""
@@ -228,7 +248,7 @@ class ForwardProcessObjective(Objective):
                         loss, m = self.micro_loss(sub, sub_extras, self.make_visit(sub, sigma_index[rows], slot))
                         self.policy.backward(loss * (rows.numel() * world / total) / len(visits))
                         acc.add({**m, "loss": loss}, weight=rows.numel())
-                acc.add({"grad_norm": self.policy.step()})
+                acc.add(self.optimizer_step())
         if not updates:
             return out
         if self.keeps_old:
@@ -240,4 +260,6 @@ class ForwardProcessObjective(Objective):
 
     def old_decay(self) -> float:
         """The decay of this batch's old-policy soft update (after the batch's optimizer steps)."""
-        return old_decay(self.policy.optimizer_steps, self.forward.decay_rate, self.forward.decay_max)
+        f = self.forward
+        return old_policy_decay(self.policy.optimizer_steps, schedule=f.decay_schedule, decay_rate=f.decay_rate,
+                                decay_max=f.decay_max, flat_steps=f.decay_flat_steps)

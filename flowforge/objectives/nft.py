@@ -16,6 +16,7 @@ import torch
 
 from flowforge.algorithms import advantages as adv_lib
 from flowforge.algorithms import losses
+from flowforge.algorithms.ema import EMA_SCHEDULES
 from flowforge.algorithms.losses import NFT_MODES
 from flowforge.objectives.base import ObjectiveContext, TrainBatch, global_sum
 from flowforge.objectives.forward import ForwardConfig, ForwardProcessObjective, Visit
@@ -40,7 +41,8 @@ class NFTConfig(Section):
     guard: bool = False  # skip groups that tie, spread < guard_min_spread, or best < guard_min_best
     guard_min_spread: float = 0.0
     guard_min_best: float | None = None
-    ema_decay: float = 0.0  # > 0: keep an eval EMA of live with this decay
+    ema_decay: float = 0.0  # > 0: keep an eval EMA of live with this decay (the warm-up's cap)
+    ema_schedule: str = "constant"  # "constant" | "warmup": d = min((1 + n) / (10 + n), ema_decay) (NVlabs)
     ref_weight: float = 0.0  # velocity-MSE penalty to the reference policy
 
     def problems(self) -> list[str]:
@@ -48,6 +50,7 @@ class NFTConfig(Section):
         c.choice("loss_mode", NFT_MODES)
         c.choice("reward_transform", NFT_REWARD_TRANSFORMS)
         c.choice("std_scope", NFT_STD_SCOPES)
+        c.choice("ema_schedule", EMA_SCHEDULES)
         c.require(0 <= self.ema_decay < 1, f"nft.ema_decay={self.ema_decay} must be in [0, 1) (0 = no EMA)")
         c.positive("beta", "adv_clip")
         c.positive("ref_weight", "std_floor", "guard_min_spread", allow_zero=True)
@@ -60,7 +63,8 @@ class NFT(ForwardProcessObjective):
     With ``nft.guard`` whole groups that tie / spread too little / score too low are skipped (kept in the data,
     never re-drawn, counted as ``train/guard_skipped_groups``; under data parallelism ranks that skipped more
     run zero-weight padding so all stay in lockstep). Optional velocity-MSE penalty to the reference
-    (``nft.ref_weight``) and an eval EMA (``nft.ema_decay``).
+    (``nft.ref_weight``) and an eval EMA (``nft.ema_decay``; ``nft.ema_schedule="warmup"`` is NVlabs' warm-up
+    ``min((1 + n) / (10 + n), ema_decay)`` after optimizer step ``n``, so early evaluations see the trained weights).
     """
 
     name = "nft"
@@ -82,7 +86,8 @@ class NFT(ForwardProcessObjective):
 
     @classmethod
     def policy_bank(cls, ctx: ObjectiveContext) -> dict:
-        return {**super().policy_bank(ctx), "ema_decay": ctx.sections["nft"].ema_decay}
+        n = ctx.sections["nft"]
+        return {**super().policy_bank(ctx), "ema_decay": n.ema_decay, "ema_schedule": n.ema_schedule}
 
     def optimality(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``r [B]`` in [0, 1] and the ``[B]`` bool mask of samples kept by the guard."""

@@ -7,6 +7,7 @@ is added at the end.
 
 from __future__ import annotations
 
+from flowforge.objectives.anchors import AnchorConfig
 from flowforge.objectives.awm import AWM
 from flowforge.objectives.base import Objective
 from flowforge.objectives.crd import CRD
@@ -29,10 +30,14 @@ OBJECTIVES: dict[str, type[Objective]] = {
 }
 """Every algorithm, by its ``train.algorithm`` name (each key equals its class's ``name``)."""
 
+SHARED_SECTIONS: tuple[type, ...] = (AnchorConfig,)
+"""Sections read by every objective through the base class's hooks (the world-model anchors of
+:meth:`~flowforge.objectives.base.Objective.optimizer_step`), placed after the algorithm sections."""
+
 
 def objective_sections(objectives: dict[str, type[Objective]] | None = None) -> tuple[type, ...]:
     """The config section classes declared by ``objectives`` (default :data:`OBJECTIVES`), in registry order,
-    each once.
+    each once, then :data:`SHARED_SECTIONS`.
 
     Raises:
         ValueError: a key differs from its class's ``name``, or two classes declare different sections of one name.
@@ -46,4 +51,6 @@ def objective_sections(objectives: dict[str, type[Objective]] | None = None) -> 
             if other is not section:
                 raise ValueError(f"section {section.section_name!r} is declared as {other.__qualname__} and as "
                                  f"{section.__qualname__} (by {cls.__qualname__})")
+    for section in SHARED_SECTIONS:
+        found.setdefault(section.section_name, section)
     return tuple(found.values())

@@ -80,7 +80,7 @@ class ReplayObjective(Objective):
                     acc.add({**m, "loss": loss}, weight=rows.numel())
                     if u == 0:
                         first_dev = torch.maximum(first_dev, torch.maximum(m["ratio_max"] - 1, 1 - m["ratio_min"]))
-            acc.add({"grad_norm": self.policy.step()})
+            acc.add(self.optimizer_step())
         out = acc.reduce()
         out["first_update_ratio_dev"] = all_reduce_processes(first_dev.detach().cpu(), "max")
         return out

@@ -5,6 +5,8 @@ A scorer maps a batch of generated media plus their prompts and metadata to one 
     scorer(media [B, 3, H, W] float in [0, 1], prompts: Sequence[str] (len B), metadata: Sequence[dict] (len B))
         -> Tensor [B] float32, higher is better, NaN = "not applicable to this sample"
 
+A scorer that reads whole videos sets ``takes_video = True`` and is given ``[B, 3, F, H, W]``; the others see a
+video batch frame by frame (their scores averaged per video, :class:`~flowforge.rewards.processor.RewardProcessor`).
 Scorers set ``needs_group = True`` when they must see a whole group of candidates for one prompt at once (ranking,
 VLM judges comparing candidates); the reward processor then gathers the group before calling them. Advantages are
 not computed here (see ``flowforge.algorithms.advantages``). Where scoring sits in the training loop:
@@ -56,6 +58,28 @@ def check_inputs(media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[
     if len(metadata) != batch:
         raise ValueError(f"metadata must have one entry per image ({batch}), got {len(metadata)}")
     return batch
+
+
+def takes_video(scorer: Any) -> bool:
+    """Whether ``scorer`` declares ``takes_video = True``: it scores whole videos ``[B, 3, F, H, W]`` (e.g. motion
+    across frames); every other scorer sees a video batch as its frames and its scores are averaged per video."""
+    return bool(getattr(scorer, "takes_video", False))
+
+
+def check_media_batch(media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> int:
+    """Validate a reward-processor call: images ``[B, 3, H, W]`` or videos ``[B, 3, F, H, W]``, floating point, one
+    prompt and one metadata entry per sample; returns ``B``.
+
+    Raises:
+        ValueError: another shape or dtype; ``prompts`` / ``metadata`` not of length ``B``.
+    """
+    if isinstance(media, Tensor) and media.dim() == 5:
+        check_media(media[:, :, 0])
+        if len(prompts) != media.shape[0] or len(metadata) != media.shape[0]:
+            raise ValueError(f"prompts and metadata must have one entry per video ({media.shape[0]}), got "
+                             f"{len(prompts)} and {len(metadata)}")
+        return media.shape[0]
+    return check_inputs(media, prompts, metadata)
 
 
 def check_batch_size(batch_size: int) -> int:

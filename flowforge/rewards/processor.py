@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import RewardScorer, check_batch_size, check_inputs
+from flowforge.rewards.base import RewardScorer, check_batch_size, check_media_batch, takes_video
 from flowforge.rewards.groups import local_chunks, score_groups_across_ranks, score_local
 from flowforge.runtime.distributed import DistInfo
 
@@ -96,7 +96,17 @@ class RewardProcessor:
 
     def _score(self, name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
                metadata: list[dict[str, Any]], group_ids: Tensor | None, dist: DistInfo | None):
-        """One component: ``([B] float32, flags, groups scored or None for a per-sample scorer)``."""
+        """One component: ``([B] float32, flags, groups scored or None for a per-sample scorer)``. A video batch
+        goes whole to a ``takes_video`` scorer; any other scores its frames, averaged per video (a flag: any frame)."""
+        if media.ndim == 5 and not takes_video(scorer):
+            from flowforge.rollout.media import video_frames
+
+            f = media.shape[2]
+            scores, flags, groups = self._score(name, scorer, video_frames(media),
+                                                [p for p in prompts for _ in range(f)],
+                                                [m for m in metadata for _ in range(f)],
+                                                None if group_ids is None else group_ids.repeat_interleave(f), dist)
+            return scores.view(-1, f).mean(1), {k: v.view(-1, f).any(1) for k, v in flags.items()}, groups
         needs_group = bool(getattr(scorer, "needs_group", False))
         if needs_group and group_ids is not None and dist is not None and dist.enabled:
             return score_groups_across_ranks(name, scorer, media, prompts, metadata, group_ids, dist)
@@ -116,7 +126,7 @@ class RewardProcessor:
         """Score ``media`` with every component.
 
         Args:
-            media: ``[B, 3, H, W]`` float in [0, 1].
+            media: ``[B, 3, H, W]`` float in [0, 1], or videos ``[B, 3, F, H, W]`` (see :meth:`_score`).
             prompts: ``B`` prompt strings.
             metadata: ``B`` metadata dicts (task-specific keys such as ``"digit"`` are read by the scorers).
             group_ids: optional ``[B]`` int group id per sample, used only to call group scorers per group.
@@ -131,7 +141,7 @@ class RewardProcessor:
             ValueError: bad inputs; a scorer returned the wrong shape; a required component scored NaN (the message
                 names the component and the first offending sample index).
         """
-        batch = check_inputs(media, prompts, metadata)
+        batch = check_media_batch(media, prompts, metadata)
         if group_ids is not None and (group_ids.dim() != 1 or group_ids.shape[0] != batch):
             raise ValueError(f"group_ids must have shape [{batch}], got {tuple(group_ids.shape)}")
         prompts, metadata = list(prompts), list(metadata)

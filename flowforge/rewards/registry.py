@@ -27,6 +27,7 @@ from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressib
 from flowforge.rewards.scorers.ocr import OcrScorer
 from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
+from flowforge.rewards.scorers.world_eval import InverseDynamicsScorer, WorldPSNR, WorldSSIM
 
 SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "digit": DigitScorer,
@@ -41,6 +42,9 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "remote": RemoteScorer,
     "vlm_judge": VLMJudge,
     "action_following": ActionFollowingScorer,
+    "inverse_dynamics": InverseDynamicsScorer,
+    "world_psnr": WorldPSNR,
+    "world_ssim": WorldSSIM,
 }
 """Built-in scorer names and their factories."""
 

@@ -7,7 +7,8 @@ For each step ``i`` of the schedule ``sigmas [T+1]`` (``sigmas[T] == 0``)::
 
     v      = adapter.velocity(x, sigmas[i], cond, guidance_scale)
     x      = transition(kind, x, v, sigmas[i], sigmas[i+1], eta, noise=eps_i)   if i is a trained step
-    x      = euler_step(x, v, sigmas[i], sigmas[i+1])                           otherwise (ODE)
+    x      = euler_step(x, v, sigmas[i], sigmas[i+1])                           otherwise (ODE; with
+                                                         spec.solver "dpm2" the DPM-Solver++(2M) step instead)
 
 Trained steps store ``x`` (the step's input), the sampled ``x_next`` and the step's log-prob (mean over the generated
 elements, fp32). :func:`replay_log_prob` re-scores a stored step under the current weights with the *same* kernel
@@ -34,6 +35,7 @@ import torch
 
 from flowforge.algorithms import schedules
 from flowforge.algorithms.sde import euler_step, transition
+from flowforge.algorithms.solvers import dpm_solver_2_update
 from flowforge.models.base import Conditioning, FlowModel, check_condition_slot
 from flowforge.rollout.noise import candidate_noise
 
@@ -49,6 +51,7 @@ class RolloutSpec:
     store_steps: bool = True  # keep x / x_next of trained steps (replay objectives)
     log_probs: bool = True  # record per-step log-probs (ratio objectives)
     store_means: bool = False  # record each trained step's transition mean (GRPO-Guard's old mean)
+    solver: str = "euler"  # deterministic steps: "euler" | "dpm2" (DPM-Solver++(2M), algorithms.solvers)
 
 
 @dataclass(frozen=True)
@@ -158,17 +161,21 @@ def denoise(
     x = with_condition(adapter, x_T.float(), cond)
     sig = sigmas.to(x.device)
     xs, xns, lps, mus = [], [], [], []
+    x0_prev = None  # the last deterministic step's data prediction (dpm2's multistep history)
     for i in range(num_steps):
         v = adapter.velocity(x, sig[i].expand(b), cond, spec.guidance_scale)
         if i in trained and spec.kind != "ode":
             eps = None if step_noise is None else step_noise(i)[gen]
             tr = transition(spec.kind, x[gen], v[gen], sig[i], sig[i + 1], spec.noise_level, noise=eps,
                             sigma_max=sig[1], compute_log_prob=spec.log_probs)
-            x_next = _assemble(x, gen, tr.x_next)
+            x_next, x0_prev = _assemble(x, gen, tr.x_next), None  # a stochastic step ends dpm2's history
             if spec.log_probs:
                 lps.append(tr.log_prob)
             if spec.store_means:
                 mus.append(tr.mean)
+        elif spec.solver == "dpm2":
+            x_gen, x0_prev = dpm_solver_2_update(x[gen], v[gen], sigmas.cpu(), i, x0_prev)
+            x_next = _assemble(x, gen, x_gen)
         else:
             x_next = _assemble(x, gen, euler_step(x[gen], v[gen], sig[i], sig[i + 1]))
         if i in trained and spec.store_steps:

@@ -35,11 +35,12 @@ from flowforge.settings.schema import Checks, Section, fingerprint, to_dict
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """``train.lr_schedule`` values: the multiplier after warmup (:func:`flowforge.policy.lr_lambda`)."""
-TRAINABLE_MODES = ("lora", "full")
-"""``lora.trainable`` values."""
+TRAINABLE_MODES = ("lora", "full", "module")
+"""``lora.trainable`` values (``module``: full fine-tune of exactly the submodules ``lora.modules``)."""
 SIGMA_SAMPLINGS = ("logit_normal", "uniform")
 """``sft.sigma_sampling`` values (:func:`flowforge.train.sft.sample_sigmas`)."""
 TRACKERS = ("jsonl", "tensorboard", "wandb")
+GUARD_ACTIONS = ("stop", "rollback")
 """``metrics.trackers`` values (:mod:`flowforge.train.trackers`). ``jsonl`` (``metrics.jsonl`` / ``eval.jsonl``) is
 always written whether listed or not: the report, ``flowforge compare`` and resume read it."""
 SEED_LIMIT = 2**32
@@ -104,6 +105,7 @@ class LoraConfig(Section):
     alpha: float | None = None  # None: equal to the rank
     dropout: float = 0.0
     targets: tuple[str, ...] | None = None  # None: the adapter's default attention projections
+    modules: tuple[str, ...] | None = None  # trainable="module": exact submodule paths trained in full
 
     @property
     def resolved_rank(self) -> int:
@@ -119,14 +121,17 @@ class LoraConfig(Section):
         # Dropout makes the replayed forward a different function from the rollout's.
         c.require(self.dropout == 0, f"lora.dropout={self.dropout}: dropout in the trained policy makes rollout and "
                                      "replay different policies (the first ratio would not be 1); set it to 0")
-        c.require(not (self.trainable == "full" and (self.rank is not None or self.alpha is not None
+        c.require(not (self.trainable != "lora" and (self.rank is not None or self.alpha is not None
                                                      or self.targets is not None)),
-                  "lora.trainable='full' but lora.rank / lora.alpha / lora.targets are set: either train LoRA "
-                  "(lora.trainable='lora') or remove the LoRA keys")
+                  f"lora.trainable={self.trainable!r} but lora.rank / lora.alpha / lora.targets are set: either "
+                  "train LoRA (lora.trainable='lora') or remove the LoRA keys")
         if self.trainable == "lora":
             c.require(self.rank is None or self.rank >= 1, f"lora.rank={self.rank} must be >= 1 with "
                                                            "lora.trainable='lora'")
             c.require(self.alpha is None or self.alpha > 0, f"lora.alpha={self.alpha} must be > 0")
+        c.require((self.trainable == "module") == bool(self.modules) and all(m.strip() for m in self.modules or ()),
+                  f"lora.modules={list(self.modules or ())} goes with lora.trainable='module' (and only with it): "
+                  "exact submodule paths such as latent_state_rollout.transition")
         c.require(self.targets is None or all(t.strip() for t in self.targets),
                   f"lora.targets={list(self.targets or ())} holds an empty name; give module names such as "
                   "attn.to_q")
@@ -336,6 +341,30 @@ class MetricsConfig(Section):
 
 
 @dataclass(frozen=True)
+class GuardConfig(Section):
+    """Reward-hacking guard (``flowforge.train.guard``): when the held-out ``judge`` (an eval metric of a model other
+    than the reward; None = the first of ``eval.scorers``) falls at ``patience`` consecutive evaluations by more than
+    ``min_delta`` each while the training ``reward`` rises over those steps, ``stop`` the run, or ``rollback`` to the
+    weights of the best evaluation and stop. ``patience`` 0 = off."""
+
+    section_name = "guard"
+
+    patience: int = 0
+    action: str = "stop"  # "stop" | "rollback"
+    judge: str | None = None  # e.g. "eval/digit_eval"
+    reward: str = "reward/total_mean"  # the logged training metric that must rise
+    min_delta: float = 0.0
+
+    def problems(self) -> list[str]:
+        c = Checks(self)
+        c.choice("action", GUARD_ACTIONS)
+        c.positive("patience", "min_delta", allow_zero=True)
+        c.require(self.judge is None or self.judge.startswith("eval/"),
+                  f"guard.judge={self.judge!r} must name an eval metric (eval/<scorer>, e.g. eval/digit_eval)")
+        return c.problems
+
+
+@dataclass(frozen=True)
 class SFTConfig(Section):
     """Flow-matching SFT (:func:`flowforge.train.sft.run_sft`); the seed, threads, prompts, cache and the eval
     sampler come from ``run``, ``data`` and ``sampler``."""
@@ -368,8 +397,8 @@ class SFTConfig(Section):
 HEAD_SECTIONS: tuple[type, ...] = (RunConfig, ModelConfig, LoraConfig, DataConfig, SamplerConfig, RewardConfig,
                                    AdvantageConfig, TrainConfig)
 """Base sections written before the algorithm sections (the order of a dumped config)."""
-TAIL_SECTIONS: tuple[type, ...] = (EvalConfig, CheckpointConfig, DistributedConfig, ArtifactsConfig, MetricsConfig,
-                                   SFTConfig)
+TAIL_SECTIONS: tuple[type, ...] = (EvalConfig, GuardConfig, CheckpointConfig, DistributedConfig, ArtifactsConfig,
+                                   MetricsConfig, SFTConfig)
 """Base sections written after the algorithm sections."""
 
 
@@ -381,7 +410,7 @@ RESUME_NEUTRAL_KEYS: tuple[str, ...] = (
     "reward.device",  # not read (see RewardConfig)
     "train.resume",  # how this invocation starts, not what it computes
     "checkpoint", "artifacts", "metrics",  # what is written or logged beside the run, and how much is kept
-    "metrics",  # where the metrics are logged, not what they are
+    "rollout",  # in-process or worker rollouts: bit-identical trajectories either way (tests/rollout/test_engine.py)
     "distributed.activation_checkpointing",  # recomputes activations to save memory; the values are the same
     "sft",  # read by `flowforge sft` only
 )

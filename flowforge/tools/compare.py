@@ -2,24 +2,28 @@
 
 A compare file names a base run config, the arms (each a list of ``section.key=value`` overrides on the base) and
 the seeds. Every (arm, seed) is an ordinary run directory ``<output_dir>/<arm>-s<seed>/``, trained one after the
-other (never in parallel: two torch jobs on two cores slow each other down by an order of magnitude). The budget is
-counted in generated training samples, ``steps * prompts_per_step * group_size``, so arms with different batch
-shapes still see the same number of samples.
+other (never in parallel: two torch jobs on two cores slow each other down by an order of magnitude, and each arm's
+wall time is measured alone). The budget is counted in generated training samples,
+``steps * prompts_per_step * group_size``, so arms with different batch shapes see the same number of samples.
 
-Outputs in ``<output_dir>/``: ``compare.png`` (the target metric and the mean training reward against samples
-generated and against wall time), ``compare.csv`` and ``compare.md`` (per run: samples and seconds to reach the
-target, final metric and reward).
+Sample efficiency is the number of training samples generated before the held-out metric first reaches each target
+value (``target.values``); across seeds each arm reports the median, the range (min-max) and how many seeds got
+there, and every arm's median relative to the first arm's (a ratio < 1 = fewer samples).
+
+Outputs in ``<output_dir>/``: ``compare.png`` (the target metric against samples generated: the main panel; the same
+against wall time; the training reward against samples; samples-to-target per arm with its range across seeds),
+``compare.csv`` (one row per run) and ``compare.md`` (per arm, then per run).
 
 Example (``examples/digits/compare.yaml``)::
 
     base: grpo.yaml               # relative to this file
     output_dir: runs/compare
-    budget_samples: 1920
-    target: {metric: eval/digit_eval, value: 0.9}
-    seeds: [0]
+    budget_samples: 4800
+    target: {metric: eval/digit_eval, values: [0.8, 0.9]}
+    seeds: [0, 1]
     arms:
       grpo: []
-      nft: [train.algorithm=nft, train.lr=3e-4]
+      nft: [train.algorithm=nft, forward.sigma_mode=full_schedule, train.lr=3e-4]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +48,21 @@ class CompareConfig:
     output_dir: Path
     budget_samples: int
     target_metric: str = "eval/digit_eval"
-    target_value: float = 0.9
+    target_values: tuple[float, ...] = (0.8, 0.9)  # ascending
     seeds: tuple[int, ...] = (0,)
     overrides: tuple[str, ...] = field(default_factory=tuple)  # applied to every arm
+
+
+def _target_values(target: dict, problems: list[str]) -> tuple[float, ...]:
+    """``target.values`` (or a single ``target.value``), finite numbers, sorted; the default (0.8, 0.9)."""
+    if "value" in target and "values" in target:
+        problems.append("target: give either value or values, not both")
+    raw = target.get("values", [target["value"]] if "value" in target else [0.8, 0.9])
+    if not isinstance(raw, list) or not raw or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in raw):
+        problems.append(f"target.values: expected a non-empty list of numbers, got {raw!r}")
+        return (0.8, 0.9)
+    return tuple(sorted({float(v) for v in raw}))
 
 
 def load_compare(path: str | Path, overrides: tuple[str, ...] = ()) -> CompareConfig:
@@ -75,19 +92,20 @@ def load_compare(path: str | Path, overrides: tuple[str, ...] = ()) -> CompareCo
     if not isinstance(budget, int) or budget < 1:
         problems.append(f"budget_samples: expected an int >= 1, got {budget!r}")
     target = raw.get("target", {}) or {}
-    if not isinstance(target, dict) or set(target) - {"metric", "value"}:
-        problems.append("target: expected {metric: eval/..., value: number}")
+    if not isinstance(target, dict) or set(target) - {"metric", "value", "values"}:
+        problems.append("target: expected {metric: eval/..., values: [numbers]} (or value: number)")
         target = {}
+    values = _target_values(target, problems)
     seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
-        problems.append(f"seeds: expected a non-empty list of ints, got {seeds!r}")
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds) \
+            or len(set(seeds)) != len(seeds):
+        problems.append(f"seeds: expected a non-empty list of distinct ints, got {seeds!r}")
     if problems:
         raise ConfigError(problems, header=f"invalid compare file {path}")
     return CompareConfig(base=base, arms={k: tuple(v) for k, v in arms.items()},
                          output_dir=Path(raw.get("output_dir", "runs/compare")), budget_samples=budget,
-                         target_metric=str(target.get("metric", "eval/digit_eval")),
-                         target_value=float(target.get("value", 0.9)), seeds=tuple(seeds),
-                         overrides=tuple(overrides))
+                         target_metric=str(target.get("metric", "eval/digit_eval")), target_values=values,
+                         seeds=tuple(seeds), overrides=tuple(overrides))
 
 
 def _run_config(cc: CompareConfig, arm: str, seed: int):
@@ -105,11 +123,18 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(run_dir: Path, target_metric: str, target_value: float) -> dict[str, Any]:
+def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...], arm: str | None = None
+              ) -> dict[str, Any]:
     """Curves and summary of one finished run directory.
 
     Samples generated after ``n`` steps are ``n * M * K`` (read from its config); wall time is the sum of the
     logged per-stage times (``time/*``) of the steps so far, so evaluation time is not charged to the algorithm.
+
+    Returns:
+        ``run``, ``arm`` (default: the run name before ``-s<seed>``), ``algorithm``, ``seed``, ``curve`` ``[(samples,
+        seconds, metric)]`` per evaluation, ``reward`` ``[(samples, seconds, reward/total_mean)]`` per step,
+        ``samples_to`` / ``seconds_to`` ``{value: first evaluation reaching it, or None}``, ``final_metric``,
+        ``final_reward``, ``samples``.
     """
     cfg = load_config(run_dir / "config.yaml")
     per_step = cfg.data.prompts_per_step * cfg.data.group_size
@@ -121,66 +146,92 @@ def summarize(run_dir: Path, target_metric: str, target_value: float) -> dict[st
         clock += sum(v for k, v in r.items() if k.startswith("time/") and isinstance(v, (int, float)))
         elapsed[r["step"]] = clock
         reward.append((r["step"] * per_step, clock, r.get("reward/total_mean", math.nan)))
-    curve = [(e["step"] * per_step, elapsed.get(e["step"], math.nan), e.get(target_metric, math.nan))
-             for e in evals]
-    hit = next(((s, t) for s, t, v in curve if v is not None and v >= target_value), (None, None))
-    return {"run": run_dir.name, "algorithm": cfg.train.algorithm, "seed": cfg.run.seed, "curve": curve,
-            "reward": reward, "samples_to_target": hit[0], "seconds_to_target": hit[1],
+    curve = [(e["step"] * per_step, elapsed.get(e["step"], math.nan),
+              math.nan if e.get(target_metric) is None else e[target_metric]) for e in evals]
+    hits = {v: next(((s, t) for s, t, m in curve if m >= v), (None, None)) for v in target_values}
+    return {"run": run_dir.name, "arm": arm or run_dir.name.rsplit("-s", 1)[0], "algorithm": cfg.train.algorithm,
+            "seed": cfg.run.seed, "curve": curve, "reward": reward,
+            "samples_to": {v: h[0] for v, h in hits.items()}, "seconds_to": {v: h[1] for v, h in hits.items()},
             "final_metric": curve[-1][2] if curve else math.nan,
-            "final_reward": reward[-1][2] if reward else math.nan, "samples": rows[-1]["step"] * per_step if rows else 0}
+            "final_reward": reward[-1][2] if reward else math.nan,
+            "samples": rows[-1]["step"] * per_step if rows else 0}
 
 
-def write_outputs(summaries: list[dict[str, Any]], out_dir: Path, target_metric: str, target_value: float) -> Path:
-    """``compare.png``, ``compare.csv``, ``compare.md`` in ``out_dir``; returns the PNG path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+def aggregate(summaries: list[dict[str, Any]], target_values: tuple[float, ...]) -> dict[str, dict[str, Any]]:
+    """Per arm (in first-seen order), across its seeds: for each target value ``n_reached`` / ``n_seeds`` and the
+    ``median``, ``min``, ``max`` samples (and ``median_seconds``) over the seeds that reached it (None if none did),
+    ``final_mean`` / ``final_std`` of the final metric, and ``ratio``: the arm's median samples over the first
+    arm's (None when either is missing)."""
+    arms: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
-        label = s["run"]
-        samples, seconds, metric = zip(*s["curve"]) if s["curve"] else ((), (), ())
-        axes[0][0].plot(samples, metric, marker="o", label=label)
-        axes[0][1].plot(seconds, metric, marker="o", label=label)
-        r_samples, r_seconds, reward = zip(*s["reward"]) if s["reward"] else ((), (), ())
-        axes[1][0].plot(r_samples, reward, label=label)
-        axes[1][1].plot(r_seconds, reward, label=label)
-    for ax in axes[0]:
-        ax.axhline(target_value, color="gray", linestyle="--", linewidth=1)
-        ax.set_ylabel(target_metric)
-    for ax in axes[1]:
-        ax.set_ylabel("mean training reward")
-    for ax in (axes[0][0], axes[1][0]):
-        ax.set_xlabel("training samples generated")
-    for ax in (axes[0][1], axes[1][1]):
-        ax.set_xlabel("wall time (s, training stages)")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = out_dir / "compare.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+        arms.setdefault(s["arm"], []).append(s)
+    out: dict[str, dict[str, Any]] = {}
+    for arm, runs in arms.items():
+        entry: dict[str, Any] = {"n_seeds": len(runs), "targets": {}}
+        finals = [r["final_metric"] for r in runs if math.isfinite(r["final_metric"])]
+        entry["final_mean"] = statistics.fmean(finals) if finals else math.nan
+        entry["final_std"] = statistics.pstdev(finals) if len(finals) > 1 else 0.0 if finals else math.nan
+        for v in target_values:
+            got = [r["samples_to"][v] for r in runs if r["samples_to"][v] is not None]
+            secs = [r["seconds_to"][v] for r in runs if r["seconds_to"][v] is not None]
+            entry["targets"][v] = {"n_reached": len(got), "median": statistics.median(got) if got else None,
+                                   "min": min(got) if got else None, "max": max(got) if got else None,
+                                   "median_seconds": statistics.median(secs) if secs else None}
+        out[arm] = entry
+    first = next(iter(out.values()), None)
+    for entry in out.values():
+        for v, t in entry["targets"].items():
+            ref = first["targets"][v]["median"]
+            t["ratio"] = t["median"] / ref if t["median"] is not None and ref else None
+    return out
 
-    header = ["run", "algorithm", "seed", "samples", "samples_to_target", "seconds_to_target", "final_metric",
-              "final_reward"]
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "not reached"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def write_tables(summaries: list[dict[str, Any]], arms: dict[str, dict[str, Any]], out_dir: Path,
+                 target_metric: str, target_values: tuple[float, ...]) -> None:
+    """``compare.csv`` (one row per run) and ``compare.md`` (per arm: samples to each target, median with the
+    range across seeds, seeds that reached it, ratio to the first arm; then per run)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_target = [f"{kind}_to_{v:g}" for v in target_values for kind in ("samples", "seconds")]
+    header = ["run", "arm", "algorithm", "seed", "samples", *per_target, "final_metric", "final_reward"]
+    rows = []
+    for s in summaries:
+        cells = {f"{kind}_to_{v:g}": s[f"{kind}_to"][v] for v in target_values for kind in ("samples", "seconds")}
+        rows.append({**{h: s.get(h) for h in header}, **cells})
     with open(out_dir / "compare.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(header)
-        for s in summaries:
-            w.writerow([s[h] for h in header])
-    fmt = (lambda v: "not reached" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)))
-    lines = [f"Target: {target_metric} >= {target_value}", "", "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(s[h]) for h in header) + " |" for s in summaries]
+        for row in rows:
+            w.writerow(["" if row[h] is None else row[h] for h in header])
+    first = next(iter(arms), "")
+    lines = [f"Samples generated until {target_metric} first reaches each target: median over seeds (min-max), "
+             f"seeds that reached it; ratio = the arm's median / {first}'s.", "",
+             "| arm | seeds | " + " | ".join(f"samples to {v:g}" for v in target_values)
+             + " | " + " | ".join(f"ratio at {v:g}" for v in target_values) + " | final metric |",
+             "|" + "---|" * (3 + 2 * len(target_values))]
+    for arm, a in arms.items():
+        cells = []
+        for v in target_values:
+            t = a["targets"][v]
+            cells.append("not reached" if t["median"] is None else
+                         f"{t['median']:g} ({t['min']}-{t['max']}), {t['n_reached']}/{a['n_seeds']}")
+        ratios = [_fmt(a["targets"][v]["ratio"]) if a["targets"][v]["ratio"] is not None else "-"
+                  for v in target_values]
+        lines.append(f"| {arm} | {a['n_seeds']} | " + " | ".join(cells) + " | " + " | ".join(ratios)
+                     + f" | {a['final_mean']:.4g} ± {a['final_std']:.2g} |")
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(r[h]) for h in header) + " |" for r in rows]
     (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
-    return png
 
 
 def run_compare(cc: CompareConfig, *, progress: bool = True) -> Path:
     """Train every (arm, seed) one after the other (skipping finished runs), then write the comparison."""
+    from flowforge.tools.compare_plot import write_plot
     from flowforge.train.preflight import preflight
     from flowforge.train.trainer import Trainer
 
@@ -188,7 +239,7 @@ def run_compare(cc: CompareConfig, *, progress: bool = True) -> Path:
     for cfg in configs.values():  # every arm validated before any model loads
         preflight(cfg)
     summaries = []
-    for cfg in configs.values():
+    for (arm, _), cfg in configs.items():
         run_dir = Path(cfg.run.output_dir) / cfg.run.name
         if (run_dir / "config.yaml").is_file():
             if load_config(run_dir / "config.yaml") != cfg:
@@ -196,5 +247,7 @@ def run_compare(cc: CompareConfig, *, progress: bool = True) -> Path:
                                    "output_dir"], header="compare cannot reuse a run directory")
         if not (run_dir / "report.html").is_file():
             Trainer(cfg, progress=progress).train()
-        summaries.append(summarize(run_dir, cc.target_metric, cc.target_value))
-    return write_outputs(summaries, cc.output_dir, cc.target_metric, cc.target_value)
+        summaries.append(summarize(run_dir, cc.target_metric, cc.target_values, arm=arm))
+    arms = aggregate(summaries, cc.target_values)
+    write_tables(summaries, arms, cc.output_dir, cc.target_metric, cc.target_values)
+    return write_plot(summaries, arms, cc.output_dir, cc.target_metric, cc.target_values)

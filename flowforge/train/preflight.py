@@ -7,9 +7,8 @@ Each config section has already checked its own values when it was built (:mod:`
 ranges, NaN / inf in every float field, ``run.name`` one path component); preflight checks what no single section
 can: names owned by other modules (algorithm, kernel, schedule, advantage modes, dtypes, task, adapter, scorers and
 their options, strategy), trained steps against the schedule and kernel, batch divisibility across ranks, prompt
-files against the task and ``data.prompts_per_step``, and each algorithm's own rules across sections
-(:meth:`flowforge.objectives.Objective.preflight_problems`, reached through ``flowforge.objectives.OBJECTIVES``:
-algorithm properties are never listed a second time here).
+files against the task, each algorithm's own rules (:meth:`flowforge.objectives.Objective.preflight_problems`), the
+reward-hacking guard and the rollout chunking (:func:`flowforge.train.preflight_rules.run_rules`).
 
 With ``this_machine=True`` (the default; ``flowforge check`` and ``train``) it also checks the config against this
 machine: ``run.device`` exists, ``model.path`` is a model directory (a Hub id not in the local cache is a warning, a
@@ -17,8 +16,7 @@ problem offline), output and cache directories are directories, an explicit ``tr
 step's decoded media (a lower bound) fit in memory: a huge ``data.group_size`` is refused with an estimate.
 
 What needs the loaded model -- the latent shape (``model.height`` / ``width`` / ``frames`` divisibility), LoRA
-targets that match no module, and the memory estimate with the real latent and LoRA sizes -- is checked by
-:func:`check_loaded_model` right after the model loads, before the run directory is written.
+targets that match no module, the memory estimate -- is checked by :func:`check_loaded_model` once it loads.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from flowforge.config import Config, ConfigError
 from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, load_prompts, resolve_prompt_path
 from flowforge.runtime.dtypes import DTYPE_NAMES
 from flowforge.runtime.errors import UserError, one_line
+from flowforge.train.preflight_rules import run_rules
 
 VIDEO_TASKS = ("t2v", "i2v")
 
@@ -406,8 +405,9 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
             check(cfg, problems)
         _memory_problems(cfg, world, counts, problems)
     objective = OBJECTIVES.get(cfg.train.algorithm)
-    if objective is not None:
-        problems += objective.preflight_problems(cfg, world_size=world)
+    problems += objective.preflight_problems(cfg, world_size=world) if objective is not None else []
+    problems += cfg.rollout.cross_problems(cfg.lora.trainable)  # engine vs lora.trainable, Ray installed
+    run_rules(cfg, problems, warnings, world_size=world)  # the reward-hacking guard, rollout chunking
     if cfg.data.group_size < 2 and cfg.advantage.std_mode == "group":
         warnings.append(f"data.group_size={cfg.data.group_size} with advantage.std_mode='group': every group has one "
                         "candidate, so every advantage is 0 and nothing is learned")

@@ -17,8 +17,10 @@ Training                   ``metrics.jsonl``: reward mean per training component
                            ``train/clip_fraction``, ``train/approx_kl``, ``train/diversity``, then one figure per
                            namespace; eval-only scorers (``eval.scorers`` without a reward weight) and metrics that
                            are 0 at every step are folded away (``<details>``)
-Evaluation                 ``eval.jsonl``: the headline eval metric beside ``eval/diversity``, every other ``eval/*``,
-                           a first / last / min / max table
+Evaluation                 training reward vs held-out judge vs diversity on one panel (with where and why the
+                           reward-hacking guard stopped the run, :mod:`flowforge.train.guard`); ``eval.jsonl``: the
+                           headline eval metric beside ``eval/diversity``, every other ``eval/*`` (the guard's
+                           ``eval/guard_*`` entries aside), a first / last / min / max table
 Samples                    every grid in step order, captioned with that step's eval values (folded)
 Config                     ``config.yaml`` as a diff against the defaults, the full file folded
                            (:mod:`flowforge.train.report_config`)
@@ -48,9 +50,10 @@ from flowforge.runtime.errors import UserError
 from flowforge.train.metrics import EVAL_FILE, METRICS_FILE, SAMPLES_DIR
 from flowforge.train.run_dir import RUN_FILES, existing_run
 from flowforge.train.report_config import config_section, provenance_section
-from flowforge.train.report_plots import figure_tag, img_tag, is_constant_zero, plot_panels, series
-from flowforge.train.report_summary import (RunInfo, esc, first_last_section, fmt, headline_key, note,
-                                            read_run_info, summary_section)
+from flowforge.train.report_plots import (figure_tag, img_tag, is_constant_zero, plot_panels, plot_reward_vs_judge,
+                                          series)
+from flowforge.train.report_summary import (GUARD_PREFIX, RunInfo, esc, first_last_section, fmt, guard_event,
+                                            guard_key, headline_key, note, read_run_info, summary_section)
 
 REPORT_FILE = "report.html"
 TRAIN_KEYS = ("train/loss", "train/clip_fraction", "train/approx_kl", "train/diversity")
@@ -207,13 +210,27 @@ def _train_section(rows: list[Row] | None, problems: list[str], info: RunInfo, s
     return "".join(parts)
 
 
-def _eval_section(rows: list[Row] | None, problems: list[str], headline: str | None) -> str:
+def _hacking_panel(train_rows: list[Row] | None, rows: list[Row], judge: str | None, per_step: int | None) -> str:
+    """Training reward vs held-out judge vs diversity on one panel, and what the reward-hacking guard did."""
+    if judge is None or not train_rows:
+        return ""
+    event = guard_event(rows, judge)
+    fig = plot_reward_vs_judge(train_rows, rows, judge, stop_step=event[0] if event else None, per_step=per_step)
+    text = f"Reward-hacking guard {event[1]}." if event else ""
+    return figure_tag(fig, "training reward vs held-out judge vs diversity") + (
+        f'<p class="guard"><b>{esc(text)}</b></p>' if text else "")
+
+
+def _eval_section(rows: list[Row] | None, problems: list[str], headline: str | None,
+                  train_rows: list[Row] | None = None, info: RunInfo | None = None) -> str:
     parts = ['<h2 id="evaluation">Evaluation</h2>']
     if rows is None:
         return "".join(parts) + note(f"No {EVAL_FILE} in this run directory: no evaluation was logged.")
     if not rows:
         return "".join(parts) + note(f"{EVAL_FILE} holds no readable lines.")
-    keys = _keys(rows)
+    if info is not None:
+        parts.append(_hacking_panel(train_rows, rows, guard_key(rows, info), info.per_step))
+    keys = [k for k in _keys(rows) if not k.startswith(GUARD_PREFIX)]  # the guard's event is told above
     pair = EVAL_HEADLINE_KEYS if headline in (None, EVAL_HEADLINE_KEYS[0]) else (headline, "eval/diversity")
     shown = [k for k in pair if k in keys]
     if shown:
@@ -321,7 +338,7 @@ def write_report(run_dir: Path, *, smoothing: float = 0.0) -> Path:
         summary_section(run_dir, info, train_rows, eval_rows, grids),
         first_last_section(grids, eval_rows, headline),
         _train_section(train_rows, train_problems or [], info, smoothing),
-        _eval_section(eval_rows, eval_problems or [], headline),
+        _eval_section(eval_rows, eval_problems or [], headline, train_rows, info),
         _samples_section(grids, eval_rows),
         config_section(run_dir),
         provenance_section(run_dir),

@@ -134,3 +134,31 @@ def figure_tag(fig: Figure, alt: str) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return img_tag(buffer.getvalue(), alt)
+
+
+def plot_reward_vs_judge(train_rows: Sequence[Row], eval_rows: Sequence[Row], judge: str, *,
+                         reward: str = "reward/total_mean", diversity: str = "eval/diversity",
+                         stop_step: int | None = None, per_step: int | None = None) -> Figure:
+    """One panel over the step: the training reward (per step), the held-out ``judge`` (per evaluation) and the
+    held-out within-prompt diversity (right axis: another scale). A policy exploiting its reward shows as the first
+    rising while the other two fall; ``stop_step`` marks where the reward-hacking guard stopped the run."""
+    width, height = 7.5, 3.9
+    fig = Figure(figsize=(width, height), dpi=_DPI)
+    fig.subplots_adjust(left=0.8 / width, right=1 - 0.8 / width, bottom=0.5 / height, top=1 - 0.95 / height)
+    ax = fig.add_subplot(1, 1, 1)
+    steps, values = series(train_rows, reward)
+    ax.plot(steps, values, linewidth=1.0, color="C0", label=f"training {reward}")
+    steps, values = series(eval_rows, judge)
+    ax.plot(steps, values, marker="o", markersize=3, linewidth=1.4, color="C1", label=f"held-out {judge}")
+    twin = ax.twinx()
+    steps, values = series(eval_rows, diversity)
+    twin.plot(steps, values, marker="s", markersize=3, linewidth=1.2, linestyle="--", color="C2",
+              label=f"held-out {diversity} (right)")
+    twin.tick_params(labelsize=8)
+    if stop_step is not None:
+        ax.axvline(stop_step, color="C3", linestyle=":", linewidth=1.5, label=f"guard stop (step {stop_step})")
+    handles = ax.get_legend_handles_labels()
+    extra = twin.get_legend_handles_labels()
+    ax.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=7, loc="best")
+    _style(ax, "training reward vs held-out judge vs diversity", per_step)
+    return fig

@@ -80,13 +80,41 @@ def read_run_info(run_dir: Path) -> RunInfo:
                    tuple(cfg.reward.weights))
 
 
+GUARD_PREFIX = "eval/guard_"
+"""Keys the reward-hacking guard logs with the evaluation that stopped a run (:mod:`flowforge.train.guard`)."""
+
+
+def guard_key(eval_rows: Sequence[Row] | None, info: RunInfo) -> str | None:
+    """The held-out judge the guard watched (``guard.judge``, else the first of ``eval.scorers``), else the
+    headline metric."""
+    if info.cfg is not None and info.cfg.guard.judge is not None:
+        return info.cfg.guard.judge
+    return headline_key(eval_rows, info)
+
+
+def guard_event(eval_rows: Sequence[Row] | None, judge: str | None) -> tuple[int, str] | None:
+    """``(step, what the reward-hacking guard did)`` when it stopped the run, from ``eval.jsonl``; else None."""
+    row = next((r for r in eval_rows or [] if r.get(GUARD_PREFIX + "stop") == 1.0), None)
+    if row is None:
+        return None
+    step, patience = int(row["step"]), int(row.get(GUARD_PREFIX + "patience", 0))
+    window = [r for r in eval_rows if r["step"] <= step and judge in r][-(patience + 1):] if judge else []
+    falls = " → ".join(f"{fmt(r[judge])} (step {int(r['step'])})" for r in window)
+    text = (f"stopped the run at step {step}: held-out {judge} fell at {patience} consecutive evaluations ({falls}) "
+            "while the training reward rose (reward hacking)")
+    if row.get(GUARD_PREFIX + "rolled_back") == 1.0:
+        text += (f"; rolled back to the weights of step {int(row[GUARD_PREFIX + 'best_step'])} ({judge} "
+                 f"{fmt(row[GUARD_PREFIX + 'best'])}): the final checkpoint holds them")
+    return step, text
+
+
 def headline_key(eval_rows: Sequence[Row] | None, info: RunInfo) -> str | None:
     """The eval metric the summary leads with (module docstring), or ``None`` when none was logged."""
     keys = {k for row in eval_rows or [] for k in row if k != "step"}
     for name in (*info.eval_scorers, *info.reward_names):
         if f"eval/{name}" in keys:
             return f"eval/{name}"
-    rest = sorted(k for k in keys if k != "eval/diversity")
+    rest = sorted(k for k in keys if k != "eval/diversity" and not k.startswith(GUARD_PREFIX))
     return rest[0] if rest else None
 
 
@@ -160,6 +188,9 @@ def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, 
             rows.append(("held-out eval/diversity", _eval_line(eval_rows, "eval/diversity", with_best=False)))
     else:
         rows.append(("held-out eval", "none logged"))
+    event = guard_event(eval_rows, guard_key(eval_rows, info))
+    if event is not None:
+        rows.append(("reward-hacking guard", esc(event[1])))
     if train_rows and any("reward/total_mean" in r for r in train_rows):
         _, total = series(train_rows, "reward/total_mean")
         rows.append(("training reward (batch mean)", f"{esc(fmt(total[0]))} → {esc(fmt(total[-1]))}"))

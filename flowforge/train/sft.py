@@ -296,7 +296,12 @@ def _save(transformer, directory: Path, text_max_length: int, meta_name: str) ->
 
 def run_sft_from_config(cfg, progress: bool = True) -> list[dict[str, Any]]:
     """``flowforge sft CONFIG``: :func:`run_sft` with the ``sft``, ``run``, ``data`` and ``sampler`` sections;
-    prints the history."""
+    prints the history. ``model.adapter: world_model`` trains the world model instead
+    (:func:`flowforge.train.sft_world.run_world_sft_from_config`)."""
+    if cfg.model.adapter == "world_model":
+        from flowforge.train.sft_world import run_world_sft_from_config
+
+        return run_world_sft_from_config(cfg)
     history = run_sft(cfg.sft, run=cfg.run, data=cfg.data, sampler=cfg.sampler, progress=progress)
     for entry in history:
         print(f"step {entry['step']:>6d}  DigitEval {entry['digit_eval']:.3f}  loss {entry['loss']:.4f}")

@@ -40,24 +40,26 @@ from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, ch
 from flowforge.train.metrics import (MetricsLogger, StageTimer, sample_grid_path, to_scalars,
                                      within_group_diversity, write_provenance)
 from flowforge.train.report_grids import save_eval_grid
-from flowforge.demo.paths import DEMO_BASE, demo_base_dir, resolve_demo_path
+from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter
 from flowforge.models.base import Conditioning
 from flowforge.objectives import OBJECTIVES, TrainBatch
+from flowforge.objectives.anchors import anchor_policy_bank, build_anchor
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
 from flowforge.settings import resume_fingerprint
 from flowforge.train.preflight import check_loaded_model, preflight
 from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
-from flowforge.rollout import (Trajectory, candidate_noise, decode_media, generate, rollout_chunked, sigmas_for,
-                               video_frames)
+from flowforge.rollout import Trajectory, candidate_noise, decode_media, generate, rollout_chunked, sigmas_for
 from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint import check_run_dir_outside_source, sha256_of_path
 from flowforge.train.run_dir import WRITTEN_FILES, check_artifacts_root, existing_run, move_aside, refuse_rerun
 from flowforge.train.checkpoint_manager import CheckpointManager, TrainerState, training_contract
+from flowforge.train.guard import RewardHackingGuard
 from flowforge.train.sidecars import SidecarWriter
 from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
+from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
 
 log = logging.getLogger("flowforge")
 
@@ -137,8 +139,11 @@ class Trainer:
             self.adapter.enable_gradient_checkpointing()
         self.policy = Policy(self.adapter, TrainableWeights.from_section(cfg.lora),
                              OptimizerSettings.from_section(cfg.train), total_optimizer_steps=total, wrap=wrap,
-                             **objective_cls.policy_bank(context))
+                             **anchor_policy_bank(cfg.anchor, objective_cls.policy_bank(context)))
         self.objective = objective_cls(context, self.adapter, self.policy)
+        self.objective.anchor = build_anchor(cfg.anchor, self.adapter, self.policy, seed=cfg.run.seed,
+                                             cache_dir=cfg.data.cache_dir)  # world models: real-clip anchor losses
+        self.engine = build_rollout_engine(cfg, self.policy, self.objective.sampling_policy, self.device)  # or None
 
         self.sampler = KRepeatSampler(len(self.train_prompts), cfg.data.prompts_per_step, cfg.data.group_size,
                                       cfg.run.seed, num_replicas=self.dist.world_size, rank=self.dist.rank)
@@ -225,6 +230,7 @@ class Trainer:
         names = list(dict.fromkeys([*r.weights, *cfg.eval.scorers]))
         scorers = {n: build_scorer(n, run_dir=self.run_dir, **r.options.get(n, {})) for n in names}
         self.rewards = RewardProcessor(scorers, r.weights, r.required, batch_size=r.batch_size)
+        self.guard = RewardHackingGuard.from_config(cfg, self.run_dir, is_main=self.dist.is_main)  # guard.patience
         self.logger = None  # opened by _accept_run: nothing is written before the command is accepted
         self.sidecars = None
         if cfg.artifacts.root is not None:
@@ -257,6 +263,9 @@ class Trainer:
         spec = self.objective.rollout_spec(step)
         cond = self._conditioning(self.train_cond, self.train_prompts, batch.prompt_indices)
         chunk = self.cfg.sampler.batch_size or self.cfg.train.micro_batch_size
+        if self.engine is not None:  # rollout.engine=workers: the same loop in worker processes, same bits
+            return self.engine.sample(cond, batch.candidate_ids.tolist(), self.sigmas, spec, step=step,
+                                      batch_size=chunk, latent_shape=self.latent_shape, seed=self.cfg.run.seed), cond
         with self.policy.using(self.objective.sampling_policy):
             traj = rollout_chunked(self.adapter, cond, batch.candidate_ids.tolist(), self.sigmas, spec,
                                    latent_shape=self.latent_shape, seed=self.cfg.run.seed, batch_size=chunk,
@@ -289,17 +298,11 @@ class Trainer:
 
     def score_media(self, media: torch.Tensor, records: list[PromptRecord], group_ids: torch.Tensor,
                     dist: dist_lib.DistInfo | None = None):
-        """Every reward component ``[B]`` of decoded media and the reward metrics. Video ``[B, 3, F, H, W]`` is
-        scored frame by frame as images and each component averaged over the frames. With ``dist`` (training: every
-        rank scores its share together) group scorers see groups that straddle ranks whole."""
-        if media.ndim == 4:
-            return self.rewards(media, [r.prompt for r in records], [r.metadata for r in records], group_ids,
-                                dist=dist)
-        frames = media.shape[2]
-        components, metrics = self.rewards(video_frames(media), [r.prompt for r in records for _ in range(frames)],
-                                           [r.metadata for r in records for _ in range(frames)],
-                                           group_ids.repeat_interleave(frames), dist=dist)
-        return {k: v.view(-1, frames).mean(1) for k, v in components.items()}, metrics
+        """Every reward component ``[B]`` of decoded media and the reward metrics. Video ``[B, 3, F, H, W]`` goes
+        whole to scorers that take video (``takes_video``, e.g. ``action_following``), frame by frame (averaged per
+        video) to the others. With ``dist`` (training: every rank scores its share together) group scorers see groups
+        that straddle ranks whole."""
+        return self.rewards(media, [r.prompt for r in records], [r.metadata for r in records], group_ids, dist=dist)
 
     def advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
         """Stage 4: group-relative advantages (combined over components, clipped) and the weighted total reward,
@@ -344,7 +347,7 @@ class Trainer:
 
         ``stop_at`` ends the run early after that many steps, as an interruption would (no final eval / report;
         the LR schedule still spans ``train.steps``); a later ``train.resume`` continues it exactly."""
-        with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None):
+        with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), closing_engine(self.engine):
             return self._train(stop_at)
 
     def _log_progress(self, scalars: dict[str, float]) -> None:
@@ -361,6 +364,7 @@ class Trainer:
             self.run_lock.acquire()  # released at the end of an earlier train()
         if self.step == 0:
             self.evaluate(0)
+            self.guard.sync(self.policy)  # the base weights are the first rollback target
         end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
         bar = tqdm(range(self.step, end), desc=cfg.run.name, disable=not self.progress,
                    initial=self.step, total=cfg.train.steps)
@@ -383,16 +387,19 @@ class Trainer:
                 train_metrics = self.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv,
                                                          group_ids=batch.group_ids, rewards=total,
                                                          candidate_ids=batch.candidate_ids, step=step))
-            local = {**reward_metrics, **to_scalars(train_metrics)}
+            local = {**reward_metrics, **to_scalars(train_metrics), **engine_metrics(self.engine)}
             scalars = self.finish_step(step, batch, media, local, adv_metrics, timer.scalars())
             bar.set_postfix(reward=f"{scalars['reward/total_mean']:.3f}")
             self._log_progress(scalars)
-        if self.step == cfg.train.steps and self.checkpoints.saved_step != self.step:
+            if self.guard.stopped:
+                break  # reward hacking: the guard stopped the run (after a rollback with guard.action=rollback)
+        ended = self.step == cfg.train.steps or self.guard.stopped
+        if ended and self.checkpoints.saved_step != self.step:
             self.checkpoints.save()  # the trained model is never lost, also with checkpoint.every=0
         if self.logger is not None:
             self.logger.close()
         self.close()
-        if self.step < cfg.train.steps or not self.dist.is_main:
+        if not ended or not self.dist.is_main:
             return self.run_dir
         from flowforge.train.report import write_report
 
@@ -413,9 +420,11 @@ class Trainer:
         scalars["perf/samples_per_s"] = local["perf/samples_per_s"] * self.dist.world_size
         if self.logger is not None:
             self.logger.log(self.step, scalars)
+        self.guard.observe_step(self.step, scalars)
         every = self.cfg.eval.every
         if (every and self.step % every == 0) or self.step == self.cfg.train.steps:
             self.evaluate(self.step)
+        self.guard.sync(self.policy)  # every rank: stop / roll back on rank 0's verdict, before the checkpoint
         c = self.cfg.checkpoint
         if c.every and (self.step % c.every == 0 or self.step == self.cfg.train.steps):
             self.checkpoints.save()
@@ -446,6 +455,7 @@ class Trainer:
         components, _ = self.score_media(images, records, prompt_idx)
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
         scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
+        scalars.update(self.guard.observe_eval(step, scalars))  # eval/guard_* when the guard stops the run
         self.logger.log_eval(step, scalars)
         # the first sample of each prompt; its prompt and scores go to a sidecar that captions the report's cells
         save_eval_grid(images[::k], sample_grid_path(self.run_dir, step), [r.prompt for r in records[::k]],
@@ -458,6 +468,5 @@ class Trainer:
 
 def _model_source(path: str) -> Path | None:
     """The local directory (or file) holding the base weights, or None for a hub id."""
-    if path == DEMO_BASE:
-        return demo_base_dir()
-    return Path(path) if Path(path).exists() else None
+    local = Path(resolve_demo_path(path))
+    return local if local.exists() else None

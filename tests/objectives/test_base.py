@@ -43,7 +43,7 @@ def test_declarations_read_the_context():
                              "forward.inner_epochs=3"])
     nft = OBJECTIVES["nft"]
     ctx = nft.context(cfg)
-    assert nft.policy_bank(ctx) == {"keep_old": True, "keep_ref": True, "ema_decay": 0.9}
+    assert nft.policy_bank(ctx) == {"keep_old": True, "keep_ref": True, "ema_decay": 0.9, "ema_schedule": "constant"}
     assert nft.optimizer_steps_per_batch(ctx) == 2 * 3
     assert nft(ctx, None, None).eval_policy == "ema"
     grpo = OBJECTIVES["grpo"]

@@ -1,39 +1,67 @@
-"""flowforge compare: arms trained one after another on one budget, then a PNG + CSV + markdown table."""
+"""flowforge compare: arms x seeds trained one after another on one budget, samples to each target with the spread
+across seeds, a PNG (samples first, wall time second) + CSV + markdown table."""
 
 import csv
+import math
 
 import pytest
 
 from flowforge.cli import main
-from flowforge.tools.compare import load_compare, summarize
 from flowforge.config import ConfigError
+from flowforge.tools.compare import aggregate, load_compare, summarize
 
 
-def test_compare_two_arms_end_to_end(tiny_model_dir, tmp_path, encode_cache_dir):
+def test_compare_two_arms_two_seeds_end_to_end(tiny_model_dir, tmp_path, encode_cache_dir):
     common = [f"model.path={tiny_model_dir}", f"data.cache_dir={encode_cache_dir}", "data.prompts_per_step=2",
               "data.group_size=4", "sampler.num_steps=4", "sampler.num_sde_steps=2", "train.micro_batch_size=2",
               "eval.every=1", "eval.max_prompts=2", "run.num_threads=1"]
     (tmp_path / "base.yaml").write_text("eval:\n  scorers: [digit_eval]\n")
     (tmp_path / "cmp.yaml").write_text(
         f"base: base.yaml\noutput_dir: {tmp_path / 'out'}\nbudget_samples: 16\n"
-        "target: {metric: eval/digit_eval, value: 0.0}\nseeds: [0]\n"
-        "arms:\n  grpo: []\n  nft: [train.algorithm=nft]\n")
+        "target: {metric: eval/digit_eval, values: [0.0, 2.0]}\nseeds: [0, 1]\n"
+        "arms:\n  grpo: []\n  nft: [train.algorithm=nft, forward.sigma_mode=full_schedule]\n")
     assert main(["compare", str(tmp_path / "cmp.yaml"), *common, "--no-progress"]) == 0
     out = tmp_path / "out"
     assert (out / "compare.png").stat().st_size > 10_000
     rows = list(csv.DictReader(open(out / "compare.csv")))
-    assert [r["run"] for r in rows] == ["grpo-s0", "nft-s0"]
+    assert [(r["run"], r["arm"], r["seed"]) for r in rows] == [
+        ("grpo-s0", "grpo", "0"), ("grpo-s1", "grpo", "1"), ("nft-s0", "nft", "0"), ("nft-s1", "nft", "1")]
     assert all(r["samples"] == "16" for r in rows)  # budget 16 = 2 steps x 2 prompts x 4 candidates
-    assert all(r["samples_to_target"] == "0" for r in rows)  # target 0 is met by the base eval
-    assert "| grpo-s0 |" in (out / "compare.md").read_text()
-    s = summarize(out / "nft-s0", "eval/digit_eval", 2.0)
-    assert s["samples_to_target"] is None and [c[0] for c in s["curve"]] == [0, 8, 16]
+    assert all(r["samples_to_0"] == "0" and r["samples_to_2"] == "" for r in rows)  # 0 met by the base; 2 never
+    md = (out / "compare.md").read_text()
+    assert "| grpo | 2 | 0 (0-0), 2/2 | not reached | - | - | 0 ± 0 |" in md  # no ratio to a median of 0
+    assert "| nft-s1 | nft |" in md
+    s = summarize(out / "nft-s0", "eval/digit_eval", (2.0,))
+    assert s["samples_to"] == {2.0: None} and [c[0] for c in s["curve"]] == [0, 8, 16] and s["arm"] == "nft"
     assert s["curve"][1][1] > 0  # wall time accumulates the logged stage times
 
 
+def _run(arm, seed, hits):
+    return {"run": f"{arm}-s{seed}", "arm": arm, "final_metric": 0.9, "samples_to": hits,
+            "seconds_to": {v: None if h is None else h / 10 for v, h in hits.items()}}
+
+
+def test_aggregate_median_range_and_ratio_across_seeds():
+    runs = [_run("grpo", 0, {0.8: 1280, 0.9: 4480}), _run("grpo", 1, {0.8: 960, 0.9: None}),
+            _run("nft", 0, {0.8: 800, 0.9: 1760}), _run("nft", 1, {0.8: 640, 0.9: 1920})]
+    arms = aggregate(runs, (0.8, 0.9))
+    g, n = arms["grpo"]["targets"], arms["nft"]["targets"]
+    assert (g[0.8]["median"], g[0.8]["min"], g[0.8]["max"], g[0.8]["n_reached"]) == (1120, 960, 1280, 2)
+    assert (g[0.9]["median"], g[0.9]["n_reached"]) == (4480, 1) and g[0.9]["ratio"] == 1.0
+    assert n[0.8]["median"] == 720 and n[0.8]["ratio"] == pytest.approx(720 / 1120)
+    assert n[0.9]["ratio"] == pytest.approx(1840 / 4480) and n[0.9]["median_seconds"] == pytest.approx(184.0)
+    assert arms["nft"]["final_std"] == 0.0 and not math.isnan(arms["nft"]["final_mean"])
+
+
 def test_compare_file_problems_reported_together(tmp_path):
-    (tmp_path / "cmp.yaml").write_text("base: missing.yaml\nbudget: 3\narms: {}\n")
+    (tmp_path / "cmp.yaml").write_text("base: missing.yaml\nbudget: 3\narms: {}\ntarget: {values: [x]}\n"
+                                       "seeds: [0, 0]\n")
     with pytest.raises(ConfigError) as err:
         load_compare(tmp_path / "cmp.yaml")
     text = str(err.value)
     assert "unknown key 'budget'" in text and "base:" in text and "arms:" in text and "budget_samples" in text
+    assert "target.values: expected a non-empty list of numbers" in text and "distinct ints" in text
+    (tmp_path / "base.yaml").write_text("")
+    (tmp_path / "one.yaml").write_text("base: base.yaml\nbudget_samples: 8\narms: {a: []}\n"
+                                       "target: {metric: eval/x, value: 0.7}\n")
+    assert load_compare(tmp_path / "one.yaml").target_values == (0.7,)

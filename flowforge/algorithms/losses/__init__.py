@@ -14,6 +14,8 @@ tensors. Each module's docstring gives its equations, notation and sources.
     ``dgpo``        ``dgpo_loss`` (Direct Group Preference Optimization)
     ``dpo``         ``diffusion_dpo_loss`` + ``best_worst_pairs`` (online Diffusion-DPO)
     ``crd``         ``crd_loss`` + ``cfg_velocity`` (Centered Reward Distillation)
+    ``anchors``     ``anchor_fm_loss``, ``transition_ce_loss``, ``combine_anchor_terms``, ``training_sigmas``
+                    (world-model anchor losses on real clips)
     ==============  =====================================================================================
 
 Conventions: log-probs are Gaussian log-densities, mean over elements; ``A`` advantages ``[B]`` (broadcast over the
@@ -23,6 +25,7 @@ whatever the input dtype, float64 inputs stay float64.
 
 from ..common import GroupIds
 from ._common import Metrics
+from .anchors import anchor_fm_loss, combine_anchor_terms, transition_ce_loss
 from .awm import AWM_WEIGHTINGS, awm_loss
 from .crd import CRD_LOSS_TYPES, cfg_velocity, crd_loss
 from .dgpo import DGPO_MODES, dgpo_loss
@@ -51,6 +54,9 @@ __all__ = [
     "crd_loss",
     "CRD_LOSS_TYPES",
     "cfg_velocity",
+    "anchor_fm_loss",
+    "transition_ce_loss",
+    "combine_anchor_terms",
     "Metrics",
     "GroupIds",
 ]

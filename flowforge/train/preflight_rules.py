@@ -1,0 +1,67 @@
+"""Cross-section preflight rules of the run-level features: the reward-hacking guard, the rollout chunking and the
+forward-process DPM-Solver-2 rollouts.
+
+Called by :func:`flowforge.train.preflight.preflight` (which lists every problem at once); kept here so that each
+feature's rules live beside it.
+
+Rollout chunking
+    A replay objective (one that re-scores stored SDE steps, ``uses_log_probs``) gets an importance ratio of exactly
+    1 at its first update only when every replayed micro-batch has the shape of the rollout chunk that produced its
+    rows: the transformer's kernels (matrix products above all) may round differently for another number of rows.
+    That holds when the rollout chunk (``sampler.batch_size``, default ``train.micro_batch_size``) equals
+    ``train.micro_batch_size`` and each update's rows per rank are a multiple of it. Otherwise the first ratio is off
+    by float rounding (measured 1.2e-7 on CPU, ``train/first_update_ratio_dev``); preflight warns and names the
+    mismatch. Training is still correct: the deviation is one unit in the last place, far inside any clip range.
+
+DPM-Solver-2 rollouts (``forward.sampler: dpm2``)
+    On the SD3 "static" schedule the last nonzero level is tiny (0.009 for 10 steps, shift 3), and the solver's
+    2nd-order correction of the next-to-last step, weighted by the log-SNR gap ratio (4.6 there), amplifies the
+    data-prediction error (:mod:`flowforge.algorithms.solvers`: 1.15 against 0.14 on the "wan" kind, the shifted
+    ``linspace(1, 1/T, T)`` NVlabs samples on); preflight warns.
+"""
+
+from __future__ import annotations
+
+from flowforge.train.guard import guard_problems
+
+
+def chunking_warnings(cfg, world_size: int = 1) -> list[str]:
+    """The rollout-chunking warning (module docstring) for a root config, or none."""
+    from flowforge.objectives import OBJECTIVES
+
+    objective = OBJECTIVES.get(cfg.train.algorithm)
+    if objective is None or not objective.uses_log_probs:
+        return []
+    t, mb = cfg.train, cfg.train.micro_batch_size
+    chunk = cfg.sampler.batch_size or mb
+    per_update = cfg.data.prompts_per_step * cfg.data.group_size // max(world_size, 1) // t.num_updates_per_batch
+    if chunk == mb and per_update % mb == 0:
+        return []
+    why = (f"sampler.batch_size={chunk} (the rollout chunk) differs from train.micro_batch_size={mb}" if chunk != mb
+           else f"each update's {per_update} rows per rank are not a multiple of train.micro_batch_size={mb}")
+    return [f"{why}: the first update replays rows in batches of another shape than the rollout's, so its importance "
+            "ratio may differ from 1 by float rounding (train/first_update_ratio_dev ~1e-7) instead of being exactly "
+            "1; set sampler.batch_size equal to train.micro_batch_size (or leave it unset) and make it divide "
+            "data.prompts_per_step x data.group_size / (ranks x train.num_updates_per_batch) for an exact replay"]
+
+
+def dpm2_warnings(cfg) -> list[str]:
+    """The warning for DPM-Solver-2 forward-process rollouts on a schedule whose last nonzero level is tiny."""
+    from flowforge.objectives import OBJECTIVES
+
+    objective = OBJECTIVES.get(cfg.train.algorithm)
+    sections = {s.section_name for s in getattr(objective, "sections", ())}
+    if "forward" not in sections or cfg.forward.sampler != "dpm2" or cfg.sampler.schedule == "wan":
+        return []
+    return [f"forward.sampler='dpm2' with sampler.schedule={cfg.sampler.schedule!r}: the last nonzero sigma of this "
+            "schedule is tiny and DPM-Solver-2's second-order step before it amplifies the model's error; NVlabs "
+            "samples on sampler.schedule='wan' (shifted linspace(1, 1/T, T))"]
+
+
+def run_rules(cfg, problems: list[str], warnings: list[str], *, world_size: int = 1) -> None:
+    """Append the guard's problems and warnings (:func:`flowforge.train.guard.guard_problems`), the rollout
+    chunking warning (:func:`chunking_warnings`) and the DPM-Solver-2 schedule warning (:func:`dpm2_warnings`) of
+    ``cfg`` to ``problems`` / ``warnings``."""
+    guard_p, guard_w = guard_problems(cfg)
+    problems += guard_p
+    warnings += guard_w + chunking_warnings(cfg, world_size) + dpm2_warnings(cfg)

@@ -1,0 +1,132 @@
+"""World-model anchor losses on real Breakout clips: gradient reach per parameter mode and term, determinism, the
+optimizer-step hook, inactive for other families."""
+
+import pytest
+import torch
+from tests.models.world_model.wm_helpers import make_adapter
+
+from flowforge.config import LoraConfig, TrainConfig
+from flowforge.data import atari
+from flowforge.data.atari import AtariDataConfig
+from flowforge.objectives.anchors import AnchorConfig, AnchorLosses, anchor_policy_bank, build_anchor
+from flowforge.objectives.base import Objective, ObjectiveContext
+from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
+from flowforge.settings import SamplerConfig
+
+MODES = {"module": LoraConfig(trainable="module", modules=("latent_state_rollout.transition",)),
+         "lora": LoraConfig(trainable="lora", rank=8, alpha=16.0)}
+
+
+@pytest.fixture(scope="module")
+def clips():
+    c = atari.record_clips(AtariDataConfig(episodes=2, heldout_every=2, max_steps=24, seed=1))
+    return c.clips(torch.arange(len(c.clip_starts)))
+
+
+def _anchor(mode, clips, section=AnchorConfig(batch_size=2), keep_ref=False):
+    adapter = make_adapter()
+    policy = Policy(adapter, TrainableWeights.from_section(MODES[mode]),
+                    OptimizerSettings.from_section(TrainConfig(lr=1e-2)), 10, keep_ref=keep_ref)
+    return AnchorLosses(section, adapter, policy, *clips, seed=0), adapter, policy
+
+
+def _grads(adapter):
+    return {n: p.grad for n, p in adapter.transformer.named_parameters() if p.requires_grad}
+
+
+def test_module_mode_every_term_reaches_exactly_the_transition_module(clips):
+    anchor, adapter, _ = _anchor("module", clips)
+    terms, _ = anchor.terms(0)
+    reach = anchor.measure_reach(terms)
+    n_b = len(list(adapter.transformer.latent_state_rollout.transition.parameters()))
+    assert reach == {"fm": n_b, "trans": n_b, "ref": 0}  # B feeds the coupling (gate 0.5) and the predictor
+    metrics = anchor.backward()
+    assert float(metrics["anchor_trans_reach"]) == n_b and "anchor_trans" in metrics and "anchor_fm" in metrics
+    grads = _grads(adapter)
+    assert set(grads) == {f"latent_state_rollout.transition.{n}"
+                          for n, _ in adapter.transformer.latent_state_rollout.transition.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert any(float(g.abs().sum()) > 0 for g in grads.values())
+    frozen = [p for n, p in adapter.transformer.named_parameters() if not p.requires_grad]
+    assert all(p.grad is None for p in frozen)  # initializer, out_proj, tokenizer, predictor, backbone: untouched
+
+
+def test_coupling_lora_transition_ce_has_no_gradient_path_and_is_not_applied(clips, caplog):
+    anchor, adapter, _ = _anchor("lora", clips)
+    with caplog.at_level("WARNING"):
+        metrics = anchor.backward()
+    assert anchor.reach["trans"] == 0 and anchor.reach["fm"] == 2 * 4 * len(adapter.blocks())  # lora_A/B x q,k,v,out
+    assert float(metrics["anchor_trans_reach"]) == 0.0
+    assert "anchor_trans" not in metrics and "anchor_trans_accuracy" not in metrics  # not reported as training
+    assert float(metrics["anchor_loss"]) == pytest.approx(0.1 * float(metrics["anchor_fm"]), rel=1e-6)
+    assert "no gradient path" in caplog.text
+    assert all(".lora_" in n for n in _grads(adapter))
+    again = anchor.backward()  # the term stays off without being computed again
+    assert "anchor_trans" not in again and float(again["anchor_trans_reach"]) == 0.0
+
+
+def test_fm_term_excludes_the_condition_slot(clips):
+    from flowforge.algorithms.losses import anchor_fm_loss, anchors as math
+    from flowforge.rollout import with_condition
+
+    anchor, adapter, _ = _anchor("module", clips, AnchorConfig(batch_size=2, trans_weight=0.0))
+    x0, noise, sigma, cond = anchor.clip_batch(3)
+    assert torch.equal(cond.image, x0[:, :, :1])  # the clean first frame of each real clip
+    terms, _ = anchor.terms(3)
+    assert terms["trans"] is None and terms["ref"] is None
+    x = with_condition(adapter, math.noised(x0, noise, sigma), cond)
+    assert torch.equal(x[:, :, :1], x0[:, :, :1])  # slot 0 pinned to the condition in the anchor's input
+    v = adapter.velocity(x, sigma, cond, 1.0)
+    gen = adapter.generated_index
+    expected, _ = anchor_fm_loss(v[gen], x0[gen], noise[gen])
+    assert torch.equal(terms["fm"], expected) and v[gen].shape[2] == x0.shape[2] - 1
+    shifted = x0.clone()
+    shifted[:, :, 0] += 0.5  # another target on slot 0 only never enters the loss
+    assert torch.equal(anchor_fm_loss(v[gen], shifted[gen], noise[gen])[0], expected)
+
+
+def test_clip_stream_depends_only_on_seed_and_step(clips):
+    a, _, _ = _anchor("module", clips)
+    b, _, _ = _anchor("module", clips)
+    xa, na, sa, _ = a.clip_batch(5)
+    xb, nb, sb, _ = b.clip_batch(5)
+    assert torch.equal(xa, xb) and torch.equal(na, nb) and torch.equal(sa, sb)
+    assert not torch.equal(a.clip_batch(6)[1], na)
+    assert set(sa.tolist()) <= set(a.schedule.tolist())  # sigmas of the anchor's own 1000-step schedule
+
+
+def test_reference_penalty_uses_the_immutable_reference(clips):
+    section = AnchorConfig(batch_size=2, fm_weight=0.0, trans_weight=0.0, ref_weight=1.0)
+    assert anchor_policy_bank(section, {"keep_old": True}) == {"keep_old": True, "keep_ref": True}
+    with pytest.raises(ValueError, match="reference policy"):
+        _anchor("module", clips, section)
+    anchor, adapter, policy = _anchor("module", clips, section, keep_ref=True)
+    first = anchor.backward()
+    assert float(first["anchor_ref"]) == 0.0  # live == ref at the start
+    with torch.no_grad():
+        for p in policy.params:
+            p.add_(0.05)
+    assert float(anchor.backward()["anchor_ref"]) > 0.0
+
+
+def test_optimizer_step_hook_trains_with_the_anchor_only_when_attached(clips):
+    anchor, adapter, policy = _anchor("module", clips)
+    ctx = ObjectiveContext(seed=0, micro_batch_size=2, num_updates_per_batch=1, advantage_clip=5.0,
+                           sampler=SamplerConfig(), sections={})
+    objective = Objective(ctx, adapter, policy)
+    before = policy.named_weights("live")
+    assert set(objective.optimizer_step()) == {"grad_norm"}  # no anchor: a plain step (no gradients: no change)
+    assert all(torch.equal(before[k], v) for k, v in policy.named_weights("live").items())
+    objective.anchor = anchor
+    metrics = objective.optimizer_step()
+    assert {"grad_norm", "anchor_loss", "anchor_fm", "anchor_trans"} <= set(metrics)
+    assert any(not torch.equal(before[k], v) for k, v in policy.named_weights("live").items())
+
+
+def test_build_anchor_is_inactive_for_other_families_and_zero_weights(clips):
+    class NotAWorldModel:
+        pass
+
+    assert build_anchor(AnchorConfig(), NotAWorldModel(), None, seed=0, cache_dir="unused") is None
+    assert build_anchor(AnchorConfig(fm_weight=0.0, trans_weight=0.0), make_adapter(), None, seed=0,
+                        cache_dir="unused") is None

@@ -1,0 +1,153 @@
+"""Reward-hacking guard: the rule on recorded curves, its preflight rules, and a tiny run on a deliberately
+exploitable reward (brightness) judged by the independent digit classifier, stopped and rolled back."""
+
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+
+from flowforge.config import load_config
+from flowforge.train.guard import detect_reward_hacking, guard_problems, slope
+from flowforge.train.preflight import PreflightError, preflight
+
+# The main job's measured curve (README: DigitEval at steps 0..150, every 10) with its rising training reward: a
+# plateau with noise, never three falls in a row.
+MAIN_JOB = [0.54, 0.65, 0.73, 0.76, 0.82, 0.86, 0.87, 0.86, 0.88, 0.87, 0.89, 0.88, 0.89, 0.88, 0.90, 0.89]
+
+
+def _curves(judge, reward_start=0.4, reward_per_step=0.003, every=10):
+    evals = [(k * every, v) for k, v in enumerate(judge)]
+    rewards = [(s, reward_start + reward_per_step * s) for s in range(1, every * (len(judge) - 1) + 1)]
+    return evals, rewards
+
+
+def _first_trigger(judge, rewards_per_step=0.003, **kw):
+    evals, rewards = _curves(judge, reward_per_step=rewards_per_step)
+    for k in range(1, len(evals) + 1):
+        seen = [r for r in rewards if r[0] <= evals[k - 1][0]]
+        verdict = detect_reward_hacking(evals[:k], seen, **kw)
+        if verdict is not None:
+            return evals[k - 1][0], verdict
+    return None
+
+
+def test_guard_rule_on_recorded_curves():
+    assert _first_trigger(MAIN_JOB, patience=3) is None
+    assert _first_trigger(MAIN_JOB, patience=1) == (70, _first_trigger(MAIN_JOB, patience=1)[1])  # 0.87 -> 0.86
+    hacked = [0.54, 0.70, 0.82, 0.88, 0.86, 0.83, 0.80, 0.78]
+    step, verdict = _first_trigger(hacked, patience=3)
+    assert step == 60 and [v for _, v in verdict.judge] == [0.88, 0.86, 0.83, 0.80]
+    assert verdict.reward_slope == pytest.approx(0.003)
+    assert "fell at 3 consecutive evaluations" in verdict.describe("eval/digit_eval", "reward/total_mean")
+    assert _first_trigger(hacked, patience=4)[0] == 70
+    assert _first_trigger(hacked, patience=5) is None
+    # the same falls with a falling or flat training reward are not reward hacking
+    assert _first_trigger(hacked, rewards_per_step=-0.003, patience=3) is None
+    assert _first_trigger(hacked, rewards_per_step=0.0, patience=3) is None
+    # falls smaller than min_delta do not count
+    assert _first_trigger([0.9, 0.895, 0.89, 0.885], patience=3, min_delta=0.01) is None
+    assert _first_trigger([0.9, 0.895, 0.89, 0.885], patience=3)[0] == 30
+    # a NaN judge breaks the run of falls
+    assert _first_trigger([0.9, 0.8, math.nan, 0.7, 0.6], patience=3) is None
+
+
+def test_guard_rule_errors_and_slope():
+    assert slope([(1, 1.0), (2, 3.0), (3, 5.0)]) == pytest.approx(2.0)
+    assert math.isnan(slope([(1, 1.0)])) and math.isnan(slope([(1, 1.0), (2, math.nan)]))
+    with pytest.raises(ValueError, match="patience must be >= 1"):
+        detect_reward_hacking([], [], patience=0)
+
+
+def test_guard_preflight_rules():
+    base = ["guard.patience=2", "eval.scorers=[digit_eval]", "eval.every=5"]
+    assert guard_problems(load_config(None, base)) == ([], [])
+    assert guard_problems(load_config(None, ["eval.every=0"])) == ([], [])  # off: nothing to check
+    problems, _ = guard_problems(load_config(None, [*base, "eval.every=0"]))
+    assert problems == ["guard.patience=2 needs periodic held-out evaluations: set eval.every > 0"]
+    problems, _ = guard_problems(load_config(None, ["guard.patience=2", "eval.every=5"]))
+    assert "needs a held-out judge" in problems[0]
+    problems, _ = guard_problems(load_config(None, [*base, "guard.judge=eval/pickscore"]))
+    assert problems[0].startswith("guard.judge='eval/pickscore' is not logged by the evaluation; allowed: [")
+    _, warnings = guard_problems(load_config(None, [*base, "guard.judge=eval/digit"]))
+    assert "is a training reward component" in warnings[0]
+    with pytest.raises(PreflightError, match="needs periodic held-out evaluations"):
+        preflight(load_config(None, [*base, "eval.every=0"]), this_machine=False)
+    with pytest.raises(ValueError, match=r"guard.action='undo' is not one of \['stop', 'rollback'\]"):
+        load_config(None, ["guard.action=undo"])
+    with pytest.raises(ValueError, match="guard.judge='digit_eval' must name an eval metric"):
+        load_config(None, ["guard.judge=digit_eval"])
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("action", ["rollback", "stop"])
+def test_guard_stops_a_run_exploiting_its_reward(tmp_path, monkeypatch, action):
+    """The embedded default trained on brightness (a reward the policy can raise without drawing digits), judged by
+    the independent DigitEval classifier: the judge falls while the reward rises, and the guard ends the run and
+    says so in the log, eval.jsonl and the report; with rollback the final weights are the best evaluation's (the
+    base: measured DigitEval 0.68 -> 0.60 -> 0.43 at steps 0 / 2 / 4, brightness reward 0.12 -> 0.24)."""
+    from flowforge.demo.paths import resolve_demo_path
+    from flowforge.models import build_adapter
+    from flowforge.train.trainer import Trainer
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2]))  # tests.rewards.byo_scorers
+    cfg = load_config(None, [
+        "run.name=hack", f"run.output_dir={tmp_path}", "model.path=demo:base", "lora.trainable=full",
+        "data.prompts_per_step=2", "data.group_size=4", "sampler.num_steps=6", "sampler.num_sde_steps=2",
+        "sampler.sde_window=[0.0, 0.6]", "reward.weights={tests.rewards.byo_scorers:Brightness: 1.0}",
+        "train.steps=16", "train.lr=3e-4", "train.micro_batch_size=4", "grpo.clip_low=1e-2", "eval.every=2",
+        "eval.samples_per_prompt=2", "eval.max_prompts=30", "eval.scorers=[digit_eval]", "metrics.trackers=[jsonl]",
+        "guard.patience=2", f"guard.action={action}"])
+    trainer = Trainer(cfg, progress=False)
+    run_dir = trainer.train()
+    evals = _read(run_dir / "eval.jsonl")
+    stop = evals[-1]
+    assert stop["eval/guard_stop"] == 1.0 and stop["eval/guard_patience"] == 2.0
+    assert not any("eval/guard_stop" in e for e in evals[:-1])
+    judge = [e["eval/digit_eval"] for e in evals]
+    assert judge[-3] > judge[-2] > judge[-1]  # two consecutive falls of the held-out judge
+    rewards = [(r["step"], r["reward/total_mean"]) for r in _read(run_dir / "metrics.jsonl")]
+    assert rewards[-1][0] == stop["step"] < cfg.train.steps  # stopped early, at the evaluation that fired
+    assert slope([r for r in rewards if r[0] >= evals[-3]["step"]]) > 0  # while the reward rose
+    assert "reward-hacking guard: held-out eval/digit_eval fell at 2 consecutive evaluations" in \
+        (run_dir / "train.log").read_text()
+    report = (run_dir / "report.html").read_text()
+    assert "Reward-hacking guard stopped the run at step" in report and "reward-hacking guard</th>" in report
+    assert (run_dir / "checkpoints" / f"step_{int(stop['step']):06d}" / "COMMITTED").is_file()
+    best_step = int(stop["eval/guard_best_step"])
+    assert stop["eval/guard_best"] == max(judge) and judge[best_step // 2] == max(judge)
+    assert stop["eval/guard_rolled_back"] == float(action == "rollback")
+    final = trainer.policy.named_weights("live")
+    assert best_step == 0  # the base was the best: rolling back restores it exactly
+    base = build_adapter("sd3", resolve_demo_path("demo:base")).transformer.float().state_dict()
+    same = all(torch.equal(final[k], base[k]) for k in base)
+    assert same == (action == "rollback")
+
+
+def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path):
+    """After train.resume the guard continues from eval.jsonl / metrics.jsonl: the falls logged before the resume
+    count (rows past the resumed step, left by the killed run, do not), and it fires without a rollback target from
+    before the resume."""
+    from flowforge.settings.sections import GuardConfig
+    from flowforge.train.guard import RewardHackingGuard
+
+    evals = [(0, 0.70), (2, 0.80), (4, 0.75), (6, 0.10)]  # step 6: logged by the killed run after the checkpoint
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval/digit_eval": v}) + "\n"
+                                                 for s, v in evals))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/total_mean": 0.1 * s}) + "\n"
+                                                    for s in range(1, 7)))
+    guard = RewardHackingGuard(GuardConfig(patience=2, action="rollback"), "eval/digit_eval", run_dir=tmp_path)
+    guard.observe_step(5, {"reward/total_mean": 0.5})  # the first step after resuming from step 4
+    assert guard.judge_curve == [(0, 0.70), (2, 0.80), (4, 0.75)]
+    assert [s for s, _ in guard.reward_curve] == [1, 2, 3, 4, 5]  # step 5 given, step 6 of the killed run dropped
+    guard.observe_step(6, {"reward/total_mean": 0.6})
+    out = guard.observe_eval(6, {"eval/digit_eval": 0.72})
+    assert out["eval/guard_stop"] == 1.0 and out["eval/guard_best_step"] == 6.0
+    assert out["eval/guard_rolled_back"] == 0.0  # the best held in memory is this evaluation itself
+    assert "0.8000 (step 2) -> 0.7500 (step 4) -> 0.7200 (step 6)" in guard.message
+    off = RewardHackingGuard(GuardConfig(), "eval/digit_eval", run_dir=tmp_path)
+    assert off.observe_eval(6, {"eval/digit_eval": 0.1}) == {} and off.sync(None) is False

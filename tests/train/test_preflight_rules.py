@@ -1,0 +1,41 @@
+"""Rollout chunking: preflight names a rollout chunk / micro-batch pair whose first update is not an exact replay."""
+
+from flowforge.config import load_config
+from flowforge.train.preflight import preflight
+from flowforge.train.preflight_rules import chunking_warnings
+
+
+def _warnings(*overrides):
+    return chunking_warnings(load_config(None, ["data.prompts_per_step=4", "data.group_size=8", *overrides]))
+
+
+def test_chunk_differs_from_micro_batch_is_named():
+    # 32 rows, 2 updates of 16, micro-batches of 8: exact when the rollout chunk is 8 too (the default)
+    assert _warnings() == [] and _warnings("sampler.batch_size=8") == []
+    (text,) = _warnings("sampler.batch_size=16")
+    assert text.startswith("sampler.batch_size=16 (the rollout chunk) differs from train.micro_batch_size=8: the "
+                           "first update replays rows in batches of another shape")
+    assert "train/first_update_ratio_dev" in text
+    (text,) = _warnings("train.micro_batch_size=6")  # chunks of 6 straddle the update boundary at row 16
+    assert text.startswith("each update's 16 rows per rank are not a multiple of train.micro_batch_size=6")
+    assert _warnings("sampler.batch_size=16", "train.algorithm=nft") == []  # no replayed log-probs
+    assert chunking_warnings(load_config(None, ["data.prompts_per_step=4", "data.group_size=8",
+                                                "sampler.batch_size=16"]), world_size=2) != []
+
+
+def test_preflight_reports_the_chunk_warning():
+    report = preflight(load_config(None, ["sampler.batch_size=16"]), this_machine=False)
+    assert any("sampler.batch_size=16 (the rollout chunk) differs" in w for w in report.warnings)
+    report = preflight(load_config(None, []), this_machine=False)
+    assert not any("rollout chunk" in w for w in report.warnings)
+
+
+def test_dpm2_on_the_static_schedule_is_warned():
+    from flowforge.train.preflight_rules import dpm2_warnings
+
+    cfg = load_config(None, ["train.algorithm=nft", "forward.sampler=dpm2"])
+    (text,) = dpm2_warnings(cfg)
+    assert text.startswith("forward.sampler='dpm2' with sampler.schedule='static'")
+    assert dpm2_warnings(load_config(None, ["train.algorithm=nft", "forward.sampler=dpm2", "sampler.schedule=wan"])) \
+        == [] and dpm2_warnings(load_config(None, ["train.algorithm=nft"])) == []
+    assert dpm2_warnings(load_config(None, ["forward.sampler=dpm2"])) == []  # grpo does not roll out with it
