@@ -10,7 +10,7 @@ import sys
 import torch
 
 from flowforge.config import load_config
-from flowforge.runtime.distributed import shutdown
+from flowforge.runtime.distributed import exit_now, shutdown
 from flowforge.train.trainer import Trainer
 
 
@@ -38,6 +38,7 @@ def main() -> None:
     record["live"] = live
     torch.save(record, f"{out}.rank{trainer.dist.rank}")
     shutdown()
+    exit_now(0)  # a finished rank must not abort in C++ teardown (see exit_now)
 
 
 if __name__ == "__main__":

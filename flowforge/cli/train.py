@@ -19,7 +19,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config_file(args.config, args.overrides)  # config errors surface before torch is imported
-    from flowforge.runtime.distributed import shutdown
+    from flowforge.runtime.distributed import exit_now, shutdown
     from flowforge.train.trainer import Trainer
 
     try:
@@ -30,4 +30,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         # leaving the process group to interpreter teardown can abort a finished rank (SIGABRT, gloo threads)
         shutdown()
+    exit_now(0)  # under torchrun: a finished rank ends here, before C++ teardown can abort it
     return 0

@@ -24,6 +24,7 @@ Candidate noise depends on the candidate's sample id (never on the rank), so two
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,22 @@ def shutdown() -> None:
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_now(rc: int) -> None:
+    """End this process with status ``rc`` without interpreter teardown when it ran under ``torchrun``
+    (``$TORCHELASTIC_RUN_ID`` set): stdio flushed, then ``os._exit``. A no-op outside torchrun.
+
+    Why: after the work is done and the process group destroyed (:func:`shutdown`), C++ objects of the c10d / gloo
+    stack can still hold a joinable thread at static destruction; the rank then aborts ("terminate called without an
+    active exception", SIGABRT) and torchrun reports a finished, successful job as failed. Seen intermittently with
+    FSDP + DCP on gloo (tests/test_distributed.py). Call it last, after every file is closed.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(rc)
 
 
 def barrier(info: DistInfo) -> None:

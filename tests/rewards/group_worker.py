@@ -48,6 +48,7 @@ def main() -> None:
                         "first_fraction": metrics["reward/rank_first_fraction"]}
     torch.save(record, f"{out}.rank{info.rank}")
     dist_lib.shutdown()  # a group left to interpreter teardown can abort the rank after its work is done
+    dist_lib.exit_now(0)
 
 
 if __name__ == "__main__":

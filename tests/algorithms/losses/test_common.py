@@ -18,9 +18,10 @@ FORMER_NAMES = [
 
 
 def test_former_public_names_are_re_exported_from_their_algorithm_modules():
-    for name in FORMER_NAMES + ["dppo_loss", "flow_grpo_kl"]:
+    added = ["dppo_loss", "flow_grpo_kl", "anchor_fm_loss", "transition_ce_loss", "combine_anchor_terms"]
+    for name in FORMER_NAMES + added:
         assert hasattr(losses, name), name
-    assert set(losses.__all__) == set(FORMER_NAMES + ["dppo_loss", "flow_grpo_kl"])
+    assert set(losses.__all__) == set(FORMER_NAMES + added)
     from flowforge.algorithms.losses import awm, crd, dgpo, dpo, dppo, grpo, grpo_guard, nft
     assert losses.grpo_clip_loss is grpo.grpo_clip_loss and losses.transition_mean_kl is grpo.transition_mean_kl
     assert losses.flow_grpo_kl is grpo.flow_grpo_kl
