@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from flowforge.runtime.distributed import all_reduce_processes
+from flowforge.runtime.errors import UserError
 from flowforge.train.metrics import EVAL_FILE, METRICS_FILE
 
 log = logging.getLogger("flowforge")
@@ -126,10 +127,28 @@ def guard_problems(cfg) -> tuple[list[str], list[str]]:
                         "eval/digit_eval) or list an independent scorer in eval.scorers")
     elif key not in logged:
         problems.append(f"guard.judge={key!r} is not logged by the evaluation; allowed: {sorted(logged)}")
-    elif key[len(EVAL_PREFIX):] in cfg.reward.weights:
+    rewards = {"reward/total_mean"} | {f"reward/{n}_mean" for n in cfg.reward.weights}
+    if g.reward not in rewards:  # an unlogged key would read NaN every step: the guard would never fire
+        problems.append(f"guard.reward={g.reward!r} is not a logged training reward; allowed: {sorted(rewards)}")
+    if key is not None and key in logged and key[len(EVAL_PREFIX):] in cfg.reward.weights:
         warnings.append(f"guard.judge={key!r} is a training reward component: the guard cannot see that reward "
                         "being exploited; use an independent scorer (eval.scorers)")
     return problems, warnings
+
+
+def guard_stop_step(run_dir: Path) -> int | None:
+    """The step at which the guard stopped the run in ``run_dir`` (its ``eval/guard_stop`` row), or None."""
+    path = Path(run_dir) / EVAL_FILE
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line of a killed run: not a stop record
+            continue
+        if row.get(f"{EVAL_PREFIX}guard_stop"):
+            return int(row["step"])
+    return None
 
 
 class RewardHackingGuard:
@@ -151,7 +170,20 @@ class RewardHackingGuard:
 
     @classmethod
     def from_config(cls, cfg, run_dir: Path | None = None, *, is_main: bool = True) -> "RewardHackingGuard":
-        return cls(cfg.guard, judge_key(cfg.guard, cfg.eval.scorers), run_dir=run_dir, is_main=is_main)
+        """The guard of ``cfg``; call before anything is written to ``run_dir``.
+
+        Raises:
+            UserError: the run resumes (``train.resume``) in a directory whose ``eval.jsonl`` records that the guard
+                stopped it: resuming would train on past the stop (and, after a rollback, from best-step weights
+                with later optimizer state). ``guard.patience=0`` continues it deliberately.
+        """
+        guard = cls(cfg.guard, judge_key(cfg.guard, cfg.eval.scorers), run_dir=run_dir, is_main=is_main)
+        stop = guard_stop_step(run_dir) if guard.enabled and run_dir is not None and cfg.train.resume else None
+        if stop is not None:
+            raise UserError(f"train.resume={cfg.train.resume!r}", f"the reward-hacking guard stopped this run at step "
+                            f"{stop} ({Path(run_dir) / EVAL_FILE})", "start a new run, or continue it deliberately "
+                            "with guard.patience=0")
+        return guard
 
     def _load_history(self, before: int) -> None:
         """Curves of the steps ``< before`` a resumed run logged (rank 0); nothing for a new run."""

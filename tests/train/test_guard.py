@@ -70,6 +70,9 @@ def test_guard_preflight_rules():
     assert "needs a held-out judge" in problems[0]
     problems, _ = guard_problems(load_config(None, [*base, "guard.judge=eval/pickscore"]))
     assert problems[0].startswith("guard.judge='eval/pickscore' is not logged by the evaluation; allowed: [")
+    problems, _ = guard_problems(load_config(None, [*base, "guard.reward=reward/digit_mean_typo"]))
+    assert problems == ["guard.reward='reward/digit_mean_typo' is not a logged training reward; allowed: "
+                        "['reward/digit_mean', 'reward/total_mean']"]
     _, warnings = guard_problems(load_config(None, [*base, "guard.judge=eval/digit"]))
     assert "is a training reward component" in warnings[0]
     with pytest.raises(PreflightError, match="needs periodic held-out evaluations"):
@@ -151,3 +154,21 @@ def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path):
     assert "0.8000 (step 2) -> 0.7500 (step 4) -> 0.7200 (step 6)" in guard.message
     off = RewardHackingGuard(GuardConfig(), "eval/digit_eval", run_dir=tmp_path)
     assert off.observe_eval(6, {"eval/digit_eval": 0.1}) == {} and off.sync(None) is False
+
+
+def test_resuming_a_run_the_guard_stopped_is_refused_unless_the_guard_is_off(tmp_path):
+    """The stop is recorded in eval.jsonl; train.resume on that run is refused before anything is written (it would
+    train on past the stop), and guard.patience=0 continues it deliberately."""
+    from flowforge.config import load_config
+    from flowforge.runtime.errors import UserError
+    from flowforge.train.guard import RewardHackingGuard
+
+    rows = [{"step": 0, "eval/digit_eval": 0.7}, {"step": 4, "eval/digit_eval": 0.5, "eval/guard_stop": 1.0}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "ev')
+    before = (tmp_path / "eval.jsonl").read_bytes()
+    cfg = load_config(None, ["train.resume=auto", "guard.patience=2", "guard.judge=eval/digit_eval", "eval.every=2"])
+    with pytest.raises(UserError, match=r"guard stopped this run at step 4.*guard.patience=0"):
+        RewardHackingGuard.from_config(cfg, tmp_path)
+    assert (tmp_path / "eval.jsonl").read_bytes() == before
+    RewardHackingGuard.from_config(load_config(None, ["train.resume=auto", "eval.every=2"]), tmp_path)  # guard off
+    RewardHackingGuard.from_config(load_config(None, ["guard.patience=2", "guard.judge=eval/digit_eval"]), tmp_path)
