@@ -404,6 +404,8 @@ def verify_checkpoint(path: str | Path, fix: str = "restore it, or resume from a
         manifest = json.loads((path / MARKER).read_text())
         files: dict[str, int] = manifest["files"]
         int(manifest["step"]), list(manifest["groups"])
+        if not isinstance(files, dict) or not set(manifest.get("sha256") or {}) <= set(files):
+            raise ValueError("'files' must map every file (including those with a sha256) to its size")
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(path / MARKER, f"is not a valid checkpoint manifest ({e!r})", fix) from e
     if manifest.get("format") != FORMAT_VERSION:

@@ -74,6 +74,8 @@ class WorkerRollout:
         sync = None
         for attempt in range(self.max_retries + 1):
             try:
+                if attempt:  # inside the try: a rebuild that fails (a fresh worker dies) uses up a retry too
+                    self.engine.rebuild()
                 self.engine.start()  # first use: build the workers (not counted as sync time)
                 if self.engine.version != step:
                     sync = self.engine.sync(weights, step, self.mode)
@@ -85,7 +87,6 @@ class WorkerRollout:
                     raise
                 log.warning("rollout engine: %s; rebuilding lost workers and retrying (%d of %d)", exc, attempt + 1,
                             self.max_retries)
-                self.engine.rebuild()
         check_version(version, step, on_policy=self.on_policy)
         self._metrics = {"train/policy_version": float(version),
                          "train/weight_sync_tensors": float(sync["tensors"] if sync else 0),

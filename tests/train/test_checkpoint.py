@@ -515,3 +515,14 @@ def test_manager_writes_the_checkpoint_format_and_restores_every_stateful(tmp_pa
     with pytest.raises(ValueError, match="lora.rank: checkpoint 4, this run 8"):
         refused.restore("auto")
     assert all(torch.equal(kept.state_dict()["weights"]["live"][k], v) for k, v in before.items())
+
+
+def test_a_manifest_of_the_wrong_shape_is_named(tmp_path):
+    """A manifest whose ``files`` is not a mapping, or that lists a sha256 for a file it does not list, is refused
+    naming COMMITTED (not an internal AttributeError / OSError)."""
+    path = _save(tmp_path, 1)
+    good = json.loads((path / "COMMITTED").read_text())
+    for bad in ({**good, "files": list(good["files"])}, {**good, "sha256": {**good.get("sha256", {}), "x.bin": "0"}}):
+        (path / "COMMITTED").write_text(json.dumps(bad))
+        with pytest.raises(ckpt.UserError, match="COMMITTED: is not a valid checkpoint manifest"):
+            ckpt.load_checkpoint(path)
