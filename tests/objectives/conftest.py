@@ -2,14 +2,12 @@
 
 import pytest
 
-from tests.train.test_trainer import tiny_cfg
+from tests.train.test_trainer import make_trainer  # noqa: F401  (the fixture `make` builds on)
 
 
 @pytest.fixture
-def make(tiny_model_dir, tmp_path, encode_cache_dir):
-    from flowforge.train.trainer import Trainer
-
+def make(make_trainer):  # noqa: F811
+    """``make_trainer`` with the run named ``o`` by default."""
     def build(*extra, name="o"):
-        return Trainer(tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, f"run.name={name}", *extra),
-                       progress=False)
+        return make_trainer(*extra, name=name)
     return build
