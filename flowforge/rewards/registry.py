@@ -22,6 +22,7 @@ from flowforge.rewards.scorers.action_following import ActionFollowingScorer
 from flowforge.rewards.scorers.aesthetic import AestheticScorer
 from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
+from flowforge.rewards.scorers.diversity import GroupDiversity
 from flowforge.rewards.scorers.hps import HPSv2Scorer
 from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressibility
 from flowforge.rewards.scorers.ocr import OcrScorer
@@ -32,6 +33,7 @@ from flowforge.rewards.scorers.world_eval import InverseDynamicsScorer, WorldPSN
 SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "digit": DigitScorer,
     "digit_eval": DigitEvalScorer,
+    "group_diversity": GroupDiversity,
     "jpeg_compressibility": JpegCompressibility,
     "jpeg_incompressibility": JpegIncompressibility,
     "pickscore": PickScore,

@@ -31,7 +31,6 @@ Where it runs
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -43,6 +42,7 @@ import torch
 from flowforge.runtime.distributed import all_reduce_processes
 from flowforge.runtime.errors import UserError
 from flowforge.train.metrics import EVAL_FILE, METRICS_FILE
+from flowforge.train.report import read_jsonl
 
 log = logging.getLogger("flowforge")
 
@@ -137,18 +137,17 @@ def guard_problems(cfg) -> tuple[list[str], list[str]]:
 
 
 def guard_stop_step(run_dir: Path) -> int | None:
-    """The step at which the guard stopped the run in ``run_dir`` (its ``eval/guard_stop`` row), or None."""
-    path = Path(run_dir) / EVAL_FILE
-    if not path.is_file():
-        return None
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line of a killed run: not a stop record
-            continue
-        if row.get(f"{EVAL_PREFIX}guard_stop"):
+    """The step at which the guard stopped the run in ``run_dir`` (its ``eval/guard_stop`` row), or None. Torn lines
+    of a killed run and rows superseded by a resume are skipped (:func:`~flowforge.train.report.read_jsonl`)."""
+    for row in _rows(Path(run_dir) / EVAL_FILE):
+        if row.get(f"{EVAL_PREFIX}guard_stop", 0.0) > 0:
             return int(row["step"])
     return None
+
+
+def _rows(path: Path) -> list[dict[str, float]]:
+    """The rows of a run's JSON-lines log (nothing when it does not exist yet), read the way the report reads them."""
+    return read_jsonl(path)[0] if path.is_file() else []
 
 
 class RewardHackingGuard:
@@ -192,10 +191,8 @@ class RewardHackingGuard:
             return
         for name, key, curve in ((EVAL_FILE, self.judge, self.judge_curve),
                                  (METRICS_FILE, self.cfg.reward, self.reward_curve)):
-            path = self.run_dir / name
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() \
-                else []
-            by_step = {r["step"]: r[key] for r in rows if r.get("step", before) < before and r.get(key) is not None}
+            by_step = {int(r["step"]): r[key] for r in _rows(self.run_dir / name)
+                       if r["step"] < before and key in r and math.isfinite(r[key])}
             curve.extend(sorted(by_step.items()))
 
     def observe_step(self, step: int, scalars: Mapping[str, float]) -> None:
