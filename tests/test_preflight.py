@@ -345,3 +345,28 @@ def test_an_explicit_resume_path_must_be_a_committed_checkpoint(tmp_path):
     (tmp_path / "COMMITTED").write_text("{}")  # the files' checksums are verified when training resumes
     preflight(load_config(None, [f"train.resume={tmp_path}"]), world_size=1)
     preflight(load_config(None, ["train.resume=auto"]), world_size=1)
+
+
+WORLD_EXAMPLE = "examples/worldmodel/nft.yaml"
+
+
+@pytest.mark.parametrize("modules, why", [
+    ("[latent_state_rollout.transitionX]", "are not submodules of WorldModel"),
+    ("[blocks.0,blocks.0.coupling]", "repeat or contain one another"),
+])
+def test_module_paths_checked_before_the_model_loads(modules, why, monkeypatch):
+    import pathlib
+
+    import flowforge.models.world_model.adapter as wm
+
+    monkeypatch.setattr(wm, "load_world_model", lambda *a, **k: pytest.fail("preflight loaded the model"))
+    example = pathlib.Path(__file__).resolve().parents[1] / WORLD_EXAMPLE
+    with pytest.raises(PreflightError, match=f"lora.modules: .*{why}"):
+        preflight(load_config(example, [f"lora.modules={modules}"]), world_size=1)
+    preflight(load_config(example, []), world_size=1)  # the example's own paths pass
+
+
+def test_module_paths_of_a_diffusers_base():
+    with pytest.raises(PreflightError, match="lora.modules: .*not submodules of SD3Transformer2DModel"):
+        preflight(load_config(None, ["lora.trainable=module", "lora.modules=[transformer_blocks.99]"]), world_size=1)
+    preflight(load_config(None, ["lora.trainable=module", "lora.modules=[transformer_blocks.0]"]), world_size=1)

@@ -291,6 +291,31 @@ def _model_path_problems(cfg: Config, problems: list[str], warnings: list[str], 
                     "(org/name) or demo:base")
 
 
+def _module_path_problems(cfg: Config, problems: list[str]) -> None:
+    """``lora.modules`` (module mode) against the model's module tree, built from its config on the meta device
+    (:func:`flowforge.models.skeleton.module_skeleton`): an unknown, repeated or nested path is named now, not when
+    the model loads. A model whose tree cannot be built from its config alone is checked after loading."""
+    from flowforge.demo.paths import is_demo_name, resolve_demo_path
+    from flowforge.models.skeleton import module_skeleton
+    from flowforge.models.submodules import check_submodules
+
+    if cfg.lora.trainable != "module" or not cfg.lora.modules:
+        return
+    try:
+        path = resolve_demo_path(cfg.model.path) if is_demo_name(cfg.model.path) else cfg.model.path
+    except ValueError:
+        return  # named by _model_path_problems
+    if not os.path.isdir(path):
+        return
+    skeleton = module_skeleton(path)
+    if skeleton is None:
+        return
+    try:
+        check_submodules(skeleton, cfg.lora.modules)
+    except ValueError as exc:
+        problems.append(f"lora.modules: {exc}")
+
+
 def _directory_problems(cfg: Config, problems: list[str]) -> None:
     """Directories flowforge will create or write into must not be files."""
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
@@ -401,7 +426,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     _trained_step_problems(cfg, problems)
     _batch_problems(cfg, world, problems)
     if this_machine:
-        for check in (_device_problems, _directory_problems, _resume_problems):
+        for check in (_device_problems, _directory_problems, _resume_problems, _module_path_problems):
             check(cfg, problems)
         _memory_problems(cfg, world, counts, problems)
     objective = OBJECTIVES.get(cfg.train.algorithm)
