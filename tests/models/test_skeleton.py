@@ -1,6 +1,5 @@
 """module_skeleton: a model directory's module tree on the meta device, the same names as the loaded model."""
 
-
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter
 from flowforge.models.skeleton import module_skeleton
