@@ -12,7 +12,8 @@ Summary                    final / best / first held-out eval, training reward, 
                            (:mod:`flowforge.train.report_summary`)
 First and last samples     the first and the last ``samples/step_*.png`` side by side, each image cropped out and
                            captioned with its prompt and scores from the grid's sidecar
-                           (:mod:`flowforge.train.report_grids`)
+                           (:mod:`flowforge.train.report_grids`); a video whose prompt has one word per frame (a
+                           world model's actions) as its frames side by side, each frame's action under it
 Training                   ``metrics.jsonl``: reward mean per training component (± std band), ``train/loss``,
                            ``train/clip_fraction``, ``train/approx_kl``, ``train/diversity``, then one figure per
                            namespace; eval-only scorers (``eval.scorers`` without a reward weight) and metrics that
@@ -288,6 +289,9 @@ img.grid, img.compare { image-rendering: pixelated; max-width: 100%; border: 1px
 .cells { display: flex; flex-wrap: wrap; gap: 0.4em; }
 .cell { width: 88px; } img.cell { width: 88px; image-rendering: pixelated; border: 1px solid #ccc; display: block; }
 .cap { font-size: 0.68em; line-height: 1.15; word-wrap: break-word; }
+.cell.video { width: auto; } .strip { display: flex; gap: 2px; } .frame { width: 44px; text-align: center; }
+img.frame { width: 44px; image-rendering: pixelated; border: 1px solid #ccc; display: block; }
+.act { font-size: 0.6em; line-height: 1.1; overflow-wrap: anywhere; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
 table { border-collapse: collapse; font-size: 0.9em; margin: 0.5em 0; }
 td, th { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }

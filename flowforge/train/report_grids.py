@@ -7,8 +7,11 @@ The eval stage tiles the first sample of every held-out prompt into ``samples/st
      "cells": [{"prompt": "a handwritten seven", "scores": {"digit_eval": 1.0, ...}, "box": [l, t, r, b]}, ...]}
 
 ``box`` is the cell's pixel rectangle in the PNG (left, top, right exclusive, bottom exclusive), so readers (the
-report, trackers) crop cells without knowing the grid geometry. A video's cell is its whole row of frames.
-Non-finite scores are written as ``null``. :func:`read_grid_cells` reads a sidecar back and tolerates its absence
+report, trackers) crop cells without knowing the grid geometry. A video's cell is its whole row of frames; when its
+prompt is one word per frame (a world model's action sequence, ``"LEFT NOOP RIGHT ..."``: exactly ``F``
+whitespace-separated words) the cell also lists its frames in order, ``"frames": [{"box": [l, t, r, b], "label":
+"LEFT"}, ...]``, so the report writes each frame's action under that frame. Non-finite scores are written as
+``null``. :func:`read_grid_cells` reads a sidecar back and tolerates its absence
 (grids written before sidecars existed).
 """
 
@@ -67,34 +70,48 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
     if len(prompts) != n or any(v.numel() != n for v in scores.values()):
         raise ValueError(f"need {n} prompts and {n} scores per scorer, got {len(prompts)} prompts and "
                          f"{ {k: v.numel() for k, v in scores.items()} }")
+    per_frame: list[list[dict[str, Any]] | None] = [None] * n
     if media.ndim == 5:
         frames, (h, w) = media.shape[2], media.shape[-2:]
         save_grid(video_frames(media), path, nrow=frames, scale=GRID_SCALE, padding=GRID_PADDING)
         rows = grid_boxes(n * frames, h, w, nrow=frames, scale=GRID_SCALE, padding=GRID_PADDING)
         boxes = [[rows[i * frames][0], rows[i * frames][1], rows[i * frames + frames - 1][2], rows[i * frames][3]]
                  for i in range(n)]
+        for i, prompt in enumerate(prompts):
+            words = prompt.split()
+            if len(words) == frames:  # one label per frame (a world model's actions)
+                per_frame[i] = [{"box": rows[i * frames + f], "label": words[f]} for f in range(frames)]
     else:
         save_grid(media, path, nrow=GRID_NROW, scale=GRID_SCALE, padding=GRID_PADDING)
         boxes = grid_boxes(n, media.shape[-2], media.shape[-1], nrow=GRID_NROW, scale=GRID_SCALE,
                            padding=GRID_PADDING)
     values = {k: v.detach().float().cpu().reshape(-1).tolist() for k, v in scores.items()}
-    cells = [{"prompt": p, "scores": {k: _score(v[i]) for k, v in values.items()}, "box": boxes[i]}
-             for i, p in enumerate(prompts)]
+    cells = [{"prompt": p, "scores": {k: _score(v[i]) for k, v in values.items()}, "box": boxes[i],
+              **({"frames": per_frame[i]} if per_frame[i] is not None else {})} for i, p in enumerate(prompts)]
     text = json.dumps({"step": step, "image": Path(path).name, "cells": cells}, indent=1, allow_nan=False) + "\n"
     atomic_write(Path(path).with_suffix(".json"), lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return Path(path)
 
 
+def _is_box(box: Any) -> bool:
+    return isinstance(box, list) and len(box) == 4 and all(isinstance(b, int) for b in box)
+
+
 def read_grid_cells(png: Path) -> list[dict[str, Any]] | None:
-    """The cells of grid ``png`` from its sidecar (``prompt``, ``scores`` with ``None`` for non-finite, ``box``);
-    ``None`` when there is no sidecar or it cannot be read (never raises)."""
+    """The cells of grid ``png`` from its sidecar (``prompt``, ``scores`` with ``None`` for non-finite, ``box``, and
+    for a video labelled per frame ``frames``: ``[{"box", "label"}, ...]`` in frame order); ``None`` when there is
+    no sidecar or it cannot be read (never raises). A malformed ``frames`` list is dropped from its cell."""
     try:
         data = json.loads(Path(png).with_suffix(".json").read_text(encoding="utf-8"))
         cells = data["cells"]
         for cell in cells:
-            if not (isinstance(cell["prompt"], str) and isinstance(cell["scores"], dict)
-                    and len(cell["box"]) == 4 and all(isinstance(b, int) for b in cell["box"])):
+            if not (isinstance(cell["prompt"], str) and isinstance(cell["scores"], dict) and _is_box(cell["box"])):
                 return None
+            frames = cell.get("frames")
+            if frames is not None and not (isinstance(frames, list) and frames and all(
+                    isinstance(f, dict) and _is_box(f.get("box")) and isinstance(f.get("label"), str)
+                    for f in frames)):
+                del cell["frames"]
         return cells
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

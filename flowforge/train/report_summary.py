@@ -220,6 +220,18 @@ def _cell_png(grid: Image.Image, box: Sequence[int]) -> bytes:
     return buffer.getvalue()
 
 
+def _frames_cell(grid: Image.Image, step: int, cell: dict, scores: str) -> str:
+    """A video cell as a strip of its frames, each frame's label (a world model's action) under that frame, then
+    the scores."""
+    frames = []
+    for i, frame in enumerate(cell["frames"]):
+        label = frame["label"]
+        image = img_tag(_cell_png(grid, frame["box"]), f"step {step}: frame {i} {label}", "frame")
+        frames.append(f'<div class="frame">{image}<div class="act">{esc(label)}</div></div>')
+    return (f'<div class="cell video"><div class="strip">{"".join(frames)}</div>'
+            f'<div class="cap">{esc(scores)}</div></div>')
+
+
 def _scores_text(scores: dict, first: str | None) -> str:
     names = sorted(scores, key=lambda n: (n != first, n))
     return " · ".join(f"{n} {fmt(v) if isinstance(v, (int, float)) else 'nan'}" for n, v in
@@ -242,6 +254,9 @@ def _grid_column(step: int, path: Path, eval_rows: list[Row] | None, headline: s
         grid.load()
         parts.append('<div class="cells">')
         for cell in cells:
+            if "frames" in cell:  # a video labelled per frame: each frame with its label (action) under it
+                parts.append(_frames_cell(grid, step, cell, _scores_text(cell["scores"], first)))
+                continue
             caption = f"{cell['prompt']} — {_scores_text(cell['scores'], first)}"
             image = img_tag(_cell_png(grid, cell["box"]), f"step {step}: {cell['prompt']}", "cell")
             parts.append(f'<div class="cell">{image}<div class="cap">{esc(caption)}</div></div>')

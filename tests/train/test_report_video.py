@@ -1,0 +1,81 @@
+"""Issue 14: a world model's eval grid in the report -- each video as its frames side by side, with the action of
+each frame written under that frame (the sidecar lists the frames' boxes and labels; report.html renders them)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import torch
+from PIL import Image
+
+from flowforge.train.metrics import MetricsLogger, sample_grid_path
+from flowforge.train.report import write_report
+from flowforge.train.report_grids import read_grid_cells, save_eval_grid
+from tests.train.test_report import parse
+
+ACTIONS = ["LEFT NOOP RIGHT RIGHT LEFT", "NOOP NOOP LEFT RIGHT NOOP"]
+
+
+def _colours(image):
+    """The set of RGB colours of ``image``."""
+    return {tuple(int(c) for c in p) for p in np.asarray(image.convert("RGB")).reshape(-1, 3)}
+
+
+def _video_run(tmp_path):
+    run = tmp_path / "world"
+    with MetricsLogger(run, tensorboard=False) as logger:
+        logger.log(1, {"reward/action_following_mean": 0.5, "train/loss": 0.1})
+        logger.log_eval(1, {"eval/action_following": 0.5})
+    # frame f of video i is a flat grey of its own level, so every frame's crop is recognisable
+    levels = torch.arange(10.0).view(2, 5) * 25 / 255  # 255 * level is a whole number: no rounding ties
+    video = levels.view(2, 1, 5, 1, 1).expand(2, 3, 5, 4, 6).contiguous()
+    save_eval_grid(video, sample_grid_path(run, 1), ACTIONS, {"action_following": torch.tensor([1.0, 0.0])}, 1)
+    (run / "config.yaml").write_text("run:\n  name: world\n")
+    return run
+
+
+def test_sidecar_lists_each_frame_with_its_action(tmp_path):
+    run = _video_run(tmp_path)
+    png = sample_grid_path(run, 1)
+    cells = read_grid_cells(png)
+    grid = Image.open(png)
+    for i, cell in enumerate(cells):
+        assert [f["label"] for f in cell["frames"]] == ACTIONS[i].split()
+        lefts = [f["box"][0] for f in cell["frames"]]
+        assert lefts == sorted(lefts) and cell["frames"][0]["box"][0] == cell["box"][0]
+        assert cell["frames"][-1]["box"][2] == cell["box"][2]
+        for f, frame in enumerate(cell["frames"]):
+            assert _colours(grid.crop(tuple(frame["box"]))) == {(25 * (5 * i + f),) * 3}  # the box is exactly frame f of video i
+    # a prompt that is not one word per frame gets no per-frame labels
+    save_eval_grid(torch.rand(1, 3, 5, 4, 4), tmp_path / "v.png", ["a handwritten seven"], {}, 0)
+    assert "frames" not in read_grid_cells(tmp_path / "v.png")[0]
+    data = json.loads((tmp_path / "v.json").read_text())
+    data["cells"][0]["frames"] = [{"box": [0, 0], "label": 3}]  # malformed: dropped, the cell kept
+    (tmp_path / "v.json").write_text(json.dumps(data))
+    assert read_grid_cells(tmp_path / "v.png")[0]["prompt"] == "a handwritten seven"
+
+
+def test_report_writes_each_action_under_its_frame(tmp_path):
+    run = _video_run(tmp_path)
+    page = write_report(run).read_text()
+    body = page.split('id="first-last"')[1].split('id="training"')[0]
+    doc = parse(body)
+    frames = [img for img in doc.imgs if img["class"] == "frame"]
+    assert [img["alt"] for img in frames] == [f"step 1: frame {f} {a}" for actions in ACTIONS
+                                               for f, a in enumerate(actions.split())]
+    # each frame's <img> is followed by its label, in frame order, inside the frame's own box
+    strips = body.split('<div class="strip">')[1:]
+    assert len(strips) == len(ACTIONS)
+    for i, strip in enumerate(strips):
+        units = strip.split('<div class="frame">')[1:]
+        assert len(units) == 5
+        for f, unit in enumerate(units):
+            label = unit.split('<div class="act">')[1].split("</div>")[0]
+            assert label == ACTIONS[i].split()[f]
+            src = unit.split('src="')[1].split('"')[0]
+            crop = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
+            assert _colours(crop) == {(25 * (5 * i + f),) * 3}
+    assert "action_following 1" in body and "action_following 0" in body  # the scores stay under the strip
