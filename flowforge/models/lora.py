@@ -214,3 +214,26 @@ def load_lora_state_dict(transformer: nn.Module, state: Mapping[str, Tensor], ad
 def copy_adapter(transformer: nn.Module, source: str, target: str) -> None:
     """Copy adapter ``source``'s weights into adapter ``target`` (same targets and rank), in place."""
     load_lora_state_dict(transformer, lora_state_dict(transformer, source), target)
+
+
+@torch.no_grad()
+def merge_lora(transformer: nn.Module, adapter_name: str = "default") -> nn.Module:
+    """Fold adapter ``adapter_name`` into the base weights, ``W' = W + (alpha / rank) * B A`` (peft
+    ``LoraLayer.merge``, computed in the weight's dtype), and put every LoRA layer's base layer back in its place,
+    so no peft wrapper is left (any other adapter is dropped). In place; returns ``transformer``.
+
+    Raises:
+        ValueError: ``adapter_name`` is not an adapter of ``transformer``.
+    """
+    names = adapter_names(transformer)
+    if adapter_name not in names:
+        raise ValueError(f"unknown LoRA adapter {adapter_name!r}; present: {names}")
+    tuner = {id(m) for m in _tuner_layers(transformer)}
+    layers = [(name, m) for name, m in transformer.named_modules() if id(m) in tuner]
+    for name, layer in layers:
+        layer.merge(adapter_names=[adapter_name])
+        parent, _, leaf = name.rpartition(".")
+        setattr(transformer.get_submodule(parent) if parent else transformer, leaf, layer.get_base_layer())
+    if hasattr(transformer, "peft_config"):  # set by peft's inject_adapter_in_model
+        del transformer.peft_config
+    return transformer
