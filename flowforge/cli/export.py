@@ -1,5 +1,6 @@
-"""``flowforge export RUN_DIR OUT --form merged|adapter``: a run's checkpoint as a diffusers transformer (merged) or a
-diffusers / peft LoRA (adapter). The safety rules for ``OUT`` are :func:`flowforge.tools.export.export_run`'s."""
+"""``flowforge export RUN_DIR OUT --form merged|adapter``: a run's checkpoint as a diffusers transformer or a
+world-model directory (merged), or a diffusers / peft LoRA or a module run's trained tensors (adapter). The safety
+rules for ``OUT`` are :func:`flowforge.tools.export.export_run`'s."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-HELP = "export a run's checkpoint as a diffusers transformer (merged) or LoRA"
+HELP = "export a run's checkpoint as a merged model (diffusers / world model) or its adapter (LoRA / trained modules)"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

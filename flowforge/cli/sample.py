@@ -17,7 +17,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         help="a run directory (newest committed checkpoint, live weights) or a flowforge export")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     parser.add_argument("--prompt-file", type=Path, default=None,
-                        help="one prompt per line, or a .jsonl prompt file (needed for i2i / i2v: metadata.image)")
+                        help="one prompt per line, a .jsonl prompt file or a packaged set such as "
+                        "demo:world-eval (i2i / i2v need metadata.image)")
     parser.add_argument("--num", type=int, default=4, help="images per prompt (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
     parser.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the run's sampler)")

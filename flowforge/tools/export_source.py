@@ -1,31 +1,19 @@
-"""What an export reads: the run's config, one committed checkpoint, its weights, and the check that those weights
-are the ones the run's contract says they are.
+"""What an export reads: the run's config, one committed checkpoint, its weights and its base model.
 
 A damaged checkpoint file gives an :class:`~flowforge.tools.export_out.ExportError` naming that file instead of the
 reader's own message (a garbage ``trainer_state.json`` -> ``not valid JSON (... at line 1 column 1)``; a zeroed
 ``optimizer.pt`` -> ``not a torch.save archive``; a changed file -> its sha256 against the manifest's); the reading
-is :func:`flowforge.train.checkpoint.load_checkpoint`'s, shared with resume.
+is :func:`flowforge.train.checkpoint.load_checkpoint`'s, shared with resume. Whether the weights are the ones the
+run's contract names is :func:`flowforge.tools.export_contract.check_contract`'s.
 
-The contract (``trainer_state.json`` ``"lora"``) fixes which tensors a checkpoint holds:
-
-=============  =========================================================================================
-trainable      tensors (keys as :func:`flowforge.models.lora.lora_state_dict` writes them)
-=============  =========================================================================================
-``lora``       ``<module>.lora_A.weight`` ``[rank, in]`` and ``<module>.lora_B.weight`` ``[out, rank]`` for
-               every module of the base transformer matching a target (peft's rule: the name equals the
-               target or ends with ``.<target>``)
-``full``       the base transformer's state-dict keys and shapes (every parameter; buffers optional)
-=============  =========================================================================================
-
-:func:`check_contract` compares them with the base transformer built on the ``meta`` device from its
-``config.json`` (no weights are read), or, without a local base, checks the LoRA keys' form, targets, ranks and
-A / B pairs. The first key that does not fit is named.
+Exportable families: the diffusers ones (:data:`SUPPORTED_ADAPTERS`, or a ``pkg.module:Class`` adapter over a
+diffusers transformer) and those with a format of their own (:data:`OWN_FORMAT_ADAPTERS`: the world model). The
+trained weights of every contract (``lora``, ``module``, ``full``) are read the same way.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +26,10 @@ from flowforge.tools.export_out import ExportError
 from flowforge.train import checkpoint as ckpt
 
 SUPPORTED_ADAPTERS = ("sd3", "flux", "qwen_image", "wan")
-_LORA_KEY = re.compile(r"(.+)\.(lora_A|lora_B)\.weight")
+"""Registered diffusers families: export writes diffusers files for them and can verify them."""
+OWN_FORMAT_ADAPTERS = ("world_model",)
+"""Registered families with a file format of their own (the world model's: :mod:`flowforge.tools.export_world`)."""
+TRAINABLE = ("lora", "module", "full")
 
 
 @dataclass(frozen=True)
@@ -47,9 +38,10 @@ class Source:
 
     run_dir: Path
     checkpoint: ckpt.Checkpoint
-    weights: dict[str, torch.Tensor]  # name -> tensor (LoRA keys without the adapter name, or full state dict)
+    weights: dict[str, torch.Tensor]  # name -> tensor (LoRA keys without the adapter name, the trained submodules'
+    # entries under full names, or the full state dict)
     weights_file: Path  # where ``weights`` were read from (a safetensors file or the sharded dcp/ directory)
-    lora: dict  # trainer_state["lora"]: trainable, rank, alpha, targets, dropout
+    lora: dict  # trainer_state["lora"]: trainable, dropout; rank, alpha, targets (lora); modules (module)
     model_path: str  # model.path of the run's config, or --base
     base: Path | None  # local base directory (None: not found locally)
     adapter: str  # model.adapter of the run's config (a registered family or "pkg.module:Class")
@@ -72,10 +64,10 @@ def read_run_config(run_dir: Path):
     except ConfigError as exc:
         raise ExportError(cfg_file, f"is not a valid flowforge config ({one_line(str(exc))})",
                           "restore the run's config.yaml") from exc
-    if cfg.model.adapter not in SUPPORTED_ADAPTERS and ":" not in cfg.model.adapter:
+    known = (*SUPPORTED_ADAPTERS, *OWN_FORMAT_ADAPTERS)
+    if cfg.model.adapter not in known and ":" not in cfg.model.adapter:
         raise ExportError(f"model.adapter={cfg.model.adapter!r} in {cfg_file}", "export cannot handle this family",
-                          f"allowed: {list(SUPPORTED_ADAPTERS)} or a 'pkg.module:Class' adapter over a diffusers "
-                          "transformer")
+                          f"allowed: {list(known)} or a 'pkg.module:Class' adapter over a diffusers transformer")
     return cfg
 
 
@@ -114,10 +106,11 @@ def load_source(run_dir: Path, cfg, path: Path, weights: str, model_path: str, b
     """The checkpoint ``path`` of run ``run_dir`` with its ``weights`` group (``live`` / ``ema`` / ``old``)."""
     state = read_checkpoint(run_dir, path)
     lora = state.trainer_state.get("lora")
-    if not isinstance(lora, dict) or lora.get("trainable") not in ("lora", "full"):
+    if not isinstance(lora, dict) or lora.get("trainable") not in TRAINABLE:
         raise ExportError(path / ckpt.TRAINER_STATE_FILE, "has no LoRA contract ('lora': {trainable, ...})",
                           "export a checkpoint written by `flowforge train`")
-    absent = [k for k in ("rank", "alpha", "targets") if lora["trainable"] == "lora" and k not in lora]
+    needed = {"lora": ("rank", "alpha", "targets"), "module": ("modules",)}.get(lora["trainable"], ())
+    absent = [k for k in needed if k not in lora]
     if absent:
         raise ExportError(path / ckpt.TRAINER_STATE_FILE, f"its LoRA contract lacks {absent}",
                           "export a checkpoint written by `flowforge train`")
@@ -138,8 +131,8 @@ def sharded_live_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]
 
     The trainer saves ``{"model": get_model_state_dict(live, ignore_frozen_params=True), "optim": ...}``: under LoRA
     the keys name the ``default`` adapter (``<module>.lora_A.default.weight``) and are returned without it, as
-    :func:`flowforge.models.lora.lora_state_dict` keys them; under full fine-tuning they are the transformer's
-    parameter names. Only the ``model`` entries are read.
+    :func:`flowforge.models.lora.lora_state_dict` keys them; under full (and module) fine-tuning they are the
+    transformer's parameter names. Only the ``model`` entries are read.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -199,82 +192,42 @@ def transformer_class(transformer_dir: Path):
     return cls
 
 
-# ------------------------------------------------------------------------------------------------ contract
-def _expected_tensors(transformer_dir: Path, lora: dict) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """``(key -> shape the contract allows, keys it requires)`` from the base transformer built on ``meta``."""
-    from flowforge.models import lora as lora_lib
-
-    cls = transformer_class(transformer_dir)
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        model = cls.from_config(cls.load_config(str(transformer_dir)))
-    if lora["trainable"] == "full":
-        return ({k: tuple(v.shape) for k, v in model.state_dict().items()},
-                {name for name, _ in model.named_parameters()})
-    try:
-        lora_lib.inject_lora(model, int(lora["rank"]), float(lora["alpha"]), list(lora["targets"]))
-    except ValueError as exc:
-        raise ExportError(transformer_dir, f"does not fit the run's LoRA contract ({one_line(str(exc))})",
-                          "pass the base the run was trained from with --base PATH") from exc
-    params = lora_lib.lora_parameters(model, "default")
-    return {k: tuple(p.shape) for k, p in params.items()}, set(params)
-
-
-def _lora_form_problem(key: str, value: torch.Tensor, lora: dict) -> str | None:
-    match = _LORA_KEY.fullmatch(key)
-    if match is None:
-        return "is not a LoRA weight (<module>.lora_A.weight / <module>.lora_B.weight)"
-    module, kind = match.groups()
-    if not any(module == t or module.endswith("." + t) for t in lora["targets"]):
-        return f"is on module {module!r}, which matches none of the targets {list(lora['targets'])}"
-    rank = int(lora["rank"])
-    if value.dim() != 2 or value.shape[0 if kind == "lora_A" else 1] != rank:
-        return f"has shape {tuple(value.shape)}, not a rank-{rank} {kind}"
-    return None
-
-
-def check_contract(src: Source, transformer_dir: Path | None) -> None:
-    """Check that ``src.weights`` are exactly the tensors of the run's contract (module table).
-
-    Args:
-        src: the loaded checkpoint and its weights.
-        transformer_dir: the base transformer directory to build the expected keys from; ``None`` (no local base)
-            checks the LoRA keys' form, targets, rank and A / B pairs only.
+def resolve_base(path: str | Path) -> Path:
+    """The local directory of base model ``path`` (a ``demo:`` name resolved; it may not exist).
 
     Raises:
-        ExportError: naming the weights file and the first key that is unexpected, missing or of the wrong shape.
+        ExportError: an unknown ``demo:`` name (the known ones listed).
     """
-    def bad(key: str, problem: str) -> ExportError:
-        base = f" of base {transformer_dir}" if transformer_dir is not None else ""
-        return ExportError(src.weights_file, f"tensor {key!r} {problem}",
-                           f"the checkpoint does not match the run's contract ({contract}{base}): it was edited or "
-                           f"belongs to another run or base; export another step with --step N or pass the "
-                           f"trained-from base with --base PATH")
+    from flowforge.demo.paths import resolve_demo_path
 
-    lora = src.lora
-    contract = ("full fine-tune" if lora["trainable"] == "full" else
-                f"LoRA rank {lora.get('rank')} on {list(lora.get('targets') or [])}")
-    if lora["trainable"] == "lora":
-        pairs: dict[str, set[str]] = {}
-        for key in sorted(src.weights):
-            problem = _lora_form_problem(key, src.weights[key], lora)
-            if problem is not None:
-                raise bad(key, problem)
-            module, kind = _LORA_KEY.fullmatch(key).groups()
-            pairs.setdefault(module, set()).add(kind)
-        for module, kinds in sorted(pairs.items()):
-            if len(kinds) != 2:
-                (present,) = kinds
-                missing = "lora_B" if present == "lora_A" else "lora_A"
-                raise bad(f"{module}.{missing}.weight", f"is missing (its {present} is present)")
-    if transformer_dir is None:
-        return
-    shapes, required = _expected_tensors(transformer_dir, lora)
-    for key in sorted(src.weights):
-        if key not in shapes:
-            raise bad(key, "is not in the contract")
-        if tuple(src.weights[key].shape) != shapes[key]:
-            raise bad(key, f"has shape {tuple(src.weights[key].shape)}, the contract's is {shapes[key]}")
-    missing = sorted(required - set(src.weights))
-    if missing:
-        raise bad(missing[0], f"is missing ({len(missing)} contract tensors are)")
+    try:
+        return Path(resolve_demo_path(str(path))).expanduser()
+    except ValueError as exc:
+        raise ExportError(f"base model {str(path)!r}", one_line(str(exc)), "pass --base PATH") from exc
+
+
+def base_name(src: Source) -> str:
+    """The base as a user names it: its local directory (a ``demo:`` name resolved), else ``model.path``."""
+    return str(src.base.resolve()) if src.base is not None else src.model_path
+
+
+def require_base(src: Source, why: str) -> Path:
+    """``src.base``, after checking it is the model the run was trained from (the checkpoint's
+    ``base_model_sha256``).
+
+    Raises:
+        ExportError: no local base (``why`` says what needs it), or its sha256 differs.
+    """
+    if src.base is None:
+        raise ExportError(
+            f"base model {src.model_path!r} (model.path in {src.run_dir / 'config.yaml'}, or --base)",
+            f"{why} needs the base model, but it does not exist here",
+            "pass the base model directory with --base PATH (Python: export_run(..., base=PATH)); it must be the "
+            "model the run was trained from (its sha256 is checked)")
+    expected = src.checkpoint.trainer_state.get("base_model_sha256")
+    if expected is not None:
+        actual = ckpt.sha256_of_path(src.base)
+        if actual != expected:
+            raise ExportError(f"base model {src.base}", f"sha256 {actual[:12]}… says it is not the model the run "
+                              f"was trained from (sha256 {expected[:12]}…)", "pass the original base with --base")
+    return src.base

@@ -1,0 +1,161 @@
+"""Export of a world-model run (``model.adapter: world_model``) in the world model's own format.
+
+The world model is not a diffusers class: its files are what
+:meth:`~flowforge.models.world_model.adapter.WorldModelAdapter.save_pretrained` writes and
+:func:`~flowforge.models.world_model.adapter.load_world_model` reads (``config.json`` with ``_class_name =
+"FlowforgeWorldModel"``, ``diffusion_pytorch_model.safetensors``, ``flowforge.json`` with the action names).
+:func:`flowforge.tools.export.export_run` calls :func:`write_merged` / :func:`write_adapter` for this family
+(everything else of an export -- the checks, the marker, the card, the hidden work directory -- is shared):
+
+===========  =========================  ===========================================================================
+form         trainable                  what is written
+===========  =========================  ===========================================================================
+``merged``   ``module`` / ``full``      the base with the checkpoint's tensors overlaid, in the own format
+``merged``   ``lora``                   the base with the LoRA folded in, ``W' = W + (alpha / rank) B A``
+                                        (:func:`flowforge.models.lora.merge_lora`), in the own format
+``adapter``  ``module``                 ``trained_modules.safetensors`` + ``.json``: exactly the trained tensors
+                                        (:mod:`flowforge.tools.export_weights`)
+``adapter``  ``lora``                   peft's ``adapter_model.safetensors`` + ``adapter_config.json`` (the
+                                        coupling attention's q / k / v / out): ``PeftModel.from_pretrained(
+                                        load_world_model(BASE).transformer, OUT)``
+===========  =========================  ===========================================================================
+
+A merged export is a world-model directory: ``model.path=OUT`` with ``model.adapter: world_model`` loads it in
+``flowforge train`` / ``flowforge sample``. The base (the source checkpoint) is only read: ``OUT`` may not overlap it
+(:mod:`flowforge.tools.export_out`), and ``save_pretrained`` refuses a directory overlapping its source again.
+
+Verification: seeded ``x [2, C, F, H, W]`` (``C = in_channels``, ``F = max_frames``, ``H = W = sample_size`` of
+the network's config), ``sigma = [0.3, 0.8]``, one-hot actions ``[2, F, A]`` as ``cond.prompt_embeds`` and a seeded
+first frame ``cond.image [2, C, 1, H, W]``, guidance 1, fp32, through
+:meth:`~flowforge.models.world_model.adapter.WorldModelAdapter.velocity` (0 on slot 0). Tolerances are
+:data:`flowforge.tools.export_verify.TOLERANCES`: ``merged`` for a folded LoRA, ``full`` for module / full runs
+(bit-equal expected), ``adapter`` for the peft adapter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flowforge.models import lora as lora_lib
+from flowforge.models.base import Conditioning
+from flowforge.models.world_model.adapter import WorldModelAdapter, load_world_model
+from flowforge.models.world_model.network import WorldModel
+from flowforge.tools.export_out import ExportError
+from flowforge.tools.export_source import Source, base_name, require_base
+from flowforge.tools.export_verify import VerifyReport, verify_report
+from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, PEFT_WEIGHT_NAME, write_module_adapter,
+                                            write_peft_adapter)
+
+Probe = tuple[torch.Tensor, torch.Tensor, Conditioning]
+
+
+def _load(base: Path) -> WorldModelAdapter:
+    """The world model in ``base`` in fp32, read-only with provenance (:func:`load_world_model`)."""
+    try:
+        adapter = load_world_model(base, dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError) as exc:  # ProvenanceError is a ValueError
+        raise ExportError(base, f"cannot be loaded as a world model ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300]})", "pass the trained-from base with --base PATH") from exc
+    adapter.transformer.requires_grad_(False)
+    return adapter
+
+
+def probe_inputs(model: WorldModel) -> Probe:
+    """Fixed fp32 inputs from ``model.config`` (module docstring): ``(x [2, C, F, H, W], sigma [2], cond)``."""
+    c = model.config
+    gen = torch.Generator().manual_seed(20240601)
+    x = torch.randn(2, c.in_channels, c.max_frames, c.sample_size, c.sample_size, generator=gen)
+    actions = torch.randint(0, c.num_actions, (2, c.max_frames), generator=gen)
+    first = torch.rand(2, c.in_channels, 1, c.sample_size, c.sample_size, generator=gen) * 2 - 1
+    cond = Conditioning(prompt_embeds=torch.nn.functional.one_hot(actions, c.num_actions).float(),
+                        mask=torch.ones(2, c.max_frames, dtype=torch.long), image=first)
+    return x, torch.tensor([0.3, 0.8]), cond
+
+
+@torch.no_grad()
+def velocity(model: WorldModel, inputs: Probe) -> torch.Tensor:
+    """The world model's velocity ``[2, C, F, H, W]`` fp32 on ``inputs`` (guidance 1)."""
+    x, sigma, cond = inputs
+    names = [f"A{i}" for i in range(model.config.num_actions)]  # the velocity reads ids only
+    return WorldModelAdapter(model.eval(), action_names=names).velocity(x, sigma, cond, 1.0)
+
+
+def _apply(src: Source, model: WorldModel) -> None:
+    """The checkpoint's weights into ``model``: LoRA injected and loaded, or the tensors overlaid by name."""
+    if src.lora["trainable"] == "lora":
+        lora_lib.inject_lora(model, int(src.lora["rank"]), float(src.lora["alpha"]), list(src.lora["targets"]))
+        lora_lib.load_lora_state_dict(model, src.weights)
+    else:  # module / full: the trained tensors under their full names (a sharded checkpoint: parameters only)
+        model.load_state_dict({k: v.float() for k, v in src.weights.items()}, strict=False)
+    model.requires_grad_(False).eval()
+
+
+def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
+    """The trained world model in its own format into ``work`` (module table); the verify report or None."""
+    adapter = _load(require_base(src, "a merged export"))
+    model = adapter.transformer
+    inputs = probe_inputs(model) if verify else None
+    v_base = velocity(model, inputs) if verify else None
+    _apply(src, model)
+    v_trained = velocity(model, inputs) if verify else None
+    lora = src.lora["trainable"] == "lora"
+    if lora:
+        lora_lib.merge_lora(model)
+    adapter.save_pretrained(work)  # refuses a directory overlapping the source checkpoint
+    del adapter, model
+    if not verify:
+        return None
+    reloaded = load_world_model(work, dtype=torch.float32).transformer
+    return verify_report(velocity(reloaded, inputs), v_trained, float((v_trained - v_base).abs().max()),
+                         "merged" if lora else "full")
+
+
+def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
+    """Exactly the trained tensors of a module or LoRA world-model run into ``work`` (module table).
+
+    Raises:
+        ExportError: a full fine-tune (it has no adapter); ``verify`` without the base.
+    """
+    trainable = src.lora["trainable"]
+    if trainable == "full":
+        raise ExportError("--form adapter", "this run fine-tuned the whole world model (lora.trainable='full'), so "
+                          "it has no adapter", "export it with --form merged")
+    if trainable == "module":
+        base = require_base(src, "verifying an adapter export") if verify else None
+        return write_module_adapter(src, work, verify, base_name=base_name(src),
+                                    load_base=(lambda: _load(base).transformer) if verify else None,
+                                    velocity=lambda m: velocity(m, probe_inputs(m)))
+    write_peft_adapter(src, work, base_name(src))
+    if not verify:
+        return None
+    base = require_base(src, "verifying an adapter export")
+    model = _load(base).transformer
+    inputs = probe_inputs(model)
+    v_base = velocity(model, inputs)
+    _apply(src, model)
+    v_trained = velocity(model, inputs)
+    del model
+    from peft import PeftModel
+
+    fresh = _load(base).transformer
+    PeftModel.from_pretrained(fresh, str(work))  # peft injects the adapter into ``fresh`` in place
+    return verify_report(velocity(fresh, inputs), v_trained, float((v_trained - v_base).abs().max()), "adapter")
+
+
+def loading_snippet(src: Source, form: str, out: Path, work: Path) -> str:
+    """The Python that loads this export (``work`` holds it before it is renamed to ``out``)."""
+    o, base = str(out), base_name(src)
+    head = "from flowforge.models.world_model import load_world_model\n\n"
+    if form == "merged":
+        return head + (f"model = load_world_model({o!r})  # WorldModelAdapter: encode / velocity / decode; "
+                       ".transformer is the network\n")
+    if (work / MODULES_WEIGHT_NAME).is_file():
+        return head + ("from safetensors.torch import load_file\n\n"
+                       f"model = load_world_model({base!r})\n"
+                       f"model.transformer.load_state_dict(load_file({o + '/' + MODULES_WEIGHT_NAME!r}), "
+                       "strict=False)  # exactly the trained submodules\n")
+    return head + ("from peft import PeftModel\n\n"
+                   f"model = load_world_model({base!r})\n"
+                   f"PeftModel.from_pretrained(model.transformer, {o!r})  # {PEFT_WEIGHT_NAME}: LoRA in place\n")
