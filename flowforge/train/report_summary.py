@@ -27,6 +27,7 @@ import yaml
 from PIL import Image
 
 from flowforge.config import load_config
+from flowforge.data.prompts import IMAGE_TASKS
 from flowforge.train import checkpoint as ckpt
 from flowforge.train.metrics import CONFIG_FILE, EVAL_FILE, METRICS_FILE, PROVENANCE_FILE
 from flowforge.train.report_grids import read_grid_cells
@@ -168,11 +169,14 @@ def _eval_line(eval_rows: Sequence[Row], key: str, with_best: bool = True) -> st
     return text + f" · start {esc(fmt(finite[0][1]))} (step {int(finite[0][0])})"
 
 
-def _commands(run_dir: Path, name: str, prompt: str) -> str:
+def _commands(run_dir: Path, name: str, prompt: str, prompt_file: str | None = None) -> str:
+    """The export and sample commands; ``prompt_file`` (an image task's eval prompts: its prompts need their
+    condition image, a world model's its first frame) replaces ``--prompt``."""
     run, out = shlex.quote(str(run_dir)), shlex.quote(f"exports/{name}")
+    given = f"--prompt {shlex.quote(prompt)}" if prompt_file is None else f"--prompt-file {shlex.quote(prompt_file)}"
     lines = [f"flowforge export {run} {out} --form merged --verify",
-             f"flowforge sample {out} --prompt {shlex.quote(prompt)} --out grid.png",
-             f"flowforge sample {run} --prompt {shlex.quote(prompt)} --num 4 --seed 0 --out grid.png"]
+             f"flowforge sample {out} {given} --out grid.png",
+             f"flowforge sample {run} {given} --num 4 --seed 0 --out grid.png"]
     return f"<pre class=\"cmd\">{esc(chr(10).join(lines))}</pre>"
 
 
@@ -210,8 +214,10 @@ def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, 
     prompt = next((cells[0]["prompt"] for cells in (read_grid_cells(p) for _, p in grids[-1:]) if cells), "...")
     body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
     name = info.cfg.run.name if info.cfg is not None else run_dir.resolve().name
+    image_task = info.cfg is not None and info.cfg.model.task in IMAGE_TASKS
+    prompt_file = info.cfg.data.eval_prompts if image_task else None
     return (f'<h2 id="summary">Summary</h2><table class="kv summary">{body}</table>'
-            f"<p>Export the trained model and generate with it:</p>{_commands(run_dir, name, prompt)}")
+            f"<p>Export the trained model and generate with it:</p>{_commands(run_dir, name, prompt, prompt_file)}")
 
 
 def _cell_png(grid: Image.Image, box: Sequence[int]) -> bytes:

@@ -1,5 +1,6 @@
 """Issue 14: a world model's eval grid in the report -- each video as its frames side by side, with the action of
-each frame written under that frame (the sidecar lists the frames' boxes and labels; report.html renders them)."""
+each frame written under that frame (the sidecar lists the frames' boxes and labels; report.html renders them) --
+and sample commands that give the model its first frames."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from flowforge.config import dump_config, load_config
 from flowforge.train.metrics import MetricsLogger, sample_grid_path
 from flowforge.train.report import write_report
 from flowforge.train.report_grids import read_grid_cells, save_eval_grid
@@ -33,7 +35,10 @@ def _video_run(tmp_path):
     levels = torch.arange(10.0).view(2, 5) * 25 / 255  # 255 * level is a whole number: no rounding ties
     video = levels.view(2, 1, 5, 1, 1).expand(2, 3, 5, 4, 6).contiguous()
     save_eval_grid(video, sample_grid_path(run, 1), ACTIONS, {"action_following": torch.tensor([1.0, 0.0])}, 1)
-    (run / "config.yaml").write_text("run:\n  name: world\n")
+    cfg = load_config(None, ["run.name=world", "model.adapter=world_model", "model.path=demo:world",
+                             "model.task=i2v", "model.frames=5", "data.prompts=demo:world-train",
+                             "data.eval_prompts=demo:world-eval"])
+    (run / "config.yaml").write_text(dump_config(cfg))
     return run
 
 
@@ -79,3 +84,7 @@ def test_report_writes_each_action_under_its_frame(tmp_path):
             crop = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
             assert _colours(crop) == {(25 * (5 * i + f),) * 3}
     assert "action_following 1" in body and "action_following 0" in body  # the scores stay under the strip
+    # a world model samples from first frames: the summary's sample commands name the run's eval prompts
+    text = "".join(parse(page).text)
+    assert "flowforge sample exports/world --prompt-file demo:world-eval --out grid.png" in text
+    assert "--prompt '" not in text
