@@ -54,3 +54,22 @@ def test_nft_coupling_lora_reports_no_transition_anchor(tmp_path, encode_cache_d
     row = _metrics(trainer)
     assert row["train/anchor_trans_reach"] == 0.0 and "train/anchor_trans" not in row
     assert row["train/anchor_fm_reach"] == 2 * 4 * 4  # lora_A / lora_B of q, k, v, out in 4 blocks
+
+
+def test_world_model_resume_equals_uninterrupted_run(tmp_path, encode_cache_dir):
+    """Module mode with both anchors on: the real-clip anchor stream, the policy bank of the trained submodules and
+    the optimizer resume bit-exactly (3 steps straight vs 2 steps + resume)."""
+    from tests.train.test_resume import _assert_same, _rows, _state
+
+    extra = ("train.steps=3", "checkpoint.every=1", "anchor.fm_weight=0.1", "anchor.trans_weight=0.01")
+    full = _trainer(tmp_path, encode_cache_dir, "nft", *extra)
+    full.train()
+    part = _trainer(tmp_path / "p", encode_cache_dir, "nft", *extra)
+    part.train(stop_at=2)
+    del part
+    resumed = _trainer(tmp_path / "p", encode_cache_dir, "nft", *extra, "train.resume=auto")
+    assert resumed.step == 2
+    resumed.train()
+    _assert_same(_state(full), _state(resumed))
+    rows = _rows(full.run_dir)
+    assert rows == _rows(resumed.run_dir) and rows[-1]["train/anchor_fm"] > 0
