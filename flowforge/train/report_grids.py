@@ -49,7 +49,8 @@ def _score(value: float) -> float | None:
 
 
 def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
-                   scores: Mapping[str, torch.Tensor], step: int) -> Path:
+                   scores: Mapping[str, torch.Tensor], step: int,
+                   frame_labels: Sequence[Sequence[str] | None] | None = None) -> Path:
     """Write the eval grid ``path`` (PNG) and its caption sidecar ``path.with_suffix(".json")``.
 
     Args:
@@ -59,12 +60,16 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
         prompts: ``[N]`` the prompt of each image / video.
         scores: scorer name -> ``[N]`` float score of each image / video (higher is better; NaN allowed).
         step: the training step evaluated.
+        frame_labels: videos only, optional: ``[N]`` entries, each ``F`` labels written under the video's frames
+            (a world model's actions, :meth:`~flowforge.models.world_model.adapter.WorldModelAdapter.frame_labels`)
+            or None (no per-frame labels for that video). The sidecar then lists each labelled frame's box.
 
     Returns:
         ``path``.
 
     Raises:
-        ValueError: ``prompts`` or a score does not have ``N`` entries (and as ``save_grid``).
+        ValueError: ``prompts``, a score or ``frame_labels`` does not have ``N`` entries; a label list that is not
+            ``F`` long (and as ``save_grid``).
     """
     n = media.shape[0]
     if len(prompts) != n or any(v.numel() != n for v in scores.values()):
@@ -77,10 +82,12 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
         rows = grid_boxes(n * frames, h, w, nrow=frames, scale=GRID_SCALE, padding=GRID_PADDING)
         boxes = [[rows[i * frames][0], rows[i * frames][1], rows[i * frames + frames - 1][2], rows[i * frames][3]]
                  for i in range(n)]
-        for i, prompt in enumerate(prompts):
-            words = prompt.split()
-            if len(words) == frames:  # one label per frame (a world model's actions)
-                per_frame[i] = [{"box": rows[i * frames + f], "label": words[f]} for f in range(frames)]
+        labels = list(frame_labels) if frame_labels is not None else [None] * n
+        if len(labels) != n or any(ls is not None and len(ls) != frames for ls in labels):
+            raise ValueError(f"frame_labels must give {n} videos None or {frames} labels each")
+        for i, ls in enumerate(labels):
+            if ls is not None:
+                per_frame[i] = [{"box": rows[i * frames + f], "label": str(ls[f])} for f in range(frames)]
     else:
         save_grid(media, path, nrow=GRID_NROW, scale=GRID_SCALE, padding=GRID_PADDING)
         boxes = grid_boxes(n, media.shape[-2], media.shape[-1], nrow=GRID_NROW, scale=GRID_SCALE,

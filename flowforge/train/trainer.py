@@ -458,8 +458,11 @@ class Trainer:
         scalars.update(self.guard.observe_eval(step, scalars))  # eval/guard_* when the guard stops the run
         self.logger.log_eval(step, scalars)
         # the first sample of each prompt; its prompt and scores go to a sidecar that captions the report's cells
-        save_eval_grid(images[::k], sample_grid_path(self.run_dir, step), [r.prompt for r in records[::k]],
-                       {name: v[::k] for name, v in components.items()}, step)
+        shown = [r.prompt for r in records[::k]]
+        labeller = getattr(self.adapter, "frame_labels", None)  # e.g. a world model: each frame's action
+        save_eval_grid(images[::k], sample_grid_path(self.run_dir, step), shown,
+                       {name: v[::k] for name, v in components.items()}, step,
+                       [labeller(p) for p in shown] if labeller is not None else None)
         self.logger.log_grid(step, sample_grid_path(self.run_dir, step))  # to TensorBoard / W&B, captioned
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars

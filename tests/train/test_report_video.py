@@ -9,6 +9,7 @@ import io
 import json
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -34,7 +35,8 @@ def _video_run(tmp_path):
     # frame f of video i is a flat grey of its own level, so every frame's crop is recognisable
     levels = torch.arange(10.0).view(2, 5) * 25 / 255  # 255 * level is a whole number: no rounding ties
     video = levels.view(2, 1, 5, 1, 1).expand(2, 3, 5, 4, 6).contiguous()
-    save_eval_grid(video, sample_grid_path(run, 1), ACTIONS, {"action_following": torch.tensor([1.0, 0.0])}, 1)
+    save_eval_grid(video, sample_grid_path(run, 1), ACTIONS, {"action_following": torch.tensor([1.0, 0.0])}, 1,
+                   [a.split() for a in ACTIONS])
     cfg = load_config(None, ["run.name=world", "model.adapter=world_model", "model.path=demo:world",
                              "model.task=i2v", "model.frames=5", "data.prompts=demo:world-train",
                              "data.eval_prompts=demo:world-eval"])
@@ -54,13 +56,15 @@ def test_sidecar_lists_each_frame_with_its_action(tmp_path):
         assert cell["frames"][-1]["box"][2] == cell["box"][2]
         for f, frame in enumerate(cell["frames"]):
             assert _colours(grid.crop(tuple(frame["box"]))) == {(25 * (5 * i + f),) * 3}  # the box is exactly frame f of video i
-    # a prompt that is not one word per frame gets no per-frame labels
-    save_eval_grid(torch.rand(1, 3, 5, 4, 4), tmp_path / "v.png", ["a handwritten seven"], {}, 0)
+    # a text-to-video prompt of one word per frame is not split into labels: only explicit labels are written
+    save_eval_grid(torch.rand(1, 3, 5, 4, 4), tmp_path / "v.png", ["a cat sleeps on sofa"], {}, 0)
     assert "frames" not in read_grid_cells(tmp_path / "v.png")[0]
     data = json.loads((tmp_path / "v.json").read_text())
     data["cells"][0]["frames"] = [{"box": [0, 0], "label": 3}]  # malformed: dropped, the cell kept
     (tmp_path / "v.json").write_text(json.dumps(data))
-    assert read_grid_cells(tmp_path / "v.png")[0]["prompt"] == "a handwritten seven"
+    assert read_grid_cells(tmp_path / "v.png")[0]["prompt"] == "a cat sleeps on sofa"
+    with pytest.raises(ValueError, match="frame_labels"):
+        save_eval_grid(torch.rand(1, 3, 5, 4, 4), tmp_path / "w.png", ["LEFT"], {}, 0, [["LEFT"]])
 
 
 def test_report_writes_each_action_under_its_frame(tmp_path):

@@ -147,6 +147,11 @@ class WorldModelAdapter(AdapterMixin):
             out.append(self.action_names.index(name.upper()))
         return out
 
+    def frame_labels(self, prompt: str) -> list[str]:
+        """What the report writes under each frame of a clip generated from ``prompt``: its action names, one per
+        video frame (upper case). Raises ValueError for an unknown action name."""
+        return [self.action_names[i] for i in self.action_ids(prompt.split())]
+
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """``(C, f, H, W)`` with ``f = (frames - 1) / temporal_factor + 1`` (pixel space: ``H = height``).
 
