@@ -137,6 +137,16 @@ def loading_snippet(form: str, out: Path, *, transformer_class: str, base_transf
     return f"from diffusers import {transformer_class}\n\nmodel = {transformer_class}.from_pretrained({o!r})\n"
 
 
+def _sample_prompt(cfg) -> str:
+    """The prompt flag of the card's sample command: an image task's prompts need their condition image (a world
+    model's its first frame), so they come from the run's eval prompt file."""
+    from flowforge.data.prompts import IMAGE_TASKS
+
+    if cfg.model.task in IMAGE_TASKS and cfg.data.eval_prompts:
+        return f"--prompt-file {cfg.data.eval_prompts}"
+    return '--prompt "..."'
+
+
 def write_card_and_config(work: Path, out: Path, cfg, *, run_dir: Path, step: int, weights: str, form: str,
                           base_model: str, snippet: str) -> None:
     """Write ``work/config.yaml`` (the run's resolved config) and the model card ``work/README.md``."""
@@ -156,6 +166,6 @@ def write_card_and_config(work: Path, out: Path, cfg, *, run_dir: Path, step: in
         f"| run | `{run_dir}` |", "",
         "## Evaluation (held-out prompts, `eval.jsonl`)", "", _eval_table(run_dir),
         "## Loading", "", "```python", snippet.rstrip("\n"), "```", "",
-        f"With flowforge: `flowforge sample {out} --prompt \"...\" --out grid.png`.", "",
+        f"With flowforge: `flowforge sample {out} {_sample_prompt(cfg)} --out grid.png`.", "",
         "## Config", "", "```yaml", config_text.rstrip("\n"), "```", ""])
     (work / CARD_NAME).write_text(card, encoding="utf-8")

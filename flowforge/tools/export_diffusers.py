@@ -249,7 +249,8 @@ def card_snippet(src: Source, form: str, out: Path, work: Path) -> str:
     """The diffusers / peft loading code of the model card (:func:`flowforge.tools.export_card.loading_snippet`)."""
     if form == "adapter" and src.lora["trainable"] == "module":
         return ("from safetensors.torch import load_file\n\n"
-                f"# on the base transformer {base_name(src)!r}: exactly the trained submodules\n"
+                f"transformer = ...  # the base transformer {base_name(src)!r}, e.g. <Class>.from_pretrained\n"
+                "# exactly the trained submodules (every key must match: check the returned missing / unexpected)\n"
                 f"transformer.load_state_dict(load_file({str(out / MODULES_WEIGHT_NAME)!r}), "
                 "strict=False)\n")
     cls_name, base_transformer = "SD3Transformer2DModel", base_name(src)

@@ -42,6 +42,7 @@ from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
 from flowforge.models.world_model.adapter import WorldModelAdapter, load_world_model
 from flowforge.models.world_model.network import WorldModel
+from flowforge.runtime.errors import one_line
 from flowforge.tools.export_out import ExportError
 from flowforge.tools.export_source import Source, base_name, require_base
 from flowforge.tools.export_verify import VerifyReport, verify_report
@@ -57,7 +58,7 @@ def _load(base: Path) -> WorldModelAdapter:
         adapter = load_world_model(base, dtype=torch.float32)
     except (OSError, ValueError, RuntimeError) as exc:  # ProvenanceError is a ValueError
         raise ExportError(base, f"cannot be loaded as a world model ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:300]})", "pass the trained-from base with --base PATH") from exc
+                          f"{one_line(str(exc))[:300]})", "pass the trained-from base with --base PATH") from exc
     adapter.transformer.requires_grad_(False)
     return adapter
 

@@ -98,7 +98,10 @@ def _read_lora(out: Path) -> dict[str, torch.Tensor]:
                 state = load_file(str(path))
             except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a damaged header
                 raise file_error(path, exc, "export the run again") from exc
-            prefix = next(p for p in prefixes if all(k.startswith(p) for k in state))
+            prefix = next((p for p in prefixes if all(k.startswith(p) for k in state)), None)
+            if prefix is None:
+                raise UserError(path, f"holds keys outside the prefixes {list(prefixes)} (e.g. "
+                                f"{next(iter(state), '')!r}): not a flowforge adapter export", "export the run again")
             return {k[len(prefix):]: v for k, v in state.items()}
     raise UserError(out, f"is an adapter export without {LORA_WEIGHT_NAME} or {PEFT_WEIGHT_NAME}",
                     "export the run again with --form adapter")

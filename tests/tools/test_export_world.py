@@ -70,6 +70,8 @@ def test_module_run_exports_its_own_format_and_exactly_the_trained_tensors(world
     assert "passed" in capsys.readouterr().out
     report = read_export_meta(tmp_path / "m")["verify"]
     assert report["max_abs_diff"] == 0.0 and report["base_diff"] > 0 and report["passed"]
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "--prompt-file demo:world-eval" in card and '--prompt "..."' not in card  # i2v needs first frames
     merged = load_world_model(tmp_path / "m")  # the own format: config.json + safetensors + flowforge.json
     assert torch.equal(probe(merged), trained)
     assert merged.action_names == ("NOOP", "LEFT", "RIGHT")
