@@ -5,6 +5,12 @@ trained on the demo's ``"reward"`` split only (:mod:`flowforge.demo.classifiers`
 ``EvalNet`` (DigitEval), so a policy that learns to fool ``RewardNet`` is caught by evaluation. ``RewardNet`` was
 trained with label smoothing and outlier exposure: a clean real digit scores about 0.95 (not 1.0) and pure noise
 about 0.1 for any digit.
+
+``cap`` (option, default none) makes the reward satisficing: ``r_i = min(p_i, cap)``. Past the cap a sample earns
+nothing more, so a group whose candidates all clear it has no advantage left to push them towards the classifier's
+favourite prototype, while the candidates below it are still pulled up. On the real ``eval_clf`` digits the
+reward's quantiles are 0.73 / 0.86 / 0.96 / 0.98 (5 / 10 / 25 / 50 %); ``cap: 0.8`` is cleared by 93.5 % of real
+digits, and 99.7 % of those are read correctly by DigitEval's classifier.
 """
 
 from __future__ import annotations
@@ -50,8 +56,11 @@ class DigitScorer:
     name = "digit"
     needs_group: ClassVar[bool] = False
 
-    def __init__(self, model: nn.Module | None = None, batch_size: int = 256) -> None:
+    def __init__(self, model: nn.Module | None = None, batch_size: int = 256, cap: float | None = None) -> None:
         check_batch_size(batch_size)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap <= 1):
+            raise ValueError(f"digit cap must be a number in (0, 1] or null, got {cap!r}")
+        self.cap = None if cap is None else float(cap)
         if model is None:
             from flowforge.demo.classifiers import load_reward_classifier
 
@@ -80,13 +89,14 @@ class DigitScorer:
         return torch.cat(probs), digits
 
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
-        """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 probabilities on ``media``'s device.
+        """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 probabilities on ``media``'s device (at most ``cap``).
 
         Raises:
             ValueError: bad shapes or lengths; a metadata entry without an int ``"digit"`` in 0..9.
         """
         probs, digits = self._probabilities(media, prompts, metadata)
-        return probs.gather(1, digits[:, None]).squeeze(1).float()
+        reward = probs.gather(1, digits[:, None]).squeeze(1).float()
+        return reward if self.cap is None else reward.clamp(max=self.cap)
 
 
 class DigitEvalScorer(DigitScorer):

@@ -55,3 +55,15 @@ def test_digit_eval_scorer_is_the_eval_classifier_argmax():
     assert torch.equal(hits, expected) and hits.mean() >= 0.9
     misses = build_scorer("digit_eval")(media, ["p"] * 20, [{"digit": int(d)} for d in wrong])
     assert misses.sum() <= 2
+
+
+def test_digit_cap_is_min_of_probability_and_cap():
+    media, labels = real_digits(16)
+    metadata = [{"digit": int(d)} for d in labels]
+    plain = DigitScorer()(media, ["p"] * 16, metadata)
+    capped = build_scorer("digit", cap=0.8)(media, ["p"] * 16, metadata)
+    torch.testing.assert_close(capped, torch.minimum(plain, torch.tensor(0.8)))
+    assert bool((plain > 0.8).any()) and bool((capped == 0.8).any())  # real digits clear the cap and tie at it
+    for bad in (0, 1.5, True, "high"):
+        with pytest.raises(ValueError, match="digit cap"):
+            DigitScorer(cap=bad)
