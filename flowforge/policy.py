@@ -4,7 +4,7 @@
 name     what it is                                  under LoRA                           under full fine-tune
 =======  ==========================================  ===================================  ======================
 live     the weights being optimized (fp32)          peft adapter ``"default"``           the transformer
-old      the sampling policy of the current batch   peft adapter ``"old"`` (frozen)      a frozen copy
+old      the sampling policy of the current batch    peft adapter ``"old"`` (frozen)      a frozen copy
 ref      the immutable starting point (KL terms)     adapters off                         a frozen copy
 ema      optional eval EMA of live                   peft adapter ``"ema"`` (frozen)      a frozen copy
 =======  ==========================================  ===================================  ======================
@@ -12,9 +12,13 @@ ema      optional eval EMA of live                   peft adapter ``"ema"`` (fro
 Under ``module`` mode (``lora.trainable: module``) live is exactly the submodules ``lora.modules`` (e.g. a world
 model's transition module) and old / ref / EMA are frozen copies of those submodules only, swapped into the module
 tree while they are evaluated (:mod:`flowforge.models.submodules`); the rest is one frozen backbone for all of them.
+Under ``module+lora`` both train at once: live = those submodules + the ``"default"`` LoRA adapter on the targets
+(which may not lie inside a trained submodule), and each other policy is the submodules' copies + its own named
+adapter (``ref``: the copies + adapters off); switching swaps both, and the weights, blends, EMA and state dicts cover
+both (:mod:`flowforge.models.trained_parts` holds the parts).
 
 ``old`` and ``ema`` exist only when asked for (``Policy(..., keep_old=True, ema_decay=...)``); ``ref`` under full
-fine-tuning is copied only when asked for (``keep_ref=True``).
+fine-tuning (and module modes) is copied only when asked for (``keep_ref=True``).
 
 Soft updates toward live, ``name <- d * name + (1 - d) * live`` (:meth:`Policy.blend`), with the decay ``d`` of
 :mod:`flowforge.algorithms.ema` (``n`` = optimizer steps so far, counting the one just taken):
@@ -37,7 +41,6 @@ or cosine decay to 0 at ``total_steps``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import weakref
 from dataclasses import dataclass
@@ -47,9 +50,8 @@ import torch
 from torch import nn
 
 from flowforge.algorithms.ema import EMA_SCHEDULES, ema_decay as ema_decay_at
-from flowforge.models import lora as lora_lib
-from flowforge.models import submodules
-from flowforge.settings.sections import LR_SCHEDULES, TRAINABLE_MODES
+from flowforge.models import trained_parts
+from flowforge.settings.sections import LORA_MODES, LR_SCHEDULES, TRAINABLE_MODES
 
 POLICY_NAMES = ("live", "old", "ref", "ema")
 
@@ -83,13 +85,14 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
 
 @dataclass(frozen=True)
 class TrainableWeights:
-    """Which weights of the transformer train: LoRA adapters (``mode="lora"``) or every weight (``"full"``)."""
+    """Which weights of the transformer train: LoRA adapters (``mode="lora"``), every weight (``"full"``), exact
+    submodules (``"module"``) or those submodules and LoRA together (``"module+lora"``)."""
 
-    mode: str  # "lora" | "full" | "module"
-    rank: int  # LoRA rank r (read under "lora")
-    alpha: float  # LoRA alpha; the adapter's update is scaled by alpha / r (read under "lora")
+    mode: str  # "lora" | "full" | "module" | "module+lora"
+    rank: int  # LoRA rank r (read under "lora" / "module+lora")
+    alpha: float  # LoRA alpha; the adapter's update is scaled by alpha / r (read under "lora" / "module+lora")
     targets: tuple[str, ...] | None = None  # LoRA target module names; None (or empty): adapter.lora_targets
-    modules: tuple[str, ...] = ()  # "module": exact submodule paths of the transformer trained in full
+    modules: tuple[str, ...] = ()  # "module" / "module+lora": exact submodule paths trained in full
 
     @classmethod
     def from_section(cls, lora) -> "TrainableWeights":
@@ -122,11 +125,12 @@ class Policy:
 
     Args:
         adapter: a FlowModel; its ``transformer`` is modified in place (LoRA injected, grads enabled).
-        trainable: which weights train (LoRA mode, rank, alpha, targets; module mode's submodules).
+        trainable: which weights train (mode; LoRA rank, alpha, targets; the module modes' submodules).
         optim: optimizer, gradient clipping and LR schedule.
         total_optimizer_steps: length of the LR schedule.
         keep_old: build the ``old`` policy (a copy of live at the start).
-        keep_ref: the reference policy is needed (under full fine-tuning a frozen copy is kept; LoRA's is free).
+        keep_ref: the reference policy is needed (full / module modes keep a frozen copy of what trains; LoRA's
+            is free).
         ema_decay: > 0 builds the ``ema`` policy with this decay (the cap of the "warmup" schedule).
         ema_schedule: "constant" (``d = ema_decay``) | "warmup" (``d = min((1 + n) / (10 + n), ema_decay)`` after the
             ``n``-th optimizer step, NVlabs DiffusionNFT's eval EMA): :func:`flowforge.algorithms.ema.ema_decay`.
@@ -135,8 +139,10 @@ class Policy:
 
     Raises:
         ValueError: ``trainable.mode`` is not one of ``TRAINABLE_MODES``; ``ema_schedule`` not one of
-            ``EMA_SCHEDULES``; module-mode paths that are not exact
-            submodules (:func:`flowforge.models.submodules.check_submodules`).
+            ``EMA_SCHEDULES``; module-mode paths that are not exact submodules
+            (:func:`flowforge.models.submodules.check_submodules`); LoRA targets that match no module; under
+            ``module+lora`` a LoRA layer at, inside or around a trained submodule
+            (:func:`flowforge.models.trained_parts.check_disjoint`).
     """
 
     def __init__(self, adapter, trainable: TrainableWeights, optim: OptimizerSettings, total_optimizer_steps: int,
@@ -147,30 +153,24 @@ class Policy:
         if ema_schedule not in EMA_SCHEDULES:
             raise ValueError(f"ema_schedule={ema_schedule!r} is not one of {list(EMA_SCHEDULES)}")
         self.adapter = adapter
-        self.lora = trainable.mode == "lora"
         transformer: nn.Module = adapter.transformer
         self.live_module = transformer
-        # module mode: live / old / ref / EMA hold exactly these submodules; the rest is one shared frozen backbone
-        self.modules = submodules.check_submodules(transformer, trainable.modules) if trainable.mode == "module" else ()
-        transformer.requires_grad_(False)
-        if self.lora:
-            self.targets = list(trainable.targets or adapter.lora_targets)
-            self.rank, self.alpha = trainable.rank, trainable.alpha
-            lora_lib.inject_lora(transformer, self.rank, self.alpha, self.targets)
-        elif self.modules:
-            for path in self.modules:
-                transformer.get_submodule(path).float().requires_grad_(True)
-        else:
-            transformer.float().requires_grad_(True)
+        self.lora = trainable.mode in LORA_MODES  # LoRA adapters train (alone, or beside module copies)
+        self.rank, self.alpha = trainable.rank, trainable.alpha
+        self.targets = list(trainable.targets or adapter.lora_targets) if self.lora else []
+        # live / old / ref / EMA hold exactly what trains: LoRA adapters, exact submodules (the rest one shared
+        # frozen backbone), both, or the whole transformer
+        self._parts = trained_parts.build_parts(adapter, trainable.mode, rank=self.rank, alpha=self.alpha,
+                                                targets=self.targets, modules=trainable.modules)
+        self.modules = next((p.paths for p in self._parts if isinstance(p, trained_parts.ModulesPart)), ())
         transformer.eval()  # no dropout anywhere: rollout and replay must be the same function
-        self._copies: dict[str, nn.Module] = {}
         self.ema_decay, self.ema_schedule = ema_decay, ema_schedule
         if keep_old:
             self._add("old")
         if ema_decay > 0:
             self._add("ema")
-        if keep_ref and not self.lora:
-            self._add("ref")
+        if keep_ref:
+            self._add("ref")  # nothing is copied for LoRA: its reference is the base with the adapters off
         if wrap is not None:
             wrap()
         self.params = [p for p in transformer.parameters() if p.requires_grad]
@@ -184,25 +184,16 @@ class Policy:
 
     # ------------------------------------------------------------------------------------------------ bank
     def _add(self, name: str) -> None:
-        if self.lora:
-            lora_lib.add_adapter(self.live_module, name, self.rank, self.alpha, self.targets, trainable=False)
-            lora_lib.copy_adapter(self.live_module, "default", name)
-        else:
-            source = self._live_parts() if self.modules else self.live_module
-            self._copies[name] = copy.deepcopy(source).requires_grad_(False).eval()
+        for part in self._parts:
+            part.add(name)
 
-    def _live_parts(self) -> nn.ModuleList:
-        """Module mode: the live trained submodules, in ``modules`` order (a view; nothing is copied)."""
-        return nn.ModuleList(self.live_module.get_submodule(p) for p in self.modules)
+    @property
+    def _copies(self) -> dict[str, nn.Module]:
+        """The deep copies of the module / whole-transformer part, by policy name (none under pure LoRA)."""
+        return {name: m for part in self._parts for name, m in getattr(part, "copies", {}).items()}
 
     def has(self, name: str) -> bool:
-        if name == "live":
-            return True
-        if name == "ref":
-            return self.lora or "ref" in self._copies
-        if self.lora:
-            return name in lora_lib.adapter_names(self.live_module)
-        return name in self._copies
+        return all(part.has(name) for part in self._parts)
 
     def pending(self, live_output: torch.Tensor) -> torch.Tensor:
         """Register a live forward's output whose graph is pending until :meth:`backward`; returns it."""
@@ -233,33 +224,20 @@ class Policy:
         if self._pending is not None and self._pending() is not None:
             raise RuntimeError(f"cannot switch to the {name!r} policy while a live forward's graph is pending; "
                                "evaluate other policies before the live forward or after backward")
-        if self.lora and name == "ref":
-            with lora_lib.adapters_disabled(self.live_module):
-                yield
-        elif self.lora:
-            with lora_lib.using_adapter(self.live_module, name):
-                yield
-        elif self.modules:
-            with submodules.swapped_submodules(self.live_module, self.modules, list(self._copies[name])):
-                yield
-        else:
-            self.adapter.transformer = self._copies[name]
-            try:
-                yield
-            finally:
-                self.adapter.transformer = self.live_module
+        with contextlib.ExitStack() as stack:
+            for part in self._parts:
+                stack.enter_context(part.using(name))
+            yield
 
     def _tensors(self, name: str) -> dict[str, torch.Tensor]:
-        if self.lora:
-            return lora_lib.lora_parameters(self.live_module, "default" if name == "live" else name)
-        if self.modules:
-            parts = self._live_parts() if name == "live" else self._copies[name]
-            return {f"{p}.{k}": v for p, m in zip(self.modules, parts) for k, v in m.state_dict(keep_vars=True).items()}
-        module = self.live_module if name == "live" else self._copies[name]
-        return dict(module.state_dict(keep_vars=True))
+        out: dict[str, torch.Tensor] = {}
+        for part in self._parts:
+            out.update(part.tensors(name))  # disjoint parts: their keys never collide (trained_parts)
+        return out
 
     def named_weights(self, name: str) -> dict[str, torch.Tensor]:
-        """Detached full (unsharded) copies of policy ``name``'s own weights (LoRA weights, or the state dict).
+        """Detached full (unsharded) copies of policy ``name``'s own weights: LoRA weights (keys without the adapter
+        name), the trained submodules' state-dict entries under full names, both (``module+lora``), or the state dict.
         Under FSDP every rank must call this (it gathers shards)."""
         return {k: _full(v).detach().clone() for k, v in self._tensors(name).items()}
 
@@ -286,12 +264,7 @@ class Policy:
             param.copy_(value)
 
     def _pairs(self, name: str):
-        if self.lora:
-            live = lora_lib.lora_parameters(self.live_module, "default")
-            other = lora_lib.lora_parameters(self.live_module, name)
-            return [(other[k], live[k]) for k in live]
-        live = self._live_parts() if self.modules else self.live_module
-        return list(zip(self._copies[name].parameters(), live.parameters()))
+        return [pair for part in self._parts for pair in part.pairs(name)]
 
     @torch.no_grad()
     def blend(self, name: str, decay: float) -> None:

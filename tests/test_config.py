@@ -87,7 +87,7 @@ def test_sections_check_their_own_values_all_problems_at_once():
 def test_a_section_built_directly_checks_itself():
     with pytest.raises(C.ConfigError) as err:
         C.LoraConfig(trainable="half", dropout=0.1)
-    assert err.value.problems[0] == "lora.trainable='half' is not one of ['lora', 'full', 'module']"
+    assert err.value.problems[0] == "lora.trainable='half' is not one of ['lora', 'full', 'module', 'module+lora']"
     assert "lora.dropout=0.1" in err.value.problems[1] and len(err.value.problems) == 2
     with pytest.raises(C.ConfigError, match=r"reward.weights is empty"):
         C.RewardConfig(weights={})
@@ -270,3 +270,16 @@ def test_resume_warning_names_the_changed_keys(caplog):
     old = {k: v for k, v in saved.items() if k != "config"}  # a checkpoint of an older flowforge
     resumed.load_state_dict({**old, "config_fingerprint": "0" * 16, "step": 2})
     assert "does not record its config" in caplog.records[0].getMessage()
+
+
+def test_module_plus_lora_takes_the_module_and_the_lora_keys():
+    lora = C.LoraConfig(trainable="module+lora", modules=("latent_state_rollout.transition",), rank=4, alpha=8.0,
+                        targets=("coupling.q",))
+    assert (lora.resolved_rank, lora.resolved_alpha) == (4, 8.0)
+    assert C.LoraConfig(trainable="module+lora", modules=("b",)).resolved_rank == 8  # LoRA's default rank
+    with pytest.raises(C.ConfigError) as err:
+        C.LoraConfig(trainable="module+lora", rank=0)
+    assert err.value.problems == [
+        "lora.rank=0 must be >= 1 with lora.trainable='module+lora'",
+        "lora.modules=[] goes with lora.trainable='module' or 'module+lora' (and only with them; lora.trainable="
+        "'module+lora' here): exact submodule paths such as latent_state_rollout.transition"]

@@ -11,7 +11,10 @@ gradients of the weighted terms to the RL gradients already accumulated.
 
 **Gradient reach.** Which trained parameters each term can change depends on the parameter mode: with LoRA on the
 coupling attention only, the transition cross-entropy has no gradient path to any trained parameter (the predictor
-reads the state, which no coupling layer touches). On the first call every term's reach is measured with autograd
+reads the state, which no coupling layer touches); under ``module+lora`` (B in full and the coupling LoRA) the
+flow-matching term reaches both kinds and the transition term B only. The reach is measured over every trained
+tensor of the transformer (``requires_grad``: the trained submodules and the live LoRA adapter alike). On the first
+call every term's reach is measured with autograd
 (``torch.autograd.grad(..., allow_unused=True)``: the trained tensors with a gradient path); a weighted term that
 reaches nothing is never computed or applied, a warning says so once, and ``anchor_<term>_reach`` (the number of
 trained tensors reached, logged every step) is 0 -- it is not reported as training anything.

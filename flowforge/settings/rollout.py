@@ -7,8 +7,9 @@ key                 meaning
 ``engine``          ``local`` (the trainer rolls out itself; the default) | ``workers`` (separate processes)
 ``num_workers``     worker processes per trainer rank (``engine: workers``)
 ``backend``         ``process`` (``torch.multiprocessing``, spawn) | ``ray`` (Ray actors, ``flowforge[ray]``)
-``weight_sync``     ``auto`` (follows ``lora.trainable``) | ``adapter`` (LoRA tensors only) | ``full`` (every
-                    trained tensor: the whole transformer, or ``lora.modules`` under ``module``)
+``weight_sync``     ``auto`` (follows ``lora.trainable``) | ``adapter`` (LoRA tensors only: ``lora``) | ``full``
+                    (every trained tensor: the whole transformer, ``lora.modules`` under ``module``, those
+                    submodules and the LoRA tensors under ``module+lora``)
 ``sync_bucket_mb``  size of one streamed weight-sync bucket, MiB
 ``threads``         torch CPU threads of each worker (set deliberately: oversubscribed threads are slow)
 ``max_retries``     times a failed weight sync or a lost worker is retried (rebuilding the worker) per step
@@ -59,7 +60,7 @@ class RolloutConfig(Section):
 
     def sync_mode(self, trainable: str) -> str:
         """The weight-sync mode for ``lora.trainable`` = ``trainable``: ``adapter`` under ``lora``, ``full`` under
-        ``full`` (``weight_sync: auto``), or the mode set explicitly."""
+        ``full`` / ``module`` / ``module+lora`` (``weight_sync: auto``), or the mode set explicitly."""
         if self.weight_sync != "auto":
             return self.weight_sync
         return "adapter" if trainable == "lora" else "full"
@@ -72,8 +73,9 @@ class RolloutConfig(Section):
         problems = []
         expected = "adapter" if trainable == "lora" else "full"
         if self.weight_sync not in ("auto", expected):
-            what = ("the workers hold LoRA layers and receive only the LoRA tensors" if trainable == "lora" else
-                    "the workers hold no LoRA layers; every trainable tensor is sent")
+            what = {"lora": "the workers hold LoRA layers and receive only the LoRA tensors",
+                    "module+lora": "the workers receive every trained tensor: the submodules and the LoRA tensors"
+                    }.get(trainable, "the workers hold no LoRA layers; every trainable tensor is sent")
             problems.append(f"rollout.weight_sync={self.weight_sync!r} contradicts lora.trainable={trainable!r} "
                             f"({what}); set rollout.weight_sync to 'auto' or {expected!r}")
         if self.backend == "ray" and importlib.util.find_spec("ray") is None:

@@ -10,7 +10,8 @@ root.
 ===============  ==============================================================================
 ``run``          run directory, seed, threads, device
 ``model``        adapter name or ``pkg.module:Class``, weights path, dtype, resolution, task
-``lora``         trainable mode (``lora`` | ``full``), LoRA rank / alpha / dropout / targets
+``lora``         trainable mode (``lora`` | ``full`` | ``module`` | ``module+lora``), LoRA rank / alpha / dropout /
+                 targets, trained submodules
 ``data``         prompt files, prompts per step (M), group size (K), encoding cache
 ``sampler``      schedule, SDE kernel, noise level, guidance, which steps are trained
 ``reward``       reward components, weights, required components, per-scorer options
@@ -35,8 +36,13 @@ from flowforge.settings.schema import Checks, Section, fingerprint, to_dict
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """``train.lr_schedule`` values: the multiplier after warmup (:func:`flowforge.policy.lr_lambda`)."""
-TRAINABLE_MODES = ("lora", "full", "module")
-"""``lora.trainable`` values (``module``: full fine-tune of exactly the submodules ``lora.modules``)."""
+TRAINABLE_MODES = ("lora", "full", "module", "module+lora")
+"""``lora.trainable`` values (``module``: full fine-tune of exactly the submodules ``lora.modules``; ``module+lora``:
+those submodules in full and LoRA on ``lora.targets``, or the adapter's defaults, together)."""
+LORA_MODES = ("lora", "module+lora")
+"""``lora.trainable`` values that train LoRA adapters (``lora.rank`` / ``alpha`` / ``targets`` apply)."""
+MODULE_MODES = ("module", "module+lora")
+"""``lora.trainable`` values that train the submodules ``lora.modules`` in full (``lora.modules`` required)."""
 SIGMA_SAMPLINGS = ("logit_normal", "uniform")
 """``sft.sigma_sampling`` values (:func:`flowforge.train.sft.sample_sigmas`)."""
 TRACKERS = ("jsonl", "tensorboard", "wandb")
@@ -100,12 +106,12 @@ class ModelConfig(Section):
 class LoraConfig(Section):
     section_name = "lora"
 
-    trainable: str = "lora"  # "lora" | "full"
-    rank: int | None = None  # None: 8 under "lora"; must stay None under "full"
+    trainable: str = "lora"  # "lora" | "full" | "module" | "module+lora" (TRAINABLE_MODES)
+    rank: int | None = None  # None: 8 under LoRA (LORA_MODES); must stay None under "full" / "module"
     alpha: float | None = None  # None: equal to the rank
     dropout: float = 0.0
     targets: tuple[str, ...] | None = None  # None: the adapter's default attention projections
-    modules: tuple[str, ...] | None = None  # trainable="module": exact submodule paths trained in full
+    modules: tuple[str, ...] | None = None  # MODULE_MODES: exact submodule paths trained in full
 
     @property
     def resolved_rank(self) -> int:
@@ -121,17 +127,19 @@ class LoraConfig(Section):
         # Dropout makes the replayed forward a different function from the rollout's.
         c.require(self.dropout == 0, f"lora.dropout={self.dropout}: dropout in the trained policy makes rollout and "
                                      "replay different policies (the first ratio would not be 1); set it to 0")
-        c.require(not (self.trainable != "lora" and (self.rank is not None or self.alpha is not None
-                                                     or self.targets is not None)),
-                  f"lora.trainable={self.trainable!r} but lora.rank / lora.alpha / lora.targets are set: either "
-                  "train LoRA (lora.trainable='lora') or remove the LoRA keys")
-        if self.trainable == "lora":
+        lora_modes = " or ".join(repr(m) for m in LORA_MODES)
+        c.require(not (self.trainable not in LORA_MODES and (self.rank is not None or self.alpha is not None
+                                                             or self.targets is not None)),
+                  f"lora.trainable={self.trainable!r} but lora.rank / lora.alpha / lora.targets are set: they go with "
+                  f"lora.trainable={lora_modes}; either train LoRA or remove the LoRA keys")
+        if self.trainable in LORA_MODES:
             c.require(self.rank is None or self.rank >= 1, f"lora.rank={self.rank} must be >= 1 with "
-                                                           "lora.trainable='lora'")
+                                                           f"lora.trainable={self.trainable!r}")
             c.require(self.alpha is None or self.alpha > 0, f"lora.alpha={self.alpha} must be > 0")
-        c.require((self.trainable == "module") == bool(self.modules) and all(m.strip() for m in self.modules or ()),
-                  f"lora.modules={list(self.modules or ())} goes with lora.trainable='module' (and only with it): "
-                  "exact submodule paths such as latent_state_rollout.transition")
+        c.require((self.trainable in MODULE_MODES) == bool(self.modules) and all(m.strip() for m in self.modules or ()),
+                  f"lora.modules={list(self.modules or ())} goes with lora.trainable="
+                  f"{' or '.join(repr(m) for m in MODULE_MODES)} (and only with them; lora.trainable="
+                  f"{self.trainable!r} here): exact submodule paths such as latent_state_rollout.transition")
         c.require(self.targets is None or all(t.strip() for t in self.targets),
                   f"lora.targets={list(self.targets or ())} holds an empty name; give module names such as "
                   "attn.to_q")

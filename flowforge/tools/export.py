@@ -22,7 +22,9 @@ Families with a file format of their own are written by their own writer (:data:
 :func:`export_run`): the world model (``model.adapter: world_model``) by :mod:`flowforge.tools.export_world`, in the
 format ``load_world_model`` reads. Everything else below (checks, marker, card, verification rule) is shared.
 A ``module`` run (``lora.trainable: module``: exact submodules fine-tuned in full) exports ``merged`` as a full
-fine-tune does, and ``adapter`` as exactly its trained tensors (:mod:`flowforge.tools.export_weights`).
+fine-tune does, and ``adapter`` as exactly its trained tensors (:mod:`flowforge.tools.export_weights`). A
+``module+lora`` run (both at once) exports for the world model only: ``merged`` with the submodules overlaid and the
+LoRA folded in, ``adapter`` as both files; a diffusers family's is refused (:class:`ExportError`).
 
 The pipeline class is the base directory's own (``model_index.json`` ``_class_name``) when it has
 ``save_lora_weights``, else the family's default above. All of them write the same diffusers format (keys

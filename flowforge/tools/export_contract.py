@@ -11,6 +11,8 @@ trainable      tensors (keys as the policy bank, :class:`flowforge.policy.Policy
 ``module``     the state-dict entries of exactly the submodules ``modules`` (exact paths), under their full
                names (``latent_state_rollout.transition.delta.weight``); every parameter of them, buffers optional
 ``full``       the base transformer's state-dict keys and shapes (every parameter; buffers optional)
+``module+      both: the ``module`` entries of ``modules`` and the ``lora`` weights of ``targets`` (a key
+lora``         under a trained submodule's path is a module entry, every other key a LoRA weight)
 =============  =========================================================================================
 
 :func:`check_contract` compares them with the base transformer built on the ``meta`` device from its
@@ -68,10 +70,19 @@ def meta_model(transformer_dir: Path) -> nn.Module:
 
 def _expected_tensors(transformer_dir: Path, lora: dict) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """``(key -> shape the contract allows, keys it requires)`` from the base transformer built on ``meta``."""
+    model = meta_model(transformer_dir)
+    if lora["trainable"] == "module+lora":  # the submodules' entries first: LoRA injection renames no key of theirs
+        module_shapes, module_required = _expected_of(model, {**lora, "trainable": "module"}, transformer_dir)
+        lora_shapes, lora_required = _expected_of(model, {**lora, "trainable": "lora"}, transformer_dir)
+        return {**module_shapes, **lora_shapes}, module_required | lora_required
+    return _expected_of(model, lora, transformer_dir)
+
+
+def _expected_of(model: nn.Module, lora: dict, transformer_dir: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """:func:`_expected_tensors` of one contract kind (``full`` | ``module`` | ``lora``) on ``model``."""
     from flowforge.models import lora as lora_lib
     from flowforge.models.submodules import check_submodules
 
-    model = meta_model(transformer_dir)
     if lora["trainable"] == "full":
         return ({k: tuple(v.shape) for k, v in model.state_dict().items()},
                 {name for name, _ in model.named_parameters()})
@@ -115,9 +126,11 @@ def _module_form_problem(key: str, lora: dict) -> str | None:
 def _describe(lora: dict) -> str:
     if lora["trainable"] == "full":
         return "full fine-tune"
+    module = f"module fine-tune of {list(lora.get('modules') or [])}"
     if lora["trainable"] == "module":
-        return f"module fine-tune of {list(lora.get('modules') or [])}"
-    return f"LoRA rank {lora.get('rank')} on {list(lora.get('targets') or [])}"
+        return module
+    lora_text = f"LoRA rank {lora.get('rank')} on {list(lora.get('targets') or [])}"
+    return f"{module} + {lora_text}" if lora["trainable"] == "module+lora" else lora_text
 
 
 def check_contract(src: Source, transformer_dir: Path | None) -> None:
@@ -126,7 +139,8 @@ def check_contract(src: Source, transformer_dir: Path | None) -> None:
     Args:
         src: the loaded checkpoint and its weights.
         transformer_dir: the base transformer directory to build the expected keys from; ``None`` (no local base)
-            checks the keys' form only (LoRA: form, targets, rank and A / B pairs; module: inside the modules).
+            checks the keys' form only (LoRA: form, targets, rank and A / B pairs; module: inside the modules;
+            module+lora: a key inside the modules is a module entry, every other one must be a LoRA weight).
 
     Raises:
         ExportError: naming the weights file and the first key that is unexpected, missing or of the wrong shape.
@@ -139,14 +153,17 @@ def check_contract(src: Source, transformer_dir: Path | None) -> None:
                            f"the trained-from base with --base PATH")
 
     lora = src.lora
-    if lora["trainable"] == "module":
+    trainable = lora["trainable"]
+    module_keys = ({k for k in src.weights if _module_form_problem(k, lora) is None} if trainable == "module+lora"
+                   else set(src.weights) if trainable == "module" else set())
+    if trainable == "module":
         for key in sorted(src.weights):
             problem = _module_form_problem(key, lora)
             if problem is not None:
                 raise bad(key, problem)
-    if lora["trainable"] == "lora":
+    if trainable in ("lora", "module+lora"):
         pairs: dict[str, set[str]] = {}
-        for key in sorted(src.weights):
+        for key in sorted(set(src.weights) - module_keys):
             problem = _lora_form_problem(key, src.weights[key], lora)
             if problem is not None:
                 raise bad(key, problem)

@@ -148,7 +148,16 @@ def _copy_components(base: Path, out: Path) -> None:
             shutil.copy2(entry, out / entry.name)
 
 
+def _refuse_module_lora(src: Source, form: str) -> None:
+    """A ``module+lora`` run of a diffusers family is not exported (neither form is implemented for them)."""
+    if src.lora["trainable"] == "module+lora":
+        raise ExportError(f"--form {form}", f"lora.trainable='module+lora' runs of model.adapter={src.adapter!r} "
+                          "cannot be exported yet (only the world model's can)",
+                          "train this family with lora.trainable='lora' or 'module' to export it")
+
+
 def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
+    _refuse_module_lora(src, "merged")
     base = require_base(src, "a merged export" if src.lora["trainable"] == "lora" else "exporting a full or "
                         "module fine-tune (for its config.json and pipeline components)")
     transformer_dir, is_pipeline = layout(base)
@@ -220,6 +229,7 @@ def _write_module_adapter(src: Source, work: Path, verify: bool) -> VerifyReport
 
 
 def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
+    _refuse_module_lora(src, "adapter")
     if src.lora["trainable"] == "module":
         return _write_module_adapter(src, work, verify)
     if src.lora["trainable"] != "lora":

@@ -8,7 +8,7 @@ run's contract names is :func:`flowforge.tools.export_contract.check_contract`'s
 
 Exportable families: the diffusers ones (:data:`SUPPORTED_ADAPTERS`, or a ``pkg.module:Class`` adapter over a
 diffusers transformer) and those with a format of their own (:data:`OWN_FORMAT_ADAPTERS`: the world model). The
-trained weights of every contract (``lora``, ``module``, ``full``) are read the same way.
+trained weights of every contract (``lora``, ``module``, ``full``, ``module+lora``) are read the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SUPPORTED_ADAPTERS = ("sd3", "flux", "qwen_image", "wan")
 """Registered diffusers families: export writes diffusers files for them and can verify them."""
 OWN_FORMAT_ADAPTERS = ("world_model",)
 """Registered families with a file format of their own (the world model's: :mod:`flowforge.tools.export_world`)."""
-TRAINABLE = ("lora", "module", "full")
+TRAINABLE = ("lora", "module", "full", "module+lora")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class Source:
     weights: dict[str, torch.Tensor]  # name -> tensor (LoRA keys without the adapter name, the trained submodules'
     # entries under full names, or the full state dict)
     weights_file: Path  # where ``weights`` were read from (a safetensors file or the sharded dcp/ directory)
-    lora: dict  # trainer_state["lora"]: trainable, dropout; rank, alpha, targets (lora); modules (module)
+    lora: dict  # trainer_state["lora"]: trainable, dropout; rank, alpha, targets (lora); modules (module); all
+    # of them (module+lora)
     model_path: str  # model.path of the run's config, or --base
     base: Path | None  # local base directory (None: not found locally)
     adapter: str  # model.adapter of the run's config (a registered family or "pkg.module:Class")
@@ -109,7 +110,8 @@ def load_source(run_dir: Path, cfg, path: Path, weights: str, model_path: str, b
     if not isinstance(lora, dict) or lora.get("trainable") not in TRAINABLE:
         raise ExportError(path / ckpt.TRAINER_STATE_FILE, "has no LoRA contract ('lora': {trainable, ...})",
                           "export a checkpoint written by `flowforge train`")
-    needed = {"lora": ("rank", "alpha", "targets"), "module": ("modules",)}.get(lora["trainable"], ())
+    needed = {"lora": ("rank", "alpha", "targets"), "module": ("modules",),
+              "module+lora": ("rank", "alpha", "targets", "modules")}.get(lora["trainable"], ())
     absent = [k for k in needed if k not in lora]
     if absent:
         raise ExportError(path / ckpt.TRAINER_STATE_FILE, f"its LoRA contract lacks {absent}",
@@ -118,7 +120,7 @@ def load_source(run_dir: Path, cfg, path: Path, weights: str, model_path: str, b
         tensors, weights_file = state.tensors[weights], path / ckpt.WEIGHTS_DIR / f"{weights}.safetensors"
     elif weights == "live" and (path / ckpt.SHARDED_DIR).is_dir():
         weights_file = path / ckpt.SHARDED_DIR
-        tensors = sharded_live_weights(weights_file, lora["trainable"] == "lora")
+        tensors = sharded_live_weights(weights_file, lora["trainable"])
     else:
         raise ExportError(path, f"holds no {weights!r} weights", f"it holds {sorted(state.tensors)}; pass one "
                           "of them with --weights")
@@ -126,13 +128,15 @@ def load_source(run_dir: Path, cfg, path: Path, weights: str, model_path: str, b
                   model_path=model_path, base=base, adapter=cfg.model.adapter)
 
 
-def sharded_live_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]:
-    """The live weights of an FSDP run, read from its ``torch.distributed.checkpoint`` directory in one process.
+def sharded_live_weights(directory: Path, trainable: str) -> dict[str, torch.Tensor]:
+    """The live weights of an FSDP run trained under ``lora.trainable`` = ``trainable``, read from its
+    ``torch.distributed.checkpoint`` directory in one process.
 
     The trainer saves ``{"model": get_model_state_dict(live, ignore_frozen_params=True), "optim": ...}``: under LoRA
     the keys name the ``default`` adapter (``<module>.lora_A.default.weight``) and are returned without it, as
     :func:`flowforge.models.lora.lora_state_dict` keys them; under full (and module) fine-tuning they are the
-    transformer's parameter names. Only the ``model`` entries are read.
+    transformer's parameter names; under ``module+lora`` both (the submodules' names as they are, the LoRA keys
+    without the adapter name). Only the ``model`` entries are read.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -153,14 +157,18 @@ def sharded_live_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]
             dcp.load(state, checkpoint_id=str(directory), no_dist=True)
         except (OSError, ValueError, RuntimeError) as exc:
             raise ExportError(directory, f"cannot be read ({one_line(str(exc))[:200]})", fix) from exc
-    if not lora:
+    if trainable not in ("lora", "module+lora"):
         return state["model"]
     out = {}
     for key, value in state["model"].items():
         for kind in ("lora_A", "lora_B"):
             if f".{kind}.default." in key:
                 out[key.replace(f".{kind}.default.", f".{kind}.")] = value
-    if not out:
+                break
+        else:
+            if trainable == "module+lora":  # a trained submodule's parameter
+                out[key] = value
+    if not any(".lora_A." in k for k in out):
         raise ExportError(directory, "holds no LoRA weights of the 'default' (live) adapter", fix)
     return out
 

@@ -17,6 +17,10 @@ file                                    content
                                         ``load`` (how to apply it)
 ======================================  ===========================================================================
 
+A ``module+lora`` run (submodules in full and LoRA together) writes both: ``trained_modules.*`` for its submodules'
+tensors and ``adapter_model.safetensors`` + ``adapter_config.json`` for its LoRA (:func:`split_module_lora` splits
+the checkpoint's tensors by key: those under a trained submodule's path, and the LoRA weights).
+
 A module export is applied to the base it was trained from with ``model.load_state_dict(tensors, strict=False)``:
 ``strict=False`` because the file holds the trained submodules only, and :func:`overlay` checks that every name it
 holds is one of the model's (so nothing is silently ignored). :func:`write_module_adapter` writes it and, with
@@ -25,6 +29,7 @@ holds is one of the model's (so nothing is silently ignored). :func:`write_modul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,6 +58,28 @@ def peft_config(lora: Mapping, base_name: str | None = None):
     if base_name is not None:
         cfg.base_model_name_or_path = base_name
     return cfg
+
+
+def split_module_lora(src: Source) -> tuple[Source, Source]:
+    """A ``module+lora`` run as ``(its module part, its LoRA part)``: ``src`` with the weights under a trained
+    submodule's path (``lora = {"trainable": "module", "modules", "dropout"}``) and with the rest, the LoRA weights
+    (``lora = {"trainable": "lora", "rank", "alpha", "targets", "dropout"}``). The parts are disjoint (a trained
+    submodule holds no LoRA layer: :func:`flowforge.models.trained_parts.check_disjoint`).
+
+    Raises:
+        ValueError: ``src`` is not a ``module+lora`` run.
+    """
+    lora = src.lora
+    if lora["trainable"] != "module+lora":
+        raise ValueError(f"lora.trainable={lora['trainable']!r} is not a module+lora run")
+    prefixes = tuple(m + "." for m in lora["modules"])
+    modules = {k: v for k, v in src.weights.items() if k.startswith(prefixes)}
+    rest = {k: v for k, v in src.weights.items() if k not in modules}
+    common = {"dropout": lora.get("dropout", 0.0)}
+    return (dataclasses.replace(src, weights=modules, lora={**common, "trainable": "module",
+                                                            "modules": list(lora["modules"])}),
+            dataclasses.replace(src, weights=rest, lora={**common, "trainable": "lora", "rank": lora["rank"],
+                                                         "alpha": lora["alpha"], "targets": list(lora["targets"])}))
 
 
 def lora_layers(src: Source) -> dict[str, torch.Tensor]:

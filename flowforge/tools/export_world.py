@@ -18,6 +18,9 @@ form         trainable                  what is written
 ``adapter``  ``lora``                   peft's ``adapter_model.safetensors`` + ``adapter_config.json`` (the
                                         coupling attention's q / k / v / out): ``PeftModel.from_pretrained(
                                         load_world_model(BASE).transformer, OUT)``
+``merged``   ``module+lora``            the base with the submodules' tensors overlaid and the LoRA folded in
+``adapter``  ``module+lora``            both: ``trained_modules.*`` (the submodules) and peft's files (the LoRA);
+                                        load the modules (``load_state_dict(..., strict=False)``), then peft
 ===========  =========================  ===========================================================================
 
 A merged export is a world-model directory: ``model.path=OUT`` with ``model.adapter: world_model`` loads it in
@@ -28,8 +31,8 @@ Verification: seeded ``x [2, C, F, H, W]`` (``C = in_channels``, ``F = max_frame
 the network's config), ``sigma = [0.3, 0.8]``, one-hot actions ``[2, F, A]`` as ``cond.prompt_embeds`` and a seeded
 first frame ``cond.image [2, C, 1, H, W]``, guidance 1, fp32, through
 :meth:`~flowforge.models.world_model.adapter.WorldModelAdapter.velocity` (0 on slot 0). Tolerances are
-:data:`flowforge.tools.export_verify.TOLERANCES`: ``merged`` for a folded LoRA, ``full`` for module / full runs
-(bit-equal expected), ``adapter`` for the peft adapter.
+:data:`flowforge.tools.export_verify.TOLERANCES`: ``merged`` for a folded LoRA (``module+lora`` included), ``full``
+for module / full runs (bit-equal expected), ``adapter`` for the peft adapter (with or without the module file).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from flowforge.runtime.errors import one_line
 from flowforge.tools.export_out import ExportError
 from flowforge.tools.export_source import Source, base_name, require_base
 from flowforge.tools.export_verify import VerifyReport, verify_report
-from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, PEFT_WEIGHT_NAME, write_module_adapter,
-                                            write_peft_adapter)
+from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, PEFT_WEIGHT_NAME, overlay, read_trained_modules,
+                                            split_module_lora, write_module_adapter, write_peft_adapter,
+                                            write_trained_modules)
 
 Probe = tuple[torch.Tensor, torch.Tensor, Conditioning]
 
@@ -84,7 +88,12 @@ def velocity(model: WorldModel, inputs: Probe) -> torch.Tensor:
 
 
 def _apply(src: Source, model: WorldModel) -> None:
-    """The checkpoint's weights into ``model``: LoRA injected and loaded, or the tensors overlaid by name."""
+    """The checkpoint's weights into ``model``: LoRA injected and loaded, the tensors overlaid by name, or both
+    (``module+lora``: the submodules hold no LoRA layer, so the order does not matter)."""
+    if src.lora["trainable"] == "module+lora":
+        for part in split_module_lora(src):
+            _apply(part, model)
+        return
     if src.lora["trainable"] == "lora":
         lora_lib.inject_lora(model, int(src.lora["rank"]), float(src.lora["alpha"]), list(src.lora["targets"]))
         lora_lib.load_lora_state_dict(model, src.weights)
@@ -101,7 +110,7 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     v_base = velocity(model, inputs) if verify else None
     _apply(src, model)
     v_trained = velocity(model, inputs) if verify else None
-    lora = src.lora["trainable"] == "lora"
+    lora = src.lora["trainable"] in ("lora", "module+lora")
     if lora:
         lora_lib.merge_lora(model)
     adapter.save_pretrained(work)  # refuses a directory overlapping the source checkpoint
@@ -114,7 +123,7 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
 
 
 def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
-    """Exactly the trained tensors of a module or LoRA world-model run into ``work`` (module table).
+    """Exactly the trained tensors of a module, LoRA or module+lora world-model run into ``work`` (module table).
 
     Raises:
         ExportError: a full fine-tune (it has no adapter); ``verify`` without the base.
@@ -128,7 +137,10 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
         return write_module_adapter(src, work, verify, base_name=base_name(src),
                                     load_base=(lambda: _load(base).transformer) if verify else None,
                                     velocity=lambda m: velocity(m, probe_inputs(m)))
-    write_peft_adapter(src, work, base_name(src))
+    modules, lora = split_module_lora(src) if trainable == "module+lora" else (None, src)
+    if modules is not None:
+        write_trained_modules(modules, work, base_name(src))
+    write_peft_adapter(lora, work, base_name(src))
     if not verify:
         return None
     base = require_base(src, "verifying an adapter export")
@@ -141,6 +153,8 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     from peft import PeftModel
 
     fresh = _load(base).transformer
+    if modules is not None:
+        overlay(fresh, read_trained_modules(work))  # the written module file, as a user loads it
     PeftModel.from_pretrained(fresh, str(work))  # peft injects the adapter into ``fresh`` in place
     return verify_report(velocity(fresh, inputs), v_trained, float((v_trained - v_base).abs().max()), "adapter")
 
@@ -152,6 +166,12 @@ def loading_snippet(src: Source, form: str, out: Path, work: Path) -> str:
     if form == "merged":
         return head + (f"model = load_world_model({o!r})  # WorldModelAdapter: encode / velocity / decode; "
                        ".transformer is the network\n")
+    if (work / MODULES_WEIGHT_NAME).is_file() and (work / PEFT_WEIGHT_NAME).is_file():  # module+lora
+        return head + ("from peft import PeftModel\nfrom safetensors.torch import load_file\n\n"
+                       f"model = load_world_model({base!r})\n"
+                       f"model.transformer.load_state_dict(load_file({o + '/' + MODULES_WEIGHT_NAME!r}), "
+                       "strict=False)  # exactly the trained submodules\n"
+                       f"PeftModel.from_pretrained(model.transformer, {o!r})  # {PEFT_WEIGHT_NAME}: LoRA in place\n")
     if (work / MODULES_WEIGHT_NAME).is_file():
         return head + ("from safetensors.torch import load_file\n\n"
                        f"model = load_world_model({base!r})\n"

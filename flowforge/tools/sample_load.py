@@ -22,7 +22,7 @@ from flowforge.tools.export_contract import check_contract
 from flowforge.tools.export_diffusers import LORA_WEIGHT_NAME
 from flowforge.tools.export_out import EXPORT_META
 from flowforge.tools.export_source import layout, load_source, pick_checkpoint, read_run_config
-from flowforge.tools.export_weights import PEFT_WEIGHT_NAME, overlay, read_trained_modules
+from flowforge.tools.export_weights import PEFT_WEIGHT_NAME, overlay, read_trained_modules, split_module_lora
 
 log = logging.getLogger("flowforge")
 
@@ -67,11 +67,12 @@ def _load_run(run_dir: Path, device: str | None, base: str | None) -> SampleMode
     check_contract(src, layout(src.base)[0])
     adapter = _build(cfg, src.base, _pick_device(cfg, device))
     t = adapter.transformer
-    if src.lora["trainable"] == "lora":
-        lora_lib.inject_lora(t, int(src.lora["rank"]), float(src.lora["alpha"]), list(src.lora["targets"]))
-        lora_lib.load_lora_state_dict(t, src.weights)
-    else:  # a sharded (FSDP) checkpoint holds the parameters only; buffers then come from the base
-        t.load_state_dict(src.weights, strict=False)
+    for part in split_module_lora(src) if src.lora["trainable"] == "module+lora" else (src,):
+        if part.lora["trainable"] == "lora":
+            lora_lib.inject_lora(t, int(part.lora["rank"]), float(part.lora["alpha"]), list(part.lora["targets"]))
+            lora_lib.load_lora_state_dict(t, part.weights)
+        else:  # a sharded (FSDP) checkpoint holds the parameters only; buffers then come from the base
+            t.load_state_dict(part.weights, strict=False)
     t.requires_grad_(False).eval()
     return SampleModel(adapter, cfg, f"run {run_dir} checkpoint {path.name} (live weights)")
 
@@ -121,19 +122,19 @@ def _load_export(out: Path, device: str | None, base: str | None) -> SampleModel
     if meta.get("form") == "merged":
         return SampleModel(_build(cfg, out, dev), cfg, f"merged export {out}")
     lora = meta.get("lora") or {}
-    if lora.get("trainable") not in ("lora", "module"):
+    if lora.get("trainable") not in ("lora", "module", "module+lora"):
         raise UserError(out / EXPORT_META, f"form {meta.get('form')!r} with LoRA contract {lora} is not an adapter "
                         "export", "export the run again")
     base_path = base if base is not None else meta.get("base_model") or cfg.model.path
     adapter = _build(cfg, base_path, dev)
-    if lora["trainable"] == "module":  # exactly the trained submodules' tensors
+    if lora["trainable"] in ("module", "module+lora"):  # exactly the trained submodules' tensors
         tensors = read_trained_modules(out)
         try:
             overlay(adapter.transformer, tensors)
         except ValueError as exc:
             raise UserError(out, f"does not fit base {base_path} ({exc})", "pass the trained-from base with --base") \
                 from exc
-    else:
+    if lora["trainable"] in ("lora", "module+lora"):
         lora_lib.inject_lora(adapter.transformer, int(lora["rank"]), float(lora["alpha"]), list(lora["targets"]))
         lora_lib.load_lora_state_dict(adapter.transformer, _read_lora(out))
     adapter.transformer.requires_grad_(False).eval()

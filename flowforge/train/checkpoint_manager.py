@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowforge.runtime import distributed as dist_lib
-from flowforge.settings import config_diff, resume_neutral_keys
+from flowforge.settings import LORA_MODES, MODULE_MODES, config_diff, resume_neutral_keys
 from flowforge.runtime.rng import restore_rng
 from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, resolve_resume,
                                         save_checkpoint)
@@ -53,12 +53,13 @@ SAMPLER_KEY = "sampler"
 
 # ------------------------------------------------------------------------------------------------ contract
 def training_contract(lora_cfg: Any, policy: Any, base_model_sha256: str | None) -> dict:
-    """What a checkpoint must agree with to be resumed: ``{"lora": {trainable, dropout[, rank, alpha, targets]},
-    "base_model_sha256": str | None}`` (rank / alpha / targets as the policy bank resolved them)."""
+    """What a checkpoint must agree with to be resumed: ``{"lora": {trainable, dropout[, rank, alpha, targets]
+    [, modules]}, "base_model_sha256": str | None}`` (rank / alpha / targets as the policy bank resolved them, under
+    ``lora`` and ``module+lora``; the trained submodules under ``module`` and ``module+lora``)."""
     lora = {"trainable": lora_cfg.trainable, "dropout": lora_cfg.dropout}
-    if lora_cfg.trainable == "lora":
+    if lora_cfg.trainable in LORA_MODES:
         lora.update(rank=policy.rank, alpha=policy.alpha, targets=sorted(policy.targets))
-    if lora_cfg.trainable == "module":
+    if lora_cfg.trainable in MODULE_MODES:
         lora["modules"] = sorted(policy.modules)
     return {"lora": lora, "base_model_sha256": base_model_sha256}
 
@@ -87,8 +88,9 @@ def _diff(prefix: str, saved: Any, current: Any, out: list[str]) -> None:
 
 def check_contract(saved: Mapping[str, Any], current: Mapping[str, Any], *,
                    keys: Sequence[str] = CONTRACT_KEYS) -> None:
-    """Refuse to resume when the training contract differs: the LoRA contract (``lora`` = {rank, alpha, targets,
-    dropout}) and the base model's sha256, as stored in ``trainer_state`` vs this run's.
+    """Refuse to resume when the training contract differs: the LoRA contract (``lora`` = {trainable, rank, alpha,
+    targets, modules, dropout} as the mode has them) and the base model's sha256, as stored in ``trainer_state`` vs
+    this run's.
 
     Numbers compare by value (8 == 8.0), sequences ignore tuple/list, ``targets`` ignore order; a key present on one
     side only is a mismatch.

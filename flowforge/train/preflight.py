@@ -16,7 +16,8 @@ problem offline), output and cache directories are directories, an explicit ``tr
 step's decoded media (a lower bound) fit in memory: a huge ``data.group_size`` is refused with an estimate.
 
 What needs the loaded model -- the latent shape (``model.height`` / ``width`` / ``frames`` divisibility), LoRA
-targets that match no module, the memory estimate -- is checked by :func:`check_loaded_model` once it loads.
+targets that match no module, LoRA layers inside trained submodules (``module+lora``) when the targets are only
+known then, the memory estimate -- is checked by :func:`check_loaded_model` once it loads.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from flowforge.config import Config, ConfigError
 from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, load_prompts, resolve_prompt_path
 from flowforge.runtime.dtypes import DTYPE_NAMES
 from flowforge.runtime.errors import UserError, one_line
+from flowforge.settings import LORA_MODES
+from flowforge.train.preflight_modules import loaded_module_problems, module_path_problems
 from flowforge.train.preflight_rules import run_rules
 
 VIDEO_TASKS = ("t2v", "i2v")
@@ -291,31 +294,6 @@ def _model_path_problems(cfg: Config, problems: list[str], warnings: list[str], 
                     "(org/name) or demo:base")
 
 
-def _module_path_problems(cfg: Config, problems: list[str]) -> None:
-    """``lora.modules`` (module mode) against the model's module tree, built from its config on the meta device
-    (:func:`flowforge.models.skeleton.module_skeleton`): an unknown, repeated or nested path is named now, not when
-    the model loads. A model whose tree cannot be built from its config alone is checked after loading."""
-    from flowforge.demo.paths import is_demo_name, resolve_demo_path
-    from flowforge.models.skeleton import module_skeleton
-    from flowforge.models.submodules import check_submodules
-
-    if cfg.lora.trainable != "module" or not cfg.lora.modules:
-        return
-    try:
-        path = resolve_demo_path(cfg.model.path) if is_demo_name(cfg.model.path) else cfg.model.path
-    except ValueError:
-        return  # named by _model_path_problems
-    if not os.path.isdir(path):
-        return
-    skeleton = module_skeleton(path)
-    if skeleton is None:
-        return
-    try:
-        check_submodules(skeleton, cfg.lora.modules)
-    except ValueError as exc:
-        problems.append(f"lora.modules: {exc}")
-
-
 def _directory_problems(cfg: Config, problems: list[str]) -> None:
     """Directories flowforge will create or write into must not be files."""
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
@@ -426,7 +404,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     _trained_step_problems(cfg, problems)
     _batch_problems(cfg, world, problems)
     if this_machine:
-        for check in (_device_problems, _directory_problems, _resume_problems, _module_path_problems):
+        for check in (_device_problems, _directory_problems, _resume_problems, module_path_problems):
             check(cfg, problems)
         _memory_problems(cfg, world, counts, problems)
     objective = OBJECTIVES.get(cfg.train.algorithm)
@@ -452,7 +430,7 @@ def _target_problems(cfg: Config, adapter, problems: list[str]) -> list[torch.nn
     """Each ``lora.targets`` entry (peft's rule: a module whose name is the entry or ends with ``.entry``) must
     match a layer peft can adapt. Returns the matched layers."""
     modules = dict(adapter.transformer.named_modules())
-    targets = cfg.lora.targets or (adapter.lora_targets if cfg.lora.trainable == "lora" else ())
+    targets = cfg.lora.targets or (adapter.lora_targets if cfg.lora.trainable in LORA_MODES else ())
     kind = type(adapter.transformer).__name__
     hint = f"the adapter's default targets are {list(adapter.lora_targets)}"
     layers = []
@@ -488,7 +466,7 @@ def loaded_memory_bytes(cfg: Config, latent_shape, lora_layers, world: int) -> i
     step = rows * numel * 4 * per_row + media_bytes(cfg, rows)
     eval_rows = (e.max_prompts or 0) * e.samples_per_prompt
     evaluation = eval_rows * numel * 4 * 2 + media_bytes(cfg, eval_rows)
-    rank = cfg.lora.resolved_rank if cfg.lora.trainable == "lora" else 0
+    rank = cfg.lora.resolved_rank if cfg.lora.trainable in LORA_MODES else 0
     lora = sum(rank * (getattr(m, "in_features", 0) + getattr(m, "out_features", 0)) for m in lora_layers) * 4 * 4
     return step + evaluation + lora
 
@@ -496,8 +474,9 @@ def loaded_memory_bytes(cfg: Config, latent_shape, lora_layers, world: int) -> i
 def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1) -> None:
     """What only the loaded model can tell, checked right after it loads and before the run directory is written:
     ``model.height`` / ``width`` / ``frames`` fit the model (:meth:`FlowModel.latent_shape`: VAE factor x patch
-    size), every ``lora.targets`` entry matches a layer LoRA can adapt, and the memory a step needs
-    (:func:`loaded_memory_bytes`) fits what is available now on ``run.device``.
+    size), every ``lora.targets`` entry matches a layer LoRA can adapt, under ``module+lora`` no LoRA layer is at,
+    inside or around a trained submodule (:func:`flowforge.models.trained_parts.check_disjoint`), and the memory a
+    step needs (:func:`loaded_memory_bytes`) fits what is available now on ``run.device``.
 
     Raises:
         UserError: naming every such problem at once (``"after loading model.path=...: <problems>"``).
@@ -511,6 +490,7 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1) -> None:
         problems.append(f"{sizes} do not fit this model: {one_line(str(exc))}")
         latent = None
     layers = _target_problems(cfg, adapter, problems)
+    loaded_module_problems(cfg, adapter, problems)
     limit = memory_limit(cfg.run.device, available=True)
     if latent is not None and limit is not None:
         need = loaded_memory_bytes(cfg, latent, layers, world_size)

@@ -14,7 +14,9 @@ from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
 from flowforge.settings import SamplerConfig
 
 MODES = {"module": LoraConfig(trainable="module", modules=("latent_state_rollout.transition",)),
-         "lora": LoraConfig(trainable="lora", rank=8, alpha=16.0)}
+         "lora": LoraConfig(trainable="lora", rank=8, alpha=16.0),
+         "module+lora": LoraConfig(trainable="module+lora", modules=("latent_state_rollout.transition",), rank=8,
+                                   alpha=16.0)}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,18 @@ def test_coupling_lora_transition_ce_has_no_gradient_path_and_is_not_applied(cli
     assert all(".lora_" in n for n in _grads(adapter))
     again = anchor.backward()  # the term stays off without being computed again
     assert "anchor_trans" not in again and float(again["anchor_trans_reach"]) == 0.0
+
+
+def test_module_lora_terms_reach_both_kinds_of_trained_tensor(clips):
+    anchor, adapter, _ = _anchor("module+lora", clips)
+    terms, _ = anchor.terms(0)
+    n_b = len(list(adapter.transformer.latent_state_rollout.transition.parameters()))
+    lora = 2 * 4 * len(adapter.blocks())  # lora_A / lora_B x q, k, v, out of every block
+    assert anchor.measure_reach(terms) == {"fm": n_b + lora, "trans": n_b, "ref": 0}
+    anchor.backward()
+    grads = _grads(adapter)
+    assert {n.split(".")[0] for n in grads} == {"latent_state_rollout", "blocks"}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
 
 
 def test_fm_term_excludes_the_condition_slot(clips):

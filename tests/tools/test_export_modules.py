@@ -51,3 +51,19 @@ def test_a_tensor_outside_the_trained_modules_is_refused(tiny_model_dir, encode_
     with pytest.raises(ExportError, match=r"transformer_blocks\.1\.attn\.to_q\.weight.*not in the trained submodules"):
         export_run(run_dir, tmp_path / "a", form="adapter")
     assert not (tmp_path / "a").exists()
+
+
+def test_a_module_lora_run_of_a_diffusers_family_is_refused_in_one_line(tiny_model_dir, encode_cache_dir, tmp_path):
+    """``module+lora`` exports exist for the world model only: a diffusers family's is refused, nothing written."""
+    from flowforge.models import lora as lora_lib
+
+    t = fresh(tiny_model_dir)
+    targets = ["transformer_blocks.1.attn.to_q"]
+    lora_lib.inject_lora(t, 4, 8.0, targets)
+    tensors = {f"{MODULE}.{k}": v.detach().clone() for k, v in t.get_submodule(MODULE).state_dict().items()}
+    run_dir = _crafted_run(tmp_path, tiny_model_dir, encode_cache_dir, {**tensors, **lora_lib.lora_state_dict(t)},
+                           {**CONTRACT, "trainable": "module+lora", "rank": 4, "alpha": 8.0, "targets": targets})
+    for form in ("merged", "adapter"):
+        with pytest.raises(ExportError, match="module\\+lora' runs of model.adapter='sd3' cannot be exported") as err:
+            export_run(run_dir, tmp_path / form, form=form)
+        assert "\n" not in str(err.value) and not (tmp_path / form).exists()

@@ -149,3 +149,37 @@ def test_sample_and_train_load_a_merged_world_model_export(world_runs, tmp_path,
     trainer = _trainer(tmp_path / "runs", tmp_path / "cache", "nft", f"model.path={out}", "lora.trainable=module",
                        f"lora.modules=[{','.join(MODULES)}]")
     assert torch.equal(probe(trainer.adapter), trained)
+
+
+def test_module_lora_run_exports_merged_and_both_adapter_files(tmp_path):
+    """``lora.trainable: module+lora`` (B in full + the coupling LoRA): merged = B overlaid and the LoRA folded in,
+    verified and reloaded equal within the merged tolerance; adapter = the module file and peft's, verified; the
+    run, the merged export and the adapter export load for sampling as the trained policy."""
+    from flowforge.tools.sample_load import load_for_sampling
+    from tests.train.test_world_model_module_lora import B, MODULE_LORA
+
+    shutil.copytree(demo_world_dir(), tmp_path / "source")
+    run_dir, trained, weights, _ = _train(tmp_path, "ml", tmp_path / "cache", *MODULE_LORA)
+    module_keys = {k for k in weights if k.startswith(B + ".")}
+    lora_keys = set(weights) - module_keys
+    assert module_keys and lora_keys and all(".lora_" in k and ".coupling." in k for k in lora_keys)
+    tol = 1e-4 * max(1.0, float(trained.abs().max()))
+    assert main(["export", str(run_dir), str(tmp_path / "m"), "--form", "merged", "--verify"]) == 0
+    report = read_export_meta(tmp_path / "m")["verify"]
+    assert report["passed"] and report["base_diff"] > report["max_abs_diff"]
+    state = load_file(str(tmp_path / "m" / "diffusion_pytorch_model.safetensors"))
+    assert not any("lora" in k or "base_layer" in k for k in state)
+    assert all(torch.equal(state[k], weights[k]) for k in module_keys)  # B overlaid as trained
+    assert (probe(load_world_model(tmp_path / "m")) - trained).abs().max() <= tol
+    assert (probe(load_for_sampling(tmp_path / "m").adapter) - trained).abs().max() <= tol
+    export_run(run_dir, tmp_path / "a", form="adapter", verify=True)
+    assert read_export_meta(tmp_path / "a")["verify"]["passed"]
+    tensors = load_file(str(tmp_path / "a" / "trained_modules.safetensors"))
+    peft_tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert set(tensors) == module_keys and set(peft_tensors) == {"base_model.model." + k for k in lora_keys}
+    assert json.loads((tmp_path / "a" / "trained_modules.json").read_text())["modules"] == [B]
+    card = (tmp_path / "a" / "README.md").read_text()
+    assert "trained_modules.safetensors" in card and "PeftModel.from_pretrained" in card
+    exact = 1e-5 * max(1.0, float(trained.abs().max()))
+    assert (probe(load_for_sampling(tmp_path / "a").adapter) - trained).abs().max() <= exact
+    assert (probe(load_for_sampling(run_dir).adapter) - trained).abs().max() <= exact

@@ -25,7 +25,9 @@ Parameter modes (what RL may change; :meth:`WorldModelAdapter.apply_parameter_mo
   ``out_proj`` that sit beside B in ``latent_state_rollout``.
 * ``lora``: LoRA on exactly :attr:`WorldModelAdapter.lora_targets` = ``blocks.{i}.coupling.{q,k,v,out}`` of every
   block (exact module paths; no other attention matches).
-* ``module+lora``: both.
+* ``module+lora``: both (``lora.trainable: module+lora``), e.g. B in full and LoRA on the coupling attention; a
+  trained module may not contain a LoRA target (``blocks.{i}.coupling`` is refused: q / k / v / out would train
+  twice).
 
 Loading (:func:`load_world_model`) builds the network from ``config.json``, reads the weights read-only with a
 provenance row per tensor and refuses a checkpoint that would leave a module randomly initialised
@@ -111,7 +113,13 @@ class WorldModelAdapter(AdapterMixin):
     @property
     def lora_targets(self) -> tuple[str, ...]:
         """``blocks.{i}.coupling.{q,k,v,out}`` for every block: exact module paths (peft matches them whole)."""
-        return tuple(f"blocks.{i}.coupling.{n}" for i in range(len(self.transformer.blocks)) for n in COUPLING_LINEARS)
+        return self.lora_targets_of(self.transformer)
+
+    @staticmethod
+    def lora_targets_of(transformer: nn.Module) -> tuple[str, ...]:
+        """:attr:`lora_targets` of a :class:`WorldModel` (a weightless one on the meta device too: preflight reads
+        them before the model loads)."""
+        return tuple(f"blocks.{i}.coupling.{n}" for i in range(len(transformer.blocks)) for n in COUPLING_LINEARS)
 
     @property
     def encoder_id(self) -> str:
@@ -231,9 +239,16 @@ class WorldModelAdapter(AdapterMixin):
     def apply_parameter_mode(self, rank: int = LORA_RANK, alpha: float = LORA_ALPHA) -> dict[str, nn.Parameter]:
         """Freeze everything, then make trainable what :attr:`parameter_mode` names: the module parameters, LoRA
         (rank ``rank``, alpha ``alpha``, dropout 0, peft adapter ``"default"``) on :attr:`lora_targets`, or both.
-        Returns ``{name: parameter}`` of the trainable parameters (``named_parameters`` order)."""
-        from flowforge.models import lora as lora_lib
+        Returns ``{name: parameter}`` of the trainable parameters (``named_parameters`` order).
 
+        Raises:
+            ValueError: ``module+lora`` with a trainable module at, inside or around a LoRA target
+                (:func:`flowforge.models.trained_parts.check_disjoint`)."""
+        from flowforge.models import lora as lora_lib
+        from flowforge.models.trained_parts import check_disjoint
+
+        if self.parameter_mode == "module+lora":
+            check_disjoint(self.transformer, self.trainable_modules, self.lora_targets)
         self.transformer.requires_grad_(False)
         if "lora" in self.parameter_mode:
             lora_lib.inject_lora(self.transformer, rank, alpha, self.lora_targets)

@@ -1,7 +1,8 @@
 """Verified weight sync: a manifest first, the weights streamed in buckets, verified, then committed.
 
-One sync moves a named set of tensors (the sampling policy's LoRA tensors in ``adapter`` mode, every tensor of the
-transformer's state dict in ``full`` mode) from the trainer into a rollout worker as one transaction:
+One sync moves a named set of tensors (the sampling policy's LoRA tensors in ``adapter`` mode, every trained tensor
+in ``full`` mode: the transformer's state dict, the trained submodules' entries, plus the LoRA tensors under
+``module+lora``) from the trainer into a rollout worker as one transaction:
 
 1. **Manifest** (:class:`SyncManifest`, sent first): the policy version it commits, the mode, the ordered entries
    ``(name, shape, dtype, nbytes)`` (sorted by name), the tensor count, the total bytes, ``layout_sha256`` (sha256
@@ -14,9 +15,10 @@ transformer's state dict in ``full`` mode) from the trainer into a rollout worke
 4. **Commit** (:meth:`SyncReceiver.commit`): only then are the tensors copied in and the version taken.
 
 Any failure raises :class:`WeightSyncError` and leaves the receiver's weights and version as they were, so the
-sender can retry the same version. A ``full`` sync into a transformer holding LoRA layers (or an ``adapter`` sync
-into one without) is refused at the manifest: the state dict of a LoRA-wrapped module names its base weights
-``...base_layer.weight``, so a full sync would match nothing, and none is ever half-applied.
+sender can retry the same version. A sync whose tensors are not the worker's own layout in its mode is refused at
+the manifest -- a ``full`` sync of a whole state dict into a transformer holding LoRA layers (the state dict of a
+LoRA-wrapped module names its base weights ``...base_layer.weight``), an ``adapter`` sync into one without -- so none
+is ever half-applied.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ class SyncReceiver:
 
     def __init__(self, manifest: SyncManifest, targets: Mapping[str, torch.Tensor], mode: str):
         if manifest.mode != mode:
-            held = "holds LoRA layers" if mode == "adapter" else "holds no LoRA layers"
+            held = "holds LoRA layers" if mode == "adapter" else "receives every trained tensor"
             raise WeightSyncError(f"{manifest.mode} weight sync of version {manifest.version} refused: the worker "
                                   f"{held} and takes only {mode!r} syncs (rollout.weight_sync must follow "
                                   "lora.trainable)")

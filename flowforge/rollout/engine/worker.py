@@ -2,8 +2,9 @@
 
 The worker builds the adapter exactly as the trainer does (same loader, dtype and device), frees its text encoder
 (the trainer ships encoded conditioning), and prepares the transformer the way the policy bank prepares the live
-one (:class:`flowforge.policy.Policy`): LoRA injected with the same rank / alpha / targets, or the whole
-transformer in fp32 under full fine-tuning, in eval mode. Its weights then come only from committed syncs
+one (:class:`flowforge.policy.Policy`): LoRA injected with the same rank / alpha / targets, the trained submodules
+in fp32 (``module``; both under ``module+lora``), or the whole transformer in fp32 under full fine-tuning, in eval
+mode. Its weights then come only from committed syncs
 (:mod:`flowforge.rollout.engine.weight_sync`), and it refuses to roll out before the first one. A rollout is
 :func:`flowforge.rollout.loop.rollout_chunked` itself, so the same candidates, chunks and weights give the same bits
 as the trainer's own rollout.
@@ -37,11 +38,11 @@ class WorkerRecipe:
     task: str
     dtype: str  # model.dtype name
     device: str
-    trainable: str  # "lora" | "full" | "module"
+    trainable: str  # "lora" | "full" | "module" | "module+lora"
     lora_rank: int = 8
     lora_alpha: float = 8.0
-    lora_targets: tuple[str, ...] = ()  # resolved (the adapter's defaults filled in), under "lora"
-    modules: tuple[str, ...] = ()  # under "module": the submodule paths trained in full
+    lora_targets: tuple[str, ...] = ()  # resolved (the adapter's defaults filled in), under "lora" / "module+lora"
+    modules: tuple[str, ...] = ()  # under "module" / "module+lora": the submodule paths trained in full
     threads: int = 1  # torch CPU threads of the worker
 
     @property
@@ -75,9 +76,9 @@ class RolloutWorker:
         self.adapter.release_text_encoder()
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)
-        if recipe.trainable == "lora":
+        if recipe.trainable in ("lora", "module+lora"):
             lora_lib.inject_lora(transformer, recipe.lora_rank, recipe.lora_alpha, recipe.lora_targets)
-        else:  # the policy bank trains (and rolls out) the trained modules in fp32
+        if recipe.trainable != "lora":  # the policy bank trains (and rolls out) the trained modules in fp32
             for module in self._trained_modules().values():
                 module.float()
         transformer.eval()
@@ -85,19 +86,22 @@ class RolloutWorker:
         self._receiver: SyncReceiver | None = None
 
     def _trained_modules(self) -> dict[str, torch.nn.Module]:
-        """Full / module mode: the trained modules by path prefix (``""``: the whole transformer)."""
+        """Full / module modes: the trained modules by path prefix (``""``: the whole transformer)."""
         t = self.adapter.transformer
-        if self.recipe.trainable == "module":
+        if self.recipe.trainable in ("module", "module+lora"):
             return {f"{path}.": t.get_submodule(path) for path in self.recipe.modules}
         return {"": t}
 
     def targets(self) -> dict[str, torch.Tensor]:
         """The tensors a sync writes, named as :meth:`flowforge.policy.Policy.named_weights` names them: the LoRA
-        tensors (``adapter``), or the state dict of every trained module (``full``)."""
+        tensors (``adapter``), or the state dict of every trained module (``full``; under ``module+lora`` plus the
+        LoRA tensors, which lie outside every trained module)."""
+        lora = dict(lora_lib.lora_parameters(self.adapter.transformer, "default"))
         if self.recipe.sync_mode == "adapter":
-            return dict(lora_lib.lora_parameters(self.adapter.transformer, "default"))
-        return {prefix + k: v for prefix, module in self._trained_modules().items()
-                for k, v in module.state_dict(keep_vars=True).items()}
+            return lora
+        modules = {prefix + k: v for prefix, module in self._trained_modules().items()
+                   for k, v in module.state_dict(keep_vars=True).items()}
+        return {**modules, **lora} if self.recipe.trainable == "module+lora" else modules
 
     def info(self) -> dict:
         """``{"pid", "version", "threads"}`` of this worker."""
