@@ -274,7 +274,7 @@ def test_hub_ids_resolve_from_the_cache_and_offline_misses_say_how_to_download(t
 
 def test_unknown_scorer_options_and_distributed_dtypes_name_the_key():
     problems = _problems("reward.options={digit: {foo: 1, bar: 2}}", "distributed.param_dtype=fp8")
-    assert "reward.options.digit: unknown options ['bar', 'foo']; allowed: ['model', 'batch_size']" in problems
+    assert "reward.options.digit: unknown options ['bar', 'foo']; allowed: ['model', 'batch_size', 'cap']" in problems
     assert "distributed.param_dtype='fp8' is not one of ['float32', 'bfloat16', 'float16']" in problems
 
 
