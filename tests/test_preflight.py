@@ -370,3 +370,11 @@ def test_module_paths_of_a_diffusers_base():
     with pytest.raises(PreflightError, match="lora.modules: .*not submodules of SD3Transformer2DModel"):
         preflight(load_config(None, ["lora.trainable=module", "lora.modules=[transformer_blocks.99]"]), world_size=1)
     preflight(load_config(None, ["lora.trainable=module", "lora.modules=[transformer_blocks.0]"]), world_size=1)
+
+
+def test_module_mode_with_another_familys_tree_is_not_a_crash(tmp_path):
+    """world_model adapter over a diffusers base: the meta-device tree has no world-model blocks; preflight must not
+    crash on it (the load names the mismatch)."""
+    preflight(load_config(None, ["model.adapter=world_model", "model.task=i2v", "model.frames=5",
+                                 "lora.trainable=module", "lora.modules=[transformer_blocks.0]",
+                                 "data.prompts=demo:world-train", "data.eval_prompts=demo:world-eval"]), world_size=1)

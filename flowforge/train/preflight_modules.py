@@ -54,8 +54,10 @@ def module_path_problems(cfg: Config, problems: list[str]) -> None:
     except ValueError as exc:
         problems.append(f"lora.modules: {exc}")
         return
+    if cfg.lora.trainable != "module+lora":
+        return
     targets = cfg.lora.targets or class_lora_targets(cfg.model.adapter, skeleton)
-    if cfg.lora.trainable == "module+lora" and targets:
+    if targets:
         try:
             check_disjoint(skeleton, cfg.lora.modules, targets)
         except ValueError as exc:
@@ -76,7 +78,10 @@ def class_lora_targets(adapter: str, transformer: torch.nn.Module) -> tuple[str,
         return None  # named elsewhere
     of = getattr(cls, "lora_targets_of", None)
     if callable(of):
-        return tuple(of(transformer))
+        try:
+            return tuple(of(transformer))
+        except Exception:  # noqa: BLE001 - a tree the class does not understand (another family's): check after load
+            return None
     static = inspect.getattr_static(cls, "lora_targets", None)
     return tuple(static) if isinstance(static, (tuple, list)) else None
 
