@@ -9,7 +9,7 @@ import torch
 from flowforge.runtime.errors import UserError
 from flowforge.train.preflight import PreflightError
 from tests.cli.test_errors import assert_one_line_error, run_cli
-from tests.train.test_world_model_train import EXAMPLE, _metrics, _trainer
+from tests.train.test_world_model_train import EXAMPLE, _metrics, _trainer, straight_and_resumed
 
 B = "latent_state_rollout.transition"
 MODULE_LORA = ["lora.trainable=module+lora", f"lora.modules=[{B}]", "lora.rank=8", "lora.alpha=16"]
@@ -63,16 +63,8 @@ def test_module_lora_resume_equals_uninterrupted_run(tmp_path, encode_cache_dir)
     """NFT (live, old adapter + old B copy) with both anchors: 3 steps straight == 2 steps + resume, bit for bit."""
     from tests.train.test_resume import _assert_same, _rows, _state
 
-    extra = (*MODULE_LORA, "train.steps=3", "checkpoint.every=1", "anchor.fm_weight=0.1", "anchor.trans_weight=0.01",
-             "train.lr=1e-2")
-    full = _trainer(tmp_path, encode_cache_dir, "nft", *extra)
-    full.train()
-    part = _trainer(tmp_path / "p", encode_cache_dir, "nft", *extra)
-    part.train(stop_at=2)
-    del part
-    resumed = _trainer(tmp_path / "p", encode_cache_dir, "nft", *extra, "train.resume=auto")
-    assert resumed.step == 2
-    resumed.train()
+    full, resumed = straight_and_resumed(tmp_path, encode_cache_dir, *MODULE_LORA, "anchor.fm_weight=0.1",
+                                         "anchor.trans_weight=0.01", "train.lr=1e-2")
     a, b = _state(full), _state(resumed)
     assert set(a[0]) == {"live", "old"}
     assert any(_is_b(k) for k in a[0]["old"]) and any(".lora_A." in k for k in a[0]["old"])

@@ -61,20 +61,27 @@ def test_nft_coupling_lora_reports_no_transition_anchor(tmp_path, encode_cache_d
     assert row["train/anchor_fm_reach"] == 2 * 4 * 4  # lora_A / lora_B of q, k, v, out in 4 blocks
 
 
+def straight_and_resumed(tmp_path, cache, *extra):
+    """``(full, resumed)``: an NFT world run of 3 steps straight and one of 2 steps + ``train.resume=auto``."""
+    extra = ("train.steps=3", "checkpoint.every=1", *extra)
+    full = _trainer(tmp_path, cache, "nft", *extra)
+    full.train()
+    part = _trainer(tmp_path / "p", cache, "nft", *extra)
+    part.train(stop_at=2)
+    del part
+    resumed = _trainer(tmp_path / "p", cache, "nft", *extra, "train.resume=auto")
+    assert resumed.step == 2
+    resumed.train()
+    return full, resumed
+
+
 def test_world_model_resume_equals_uninterrupted_run(tmp_path, encode_cache_dir):
     """Module mode with both anchors on: the real-clip anchor stream, the policy bank of the trained submodules and
     the optimizer resume bit-exactly (3 steps straight vs 2 steps + resume)."""
     from tests.train.test_resume import _assert_same, _rows, _state
 
-    extra = ("train.steps=3", "checkpoint.every=1", "anchor.fm_weight=0.1", "anchor.trans_weight=0.01")
-    full = _trainer(tmp_path, encode_cache_dir, "nft", *extra)
-    full.train()
-    part = _trainer(tmp_path / "p", encode_cache_dir, "nft", *extra)
-    part.train(stop_at=2)
-    del part
-    resumed = _trainer(tmp_path / "p", encode_cache_dir, "nft", *extra, "train.resume=auto")
-    assert resumed.step == 2
-    resumed.train()
+    full, resumed = straight_and_resumed(tmp_path, encode_cache_dir, "anchor.fm_weight=0.1",
+                                         "anchor.trans_weight=0.01")
     _assert_same(_state(full), _state(resumed))
     rows = _rows(full.run_dir)
     assert rows == _rows(resumed.run_dir) and rows[-1]["train/anchor_fm"] > 0
