@@ -65,3 +65,25 @@ def test_compare_file_problems_reported_together(tmp_path):
     (tmp_path / "one.yaml").write_text("base: base.yaml\nbudget_samples: 8\narms: {a: []}\n"
                                        "target: {metric: eval/x, value: 0.7}\n")
     assert load_compare(tmp_path / "one.yaml").target_values == (0.7,)
+
+
+def test_a_float32_mean_exactly_at_the_target_counts_as_reached(tmp_path):
+    """216 of 240 correct is logged as the float32 mean 0.8999999761581421: that reaches 0.9; one fewer does not."""
+    import json
+
+    import torch
+
+    from flowforge.config import dump_config, load_config
+
+    run = tmp_path / "grpo-s0"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(load_config(None, [])))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time/optimize": 1.0}) + "\n" for s in (1, 2)))
+    at = float(torch.cat([torch.ones(216), torch.zeros(24)]).mean())
+    below = float(torch.cat([torch.ones(215), torch.zeros(25)]).mean())
+    assert at < 0.9
+    (run / "eval.jsonl").write_text(json.dumps({"step": 1, "eval/digit_eval": below}) + "\n"
+                                    + json.dumps({"step": 2, "eval/digit_eval": at}) + "\n")
+    out = summarize(run, "eval/digit_eval", (0.9,))
+    per_step = load_config(None, []).data.prompts_per_step * load_config(None, []).data.group_size
+    assert out["samples_to"][0.9] == 2 * per_step
