@@ -323,7 +323,7 @@ def test_after_loading_targets_and_sizes_are_checked(tiny_adapter):
 
 def test_after_loading_memory_uses_the_real_latent_and_lora_sizes(tiny_adapter, monkeypatch):
     from flowforge.objectives import trained_steps_for
-    from flowforge.train import preflight as pf
+    from flowforge.train import preflight_loaded as pf
 
     cfg = load_config(None, ["lora.rank=4"])
     layers = pf._target_problems(cfg, tiny_adapter, [])
