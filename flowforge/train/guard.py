@@ -25,8 +25,11 @@ Where it runs
     Rank 0 evaluates, so rank 0 decides (:meth:`RewardHackingGuard.observe_eval`); :meth:`RewardHackingGuard.sync`,
     called by every rank after each step, shares the decision (one ``all_reduce``) and snapshots / restores the
     weights on every rank (a collective under FSDP). A resumed run re-reads the curves of the steps before the resume
-    from ``eval.jsonl`` / ``metrics.jsonl``; the rollback target is then the best evaluation since the resume (the
-    weights of earlier ones are not held in memory).
+    from ``eval.jsonl`` / ``metrics.jsonl``. With ``action: rollback`` rank 0 also writes the weights of each new best
+    evaluation to ``guard_best.safetensors`` in the run directory (atomically; the step and judge value in its
+    metadata), so a resumed run rolls back to the best evaluation of the *whole* run: when the file holds the best
+    step of the logged curve every rank reads it back; when it does not (the killed run wrote a later best that the
+    resume does not reach), the log says so and the target is the best evaluation since the resume.
 """
 
 from __future__ import annotations
@@ -40,13 +43,16 @@ from pathlib import Path
 import torch
 
 from flowforge.runtime.distributed import all_reduce_processes
+from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError
 from flowforge.train.metrics import EVAL_FILE, METRICS_FILE
 from flowforge.train.report import read_jsonl
+from flowforge.train.run_dir import GUARD_BEST_FILE
 
 log = logging.getLogger("flowforge")
 
 EVAL_PREFIX = "eval/"
+BEST_FILE = GUARD_BEST_FILE  # the rollback target's weights (action: rollback), in the run directory
 
 
 @dataclass(frozen=True)
@@ -156,14 +162,16 @@ class RewardHackingGuard:
     steps before a resume; ``is_main``: rank 0 (the one that evaluates and decides)."""
 
     def __init__(self, section, judge: str | None, *, run_dir: Path | None = None, is_main: bool = True):
-        self.cfg, self.judge, self.run_dir, self.is_main = section, judge, run_dir, is_main
+        self.cfg, self.judge, self.is_main = section, judge, is_main
+        self.run_dir = None if run_dir is None else Path(run_dir)
         self.enabled = section.patience > 0 and judge is not None
         self.judge_curve: list[tuple[int, float]] = []
         self.reward_curve: list[tuple[int, float]] = []
         self.best: tuple[int, float] | None = None  # (step, judge) of the best evaluation whose weights are held
         self.stopped = False
         self.message: str | None = None
-        self._pending = torch.zeros(3)  # rank 0's decision since the last sync: [snapshot, stop, rollback]
+        # rank 0's decision since the last sync: [snapshot, stop, rollback, read the snapshot back from BEST_FILE]
+        self._pending = torch.zeros(4)
         self._snapshot: dict[str, dict[str, torch.Tensor]] | None = None
         self._loaded = False
 
@@ -194,6 +202,27 @@ class RewardHackingGuard:
             by_step = {int(r["step"]): r[key] for r in _rows(self.run_dir / name)
                        if r["step"] < before and key in r and math.isfinite(r[key])}
             curve.extend(sorted(by_step.items()))
+        if self.cfg.action == "rollback" and self.judge_curve:
+            self._recover_best()
+
+    def _recover_best(self) -> None:
+        """Rank 0, on resume: the best logged evaluation becomes the rollback target if ``BEST_FILE`` holds its
+        weights (every rank reads them at the next :meth:`sync`); otherwise the log says the target restarts."""
+        from safetensors import safe_open
+
+        step, value = max(self.judge_curve, key=lambda p: (p[1], -p[0]))  # the first of equal bests, as in training
+        path = self.run_dir / BEST_FILE
+        saved = None
+        if path.is_file():
+            with safe_open(str(path), framework="pt") as f:
+                saved = int((f.metadata() or {}).get("step", -1))
+        if saved == step:
+            self.best = (step, value)
+            self._pending[3] = 1.0
+            return
+        log.warning("reward-hacking guard: the weights of the best evaluation before the resume (step %d, %s %.4f) "
+                    "are not in %s (%s): the rollback target is the best evaluation from now on", step, self.judge,
+                    value, path, "missing" if saved is None else f"it holds step {saved}")
 
     def observe_step(self, step: int, scalars: Mapping[str, float]) -> None:
         """Record the training reward of the step just completed (``step`` = steps completed)."""
@@ -220,7 +249,7 @@ class RewardHackingGuard:
         if verdict is None:
             return {}
         rollback = self.cfg.action == "rollback" and self.best is not None and self.best[0] != step
-        self._pending[1:] = torch.tensor([1.0, float(rollback)])
+        self._pending[1:3] = torch.tensor([1.0, float(rollback)])
         best_step, best_value = self.best if self.best is not None else (step, value)
         self.message = (f"reward-hacking guard: {verdict.describe(self.judge, self.cfg.reward)}: stopping at step "
                         f"{step}" + (f", rolled back to the weights of step {best_step} ({self.judge} "
@@ -237,10 +266,14 @@ class RewardHackingGuard:
             return False
         flags = all_reduce_processes(self._pending.clone(), "max")
         self._pending.zero_()
-        snapshot, stop, rollback = (bool(f) for f in flags.tolist())
+        snapshot, stop, rollback, recover = (bool(f) for f in flags.tolist())
         names = [n for n in ("live", "old", "ema") if policy.has(n)]
+        if recover:
+            self._snapshot = self._read_best(names)
         if snapshot and self.cfg.action == "rollback" and not stop:
             self._snapshot = {n: policy.named_weights(n) for n in names}
+            if self.is_main and self.run_dir is not None:
+                self._write_best()
         if rollback and self._snapshot is not None:
             for name, weights in self._snapshot.items():
                 policy.load_named_weights(name, weights)
@@ -249,3 +282,19 @@ class RewardHackingGuard:
             if self.message is not None:
                 log.warning("%s", self.message)
         return stop
+
+    def _write_best(self) -> None:
+        """Rank 0: the snapshot of the best evaluation to ``BEST_FILE`` (``<policy>/<key>`` tensors; step, judge key
+        and value in the metadata), replacing the previous best atomically."""
+        from safetensors.torch import save_file
+
+        flat = {f"{n}/{k}": t.contiguous() for n, weights in self._snapshot.items() for k, t in weights.items()}
+        meta = {"step": str(self.best[0]), "judge": str(self.judge), "value": repr(self.best[1])}
+        atomic_write(self.run_dir / BEST_FILE, lambda tmp: save_file(flat, str(tmp), metadata=meta))
+
+    def _read_best(self, names: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Every rank: the snapshot written by :meth:`_write_best`, split back per policy (``names``)."""
+        from safetensors.torch import load_file
+
+        flat = load_file(str(self.run_dir / BEST_FILE))
+        return {n: {k[len(n) + 1:]: t for k, t in flat.items() if k.startswith(f"{n}/")} for n in names}

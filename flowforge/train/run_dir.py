@@ -5,10 +5,10 @@ What and why
 ------------
 A run directory holds a week of work, so flowforge refuses anything that could silently mix two runs or destroy one:
 
-- :func:`existing_run` tells whether a directory already holds a run (``config.yaml``, ``metrics.jsonl`` or
-  ``checkpoints/``). A new run into it is refused unless it resumes (``train.resume``) or the user passes
-  ``--overwrite``, which moves the old run aside to ``<name>.old-<n>`` (:func:`move_aside`) after saying so: nothing
-  is deleted.
+- :func:`existing_run` tells whether a directory already holds a run (``config.yaml``, ``metrics.jsonl``,
+  ``checkpoints/`` or the guard's ``guard_best.safetensors``). A new run into it is refused unless it resumes
+  (``train.resume``) or the user passes ``--overwrite``, which moves the old run aside to ``<name>.old-<n>``
+  (:func:`move_aside`) after saying so: nothing is deleted.
 - :func:`check_run_dir_outside_source` refuses a run directory inside, equal to, or containing the base model, so
   checkpoint rotation can never delete model files.
 - :func:`check_artifacts_root` refuses an ``artifacts.root`` that is, or lies inside, a run's ``checkpoints/``.
@@ -30,8 +30,9 @@ from flowforge.runtime.errors import UserError
 log = logging.getLogger("flowforge")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints")
-WRITTEN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "train.log", "provenance.json")
+GUARD_BEST_FILE = "guard_best.safetensors"  # the reward-hacking guard's rollback target (flowforge.train.guard)
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", GUARD_BEST_FILE)
+WRITTEN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "train.log", "provenance.json", GUARD_BEST_FILE)
 
 
 def existing_run(run_dir: Path) -> list[str]:

@@ -86,6 +86,23 @@ def test_guard_preflight_rules():
 def _read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
+def _hack_cfg(tmp_path, action, *extra):
+    """The embedded default on the exploitable brightness reward, judged by DigitEval every 2 steps, guard p=2."""
+    return load_config(None, [
+        "run.name=hack", f"run.output_dir={tmp_path}", "model.path=demo:base", "lora.trainable=full",
+        "data.prompts_per_step=2", "data.group_size=4", "sampler.num_steps=6", "sampler.num_sde_steps=2",
+        "sampler.sde_window=[0.0, 0.6]", "reward.weights={tests.rewards.byo_scorers:Brightness: 1.0}",
+        "train.steps=16", "train.lr=3e-4", "train.micro_batch_size=4", "grpo.clip_low=1e-2", "eval.every=2",
+        "eval.samples_per_prompt=2", "eval.max_prompts=30", "eval.scorers=[digit_eval]", "metrics.trackers=[jsonl]",
+        "guard.patience=2", f"guard.action={action}", *extra])
+
+
+def _base_weights():
+    from flowforge.demo.paths import resolve_demo_path
+    from flowforge.models import build_adapter
+
+    return build_adapter("sd3", resolve_demo_path("demo:base")).transformer.float().state_dict()
+
 
 @pytest.mark.parametrize("action", ["rollback", "stop"])
 def test_guard_stops_a_run_exploiting_its_reward(tmp_path, monkeypatch, action):
@@ -93,18 +110,10 @@ def test_guard_stops_a_run_exploiting_its_reward(tmp_path, monkeypatch, action):
     the independent DigitEval classifier: the judge falls while the reward rises, and the guard ends the run and
     says so in the log, eval.jsonl and the report; with rollback the final weights are the best evaluation's (the
     base: measured DigitEval 0.68 -> 0.60 -> 0.43 at steps 0 / 2 / 4, brightness reward 0.12 -> 0.24)."""
-    from flowforge.demo.paths import resolve_demo_path
-    from flowforge.models import build_adapter
     from flowforge.train.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2]))  # tests.rewards.byo_scorers
-    cfg = load_config(None, [
-        "run.name=hack", f"run.output_dir={tmp_path}", "model.path=demo:base", "lora.trainable=full",
-        "data.prompts_per_step=2", "data.group_size=4", "sampler.num_steps=6", "sampler.num_sde_steps=2",
-        "sampler.sde_window=[0.0, 0.6]", "reward.weights={tests.rewards.byo_scorers:Brightness: 1.0}",
-        "train.steps=16", "train.lr=3e-4", "train.micro_batch_size=4", "grpo.clip_low=1e-2", "eval.every=2",
-        "eval.samples_per_prompt=2", "eval.max_prompts=30", "eval.scorers=[digit_eval]", "metrics.trackers=[jsonl]",
-        "guard.patience=2", f"guard.action={action}"])
+    cfg = _hack_cfg(tmp_path, action)
     trainer = Trainer(cfg, progress=False)
     run_dir = trainer.train()
     evals = _read(run_dir / "eval.jsonl")
@@ -126,31 +135,63 @@ def test_guard_stops_a_run_exploiting_its_reward(tmp_path, monkeypatch, action):
     assert stop["eval/guard_rolled_back"] == float(action == "rollback")
     final = trainer.policy.named_weights("live")
     assert best_step == 0  # the base was the best: rolling back restores it exactly
-    base = build_adapter("sd3", resolve_demo_path("demo:base")).transformer.float().state_dict()
+    base = _base_weights()
     same = all(torch.equal(final[k], base[k]) for k in base)
     assert same == (action == "rollback")
 
 
-def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path):
+def test_a_resumed_run_rolls_back_to_the_best_evaluation_before_the_resume(tmp_path, monkeypatch):
+    """The same run interrupted after step 2 (its best evaluation, the base at step 0, lies before the resume) and
+    resumed: the guard reads the best step's weights back from guard_best.safetensors and the stop at step 4 rolls
+    back to them exactly."""
+    from flowforge.train.guard import BEST_FILE
+    from flowforge.train.trainer import Trainer
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2]))  # tests.rewards.byo_scorers
+    Trainer(_hack_cfg(tmp_path, "rollback", "checkpoint.every=2"), progress=False).train(stop_at=2)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hack" / BEST_FILE), framework="pt") as f:
+        assert f.metadata()["step"] == "0"
+    trainer = Trainer(_hack_cfg(tmp_path, "rollback", "checkpoint.every=2", "train.resume=auto"), progress=False)
+    run_dir = trainer.train()
+    stop = _read(run_dir / "eval.jsonl")[-1]
+    assert stop["step"] == 4 and stop["eval/guard_stop"] == 1.0  # the falls logged before the resume counted
+    assert stop["eval/guard_best_step"] == 0.0 and stop["eval/guard_rolled_back"] == 1.0
+    final, base = trainer.policy.named_weights("live"), _base_weights()
+    assert all(torch.equal(final[k], base[k]) for k in base)
+
+
+@pytest.mark.parametrize("saved_step", [None, 2, 6])
+def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path, caplog, saved_step):
     """After train.resume the guard continues from eval.jsonl / metrics.jsonl: the falls logged before the resume
-    count (rows past the resumed step, left by the killed run, do not), and it fires without a rollback target from
-    before the resume."""
+    count (rows past the resumed step, left by the killed run, do not). The rollback target is the best logged
+    evaluation (step 2) when guard_best.safetensors holds that step; when the file is missing or holds another step
+    (a later best of the killed run) the log says so and the target is the best evaluation since the resume."""
+    from safetensors.torch import save_file
+
     from flowforge.settings.sections import GuardConfig
-    from flowforge.train.guard import RewardHackingGuard
+    from flowforge.train.guard import BEST_FILE, RewardHackingGuard
 
     evals = [(0, 0.70), (2, 0.80), (4, 0.75), (6, 0.10)]  # step 6: logged by the killed run after the checkpoint
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval/digit_eval": v}) + "\n"
                                                  for s, v in evals))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/total_mean": 0.1 * s}) + "\n"
                                                     for s in range(1, 7)))
+    if saved_step is not None:
+        save_file({"live/w": torch.zeros(1)}, str(tmp_path / BEST_FILE), metadata={"step": str(saved_step)})
     guard = RewardHackingGuard(GuardConfig(patience=2, action="rollback"), "eval/digit_eval", run_dir=tmp_path)
     guard.observe_step(5, {"reward/total_mean": 0.5})  # the first step after resuming from step 4
     assert guard.judge_curve == [(0, 0.70), (2, 0.80), (4, 0.75)]
     assert [s for s, _ in guard.reward_curve] == [1, 2, 3, 4, 5]  # step 5 given, step 6 of the killed run dropped
+    recovered = saved_step == 2
+    assert guard.best == ((2, 0.80) if recovered else None)
+    assert ("rollback target is the best evaluation from now on" in caplog.text) == (not recovered)
     guard.observe_step(6, {"reward/total_mean": 0.6})
     out = guard.observe_eval(6, {"eval/digit_eval": 0.72})
-    assert out["eval/guard_stop"] == 1.0 and out["eval/guard_best_step"] == 6.0
-    assert out["eval/guard_rolled_back"] == 0.0  # the best held in memory is this evaluation itself
+    assert out["eval/guard_stop"] == 1.0 and out["eval/guard_best_step"] == (2.0 if recovered else 6.0)
+    # without the file, the best held in memory is this evaluation itself: nothing to roll back to
+    assert out["eval/guard_rolled_back"] == float(recovered)
     assert "0.8000 (step 2) -> 0.7500 (step 4) -> 0.7200 (step 6)" in guard.message
     off = RewardHackingGuard(GuardConfig(), "eval/digit_eval", run_dir=tmp_path)
     assert off.observe_eval(6, {"eval/digit_eval": 0.1}) == {} and off.sync(None) is False
