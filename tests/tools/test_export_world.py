@@ -183,3 +183,12 @@ def test_module_lora_run_exports_merged_and_both_adapter_files(tmp_path):
     exact = 1e-5 * max(1.0, float(trained.abs().max()))
     assert (probe(load_for_sampling(tmp_path / "a").adapter) - trained).abs().max() <= exact
     assert (probe(load_for_sampling(run_dir).adapter) - trained).abs().max() <= exact
+
+
+def test_the_own_format_families_and_the_writer_table_name_the_same_families():
+    """read_run_config accepts OWN_FORMAT_ADAPTERS; export_run dispatches through WRITERS (every other family goes to
+    the diffusers writer): a family in one list only would be accepted and then written as diffusers files."""
+    from flowforge.tools.export import WRITERS
+    from flowforge.tools.export_source import OWN_FORMAT_ADAPTERS
+
+    assert sorted(WRITERS) == sorted(OWN_FORMAT_ADAPTERS)
