@@ -232,10 +232,20 @@ def require_base(src: Source, why: str) -> Path:
             f"{why} needs the base model, but it does not exist here",
             "pass the base model directory with --base PATH (Python: export_run(..., base=PATH)); it must be the "
             "model the run was trained from (its sha256 is checked)")
-    expected = src.checkpoint.trainer_state.get("base_model_sha256")
-    if expected is not None:
-        actual = ckpt.sha256_of_path(src.base)
-        if actual != expected:
-            raise ExportError(f"base model {src.base}", f"sha256 {actual[:12]}… says it is not the model the run "
-                              f"was trained from (sha256 {expected[:12]}…)", "pass the original base with --base")
+    check_base_identity(src.base, src.checkpoint.trainer_state.get("base_model_sha256"))
     return src.base
+
+
+def check_base_identity(base: Path, expected: str | None) -> None:
+    """Refuse a local base whose sha256 (:func:`flowforge.train.checkpoint.sha256_of_path`) is not ``expected``, the
+    ``base_model_sha256`` the run recorded (nothing to check when it recorded none).
+
+    Raises:
+        ExportError: naming the base and both digests.
+    """
+    if expected is None:
+        return
+    actual = ckpt.sha256_of_path(base)
+    if actual != expected:
+        raise ExportError(f"base model {base}", f"sha256 {actual[:12]}… says it is not the model the run was trained "
+                          f"from (sha256 {expected[:12]}…)", "pass the original base with --base")

@@ -21,7 +21,8 @@ from flowforge.runtime.errors import UserError, file_error
 from flowforge.tools.export_contract import check_contract
 from flowforge.tools.export_diffusers import LORA_WEIGHT_NAME
 from flowforge.tools.export_out import EXPORT_META
-from flowforge.tools.export_source import layout, load_source, pick_checkpoint, read_run_config
+from flowforge.tools.export_source import (check_base_identity, layout, load_source, pick_checkpoint,
+                                          read_run_config)
 from flowforge.tools.export_weights import PEFT_WEIGHT_NAME, overlay, read_trained_modules, split_module_lora
 
 log = logging.getLogger("flowforge")
@@ -64,6 +65,7 @@ def _load_run(run_dir: Path, device: str | None, base: str | None) -> SampleMode
     if src.base is None:
         raise UserError(f"model.path {model_path!r} of {run_dir / 'config.yaml'}", "the base model is not here",
                         "pass the base model directory with --base PATH")
+    check_base_identity(src.base, src.checkpoint.trainer_state.get("base_model_sha256"))
     check_contract(src, layout(src.base)[0])
     adapter = _build(cfg, src.base, _pick_device(cfg, device))
     t = adapter.transformer
@@ -126,6 +128,9 @@ def _load_export(out: Path, device: str | None, base: str | None) -> SampleModel
         raise UserError(out / EXPORT_META, f"form {meta.get('form')!r} with LoRA contract {lora} is not an adapter "
                         "export", "export the run again")
     base_path = base if base is not None else meta.get("base_model") or cfg.model.path
+    base_dir = Path(resolve_demo_path(str(base_path)))
+    if base_dir.exists():  # a hub id cannot be hashed here; a local base must be the one the run trained from
+        check_base_identity(base_dir, meta.get("base_model_sha256"))
     adapter = _build(cfg, base_path, dev)
     if lora["trainable"] in ("module", "module+lora"):  # exactly the trained submodules' tensors
         tensors = read_trained_modules(out)

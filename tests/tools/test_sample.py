@@ -126,6 +126,31 @@ def test_errors_are_one_line(run, tmp_path, capsys):
     assert not list(tmp_path.glob("x*.png"))
 
 
+def test_a_base_that_is_not_the_trained_from_one_is_refused(run, tiny_model_dir, tmp_path, capsys):
+    """--base with a changed copy of the base (one weight byte flipped): both the run and its adapter export are
+    refused in one line naming the base's sha256, before any image is written; the real base samples."""
+    import shutil
+
+    from flowforge.train.checkpoint import sha256_of_path
+
+    run_dir, _ = run
+    adapter = export_run(run_dir, tmp_path / "adapter", form="adapter")
+    other = tmp_path / "other_base"
+    shutil.copytree(tiny_model_dir, other)
+    weights = next(other.rglob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert sha256_of_path(other) != sha256_of_path(tiny_model_dir)
+    for source in (run_dir, adapter):
+        assert cli_sample(source, tmp_path / "x.png", "--base", str(other)) == 2
+        err = capsys.readouterr().err
+        assert f"base model {other}" in err and "is not the model the run was trained from" in err
+        assert len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("x*.png"))
+    assert cli_sample(adapter, tmp_path / "y.png", "--base", str(tiny_model_dir)) == 0
+
+
 # ------------------------------------------------------------------------------------------------ every family
 @pytest.mark.parametrize("family", ["flux", "qwen_image", "wan"])
 def test_every_family_samples_from_a_run_and_a_merged_export(family, tmp_path):
