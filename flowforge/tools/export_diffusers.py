@@ -24,8 +24,8 @@ from flowforge.tools.export_out import ExportError
 from flowforge.tools.export_source import (SUPPORTED_ADAPTERS, Source, base_name, layout, read_run_config,
                                            require_base, transformer_class)
 from flowforge.tools.export_verify import VerifyReport, verify_report
-from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, lora_layers, peft_config, write_module_adapter,
-                                            write_peft_adapter)
+from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, apply_trained, lora_layers, peft_config,
+                                            write_module_adapter, write_peft_adapter)
 
 LORA_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
                   "wan": "WanPipeline"}
@@ -59,12 +59,7 @@ def _trained_policy(src: Source, transformer_dir: Path) -> nn.Module:
     """The trained policy in fp32: base + injected LoRA + checkpoint weights (or the full fine-tuned weights).
     The weights fit (checked by :func:`~flowforge.tools.export_contract.check_contract` before)."""
     transformer = _load_transformer(transformer_dir)
-    if src.lora["trainable"] == "lora":
-        lora_lib.inject_lora(transformer, int(src.lora["rank"]), float(src.lora["alpha"]), list(src.lora["targets"]))
-        lora_lib.load_lora_state_dict(transformer, src.weights)
-    else:
-        # a sharded (FSDP) checkpoint holds the parameters only; buffers then come from the base
-        transformer.load_state_dict({k: v.float() for k, v in src.weights.items()}, strict=False)
+    apply_trained(src, transformer)
     return transformer.requires_grad_(False).eval()
 
 

@@ -139,6 +139,25 @@ def read_trained_modules(out: Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def apply_trained(src: Source, model: nn.Module) -> None:
+    """The checkpoint's trained weights into ``model`` (its base, built from the run's base) in place, by contract:
+    ``lora``: peft LoRA layers injected on ``targets`` and loaded; ``module`` / ``full``: the tensors loaded by name
+    (``strict=False``: a module run holds its submodules only, a sharded FSDP checkpoint parameters only, the rest
+    stays the base's); ``module+lora``: both (:func:`split_module_lora`; a trained submodule holds no LoRA layer, so
+    the order does not matter). The weights are assumed to fit (:func:`~flowforge.tools.export_contract.check_contract`).
+    """
+    from flowforge.models import lora as lora_lib
+
+    if src.lora["trainable"] == "module+lora":
+        for part in split_module_lora(src):
+            apply_trained(part, model)
+    elif src.lora["trainable"] == "lora":
+        lora_lib.inject_lora(model, int(src.lora["rank"]), float(src.lora["alpha"]), list(src.lora["targets"]))
+        lora_lib.load_lora_state_dict(model, src.weights)
+    else:
+        model.load_state_dict(dict(src.weights), strict=False)
+
+
 def overlay(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy ``tensors`` (full state-dict names) into ``model`` in place; every other weight stays as it was.
 

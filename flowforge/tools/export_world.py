@@ -49,9 +49,9 @@ from flowforge.runtime.errors import one_line
 from flowforge.tools.export_out import ExportError
 from flowforge.tools.export_source import Source, base_name, require_base
 from flowforge.tools.export_verify import VerifyReport, verify_report
-from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, PEFT_WEIGHT_NAME, overlay, read_trained_modules,
-                                            split_module_lora, write_module_adapter, write_peft_adapter,
-                                            write_trained_modules)
+from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, PEFT_WEIGHT_NAME, apply_trained, overlay,
+                                            read_trained_modules, split_module_lora, write_module_adapter,
+                                            write_peft_adapter, write_trained_modules)
 
 Probe = tuple[torch.Tensor, torch.Tensor, Conditioning]
 
@@ -88,17 +88,8 @@ def velocity(model: WorldModel, inputs: Probe) -> torch.Tensor:
 
 
 def _apply(src: Source, model: WorldModel) -> None:
-    """The checkpoint's weights into ``model``: LoRA injected and loaded, the tensors overlaid by name, or both
-    (``module+lora``: the submodules hold no LoRA layer, so the order does not matter)."""
-    if src.lora["trainable"] == "module+lora":
-        for part in split_module_lora(src):
-            _apply(part, model)
-        return
-    if src.lora["trainable"] == "lora":
-        lora_lib.inject_lora(model, int(src.lora["rank"]), float(src.lora["alpha"]), list(src.lora["targets"]))
-        lora_lib.load_lora_state_dict(model, src.weights)
-    else:  # module / full: the trained tensors under their full names (a sharded checkpoint: parameters only)
-        model.load_state_dict({k: v.float() for k, v in src.weights.items()}, strict=False)
+    """The checkpoint's weights into ``model`` (:func:`~flowforge.tools.export_weights.apply_trained`), for eval."""
+    apply_trained(src, model)
     model.requires_grad_(False).eval()
 
 

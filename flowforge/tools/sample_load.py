@@ -23,7 +23,7 @@ from flowforge.tools.export_diffusers import LORA_WEIGHT_NAME
 from flowforge.tools.export_out import EXPORT_META
 from flowforge.tools.export_source import (check_base_identity, layout, load_source, pick_checkpoint,
                                           read_run_config)
-from flowforge.tools.export_weights import PEFT_WEIGHT_NAME, overlay, read_trained_modules, split_module_lora
+from flowforge.tools.export_weights import PEFT_WEIGHT_NAME, apply_trained, overlay, read_trained_modules
 
 log = logging.getLogger("flowforge")
 
@@ -68,14 +68,8 @@ def _load_run(run_dir: Path, device: str | None, base: str | None) -> SampleMode
     check_base_identity(src.base, src.checkpoint.trainer_state.get("base_model_sha256"))
     check_contract(src, layout(src.base)[0])
     adapter = _build(cfg, src.base, _pick_device(cfg, device))
-    t = adapter.transformer
-    for part in split_module_lora(src) if src.lora["trainable"] == "module+lora" else (src,):
-        if part.lora["trainable"] == "lora":
-            lora_lib.inject_lora(t, int(part.lora["rank"]), float(part.lora["alpha"]), list(part.lora["targets"]))
-            lora_lib.load_lora_state_dict(t, part.weights)
-        else:  # a sharded (FSDP) checkpoint holds the parameters only; buffers then come from the base
-            t.load_state_dict(part.weights, strict=False)
-    t.requires_grad_(False).eval()
+    apply_trained(src, adapter.transformer)
+    adapter.transformer.requires_grad_(False).eval()
     return SampleModel(adapter, cfg, f"run {run_dir} checkpoint {path.name} (live weights)")
 
 
