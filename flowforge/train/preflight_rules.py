@@ -1,5 +1,5 @@
-"""Cross-section preflight rules of the run-level features: the reward-hacking guard, the rollout chunking and the
-forward-process DPM-Solver-2 rollouts.
+"""Cross-section preflight rules of the run-level features: the reward-hacking guard, the rollout chunking, the
+forward-process DPM-Solver-2 rollouts and what ``flowforge export`` can write.
 
 Called by :func:`flowforge.train.preflight.preflight` (which lists every problem at once); kept here so that each
 feature's rules live beside it.
@@ -58,10 +58,22 @@ def dpm2_warnings(cfg) -> list[str]:
             "samples on sampler.schedule='wan' (shifted linspace(1, 1/T, T))"]
 
 
+def export_warnings(cfg) -> list[str]:
+    """A ``module+lora`` run of a family whose export writes diffusers files: it trains, samples and resumes, but
+    ``flowforge export`` refuses it (only the families with a format of their own export ``module+lora``)."""
+    from flowforge.tools.export_source import OWN_FORMAT_ADAPTERS
+
+    if cfg.lora.trainable != "module+lora" or cfg.model.adapter in OWN_FORMAT_ADAPTERS:
+        return []
+    return [f"lora.trainable='module+lora' with model.adapter={cfg.model.adapter!r}: the run trains, samples and "
+            f"resumes, but flowforge export cannot write it yet (only {list(OWN_FORMAT_ADAPTERS)}); use "
+            "lora.trainable='lora' or 'module' for a run to export"]
+
+
 def run_rules(cfg, problems: list[str], warnings: list[str], *, world_size: int = 1) -> None:
     """Append the guard's problems and warnings (:func:`flowforge.train.guard.guard_problems`), the rollout
-    chunking warning (:func:`chunking_warnings`) and the DPM-Solver-2 schedule warning (:func:`dpm2_warnings`) of
-    ``cfg`` to ``problems`` / ``warnings``."""
+    chunking warning (:func:`chunking_warnings`), the DPM-Solver-2 schedule warning (:func:`dpm2_warnings`) and the
+    export warning (:func:`export_warnings`) of ``cfg`` to ``problems`` / ``warnings``."""
     guard_p, guard_w = guard_problems(cfg)
     problems += guard_p
-    warnings += guard_w + chunking_warnings(cfg, world_size) + dpm2_warnings(cfg)
+    warnings += guard_w + chunking_warnings(cfg, world_size) + dpm2_warnings(cfg) + export_warnings(cfg)

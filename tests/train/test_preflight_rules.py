@@ -39,3 +39,18 @@ def test_dpm2_on_the_static_schedule_is_warned():
     assert dpm2_warnings(load_config(None, ["train.algorithm=nft", "forward.sampler=dpm2", "sampler.schedule=wan"])) \
         == [] and dpm2_warnings(load_config(None, ["train.algorithm=nft"])) == []
     assert dpm2_warnings(load_config(None, ["forward.sampler=dpm2"])) == []  # grpo does not roll out with it
+
+
+def test_a_module_lora_run_that_export_cannot_write_is_warned():
+    """module+lora trains for every family but exports only for the families with a format of their own (the world
+    model): preflight says so before training a diffusers family that way."""
+    from flowforge.train.preflight_rules import export_warnings
+
+    module_lora = ["lora.trainable=module+lora", "lora.modules=[transformer_blocks.0.ff]"]
+    (text,) = export_warnings(load_config(None, module_lora))
+    assert text.startswith("lora.trainable='module+lora' with model.adapter='sd3': the run trains")
+    assert "flowforge export cannot write it yet (only ['world_model'])" in text
+    assert export_warnings(load_config(None, [*module_lora, "model.adapter=world_model"])) == []
+    assert export_warnings(load_config(None, ["lora.trainable=module", "lora.modules=[transformer_blocks.0.ff]"])) == []
+    report = preflight(load_config(None, module_lora), this_machine=False)
+    assert any(w.startswith("lora.trainable='module+lora' with model.adapter='sd3'") for w in report.warnings)
