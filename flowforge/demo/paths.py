@@ -10,7 +10,7 @@ name            file
 ==============  =========================================================================================
 ``demo:base``   ``flowforge/demo/weights/base/``: the SFT base policy (``config.json``,
                 ``diffusion_pytorch_model.safetensors``, ``flowforge.json`` naming its MiniLM text encoder)
-``demo:train``  ``flowforge/demo/prompts/train.jsonl``: 18 phrasings x 10 digits (:mod:`flowforge.demo.prompts`)
+``demo:train``  ``flowforge/demo/prompts/train.jsonl``: 22 phrasings x 10 digits (:mod:`flowforge.demo.prompts`)
 ``demo:eval``   ``flowforge/demo/prompts/eval.jsonl``: 6 held-out phrasings x 10 digits
 ``demo:world``  ``flowforge/demo/weights/world/``: the Atari world model (:mod:`flowforge.demo.world`)
 ``demo:world-train`` / ``demo:world-eval``: Breakout start frames + actions (train / held-out episodes)

@@ -43,6 +43,13 @@ TRAIN_TEMPLATES = (
     "the handwritten number {numeral}",
     "a photo of the digit {word} on paper",
     "draw a {word}",
+    # "one" as a count word, not the digit: in the 18 phrasings above the word "one" always *is* the digit 1, so the
+    # SFT base drew a 1 for the held-out "one handwritten character: three" (DigitEval 0.38 on that phrasing
+    # against 0.95-1.0 on the other five, after RL). None of these is an eval phrasing or its structure.
+    "one {word}, drawn by hand",
+    "just one digit, a {numeral}",
+    "one more handwritten {word}",
+    "one example of the digit {numeral}",
 )
 """Training phrasings (``{word}`` = digit word, ``{numeral}`` = "0".."9")."""
 
@@ -76,7 +83,7 @@ def render(template: str, digit: int) -> str:
 
 
 def generate_rows(name: str) -> list[dict]:
-    """All rows of prompt set ``name`` (``"train"``: 18 templates x 10 digits = 180 rows; ``"eval"``: 6 x 10 = 60),
+    """All rows of prompt set ``name`` (``"train"``: 22 templates x 10 digits = 220 rows; ``"eval"``: 6 x 10 = 60),
     as JSON-ready dicts in the unified schema, template-major.
 
     Raises:

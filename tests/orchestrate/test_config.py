@@ -68,8 +68,8 @@ def test_every_problem_of_a_pipeline_is_listed_at_once(tmp_path):
     for expected in ("reward.weights: set by the pipeline", "stages.on_gate_fail='retry' is not one of",
                      "unknown key 'stages.bogus'", "teacher.judge sets ['base_url']"):
         assert expected in text, expected
-    with pytest.raises(ConfigError, match="must not exceed the 180 conditions"):
-        check_pipeline(load_pipeline(EXAMPLE, ["stages.n_a=200"]))
+    with pytest.raises(ConfigError, match="must not exceed the 220 conditions"):  # demo:train: 22 x 10 digits
+        check_pipeline(load_pipeline(EXAMPLE, ["stages.n_a=224"]))
 
 
 def test_check_and_stages_refuse_a_bad_pipeline_in_one_line(tmp_path, capsys):
