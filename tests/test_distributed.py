@@ -107,7 +107,13 @@ def test_nft_guard_pads_the_rank_that_skipped_and_matches_single_process(tiny_mo
     """With ``nft.guard`` a rank can keep fewer rows than another: at step 2 the guard skips rank 1's only group
     while rank 0 trains its own, so rank 1 backpropagates zero-weight padding (same forwards / backwards, no hang)
     and the result equals the single-process run, where the skipped group is simply dropped."""
-    extra = ("train.algorithm=nft", "nft.guard=true", "nft.guard_min_spread=0.0005")
+    # the case needs a group whose reward spread falls under the threshold at step 2: pinned to the demo's first 180
+    # prompts (its first 18 phrasings), so that phrasings appended to demo:train do not move which groups are drawn
+    from flowforge.demo.prompts import prompt_file
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(prompt_file("train").read_text().splitlines(keepends=True)[:180]))
+    extra = ("train.algorithm=nft", "nft.guard=true", "nft.guard_min_spread=0.0005", f"data.prompts={prompts}")
     ref = _run(tmp_path / "ref", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "one", *extra), 1)
     ref_rows = _losses(tmp_path / "one")
     assert [r["train/guard_skipped_groups"] for r in ref_rows] == [0.0, 1.0]  # the case under test happens

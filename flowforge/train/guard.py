@@ -212,17 +212,21 @@ class RewardHackingGuard:
 
         step, value = max(self.judge_curve, key=lambda p: (p[1], -p[0]))  # the first of equal bests, as in training
         path = self.run_dir / BEST_FILE
-        saved = None
+        saved, why = None, "missing"
         if path.is_file():
-            with safe_open(str(path), framework="pt") as f:
-                saved = int((f.metadata() or {}).get("step", -1))
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    saved = int((f.metadata() or {})["step"])
+                why = f"it holds step {saved}"
+            except Exception as exc:  # noqa: BLE001 - a torn or foreign file: safetensors raises its own types
+                why = f"unreadable: {type(exc).__name__}"
         if saved == step:
             self.best = (step, value)
             self._pending[3] = 1.0
             return
         log.warning("reward-hacking guard: the weights of the best evaluation before the resume (step %d, %s %.4f) "
                     "are not in %s (%s): the rollback target is the best evaluation from now on", step, self.judge,
-                    value, path, "missing" if saved is None else f"it holds step {saved}")
+                    value, path, why)
 
     def observe_step(self, step: int, scalars: Mapping[str, float]) -> None:
         """Record the training reward of the step just completed (``step`` = steps completed)."""

@@ -109,7 +109,7 @@ def test_guard_stops_a_run_exploiting_its_reward(tmp_path, monkeypatch, action):
     """The embedded default trained on brightness (a reward the policy can raise without drawing digits), judged by
     the independent DigitEval classifier: the judge falls while the reward rises, and the guard ends the run and
     says so in the log, eval.jsonl and the report; with rollback the final weights are the best evaluation's (the
-    base: measured DigitEval 0.68 -> 0.60 -> 0.43 at steps 0 / 2 / 4, brightness reward 0.12 -> 0.24)."""
+    base: measured DigitEval 0.93 -> 0.93 -> 0.85 -> 0.68 at steps 0 / 2 / 4 / 6, brightness reward 0.10 -> 0.22)."""
     from flowforge.train.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2]))  # tests.rewards.byo_scorers
@@ -141,14 +141,14 @@ def test_guard_stops_a_run_exploiting_its_reward(tmp_path, monkeypatch, action):
 
 
 def test_a_resumed_run_rolls_back_to_the_best_evaluation_before_the_resume(tmp_path, monkeypatch):
-    """The same run interrupted after step 2 (its best evaluation, the base at step 0, lies before the resume) and
-    resumed: the guard reads the best step's weights back from guard_best.safetensors and the stop at step 4 rolls
+    """The same run interrupted after step 4 (its best evaluation, the base at step 0, lies before the resume) and
+    resumed: the guard reads the best step's weights back from guard_best.safetensors and the stop at step 6 rolls
     back to them exactly."""
     from flowforge.train.guard import BEST_FILE
     from flowforge.train.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2]))  # tests.rewards.byo_scorers
-    Trainer(_hack_cfg(tmp_path, "rollback", "checkpoint.every=2"), progress=False).train(stop_at=2)
+    Trainer(_hack_cfg(tmp_path, "rollback", "checkpoint.every=2"), progress=False).train(stop_at=4)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "hack" / BEST_FILE), framework="pt") as f:
@@ -156,18 +156,19 @@ def test_a_resumed_run_rolls_back_to_the_best_evaluation_before_the_resume(tmp_p
     trainer = Trainer(_hack_cfg(tmp_path, "rollback", "checkpoint.every=2", "train.resume=auto"), progress=False)
     run_dir = trainer.train()
     stop = _read(run_dir / "eval.jsonl")[-1]
-    assert stop["step"] == 4 and stop["eval/guard_stop"] == 1.0  # the falls logged before the resume counted
+    assert stop["step"] == 6 and stop["eval/guard_stop"] == 1.0  # the fall logged before the resume counted
     assert stop["eval/guard_best_step"] == 0.0 and stop["eval/guard_rolled_back"] == 1.0
     final, base = trainer.policy.named_weights("live"), _base_weights()
     assert all(torch.equal(final[k], base[k]) for k in base)
 
 
-@pytest.mark.parametrize("saved_step", [None, 2, 6])
+@pytest.mark.parametrize("saved_step", [None, 2, 6, "torn"])
 def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path, caplog, saved_step):
     """After train.resume the guard continues from eval.jsonl / metrics.jsonl: the falls logged before the resume
     count (rows past the resumed step, left by the killed run, do not). The rollback target is the best logged
     evaluation (step 2) when guard_best.safetensors holds that step; when the file is missing or holds another step
-    (a later best of the killed run) the log says so and the target is the best evaluation since the resume."""
+    (a later best of the killed run) or is unreadable, the log says so and the target is the best evaluation since
+    the resume."""
     from safetensors.torch import save_file
 
     from flowforge.settings.sections import GuardConfig
@@ -178,7 +179,9 @@ def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path, cap
                                                  for s, v in evals))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/total_mean": 0.1 * s}) + "\n"
                                                     for s in range(1, 7)))
-    if saved_step is not None:
+    if saved_step == "torn":  # a file cut short (a crash while a copy of the run was made): logged, not raised
+        (tmp_path / BEST_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    elif saved_step is not None:
         save_file({"live/w": torch.zeros(1)}, str(tmp_path / BEST_FILE), metadata={"step": str(saved_step)})
     guard = RewardHackingGuard(GuardConfig(patience=2, action="rollback"), "eval/digit_eval", run_dir=tmp_path)
     guard.observe_step(5, {"reward/total_mean": 0.5})  # the first step after resuming from step 4
