@@ -89,6 +89,10 @@ ADAPTER_CLASSES: dict[str, str] = {
 }
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 
+OWN_FORMAT_FAMILIES: tuple[str, ...] = ("world_model",)
+"""Registered families saved in a file format of their own rather than as a diffusers transformer (what ``flowforge
+export`` writes for them: :mod:`flowforge.tools.export_world`)."""
+
 FAMILY_TASKS: dict[str, tuple[str, ...]] = {
     "wan": ("t2v", "i2v"),
 }

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from flowforge.config import ConfigError, load_config
+from flowforge.models import OWN_FORMAT_FAMILIES
 from flowforge.runtime.errors import UserError, file_error, one_line
 from flowforge.tools.export_out import ExportError
 from flowforge.train import checkpoint as ckpt
 
 SUPPORTED_ADAPTERS = ("sd3", "flux", "qwen_image", "wan")
 """Registered diffusers families: export writes diffusers files for them and can verify them."""
-OWN_FORMAT_ADAPTERS = ("world_model",)
+OWN_FORMAT_ADAPTERS = OWN_FORMAT_FAMILIES
 """Registered families with a file format of their own (the world model's: :mod:`flowforge.tools.export_world`)."""
 TRAINABLE = ("lora", "module", "full", "module+lora")
 

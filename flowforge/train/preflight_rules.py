@@ -61,12 +61,12 @@ def dpm2_warnings(cfg) -> list[str]:
 def export_warnings(cfg) -> list[str]:
     """A ``module+lora`` run of a family whose export writes diffusers files: it trains, samples and resumes, but
     ``flowforge export`` refuses it (only the families with a format of their own export ``module+lora``)."""
-    from flowforge.tools.export_source import OWN_FORMAT_ADAPTERS
+    from flowforge.models import OWN_FORMAT_FAMILIES
 
-    if cfg.lora.trainable != "module+lora" or cfg.model.adapter in OWN_FORMAT_ADAPTERS:
+    if cfg.lora.trainable != "module+lora" or cfg.model.adapter in OWN_FORMAT_FAMILIES:
         return []
     return [f"lora.trainable='module+lora' with model.adapter={cfg.model.adapter!r}: the run trains, samples and "
-            f"resumes, but flowforge export cannot write it yet (only {list(OWN_FORMAT_ADAPTERS)}); use "
+            f"resumes, but flowforge export cannot write it yet (only {list(OWN_FORMAT_FAMILIES)}); use "
             "lora.trainable='lora' or 'module' for a run to export"]
 
 
