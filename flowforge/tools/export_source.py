@@ -7,7 +7,7 @@ is :func:`flowforge.train.checkpoint.load_checkpoint`'s, shared with resume. Whe
 run's contract names is :func:`flowforge.tools.export_contract.check_contract`'s.
 
 Exportable families: the diffusers ones (:data:`SUPPORTED_ADAPTERS`, or a ``pkg.module:Class`` adapter over a
-diffusers transformer) and those with a format of their own (:data:`OWN_FORMAT_ADAPTERS`: the world model). The
+diffusers transformer) and those with a format of their own (:data:`flowforge.models.OWN_FORMAT_FAMILIES`: the world model). The
 trained weights of every contract (``lora``, ``module``, ``full``, ``module+lora``) are read the same way.
 """
 
@@ -28,8 +28,6 @@ from flowforge.train import checkpoint as ckpt
 
 SUPPORTED_ADAPTERS = ("sd3", "flux", "qwen_image", "wan")
 """Registered diffusers families: export writes diffusers files for them and can verify them."""
-OWN_FORMAT_ADAPTERS = OWN_FORMAT_FAMILIES
-"""Registered families with a file format of their own (the world model's: :mod:`flowforge.tools.export_world`)."""
 TRAINABLE = ("lora", "module", "full", "module+lora")
 
 
@@ -66,7 +64,7 @@ def read_run_config(run_dir: Path):
     except ConfigError as exc:
         raise ExportError(cfg_file, f"is not a valid flowforge config ({one_line(str(exc))})",
                           "restore the run's config.yaml") from exc
-    known = (*SUPPORTED_ADAPTERS, *OWN_FORMAT_ADAPTERS)
+    known = (*SUPPORTED_ADAPTERS, *OWN_FORMAT_FAMILIES)
     if cfg.model.adapter not in known and ":" not in cfg.model.adapter:
         raise ExportError(f"model.adapter={cfg.model.adapter!r} in {cfg_file}", "export cannot handle this family",
                           f"allowed: {list(known)} or a 'pkg.module:Class' adapter over a diffusers transformer")

@@ -52,7 +52,6 @@ from flowforge.train.run_dir import GUARD_BEST_FILE
 log = logging.getLogger("flowforge")
 
 EVAL_PREFIX = "eval/"
-BEST_FILE = GUARD_BEST_FILE  # the rollback target's weights (action: rollback), in the run directory
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ class RewardHackingGuard:
         self.best: tuple[int, float] | None = None  # (step, judge) of the best evaluation whose weights are held
         self.stopped = False
         self.message: str | None = None
-        # rank 0's decision since the last sync: [snapshot, stop, rollback, read the snapshot back from BEST_FILE]
+        # rank 0's decision since the last sync: [snapshot, stop, rollback, read the snapshot back from GUARD_BEST_FILE]
         self._pending = torch.zeros(4)
         self._snapshot: dict[str, dict[str, torch.Tensor]] | None = None
         self._loaded = False
@@ -206,12 +205,12 @@ class RewardHackingGuard:
             self._recover_best()
 
     def _recover_best(self) -> None:
-        """Rank 0, on resume: the best logged evaluation becomes the rollback target if ``BEST_FILE`` holds its
+        """Rank 0, on resume: the best logged evaluation becomes the rollback target if ``GUARD_BEST_FILE`` holds its
         weights (every rank reads them at the next :meth:`sync`); otherwise the log says the target restarts."""
         from safetensors import safe_open
 
         step, value = max(self.judge_curve, key=lambda p: (p[1], -p[0]))  # the first of equal bests, as in training
-        path = self.run_dir / BEST_FILE
+        path = self.run_dir / GUARD_BEST_FILE
         saved, why = None, "missing"
         if path.is_file():
             try:
@@ -288,17 +287,17 @@ class RewardHackingGuard:
         return stop
 
     def _write_best(self) -> None:
-        """Rank 0: the snapshot of the best evaluation to ``BEST_FILE`` (``<policy>/<key>`` tensors; step, judge key
+        """Rank 0: the snapshot of the best evaluation to ``GUARD_BEST_FILE`` (``<policy>/<key>`` tensors; step, judge key
         and value in the metadata), replacing the previous best atomically."""
         from safetensors.torch import save_file
 
         flat = {f"{n}/{k}": t.contiguous() for n, weights in self._snapshot.items() for k, t in weights.items()}
         meta = {"step": str(self.best[0]), "judge": str(self.judge), "value": repr(self.best[1])}
-        atomic_write(self.run_dir / BEST_FILE, lambda tmp: save_file(flat, str(tmp), metadata=meta))
+        atomic_write(self.run_dir / GUARD_BEST_FILE, lambda tmp: save_file(flat, str(tmp), metadata=meta))
 
     def _read_best(self, names: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
         """Every rank: the snapshot written by :meth:`_write_best`, split back per policy (``names``)."""
         from safetensors.torch import load_file
 
-        flat = load_file(str(self.run_dir / BEST_FILE))
+        flat = load_file(str(self.run_dir / GUARD_BEST_FILE))
         return {n: {k[len(n) + 1:]: t for k, t in flat.items() if k.startswith(f"{n}/")} for n in names}

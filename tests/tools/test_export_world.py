@@ -186,9 +186,9 @@ def test_module_lora_run_exports_merged_and_both_adapter_files(tmp_path):
 
 
 def test_the_own_format_families_and_the_writer_table_name_the_same_families():
-    """read_run_config accepts OWN_FORMAT_ADAPTERS; export_run dispatches through WRITERS (every other family goes to
+    """read_run_config accepts OWN_FORMAT_FAMILIES; export_run dispatches through WRITERS (every other family goes to
     the diffusers writer): a family in one list only would be accepted and then written as diffusers files."""
     from flowforge.tools.export import WRITERS
-    from flowforge.tools.export_source import OWN_FORMAT_ADAPTERS
+    from flowforge.models import OWN_FORMAT_FAMILIES
 
-    assert sorted(WRITERS) == sorted(OWN_FORMAT_ADAPTERS)
+    assert sorted(WRITERS) == sorted(OWN_FORMAT_FAMILIES)

@@ -144,14 +144,14 @@ def test_a_resumed_run_rolls_back_to_the_best_evaluation_before_the_resume(tmp_p
     """The same run interrupted after step 4 (its best evaluation, the base at step 0, lies before the resume) and
     resumed: the guard reads the best step's weights back from guard_best.safetensors and the stop at step 6 rolls
     back to them exactly."""
-    from flowforge.train.guard import BEST_FILE
+    from flowforge.train.run_dir import GUARD_BEST_FILE
     from flowforge.train.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2]))  # tests.rewards.byo_scorers
     Trainer(_hack_cfg(tmp_path, "rollback", "checkpoint.every=2"), progress=False).train(stop_at=4)
     from safetensors import safe_open
 
-    with safe_open(str(tmp_path / "hack" / BEST_FILE), framework="pt") as f:
+    with safe_open(str(tmp_path / "hack" / GUARD_BEST_FILE), framework="pt") as f:
         assert f.metadata()["step"] == "0"
     trainer = Trainer(_hack_cfg(tmp_path, "rollback", "checkpoint.every=2", "train.resume=auto"), progress=False)
     run_dir = trainer.train()
@@ -172,7 +172,8 @@ def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path, cap
     from safetensors.torch import save_file
 
     from flowforge.settings.sections import GuardConfig
-    from flowforge.train.guard import BEST_FILE, RewardHackingGuard
+    from flowforge.train.guard import RewardHackingGuard
+    from flowforge.train.run_dir import GUARD_BEST_FILE
 
     evals = [(0, 0.70), (2, 0.80), (4, 0.75), (6, 0.10)]  # step 6: logged by the killed run after the checkpoint
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval/digit_eval": v}) + "\n"
@@ -180,9 +181,9 @@ def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path, cap
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/total_mean": 0.1 * s}) + "\n"
                                                     for s in range(1, 7)))
     if saved_step == "torn":  # a file cut short (a crash while a copy of the run was made): logged, not raised
-        (tmp_path / BEST_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+        (tmp_path / GUARD_BEST_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     elif saved_step is not None:
-        save_file({"live/w": torch.zeros(1)}, str(tmp_path / BEST_FILE), metadata={"step": str(saved_step)})
+        save_file({"live/w": torch.zeros(1)}, str(tmp_path / GUARD_BEST_FILE), metadata={"step": str(saved_step)})
     guard = RewardHackingGuard(GuardConfig(patience=2, action="rollback"), "eval/digit_eval", run_dir=tmp_path)
     guard.observe_step(5, {"reward/total_mean": 0.5})  # the first step after resuming from step 4
     assert guard.judge_curve == [(0, 0.70), (2, 0.80), (4, 0.75)]
