@@ -249,7 +249,7 @@ def test_resume_fingerprint_covers_only_what_changes_the_computation():
 
 def test_resume_warning_names_the_changed_keys(caplog):
     from flowforge.settings import resume_fingerprint
-    from flowforge.train.checkpoint_manager import TrainerState
+    from flowforge.train.checkpoint.manager import TrainerState
 
     def record(*overrides):
         cfg = C.load_config(None, list(overrides))

@@ -7,7 +7,9 @@ with a constant name -- except those in the body of an ``if TYPE_CHECKING:`` blo
 1. every module belongs to a layer of :data:`LAYERS` (a new package must be added to the table);
 2. a module imports only its own layer or lower ones (no upward import);
 3. no ``_private`` name (module, function, class, constant) is imported from outside the package that holds it;
-4. the packages of :data:`PURE` import only the standard library and the listed third-party roots (and themselves).
+4. the packages of :data:`PURE` import only the standard library and the listed third-party roots (and themselves);
+5. no import circle: the graph of module-to-module imports has no cycle (a module importing its own parent package is
+   not an edge: Python imports the parent first in any case).
 
 The checker runs on a tree root, so the tests below also run it on a small fake ``flowforge`` tree written into
 ``tmp_path`` to show that each rule really reports what it should.
@@ -30,9 +32,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("flowforge.models", "flowforge.data"),
     ("flowforge.demo", "flowforge.policy", "flowforge.rollout", "flowforge.rewards"),
     ("flowforge.objectives",),
-    ("flowforge.config",),
+    ("flowforge.config", "flowforge.report"),
     ("flowforge.train",),
-    ("flowforge.tools", "flowforge.serve", "flowforge.orchestrate", "flowforge.reward_model"),
+    ("flowforge.tools", "flowforge.reward_model"),
+    ("flowforge.orchestrate",),
+    ("flowforge.serve",),
     ("flowforge.cli",),
 )
 """Layer ``i`` may import layers ``0..i``. An entry names a package (and everything below it) or a module; the
@@ -185,6 +189,58 @@ def check_tree(root: pathlib.Path, package: str = PACKAGE, layers=LAYERS, pure=P
     return sorted(set(problems))  # one line per (place, rule), however many names the import lists
 
 
+def import_graph(root: pathlib.Path, package: str = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (an import names the longest module it reaches: ``from a.b
+    import c`` is ``a.b.c`` when that is a module, else ``a.b``); imports of an enclosing package are left out."""
+    modules = find_modules(root, package)
+    graph: dict[str, set[str]] = {}
+    for name, module in modules.items():
+        edges = set()
+        for imp in imports_of(module, package):
+            target = imp.full if imp.full in modules else imp.target
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:  # recursion depth is bounded by the number of modules (~250)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
 # ------------------------------------------------------------------------------------------------ the real tree
 @pytest.fixture(scope="module")
 def problems() -> list[str]:
@@ -216,10 +272,17 @@ def test_algorithms_import_only_torch_and_stdlib(problems):
     assert not impure, "\n".join(impure)
 
 
+def test_no_import_circles():
+    graph = import_graph(ROOT)
+    assert sum(map(len, graph.values())) > 200  # the graph really holds the package's imports
+    circles = import_circles(graph)
+    assert not circles, "\n".join(" <-> ".join(c) for c in circles)
+
+
 def test_layer_table_names_each_package_once():
     entries = [e for layer in LAYERS for e in layer]
     assert len(entries) == len(set(entries))
-    assert layer_of("flowforge.algorithms.sde") == 0 and layer_of("flowforge.cli.__main__") == 7
+    assert layer_of("flowforge.algorithms.sde") == 0 and layer_of("flowforge.cli.__main__") == 9
     assert layer_of("flowforge") == 0 and layer_of("flowforge.unknown") is None
 
 
@@ -281,3 +344,21 @@ def test_checker_rules_on_a_fake_tree(tmp_path):
         "flowforge/rollout/__init__.py:2: flowforge.rollout (layer 2) imports flowforge.train (layer 5): "
         "an upward import",
     ]
+
+
+def test_checker_finds_an_import_circle(tmp_path):
+    root = _fake_tree(tmp_path, {
+        "__init__.py": "",
+        "train/__init__.py": "",
+        "train/a.py": "from flowforge.train.b import X\n",
+        "train/b.py": "X = 1\n\n\ndef f():\n    from flowforge.train import c\n",
+        "train/c.py": "import flowforge.train.a\n",
+        "train/d.py": "from flowforge.train import a\n",  # imports into the circle, not part of it
+        "tools/__init__.py": "from flowforge.tools import sub\n",
+        "tools/sub.py": "import flowforge.tools\n",  # a module importing its own package is no edge
+    })
+    graph = import_graph(root)
+    assert graph["flowforge.train.b"] == {"flowforge.train.c"} and graph["flowforge.tools.sub"] == set()
+    assert import_circles(graph) == [["flowforge.train.a", "flowforge.train.b", "flowforge.train.c"]]
+    (root / "flowforge" / "train" / "c.py").write_text("X = 2\n")
+    assert import_circles(import_graph(root)) == []

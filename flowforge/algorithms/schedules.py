@@ -255,3 +255,20 @@ def resolve_trained_steps(
             f"(steps {start}..{end - 1})"
         )
     return [start + (k * width) // num_sde_steps for k in range(num_sde_steps)]
+
+
+def sample_sigmas(batch: int, generator: torch.Generator, *, kind: str = "logit_normal", logit_mean: float = 0.0,
+                  logit_std: float = 1.0) -> torch.Tensor:
+    """Training noise levels ``[batch]`` float32 in (0, 1) for flow-matching SFT and its anchors.
+
+    ``logit_normal``: ``sigma = sigmoid(m + s * n)``, ``n ~ N(0, 1)`` (SD3's choice, Esser et al. 2024, section 3.1:
+    more training on intermediate noise levels); ``uniform``: ``sigma ~ U(0, 1)``.
+
+    Raises:
+        ValueError: ``kind`` is not ``"logit_normal"`` or ``"uniform"``.
+    """
+    if kind == "logit_normal":
+        return torch.sigmoid(logit_mean + logit_std * torch.randn(batch, generator=generator))
+    if kind == "uniform":
+        return torch.rand(batch, generator=generator)
+    raise ValueError(f"sigma_sampling={kind!r} is not one of ['logit_normal', 'uniform']")

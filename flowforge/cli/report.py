@@ -17,7 +17,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowforge.train.report import write_report
+    from flowforge.report.run import write_report
 
     print(write_report(args.run_dir, smoothing=args.smooth))
     return 0

@@ -4,7 +4,7 @@
 name / file                       what
 ================================  ==================================================================================
 ``demo:world``                    ``weights/world/``: the tiny world model after ``flowforge sft
-                                  examples/worldmodel/sft.yaml`` (:mod:`flowforge.train.sft_world`)
+                                  examples/worldmodel/sft.yaml`` (:mod:`flowforge.train.sft.world`)
 ``demo:world-train``              ``prompts/world-train.jsonl``: :data:`TRAIN_STARTS` training clips (first frame +
                                   the clip's real actions), evenly spaced over the train split
 ``demo:world-eval``               ``prompts/world-eval.jsonl``: :data:`EVAL_STARTS` held-out clips (other episodes)

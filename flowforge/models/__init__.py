@@ -91,7 +91,7 @@ ADAPTER_CLASSES: dict[str, str] = {
 
 OWN_FORMAT_FAMILIES: tuple[str, ...] = ("world_model",)
 """Registered families saved in a file format of their own rather than as a diffusers transformer (what ``flowforge
-export`` writes for them: :mod:`flowforge.tools.export_world`)."""
+export`` writes for them: :mod:`flowforge.tools.export.world`)."""
 
 FAMILY_TASKS: dict[str, tuple[str, ...]] = {
     "wan": ("t2v", "i2v"),

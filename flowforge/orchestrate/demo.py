@@ -23,19 +23,19 @@ from torch import Tensor
 @functools.lru_cache(maxsize=1)
 def _digit_table() -> dict[str, int]:
     from flowforge.demo.prompts import EVAL_TEMPLATES, TRAIN_TEMPLATES, render
-    from flowforge.orchestrate.ledger import normalise_text
+    from flowforge.data.clusters import normalise_text
 
     return {normalise_text(render(t, d)): d for t in (*TRAIN_TEMPLATES, *EVAL_TEMPLATES) for d in range(10)}
 
 
 def prompt_digit(prompt: str) -> int:
-    """The digit (0..9) a demo prompt asks for, matched after :func:`~flowforge.orchestrate.ledger.normalise_text`
+    """The digit (0..9) a demo prompt asks for, matched after :func:`~flowforge.data.clusters.normalise_text`
     (case, punctuation and spacing ignored).
 
     Raises:
         ValueError: the prompt is none of the demo's phrasings.
     """
-    from flowforge.orchestrate.ledger import normalise_text
+    from flowforge.data.clusters import normalise_text
 
     digit = _digit_table().get(normalise_text(prompt))
     if digit is None:

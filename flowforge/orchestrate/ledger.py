@@ -9,9 +9,9 @@ Clusters and order
 ------------------
 Near-duplicate conditions share a *cluster* id (the student's train / held-out split is made by cluster, so a
 paraphrase cannot leak from training into evaluation): ``metadata.cluster`` when the prompt file gives one, else
-:func:`text_cluster` of the prompt -- ``"text:"`` + the first 16 hex digits of the sha256 of the prompt normalised
-by :func:`normalise_text` (Unicode NFKC, lower case, every run of punctuation / underscores / whitespace replaced by
-one space, stripped), so prompts that differ only in case, punctuation or spacing share a cluster.
+:func:`~flowforge.data.clusters.text_cluster` of the prompt -- ``"text:"`` + the first 16 hex digits of the
+sha256 of the prompt normalised by :func:`~flowforge.data.clusters.normalise_text` (Unicode NFKC, lower case, every
+run of punctuation / underscores / whitespace replaced by one space, stripped), so prompts that differ only in case, punctuation or spacing share a cluster.
 
 The pass order sorts conditions by ``sha256(json([seed, cluster, id]))`` (:func:`order_key`): a pure function of
 the seed and the condition, never an RNG state, so it is the same on every machine, rank and resume, and adding a
@@ -59,12 +59,11 @@ import hashlib
 import json
 import logging
 import os
-import re
-import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from flowforge.data.clusters import cluster_of
 from flowforge.runtime.durable import fsync_path
 
 log = logging.getLogger(__name__)
@@ -74,33 +73,6 @@ STAGES = ("A", "C")
 """Stages that draw conditions: A (teacher-judge RL) and C (student-reward RL)."""
 STATES = ("scheduled", "rolled_out", "judged", "used_for_rm", "trained_on")
 """Condition states, each recorded with ``(stage, step, policy_version)``; ``scheduled`` comes from :meth:`take`."""
-_SEPARATORS = re.compile(r"[\W_]+")
-
-
-def normalise_text(text: str) -> str:
-    """``text`` in NFKC, lower case, with every run of non-alphanumeric characters (punctuation, underscores,
-    whitespace) replaced by one space, stripped: ``"A  handwritten SEVEN!"`` -> ``"a handwritten seven"``."""
-    return _SEPARATORS.sub(" ", unicodedata.normalize("NFKC", text).lower()).strip()
-
-
-def text_cluster(text: str) -> str:
-    """``"text:"`` + the first 16 hex digits of ``sha256(normalise_text(text))`` (the default cluster id)."""
-    return "text:" + hashlib.sha256(normalise_text(text).encode("utf-8")).hexdigest()[:16]
-
-
-def cluster_of(prompt: str, metadata: Mapping[str, Any]) -> str:
-    """The cluster of a condition: ``metadata["cluster"]`` (a string or an int, as text) when present, else
-    :func:`text_cluster` of ``prompt``.
-
-    Raises:
-        ValueError: ``metadata["cluster"]`` is present but not a non-empty string or an int.
-    """
-    cluster = metadata.get("cluster")
-    if cluster is None:
-        return text_cluster(prompt)
-    if isinstance(cluster, bool) or not isinstance(cluster, (str, int)) or cluster == "":
-        raise ValueError(f"metadata.cluster must be a non-empty string or an int, got {cluster!r}")
-    return str(cluster)
 
 
 def order_key(seed: int, cluster: str, condition_id: str) -> str:

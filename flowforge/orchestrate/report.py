@@ -70,7 +70,7 @@ def _server_log(path: Path) -> dict[str, int] | None:
 
 def last_eval(run_dir: Path) -> dict[str, float]:
     """The last held-out evaluation of a run directory (``eval.jsonl``), ``{}`` when there is none."""
-    from flowforge.train.report import read_jsonl
+    from flowforge.report.run import read_jsonl
 
     path = run_dir / "eval.jsonl"
     if not path.is_file():

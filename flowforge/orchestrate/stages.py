@@ -145,7 +145,7 @@ class Endpoints:
 def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, progress: bool = True) -> Path:
     """Train stage A up to its current budget (nothing when its last checkpoint is already there)."""
     from flowforge.orchestrate.stage_trainer import StageTrainer
-    from flowforge.train.report import write_report
+    from flowforge.report.run import write_report
 
     steps = a_steps(pcfg, ledger)
     run_dir = pipeline_dir(pcfg) / "A"

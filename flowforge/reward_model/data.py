@@ -11,7 +11,7 @@ another working directory; their bytes must hash to the recorded sha256.
 The **condition** of a group is the candidates' common ``sample_id`` (the trainer repeats one prompt record ``K``
 times); its **cluster** comes from the condition ledger's map (:meth:`ConditionLedger.clusters
 <flowforge.orchestrate.ledger.ConditionLedger.clusters>`) or, for a condition it does not know, from the prompt
-text (:func:`flowforge.orchestrate.ledger.text_cluster`).
+text (:func:`flowforge.data.clusters.text_cluster`).
 
 **Split** (:func:`split_of`): ``u = int(sha256("<seed>:<cluster>")[:16], 16) / 2**64``; ``train`` when
 ``u < f_train``, ``val`` when ``u < f_train + f_val``, else ``test``. A function of the cluster id alone, so every
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from flowforge.orchestrate.ledger import text_cluster
+from flowforge.data.clusters import text_cluster
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.ledger import RequestLedger
 

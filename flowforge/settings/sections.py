@@ -44,7 +44,7 @@ LORA_MODES = ("lora", "module+lora")
 MODULE_MODES = ("module", "module+lora")
 """``lora.trainable`` values that train the submodules ``lora.modules`` in full (``lora.modules`` required)."""
 SIGMA_SAMPLINGS = ("logit_normal", "uniform")
-"""``sft.sigma_sampling`` values (:func:`flowforge.train.sft.sample_sigmas`)."""
+"""``sft.sigma_sampling`` values (:func:`flowforge.algorithms.schedules.sample_sigmas`)."""
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 GUARD_ACTIONS = ("stop", "rollback")
 """``metrics.trackers`` values (:mod:`flowforge.train.trackers`). ``jsonl`` (``metrics.jsonl`` / ``eval.jsonl``) is

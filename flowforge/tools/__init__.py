@@ -1,1 +1,1 @@
-"""Run-level tools built on the trainer: export, compare."""
+"""Run-level tools built on the trainer: ``export/`` (merged / adapter, verified), ``sample/``, ``compare/``."""

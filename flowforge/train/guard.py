@@ -42,16 +42,13 @@ from pathlib import Path
 
 import torch
 
+from flowforge.report.run import read_jsonl
 from flowforge.runtime.distributed import all_reduce_processes
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError
-from flowforge.train.metrics import EVAL_FILE, METRICS_FILE
-from flowforge.train.report import read_jsonl
-from flowforge.train.run_dir import GUARD_BEST_FILE
+from flowforge.runtime.run_dir import EVAL_FILE, EVAL_PREFIX, GUARD_BEST_FILE, METRICS_FILE
 
 log = logging.getLogger("flowforge")
-
-EVAL_PREFIX = "eval/"
 
 
 @dataclass(frozen=True)
@@ -143,7 +140,7 @@ def guard_problems(cfg) -> tuple[list[str], list[str]]:
 
 def guard_stop_step(run_dir: Path) -> int | None:
     """The step at which the guard stopped the run in ``run_dir`` (its ``eval/guard_stop`` row), or None. Torn lines
-    of a killed run and rows superseded by a resume are skipped (:func:`~flowforge.train.report.read_jsonl`)."""
+    of a killed run and rows superseded by a resume are skipped (:func:`~flowforge.report.run.read_jsonl`)."""
     for row in _rows(Path(run_dir) / EVAL_FILE):
         if row.get(f"{EVAL_PREFIX}guard_stop", 0.0) > 0:
             return int(row["step"])

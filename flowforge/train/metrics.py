@@ -1,4 +1,4 @@
-"""Metrics: scalar reduction, JSONL + tracker sinks, stage timing, group diversity, sample grids, provenance.
+"""Metrics: scalar reduction, JSONL + tracker sinks, stage timing, group diversity, provenance.
 
 What and why
 ------------
@@ -6,7 +6,7 @@ The loop (docs/architecture.md, "Data flow") produces detached 0-d tensors in it
 ``.item()`` there). Once per step, :func:`to_scalars` turns the step's whole metric mapping into Python floats with a
 single host transfer per device, and :class:`MetricsLogger` appends them to ``<run_dir>/metrics.jsonl`` and
 the trackers (:mod:`flowforge.train.trackers`). Evaluation results go to ``<run_dir>/eval.jsonl``.
-:mod:`flowforge.train.report` turns a run directory into ``report.html``.
+:mod:`flowforge.report.run` turns a run directory into ``report.html``.
 
 Metric names are namespaced by the caller: ``train/…``, ``reward/…``, ``perf/…``, ``time/…``, ``eval/…``.
 
@@ -30,7 +30,8 @@ made visible by the mean pairwise RMS distance inside groups:
 Dividing by ``sqrt(D)`` makes it a root-mean-square per-element difference in pixel units: 0 for identical images,
 ``c`` for two images that differ by the constant ``c`` everywhere, at most 1; it does not depend on resolution.
 
-Run-directory files (docs/architecture.md, "The run directory") are named by the constants below so writers and :mod:`flowforge.train.report` agree.
+Run-directory files (docs/architecture.md, "The run directory") are named once, in :mod:`flowforge.runtime.run_dir`,
+so the writers here and the readers (:mod:`flowforge.report`) agree.
 """
 
 from __future__ import annotations
@@ -50,19 +51,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from torch import Tensor
 
 from flowforge import __version__
-from flowforge.runtime.durable import atomic_write, step_dir_name
-
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.jsonl"
-TB_DIR = "tb"
-SAMPLES_DIR = "samples"
-PROVENANCE_FILE = "provenance.json"
-CONFIG_FILE = "config.yaml"
-EVAL_PREFIX = "eval/"
+from flowforge.report.grids import read_grid_cells
+from flowforge.runtime.durable import atomic_write
+from flowforge.runtime.run_dir import EVAL_FILE, EVAL_PREFIX, METRICS_FILE, PROVENANCE_FILE
+from flowforge.train.trackers import build_trackers
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -138,7 +133,7 @@ class MetricsLogger:
 
     Each :meth:`log` / :meth:`log_eval` call writes one line ``{"step": n, "name": value, ...}`` and flushes it (and
     the TensorBoard writer), so a killed run keeps everything logged before the kill. Files are opened in append
-    mode: a resumed run continues the same files, and readers (:func:`flowforge.train.report.read_jsonl`) let later lines
+    mode: a resumed run continues the same files, and readers (:func:`flowforge.report.run.read_jsonl`) let later lines
     of a repeated step win. Non-finite values are written to JSONL as ``null`` (strict JSON); TensorBoard gets the
     real value. :meth:`log_grid` sends an eval grid and :meth:`log_config` the resolved config to the trackers.
 
@@ -163,9 +158,6 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, trackers: Sequence[str] | None = None,
                  run_name: str | None = None):
-        # Imported here: trackers reads grid sidecars (report_grids), which imports this module.
-        from flowforge.train.trackers import build_trackers
-
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
@@ -177,13 +169,11 @@ class MetricsLogger:
 
     def log_grid(self, step: int, png: Path) -> None:
         """Send the eval grid ``png`` of ``step`` to the trackers, captioned from its sidecar
-        (:func:`flowforge.train.report_grids.read_grid_cells`; uncaptioned without one).
+        (:func:`flowforge.report.grids.read_grid_cells`; uncaptioned without one).
 
         Raises:
             RuntimeError: the logger is closed.
         """
-        from flowforge.train.report_grids import read_grid_cells  # imports this module
-
         if self._closed:
             raise RuntimeError("MetricsLogger is closed")
         cells = read_grid_cells(png)
@@ -353,66 +343,6 @@ def within_group_diversity(images: Tensor, group_ids: Tensor) -> Tensor:
         count = pairs.sum()
         # count == 0 gives 0/0 = NaN without a host sync: "no pairs" must not read as "collapsed".
         return (total / count.to(total.dtype) / math.sqrt(d)).to(torch.float32)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# sample grids
-
-
-def save_grid(images: Tensor, path: Path, *, nrow: int, scale: int = 1, padding: int = 2) -> Path:
-    """Tile images into one PNG grid, written atomically (temporary file in the same folder, then rename).
-
-    Images fill rows left to right, ``nrow`` images per row (torchvision's ``make_grid`` convention), with
-    ``padding`` mid-grey pixels between and around tiles. Pixels are quantised as ``round(255 * clamp(x, 0, 1))``
-    (the same quantisation as the JPEG reward), then the whole grid is upscaled by ``scale`` with nearest-neighbour
-    resampling (Pillow), so the padding scales with it. Output size:
-    ``width = scale * (cols * (W + padding) + padding)``, ``height = scale * (rows * (H + padding) + padding)``,
-    ``cols = min(nrow, B)``, ``rows = ceil(B / nrow)``.
-
-    Args:
-        images: ``[B, 3, H, W]`` (or ``[B, 1, H, W]`` grey) float in [0, 1], any device.
-        path: the PNG to write; parent folders are created.
-        nrow: images per row, >= 1.
-        scale: integer nearest-neighbour upscaling factor, >= 1.
-        padding: grid lines in source pixels, >= 0.
-
-    Returns:
-        ``path``.
-
-    Raises:
-        ValueError: wrong shape / dtype, an empty batch, non-finite pixels, or ``nrow`` / ``scale`` / ``padding`` out
-            of range.
-    """
-    for name, value, low in (("nrow", nrow, 1), ("scale", scale, 1), ("padding", padding, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if images.dim() != 4 or images.shape[1] not in (1, 3) or images.shape[0] == 0:
-        raise ValueError(f"images must be [B, 3, H, W] (or [B, 1, H, W]) with B >= 1, got shape {list(images.shape)}")
-    if not images.is_floating_point():
-        raise ValueError(f"images must be float in [0, 1], got {images.dtype}")
-    x = images.detach().float().cpu()
-    if not torch.isfinite(x).all():
-        raise ValueError("images contain NaN or inf")
-    b, c, h, w = x.shape
-    cols, rows = min(nrow, b), math.ceil(b / nrow)
-    grid = torch.full((c, rows * (h + padding) + padding, cols * (w + padding) + padding), 0.5)
-    for k in range(b):  # B tiles of a grid, not a hot path
-        r, q = divmod(k, nrow)
-        top, left = padding + r * (h + padding), padding + q * (w + padding)
-        grid[:, top:top + h, left:left + w] = x[k]
-    pixels = (grid.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
-    image = Image.fromarray(pixels[:, :, 0], mode="L") if c == 1 else Image.fromarray(pixels, mode="RGB")
-    if scale != 1:
-        image = image.resize((image.width * scale, image.height * scale), resample=Image.Resampling.NEAREST)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
-    return path
-
-
-def sample_grid_path(run_dir: Path, step: int) -> Path:
-    """``<run_dir>/samples/step_000010.png``: where the loop saves, and the report finds, the grid of ``step``."""
-    return Path(run_dir) / SAMPLES_DIR / f"{step_dir_name(step)}.png"
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from PIL import Image
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from flowforge.settings.sections import TRACKERS
-from flowforge.train.metrics import TB_DIR
+from flowforge.runtime.run_dir import TB_DIR
 
 WANDB_ID_FILE = "wandb_run_id.txt"
 TRAIN_LOG = "train.log"
@@ -52,7 +52,7 @@ GRID_TAG = "eval/samples"
 
 def cell_caption(cell: Mapping[str, Any]) -> str:
     """``"<prompt> | digit_eval=1.000, digit=0.870"``: one grid cell's caption from its sidecar entry
-    (:func:`flowforge.train.report_grids.read_grid_cells`; ``None`` scores read as ``nan``)."""
+    (:func:`flowforge.report.grids.read_grid_cells`; ``None`` scores read as ``nan``)."""
     scores = ", ".join(f"{k}={math.nan if v is None else v:.3f}" for k, v in cell["scores"].items())
     return f"{cell['prompt']} | {scores}" if scores else str(cell["prompt"])
 

@@ -13,8 +13,8 @@
 Rows are put in a seeded training order *before* the rollout, and the rollout is chunked exactly like the training
 micro-batches, so replaying the first update runs the same computations as the rollout (ratio exactly 1).
 
-Everything else lives beside the loop: save / resume in :class:`~flowforge.train.checkpoint_manager.CheckpointManager`
-(over the Stateful policy bank, prompt sampler and :class:`~flowforge.train.checkpoint_manager.TrainerState`), the
+Everything else lives beside the loop: save / resume in :class:`~flowforge.train.checkpoint.manager.CheckpointManager`
+(over the Stateful policy bank, prompt sampler and :class:`~flowforge.train.checkpoint.manager.TrainerState`), the
 decode of latents into media at the rollout boundary (:func:`flowforge.rollout.decode_media`).
 """
 
@@ -37,9 +37,10 @@ from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, check_task, load_prompts
-from flowforge.train.metrics import (MetricsLogger, StageTimer, sample_grid_path, to_scalars,
-                                     within_group_diversity, write_provenance)
-from flowforge.train.report_grids import save_eval_grid
+from flowforge.train.metrics import MetricsLogger, StageTimer, to_scalars, within_group_diversity, write_provenance
+from flowforge.runtime.run_dir import (WRITTEN_FILES, check_artifacts_root, check_run_dir_outside_source, existing_run,
+                                      move_aside, refuse_rerun, sample_grid_path, sha256_of_path)
+from flowforge.report.grids import save_eval_grid
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter
 from flowforge.models.base import Conditioning
@@ -53,9 +54,7 @@ from flowforge.rewards.registry import build_scorer
 from flowforge.rollout import Trajectory, candidate_noise, decode_media, generate, rollout_chunked, sigmas_for
 from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
 from flowforge.runtime.lock import RunLock
-from flowforge.train.checkpoint import check_run_dir_outside_source, sha256_of_path
-from flowforge.train.run_dir import WRITTEN_FILES, check_artifacts_root, existing_run, move_aside, refuse_rerun
-from flowforge.train.checkpoint_manager import CheckpointManager, TrainerState, training_contract
+from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, training_contract
 from flowforge.train.guard import RewardHackingGuard
 from flowforge.train.sidecars import SidecarWriter
 from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
@@ -401,7 +400,7 @@ class Trainer:
         self.close()
         if not ended or not self.dist.is_main:
             return self.run_dir
-        from flowforge.train.report import write_report
+        from flowforge.report.run import write_report
 
         write_report(self.run_dir)
         return self.run_dir

@@ -29,7 +29,7 @@ def test_world_prompt_sets_are_i2v_and_split_by_episode():
 
 
 def test_world_sft_writes_a_model_that_loads_like_demo_world(tmp_path):
-    from flowforge.train.sft_world import run_world_sft
+    from flowforge.train.sft.world import run_world_sft
 
     out = tmp_path / "world"
     sft = SFTConfig(steps=2, batch_size=2, eval_every=0, output=str(out), warmup_steps=1)

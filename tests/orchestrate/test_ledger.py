@@ -8,10 +8,7 @@ import random
 import pytest
 
 from flowforge.data.prompts import PromptRecord
-from flowforge.orchestrate.ledger import (
-    Condition, ConditionLedger, cluster_of, conditions_from_records, normalise_text, order_key, pass_order,
-    text_cluster,
-)
+from flowforge.orchestrate.ledger import Condition, ConditionLedger, conditions_from_records, order_key, pass_order
 
 
 def _conditions(n: int = 20) -> list[Condition]:
@@ -23,16 +20,7 @@ def _ledger(path, n: int = 20, **kw) -> ConditionLedger:
     return ConditionLedger(path, _conditions(n), seed=kw.pop("seed", 7), **kw)
 
 
-def test_clusters_from_metadata_or_normalised_text():
-    assert normalise_text("  A handwritten   SEVEN!!") == "a handwritten seven"
-    assert normalise_text("the_number, 7") == "the number 7"
-    assert text_cluster("A handwritten seven.") == text_cluster("a  handwritten, SEVEN")
-    assert text_cluster("a handwritten seven") != text_cluster("a handwritten eight")
-    assert text_cluster("x").startswith("text:") and len(text_cluster("x")) == 5 + 16
-    assert cluster_of("p", {"cluster": 3}) == "3" and cluster_of("p", {"cluster": "g"}) == "g"
-    assert cluster_of("Seven!", {}) == text_cluster("seven")
-    with pytest.raises(ValueError, match="metadata.cluster"):
-        cluster_of("p", {"cluster": 1.5})
+def test_conditions_take_their_cluster_from_metadata_or_the_normalised_text():
     records = [PromptRecord("a seven", {"task": "t2i", "sample_id": "a"}),
                PromptRecord("A SEVEN.", {"task": "t2i", "sample_id": "b"}),
                PromptRecord("an eight", {"task": "t2i", "sample_id": "c", "cluster": "eights"})]

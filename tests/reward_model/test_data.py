@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from flowforge.orchestrate.ledger import text_cluster
+from flowforge.data.clusters import text_cluster
 from flowforge.reward_model.data import (
     SPLITS, group_from_dict, group_message, group_to_dict, read_judged_groups, score_answer, split_groups, split_of,
 )

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from flowforge.runtime.run_dir import sha256_of_path
 from flowforge.train import checkpoint as ckpt
 from flowforge.cli import main
 from flowforge.config import dump_config
@@ -186,7 +187,7 @@ def _crafted_run(tmp_path, base_dir, cache_dir, tensors, lora, sharded_writer=No
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     ckpt.save_checkpoint(run_dir, 1, tensors={"live": tensors} if tensors else {}, optimizer_state=optimizer_state,
                          keep=1, trainer_state={"step": 1, "lora": lora,
-                                                "base_model_sha256": ckpt.sha256_of_path(base_dir)},
+                                                "base_model_sha256": sha256_of_path(base_dir)},
                          sharded_writer=sharded_writer)
     return run_dir
 

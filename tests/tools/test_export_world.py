@@ -155,7 +155,7 @@ def test_module_lora_run_exports_merged_and_both_adapter_files(tmp_path):
     """``lora.trainable: module+lora`` (B in full + the coupling LoRA): merged = B overlaid and the LoRA folded in,
     verified and reloaded equal within the merged tolerance; adapter = the module file and peft's, verified; the
     run, the merged export and the adapter export load for sampling as the trained policy."""
-    from flowforge.tools.sample_load import load_for_sampling
+    from flowforge.tools.sample.load import load_for_sampling
     from tests.train.test_world_model_module_lora import B, MODULE_LORA
 
     shutil.copytree(demo_world_dir(), tmp_path / "source")

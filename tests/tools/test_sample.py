@@ -82,7 +82,7 @@ def test_merged_and_adapter_exports_sample_the_same_images(run, tmp_path):
 def test_eval_prompts_and_seed_reproduce_the_eval_grid(run, tmp_path):
     """With the eval's prompts, seed and samples per prompt the first image of each prompt is the eval grid's."""
     from flowforge.data.prompts import load_prompts
-    from flowforge.train.report_grids import read_grid_cells
+    from flowforge.report.grids import read_grid_cells
 
     run_dir, trainer = run
     records = load_prompts("demo:eval")[:3]
@@ -131,7 +131,7 @@ def test_a_base_that_is_not_the_trained_from_one_is_refused(run, tiny_model_dir,
     refused in one line naming the base's sha256, before any image is written; the real base samples."""
     import shutil
 
-    from flowforge.train.checkpoint import sha256_of_path
+    from flowforge.runtime.run_dir import sha256_of_path
 
     run_dir, _ = run
     adapter = export_run(run_dir, tmp_path / "adapter", form="adapter")

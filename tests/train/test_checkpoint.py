@@ -2,7 +2,6 @@
 resume resolution, the training contract, weights_only loading, model hashing, run-dir placement."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 
 from flowforge.runtime.rng import restore_rng
 from flowforge.train import checkpoint as ckpt
-from flowforge.train.checkpoint_manager import check_contract
+from flowforge.train.checkpoint.manager import check_contract
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = {"step": 0, "optimizer_steps": 0, "sampler": {"epoch": 1, "cursor": 4, "steps": 3}}
@@ -350,51 +349,6 @@ def test_contract_equal_up_to_representation_passes_and_missing_keys_fail():
         check_contract({"lora": LORA}, {"lora": {**LORA, "targets": ["to_q"]}}, keys=("lora",))
 
 
-# ------------------------------------------------------------------------------------------------ model identity
-def test_sha256_of_path(tmp_path):
-    model = tmp_path / "model"
-    (model / "transformer").mkdir(parents=True)
-    (model / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"weights" * 1000)
-    (model / "transformer" / "config.json").write_text('{"a": 1}')
-    (model / "text_encoder.bin").write_bytes(b"enc")
-    h = ckpt.sha256_of_path(model)
-    assert len(h) == 64
-    (model / "README.md").write_text("docs do not change the identity")
-    (model / ".cache").mkdir()
-    (model / ".cache" / "x.json").write_text("{}")
-    assert ckpt.sha256_of_path(model) == h
-    (model / "transformer" / "config.json").write_text('{"a": 2}')
-    assert ckpt.sha256_of_path(model) != h
-    (model / "transformer" / "config.json").write_text('{"a": 1}')
-    assert ckpt.sha256_of_path(model) == h
-    os.rename(model / "text_encoder.bin", model / "text_encoder2.bin")
-    assert ckpt.sha256_of_path(model) != h
-    single = model / "transformer" / "diffusion_pytorch_model.safetensors"
-    assert ckpt.sha256_of_path(single) == hashlib.sha256(single.read_bytes()).hexdigest()
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="holds no"):
-        ckpt.sha256_of_path(tmp_path / "empty")
-    with pytest.raises(ValueError, match="does not exist"):
-        ckpt.sha256_of_path(tmp_path / "nope")
-
-
-def test_run_dir_must_lie_outside_the_source_model(tmp_path):
-    src = tmp_path / "models" / "sd3"
-    src.mkdir(parents=True)
-    ckpt.check_run_dir_outside_source(tmp_path / "runs" / "a", src)
-    ckpt.check_run_dir_outside_source(tmp_path / "models" / "sd3-run", src)  # a sibling with a common prefix
-    with pytest.raises(ValueError, match="lies inside the source model"):
-        ckpt.check_run_dir_outside_source(src / "runs" / "a", src)
-    with pytest.raises(ValueError, match="is the source model directory"):
-        ckpt.check_run_dir_outside_source(src, src)
-    with pytest.raises(ValueError, match="contains the source model directory"):
-        ckpt.check_run_dir_outside_source(tmp_path / "models", src)
-    link = tmp_path / "link"
-    link.symlink_to(src)
-    with pytest.raises(ValueError, match="lies inside the source model"):
-        ckpt.check_run_dir_outside_source(link / "run", src)
-
-
 # ------------------------------------------------------------------------------------------------ Stateful + manager
 class _Bank:
     """A policy bank in miniature (Stateful): one trainable linear layer as ``live``, a frozen ``old`` copy, AdamW and
@@ -425,7 +379,7 @@ class _Bank:
 def _manager(run_dir, seed, *, step=0, lora_rank=4):
     from flowforge.data.prompts import KRepeatSampler
     from flowforge.runtime.distributed import DistInfo
-    from flowforge.train.checkpoint_manager import CheckpointManager, TrainerState
+    from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState
 
     contract = {"lora": {"trainable": "lora", "rank": lora_rank, "alpha": 8.0, "targets": ["to_q"], "dropout": 0.0},
                 "base_model_sha256": "abc"}
@@ -440,7 +394,7 @@ def test_bank_sampler_and_record_are_stateful():
 
     from flowforge.data.prompts import KRepeatSampler
     from flowforge.policy import Policy
-    from flowforge.train.checkpoint_manager import TrainerState
+    from flowforge.train.checkpoint.manager import TrainerState
 
     for cls in (Policy, KRepeatSampler, TrainerState):
         assert callable(getattr(cls, "state_dict", None)) and callable(getattr(cls, "load_state_dict", None)), cls
@@ -466,7 +420,7 @@ def test_sampler_state_round_trip_continues_the_same_batches():
 
 
 def test_trainer_state_round_trip_and_contract_refusal():
-    from flowforge.train.checkpoint_manager import TrainerState
+    from flowforge.train.checkpoint.manager import TrainerState
 
     contract = {"lora": {"trainable": "full", "dropout": 0.0}, "base_model_sha256": "abc"}
     a = TrainerState(step=7, contract=contract, config_fingerprint="f1")

@@ -144,7 +144,7 @@ def test_a_resumed_run_rolls_back_to_the_best_evaluation_before_the_resume(tmp_p
     """The same run interrupted after step 4 (its best evaluation, the base at step 0, lies before the resume) and
     resumed: the guard reads the best step's weights back from guard_best.safetensors and the stop at step 6 rolls
     back to them exactly."""
-    from flowforge.train.run_dir import GUARD_BEST_FILE
+    from flowforge.runtime.run_dir import GUARD_BEST_FILE
     from flowforge.train.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2]))  # tests.rewards.byo_scorers
@@ -173,7 +173,7 @@ def test_a_resumed_guard_reads_the_curves_logged_before_the_resume(tmp_path, cap
 
     from flowforge.settings.sections import GuardConfig
     from flowforge.train.guard import RewardHackingGuard
-    from flowforge.train.run_dir import GUARD_BEST_FILE
+    from flowforge.runtime.run_dir import GUARD_BEST_FILE
 
     evals = [(0, 0.70), (2, 0.80), (4, 0.75), (6, 0.10)]  # step 6: logged by the killed run after the checkpoint
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval/digit_eval": v}) + "\n"

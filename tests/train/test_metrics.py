@@ -13,16 +13,10 @@ import torch
 from PIL import Image
 
 from flowforge.train import metrics
-from flowforge.train.metrics import (
-    MetricsLogger,
-    StageTimer,
-    run_provenance,
-    sample_grid_path,
-    save_grid,
-    to_scalars,
-    within_group_diversity,
-    write_provenance,
-)
+from flowforge.report.grids import save_grid
+from flowforge.train.metrics import (MetricsLogger, StageTimer, run_provenance, to_scalars, within_group_diversity,
+                                     write_provenance)
+from flowforge.runtime.run_dir import sample_grid_path
 
 
 def read_lines(path):

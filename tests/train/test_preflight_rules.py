@@ -2,7 +2,7 @@
 
 from flowforge.config import load_config
 from flowforge.train.preflight import preflight
-from flowforge.train.preflight_rules import chunking_warnings
+from flowforge.train.preflight.rules import chunking_warnings
 
 
 def _warnings(*overrides):
@@ -31,7 +31,7 @@ def test_preflight_reports_the_chunk_warning():
 
 
 def test_dpm2_on_the_static_schedule_is_warned():
-    from flowforge.train.preflight_rules import dpm2_warnings
+    from flowforge.train.preflight.rules import dpm2_warnings
 
     cfg = load_config(None, ["train.algorithm=nft", "forward.sampler=dpm2"])
     (text,) = dpm2_warnings(cfg)
@@ -44,7 +44,7 @@ def test_dpm2_on_the_static_schedule_is_warned():
 def test_a_module_lora_run_that_export_cannot_write_is_warned():
     """module+lora trains for every family but exports only for the families with a format of their own (the world
     model): preflight says so before training a diffusers family that way."""
-    from flowforge.train.preflight_rules import export_warnings
+    from flowforge.train.preflight.rules import export_warnings
 
     module_lora = ["lora.trainable=module+lora", "lora.modules=[transformer_blocks.0.ff]"]
     (text,) = export_warnings(load_config(None, module_lora))

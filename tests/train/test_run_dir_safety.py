@@ -14,7 +14,7 @@ import torch
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import OWNER_FILE
 from flowforge.train import checkpoint as ckpt
-from flowforge.train.run_dir import check_artifacts_root
+from flowforge.runtime.run_dir import check_artifacts_root
 from flowforge.train.sidecars import SidecarWriter, complete_steps
 from flowforge.train.trainer import Trainer
 from tests.train.test_sidecars import make_batch

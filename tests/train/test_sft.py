@@ -9,7 +9,8 @@ from flowforge.demo.model import build_tiny_sd3, test_sd3_config
 from flowforge.models.base import Conditioning
 from flowforge.models.sd3 import SD3Adapter, load_sd3
 from flowforge.config import DataConfig, RunConfig, SFTConfig
-from flowforge.train.sft import flow_matching_loss, run_sft, sample_sigmas
+from flowforge.algorithms.schedules import sample_sigmas
+from flowforge.train.sft import flow_matching_loss, run_sft
 
 
 def test_flow_matching_loss_target_is_noise_minus_x0():

@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 from flowforge.train import trackers
-from flowforge.train.metrics import MetricsLogger, sample_grid_path
-from flowforge.train.report_grids import save_eval_grid
+from flowforge.train.metrics import MetricsLogger
+from flowforge.runtime.run_dir import sample_grid_path
+from flowforge.report.grids import save_eval_grid
 from flowforge.train.trackers import build_trackers, cell_caption, progress_line, run_logging
 
 PROMPTS = ["a handwritten seven", "a handwritten two", "a handwritten zero"]

@@ -46,8 +46,8 @@ def test_grpo_on_video_latents_ratio_exactly_one_slot_zero_pinned(tmp_path, enco
     assert changed and all(n.startswith("latent_state_rollout.transition.") for n in changed)
     evals = [json.loads(line) for line in (trainer.run_dir / "eval.jsonl").read_text().splitlines()]
     assert "eval/world_psnr" in evals[-1] and "eval/action_following" in evals[-1]
-    from flowforge.train.metrics import sample_grid_path
-    from flowforge.train.report_grids import read_grid_cells
+    from flowforge.runtime.run_dir import sample_grid_path
+    from flowforge.report.grids import read_grid_cells
 
     cells = read_grid_cells(sample_grid_path(trainer.run_dir, 1))  # the report writes each action under its frame
     assert cells and all([f["label"] for f in c["frames"]] == c["prompt"].upper().split() for c in cells)

@@ -3,7 +3,7 @@ diffusers + peft LoRA, or a module run's trained tensors, for every diffusers fa
 ``flux``, ``qwen_image``, ``wan`` and any ``pkg.module:Class`` adapter over a diffusers transformer).
 
 The forms, layouts, loading and verification are described in :mod:`flowforge.tools.export` (this module is its
-diffusers half; the world model's is :mod:`flowforge.tools.export_world`).
+diffusers half; the world model's is :mod:`flowforge.tools.export.world`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
 from flowforge.models.common import FLOWFORGE_META
 from flowforge.runtime.errors import one_line
-from flowforge.tools.export_card import (PIPELINE_FILE, is_demo_base, loading_snippet, write_demo_pipeline)
-from flowforge.tools.export_out import ExportError
-from flowforge.tools.export_source import (SUPPORTED_ADAPTERS, Source, base_name, layout, read_run_config,
+from flowforge.tools.export.card import (PIPELINE_FILE, is_demo_base, loading_snippet, write_demo_pipeline)
+from flowforge.tools.export.out import ExportError
+from flowforge.tools.export.source import (SUPPORTED_ADAPTERS, Source, base_name, layout, read_run_config,
                                            require_base, transformer_class)
-from flowforge.tools.export_verify import VerifyReport, verify_report
-from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, apply_trained, lora_layers, peft_config,
+from flowforge.tools.export.verify import VerifyReport, verify_report
+from flowforge.tools.export.weights import (MODULES_WEIGHT_NAME, apply_trained, lora_layers, peft_config,
                                             write_module_adapter, write_peft_adapter)
 
 LORA_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
@@ -57,7 +57,7 @@ def _load_transformer(transformer_dir: Path) -> nn.Module:
 
 def _trained_policy(src: Source, transformer_dir: Path) -> nn.Module:
     """The trained policy in fp32: base + injected LoRA + checkpoint weights (or the full fine-tuned weights).
-    The weights fit (checked by :func:`~flowforge.tools.export_contract.check_contract` before)."""
+    The weights fit (checked by :func:`~flowforge.tools.export.contract.check_contract` before)."""
     transformer = _load_transformer(transformer_dir)
     apply_trained(src, transformer)
     return transformer.requires_grad_(False).eval()
@@ -207,7 +207,7 @@ def _lora_pipeline(src: Source):
 
 
 def _write_module_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
-    """A module run's trained tensors (:func:`flowforge.tools.export_weights.write_module_adapter`), verified through
+    """A module run's trained tensors (:func:`flowforge.tools.export.weights.write_module_adapter`), verified through
     the family's adapter on a fresh base transformer."""
     if not verify:
         return write_module_adapter(src, work, False, base_name=base_name(src), load_base=None, velocity=None)
@@ -251,7 +251,7 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
 
 
 def card_snippet(src: Source, form: str, out: Path, work: Path) -> str:
-    """The diffusers / peft loading code of the model card (:func:`flowforge.tools.export_card.loading_snippet`)."""
+    """The diffusers / peft loading code of the model card (:func:`flowforge.tools.export.card.loading_snippet`)."""
     if form == "adapter" and src.lora["trainable"] == "module":
         return ("from safetensors.torch import load_file\n\n"
                 f"transformer = ...  # the base transformer {base_name(src)!r}, e.g. <Class>.from_pretrained\n"

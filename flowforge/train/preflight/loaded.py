@@ -15,7 +15,7 @@ import torch
 from flowforge.config import Config
 from flowforge.runtime.errors import UserError, one_line
 from flowforge.settings import LORA_MODES
-from flowforge.train.preflight_modules import loaded_module_problems
+from flowforge.train.preflight.modules import loaded_module_problems
 
 
 def _gib(nbytes: float) -> str:

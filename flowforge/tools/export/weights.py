@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 from flowforge.runtime.errors import UserError, file_error
-from flowforge.tools.export_out import ExportError
-from flowforge.tools.export_source import Source
-from flowforge.tools.export_verify import VerifyReport, verify_report
+from flowforge.tools.export.out import ExportError
+from flowforge.tools.export.source import Source
+from flowforge.tools.export.verify import VerifyReport, verify_report
 
 PEFT_WEIGHT_NAME = "adapter_model.safetensors"  # peft's own adapter file (PeftModel.save_pretrained)
 PEFT_PREFIX = "base_model.model."
@@ -144,7 +144,8 @@ def apply_trained(src: Source, model: nn.Module) -> None:
     ``lora``: peft LoRA layers injected on ``targets`` and loaded; ``module`` / ``full``: the tensors loaded by name
     (``strict=False``: a module run holds its submodules only, a sharded FSDP checkpoint parameters only, the rest
     stays the base's); ``module+lora``: both (:func:`split_module_lora`; a trained submodule holds no LoRA layer, so
-    the order does not matter). The weights are assumed to fit (:func:`~flowforge.tools.export_contract.check_contract`).
+    the order does not matter). The weights are assumed to fit
+    (:func:`~flowforge.tools.export.contract.check_contract`).
     """
     from flowforge.models import lora as lora_lib
 

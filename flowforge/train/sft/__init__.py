@@ -39,23 +39,10 @@ from typing import Any
 
 import torch
 
+from flowforge.algorithms.schedules import sample_sigmas
 from flowforge.settings.sections import SIGMA_SAMPLINGS, DataConfig, RunConfig, SamplerConfig, SFTConfig
 
 logger = logging.getLogger(__name__)
-
-
-def sample_sigmas(batch: int, generator: torch.Generator, *, kind: str = "logit_normal", logit_mean: float = 0.0,
-                  logit_std: float = 1.0) -> torch.Tensor:
-    """Training noise levels ``[batch]`` float32 in (0, 1) (see the module docstring).
-
-    Raises:
-        ValueError: unknown ``kind`` (allowed: ``SIGMA_SAMPLINGS``).
-    """
-    if kind == "logit_normal":
-        return torch.sigmoid(logit_mean + logit_std * torch.randn(batch, generator=generator))
-    if kind == "uniform":
-        return torch.rand(batch, generator=generator)
-    raise ValueError(f"sigma_sampling={kind!r} is not one of {list(SIGMA_SAMPLINGS)}")
 
 
 def flow_matching_loss(adapter, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
@@ -186,7 +173,7 @@ class _Evaluations:
 
     def __call__(self, step: int) -> None:
         from flowforge.models.common import FLOWFORGE_META
-        from flowforge.train.metrics import save_grid
+        from flowforge.report.grids import save_grid
 
         s = self.setup
         acc, samples = evaluate_digit_eval(s.adapter, s.eval_cond, s.eval_digits, seed=self.sft.eval_seed,
@@ -297,9 +284,9 @@ def _save(transformer, directory: Path, text_max_length: int, meta_name: str) ->
 def run_sft_from_config(cfg, progress: bool = True) -> list[dict[str, Any]]:
     """``flowforge sft CONFIG``: :func:`run_sft` with the ``sft``, ``run``, ``data`` and ``sampler`` sections;
     prints the history. ``model.adapter: world_model`` trains the world model instead
-    (:func:`flowforge.train.sft_world.run_world_sft_from_config`)."""
+    (:func:`flowforge.train.sft.world.run_world_sft_from_config`)."""
     if cfg.model.adapter == "world_model":
-        from flowforge.train.sft_world import run_world_sft_from_config
+        from flowforge.train.sft.world import run_world_sft_from_config
 
         return run_world_sft_from_config(cfg)
     history = run_sft(cfg.sft, run=cfg.run, data=cfg.data, sampler=cfg.sampler, progress=progress)

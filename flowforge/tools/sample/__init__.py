@@ -51,8 +51,8 @@ from flowforge.models.base import Conditioning
 from flowforge.rollout import candidate_noise, decode_media, generate, sigmas_for
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError, file_error
-from flowforge.tools.sample_grid import labelled_grid, save_png, to_pil
-from flowforge.tools.sample_load import SampleModel, load_for_sampling, source_config
+from flowforge.tools.sample.grid import labelled_grid, save_png, to_pil
+from flowforge.tools.sample.load import SampleModel, load_for_sampling, source_config
 
 __all__ = ["SampleModel", "SampleResult", "load_for_sampling", "read_prompts", "run_sample", "sample", "schedule",
            "source_config"]

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from flowforge.config import dump_config, load_config
-from flowforge.train.metrics import CONFIG_FILE, PROVENANCE_FILE
-from flowforge.train.report_summary import esc, note
+from flowforge.report.summary import esc, note
+from flowforge.runtime.run_dir import CONFIG_FILE, PROVENANCE_FILE
 
 VERSION_KEYS = ("torch", "diffusers", "transformers", "peft")
 """Packages whose versions the provenance table always lists first."""

@@ -8,7 +8,7 @@ ranges, NaN / inf in every float field, ``run.name`` one path component); prefli
 can: names owned by other modules (algorithm, kernel, schedule, advantage modes, dtypes, task, adapter, scorers and
 their options, strategy), trained steps against the schedule and kernel, batch divisibility across ranks, prompt
 files against the task, each algorithm's own rules (:meth:`flowforge.objectives.Objective.preflight_problems`), the
-reward-hacking guard and the rollout chunking (:func:`flowforge.train.preflight_rules.run_rules`).
+reward-hacking guard and the rollout chunking (:func:`flowforge.train.preflight.rules.run_rules`).
 
 With ``this_machine=True`` (the default; ``flowforge check`` and ``train``) it also checks the config against this
 machine: ``run.device`` exists, ``model.path`` is a model directory (a Hub id not in the local cache is a warning, a
@@ -17,7 +17,8 @@ step's decoded media (a lower bound) fit in memory: a huge ``data.group_size`` i
 
 What needs the loaded model -- the latent shape (``model.height`` / ``width`` / ``frames`` divisibility), LoRA
 targets that match no module, LoRA layers inside trained submodules (``module+lora``) when the targets are only
-known then, the memory estimate -- is checked by :func:`check_loaded_model` once it loads (:mod:`flowforge.train.preflight_loaded`).
+known then, the memory estimate -- is checked by :func:`check_loaded_model` once it loads
+(:mod:`flowforge.train.preflight.loaded`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from flowforge.config import Config, ConfigError
 from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, load_prompts, resolve_prompt_path
 from flowforge.runtime.dtypes import DTYPE_NAMES
 from flowforge.runtime.errors import one_line
-from flowforge.train.preflight_loaded import check_loaded_model  # noqa: F401 - the trainer imports it from here
-from flowforge.train.preflight_loaded import _gib, media_bytes, memory_limit
-from flowforge.train.preflight_modules import module_path_problems
-from flowforge.train.preflight_rules import run_rules
+from flowforge.train.preflight.loaded import check_loaded_model  # noqa: F401 - the trainer imports it from here
+from flowforge.train.preflight.loaded import _gib, media_bytes, memory_limit
+from flowforge.train.preflight.modules import module_path_problems
+from flowforge.train.preflight.rules import run_rules
 
 VIDEO_TASKS = ("t2v", "i2v")
 

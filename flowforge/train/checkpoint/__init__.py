@@ -1,7 +1,7 @@
 """The checkpoint format: durable files, a crash at any instant never leaves a checkpoint that resume trusts.
 
 This module is the file layer (write, commit, rotate, resolve, read). What goes into the files (the policy bank,
-the prompt sampler, the trainer's record) is decided by :class:`flowforge.train.checkpoint_manager.CheckpointManager`.
+the prompt sampler, the trainer's record) is decided by :class:`flowforge.train.checkpoint.manager.CheckpointManager`.
 
 What and why
 ------------
@@ -84,13 +84,10 @@ from flowforge.runtime.durable import (atomic_write, demote, fsync_path, only_la
                                        sha256_file, step_dir_name, step_dirs, step_of, write_bytes)
 from flowforge.runtime.errors import UserError, file_error
 from flowforge.runtime.rng import capture_rng
-from flowforge.train.run_dir import (WEIGHT_SUFFIXES, check_run_dir_outside_source,  # noqa: F401  (re-exported:
-                                     sha256_of_path)  # their old home)
+from flowforge.runtime.run_dir import CHECKPOINTS_DIR, MARKER, committed_checkpoints, is_committed
 
 log = logging.getLogger("flowforge")
 
-CHECKPOINTS_DIR = "checkpoints"
-MARKER = "COMMITTED"
 SUPERSEDED = "SUPERSEDED"
 LATEST = "latest"
 WEIGHTS_DIR = "weights"
@@ -123,16 +120,6 @@ class Checkpoint:
 # ------------------------------------------------------------------------------------------------ paths
 def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return step_dirs(Path(run_dir) / CHECKPOINTS_DIR)
-
-
-def is_committed(path: str | Path) -> bool:
-    """True if ``path`` is a checkpoint directory holding a ``COMMITTED`` marker."""
-    return (Path(path) / MARKER).is_file()
-
-
-def committed_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Committed ``<run_dir>/checkpoints/step_*`` directories, sorted by step (oldest first)."""
-    return [p for _, p in _step_dirs(Path(run_dir)) if is_committed(p)]
 
 
 def _write(path: Path, write: Callable[[Path], None], relpath: str) -> None:

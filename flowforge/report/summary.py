@@ -3,7 +3,7 @@
 * :func:`summary_section`: final and best held-out eval, wall time, samples seen, checkpoints, and the commands that
   export the run and sample from it.
 * :func:`first_last_section`: the first and the last eval grid side by side, each image captioned with its prompt
-  and scores (from the grid's sidecar, :mod:`flowforge.train.report_grids`; a grid without one is shown whole).
+  and scores (from the grid's sidecar, :mod:`flowforge.report.grids`; a grid without one is shown whole).
 
 The headline eval metric is ``eval/<s>`` for the first of ``eval.scorers`` that was logged, else the first logged
 ``eval/<c>`` of a reward component, else the first other ``eval/*`` metric except ``eval/diversity``. Scores are
@@ -28,10 +28,11 @@ from PIL import Image
 
 from flowforge.config import load_config
 from flowforge.data.prompts import IMAGE_TASKS
-from flowforge.train import checkpoint as ckpt
-from flowforge.train.metrics import CONFIG_FILE, EVAL_FILE, METRICS_FILE, PROVENANCE_FILE
-from flowforge.train.report_grids import read_grid_cells
-from flowforge.train.report_plots import img_tag, series
+from flowforge.report.grids import read_grid_cells
+from flowforge.report.plots import img_tag, series
+from flowforge.runtime.durable import step_dir_name
+from flowforge.runtime.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, EVAL_FILE, METRICS_FILE, PROVENANCE_FILE,
+                                       committed_checkpoints)
 
 Row = dict[str, float]
 
@@ -146,15 +147,15 @@ def _wall_time(run_dir: Path, train_rows: Sequence[Row] | None) -> str:
 
 def _checkpoints(run_dir: Path) -> str:
     steps = []
-    for path in ckpt.committed_checkpoints(run_dir):
+    for path in committed_checkpoints(run_dir):
         try:
             steps.append(int(path.name.rsplit("_", 1)[-1]))
         except ValueError:
             continue
     if not steps:
         return "none committed (nothing to export or sample from)"
-    return f"{len(steps)} committed, steps {', '.join(map(str, steps))} (newest: {ckpt.CHECKPOINTS_DIR}/" \
-           f"{ckpt.step_dir_name(steps[-1])})"
+    return f"{len(steps)} committed, steps {', '.join(map(str, steps))} (newest: {CHECKPOINTS_DIR}/" \
+           f"{step_dir_name(steps[-1])})"
 
 
 def _eval_line(eval_rows: Sequence[Row], key: str, with_best: bool = True) -> str:

@@ -18,12 +18,12 @@ from flowforge.models import lora as lora_lib
 from flowforge.models.base import FlowModel
 from flowforge.runtime.dtypes import resolve_dtype
 from flowforge.runtime.errors import UserError, file_error
-from flowforge.tools.export_contract import check_contract
-from flowforge.tools.export_diffusers import LORA_WEIGHT_NAME
-from flowforge.tools.export_out import EXPORT_META
-from flowforge.tools.export_source import (check_base_identity, layout, load_source, pick_checkpoint,
-                                          read_run_config)
-from flowforge.tools.export_weights import PEFT_WEIGHT_NAME, apply_trained, overlay, read_trained_modules
+from flowforge.tools.export.contract import check_contract
+from flowforge.tools.export.diffusers import LORA_WEIGHT_NAME
+from flowforge.tools.export.out import EXPORT_META
+from flowforge.tools.export.source import (check_base_identity, layout, load_source, pick_checkpoint,
+                                           read_run_config)
+from flowforge.tools.export.weights import PEFT_WEIGHT_NAME, apply_trained, overlay, read_trained_modules
 
 log = logging.getLogger("flowforge")
 

@@ -1,6 +1,6 @@
 """Preflight rules of the trained submodules (``lora.trainable: module`` / ``module+lora``), before and after the
 model loads (called by :func:`flowforge.train.preflight.preflight` and
-:func:`flowforge.train.preflight_loaded.check_loaded_model`).
+:func:`flowforge.train.preflight.loaded.check_loaded_model`).
 
 =============  ===========================================================================================
 when           what is named

@@ -1,14 +1,14 @@
 """What an export reads: the run's config, one committed checkpoint, its weights and its base model.
 
-A damaged checkpoint file gives an :class:`~flowforge.tools.export_out.ExportError` naming that file instead of the
+A damaged checkpoint file gives an :class:`~flowforge.tools.export.out.ExportError` naming that file instead of the
 reader's own message (a garbage ``trainer_state.json`` -> ``not valid JSON (... at line 1 column 1)``; a zeroed
 ``optimizer.pt`` -> ``not a torch.save archive``; a changed file -> its sha256 against the manifest's); the reading
 is :func:`flowforge.train.checkpoint.load_checkpoint`'s, shared with resume. Whether the weights are the ones the
-run's contract names is :func:`flowforge.tools.export_contract.check_contract`'s.
+run's contract names is :func:`flowforge.tools.export.contract.check_contract`'s.
 
 Exportable families: the diffusers ones (:data:`SUPPORTED_ADAPTERS`, or a ``pkg.module:Class`` adapter over a
-diffusers transformer) and those with a format of their own (:data:`flowforge.models.OWN_FORMAT_FAMILIES`: the world model). The
-trained weights of every contract (``lora``, ``module``, ``full``, ``module+lora``) are read the same way.
+diffusers transformer) and those with a format of their own (:data:`flowforge.models.OWN_FORMAT_FAMILIES`: the world
+model). The trained weights of every contract (``lora``, ``module``, ``full``, ``module+lora``) are read the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 from flowforge.config import ConfigError, load_config
 from flowforge.models import OWN_FORMAT_FAMILIES
 from flowforge.runtime.errors import UserError, file_error, one_line
-from flowforge.tools.export_out import ExportError
+from flowforge.runtime.run_dir import sha256_of_path
+from flowforge.tools.export.out import ExportError
 from flowforge.train import checkpoint as ckpt
 
 SUPPORTED_ADAPTERS = ("sd3", "flux", "qwen_image", "wan")
@@ -236,7 +237,7 @@ def require_base(src: Source, why: str) -> Path:
 
 
 def check_base_identity(base: Path, expected: str | None) -> None:
-    """Refuse a local base whose sha256 (:func:`flowforge.train.checkpoint.sha256_of_path`) is not ``expected``, the
+    """Refuse a local base whose sha256 (:func:`flowforge.runtime.run_dir.sha256_of_path`) is not ``expected``, the
     ``base_model_sha256`` the run recorded (nothing to check when it recorded none).
 
     Raises:
@@ -244,7 +245,7 @@ def check_base_identity(base: Path, expected: str | None) -> None:
     """
     if expected is None:
         return
-    actual = ckpt.sha256_of_path(base)
+    actual = sha256_of_path(base)
     if actual != expected:
         raise ExportError(f"base model {base}", f"sha256 {actual[:12]}… says it is not the model the run was trained "
                           f"from (sha256 {expected[:12]}…)", "pass the original base with --base")

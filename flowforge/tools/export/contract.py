@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from flowforge.runtime.errors import one_line
-from flowforge.tools.export_out import ExportError
-from flowforge.tools.export_source import Source, _as_export_error, transformer_class
+from flowforge.tools.export.out import ExportError
+from flowforge.tools.export.source import Source, _as_export_error, transformer_class
 
 _LORA_KEY = re.compile(r"(.+)\.(lora_A|lora_B)\.weight")
 

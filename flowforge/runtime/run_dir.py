@@ -25,14 +25,42 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flowforge.runtime.durable import step_dir_name, step_dirs
 from flowforge.runtime.errors import UserError
 
 log = logging.getLogger("flowforge")
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
+# The run directory's layout: one name per file, shared by the writers (train) and the readers (report, tools).
+CONFIG_FILE = "config.yaml"  # the resolved config
+METRICS_FILE = "metrics.jsonl"  # one JSON object per step
+EVAL_FILE = "eval.jsonl"  # one JSON object per held-out evaluation
+EVAL_PREFIX = "eval/"  # the namespace of eval.jsonl's metrics
+TB_DIR = "tb"  # TensorBoard events
+SAMPLES_DIR = "samples"  # eval grids, samples/step_000010.png (+ .json captions)
+PROVENANCE_FILE = "provenance.json"  # versions, git commit, host
+LOG_FILE = "train.log"
+CHECKPOINTS_DIR = "checkpoints"  # checkpoints/step_000020/, each counted once its MARKER is written
+MARKER = "COMMITTED"
 GUARD_BEST_FILE = "guard_best.safetensors"  # the reward-hacking guard's rollback target (flowforge.train.guard)
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", GUARD_BEST_FILE)
-WRITTEN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "train.log", "provenance.json", GUARD_BEST_FILE)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR, GUARD_BEST_FILE)
+"""Any of these marks a directory as holding a run."""
+WRITTEN_FILES = (CONFIG_FILE, METRICS_FILE, EVAL_FILE, LOG_FILE, PROVENANCE_FILE, GUARD_BEST_FILE)
+
+
+def sample_grid_path(run_dir: Path, step: int) -> Path:
+    """``<run_dir>/samples/step_000010.png``: where the loop saves, and the report finds, the grid of ``step``."""
+    return Path(run_dir) / SAMPLES_DIR / f"{step_dir_name(step)}.png"
+
+
+def is_committed(path: str | Path) -> bool:
+    """True if ``path`` is a checkpoint directory holding a ``COMMITTED`` marker."""
+    return (Path(path) / MARKER).is_file()
+
+
+def committed_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Committed ``<run_dir>/checkpoints/step_*`` directories, sorted by step (oldest first)."""
+    return [p for _, p in step_dirs(Path(run_dir) / CHECKPOINTS_DIR) if is_committed(p)]
 
 
 def existing_run(run_dir: Path) -> list[str]:

@@ -323,7 +323,7 @@ def test_after_loading_targets_and_sizes_are_checked(tiny_adapter):
 
 def test_after_loading_memory_uses_the_real_latent_and_lora_sizes(tiny_adapter, monkeypatch):
     from flowforge.objectives import trained_steps_for
-    from flowforge.train import preflight_loaded as pf
+    from flowforge.train.preflight import loaded as pf
 
     cfg = load_config(None, ["lora.rank=4"])
     layers = pf._target_problems(cfg, tiny_adapter, [])
@@ -360,7 +360,7 @@ def test_module_paths_checked_before_the_model_loads(modules, why, monkeypatch):
     import flowforge.models.world_model.adapter as wm
 
     monkeypatch.setattr(wm, "load_world_model", lambda *a, **k: pytest.fail("preflight loaded the model"))
-    example = pathlib.Path(__file__).resolve().parents[1] / WORLD_EXAMPLE
+    example = pathlib.Path(__file__).resolve().parents[2] / WORLD_EXAMPLE
     with pytest.raises(PreflightError, match=f"lora.modules: .*{why}"):
         preflight(load_config(example, [f"lora.modules={modules}"]), world_size=1)
     preflight(load_config(example, []), world_size=1)  # the example's own paths pass

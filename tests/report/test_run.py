@@ -1,4 +1,4 @@
-"""flowforge.train.report: self-contained HTML from a run directory that answers first (summary, first / last grids
+"""flowforge.report.run: self-contained HTML from a run directory that answers first (summary, first / last grids
 captioned per image); robust to missing files and killed / resumed runs."""
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import torch
 from PIL import Image
 
 from flowforge.runtime.errors import UserError
-from flowforge.train.metrics import MetricsLogger, sample_grid_path, save_grid, write_provenance
-from flowforge.train.report import main, read_jsonl, write_report
-from flowforge.train.report_grids import read_grid_cells, save_eval_grid
+from flowforge.train.metrics import MetricsLogger, write_provenance
+from flowforge.report.grids import save_grid
+from flowforge.runtime.run_dir import sample_grid_path
+from flowforge.report.run import main, read_jsonl, write_report
+from flowforge.report.grids import read_grid_cells, save_eval_grid
 
 CONFIG_TEXT = "run:\n  name: digits <script>alert(1)</script> & co\ntrain:\n  lr: 0.0001\n"
 
@@ -143,14 +145,14 @@ def test_report_notes_skipped_lines(tmp_path):
     assert "metrics.jsonl:2: not valid JSON (skipped)" in page
 
 
-@pytest.mark.filterwarnings("ignore:'flowforge.train.report' found in sys.modules:RuntimeWarning")  # runpy re-executes it
+@pytest.mark.filterwarnings("ignore:'flowforge.report.run' found in sys.modules:RuntimeWarning")  # runpy re-executes it
 def test_cli_main_and_module(full_run, capsys, monkeypatch):
     assert main([str(full_run)]) == 0
     assert capsys.readouterr().out.strip() == str(full_run / "report.html")
     (full_run / "report.html").unlink()
-    monkeypatch.setattr(sys, "argv", ["flowforge.train.report", str(full_run)])
+    monkeypatch.setattr(sys, "argv", ["flowforge.report.run", str(full_run)])
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("flowforge.train.report", run_name="__main__")
+        runpy.run_module("flowforge.report.run", run_name="__main__")
     assert exit_info.value.code == 0
     assert (full_run / "report.html").is_file()
     assert main([str(full_run / "missing")]) == 2
@@ -296,7 +298,7 @@ def test_folded_panels_eval_only_scorers_and_config_diff(captioned_run):
 
 
 def test_samples_axis_and_smoothing(captioned_run, monkeypatch):
-    from flowforge.train import report_plots
+    from flowforge.report import plots as report_plots
 
     calls = []
     real = report_plots.plot_panels
@@ -305,7 +307,7 @@ def test_samples_axis_and_smoothing(captioned_run, monkeypatch):
         calls.append((tuple(keys), kw.get("per_step"), kw.get("smoothing")))
         return real(rows, keys, **kw)
 
-    monkeypatch.setattr("flowforge.train.report.plot_panels", spy)
+    monkeypatch.setattr("flowforge.report.run.plot_panels", spy)
     write_report(captioned_run, smoothing=0.6)
     train_calls = [c for c in calls if c[2] is not None]
     assert train_calls and all(per_step == 8 and s == 0.6 for _, per_step, s in train_calls)

@@ -142,7 +142,7 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
         x0 = adapter.encode_video(video[rows])
         onehot = torch.nn.functional.one_hot(acts[rows], len(ACTIONS)).float()
         keep = (torch.rand(rows.numel(), generator=gen) >= sft.cond_dropout).float()
-        from flowforge.train.sft import sample_sigmas
+        from flowforge.algorithms.schedules import sample_sigmas
 
         sigma = sample_sigmas(rows.numel(), gen, kind=sft.sigma_sampling)
         noise = torch.randn(x0.shape, generator=gen)

@@ -14,10 +14,11 @@ import torch
 from PIL import Image
 
 from flowforge.config import dump_config, load_config
-from flowforge.train.metrics import MetricsLogger, sample_grid_path
-from flowforge.train.report import write_report
-from flowforge.train.report_grids import read_grid_cells, save_eval_grid
-from tests.train.test_report import parse
+from flowforge.train.metrics import MetricsLogger
+from flowforge.runtime.run_dir import sample_grid_path
+from flowforge.report.run import write_report
+from flowforge.report.grids import read_grid_cells, save_eval_grid
+from tests.report.test_run import parse
 
 ACTIONS = ["LEFT NOOP RIGHT RIGHT LEFT", "NOOP NOOP LEFT RIGHT NOOP"]
 

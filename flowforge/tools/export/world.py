@@ -14,7 +14,7 @@ form         trainable                  what is written
 ``merged``   ``lora``                   the base with the LoRA folded in, ``W' = W + (alpha / rank) B A``
                                         (:func:`flowforge.models.lora.merge_lora`), in the own format
 ``adapter``  ``module``                 ``trained_modules.safetensors`` + ``.json``: exactly the trained tensors
-                                        (:mod:`flowforge.tools.export_weights`)
+                                        (:mod:`flowforge.tools.export.weights`)
 ``adapter``  ``lora``                   peft's ``adapter_model.safetensors`` + ``adapter_config.json`` (the
                                         coupling attention's q / k / v / out): ``PeftModel.from_pretrained(
                                         load_world_model(BASE).transformer, OUT)``
@@ -25,13 +25,13 @@ form         trainable                  what is written
 
 A merged export is a world-model directory: ``model.path=OUT`` with ``model.adapter: world_model`` loads it in
 ``flowforge train`` / ``flowforge sample``. The base (the source checkpoint) is only read: ``OUT`` may not overlap it
-(:mod:`flowforge.tools.export_out`), and ``save_pretrained`` refuses a directory overlapping its source again.
+(:mod:`flowforge.tools.export.out`), and ``save_pretrained`` refuses a directory overlapping its source again.
 
 Verification: seeded ``x [2, C, F, H, W]`` (``C = in_channels``, ``F = max_frames``, ``H = W = sample_size`` of
 the network's config), ``sigma = [0.3, 0.8]``, one-hot actions ``[2, F, A]`` as ``cond.prompt_embeds`` and a seeded
 first frame ``cond.image [2, C, 1, H, W]``, guidance 1, fp32, through
 :meth:`~flowforge.models.world_model.adapter.WorldModelAdapter.velocity` (0 on slot 0). Tolerances are
-:data:`flowforge.tools.export_verify.TOLERANCES`: ``merged`` for a folded LoRA (``module+lora`` included), ``full``
+:data:`flowforge.tools.export.verify.TOLERANCES`: ``merged`` for a folded LoRA (``module+lora`` included), ``full``
 for module / full runs (bit-equal expected), ``adapter`` for the peft adapter (with or without the module file).
 """
 
@@ -46,10 +46,10 @@ from flowforge.models.base import Conditioning
 from flowforge.models.world_model.adapter import WorldModelAdapter, load_world_model
 from flowforge.models.world_model.network import WorldModel
 from flowforge.runtime.errors import one_line
-from flowforge.tools.export_out import ExportError
-from flowforge.tools.export_source import Source, base_name, require_base
-from flowforge.tools.export_verify import VerifyReport, verify_report
-from flowforge.tools.export_weights import (MODULES_WEIGHT_NAME, PEFT_WEIGHT_NAME, apply_trained, overlay,
+from flowforge.tools.export.out import ExportError
+from flowforge.tools.export.source import Source, base_name, require_base
+from flowforge.tools.export.verify import VerifyReport, verify_report
+from flowforge.tools.export.weights import (MODULES_WEIGHT_NAME, PEFT_WEIGHT_NAME, apply_trained, overlay,
                                             read_trained_modules, split_module_lora, write_module_adapter,
                                             write_peft_adapter, write_trained_modules)
 
@@ -88,7 +88,7 @@ def velocity(model: WorldModel, inputs: Probe) -> torch.Tensor:
 
 
 def _apply(src: Source, model: WorldModel) -> None:
-    """The checkpoint's weights into ``model`` (:func:`~flowforge.tools.export_weights.apply_trained`), for eval."""
+    """The checkpoint's weights into ``model`` (:func:`~flowforge.tools.export.weights.apply_trained`), for eval."""
     apply_trained(src, model)
     model.requires_grad_(False).eval()
 

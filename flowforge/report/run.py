@@ -2,17 +2,17 @@
 
 ``write_report(run_dir)`` reads the run directory (``runs/<name>/``, README "A run directory") and writes
 ``<run_dir>/report.html``; every image is embedded as a base64 PNG, so the file can be mailed or archived alone.
-Also ``python -m flowforge.train.report RUN_DIR [--smooth A]`` and ``flowforge report RUN_DIR``.
+Also ``python -m flowforge.report.run RUN_DIR [--smooth A]`` and ``flowforge report RUN_DIR``.
 
 =========================  ===========================================================================================
 section                    read from, shown as
 =========================  ===========================================================================================
 Summary                    final / best / first held-out eval, training reward, steps, samples seen, wall time,
                            committed checkpoints, and the ``flowforge export`` / ``flowforge sample`` commands
-                           (:mod:`flowforge.train.report_summary`)
+                           (:mod:`flowforge.report.summary`)
 First and last samples     the first and the last ``samples/step_*.png`` side by side, each image cropped out and
                            captioned with its prompt and scores from the grid's sidecar
-                           (:mod:`flowforge.train.report_grids`); a video whose prompt has one word per frame (a
+                           (:mod:`flowforge.report.grids`); a video whose prompt has one word per frame (a
                            world model's actions) as its frames side by side, each frame's action under it
 Training                   ``metrics.jsonl``: reward mean per training component (± std band), ``train/loss``,
                            ``train/clip_fraction``, ``train/approx_kl``, ``train/diversity``, then one figure per
@@ -24,13 +24,13 @@ Evaluation                 training reward vs held-out judge vs diversity on one
                            ``eval/guard_*`` entries aside), a first / last / min / max table
 Samples                    every grid in step order, captioned with that step's eval values (folded)
 Config                     ``config.yaml`` as a diff against the defaults, the full file folded
-                           (:mod:`flowforge.train.report_config`)
+                           (:mod:`flowforge.report.config`)
 Provenance                 ``provenance.json``: torch / diffusers / transformers / peft versions first
 =========================  ===========================================================================================
 
 Curves have the step on the x-axis and samples seen (``data.prompts_per_step x data.group_size`` per step) on a
 second axis on top; ``smoothing`` draws TensorBoard's debiased moving average over the raw training curves
-(:mod:`flowforge.train.report_plots`). Missing files are reported in the page, never an error. JSONL reading
+(:mod:`flowforge.report.plots`). Missing files are reported in the page, never an error. JSONL reading
 tolerates what killed and resumed runs leave behind (see :func:`read_jsonl`). All text from the run directory is
 HTML-escaped.
 """
@@ -46,15 +46,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flowforge.report.config import config_section, provenance_section
+from flowforge.report.plots import (figure_tag, img_tag, is_constant_zero, plot_panels, plot_reward_vs_judge,
+                                    series)
+from flowforge.report.summary import (GUARD_PREFIX, RunInfo, esc, first_last_section, fmt, guard_event,
+                                      guard_key, headline_key, note, read_run_info, summary_section)
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError
-from flowforge.train.metrics import EVAL_FILE, METRICS_FILE, SAMPLES_DIR
-from flowforge.train.run_dir import RUN_FILES, existing_run
-from flowforge.train.report_config import config_section, provenance_section
-from flowforge.train.report_plots import (figure_tag, img_tag, is_constant_zero, plot_panels, plot_reward_vs_judge,
-                                          series)
-from flowforge.train.report_summary import (GUARD_PREFIX, RunInfo, esc, first_last_section, fmt, guard_event,
-                                            guard_key, headline_key, note, read_run_info, summary_section)
+from flowforge.runtime.run_dir import EVAL_FILE, METRICS_FILE, RUN_FILES, SAMPLES_DIR, existing_run
 
 REPORT_FILE = "report.html"
 TRAIN_KEYS = ("train/loss", "train/clip_fraction", "train/approx_kl", "train/diversity")
@@ -308,7 +307,7 @@ def write_report(run_dir: Path, *, smoothing: float = 0.0) -> Path:
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a directory. Missing files inside it are noted in the page instead.
-        UserError: ``run_dir`` holds none of the files a run writes (:data:`flowforge.train.run_dir.RUN_FILES`).
+        UserError: ``run_dir`` holds none of the files a run writes (:data:`flowforge.runtime.run_dir.RUN_FILES`).
         ValueError: ``smoothing`` outside [0, 1).
     """
     run_dir = Path(run_dir)
@@ -355,8 +354,8 @@ def write_report(run_dir: Path, *, smoothing: float = 0.0) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m flowforge.train.report RUN_DIR [--smooth A]``: write the report and print its path."""
-    parser = argparse.ArgumentParser(prog="python -m flowforge.train.report", description=__doc__.split("\n", 1)[0])
+    """``python -m flowforge.report.run RUN_DIR [--smooth A]``: write the report and print its path."""
+    parser = argparse.ArgumentParser(prog="python -m flowforge.report.run", description=__doc__.split("\n", 1)[0])
     parser.add_argument("run_dir", type=Path, help="a run directory (holding metrics.jsonl, config.yaml, ...)")
     parser.add_argument("--smooth", type=float, default=0.0, metavar="A",
                         help="moving-average weight in [0, 1) drawn over the training curves (default 0: raw)")

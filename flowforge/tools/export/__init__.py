@@ -19,10 +19,10 @@ adapter         transformer                  ``save_lora_weights`` / ``load_lora
 ==============  ===========================  =====================================================================
 
 Families with a file format of their own are written by their own writer (:data:`WRITERS`, one dispatch in
-:func:`export_run`): the world model (``model.adapter: world_model``) by :mod:`flowforge.tools.export_world`, in the
+:func:`export_run`): the world model (``model.adapter: world_model``) by :mod:`flowforge.tools.export.world`, in the
 format ``load_world_model`` reads. Everything else below (checks, marker, card, verification rule) is shared.
 A ``module`` run (``lora.trainable: module``: exact submodules fine-tuned in full) exports ``merged`` as a full
-fine-tune does, and ``adapter`` as exactly its trained tensors (:mod:`flowforge.tools.export_weights`). A
+fine-tune does, and ``adapter`` as exactly its trained tensors (:mod:`flowforge.tools.export.weights`). A
 ``module+lora`` run (both at once) exports for the world model only: ``merged`` with the submodules overlaid and the
 LoRA folded in, ``adapter`` as both files; a diffusers family's is refused (:class:`ExportError`).
 
@@ -36,7 +36,7 @@ The pipeline class is the base directory's own (``model_index.json`` ``_class_na
     ``save_pretrained`` (safetensors, fp32). A pipeline-directory base (``transformer/``, ``vae/``, text
     encoders) gives ``OUT/transformer/`` plus copies of every other component, so
     ``<Pipeline>.from_pretrained(OUT)`` works; a MiniLM demo base (``demo:base`` and what was trained from it)
-    becomes a custom diffusers pipeline (``OUT/pipeline.py``, :mod:`flowforge.tools.export_card`); any other
+    becomes a custom diffusers pipeline (``OUT/pipeline.py``, :mod:`flowforge.tools.export.card`); any other
     bare-transformer base gives a transformer directory at ``OUT``. The base's ``flowforge.json`` (its text
     encoder) is copied beside the new ``config.json``, so ``flowforge`` (``model.path=OUT``) loads it. A full
     fine-tune saves its live weights the same way (the base is needed for its config and components only).
@@ -56,13 +56,13 @@ The pipeline class is the base directory's own (``model_index.json`` ``_class_na
 
 Every export writes ``OUT/flowforge_export.json`` (run, checkpoint step, weights, form, LoRA contract, base path and
 sha256, the verification result, and ``files``: every file of the export), the run's ``config.yaml`` and a model
-card ``README.md`` (:mod:`flowforge.tools.export_card`). The marker makes ``OUT`` an export:
+card ``README.md`` (:mod:`flowforge.tools.export.card`). The marker makes ``OUT`` an export:
 ``overwrite=True`` replaces only a directory holding it and nothing it does not list, and deletes only the listed
 files. ``OUT`` may not be, contain or lie inside a run directory, the checkpoint, the base model or the working
-directory (:mod:`flowforge.tools.export_out` lists the rules). The export is assembled in a hidden sibling directory
+directory (:mod:`flowforge.tools.export.out` lists the rules). The export is assembled in a hidden sibling directory
 and renamed to ``OUT`` only when complete (and verified, with ``verify=True``), so a failed export leaves ``OUT`` as
 it was. Before anything is written the checkpoint's files are checked (a damaged one is named) and its tensors are
-compared with the run's contract (:mod:`flowforge.tools.export_contract`).
+compared with the run's contract (:mod:`flowforge.tools.export.contract`).
 
 Verification
 ------------
@@ -84,7 +84,7 @@ full        1e-5        0 (the same weights, saved and reloaded)
 ==========  ==========  =========================================================================================
 
 The report also gives ``max |v_trained - v_base|`` for LoRA runs (and the world model's every run), so an export that
-silently dropped the training (a no-op adapter) is visible. The rule is :mod:`flowforge.tools.export_verify`'s.
+silently dropped the training (a no-op adapter) is visible. The rule is :mod:`flowforge.tools.export.verify`'s.
 """
 
 from __future__ import annotations
@@ -99,15 +99,15 @@ from pathlib import Path
 
 import torch
 
-from flowforge.tools import export_diffusers, export_world
-from flowforge.tools.export_card import write_card_and_config
-from flowforge.tools.export_contract import check_contract
-from flowforge.tools.export_diffusers import LORA_PIPELINES, LORA_WEIGHT_NAME
-from flowforge.tools.export_out import (EXPORT_META, ExportError, check_location, check_out, install, listed_files,
+from flowforge.tools.export import diffusers as export_diffusers, world as export_world
+from flowforge.tools.export.card import write_card_and_config
+from flowforge.tools.export.contract import check_contract
+from flowforge.tools.export.diffusers import LORA_PIPELINES, LORA_WEIGHT_NAME
+from flowforge.tools.export.out import (EXPORT_META, ExportError, check_location, check_out, install, listed_files,
                                         work_dir)
-from flowforge.tools.export_source import Source, layout, load_source, pick_checkpoint, read_run_config, resolve_base
-from flowforge.tools.export_verify import TOLERANCES, ExportVerificationError, VerifyReport
-from flowforge.tools.export_weights import PEFT_PREFIX, PEFT_WEIGHT_NAME
+from flowforge.tools.export.source import Source, layout, load_source, pick_checkpoint, read_run_config, resolve_base
+from flowforge.tools.export.verify import TOLERANCES, ExportVerificationError, VerifyReport
+from flowforge.tools.export.weights import PEFT_PREFIX, PEFT_WEIGHT_NAME
 
 log = logging.getLogger("flowforge")
 
@@ -157,7 +157,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
         run_dir: the run directory (``config.yaml`` + ``checkpoints/``).
         out: the export directory: new, empty, or (with ``overwrite``) a previous export holding nothing else; never
             a run, checkpoint, base model or working directory, nor inside or around one
-            (:mod:`flowforge.tools.export_out`).
+            (:mod:`flowforge.tools.export.out`).
         form: ``"merged"`` (a diffusers transformer / pipeline, or a world-model directory, with the training
             folded in; the only form of a full fine-tune) or ``"adapter"`` (a diffusers + peft LoRA; a module run's
             trained tensors).

@@ -1,7 +1,7 @@
 """Eval sample grids with their captions: the grid PNG and a JSON sidecar naming each cell's prompt and scores.
 
 The eval stage tiles the first sample of every held-out prompt into ``samples/step_<n>.png``
-(:func:`flowforge.train.metrics.save_grid`); :func:`save_eval_grid` also writes ``samples/step_<n>.json``::
+(:func:`save_grid`); :func:`save_eval_grid` also writes ``samples/step_<n>.json``::
 
     {"step": 10, "image": "step_000010.png",
      "cells": [{"prompt": "a handwritten seven", "scores": {"digit_eval": 1.0, ...}, "box": [l, t, r, b]}, ...]}
@@ -24,18 +24,70 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
+from torch import Tensor
 
 from flowforge.rollout import video_frames
 from flowforge.runtime.durable import atomic_write
-from flowforge.train.metrics import save_grid
 
 GRID_NROW, GRID_SCALE, GRID_PADDING = 10, 2, 2
 """Images per row, nearest-neighbour upscaling and padding (source pixels) of the eval grids."""
 
 
+def save_grid(images: Tensor, path: Path, *, nrow: int, scale: int = 1, padding: int = 2) -> Path:
+    """Tile images into one PNG grid, written atomically (temporary file in the same folder, then rename).
+
+    Images fill rows left to right, ``nrow`` images per row (torchvision's ``make_grid`` convention), with
+    ``padding`` mid-grey pixels between and around tiles. Pixels are quantised as ``round(255 * clamp(x, 0, 1))``
+    (the same quantisation as the JPEG reward), then the whole grid is upscaled by ``scale`` with nearest-neighbour
+    resampling (Pillow), so the padding scales with it. Output size:
+    ``width = scale * (cols * (W + padding) + padding)``, ``height = scale * (rows * (H + padding) + padding)``,
+    ``cols = min(nrow, B)``, ``rows = ceil(B / nrow)``.
+
+    Args:
+        images: ``[B, 3, H, W]`` (or ``[B, 1, H, W]`` grey) float in [0, 1], any device.
+        path: the PNG to write; parent folders are created.
+        nrow: images per row, >= 1.
+        scale: integer nearest-neighbour upscaling factor, >= 1.
+        padding: grid lines in source pixels, >= 0.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: wrong shape / dtype, an empty batch, non-finite pixels, or ``nrow`` / ``scale`` / ``padding`` out
+            of range.
+    """
+    for name, value, low in (("nrow", nrow, 1), ("scale", scale, 1), ("padding", padding, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if images.dim() != 4 or images.shape[1] not in (1, 3) or images.shape[0] == 0:
+        raise ValueError(f"images must be [B, 3, H, W] (or [B, 1, H, W]) with B >= 1, got shape {list(images.shape)}")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be float in [0, 1], got {images.dtype}")
+    x = images.detach().float().cpu()
+    if not torch.isfinite(x).all():
+        raise ValueError("images contain NaN or inf")
+    b, c, h, w = x.shape
+    cols, rows = min(nrow, b), math.ceil(b / nrow)
+    grid = torch.full((c, rows * (h + padding) + padding, cols * (w + padding) + padding), 0.5)
+    for k in range(b):  # B tiles of a grid, not a hot path
+        r, q = divmod(k, nrow)
+        top, left = padding + r * (h + padding), padding + q * (w + padding)
+        grid[:, top:top + h, left:left + w] = x[k]
+    pixels = (grid.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
+    image = Image.fromarray(pixels[:, :, 0], mode="L") if c == 1 else Image.fromarray(pixels, mode="RGB")
+    if scale != 1:
+        image = image.resize((image.width * scale, image.height * scale), resample=Image.Resampling.NEAREST)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
+    return path
+
+
 def grid_boxes(count: int, height: int, width: int, *, nrow: int, scale: int, padding: int) -> list[list[int]]:
     """Pixel boxes ``[left, top, right, bottom]`` (right / bottom exclusive) of ``count`` tiles of ``height x width``
-    source pixels in a :func:`~flowforge.train.metrics.save_grid` PNG, in tile order (rows filled left to right)."""
+    source pixels in a :func:`save_grid` PNG, in tile order (rows filled left to right)."""
     boxes = []
     for k in range(count):
         r, q = divmod(k, nrow)

@@ -237,7 +237,7 @@ def write_tables(summaries: list[dict[str, Any]], arms: dict[str, dict[str, Any]
 
 def run_compare(cc: CompareConfig, *, progress: bool = True) -> Path:
     """Train every (arm, seed) one after the other (skipping finished runs), then write the comparison."""
-    from flowforge.tools.compare_plot import write_plot
+    from flowforge.tools.compare.plot import write_plot
     from flowforge.train.preflight import preflight
     from flowforge.train.trainer import Trainer
 

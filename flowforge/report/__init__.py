@@ -1,0 +1,1 @@
+"""Run reports (report.html), read by train, orchestrate and tools alike."""
