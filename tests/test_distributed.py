@@ -54,6 +54,7 @@ def single(tiny_model_dir, tmp_path_factory, encode_cache_dir):
     return records, _losses(out / "one")
 
 
+@pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_match_single_process(single, tiny_model_dir, tmp_path, encode_cache_dir, strategy):
     ref_records, ref_rows = single
@@ -78,6 +79,7 @@ def test_two_ranks_match_single_process(single, tiny_model_dir, tmp_path, encode
         torch.testing.assert_close(records[1]["live"][k], v, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set
 def test_full_fine_tuning_nft_under_fsdp_matches_ddp(tiny_model_dir, tmp_path, encode_cache_dir):
     """DiffusionNFT with full fine-tuning keeps a whole old-policy copy on every rank while FSDP shards live: the
     old <- decay * old + (1 - decay) * live blend gathers live, and both strategies end with the same weights."""
@@ -88,6 +90,7 @@ def test_full_fine_tuning_nft_under_fsdp_matches_ddp(tiny_model_dir, tmp_path, e
         torch.testing.assert_close(runs["fsdp"][0]["live"][k], v, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set
 def test_fsdp_dcp_checkpoint_written_by_two_ranks_resumes(tiny_model_dir, tmp_path, encode_cache_dir):
     extra = ["train.algorithm=grpo", "distributed.strategy=fsdp", "checkpoint.every=1", "train.steps=2"]
     full = _run(tmp_path / "full", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "full", *extra), 2)
@@ -102,6 +105,7 @@ def test_fsdp_dcp_checkpoint_written_by_two_ranks_resumes(tiny_model_dir, tmp_pa
     assert _losses(tmp_path / "part")[-1]["train/loss"] == _losses(tmp_path / "full")[-1]["train/loss"]
 
 
+@pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set
 def test_nft_guard_pads_the_rank_that_skipped_and_matches_single_process(tiny_model_dir, tmp_path,
                                                                           encode_cache_dir):
     """With ``nft.guard`` a rank can keep fewer rows than another: at step 2 the guard skips rank 1's only group

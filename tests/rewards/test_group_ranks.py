@@ -47,6 +47,7 @@ def test_group_scorer_sees_groups_split_across_ranks_whole(tmp_path):
             assert r[name]["first_fraction"] == pytest.approx(firsts / len(share))
 
 
+@pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set
 def test_training_under_torchrun_scores_whole_groups(tiny_model_dir, tmp_path, encode_cache_dir):
     # 3 prompts x 2 candidates on 2 ranks: each rank holds 3 candidates, so the middle group is split
     overrides = [f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}", "run.name=g",

@@ -222,6 +222,7 @@ def _gone(pid, seconds=20.0):
     return False
 
 
+@pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set
 def test_resume_after_kill_9_with_workers_equals_the_uninterrupted_run(tiny_model_dir, out_dir, encode_cache_dir):
     """A workers run killed with SIGKILL while writing step 3's checkpoint leaves no worker behind; resumed from
     step 2 (fresh workers built from the committed weights) it ends with the weights, optimizer state and metrics of

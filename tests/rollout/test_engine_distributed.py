@@ -8,6 +8,7 @@ from tests.test_distributed import _overrides, _run
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set
 def test_two_fsdp_ranks_with_a_worker_each_match_local_rollouts_bitwise(tiny_model_dir, tmp_path, encode_cache_dir):
     """FSDP2 on 2 gloo ranks (LoRA, DiffusionNFT sampling with the old policy): every rank gathers the sharded
     weights for its worker's sync; the samples and the weights after 2 steps are bit-identical to the same torchrun
