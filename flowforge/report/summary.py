@@ -120,6 +120,10 @@ def headline_key(eval_rows: Sequence[Row] | None, info: RunInfo) -> str | None:
     return rest[0] if rest else None
 
 
+SUBSTAGE_TIMES = ("time/reward_wait",)
+"""``time/*`` keys that are parts of a stage's time (``time/reward_wait`` lies within ``time/reward``), not summed."""
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     h, rem = divmod(seconds, 3600)
@@ -131,7 +135,8 @@ def _wall_time(run_dir: Path, train_rows: Sequence[Row] | None) -> str:
     """Elapsed time from the (last) start, read from ``provenance.json``, to the last log line; and the training
     stages' own time summed over the logged steps (``time/*``: covers resumed sessions, excludes evals)."""
     parts = []
-    stage = sum(v for row in train_rows or [] for k, v in row.items() if k.startswith("time/") and math.isfinite(v))
+    stage = sum(v for row in train_rows or [] for k, v in row.items()
+                if k.startswith("time/") and k not in SUBSTAGE_TIMES and math.isfinite(v))
     logs = [run_dir / f for f in (METRICS_FILE, EVAL_FILE) if (run_dir / f).is_file()]
     try:
         start = _dt.datetime.fromisoformat(json.loads((run_dir / PROVENANCE_FILE).read_text())["time_utc"])
@@ -143,6 +148,18 @@ def _wall_time(run_dir: Path, train_rows: Sequence[Row] | None) -> str:
     if stage > 0:
         parts.append(f"{_duration(stage)} in training stages (summed over steps, evals excluded)")
     return "; ".join(parts) or "unknown"
+
+
+def _mfu_line(train_rows: Sequence[Row]) -> str:
+    """Median ``perf/mfu`` (and of the rollout and update alone) and ``perf/tflops`` over the steps, and the peak
+    (:mod:`flowforge.train.perf`; ``train.log`` says where the peak comes from)."""
+    def median(key: str) -> float:
+        values = sorted(v for r in train_rows if math.isfinite(v := r.get(key, math.nan)))
+        return values[len(values) // 2] if values else math.nan
+
+    return (f"MFU {median('perf/mfu'):.2%} (rollout {median('perf/mfu_rollout'):.2%}, update "
+            f"{median('perf/mfu_update'):.2%}), {median('perf/tflops'):.4g} TFLOP/s, median over steps, of a peak "
+            f"of {median('perf/peak_tflops'):.4g} TFLOP/s (train.log says whether measured or from the datasheet)")
 
 
 def _checkpoints(run_dir: Path) -> str:
@@ -206,6 +223,8 @@ def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, 
            "candidates per step)" if info.per_step else "unknown (no readable config.yaml)"
     rows.append(("samples seen", esc(seen)))
     rows.append(("wall time", esc(_wall_time(run_dir, train_rows))))
+    if train_rows and any("perf/mfu" in r for r in train_rows):
+        rows.append(("compute (perf/mfu)", esc(_mfu_line(train_rows))))
     rows.append(("checkpoints", esc(_checkpoints(run_dir))))
     if info.cfg is not None:
         c = info.cfg

@@ -16,12 +16,22 @@ is the same on every rank (all of the step's groups), so averaging the metric ov
 
 Per-sample flags: a scorer may set ``sample_flags`` (name -> ``[n]`` bool, for its last call), e.g. CLIP's
 ``{"truncated": ...}``; the processor logs their fractions as ``reward/<component>_<flag>_fraction``.
+
+Several calls at once (:func:`call_many`): a scorer that waits on a service -- the ``vlm_judge`` (a paid VLM, a
+student server), a ``remote`` reward service -- declares ``max_concurrency`` (an int >= 1), and a step's calls (its
+groups, or its ``reward.batch_size`` slices) are then in flight together, up to that many at once, instead of one
+after another. A group scorer with a ``score_groups(calls) -> list[Tensor]`` method (the judge) gets the step's
+groups in one batch and keeps its own requests in flight (and checks its budget for the batch as a whole).
+Results land in the order of the calls, so the scores are those of the sequential path; the first failing call in
+that order raises, as it would have sequentially (calls not yet started are cancelled). ``sample_flags`` are read
+only from scorers called one call at a time (they describe "the last call", which is not defined otherwise).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -31,27 +41,85 @@ from flowforge.rewards.base import RewardScorer
 from flowforge.runtime.distributed import DistInfo
 
 Flags = dict[str, Tensor]  # flag name -> [n] bool on the CPU
+Call = tuple[Tensor, list[str], list[dict[str, Any]]]  # (media [n, ...], n prompts, n metadata): one scorer call
+
+
+def concurrency(name: str, scorer: RewardScorer) -> int:
+    """How many calls of ``scorer`` may be in flight at once: its ``max_concurrency`` (1 when it declares none).
+
+    Raises:
+        ValueError: ``max_concurrency`` is not an int >= 1.
+    """
+    value = getattr(scorer, "max_concurrency", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"reward component {name!r} has max_concurrency={value!r}; it must be an int >= 1")
+    return value
+
+
+def clear_error(scorer: RewardScorer) -> None:
+    """Forget a scorer's ``last_error`` (the cause that a required component's NaN error quotes, e.g. the
+    ``remote`` scorer's failed request) before the scorer's calls of a new batch."""
+    if hasattr(scorer, "last_error"):
+        scorer.last_error = None
+
+
+def _checked(name: str, out: Any, n: int, device: torch.device) -> Tensor:
+    if not isinstance(out, Tensor) or out.shape != (n,):
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"reward component {name!r} returned {shape}, expected a [{n}] tensor")
+    return out.detach().to(device=device, dtype=torch.float32)
 
 
 def call_scorer(name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
-                metadata: list[dict[str, Any]]) -> tuple[Tensor, Flags]:
-    """``scorer(media, prompts, metadata)`` checked: ``([n] float32 on media's device, flags)``.
+                metadata: list[dict[str, Any]], *, flags: bool = True) -> tuple[Tensor, Flags]:
+    """``scorer(media, prompts, metadata)`` checked: ``([n] float32 on media's device, flags)``; ``flags=False``
+    skips ``sample_flags`` (calls made concurrently: "the last call" is not defined).
 
     Raises:
         ValueError: the scorer returned something other than an ``[n]`` tensor, or flags of another length.
     """
     n = len(prompts)
-    out = scorer(media, prompts, metadata)
-    if not isinstance(out, Tensor) or out.shape != (n,):
-        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-        raise ValueError(f"reward component {name!r} returned {shape}, expected a [{n}] tensor")
-    flags = {}
+    out = _checked(name, scorer(media, prompts, metadata), n, media.device)
+    if not flags:
+        return out, {}
+    found = {}
     for flag, values in (getattr(scorer, "sample_flags", None) or {}).items():
         if not isinstance(values, Tensor) or values.shape != (n,):
             raise ValueError(f"reward component {name!r} set sample_flags[{flag!r}] of shape "
                              f"{getattr(values, 'shape', None)}, expected [{n}]")
-        flags[flag] = values.detach().bool().cpu()
-    return out.detach().to(device=media.device, dtype=torch.float32), flags
+        found[flag] = values.detach().bool().cpu()
+    return out, found
+
+
+def call_many(name: str, scorer: RewardScorer, count: int, make: Callable[[int], Call]) -> list[tuple[Tensor, Flags]]:
+    """``count`` calls of ``scorer`` -- call ``i`` is ``make(i)`` -- checked as :func:`call_scorer`, results in call
+    order (module docstring: one batch to ``score_groups``, up to ``max_concurrency`` in flight, or one after
+    another).
+
+    Raises:
+        ValueError: as :func:`call_scorer`; a bad ``max_concurrency``. Whatever the first failing call raises.
+    """
+    if count == 0:
+        return []
+    batch = getattr(scorer, "score_groups", None)
+    if getattr(scorer, "needs_group", False) and callable(batch):
+        calls = [make(i) for i in range(count)]
+        outs = batch(calls)
+        if not isinstance(outs, list) or len(outs) != count:
+            raise ValueError(f"reward component {name!r}: score_groups returned {type(outs).__name__} of "
+                             f"{len(outs) if isinstance(outs, list) else '?'} results for {count} groups")
+        return [(_checked(name, out, len(call[1]), call[0].device), {}) for out, call in zip(outs, calls)]
+    workers = min(concurrency(name, scorer), count)
+    if workers == 1:
+        return [call_scorer(name, scorer, *make(i)) for i in range(count)]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"score-{name}") as pool:
+        futures = [pool.submit(lambda i=i: call_scorer(name, scorer, *make(i), flags=False)) for i in range(count)]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:  # no new request after a failure, as the sequential path would stop there
+                future.cancel()
+            raise
 
 
 def _owners(counts: list[dict[int, int]]) -> dict[int, int]:
@@ -89,13 +157,16 @@ def score_groups_across_ranks(name: str, scorer: RewardScorer, media: Tensor, pr
     scores = torch.full((len(local),), float("nan"), dtype=torch.float32, device=media.device)
     flags: dict[str, Tensor] = {}
     returned = []  # (member's rank, its local index, score, {flag: bool}) for members of other ranks
+    owned = []  # per group this rank owns: its members (rank, local index, media, prompt, metadata) in order
     for g in (g for g, r in owner.items() if r == rank):
         members = [(rank, i, media[i], prompts[i], metadata[i]) for i, gi in enumerate(local) if gi == g]
         members += [(r, i, m.to(media.device), p, md) for r in range(world) if r != rank
                     for i, gi, m, p, md in incoming[r] if gi == g]
         members.sort(key=lambda member: (member[0], member[1]))
-        out, out_flags = call_scorer(name, scorer, torch.stack([m[2] for m in members]),
-                                     [m[3] for m in members], [m[4] for m in members])
+        owned.append(members)
+    results = call_many(name, scorer, len(owned), lambda k: (torch.stack([m[2] for m in owned[k]]),
+                                                             [m[3] for m in owned[k]], [m[4] for m in owned[k]]))
+    for members, (out, out_flags) in zip(owned, results, strict=True):
         for j, (r, i, *_) in enumerate(members):
             member_flags = {f: bool(v[j]) for f, v in out_flags.items()}
             if r == rank:
@@ -126,17 +197,18 @@ def local_chunks(needs_group: bool, batch: int, batch_size: int, group_ids: Tens
 
 def score_local(name: str, scorer: RewardScorer, media: Tensor, prompts: Sequence[str],
                 metadata: Sequence[dict[str, Any]], chunks: list[Tensor]) -> tuple[Tensor, Flags]:
-    """Score ``media`` chunk by chunk in this process: ``([B] float32 on media's device, flags)``; a flag a chunk
-    does not report is False for its samples."""
+    """Score ``media`` chunk by chunk in this process (:func:`call_many`: concurrently where the scorer allows):
+    ``([B] float32 on media's device, flags)``; a flag a chunk does not report is False for its samples."""
     batch = media.shape[0]
     scores = torch.full((batch,), float("nan"), dtype=torch.float32, device=media.device)
     flags: dict[str, Tensor] = {}
-    for index in chunks:
-        if index.numel() == 0:
-            continue
-        rows = index.tolist()
-        out, out_flags = call_scorer(name, scorer, media[index.to(media.device)], [prompts[i] for i in rows],
-                                     [metadata[i] for i in rows])
+    chunks = [index for index in chunks if index.numel()]
+
+    def make(k: int) -> Call:
+        rows = chunks[k].tolist()
+        return media[chunks[k].to(media.device)], [prompts[i] for i in rows], [metadata[i] for i in rows]
+
+    for index, (out, out_flags) in zip(chunks, call_many(name, scorer, len(chunks), make), strict=True):
         scores[index.to(media.device)] = out
         for flag, values in out_flags.items():
             flags.setdefault(flag, torch.zeros(batch, dtype=torch.bool))[index] = values

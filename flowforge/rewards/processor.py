@@ -24,6 +24,13 @@ is on a GPU):
 ``reward/score_time``              wall time of the whole call
 =================================  ===================================================================================
 
+Concurrency: a scorer that waits on a service (the ``vlm_judge``, a ``remote`` reward service) declares
+``max_concurrency``, and its calls of one batch -- every group of a step, or every ``batch_size`` slice -- are in
+flight together up to that many at once; the results land in the order of the sequential path, so the scores and
+metrics are the same (:func:`flowforge.rewards.groups.call_many`). :meth:`RewardProcessor.stream` goes one step
+further (``reward.overlap``): a group is sent while the media of later groups are still being rolled out
+(:mod:`flowforge.rewards.stream`).
+
 Group scorers see whole groups: one call per group id; with ``dist`` (under ``torchrun``) groups that straddle ranks
 are gathered to one rank, scored and the scores sent back (:mod:`flowforge.rewards.groups`).
 """
@@ -39,7 +46,7 @@ import torch
 from torch import Tensor
 
 from flowforge.rewards.base import RewardScorer, check_batch_size, check_media_batch, takes_video
-from flowforge.rewards.groups import local_chunks, score_groups_across_ranks, score_local
+from flowforge.rewards.groups import clear_error, local_chunks, score_groups_across_ranks, score_local
 from flowforge.runtime.distributed import DistInfo
 
 
@@ -94,7 +101,7 @@ class RewardProcessor:
         self.required = tuple(dict.fromkeys(required))
         self.batch_size = batch_size
 
-    def _score(self, name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
+    def score_component(self, name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
                metadata: list[dict[str, Any]], group_ids: Tensor | None, dist: DistInfo | None):
         """One component: ``([B] float32, flags, groups scored or None for a per-sample scorer)``. A video batch
         goes whole to a ``takes_video`` scorer; any other scores its frames, averaged per video (a flag: any frame)."""
@@ -102,7 +109,7 @@ class RewardProcessor:
             from flowforge.rollout.media import video_frames
 
             f = media.shape[2]
-            scores, flags, groups = self._score(name, scorer, video_frames(media),
+            scores, flags, groups = self.score_component(name, scorer, video_frames(media),
                                                 [p for p in prompts for _ in range(f)],
                                                 [m for m in metadata for _ in range(f)],
                                                 None if group_ids is None else group_ids.repeat_interleave(f), dist)
@@ -126,7 +133,7 @@ class RewardProcessor:
         """Score ``media`` with every component.
 
         Args:
-            media: ``[B, 3, H, W]`` float in [0, 1], or videos ``[B, 3, F, H, W]`` (see :meth:`_score`).
+            media: ``[B, 3, H, W]`` float in [0, 1], or videos ``[B, 3, F, H, W]`` (see :meth:`score_component`).
             prompts: ``B`` prompt strings.
             metadata: ``B`` metadata dicts (task-specific keys such as ``"digit"`` are read by the scorers).
             group_ids: optional ``[B]`` int group id per sample, used only to call group scorers per group.
@@ -152,28 +159,52 @@ class RewardProcessor:
         call_start = time.perf_counter()
         for name, scorer in self.scorers.items():
             start = time.perf_counter()
-            scores, flags, groups = self._score(name, scorer, media, prompts, metadata, group_cpu, dist)
+            clear_error(scorer)
+            scores, flags, groups = self.score_component(name, scorer, media, prompts, metadata, group_cpu, dist)
             _sync(media.device)
             metrics[f"reward/{name}_time"] = time.perf_counter() - start
-            nan = torch.isnan(scores)
-            if name in self.required and bool(nan.any()):
-                first = int(torch.nonzero(nan)[0, 0])
-                cause = getattr(scorer, "last_error", None)  # e.g. the remote scorer's failed request
-                raise ValueError(
-                    f"required reward component {name!r} scored NaN for sample {first} "
-                    f"({int(nan.sum())} of {batch} samples are NaN)" + (f": {cause}" if cause else "")
-                )
-            valid = scores[~nan]
-            metrics[f"reward/{name}_mean"] = valid.mean().item() if valid.numel() else float("nan")
-            metrics[f"reward/{name}_std"] = valid.std(correction=0).item() if valid.numel() else float("nan")
-            metrics[f"reward/{name}_nan_fraction"] = nan.float().mean().item() if batch else 0.0
-            if groups is not None:
-                metrics[f"reward/{name}_groups_scored"] = float(groups)
-            for flag, values in flags.items():
-                metrics[f"reward/{name}_{flag}_fraction"] = values.float().mean().item() if batch else 0.0
-            pop = getattr(scorer, "pop_metrics", None)  # counters of a scorer's own work, e.g. the judge's requests
-            for key, value in (pop() if callable(pop) else {}).items():
-                metrics[f"reward/{name}_{key}"] = float(value)
             components[name] = scores
+            metrics.update(self.component_metrics(name, scores, flags, groups))
         metrics["reward/score_time"] = time.perf_counter() - call_start
         return components, metrics
+
+    def component_metrics(self, name: str, scores: Tensor, flags: dict[str, Tensor],
+                          groups: int | None) -> dict[str, float]:
+        """The metrics of one scored component (module docstring), the scorer's own counters popped.
+
+        Raises:
+            ValueError: a required component scored NaN (the message names the component and the first offending
+                sample index, and the scorer's ``last_error`` when it has one).
+        """
+        scorer, batch = self.scorers[name], scores.shape[0]
+        nan = torch.isnan(scores)
+        if name in self.required and bool(nan.any()):
+            first = int(torch.nonzero(nan)[0, 0])
+            cause = getattr(scorer, "last_error", None)  # e.g. the remote scorer's failed request
+            raise ValueError(
+                f"required reward component {name!r} scored NaN for sample {first} "
+                f"({int(nan.sum())} of {batch} samples are NaN)" + (f": {cause}" if cause else "")
+            )
+        valid = scores[~nan]
+        metrics = {f"reward/{name}_mean": valid.mean().item() if valid.numel() else float("nan"),
+                   f"reward/{name}_std": valid.std(correction=0).item() if valid.numel() else float("nan"),
+                   f"reward/{name}_nan_fraction": nan.float().mean().item() if batch else 0.0}
+        if groups is not None:
+            metrics[f"reward/{name}_groups_scored"] = float(groups)
+        for flag, values in flags.items():
+            metrics[f"reward/{name}_{flag}_fraction"] = values.float().mean().item() if batch else 0.0
+        pop = getattr(scorer, "pop_metrics", None)  # counters of a scorer's own work, e.g. the judge's requests
+        for key, value in (pop() if callable(pop) else {}).items():
+            metrics[f"reward/{name}_{key}"] = float(value)
+        return metrics
+
+    def stream(self, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], group_ids: Tensor):
+        """A :class:`~flowforge.rewards.stream.ScoreStream` for one batch of ``B`` samples whose media arrive in
+        parts: each group is sent to the group scorers as soon as its last member arrives (``reward.overlap``).
+
+        Args:
+            prompts / metadata: ``B`` entries. group_ids: ``[B]`` int group id per sample.
+        """
+        from flowforge.rewards.stream import ScoreStream
+
+        return ScoreStream(self, prompts, metadata, group_ids)

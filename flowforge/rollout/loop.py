@@ -220,6 +220,27 @@ def rollout_chunked(adapter, cond, candidate_ids, sigmas, spec, *, latent_shape,
     return Trajectory.cat(parts)
 
 
+def rollout_grouped(adapter, cond, candidate_ids, group_ids, sigmas, spec, *, latent_shape, seed, batch_size,
+                    on_chunk, device="cpu"):
+    """:func:`rollout_chunked` with the rows taken group after group, so that groups finish one by one.
+
+    The rows are stably sorted by ``group_ids`` (``[B]`` int64) and rolled out in consecutive chunks of
+    ``batch_size`` of that order -- chunks of the same sizes as :func:`rollout_chunked`'s, each candidate with its own
+    noise -- and ``on_chunk(rows, part)`` is called after each chunk (``rows``: the chunk's ``[n]`` int64 indices
+    into ``0..B-1``, ``part``: its :class:`Trajectory`), e.g. to decode and score the groups it completes while the
+    next chunks roll out (``reward.overlap``). Returns the whole :class:`Trajectory` in the input row order.
+    """
+    order = torch.argsort(group_ids, stable=True)
+    parts = []
+    for start in range(0, len(candidate_ids), batch_size):
+        rows = order[start:start + batch_size]
+        part = rollout(adapter, cond.index(rows), [candidate_ids[i] for i in rows.tolist()], sigmas, spec,
+                       latent_shape=latent_shape, seed=seed, device=device)
+        on_chunk(rows, part)
+        parts.append(part)
+    return Trajectory.cat(parts).select(torch.argsort(order))
+
+
 def replay_log_prob(
     adapter: FlowModel,
     traj: Trajectory,

@@ -14,7 +14,8 @@ root.
                  targets, trained submodules
 ``data``         prompt files, prompts per step (M), group size (K), encoding cache
 ``sampler``      schedule, SDE kernel, noise level, guidance, which steps are trained
-``reward``       reward components, weights, required components, per-scorer options
+``reward``       reward components, weights, required components, per-scorer options, scoring overlapped with
+                 the rollout
 ``advantage``    group normalization (std mode, eps, floor), component combination, clip
 ``train``        algorithm, optimizer, LR schedule, updates per batch, micro-batches
 ``eval``         held-out evaluation cadence and fixed noise seed
@@ -212,10 +213,15 @@ class RewardConfig(Section):
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-component scorer kwargs
     batch_size: int = 64
     device: str = "cpu"  # not read (see the class docstring)
+    overlap: bool = False  # send each group to the group scorers (judge) while later groups are still rolled out
 
     def problems(self) -> list[str]:
         c = Checks(self)
         c.positive("batch_size")
+        for name, opts in self.options.items():
+            value = opts.get("max_concurrency", 1) if isinstance(opts, Mapping) else 1
+            c.require(not isinstance(value, bool) and isinstance(value, int) and value >= 1,
+                      f"reward.options.{name}.max_concurrency={value!r} must be an int >= 1 (calls in flight at once)")
         for name in self.required:
             c.require(name in self.weights, f"reward.required lists {name!r} but reward.weights has no weight for it")
         for name in self.options:
@@ -416,6 +422,7 @@ RESUME_NEUTRAL_KEYS: tuple[str, ...] = (
     "data.cache_dir",  # where encoded prompts are cached; the encodings are the same
     "data.eval_prompts", "eval",  # held-out evaluation: fixed noise of its own, never feeds the update
     "reward.device",  # not read (see RewardConfig)
+    "reward.overlap",  # when groups are scored, not what: the same scores (tests/train/test_reward_overlap.py)
     "train.resume",  # how this invocation starts, not what it computes
     "checkpoint", "artifacts", "metrics",  # what is written or logged beside the run, and how much is kept
     "rollout",  # in-process or worker rollouts: bit-identical trajectories either way (tests/rollout/test_engine.py)

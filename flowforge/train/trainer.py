@@ -51,11 +51,13 @@ from flowforge.settings import resume_fingerprint
 from flowforge.train.preflight import check_loaded_model, preflight
 from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
-from flowforge.rollout import Trajectory, candidate_noise, decode_media, generate, rollout_chunked, sigmas_for
+from flowforge.rollout import (Trajectory, candidate_noise, decode_media, generate, rollout_chunked,
+                              rollout_grouped, sigmas_for)
 from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, training_contract
 from flowforge.train.guard import RewardHackingGuard
+from flowforge.train.perf import PerfMeter, compute_dtype
 from flowforge.train.sidecars import SidecarWriter
 from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
 from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
@@ -143,6 +145,9 @@ class Trainer:
         self.objective.anchor = build_anchor(cfg.anchor, self.adapter, self.policy, seed=cfg.run.seed,
                                              cache_dir=cfg.data.cache_dir)  # world models: real-clip anchor losses
         self.engine = build_rollout_engine(cfg, self.policy, self.objective.sampling_policy, self.device)  # or None
+        self.perf = PerfMeter(lambda: self.adapter.transformer, self.device, compute_dtype(self.adapter, d, self.dist),
+                              rollout_elsewhere=self.engine is not None)  # perf/mfu; the peak is logged here
+        self._stream = None  # reward.overlap: the step's score stream, from sample() to score()
 
         self.sampler = KRepeatSampler(len(self.train_prompts), cfg.data.prompts_per_step, cfg.data.group_size,
                                       cfg.run.seed, num_replicas=self.dist.world_size, rank=self.dist.rank)
@@ -258,7 +263,9 @@ class Trainer:
                          rank_slice=kb.rank_slice, records=[self.train_prompts[i] for i in prompt_indices.tolist()])
 
     def sample(self, batch: StepBatch, step: int):
-        """Stage 2: roll out the objective's declared trajectories, chunked like the training micro-batches."""
+        """Stage 2: roll out the objective's declared trajectories, chunked like the training micro-batches; with
+        ``reward.overlap`` group after group, each chunk decoded at once and its completed groups sent to the group
+        scorers while the next chunks roll out (:mod:`flowforge.rewards.stream`; :meth:`score` waits for them)."""
         spec = self.objective.rollout_spec(step)
         cond = self._conditioning(self.train_cond, self.train_prompts, batch.prompt_indices)
         chunk = self.cfg.sampler.batch_size or self.cfg.train.micro_batch_size
@@ -266,9 +273,17 @@ class Trainer:
             return self.engine.sample(cond, batch.candidate_ids.tolist(), self.sigmas, spec, step=step,
                                       batch_size=chunk, latent_shape=self.latent_shape, seed=self.cfg.run.seed), cond
         with self.policy.using(self.objective.sampling_policy):
-            traj = rollout_chunked(self.adapter, cond, batch.candidate_ids.tolist(), self.sigmas, spec,
-                                   latent_shape=self.latent_shape, seed=self.cfg.run.seed, batch_size=chunk,
-                                   device=self.device)
+            if not self.cfg.reward.overlap:
+                return rollout_chunked(self.adapter, cond, batch.candidate_ids.tolist(), self.sigmas, spec,
+                                       latent_shape=self.latent_shape, seed=self.cfg.run.seed, batch_size=chunk,
+                                       device=self.device), cond
+            self._stream = stream = self.rewards.stream([r.prompt for r in batch.records],
+                                                        [r.metadata for r in batch.records], batch.group_ids)
+            with stream.closed_on_error():
+                traj = rollout_grouped(self.adapter, cond, batch.candidate_ids.tolist(), batch.group_ids,
+                                       self.sigmas, spec, latent_shape=self.latent_shape, seed=self.cfg.run.seed,
+                                       batch_size=chunk, device=self.device, on_chunk=lambda rows, part: stream.add(
+                                           rows, decode_media(self.adapter, part.final, self.cfg.reward.batch_size)))
         return traj, cond
 
     def _conditioning(self, cond: Conditioning, records: list[PromptRecord], prompt_indices: torch.Tensor):
@@ -288,11 +303,18 @@ class Trainer:
         """Stage 3: the rollout's media (decoded at the rollout boundary, :func:`flowforge.rollout.decode_media`,
         ``reward.batch_size`` rows at a time) and every reward component ``[B]`` of them, plus the reward metrics.
 
+        With ``reward.overlap`` :meth:`sample` decoded the media and sent the groups; this waits for their scores.
+        Also ``time/reward_wait`` and ``perf/reward_overlap`` (:mod:`flowforge.rewards.stream`; 0 without overlap).
+
         Returns:
             ``(media, components, metrics)``: media ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) in [0, 1].
         """
+        stream, self._stream = self._stream, None
+        if stream is not None:  # reward.overlap: the groups were sent during the rollout
+            return stream.finish()
         media = decode_media(self.adapter, traj.final, self.cfg.reward.batch_size)
         components, metrics = self.score_media(media, batch.records, batch.group_ids, self.dist)
+        metrics.update({"time/reward_wait": metrics["reward/score_time"], "perf/reward_overlap": 0.0})
         return media, components, metrics
 
     def score_media(self, media: torch.Tensor, records: list[PromptRecord], group_ids: torch.Tensor,
@@ -346,7 +368,8 @@ class Trainer:
 
         ``stop_at`` ends the run early after that many steps, as an interruption would (no final eval / report;
         the LR schedule still spans ``train.steps``); a later ``train.resume`` continues it exactly."""
-        with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), closing_engine(self.engine):
+        with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), closing_engine(self.engine), \
+                self.perf.counting():
             return self._train(stop_at)
 
     def _log_progress(self, scalars: dict[str, float]) -> None:
@@ -369,10 +392,12 @@ class Trainer:
                    initial=self.step, total=cfg.train.steps)
         for step in bar:
             timer = StageTimer()
+            self.perf.begin_step()
             with timer("prompts"):
                 batch = self.next_prompts()
             with timer("sample"):
                 traj, cond = self.sample(batch, step)
+            self.perf.end_rollout()
             with timer("reward"):
                 media, components, reward_metrics = self.score(traj, batch)
             with timer("advantage"):
@@ -386,8 +411,10 @@ class Trainer:
                 train_metrics = self.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv,
                                                          group_ids=batch.group_ids, rewards=total,
                                                          candidate_ids=batch.candidate_ids, step=step))
-            local = {**reward_metrics, **to_scalars(train_metrics), **engine_metrics(self.engine)}
-            scalars = self.finish_step(step, batch, media, local, adv_metrics, timer.scalars())
+            times = timer.scalars()
+            local = {**reward_metrics, **to_scalars(train_metrics), **engine_metrics(self.engine),
+                     **self.perf.metrics(times)}
+            scalars = self.finish_step(step, batch, media, local, adv_metrics, times)
             bar.set_postfix(reward=f"{scalars['reward/total_mean']:.3f}")
             self._log_progress(scalars)
             if self.guard.stopped:
@@ -465,7 +492,6 @@ class Trainer:
         self.logger.log_grid(step, sample_grid_path(self.run_dir, step))  # to TensorBoard / W&B, captioned
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars
-
 
 
 def _model_source(path: str) -> Path | None:

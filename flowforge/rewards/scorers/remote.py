@@ -15,6 +15,10 @@ Failures are never rewards:
   processor counts in ``reward/<name>_nan_fraction`` and turns into an error for a required component;
 * any other 4xx (bad token, malformed payload, unknown component) is a configuration error and raises at once with
   the server's message.
+
+Concurrency: ``max_concurrency`` calls may be in flight at once. The reward processor sends a step's
+``reward.batch_size`` slices together, up to that many (:func:`flowforge.rewards.groups.call_many`); the scores land
+in order, the same as one after another. The scorer is safe to call from several threads (``httpx.Client`` is).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -71,6 +76,9 @@ class RemoteScorer:
         batch_size: samples per HTTP request, >= 1 (keep it within the server's ``max_batch``).
         encoding: ``"auto"`` (lossless: PNG where exact, else float32), ``"png"`` (smaller, rounds to 8 bits) or
             ``"float32"``.
+        max_concurrency: calls in flight at once when the reward processor has several for one step, >= 1 (1: one
+            after another). Keep it within what the service can take (``serve reward`` scores one request at a
+            time, so it mainly overlaps the transfers).
 
     Raises:
         ValueError: a bad option, or ``token_env`` names an unset or empty variable.
@@ -81,7 +89,7 @@ class RemoteScorer:
 
     def __init__(self, url: str, components: Sequence[str] | Mapping[str, float] | None = None, *,
                  token_env: str | None = TOKEN_ENV, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
-                 batch_size: int = 64, encoding: str = "auto") -> None:
+                 batch_size: int = 64, encoding: str = "auto", max_concurrency: int = 1) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -90,6 +98,8 @@ class RemoteScorer:
             raise ValueError(f"retries must be an int >= 0, got {retries!r}")
         if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or backoff < 0:
             raise ValueError(f"backoff must be a number of seconds >= 0, got {backoff!r}")
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {list(ENCODINGS)}, got {encoding!r}")
         headers = {}
@@ -104,10 +114,13 @@ class RemoteScorer:
         self.timeout, self.retries, self.backoff = float(timeout), retries, float(backoff)
         self.batch_size = check_batch_size(batch_size)
         self.encoding = encoding
+        self.max_concurrency = max_concurrency
+        self._lock = threading.Lock()
         self.failed_batches = 0
         """Batches scored NaN after their retries, over this scorer's life."""
         self.last_error: str | None = None
-        """Why the last failed batch failed (the reward processor adds it to a required component's error)."""
+        """Why the last failed batch failed (the reward processor adds it to a required component's error and
+        clears it before each step's calls)."""
         import httpx
 
         self._client = httpx.Client(headers=headers, timeout=self.timeout)
@@ -156,8 +169,9 @@ class RemoteScorer:
                     "components": list(weights)}
             scores = self._request("POST", "/score", body)["scores"]
         except ConnectionError as exc:
-            self.failed_batches += 1
-            self.last_error = str(exc)
+            with self._lock:
+                self.failed_batches += 1
+                self.last_error = str(exc)
             log.warning("remote scorer: %s; %d samples scored NaN", exc, len(prompts))
             return torch.full((len(prompts),), float("nan"))
         total = torch.zeros(len(prompts), dtype=torch.float64)
@@ -176,7 +190,6 @@ class RemoteScorer:
                 request; several hosted components and no ``components`` option.
         """
         batch = check_inputs(media, prompts, metadata)
-        self.last_error = None
         prompts, metadata = list(prompts), [dict(m) for m in metadata]
         _check_json(metadata)
         out = [self._score_batch(media[s:s + self.batch_size], prompts[s:s + self.batch_size],

@@ -1,5 +1,5 @@
 """Cross-section preflight rules of the run-level features: the reward-hacking guard, the rollout chunking, the
-forward-process DPM-Solver-2 rollouts and what ``flowforge export`` can write.
+forward-process DPM-Solver-2 rollouts, what ``flowforge export`` can write and scoring overlapped with the rollout.
 
 Called by :func:`flowforge.train.preflight.preflight` (which lists every problem at once); kept here so that each
 feature's rules live beside it.
@@ -18,6 +18,12 @@ DPM-Solver-2 rollouts (``forward.sampler: dpm2``)
     2nd-order correction of the next-to-last step, weighted by the log-SNR gap ratio (4.6 there), amplifies the
     data-prediction error (:mod:`flowforge.algorithms.solvers`: 1.15 against 0.14 on the "wan" kind, the shifted
     ``linspace(1, 1/T, T)`` NVlabs samples on); preflight warns.
+
+Scoring overlapped with the rollout (``reward.overlap``)
+    The trainer rolls the step out group by group in its own process and sends each finished group to the group
+    scorers (:mod:`flowforge.rewards.stream`). It needs ``rollout.engine: local`` (worker processes return the whole
+    step at once) and one process (under ``torchrun`` a group may straddle ranks and is gathered by collectives
+    after the rollout); both are errors. Without a ``needs_group`` component there is nothing to overlap: a warning.
 """
 
 from __future__ import annotations
@@ -77,3 +83,26 @@ def run_rules(cfg, problems: list[str], warnings: list[str], *, world_size: int 
     guard_p, guard_w = guard_problems(cfg)
     problems += guard_p
     warnings += guard_w + chunking_warnings(cfg, world_size) + dpm2_warnings(cfg) + export_warnings(cfg)
+    overlap_p, overlap_w = overlap_rules(cfg, world_size)
+    problems += overlap_p
+    warnings += overlap_w
+
+
+def overlap_rules(cfg, world_size: int = 1) -> tuple[list[str], list[str]]:
+    """``(problems, warnings)`` of ``reward.overlap`` (module docstring)."""
+    if not cfg.reward.overlap:
+        return [], []
+    from flowforge.rewards.byo import is_import_spec
+    from flowforge.rewards.registry import SCORERS
+
+    problems = []
+    if world_size > 1:
+        problems.append(f"reward.overlap needs one process; under torchrun ({world_size} ranks) groups that straddle "
+                        "ranks are gathered after the rollout: set reward.overlap false")
+    if cfg.rollout.engine != "local":
+        problems.append(f"reward.overlap needs rollout.engine='local' (got {cfg.rollout.engine!r}): worker processes "
+                        "return the step's rollout at once, so there is nothing to overlap")
+    grouped = [n for n in cfg.reward.weights if is_import_spec(n) or getattr(SCORERS.get(n), "needs_group", False)]
+    warnings = [] if grouped else ["reward.overlap is on but no reward component needs whole groups (e.g. vlm_judge): "
+                                   "per-sample components are scored after the rollout, so nothing overlaps"]
+    return problems, warnings

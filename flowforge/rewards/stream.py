@@ -1,0 +1,220 @@
+"""Scoring that overlaps the rollout: a group goes to the group scorers as soon as its last candidate's media exist,
+while the media of later groups are still being produced (``reward.overlap``).
+
+A paid VLM judge answers one group per request in seconds; scored after the rollout, a step waits
+``ceil(G / C)`` request latencies (``G`` groups, ``C`` = the judge's ``max_concurrency``) on top of the rollout.
+Streamed, the first groups' requests run while the rollout goes on, and the step waits only for what is still in
+flight when the rollout ends. The update still waits for every score: training stays on-policy.
+
+Nothing else changes: every group is scored by the same call as in
+:meth:`RewardProcessor.__call__ <flowforge.rewards.processor.RewardProcessor.__call__>` (its members in row order,
+the same media), per-sample components are scored on the whole batch after the rollout as before, and the metrics
+are built by the same code, so a deterministic scorer gives bit-identical scores and metrics either way.
+
+Usage (one batch of ``B`` samples)::
+
+    stream = processor.stream(prompts, metadata, group_ids)
+    for rows, media in parts_of_the_rollout:      # rows: [n] int64 indices into 0..B-1, media [n, 3, H, W]
+        stream.add(rows, media)                   # complete groups are sent at once (background threads)
+    media, components, metrics = stream.finish()  # waits for every score
+
+Timing metrics (seconds, ``time.perf_counter``), beside the processor's ``reward/*``:
+
+=========================  ==========================================================================================
+``time/reward_wait``       time :meth:`ScoreStream.finish` waited for scores after the last media arrived (the
+                           rollout's end): what scoring still added to the step
+``perf/reward_overlap``    fraction of the group scorers' busy time (the union of their calls' intervals) that lay
+                           before the rollout's end, i.e. was hidden behind it; NaN when nothing was streamed
+=========================  ==========================================================================================
+
+Errors are those of the sequential path: the first failing group in group-id order (the sequential order) raises what
+its call raised; a required component's NaN raises the processor's error naming the component and the first NaN
+sample. Once a call has failed no further group is sent (the sequential path stops at its first failure too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowforge.rewards.groups import clear_error, concurrency
+
+
+def hidden_fraction(intervals: Sequence[tuple[float, float]], boundary: float) -> float:
+    """Fraction of the union of ``intervals`` (``(start, end)`` seconds) that lies before ``boundary``; NaN for an
+    empty union. Example: ``[(0, 2), (1, 3)]`` with boundary 2 -> union ``[0, 3]``, 2 s of it before 2 -> 2/3."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    busy = sum(end - start for start, end in merged)
+    if busy <= 0:
+        return math.nan
+    return sum(max(0.0, min(end, boundary) - start) for start, end in merged) / busy
+
+
+class ScoreStream:
+    """One batch's scoring, fed part by part (module docstring). Built by
+    :meth:`~flowforge.rewards.processor.RewardProcessor.stream`.
+
+    Raises:
+        ValueError: ``group_ids`` not ``[B]`` for ``B`` prompts and metadata.
+    """
+
+    def __init__(self, processor: Any, prompts: Sequence[str], metadata: Sequence[dict[str, Any]],
+                 group_ids: Tensor) -> None:
+        self.processor = processor
+        self.prompts, self.metadata = list(prompts), list(metadata)
+        batch = len(self.prompts)
+        if len(self.metadata) != batch or group_ids.dim() != 1 or group_ids.shape[0] != batch:
+            raise ValueError(f"a score stream needs one prompt, metadata and group id per sample ({batch}), got "
+                             f"{len(self.metadata)} and group_ids of shape {tuple(group_ids.shape)}")
+        self.group_ids = group_ids.detach().cpu()
+        self.groups = {int(g): torch.nonzero(self.group_ids == g).squeeze(1) for g in torch.unique(self.group_ids)}
+        self.missing = {g: rows.numel() for g, rows in self.groups.items()}
+        self.arrived = torch.zeros(batch, dtype=torch.bool)
+        self.media: Tensor | None = None
+        self.streamed = {n: s for n, s in processor.scorers.items() if getattr(s, "needs_group", False)}
+        self.pools = {n: ThreadPoolExecutor(max_workers=concurrency(n, s), thread_name_prefix=f"stream-{n}")
+                      for n, s in self.streamed.items()}
+        self.futures: dict[str, dict[int, Future]] = {n: {} for n in self.streamed}
+        self.intervals: list[tuple[float, float]] = []
+        self.first_send: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._failed = threading.Event()
+        for scorer in self.streamed.values():
+            clear_error(scorer)
+
+    def add(self, rows: Tensor, media: Tensor) -> None:
+        """Media of the samples ``rows`` (``[n]`` int64 indices into the batch, each given once over the stream):
+        ``[n, 3, H, W]`` or ``[n, 3, F, H, W]`` in [0, 1]. Sends every group that is now complete.
+
+        Raises:
+            ValueError: a row out of range or given twice; media of another length or sample shape.
+        """
+        rows = rows.detach().cpu().long()
+        if media.shape[0] != rows.numel():
+            raise ValueError(f"add() got {rows.numel()} rows and {media.shape[0]} media")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.arrived.numel()):
+            raise ValueError(f"rows must index the batch of {self.arrived.numel()} samples")
+        if bool(self.arrived[rows].any()) or rows.unique().numel() != rows.numel():
+            raise ValueError("a sample's media was added twice")
+        if self.media is None:
+            self.media = torch.empty((self.arrived.numel(), *media.shape[1:]), dtype=media.dtype,
+                                     device=media.device)
+        elif media.shape[1:] != self.media.shape[1:]:
+            raise ValueError(f"media of shape {tuple(media.shape[1:])} after {tuple(self.media.shape[1:])}")
+        self.media[rows.to(self.media.device)] = media
+        self.arrived[rows] = True
+        for g in self.group_ids[rows].tolist():
+            self.missing[g] -= 1
+            if self.missing[g] == 0 and not self._failed.is_set():
+                self._send(g)
+
+    def _send(self, g: int) -> None:
+        rows = self.groups[g]
+        media = self.media[rows.to(self.media.device)]  # a copy: later add() calls never touch it
+        prompts, metadata = [self.prompts[i] for i in rows.tolist()], [self.metadata[i] for i in rows.tolist()]
+        for name, scorer in self.streamed.items():
+            self.first_send.setdefault(name, time.perf_counter())
+            self.futures[name][g] = self.pools[name].submit(self._score_group, name, scorer, media, prompts,
+                                                            metadata, self.group_ids[rows])
+
+    def close(self) -> None:
+        """Send nothing more and stop the threads (what is in flight finishes; nothing waits for it)."""
+        self._failed.set()
+        for pool in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    @contextlib.contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """:meth:`close` the stream when the block raises (e.g. the rollout feeding it failed), then re-raise."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
+
+    def _score_group(self, name, scorer, media, prompts, metadata, group_ids):
+        start = time.perf_counter()
+        try:
+            return self.processor.score_component(name, scorer, media, prompts, metadata, group_ids, None)
+        except BaseException:
+            self._failed.set()  # no further group is sent, as the sequential path stops at its first failure
+            raise
+        finally:
+            with self._lock:
+                self.intervals.append((start, time.perf_counter()))
+
+    def finish(self) -> tuple[Tensor, dict[str, Tensor], dict[str, float]]:
+        """Wait for every group's scores, score the per-sample components on the whole batch, and return
+        ``(media [B, ...], components, metrics)`` as :meth:`RewardProcessor.__call__` returns ``(components,
+        metrics)``, plus ``time/reward_wait`` and ``perf/reward_overlap``.
+
+        Raises:
+            ValueError: samples whose media never arrived; what a scorer raised (first failing group in row order);
+                a required component's NaN.
+        """
+        rollout_end = time.perf_counter()
+        try:
+            if not bool(self.arrived.all()):
+                raise ValueError(f"{int((~self.arrived).sum())} samples of the batch never got their media")
+            components, metrics = self._collect()
+        finally:
+            for pool in self.pools.values():
+                pool.shutdown(wait=True, cancel_futures=True)
+        metrics["time/reward_wait"] = time.perf_counter() - rollout_end
+        metrics["perf/reward_overlap"] = hidden_fraction(self.intervals, rollout_end)
+        return self.media, components, metrics
+
+    def _results(self, name: str) -> dict[int, tuple[Tensor, dict[str, Tensor], int | None]]:
+        """Every group's result for component ``name``; when a call failed, what the first failed call raised (the
+        components in order, each one's groups in group-id order: the order of the sequential path). Groups sent
+        after it are waited for; unsent ones were never sent."""
+        for futures in self.futures.values():
+            for future in futures.values():
+                future.exception()  # waits
+        for futures in self.futures.values():
+            for g in sorted(futures):
+                if futures[g].exception() is not None:
+                    raise futures[g].exception()
+        return {g: f.result() for g, f in self.futures[name].items()}
+
+    def _collect(self) -> tuple[dict[str, Tensor], dict[str, float]]:
+        media, p = self.media, self.processor
+        components: dict[str, Tensor] = {}
+        metrics: dict[str, float] = {}
+        call_start = time.perf_counter()
+        for name, scorer in p.scorers.items():
+            start = time.perf_counter()
+            if name in self.streamed:
+                scores = torch.full((media.shape[0],), float("nan"), dtype=torch.float32, device=media.device)
+                flags: dict[str, Tensor] = {}
+                results = self._results(name)
+                for g in sorted(self.groups):
+                    out, out_flags, _ = results[g]
+                    rows = self.groups[g]
+                    scores[rows.to(media.device)] = out
+                    for flag, values in out_flags.items():
+                        flags.setdefault(flag, torch.zeros(media.shape[0], dtype=torch.bool))[rows] = values
+                groups = len(self.groups)
+                start = self.first_send.get(name, start)
+            else:
+                clear_error(scorer)
+                scores, flags, groups = p.score_component(name, scorer, media, self.prompts, self.metadata,
+                                                          self.group_ids, None)
+            metrics[f"reward/{name}_time"] = time.perf_counter() - start
+            components[name] = scores
+            metrics.update(p.component_metrics(name, scores, flags, groups))
+        metrics["reward/score_time"] = time.perf_counter() - call_start
+        return components, metrics
