@@ -28,7 +28,8 @@ def test_renamed_tensor_key_is_refused(run_copy, tmp_path):
     _refresh_manifest(step_dir)
     before = tree_digest(run_copy)
     for form in ("adapter", "merged"):
-        rc, stdout, stderr = run_cli(["export", run_copy, tmp_path / "out", "--form", form], tmp_path)
+        rc, stdout, stderr = run_cli(["export", run_copy, tmp_path / "out", "--form", form], tmp_path,
+                                     in_process=True)
         assert_one_line_error(rc, stderr, ["live.safetensors", repr(key.replace("to_v", "to_out.0"))])
         assert stdout == "" and not (tmp_path / "out").exists()
     assert tree_digest(run_copy) == before
@@ -49,7 +50,7 @@ def test_damaged_checkpoint_file_is_named(run_copy, tmp_path, name, damage, why)
     f.write_bytes(bytes(data))  # same size: the manifest's size check cannot see it
     _refresh_manifest(f.parent if "/" not in name else f.parent.parent)  # and checksums that agree: the reader names it
     before = tree_digest(run_copy)
-    rc, _, stderr = run_cli(["export", run_copy, tmp_path / "out", "--form", "adapter"], tmp_path)
+    rc, _, stderr = run_cli(["export", run_copy, tmp_path / "out", "--form", "adapter"], tmp_path, in_process=True)
     assert_one_line_error(rc, stderr, [name.split("/")[-1], why, "--step"])
     assert "meta tensor" not in stderr and "legacy" not in stderr
     assert tree_digest(run_copy) == before and not (tmp_path / "out").exists()
@@ -57,16 +58,17 @@ def test_damaged_checkpoint_file_is_named(run_copy, tmp_path, name, damage, why)
 
 def test_overwrite_replaces_a_previous_export_and_refuses_a_foreign_file(cli_run, tmp_path):
     out = tmp_path / "exports" / "digits"
-    rc, stdout, stderr = run_cli(["export", cli_run, out, "--form", "merged"], tmp_path)
+    rc, stdout, stderr = run_cli(["export", cli_run, out, "--form", "merged"], tmp_path, in_process=True)
     assert rc == 0 and stdout.strip() == f"exported merged to {out}", stderr
-    rc, _, stderr = run_cli(["export", cli_run, out, "--form", "adapter"], tmp_path)
+    rc, _, stderr = run_cli(["export", cli_run, out, "--form", "adapter"], tmp_path, in_process=True)
     assert_one_line_error(rc, stderr, ["digits", "--overwrite"])
-    rc, stdout, stderr = run_cli(["export", cli_run, out, "--form", "adapter", "--overwrite"], tmp_path)
+    rc, stdout, stderr = run_cli(["export", cli_run, out, "--form", "adapter", "--overwrite"], tmp_path,
+                                 in_process=True)
     assert rc == 0, stderr
     owned = json.loads((out / "flowforge_export.json").read_text())["files"]
     assert sorted(p.name for p in out.iterdir()) == owned and "pytorch_lora_weights.safetensors" in owned
     (out / "my_notes.txt").write_text("mine")
     before = tree_digest(tmp_path)
-    rc, _, stderr = run_cli(["export", cli_run, out, "--form", "adapter", "--overwrite"], tmp_path)
+    rc, _, stderr = run_cli(["export", cli_run, out, "--form", "adapter", "--overwrite"], tmp_path, in_process=True)
     assert_one_line_error(rc, stderr, ["my_notes.txt"])
     assert tree_digest(tmp_path) == before
