@@ -1,4 +1,4 @@
-"""Real Atari 2600 game clips for the world-model demo, and the game rule that reads the paddle.
+"""Real Atari 2600 game clips for the world-model demo.
 
 The emulator and the Breakout ROM ship inside the ``ale-py`` wheel (the Arcade Learning Environment, Bellemare et
 al., JAIR 2013), so the clips are real game frames made offline. One recorded *step* is the grey screen seen before
@@ -8,12 +8,14 @@ clip.
 
 Frames
 ------
-The playfield between the side walls and below the top wall (screen rows 33..192, columns 8..151 of the 210x160
-grey screen) is area-averaged to ``size x size`` pixels (exact box weights, rows x5 and columns x4.5 at 32) and
-brightened by :data:`GAIN` (the game's brightest grey is 148 / 255, so x2 spreads it over [0, 1]), stored as uint8.
-The crop is aligned so that the paddle's four screen rows (189..192) fall inside the last output row
-(:data:`PADDLE_ROW`): there the paddle is a bright run of 3-4 pixels and nothing else of the game ever is, except
-the 2-pixel ball passing through.
+The playfield between the side walls (screen rows ``crop_top``..192, columns 8..151 of the 210x160 grey screen;
+by default rows 33..192, the whole playfield below the top wall) is area-averaged to ``size x size`` pixels (exact
+box weights: at the default 32, rows x5 and columns x4.5) and brightened by :data:`GAIN` (the game's brightest grey
+is 148 / 255, so x2 spreads it over [0, 1]), stored as uint8. The crop ends below the paddle's four screen rows
+(189..192), so the paddle lies in the last output rows: at the default 32 x 32 it is one faint row of 3-4 pixels
+(what ``demo:world`` is trained on). ``crop_top=97, size=48`` is the lower 96 rows at 2 screen rows x 3 columns per
+pixel: the paddle is a bright 2 x 5-6 pixel block that moves up to 8 pixels per step, the ball a dimmer 1 x 2
+block, the bricks (screen rows 57..92) above the view.
 
 Actions
 -------
@@ -22,25 +24,7 @@ launches a new ball and never moves the paddle, so a ball lost by the policy is 
 uniform random (fraction ``random_policy_fraction``) or scripted runs: hold one action for 1-5 steps (NOOP 0.2,
 LEFT 0.4, RIGHT 0.4), turning away from a wall once the paddle is in the outer quarter.
 
-Paddle rule (:func:`paddle_agreement`)
---------------------------------------
-Breakout's joystick drives the paddle's *acceleration*: held LEFT / RIGHT speeds it up towards 6 screen pixels per
-frame (reached after a one-frame delay and ~3 frames of ramp), released it slows to rest over ~3 frames, and at a
-wall it stays (at the right wall for up to two steps after reversing). So transition ``t`` (frame ``t`` to ``t + 1``,
-action ``a_t``) is read with its velocity ``v_t = x_{t+1} - x_t`` and the previous one ``v_{t-1}`` (pixels):
-
-===========  =============================================================================================
-action       agrees when
-===========  =============================================================================================
-LEFT         ``v_t < -tau`` or ``v_t - v_{t-1} < -tau`` (moving or accelerating left), or the paddle is at a
-             wall and still (``|v_t| <= tau``)
-RIGHT        mirror image of LEFT
-NOOP         ``|v_t| <= tau`` or ``|v_t| < |v_{t-1}| - tau`` (at rest or slowing down)
-===========  =============================================================================================
-
-``tau = 0.25`` pixel at 32 (scaled with ``size``), a wall is a paddle centre within ``0.05 * size`` of either edge.
-Only transitions ``1..F-2`` are read (``v_{-1}`` is not in the clip). On 8-frame clips of this data the true actions
-agree on ~0.98 of the transitions; the same clips with the actions of other clips on ~0.6.
+The paddle tracker and the game rule that reads it live in :mod:`flowforge.data.paddle`.
 """
 
 from __future__ import annotations
@@ -55,15 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowforge.data.paddle import CROP_BOTTOM, CROP_COLS, CROP_TOP, PADDLE_SCREEN_ROWS, paddle_position
+
 ACTIONS = ("NOOP", "LEFT", "RIGHT")
 """The reduced action set; an action id is an index into it."""
 
 GAME = "breakout"
-CROP_ROWS = (33, 193)  # screen rows of the playfield kept (160 rows; paddle rows 189..192 land in the last 5)
-CROP_COLS = (8, 152)  # screen columns between the side walls (144)
 GAIN = 2.0
-PADDLE_ROW = -1
-"""Row of the paddle in a frame (the last one)."""
 
 _ALE_ACTION = {0: "FIRE", 1: "LEFT", 2: "RIGHT"}  # NOOP steps press FIRE: it launches a ball and never moves the paddle
 _RUN_PROBS = (0.2, 0.4, 0.4)  # scripted runs: NOOP, LEFT, RIGHT
@@ -81,6 +63,7 @@ class AtariDataConfig:
     frames: int = 8  # F: steps per clip
     stride: int = 4  # steps between the starts of consecutive clips of one episode
     size: int = 32  # output frames are size x size
+    crop_top: int = CROP_TOP  # first screen row of the view (the view ends below the paddle, screen row 192)
     frame_skip: int = 4  # emulator frames per step (the action is held for all of them)
     random_policy_fraction: float = 0.25  # episodes played uniformly at random; the rest play scripted runs
     seed: int = 0
@@ -95,6 +78,9 @@ class AtariDataConfig:
         if self.size < 8 or not 0.0 <= self.random_policy_fraction <= 1.0:
             raise ValueError(f"need size >= 8 and random_policy_fraction in [0, 1], got {self.size}, "
                              f"{self.random_policy_fraction}")
+        if not 33 <= self.crop_top <= CROP_BOTTOM - PADDLE_SCREEN_ROWS:
+            raise ValueError(f"crop_top={self.crop_top} must be in [33, {CROP_BOTTOM - PADDLE_SCREEN_ROWS}] (screen "
+                             "rows of the playfield above the paddle)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +137,10 @@ def _box_weights(size_in: int, size_out: int) -> np.ndarray:
     return overlap / overlap.sum(1, keepdims=True)
 
 
-def downsample(screen: np.ndarray, size: int = 32) -> np.ndarray:
-    """ALE grey screen ``[210, 160]`` uint8 -> frame ``[size, size]`` uint8 (crop, box average, :data:`GAIN`; see the
-    module docstring)."""
-    crop = screen[CROP_ROWS[0]:CROP_ROWS[1], CROP_COLS[0]:CROP_COLS[1]].astype(np.float64)
+def downsample(screen: np.ndarray, size: int = 48, crop_top: int = CROP_TOP) -> np.ndarray:
+    """ALE grey screen ``[210, 160]`` uint8 -> frame ``[size, size]`` uint8 (crop rows ``crop_top``..192, box average,
+    :data:`GAIN`; see the module docstring)."""
+    crop = screen[crop_top:CROP_BOTTOM, CROP_COLS[0]:CROP_COLS[1]].astype(np.float64)
     rows = _box_weights(crop.shape[0], size)
     cols = _box_weights(crop.shape[1], size)
     out = rows @ crop @ cols.T * GAIN
@@ -213,8 +199,8 @@ def record_episode(config: AtariDataConfig, episode: int) -> tuple[np.ndarray, n
         step(ale, 0, config.frame_skip, table)
     frames, actions, run = [], [], [0, 0]
     while len(frames) < config.max_steps and not ale.game_over():
-        frame = downsample(ale.getScreenGrayscale(), config.size)
-        x = float(paddle_position(torch.from_numpy(frame).float().div(255.0)))
+        frame = downsample(ale.getScreenGrayscale(), config.size, config.crop_top)
+        x = float(paddle_position(torch.from_numpy(frame).float().div(255.0), crop_top=config.crop_top))
         action = _policy_action(rng, random_policy, run, config.size / 2 if np.isnan(x) else x, config.size)
         frames.append(frame)
         actions.append(action)
@@ -303,65 +289,6 @@ def load_atari_clips(config: AtariDataConfig | None = None, cache_dir: str | Pat
         t = {k: f.get_tensor(k) for k in f.keys()}
     return AtariClips(frames=t["frames"], actions=t["actions"], episode=t["episode"], clip_starts=t["clip_starts"],
                       heldout=t["heldout"].bool(), config=config)
-
-
-def paddle_position(frames: torch.Tensor, *, threshold: float = 0.25, min_mass: float = 0.6) -> torch.Tensor:
-    """Horizontal position of the paddle in ``frames [..., H, W]`` float in [0, 1]: ``[...]`` float32 pixels (column
-    index of the centre, 0 = left edge pixel), NaN where no paddle is visible.
-
-    The paddle row (:data:`PADDLE_ROW`) is cut into runs of pixels brighter than ``threshold``; the run with the most
-    brightness is the paddle (the ball is 1-2 dimmer pixels) and its position is the brightness-weighted centroid.
-    A best run with less than ``min_mass`` total brightness (under one fully lit pixel) counts as absent.
-    """
-    band = frames[..., PADDLE_ROW, :].float()
-    lead, width = band.shape[:-1], band.shape[-1]
-    band = band.reshape(-1, width)
-    on = band > threshold
-    starts = on & ~torch.nn.functional.pad(on, (1, 0))[:, :-1]
-    run_id = torch.cumsum(starts.long(), dim=1) * on  # 0 = off, 1.. = run number within the row
-    mass = torch.zeros(band.shape[0], width + 1).scatter_add_(1, run_id, band * on)
-    mass[:, 0] = 0.0
-    best = mass.argmax(dim=1, keepdim=True)
-    pick = (run_id == best) & on
-    weights = band * pick
-    total = weights.sum(1)
-    centre = (weights * torch.arange(width, dtype=torch.float32)).sum(1) / total.clamp_min(1e-12)
-    centre = torch.where(total >= min_mass, centre, torch.full_like(centre, float("nan")))
-    return centre.reshape(lead)
-
-
-def paddle_agreement(positions: torch.Tensor, actions: torch.Tensor, size: int = 32) -> torch.Tensor:
-    """Per-transition agreement of paddle motion with the commanded actions (the rule of the module docstring).
-
-    Args:
-        positions: ``[B, F]`` paddle positions in pixels (:func:`paddle_position`; NaN = no paddle).
-        actions: ``[B, F]`` action ids (:data:`ACTIONS`), ``actions[:, t]`` taken at frame ``t``.
-        size: frame width in pixels (scales ``tau`` and the wall margin).
-
-    Returns:
-        ``[B, F - 2]`` bool: transition ``t = 1..F-2`` agrees. A transition touching a frame without a paddle never
-        agrees.
-
-    Raises:
-        ValueError: shapes differ or ``F < 3``.
-    """
-    if positions.shape != actions.shape or positions.ndim != 2 or positions.shape[1] < 3:
-        raise ValueError(f"positions and actions must both be [B, F >= 3], got {tuple(positions.shape)} and "
-                         f"{tuple(actions.shape)}")
-    tau, margin = 0.25 * size / 32, 0.05 * size
-    x = positions.float()
-    v = x[:, 1:] - x[:, :-1]  # [B, F-1]
-    vt, vp = v[:, 1:], v[:, :-1]  # transitions 1..F-2 and their predecessors
-    a = actions[:, 1:-1]
-    x0, x1 = x[:, 1:-1], x[:, 2:]
-    at_wall = (x0 <= margin) | (x0 >= size - 1 - margin) | (x1 <= margin) | (x1 >= size - 1 - margin)
-    still = vt.abs() <= tau
-    dv = vt - vp
-    left = (vt < -tau) | (dv < -tau) | (at_wall & still)
-    right = (vt > tau) | (dv > tau) | (at_wall & still)
-    noop = still | (vt.abs() < vp.abs() - tau)
-    ok = torch.where(a == 1, left, torch.where(a == 2, right, noop))
-    return ok & ~torch.isnan(vt) & ~torch.isnan(vp)
 
 
 def write_prompt_file(clips: AtariClips, indices: torch.Tensor | list[int], directory: str | Path,

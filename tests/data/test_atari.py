@@ -1,9 +1,8 @@
-"""Real Breakout clips (flowforge.data.atari): deterministic cache, split by episode, the paddle tracker and rule."""
+"""Real Breakout clips (flowforge.data.atari): deterministic cache, split by episode, prompt rows with episodes."""
 
 import hashlib
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -51,47 +50,6 @@ def test_clip_layout_and_split_by_episode(clips):
     assert bool((clips.episode[steps] == clips.episode[steps[:, :1]]).all())
     with pytest.raises(ValueError, match="allowed"):
         clips.split("test")
-
-
-def _hold(ale, table, action, steps):
-    xs = []
-    for _ in range(steps):
-        atari.step(ale, action, 4, table)
-        frame = torch.from_numpy(atari.downsample(ale.getScreenGrayscale())).float() / 255.0
-        xs.append(float(atari.paddle_position(frame)))
-    return xs
-
-
-def test_tracker_on_real_frames_left_moves_left_right_moves_right():
-    ale = atari.make_ale(0)
-    table = atari.ale_actions(ale)
-    start = float(atari.paddle_position(torch.from_numpy(atari.downsample(ale.getScreenGrayscale())) / 255.0))
-    right = _hold(ale, table, 2, 3)
-    left = _hold(ale, table, 1, 6)
-    assert not np.isnan([start, *right, *left]).any()
-    assert right[0] > start and right[1] > right[0] and right[2] > right[1]  # accelerating right
-    assert all(b < a for a, b in zip(left[1:], left[2:]))  # held LEFT: moving left (after the game's delay)
-    assert left[-1] < right[-1] - 8
-
-
-def test_tracker_prefers_the_paddle_over_the_ball_and_reports_absence():
-    frame = torch.zeros(2, 32, 32)
-    frame[0, -1, 20:24] = 0.7  # the paddle
-    frame[0, -1, 5] = 0.35  # the ball passing through the paddle row
-    pos = atari.paddle_position(frame)
-    assert abs(float(pos[0]) - 21.5) < 1e-5 and torch.isnan(pos[1])
-
-
-def test_paddle_rule_true_actions_agree_shuffled_do_not(clips):
-    video, actions = clips.clips(torch.arange(len(clips.clip_starts)))
-    x = atari.paddle_position(video[:, 0])
-    true = atari.paddle_agreement(x, actions)
-    assert true.shape == (len(actions), 6)
-    shuffled = atari.paddle_agreement(x, actions.roll(1, dims=0))
-    assert float(true.float().mean()) >= 0.9
-    assert float(shuffled.float().mean()) < float(true.float().mean()) - 0.15
-    with pytest.raises(ValueError, match="F >= 3"):
-        atari.paddle_agreement(x[:, :2], actions[:, :2])
 
 
 def test_prompt_file_round_trips_through_the_prompt_loader(clips, tmp_path):

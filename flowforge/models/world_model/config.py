@@ -25,6 +25,10 @@ field                      meaning
 ``tokenizer_dim``          width of the transition tokenizer
 ``fsq_levels``             FSQ levels per code dimension (odd); codebook size ``K = prod(levels)``
 ``freq_dim``               sinusoidal timestep frequencies
+``direct_actions``         True: the action bins also enter every frame's modulation and the cross-attention
+                           context (the reference design); False: the only path from the actions to the video is
+                           the latent state (transition B, read through the gated coupling attention), so the
+                           coupling gates must open in training for the actions to matter
 =========================  ====================================================================================
 """
 
@@ -56,10 +60,14 @@ class WorldModelConfig:
     tokenizer_dim: int = 512
     fsq_levels: tuple[int, ...] = (3, 3, 3)
     freq_dim: int = 256
+    direct_actions: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsq_levels", tuple(int(v) for v in self.fsq_levels))
-        positive = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fsq_levels"}
+        if not isinstance(self.direct_actions, bool):
+            raise ValueError(f"world model config: direct_actions must be true or false, got {self.direct_actions!r}")
+        positive = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name not in ("fsq_levels", "direct_actions")}
         bad = [k for k, v in positive.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
         if bad:
             raise ValueError(f"world model config: {bad} must be positive ints")

@@ -11,10 +11,12 @@ action bins                 ``bins [B, f, A]``: bin 0 = frame 0; bin ``j >= 1`` 
 latent state                ``states [B, f, M, Ds]`` = :class:`~.state.LatentStateRollout` (first ``f - 1`` bins)
 tokens                      ``patch_embed(patches) + pos_embed[n] + frame_embed[j]``, ``[B, f, N, D]``
 per-frame conditioning      ``c_j = time_embed(sin(1000 sigma_j)) + action_embed(bins_j)`` with ``sigma_0 = 0``
+                            (without ``direct_actions``: the timestep term only)
                             (the condition slot is clean, as Wan2.2's per-token timestep gives the first frame 0);
                             ``mod_j = time_proj(silu(c_j))`` -> 6 modulation vectors per frame: every bin ``j``
                             (all ``f``) is injected into latent frame ``j``
 context                     ``[context tokens (learned) ; action_embed(bins) + frame_embed]``, ``[B, K + f, D]``
+                            (without ``direct_actions``: the learned context tokens only, ``[B, K, D]``)
 blocks                      :class:`~.dit.VideoBlock` x ``num_layers``, coupling to ``out_proj(states)``
 output                      ``proj_out(modulate(norm_out(x), out_modulation + c_j))`` -> velocity, 0 on slot 0
 ==========================  ========================================================================================
@@ -52,7 +54,8 @@ class WorldModel(nn.Module):
         self.frame_embed = nn.Parameter(torch.randn(config.max_frames, dim) * 0.02)
         self.time_embed = nn.Sequential(nn.Linear(config.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.time_proj = nn.Linear(dim, 6 * dim)
-        self.action_embed = nn.Linear(config.num_actions, dim)
+        # direct_actions=False: no action enters the video but through the latent state (the coupling attention)
+        self.action_embed = nn.Linear(config.num_actions, dim) if config.direct_actions else None
         self.context = nn.Parameter(torch.randn(config.context_tokens, dim) * 0.02)
         self.blocks = nn.ModuleList(VideoBlock(config) for _ in range(config.num_layers))
         self.norm_out = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
@@ -85,7 +88,7 @@ class WorldModel(nn.Module):
         b, f = bins.shape[:2]
         frame_sigma = torch.cat([sigma.new_zeros(b, 1), sigma.float()[:, None].expand(b, f - 1)], dim=1)
         temb = self.time_embed(timestep_embedding(TIMESTEP_SCALE * frame_sigma, self.config.freq_dim))
-        return temb + self.action_embed(bins)
+        return temb if self.action_embed is None else temb + self.action_embed(bins)
 
     def forward(self, x: Tensor, sigma: Tensor, actions: Tensor, first_frame: Tensor) -> Tensor:
         """Velocity ``[B, C, f, H, W]`` fp32 (0 on latent frame 0) at ``x [B, C, f, H, W]``, ``sigma [B]`` in [0, 1],
@@ -100,7 +103,9 @@ class WorldModel(nn.Module):
         tokens = self.patch_embed(patchify(x.to(dtype), cfg.patch_size)) + self.pos_embed + frame_embed[:, None]
         cond = self.frame_conditioning(sigma, bins).to(dtype)
         mod = self.time_proj(F.silu(cond)).view(b, f, 6, cfg.dim)
-        context = torch.cat([self.context.expand(b, -1, -1), self.action_embed(bins) + frame_embed], dim=1)
+        context = self.context.expand(b, -1, -1)
+        if self.action_embed is not None:
+            context = torch.cat([context, self.action_embed(bins) + frame_embed], dim=1)
         for block in self.blocks:
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 tokens = checkpoint(block, tokens, mod, context, state_kv, use_reentrant=False)

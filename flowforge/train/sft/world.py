@@ -89,18 +89,26 @@ def evaluate_world(adapter, video: torch.Tensor, actions: torch.Tensor, *, seed:
         outs.append(adapter.decode(generate(adapter, cond, x_T[s:s + batch_size], sigmas)))
     fake = torch.cat(outs)
     rule = ActionFollowingScorer()(fake, names, [{} for _ in names])
+    other = names[1:] + names[:1]  # the same generations against another clip's actions: the rule's null
+    rule_other = ActionFollowingScorer()(fake, other, [{} for _ in other])
     frames_db = psnr(fake.mean(1), video[:, 0])[:, 1:]
-    return {"action_following": float(rule.mean()), "psnr": float(frames_db.mean())}
+    gates = [float(b.coupling.gate.detach().abs().max()) for b in adapter.transformer.blocks]
+    return {"action_following": float(rule.mean()), "action_following_other": float(rule_other.mean()),
+            "psnr": float(frames_db.mean()), "coupling_gate_max": max(gates)}
 
 
 def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataConfig = DataConfig(),
                   sampler: SamplerConfig = SamplerConfig(), eval_clips: int = 64,
-                  clips_config: Any = None) -> list[dict[str, Any]]:
+                  clips_config: Any = None, world_config: Any = None) -> list[dict[str, Any]]:
     """Train the demo world model (:func:`flowforge.models.world_model.tiny.tiny_config`) from scratch on the real
     Breakout clips (module docstring); saves it to ``sft.output`` and returns the evaluation history (one dict per
     evaluation: ``step``, ``action_following``, ``psnr``, the mean training losses since the previous one,
     ``elapsed_s``). ``eval_clips`` held-out clips (evenly spaced over the held-out split) are evaluated;
-    ``clips_config`` (an :class:`~flowforge.data.atari.AtariDataConfig`, default the demo's) picks the recording."""
+    ``clips_config`` (an :class:`~flowforge.data.atari.AtariDataConfig`, default the demo's) picks the recording,
+    ``world_config`` (a :class:`~flowforge.models.world_model.config.WorldModelConfig`, default
+    :func:`~flowforge.models.world_model.tiny.tiny_config`) the architecture. Each evaluation also logs
+    ``action_following_other`` (the same generations against another clip's actions) and ``coupling_gate_max``
+    (the largest ``|gate|`` of the coupling attention: whether the latent-state path is open)."""
     from flowforge.data.atari import ACTIONS, AtariDataConfig, load_atari_clips
     from flowforge.models.world_model.adapter import WorldModelAdapter
     from flowforge.models.world_model.tiny import build_world_model
@@ -114,7 +122,7 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
     held = clips.split("heldout")
     held = held[torch.linspace(0, len(held) - 1, min(eval_clips, len(held))).long()]
     eval_video, eval_acts = clips.clips(held)
-    adapter = WorldModelAdapter(build_world_model(seed=run.seed).train(), action_names=ACTIONS)
+    adapter = WorldModelAdapter(build_world_model(world_config, seed=run.seed).train(), action_names=ACTIONS)
     params = list(adapter.transformer.parameters())
     optimizer = torch.optim.AdamW(params, lr=sft.lr, weight_decay=sft.weight_decay)
     warmup = sft.warmup_steps
@@ -166,6 +174,8 @@ def run_world_sft_from_config(cfg) -> list[dict[str, Any]]:
     ``data`` and ``sampler`` sections; prints the history."""
     history = run_world_sft(cfg.sft, run=cfg.run, data=cfg.data, sampler=cfg.sampler)
     for e in history:
-        print(f"step {e['step']:>6d}  action_following {e['action_following']:.3f}  psnr {e['psnr']:.2f} dB")
+        print(f"step {e['step']:>6d}  action_following {e['action_following']:.3f} (another clip's actions "
+              f"{e['action_following_other']:.3f})  psnr {e['psnr']:.2f} dB  max |coupling gate| "
+              f"{e['coupling_gate_max']:.2e}")
     print(f"saved to {cfg.sft.output}")
     return history

@@ -105,3 +105,17 @@ def test_config_validation_and_round_trip():
         tiny_config(patch_size=5)
     with pytest.raises(ValueError, match="unknown"):
         WorldModelConfig.from_dict({"width": 3})
+
+
+def test_without_direct_actions_the_actions_reach_the_video_only_through_the_open_coupling():
+    model = build_world_model(test_config(direct_actions=False), seed=0)
+    assert model.action_embed is None and WorldModelConfig.from_dict(model.config.to_dict()) == model.config
+    x, sigma, actions, first = _inputs(model)
+    other = actions.roll(1, dims=1)
+    with torch.no_grad():
+        assert torch.equal(model(x, sigma, actions, first), model(x, sigma, other, first))  # gates at 0: blind
+        for block in model.blocks:
+            block.coupling.gate.fill_(0.5)
+        assert not torch.allclose(model(x, sigma, actions, first), model(x, sigma, other, first))
+    with pytest.raises(ValueError, match="direct_actions"):
+        test_config(direct_actions=1)

@@ -1,4 +1,5 @@
-"""action_following on real Breakout clips: true actions score high, other clips' actions lower."""
+"""action_following on real Breakout clips: true actions score high, other clips' actions lower (command-blind videos:
+tests/rewards/scorers/test_world_eval.py)."""
 
 import pytest
 import torch
@@ -31,8 +32,7 @@ def test_true_actions_score_high_shuffled_lower(real):
     shuffled = scorer(media, [" ".join(n) for n in shuffled_names], _meta(shuffled_names))
     assert true.shape == (len(names),) and true.dtype == torch.float32
     assert 0.0 <= float(true.min()) and float(true.max()) <= 1.0
-    assert float(true.mean()) >= 0.9
-    assert float(shuffled.mean()) <= float(true.mean()) - 0.15
+    assert float(shuffled.mean()) <= float(true.mean()) - 0.25
 
 
 def test_frame_flattened_layout_and_prompt_fallback_agree(real):

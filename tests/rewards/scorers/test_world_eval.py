@@ -1,5 +1,6 @@
 """World-model eval scorers on real Breakout clips: the inverse-dynamics judge (true actions high, another clip's
-lower), PSNR / SSIM against the real clip strips written with the prompts."""
+lower), both action judges (the training rule and the inverse-dynamics model) at or below chance on command-blind
+videos, PSNR / SSIM against the real clip strips written with the prompts."""
 
 import pytest
 import torch
@@ -28,6 +29,23 @@ def test_inverse_dynamics_judge_prefers_the_true_actions(real):
     shuffled = scorer(media, [" ".join(n) for n in other], [{"actions": n} for n in other])
     assert true.shape == (len(names),) and float(true.mean()) >= 0.8
     assert float(shuffled.mean()) <= float(true.mean()) - 0.2
+
+
+def test_command_blind_videos_score_at_or_below_chance_under_both_judges(real):
+    """A parked paddle, a still video, a random one and a bright bar score at most the most frequent command's share
+    under the training rule and under the inverse-dynamics judge."""
+    from tests.data.test_paddle import chance, degenerate_videos
+
+    media, names, _ = real
+    video = media[:, :1]
+    actions = torch.tensor([[ACTIONS.index(a) for a in row] for row in names])
+    level = chance(actions)
+    prompts, meta = [" ".join(n) for n in names], [{"actions": n} for n in names]
+    for scorer in (build_scorer("action_following"), build_scorer("inverse_dynamics")):
+        assert float(scorer(media, prompts, meta).mean()) > level + 0.25  # the real clips, their own actions
+        for name, fake in degenerate_videos(video).items():
+            score = float(scorer(fake[:, None].expand(-1, 3, -1, -1, -1), prompts, meta).mean())
+            assert score <= level, (scorer.name, name, score, level)
 
 
 def test_psnr_ssim_against_the_real_clip(real):
