@@ -46,7 +46,7 @@ def test_generator_rewrites_the_committed_files_exactly(tmp_path):
         assert path.read_bytes() == prompts.prompt_file(path.stem).read_bytes()
     first = json.loads(written[1].read_text().splitlines()[0])
     assert first == {"prompt": "a picture of the number zero",
-                     "metadata": {"task": "t2i", "sample_id": "demo-eval-t00-d0", "digit": 0}}
+                     "metadata": {"task": "t2i", "sample_id": "demo-eval-t00-d0", "digit": 0, "cluster": "d0-image"}}
 
 
 def test_errors_name_allowed_values():
@@ -54,3 +54,21 @@ def test_errors_name_allowed_values():
         prompts.generate_rows("test")
     with pytest.raises(ValueError, match="digit"):
         prompts.render("{word}", 10)
+
+
+def test_clusters_are_digit_by_phrasing_family():
+    assert len(prompts.TRAIN_FAMILIES) == len(prompts.TRAIN_TEMPLATES)
+    assert len(prompts.EVAL_FAMILIES) == len(prompts.EVAL_TEMPLATES)
+    records = load_prompts("demo:train")
+    clusters = {r.metadata["cluster"] for r in records}
+    families = set(prompts.TRAIN_FAMILIES)
+    assert clusters == {f"d{d}-{f}" for d in range(10) for f in families}
+    for record in records:  # a cluster names its row's own digit, and every phrasing in it says that family's words
+        digit, family = record.metadata["cluster"][1:].split("-", 1)
+        assert int(digit) == record.metadata["digit"]
+        words = {"handwritten": ("handwritten",), "drawn": ("draw", "wrote", "written", "scribbled"),
+                 "image": ("scanned", "image", "photo", "background"), "count": ("one ",)}
+        if family in words:
+            assert any(w in record.prompt + " " for w in words[family]), record.prompt
+        else:
+            assert len(record.prompt.split()) <= 3, record.prompt
