@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from flowforge.runtime.durable import incomplete_set
 from flowforge.runtime.errors import UserError, file_error
 
 TASKS = ("t2i", "i2i", "t2v", "i2v")
@@ -194,6 +195,10 @@ def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
     """
     path = resolve_prompt_path(source)
     check_prompt_file(path)
+    if (marker := incomplete_set(path)) is not None:
+        raise UserError(path, f"belongs to a file set whose writing was interrupted ({marker.name} is still there), "
+                        "so it may mix old and new rows", "rerun the command that wrote it (e.g. flowforge data "
+                        "curate ... --overwrite)")
     try:
         data = path.read_bytes()
     except OSError as exc:

@@ -21,7 +21,9 @@ is complete and ``"renamed"`` once it is in place; tests use it to SIGKILL a wri
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -172,3 +174,70 @@ def refuse_escaping_symlink(path: Path, root: Path) -> None:
         if not target.is_relative_to(Path(root).resolve()):
             raise UserError(path, f"is a symlink to {target}, outside the run directory {root}",
                             "remove the link (flowforge never writes a run's files through a link leading out of it)")
+
+
+# ------------------------------------------------------------------------------------------------ file sets
+INCOMPLETE_PREFIX = ".flowforge-incomplete"
+"""File sets in flight: ``<dir>/.flowforge-incomplete-<tag>.json`` lists the files a :func:`write_file_set` is
+replacing; it exists only between the first and the last rename, so while it is there the set is mixed."""
+
+
+def incomplete_set(path: Path) -> Path | None:
+    """The in-flight marker of an interrupted :func:`write_file_set` that lists ``path`` (a file name in its
+    directory), or None when ``path`` is not part of an incomplete set."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return None
+    for marker in sorted(path.parent.glob(f"{INCOMPLETE_PREFIX}*.json")):
+        try:
+            names = json.loads(marker.read_text(encoding="utf-8")).get("files", [])
+        except (OSError, ValueError, AttributeError):
+            return marker  # unreadable: treat every file of the directory as suspect
+        if path.name in names:
+            return marker
+    return None
+
+
+def write_file_set(directory: Path, files: dict[str, bytes], tag: str, hook: StageHook | None = None) -> None:
+    """Replace several files of ``directory`` as one set: every file is written and fsynced as a temporary first
+    (a crash then leaves the old set whole), then the in-flight marker ``.flowforge-incomplete-<tag>.json`` is
+    written, the temporaries are renamed onto their names in order, and the marker is removed last. A crash during
+    the renames leaves the marker, which :func:`incomplete_set` reports to readers, until a rerun completes.
+
+    Temporaries are created with ``O_EXCL | O_NOFOLLOW`` (a planted link is never written through) and ``os.replace``
+    swaps names, never following a link at the final name. ``hook(stage, name)`` is called with ``"tmp"`` once all
+    temporaries are complete and ``"renamed"`` after each rename (tests kill the writer there). Temporaries of these
+    names that a killed writer left are removed first.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in files:  # temporaries a killed writer left (any pid): named by this set, never a user's file
+        for stray in directory.glob(f".{glob.escape(name)}.tmp-*"):
+            if stray.is_file() or stray.is_symlink():
+                stray.unlink()
+    temps = {}
+    try:
+        for name, data in files.items():
+            tmp = tmp_name(directory / name)
+            tmp.unlink(missing_ok=True)  # a stray temporary of an earlier crash (or a planted link) is not used
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            temps[name] = tmp
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+    except BaseException:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    if hook is not None:
+        hook("tmp", "")
+    marker = directory / f"{INCOMPLETE_PREFIX}-{tag}.json"
+    write_bytes(marker, json.dumps({"files": list(files), "note": "an interrupted write; rerun it"}).encode())
+    for name, tmp in temps.items():
+        os.replace(tmp, directory / name)
+        if hook is not None:
+            hook("renamed", name)
+    fsync_path(directory)
+    marker.unlink()
+    fsync_path(directory)

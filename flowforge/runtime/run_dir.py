@@ -27,6 +27,7 @@ from typing import Any
 
 from flowforge.runtime.durable import step_dir_name, step_dirs
 from flowforge.runtime.errors import UserError
+from flowforge.runtime.write_guard import check_write_target
 
 log = logging.getLogger("flowforge")
 
@@ -110,8 +111,12 @@ def check_run_dir_outside_source(run_dir: str | Path, source_dir: str | Path) ->
     so checkpoints and rotation can never write into or delete the base model.
 
     Raises:
-        ValueError: naming both resolved paths.
+        ValueError: naming both resolved paths; UserError: the run directory lies inside another run directory or
+            a checkpoint (:func:`flowforge.runtime.write_guard.check_write_target`).
     """
+    # the shared write rule: the run's parent may not lie in another run or a checkpoint (the run directory itself is
+    # this run's own area, and an existing run there is handled by existing_run / train.resume)
+    check_write_target(Path(run_dir).parent, "run directory " + str(run_dir) + " (its parent)")
     run, src = Path(run_dir).resolve(), Path(source_dir).resolve()
     if run == src:
         raise ValueError(f"run directory {run} is the source model directory; choose a run directory elsewhere")

@@ -51,3 +51,18 @@ def test_run_dir_must_lie_outside_the_source_model(tmp_path):
     link.symlink_to(src)
     with pytest.raises(ValueError, match="lies inside the source model"):
         check_run_dir_outside_source(link / "run", src)
+
+
+def test_a_run_directory_inside_another_run_or_a_checkpoint_is_refused(tmp_path):
+    from flowforge.runtime.errors import UserError
+
+    src = tmp_path / "models" / "base"
+    src.mkdir(parents=True)
+    other = tmp_path / "runs" / "base"
+    (other / "checkpoints" / "step_000006").mkdir(parents=True)
+    (other / "checkpoints" / "step_000006" / "COMMITTED").write_text("")
+    (other / "config.yaml").write_text("run: {}\n")
+    for run_dir in (other / "nested", other / "checkpoints" / "step_000006" / "x"):
+        with pytest.raises(UserError, match="(is|lies inside) the (run directory|checkpoint)"):
+            check_run_dir_outside_source(run_dir, src)
+    check_run_dir_outside_source(other, src)  # the run itself (resume) is its own area

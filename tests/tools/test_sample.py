@@ -180,3 +180,27 @@ def test_every_family_samples_from_a_run_and_a_merged_export(family, tmp_path):
     assert [p.read_bytes() for p in one.images] != [p.read_bytes() for p in
                                                     run_sample(run_dir, tmp_path / "s1.png", prompts=["a red cat"],
                                                                num=2, seed=1).images]
+
+
+def _digest(root):
+    return {p.relative_to(root).as_posix(): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def test_out_into_a_run_or_a_committed_checkpoint_is_refused(run, tmp_path, capsys):
+    """Issue 24 item 1: --out onto the run's eval grid, into a committed checkpoint, through `..` and through a
+    symlinked directory; each refused in one line (exit 2) before anything is written."""
+    run_dir, _ = run
+    step = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    (tmp_path / "link").symlink_to(run_dir, target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    before = _digest(run_dir)
+    for out in (run_dir / "samples" / "step_000002.png", step / "weights" / "live.png",
+                tmp_path / "elsewhere" / ".." / "link" / "samples" / "x.png", tmp_path / "link" / "new.png"):
+        assert cli_sample(run_dir, out) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--out" in err and "lies inside the sampled run" in err and "\n" not in err
+    assert _digest(run_dir) == before
+    (tmp_path / "p.png").write_text("a handwritten one\n")  # a prompt file the grid would replace
+    assert cli_sample(run_dir, tmp_path / "p.png", "--prompt-file", str(tmp_path / "p.png")) == 2
+    assert "is the prompt file" in capsys.readouterr().err
+    assert (tmp_path / "p.png").read_text() == "a handwritten one\n"

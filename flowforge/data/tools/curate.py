@@ -33,7 +33,9 @@ ids only, so a rerun writes byte-identical files, and so does a reordered input:
 set of records. Adding records never moves a train record into eval for a fixed ``eval_size`` (the eval set is the
 ``n_eval`` smallest keys; new records can only push eval records out).
 
-Outputs in ``out_dir`` (each atomic; the summary last): ``{prefix}train.jsonl``, ``{prefix}eval.jsonl``,
+Outputs in ``out_dir`` (written as one set, :func:`~flowforge.runtime.durable.write_file_set`: all as temporaries
+first, then renamed in place under an in-flight marker that readers refuse, so a kill never leaves an unmarked
+mix of old and new files): ``{prefix}train.jsonl``, ``{prefix}eval.jsonl``,
 ``{prefix}eval{s}.jsonl`` per subset size, ``{prefix}summary.json`` (counts kept / dropped by reason, a few dropped
 ids per reason, the settings). Relative media paths are rewritten to stay valid from ``out_dir``. Existing outputs
 are replaced only with ``overwrite``; symlinks are never written through.
@@ -50,9 +52,11 @@ from typing import Any
 
 from flowforge.data.tools.records import (
     absolute_media, check_output, content_hash, count_words, dumps_row, media_missing, media_paths, parse_line,
-    read_lines, rebase_media, row_problems, split_key, write_text,
+    read_lines, rebase_media, row_problems, split_key,
 )
+from flowforge.runtime.durable import StageHook, write_file_set
 from flowforge.runtime.errors import UserError
+from flowforge.runtime.write_guard import check_write_target
 
 DEFAULT_EVAL_SIZE = 2048
 """``n_eval`` when neither ``eval_size`` nor ``eval_fraction`` is given."""
@@ -215,22 +219,22 @@ def stale_subsets(out_dir: Path, settings: CurateSettings) -> list[str]:
 
 
 def curate(input_path: str | Path, out_dir: str | Path, settings: CurateSettings = CurateSettings(), *,
-           overwrite: bool = False) -> dict[str, Any]:
+           overwrite: bool = False, hook: StageHook | None = None) -> dict[str, Any]:
     """Filter, dedup and split ``input_path`` into ``out_dir`` (module docstring); returns the summary written.
 
     Raises:
         UserError: a setting out of range, an unreadable or invalid input (file and line), an output that exists
             (without ``overwrite``), is a symlink or is the input, or an eval / train / subset size that cannot be
             met.
+
+    ``hook`` is :func:`~flowforge.runtime.durable.write_file_set`'s test hook.
     """
     settings.validate()
     input_path, out_dir = Path(input_path), Path(out_dir)
     names = output_names(settings)
     paths = {role: out_dir / name for role, name in names.items()}
     for path in paths.values():
-        if path.absolute() == input_path.absolute():
-            raise UserError("--out-dir / --prefix", f"would overwrite the input {input_path}",
-                            "pick another directory or prefix")
+        check_write_target(path, "--out-dir / --prefix", protected={"input": input_path})
         check_output(path, overwrite)
     if not input_path.is_file():
         raise UserError(input_path, "is not a file", "give the JSONL file to curate")
@@ -242,11 +246,11 @@ def curate(input_path: str | Path, out_dir: str | Path, settings: CurateSettings
     train, evaluation = _split(kept, settings)
     files = {"train": train, "eval": evaluation}
     files.update({f"eval{s}": evaluation[:s] for s in settings.subset_sizes()})
-    for role, rows in files.items():
-        text = "".join(dumps_row({"prompt": e.row["prompt"],
-                                  "metadata": rebase_media(e.row["metadata"], input_path.parent, out_dir)})
-                       for e in rows)
-        write_text(paths[role], text)
+    data = {names[role]: "".join(dumps_row({"prompt": e.row["prompt"],
+                                            "metadata": rebase_media(e.row["metadata"], input_path.parent, out_dir)})
+                                 for e in rows).encode("utf-8")
+            for role, rows in files.items()}
     summary = _summary(entries, files, dropped, settings, names)
-    write_text(paths["summary"], json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    data[names["summary"]] = (json.dumps(summary, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    write_file_set(out_dir, data, f"curate-{settings.prefix}", hook=hook)
     return summary

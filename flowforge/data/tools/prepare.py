@@ -43,6 +43,7 @@ from flowforge.data.tools.records import (
     check_output, dumps_row, media_paths, parse_line, read_lines, rebase_media, row_problems, write_text,
 )
 from flowforge.runtime.errors import UserError, file_error
+from flowforge.runtime.write_guard import check_write_target
 
 SOURCES = ("pickapic", "parquet", "jsonl", "lines")
 """Values of ``--source``."""
@@ -213,9 +214,8 @@ def prepare(source: str, input_path: str | Path, output: str | Path, *, task: st
     """
     _check_args(source, task, column, prompt_field)
     input_path, output = Path(input_path), Path(output)
+    check_write_target(output, "--output", protected={"input": input_path})
     check_output(output, overwrite)
-    if output.absolute() == input_path.absolute():
-        raise UserError("--output", "is the input file", "write to another path")
     lines, first_seen, occurrences, skipped = [], {}, Counter(), 0
     for item in _items(source, input_path, column, prompt_field):
         if item[1] is None or not item[1].strip():

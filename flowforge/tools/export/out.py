@@ -33,13 +33,12 @@ import os
 from pathlib import Path
 
 from flowforge.runtime.errors import UserError
+from flowforge.runtime.write_guard import check_write_target, real
 
 log = logging.getLogger("flowforge")
 
 EXPORT_META = "flowforge_export.json"
 """The ownership marker (and metadata) every export writes; its ``files`` list names every file of the export."""
-RUN_DIR_FILES = ("config.yaml",)
-RUN_DIR_CONTENT = ("checkpoints", "metrics.jsonl")
 
 
 class ExportError(UserError):
@@ -47,14 +46,8 @@ class ExportError(UserError):
     foreign checkpoint, ...). A ``ValueError``; printed as ``<what>: <why>; <fix>``."""
 
 
-def is_run_dir(path: Path) -> bool:
-    """True when ``path`` looks like a flowforge run directory: ``config.yaml`` plus ``checkpoints/`` or
-    ``metrics.jsonl``."""
-    return all((path / f).is_file() for f in RUN_DIR_FILES) and any((path / c).exists() for c in RUN_DIR_CONTENT)
-
-
 def _real(path: Path) -> Path:
-    return Path(os.path.realpath(path))
+    return real(path)
 
 
 def _refuse(out: Path, why: str) -> ExportError:
@@ -88,26 +81,21 @@ def check_out(out: Path, protected: dict[str, Path], overwrite: bool) -> list[st
 
 
 def check_location(out: Path, protected: dict[str, Path]) -> None:
-    """The location rules alone (no look inside ``out``): not a protected directory, around or inside one, not
-    inside a run directory, not the working directory or around it, not a symbolic link."""
-    real = _real(out)
-    for label, path in protected.items():
-        other = _real(path)
-        if real == other:
-            raise _refuse(out, f"is the {label} {other}")
-        if other.is_relative_to(real):
-            raise _refuse(out, f"contains the {label} {other}")
-        if real.is_relative_to(other):
-            raise _refuse(out, f"lies inside the {label} {other}")
+    """The location rules alone (no look inside ``out``): the shared write rule
+    (:func:`flowforge.runtime.write_guard.check_write_target`: not a protected directory, around or inside one, not
+    inside any run directory or checkpoint), then not the working directory or around it, not a symbolic link."""
+    try:
+        resolved = check_write_target(out, "export directory", protected=protected, replaces_tree=True)
+    except ExportError:
+        raise
+    except UserError as exc:
+        raise ExportError(exc.what, exc.why, "choose a new directory outside it (e.g. exports/<name>)") from None
     cwd = _real(Path.cwd())
-    if cwd.is_relative_to(real):
-        raise _refuse(out, "is the current working directory" if cwd == real else
+    if cwd.is_relative_to(resolved):
+        raise _refuse(out, "is the current working directory" if cwd == resolved else
                       f"contains the current working directory {cwd}")
-    for ancestor in (real, *real.parents):
-        if is_run_dir(ancestor):
-            raise _refuse(out, f"{'is' if ancestor == real else 'lies inside'} the run directory {ancestor}")
     if out.is_symlink():
-        raise _refuse(out, f"is a symbolic link (to {real})")
+        raise _refuse(out, f"is a symbolic link (to {resolved})")
 
 
 def _previous_export(out: Path, overwrite: bool) -> list[str]:

@@ -51,6 +51,7 @@ from flowforge.models.base import Conditioning
 from flowforge.rollout import candidate_noise, decode_media, generate, sigmas_for
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError, file_error
+from flowforge.runtime.write_guard import check_write_target
 from flowforge.tools.sample.grid import labelled_grid, save_png, to_pil
 from flowforge.tools.sample.load import SampleModel, load_for_sampling, source_config
 
@@ -158,6 +159,21 @@ def sample(model: SampleModel, records: list[PromptRecord], *, num: int = 1, see
     return decode_media(model.adapter, torch.cat(finals).to(device), batch_size).float().cpu()
 
 
+def check_sample_targets(out: Path, *, source: str | Path, prompt_file: str | Path | None = None,
+                         base: str | Path | None = None) -> None:
+    """Refuse (before anything is loaded or written) a grid ``out`` whose files — the grid, ``<stem>.json`` and the
+    per-image PNGs beside it — would land inside a run directory, a checkpoint, the sampled source, the base model
+    or the prompt file (the shared rule, :func:`flowforge.runtime.write_guard.check_write_target`).
+
+    Raises:
+        UserError: naming ``--out`` and the directory that protects it.
+    """
+    protected = {"sampled run or export": source, "base model": base,
+                 "prompt file": None if prompt_file is None or is_demo_name(str(prompt_file)) else prompt_file}
+    for target in (out, out.with_suffix(".json"), out.with_name(f"{out.stem}_0.png")):
+        check_write_target(target, "--out", protected=protected)
+
+
 def run_sample(source: str | Path, out: str | Path, *, prompts: Sequence[str] = (),
                prompt_file: str | Path | None = None, num: int = 1, seed: int = 0, guidance: float | None = None,
                steps: int | None = None, device: str | None = None, base: str | None = None,
@@ -175,6 +191,7 @@ def run_sample(source: str | Path, out: str | Path, *, prompts: Sequence[str] = 
     if out.suffix.lower() != ".png":
         raise UserError("--out", f"{out} is not a .png file", "name the grid e.g. grid.png")
     cfg = source_config(source)  # the prompts are checked before any model loads
+    check_sample_targets(out, source=source, prompt_file=prompt_file, base=base)
     records = read_prompts(prompts, prompt_file, cfg.model.task, image_prompts=cfg.data.eval_prompts)
     model = load_for_sampling(source, device=device, base=base)
     media = sample(model, records, num=num, seed=seed, guidance=guidance, steps=steps, batch_size=batch_size)

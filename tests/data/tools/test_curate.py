@@ -177,4 +177,68 @@ def test_refuses_existing_outputs_symlinks_and_the_input(tmp_path, cli, write_ro
     raw = write_rows(tmp_path / "in" / "train.jsonl", [make_row(prompt(i), f"s{i}") for i in range(6)])
     rc, _, err = cli("curate", "--input", raw, "--out-dir", tmp_path / "in", "--eval-size", "1",
                      "--eval-subset-sizes", "--overwrite")
-    assert rc == 2 and "would overwrite the input" in err
+    assert rc == 2 and "is the input" in err
+
+
+def test_out_dir_through_dotdot_or_a_symlink_onto_the_input_is_refused(tmp_path, cli, write_rows, make_row):
+    """Issue 24 item 2: `--out-dir in/d1/../d1` and a symlinked directory both name the input's directory; the
+    guard compares resolved paths, so the 40-row input stays whole."""
+    raw = write_rows(tmp_path / "in" / "d1" / "train.jsonl", [make_row(prompt(i), f"s{i}") for i in range(40)])
+    (tmp_path / "alias").symlink_to(tmp_path / "in" / "d1", target_is_directory=True)
+    before = raw.read_bytes()
+    for out_dir in (tmp_path / "in" / "d1" / ".." / "d1", tmp_path / "alias"):
+        rc, _, err = cli("curate", "--input", raw, "--out-dir", out_dir, "--eval-size", "8", "--eval-subset-sizes",
+                         "--overwrite")
+        assert rc == 2 and "is the input" in err and len(err.strip().splitlines()) == 1
+    assert raw.read_bytes() == before
+    rc, _, err = cli("prepare", "--source", "jsonl", "--input", raw, "--output", tmp_path / "alias" / "train.jsonl",
+                     "--overwrite")
+    assert rc == 2 and "is the input" in err and raw.read_bytes() == before
+
+
+def test_out_dir_inside_a_run_is_refused(tmp_path, cli, write_rows, make_row):
+    raw = write_rows(tmp_path / "raw.jsonl", [make_row(prompt(i), f"s{i}") for i in range(6)])
+    run = tmp_path / "runs" / "base"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {}\n")
+    rc, _, err = cli("curate", "--input", raw, "--out-dir", run / "data", "--eval-size", "2", "--eval-subset-sizes")
+    assert rc == 2 and "lies inside the run directory" in err and not (run / "data").exists()
+
+
+_KILL = """
+import os, sys
+from flowforge.data.tools.curate import CurateSettings, curate
+def hook(stage, name):
+    if stage == sys.argv[3] and (stage == "tmp" or name.endswith("train.jsonl")):
+        os.kill(os.getpid(), 9)
+curate(sys.argv[1], sys.argv[2], CurateSettings(eval_size=int(sys.argv[4]), eval_subset_sizes=()), overwrite=True,
+       hook=hook)
+"""
+
+
+@pytest.mark.parametrize("stage", ["tmp", "renamed"])
+def test_kill_during_curate_overwrite_never_leaves_an_unmarked_mix(tmp_path, write_rows, make_row, stage):
+    """kill -9 once every temporary is written (old set intact, no marker) or after the first rename (a mixed set,
+    marked; readers refuse it); a rerun completes the set and removes the marker."""
+    import subprocess
+    import sys
+
+    raw = write_rows(tmp_path / "raw.jsonl", [make_row(prompt(i), f"s{i}") for i in range(64)])
+    out = tmp_path / "out"
+    curate(raw, out, CurateSettings(eval_size=8, eval_subset_sizes=()))
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = subprocess.run([sys.executable, "-c", _KILL, str(raw), str(out), stage, "16"], capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    now = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")}
+    markers = list(out.glob(".flowforge-incomplete*"))
+    if stage == "tmp":
+        assert now == old and not markers
+        load_prompts(out / "train.jsonl")
+    else:
+        assert now["train.jsonl"] != old["train.jsonl"] and now["eval.jsonl"] == old["eval.jsonl"]
+        assert len(markers) == 1
+        with pytest.raises(ValueError, match="interrupted"):
+            load_prompts(out / "eval.jsonl")
+    curate(raw, out, CurateSettings(eval_size=16, eval_subset_sizes=()), overwrite=True)
+    assert not list(out.glob(".flowforge-incomplete*")) and not list(out.glob(".*tmp-*"))
+    assert len(ids_of(out / "train.jsonl")) + len(ids_of(out / "eval.jsonl")) == 64
