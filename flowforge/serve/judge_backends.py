@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import RewardScorer
+from flowforge.rewards.base import RewardScorer, takes_video
 from flowforge.rewards.judge import protocol as P
 
 
@@ -65,13 +65,15 @@ def first_user_content(messages: Sequence[dict]) -> list[dict]:
 
 class ScorerBackend:
     """A flowforge scorer as a group judge: reads the group layout of :mod:`flowforge.rewards.judge.protocol`,
-    scores every candidate's frames (one scorer call per frame size; a video's score is the mean over its frames,
-    as the trainer does), and replies with the strict JSON ``{label: score}`` the judge client parses.
+    scores every candidate, and replies with the strict JSON ``{label: score}`` the judge client parses.
 
-    The scorer's score ``s`` maps to ``100 (s - low) / (high - low)`` clamped to ``[0, 100]``. Each candidate's
-    metadata carries ``label`` and, when the request has a reference, ``reference_media`` (``[3, H, W]``, or
-    ``[3, F, H, W]`` for several frames of one size) for scorers that compare against it. Usage reports the number
-    of images as ``prompt_tokens`` and the number of scores as ``completion_tokens``.
+    A scorer that takes video (``takes_video``) gets each candidate whole, its frames in the order received
+    (``[n, 3, F, H, W]``, one call per frame size); any other scores every frame and a candidate's score is the mean
+    over its frames, as the trainer does. The scorer's score ``s`` maps to ``100 (s - low) / (high - low)`` clamped
+    to ``[0, 100]``. Each candidate's metadata carries ``label`` and, when the request has them, ``reference_media``
+    (``[3, H, W]``, or ``[3, F, H, W]`` for several frames of one size) and ``condition_media`` (``[3, H, W]``) for
+    scorers that compare against them. Usage reports the number of images as ``prompt_tokens`` and the number of
+    scores as ``completion_tokens``.
 
     Raises (``complete``):
         ValueError: a request outside the layout; the scorer rejects the input; a NaN score ("not applicable" has
@@ -85,6 +87,19 @@ class ScorerBackend:
         self.scorer, self.model_id, self.low, self.high = scorer, model_id, float(low), float(high)
         self._lock = threading.Lock()
 
+    def _call(self, items: list[tuple[str, Tensor]], prompt: str, extra: dict[str, Any]) -> Tensor:
+        """Scores ``[n]`` of ``(label, media)`` items, one scorer call per media shape."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, (_, media) in enumerate(items):
+            by_shape.setdefault(tuple(media.shape), []).append(i)
+        values = torch.empty(len(items), dtype=torch.float32)
+        with self._lock, torch.no_grad():
+            for rows in by_shape.values():
+                out = self.scorer(torch.stack([items[i][1] for i in rows]), [prompt] * len(rows),
+                                  [{"label": items[i][0], **extra} for i in rows])
+                values[rows] = out.detach().float().cpu().view(-1)
+        return values
+
     def scores(self, messages: Sequence[dict]) -> dict[str, float]:
         """``label -> score in [0, 100]`` for the group in ``messages``."""
         group = P.read_group_request(first_user_content(messages))
@@ -93,20 +108,20 @@ class ScorerBackend:
         if reference:
             same = all(r.shape == reference[0].shape for r in reference)
             extra["reference_media"] = torch.stack(reference, 1) if same and len(reference) > 1 else reference[0]
-        items = [(label, decode_image(b)) for label, frames in group.candidates.items() for b in frames]
-        by_shape: dict[tuple[int, ...], list[int]] = {}
-        for i, (_, image) in enumerate(items):
-            by_shape.setdefault(tuple(image.shape), []).append(i)
-        values = torch.empty(len(items), dtype=torch.float32)
-        with self._lock, torch.no_grad():
-            for rows in by_shape.values():
-                media = torch.stack([items[i][1] for i in rows])
-                out = self.scorer(media, [group.prompt] * len(rows),
-                                  [{"label": items[i][0], **extra} for i in rows])
-                values[rows] = out.detach().float().cpu().view(-1)
+        if group.condition:
+            extra["condition_media"] = decode_image(group.condition[0])
+        frames = {label: [decode_image(b) for b in data] for label, data in group.candidates.items()}
+        if takes_video(self.scorer) and all(len({f.shape for f in fs}) == 1 for fs in frames.values()):
+            videos = [(label, torch.stack(fs, 1)) for label, fs in frames.items()]  # [3, F, H, W] each
+            values = self._call(videos, group.prompt, extra)
+            means = {label: values[i].item() for i, (label, _) in enumerate(videos)}
+        else:
+            items = [(label, f) for label, fs in frames.items() for f in fs]
+            values = self._call(items, group.prompt, extra)
+            means = {label: values[[i for i, (lab, _) in enumerate(items) if lab == label]].mean().item()
+                     for label in frames}
         result = {}
-        for label in group.candidates:
-            mean = values[[i for i, (lab, _) in enumerate(items) if lab == label]].mean().item()
+        for label, mean in means.items():
             if math.isnan(mean):
                 raise ValueError(f"the scorer gave candidate {label} no score (NaN: not applicable)")
             result[label] = min(max(100.0 * (mean - self.low) / (self.high - self.low), 0.0), 100.0)

@@ -18,9 +18,17 @@ id; 413 body over ``max_bytes`` or more than ``max_images`` images; 422 schema e
 serve (bad image data, a message outside the judge layout, ...); 500 a backend failure. Remote image URLs are never
 fetched.
 
-``request_log``: every received request (after auth, as soon as its body parses as JSON) appends one line, the sha256
-hex of its canonical JSON (sorted keys, no spaces), flushed and fsynced -- proof of what was sent, e.g. that a resumed
-run re-sent nothing.
+``request_log``: every received request (after auth, as soon as its body parses as JSON) appends one JSON line,
+flushed and fsynced before the request is served -- the server's own record of what it was asked (and, for a paid
+judge, billed), e.g. that a resumed run re-sent nothing::
+
+    {"key": sha256 of the body's canonical JSON (sorted keys, no spaces),
+     "group": sha256 of the first user message's content (the group; the same for its retries and repairs) or null,
+     "messages": number of messages (1: a first send or a retry; 3, 5, ...: a repair),
+     "candidates": {label: [sha256 of each frame's bytes, in the order received]} or null (not a group request),
+     "condition": [...], "reference": [...], "unix": time received}
+
+:func:`read_request_log` reads it back; :func:`billed_per_group` counts the requests of each group.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flowforge.serve.common import limit_body, require_token
+from flowforge.serve.common import (DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, b64_image_pixels, check_pixel_budget,
+                                    limit_body, require_token)
 from flowforge.serve.judge_backends import BackendError
 
 DEFAULT_MAX_BYTES = 64 * 2**20
@@ -88,19 +97,66 @@ def request_key(body: Any) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def log_record(body: Any) -> dict[str, Any]:
+    """The request-log line of a received body (module docstring); the group fields are null when the body is not
+    a group request of the judge layout."""
+    from flowforge.rewards.judge import protocol as P
+    from flowforge.serve.judge_backends import first_user_content
+
+    record: dict[str, Any] = {"key": request_key(body), "group": None, "messages": None, "candidates": None,
+                              "condition": None, "reference": None, "unix": time.time()}
+    try:
+        messages = body["messages"]
+        content = first_user_content(messages)
+        record["messages"] = len(messages)
+        record["group"] = request_key(content)
+        group = P.read_group_request(content)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return record
+    digest = P.sha256_hex
+    record.update(candidates={label: [digest(f) for f in frames] for label, frames in group.candidates.items()},
+                  condition=[digest(f) for f in group.condition], reference=[digest(f) for f in group.reference])
+    return record
+
+
 class RequestLog:
-    """Appends one key per line to ``path`` (flushed + fsynced, thread-safe)."""
+    """Appends one JSON line per received request to ``path`` (flushed + fsynced, thread-safe)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
-    def append(self, key: str) -> None:
+    def append(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, separators=(",", ":"))
         with self._lock, open(self.path, "a") as f:
-            f.write(key + "\n")
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def read_request_log(path: str | Path) -> list[dict[str, Any]]:
+    """Every line of a request log (a torn last line after a kill is skipped); ``[]`` when the file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def billed_per_group(records: list[dict[str, Any]]) -> dict[str, int]:
+    """Group -> requests the server received for it (first sends, retries and repairs: every billed attempt), from
+    :func:`read_request_log`'s records; requests that are not group requests count under their own key."""
+    counts: dict[str, int] = {}
+    for record in records:
+        group = record.get("group") or record["key"]
+        counts[group] = counts.get(group, 0) + 1
+    return counts
 
 
 def _completion(model: str, text: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -112,13 +168,15 @@ def _completion(model: str, text: str, prompt_tokens: int, completion_tokens: in
 
 
 def build_app(backend: Any, token: str | None, *, request_log: str | Path | None = None,
-              max_bytes: int = DEFAULT_MAX_BYTES, max_images: int = DEFAULT_MAX_IMAGES):
+              max_bytes: int = DEFAULT_MAX_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
+              max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS):
     """The ASGI app serving ``backend`` (``model_id`` + ``complete``; :mod:`flowforge.serve.judge_backends`).
 
     Args:
         token: bearer token every route but ``/health`` requires; ``None`` = no auth (loopback only, by the CLI).
         request_log: file receiving one request key per received request (module docstring).
-        max_bytes: largest request body. max_images: most images in one request.
+        max_bytes: largest request body. max_images: most images in one request. max_request_pixels: decoded
+            pixels per request, read from the image headers before any is decoded (413 over it).
 
     Raises:
         ValueError: a limit < 1.
@@ -128,7 +186,7 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     log = RequestLog(request_log) if request_log is not None else None
     auth = [Depends(require_token(token))]
-    app = FastAPI(title="flowforge judge server")
+    app = FastAPI(title="flowforge judge server", **NO_DOCS)
 
     def readable(exc: ValidationError | RequestValidationError) -> str:
         problems = ["/".join(str(p) for p in e.get("loc", ())) + f": {e.get('msg', '')}" for e in exc.errors()]
@@ -150,7 +208,7 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
     @app.post("/v1/chat/completions", dependencies=auth)
     def chat(body: Any = _json_body()) -> dict[str, Any]:
         if log is not None:
-            log.append(request_key(body))
+            log.append(log_record(body))
         try:
             req = ChatRequest.model_validate(body)
         except ValidationError as exc:
@@ -162,6 +220,8 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
         images = sum(isinstance(p, ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
         if images > max_images:
             raise HTTPException(413, f"{images} images exceed the limit of {max_images} per request")
+        check_pixel_budget(sum(b64_image_pixels(p.image_url.url) for m in req.messages if isinstance(m.content, list)
+                               for p in m.content if isinstance(p, ImagePart)), max_request_pixels)
         messages = [m.model_dump() for m in req.messages]
         try:
             done = backend.complete(messages, max_tokens=req.max_completion_tokens or req.max_tokens,

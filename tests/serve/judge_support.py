@@ -6,9 +6,11 @@ Run as a module:
 
 * ``python -m tests.serve.judge_support scripted --script FILE --token-file F --request-log L`` -- a judge server
   whose replies follow the behaviours queued in ``FILE`` (a JSON list, one popped per request; empty: correct);
-* ``python -m tests.serve.judge_support drive --base-url URL --ledger DB --groups N [--kill-after K]`` -- score ``N``
-  fixed groups one by one with ``vlm_judge``; with ``--kill-after K`` the process SIGKILLs itself right after the
-  ``K``-th answer is recorded; at the end it prints the judge's metrics as one JSON line.
+* ``python -m tests.serve.judge_support drive --base-url URL --ledger DB --groups N [--kill-after K]
+  [--kill-in-window K]`` -- score ``N`` fixed groups one by one with ``vlm_judge``; with ``--kill-after K`` the
+  process SIGKILLs itself right after the ``K``-th request is recorded as answered; with ``--kill-in-window K`` right
+  after the ``K``-th answer arrived, before the ledger records it (the window between send and record); at the end
+  it prints the judge's metrics as one JSON line.
 """
 
 from __future__ import annotations
@@ -42,6 +44,31 @@ class Brightness:
         if all(r is not None for r in refs) and refs:
             return 1.0 - (mean - torch.stack([r.float().mean() for r in refs])).abs()
         return mean
+
+
+class FrameOrder:
+    """A video scorer (``takes_video``) that checks what it was given: frame ``f`` of candidate ``c`` is expected to
+    have red ``(f + 1) / 32`` (see :func:`ordered_video`) and green the candidate's level. Scores each candidate's
+    mean green when its red rises from frame to frame (its frames came in temporal order), else 0."""
+
+    name = "frame_order"
+    needs_group = False
+    takes_video = True
+
+    def __call__(self, media, prompts, metadata):
+        assert media.dim() == 5, f"a video scorer was given {tuple(media.shape)}"
+        red = media[:, 0].float().mean(dim=(2, 3))  # [n, F]
+        ordered = (red[:, 1:] - red[:, :-1] > 0.01).all(dim=1)
+        return torch.where(ordered, media[:, 1].float().mean(dim=(1, 2, 3)), torch.zeros(len(media)))
+
+
+def ordered_video(levels: list[float], frames: int, size: int = 16) -> torch.Tensor:
+    """``[K, 3, F, H, W]``: candidate ``c``'s frame ``f`` is flat red ``(f + 1) / 32``, green ``levels[c]``."""
+    video = torch.zeros(len(levels), 3, frames, size, size)
+    for c, level in enumerate(levels):
+        for f in range(frames):
+            video[c, 0, f], video[c, 1, f], video[c, 2, f] = (f + 1) / 32, level, 0.5
+    return video
 
 
 # ------------------------------------------------------------------------------------------------ scripted backend
@@ -116,16 +143,27 @@ def _drive(args: argparse.Namespace) -> None:
 
     judge = VLMJudge(model=args.model, base_url=args.base_url, api_key_env=TOKEN_ENV, ledger=args.ledger,
                      max_concurrency=1, frames=1, max_side=64, timeout_s=30.0)
+    ledger, count = judge.ledger, [0]
     if args.kill_after:
-        record, count = judge.ledger.record, [0]
+        finish = ledger.finish
 
-        def record_then_maybe_die(entry):
-            record(entry)
+        def finish_then_maybe_die(key, status, **kw):
+            finish(key, status, **kw)
             count[0] += 1
             if count[0] == args.kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        judge.ledger.record = record_then_maybe_die
+        ledger.finish = finish_then_maybe_die
+    if args.kill_in_window:
+        finish_attempt = ledger.finish_attempt
+
+        def die_before_recording(attempt_id, outcome, **kw):
+            count[0] += 1
+            if count[0] == args.kill_in_window:  # the answer is here, the ledger does not know it yet
+                os.kill(os.getpid(), signal.SIGKILL)
+            finish_attempt(attempt_id, outcome, **kw)
+
+        ledger.finish_attempt = die_before_recording
     for seed in range(args.groups):
         judge(*group(1000 + seed))
     print(json.dumps(judge.pop_metrics()), flush=True)
@@ -220,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     drive.add_argument("--ledger", required=True)
     drive.add_argument("--groups", type=int, required=True)
     drive.add_argument("--kill-after", type=int, default=0)
+    drive.add_argument("--kill-in-window", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     (_scripted if args.command == "scripted" else _drive)(args)

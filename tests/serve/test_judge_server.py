@@ -3,7 +3,8 @@
 Servers run as subprocesses on a free port with a token and print the URL they serve at: the scorer backend
 (``python -m flowforge.cli serve judge --scorer ...``), the tiny random Qwen2-VL backend (``--model DIR``), and a
 scripted backend (:mod:`tests.serve.judge_support`, the same app factory) that produces malformed replies, slow
-answers and 5xx errors on demand. Every server keeps a request log: one key per request it received.
+answers and 5xx errors on demand. Every server keeps its own request log (one JSON line per request it received:
+the group it belongs to and each candidate's frame hashes), which is what the billing assertions count.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,6 +24,8 @@ import torch
 
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.client import JudgeError, VLMJudge
+from flowforge.rewards.judge.ledger import BudgetExhausted
+from flowforge.serve.judge_server import billed_per_group, read_request_log
 from tests.serve import judge_support as S
 
 TOKEN = "judge-test-token"
@@ -62,7 +66,8 @@ def scripted_server(token_file, tmp_path_factory):
 
 
 def _lines(path: Path) -> list[str]:
-    return path.read_text().split() if path.exists() else []
+    """The request keys of a server's request log, in order."""
+    return [r["key"] for r in read_request_log(path)]
 
 
 def _brightness(media: torch.Tensor) -> torch.Tensor:
@@ -153,11 +158,56 @@ def test_auth_and_payload_errors(scorer_server, tmp_path, monkeypatch):
         wrong(*S.group(0))
 
 
+def test_videos_reach_the_judge_as_videos_frames_counted_and_ordered(token_file, tmp_path):
+    """Through the reward processor, as the trainer calls it: a step of 2 prompts x 4 candidate videos of 30 frames
+    becomes 2 requests of 4 candidates x 24 frames each (never 8 x 30 single-frame candidates). The server's own log
+    holds each label's frames exactly as the client encoded the candidate shown there (count, content, temporal
+    order), and the video scorer on the server confirms the order from the pixels."""
+    from flowforge.rewards import RewardProcessor
+
+    log = tmp_path / "requests.log"
+    proc, url = S.start(["-m", "flowforge.cli", "serve", "judge", "--scorer", "tests.serve.judge_support:FrameOrder",
+                         "--model-name", "frames", "--port", "0", "--token-file", str(token_file), "--request-log",
+                         str(log), "--num-threads", "1", "--score-range", "0", "1"])
+    try:
+        judge = VLMJudge(model="frames", base_url=url + "/v1", api_key_env=S.TOKEN_ENV, ledger=tmp_path / "l.db",
+                         max_side=64, seed=5, max_concurrency=1)  # one at a time: the log in group order
+        assert judge.frames == 24  # the protocol's default
+        levels = [[0.2, 0.8, 0.5, 0.35], [0.65, 0.1, 0.9, 0.45]]
+        media = torch.cat([S.ordered_video(lv, frames=30) for lv in levels])  # [8, 3, 30, 16, 16]
+        prompts = [f"prompt {g}" for g in (0, 1) for _ in range(4)]
+        metadata = [{"sample_id": f"c{g}"} for g in (0, 1) for _ in range(4)]
+        components, metrics = RewardProcessor({"vlm_judge": judge}, {"vlm_judge": 1.0})(
+            media, prompts, metadata, torch.tensor([0] * 4 + [1] * 4))
+        assert metrics["reward/vlm_judge_groups_scored"] == 2 and metrics["reward/vlm_judge_requests_sent"] == 2
+        # the scorer saw every candidate's frames in temporal order (else 0) and each score came back to its video
+        assert torch.allclose(components["vlm_judge"], torch.tensor(levels).view(-1), atol=0.02)
+        records = read_request_log(log)
+        assert len(records) == 2 and billed_per_group(records) == {r["group"]: 1 for r in records}
+        indices = P.frame_indices(30, 24)
+        for record, g in zip(records, (0, 1), strict=True):
+            rows = media[4 * g:4 * g + 4]
+            perm = judge._prepare(rows, prompts[4 * g:4 * g + 4], metadata[4 * g:4 * g + 4]).perm
+            assert sorted(perm) == [0, 1, 2, 3] and perm != [0, 1, 2, 3]
+            labels = P.candidate_labels(4)
+            assert list(record["candidates"]) == labels
+            for label, candidate in zip(labels, perm, strict=True):
+                expected = [P.sha256_hex(P.jpeg_bytes(rows[candidate][:, f], 64)) for f in indices]
+                assert record["candidates"][label] == expected  # 24 frames, this candidate's, in order
+    finally:
+        S.stop(proc)
+
+
 # ------------------------------------------------------------------------------------------------ scripted replies
 
 def _scripted_judge(url: str, tmp_path: Path, **kw) -> VLMJudge:
     return VLMJudge(model="scripted", base_url=url + "/v1", api_key_env=S.TOKEN_ENV, ledger=tmp_path / "l.db",
                     frames=1, max_side=32, max_concurrency=1, retry_backoff_s=0.01, **kw)
+
+
+def _billed_by_server(log: Path, before: int) -> list[int]:
+    """Requests per group the server received since line ``before`` of its log."""
+    return sorted(billed_per_group(read_request_log(log)[before:]).values())
 
 
 @pytest.mark.parametrize("behaviour, reason", [
@@ -167,24 +217,25 @@ def _scripted_judge(url: str, tmp_path: Path, **kw) -> VLMJudge:
 def test_a_malformed_reply_is_repaired(scripted_server, tmp_path, behaviour, reason):
     url, script, log = scripted_server
     script.write_text(json.dumps([behaviour]))
-    judge = _scripted_judge(url, tmp_path, max_repairs=2)
+    judge = _scripted_judge(url, tmp_path, max_attempts=3)
     media, prompts, metadata = S.group(31)
     before = len(_lines(log))
     scores = judge(media, prompts, metadata)
     assert torch.allclose(scores, _brightness(media), atol=0.01)
     metrics = judge.pop_metrics()
-    assert (metrics["requests_sent"], metrics["retries"], metrics["failures"]) == (2, 1, 0)
-    assert len(_lines(log)) == before + 2
+    assert (metrics["requests_sent"], metrics["billed"], metrics["retries"], metrics["failures"]) == (2, 2, 1, 0)
+    assert _billed_by_server(log, before) == [2]  # the first send and its repair: one group, two billed requests
     entry = judge.ledger.get(judge.ledger.keys()[0])
     assert entry.status == "ok" and entry.attempts == 2 and reason in entry.response[0]["verdict"]
     assert entry.request["repairs"] and "Reply again" in entry.request["repairs"][0]
+    assert [a["kind"] for a in judge.ledger.attempts(entry.key)] == ["first", "repair"]
 
 
-def test_still_malformed_after_every_repair_is_nan_counted_and_never_resent(scripted_server, tmp_path):
+def test_still_malformed_after_every_attempt_is_nan_counted_and_never_resent(scripted_server, tmp_path):
     url, script, log = scripted_server
     script.write_text(json.dumps(["wrong_count", "out_of_range", "extra_key"]))
     media, prompts, metadata = S.group(32)
-    judge = _scripted_judge(url, tmp_path, max_repairs=2)
+    judge = _scripted_judge(url, tmp_path, max_attempts=3)
     before = len(_lines(log))
     assert torch.isnan(judge(media, prompts, metadata)).all()
     metrics = judge.pop_metrics()
@@ -192,62 +243,146 @@ def test_still_malformed_after_every_repair_is_nan_counted_and_never_resent(scri
     entry = judge.ledger.get(judge.ledger.keys()[0])
     assert entry.status == "malformed" and [a["verdict"].split(":")[0] for a in entry.response] == ["malformed"] * 3
     judge.close()
-    rerun = _scripted_judge(url, tmp_path, max_repairs=2)  # the answer was given: it is not asked again
+    rerun = _scripted_judge(url, tmp_path, max_attempts=5)  # the answer was given: it is not asked again
     assert torch.isnan(rerun(media, prompts, metadata)).all()
     metrics = rerun.pop_metrics()
     assert (metrics["requests_sent"], metrics["served_from_ledger"], metrics["failures"]) == (0, 1, 1)
-    assert len(_lines(log)) == before + 3
+    assert _billed_by_server(log, before) == [3]
 
 
-def test_timeouts_and_server_errors_are_retried(scripted_server, tmp_path):
+def test_a_timeout_is_a_billed_attempt_and_attempts_are_bounded(scripted_server, tmp_path):
+    """A timed-out request reached the judge and may be billed: it counts. ``max_attempts`` bounds what one group
+    can cost over every run -- here 3 billed attempts, the server's log agreeing, and no 4th on a rerun."""
     url, script, log = scripted_server
     script.write_text(json.dumps(["sleep:2.5", "status:503", "status:500", "ok"]))
-    judge = _scripted_judge(url, tmp_path, timeout_s=1.0, max_retries=3)
+    judge = _scripted_judge(url, tmp_path, timeout_s=1.0, max_attempts=3)
     media, prompts, metadata = S.group(33)
-    assert torch.allclose(judge(media, prompts, metadata), _brightness(media), atol=0.01)
-    metrics = judge.pop_metrics()
-    assert (metrics["requests_sent"], metrics["retries"], metrics["failures"]) == (4, 3, 0)
-
-
-def test_a_request_that_never_got_an_answer_fails_the_group_and_is_asked_again(scripted_server, tmp_path):
-    url, script, _ = scripted_server
-    script.write_text(json.dumps(["status:502", "status:502"]))
-    media, prompts, metadata = S.group(34)
-    judge = _scripted_judge(url, tmp_path, max_retries=1)
+    before = len(_lines(log))
     assert torch.isnan(judge(media, prompts, metadata)).all()
-    assert judge.pop_metrics()["failures"] == 1
-    assert len(judge.ledger) == 0 and "2 tries" in judge.ledger.failures()[0]["error"]
+    metrics = judge.pop_metrics()
+    assert (metrics["requests_sent"], metrics["billed"], metrics["retries"], metrics["failures"]) == (3, 3, 2, 1)
+    key = judge.ledger.keys(statuses=("failed",))[0]
+    attempts = judge.ledger.attempts(key)
+    assert [(a["kind"], a["outcome"], a["billed"]) for a in attempts] == [
+        ("first", "timeout", 1), ("retry", "http_error", 1), ("retry", "http_error", 1)]
+    assert [a["http_status"] for a in attempts] == [None, 503, 500]
+    assert _billed_by_server(log, before) == [3] and judge.ledger.billed() == 3
+    judge.close()
+    rerun = _scripted_judge(url, tmp_path, max_attempts=3)
+    assert torch.isnan(rerun(media, prompts, metadata)).all() and rerun.pop_metrics()["requests_sent"] == 0
+    assert _billed_by_server(log, before) == [3]
+    script.write_text(json.dumps(["status:503", "ok"]))  # a retry that is answered: 2 billed, scores correct
+    fresh = _scripted_judge(url, tmp_path / "fresh", max_attempts=3)
+    assert torch.allclose(fresh(*S.group(35)), _brightness(S.group(35)[0]), atol=0.01)
+    assert fresh.pop_metrics()["billed"] == 2
+
+
+def test_a_request_without_an_answer_is_asked_again_only_while_attempts_remain(scripted_server, tmp_path):
+    url, script, _ = scripted_server
     script.write_text(json.dumps(["status:400"]))  # a 4xx other than 401/403/404/408/409/429 is not retried
+    media, prompts, metadata = S.group(34)
+    judge = _scripted_judge(url, tmp_path, max_attempts=2)
     assert torch.isnan(judge(media, prompts, metadata)).all()
     metrics = judge.pop_metrics()
     assert (metrics["requests_sent"], metrics["retries"], metrics["failures"]) == (1, 0, 1)
-    assert torch.allclose(judge(media, prompts, metadata), _brightness(media), atol=0.01)  # answered now
-    assert len(judge.ledger) == 1
+    assert len(judge.ledger) == 0 and judge.ledger.failures()[0]["attempts"] == 1
+    assert "HTTP 400" in judge.ledger.failures()[0]["error"]
+    assert torch.allclose(judge(media, prompts, metadata), _brightness(media), atol=0.01)  # its 2nd attempt
+    assert len(judge.ledger) == 1 and judge.ledger.get(judge.ledger.keys()[0]).attempts == 2
+    refused = VLMJudge(model="scripted", base_url="http://127.0.0.1:9/v1", api_key_env=None,
+                       ledger=tmp_path / "refused.db", frames=1, max_side=32, max_attempts=2, retry_backoff_s=0.01)
+    assert torch.isnan(refused(media, prompts, metadata)).all()
+    outcomes = [(a["outcome"], a["billed"]) for a in refused.ledger.attempts()]
+    assert outcomes == [("connection_error", 0)] * 2 and refused.ledger.billed() == 0  # nothing left the machine
+
+
+def test_the_budget_stops_a_step_before_it_is_exceeded(scripted_server, tmp_path):
+    url, script, log = scripted_server
+    script.write_text("[]")
+    judge = _scripted_judge(url, tmp_path, max_billed=3)
+    judge.score_groups([S.group(50), S.group(51)])
+    before = len(_lines(log))
+    with pytest.raises(BudgetExhausted, match="cannot pay for 2 more groups"):
+        judge.score_groups([S.group(52), S.group(53)])  # 2 to send, 1 left: nothing is sent
+    assert len(_lines(log)) == before and judge.ledger.billed() == 2
+    judge.score_groups([S.group(50), S.group(52)])  # 1 served from the ledger, 1 sent: within the budget
+    assert judge.ledger.billed() == 3 and len(_lines(log)) == before + 1
 
 
 # ------------------------------------------------------------------------------------------------ crash + resume
 
-def test_a_run_killed_mid_step_resumes_without_sending_any_request_twice(scorer_server, tmp_path):
+def _drive(url: str, ledger: Path, *extra: str, model: str = "brightness") -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(S.ROOT)}
+    return subprocess.run([sys.executable, "-m", "tests.serve.judge_support", "drive", "--base-url", url + "/v1",
+                           "--ledger", str(ledger), "--groups", "6", "--model", model, *extra], cwd=S.ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_run_killed_after_recording_resumes_without_sending_any_request_twice(scorer_server, tmp_path):
     url, log = scorer_server
     ledger = tmp_path / "run" / "judge" / "ledger.sqlite"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(S.ROOT)}
-    drive = [sys.executable, "-m", "tests.serve.judge_support", "drive", "--base-url", url + "/v1", "--ledger",
-             str(ledger), "--groups", "6"]
-    before = _lines(log)
-    killed = subprocess.run([*drive, "--kill-after", "3"], cwd=S.ROOT, env=env, capture_output=True, text=True,
-                            timeout=120)
+    before = len(_lines(log))
+    killed = _drive(url, ledger, "--kill-after", "3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    sent_before_crash = _lines(log)[len(before):]
-    assert len(sent_before_crash) == 3
-    resumed = subprocess.run(drive, cwd=S.ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert len(_lines(log)) == before + 3
+    resumed = _drive(url, ledger)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     metrics = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert (metrics["served_from_ledger"], metrics["requests_sent"], metrics["failures"]) == (3, 3, 0)
-    rerun = subprocess.run(drive, cwd=S.ROOT, env=env, capture_output=True, text=True, timeout=120)
+    rerun = _drive(url, ledger)
     metrics = json.loads(rerun.stdout.strip().splitlines()[-1])
     assert (metrics["served_from_ledger"], metrics["requests_sent"]) == (6, 0)
-    received = _lines(log)[len(before):]
-    assert len(received) == 6 and len(set(received)) == 6  # the server's own log: every request exactly once
+    assert _billed_by_server(log, before) == [1] * 6  # the server's own log: every group billed exactly once
+
+
+def test_kill_9_between_send_and_record_never_bills_a_group_twice(scorer_server, tmp_path):
+    """The answer of the 3rd group has arrived, the ledger has it as sent (pending) but not its answer, and the
+    process dies. The rerun finds the attempt in flight: lost, billed, never sent again -- the group scores NaN
+    (dropped with zero weight by the trainer) and every other group is served or sent once."""
+    url, log = scorer_server
+    ledger = tmp_path / "run" / "judge" / "ledger.sqlite"
+    before = len(_lines(log))
+    killed = _drive(url, ledger, "--kill-in-window", "3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert len(_lines(log)) == before + 3  # the server answered 3
+    resumed = _drive(url, ledger)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    metrics = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert (metrics["served_from_ledger"], metrics["lost"], metrics["failures"], metrics["requests_sent"]) == \
+        (3, 1, 1, 3)
+    assert _billed_by_server(log, before) == [1] * 6
+    from flowforge.rewards.judge.ledger import RequestLedger
+
+    book = RequestLedger(ledger)
+    lost = book.failures()
+    assert [(f["status"], f["attempts"]) for f in lost] == [("lost", 1)] and book.billed() == 6
+    assert len(_lines(log)) - before == book.billed()  # the ledger's billing agrees with the server's
+
+
+def test_kill_9_while_the_request_is_in_flight_never_bills_a_group_twice(scripted_server, tmp_path):
+    """Killed from outside while the judge is still working on the 3rd request (the server sleeps 3 s before it
+    answers): the request left, the answer never came back."""
+    url, script, log = scripted_server
+    script.write_text(json.dumps(["ok", "ok", "sleep:3"]))
+    ledger = tmp_path / "run" / "judge" / "ledger.sqlite"
+    before = len(_lines(log))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(S.ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.serve.judge_support", "drive", "--base-url", url + "/v1",
+                             "--ledger", str(ledger), "--groups", "6", "--model", "scripted"], cwd=S.ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_lines(log)) < before + 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert len(_lines(log)) == before + 3, "the 3rd request never reached the server"
+    finally:
+        proc.kill()
+        proc.wait()
+    resumed = _drive(url, ledger, model="scripted")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    metrics = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert (metrics["lost"], metrics["requests_sent"]) == (1, 3)
+    assert _billed_by_server(log, before) == [1] * 6
 
 
 # ------------------------------------------------------------------------------------------------ HF VLM backend

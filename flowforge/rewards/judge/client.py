@@ -1,27 +1,38 @@
 """``vlm_judge``: a group reward from a vision-language judge behind any OpenAI-compatible chat-completions API.
 
-The judge sees one prompt's ``K`` candidates at once (``needs_group = True``), in a seeded permutation, and answers one
-score per candidate (protocol: :mod:`flowforge.rewards.judge.protocol`). Every answered request is kept in the run's
-request ledger (:mod:`flowforge.rewards.judge.ledger`) and served from it when asked again -- after a crash, a resume
-or a rerun of the same step -- so no answered request is sent twice.
+The judge sees one prompt's ``K`` candidates at once (``needs_group = True``), whole videos included
+(``takes_video = True``: each candidate is its ordered frames, never frames of several candidates mixed), in a
+seeded permutation, and answers one score per candidate (protocol: :mod:`flowforge.rewards.judge.protocol`). A paid
+judge is money: every request and every billed attempt is written to the run's request ledger
+(:mod:`flowforge.rewards.judge.ledger`) *before* it is sent, and an answered request is served from the ledger when
+asked again -- after a crash, a resume or a rerun of the same step -- so nothing answered is sent twice.
 
 Per group, in order:
 
-1. each candidate -> ``N`` JPEG frames (``frames``, ``max_side``), hashed; the reference (``metadata["reference"]``,
-   an image file or a directory of frame images) likewise;
-2. presented order ``perm`` = :func:`~flowforge.rewards.judge.protocol.group_permutation` (position-bias control);
-3. key = :func:`~flowforge.rewards.judge.protocol.request_key`; a ledger hit returns the stored scores;
-4. else send; transport failures (timeouts, connection errors, 408 / 409 / 429 / 5xx) are retried up to
-   ``max_retries`` times with exponential back-off; a malformed reply gets a repair message, up to ``max_repairs``
-   times; the answer (ok or still malformed) is recorded in the ledger before it is used;
-5. presented score ``j`` -> candidate ``perm[j]``. A group that stays malformed, or whose request fails after every
-   retry, scores NaN for all its candidates and is counted in ``failures``; a wrong URL, key or model
-   (401 / 403 / 404) raises :class:`JudgeError`.
+1. each candidate -> ``N`` JPEG frames (``frames``, ``max_side``), hashed and stored under the run directory; the
+   condition's first frame (``metadata["image"]``) and the reference (``metadata["reference"]``: an image file or
+   a directory of frame images) likewise;
+2. presented order ``perm`` = :func:`~flowforge.rewards.judge.protocol.group_permutation` (position-bias control),
+   recorded with the request;
+3. the ledger is asked (:meth:`~flowforge.rewards.judge.ledger.RequestLedger.claim`) by the request key and, when the
+   judge is bound to a step (:meth:`VLMJudge.bind`), by the group's slot (stage, purpose, step, condition): an
+   answered request is served (a slot's answer also serves re-generated media of a resumed step, mapped through its
+   own permutation); a request another process left in flight is ``lost`` -- billed, answer unknown -- and never
+   sent again;
+4. else the request is recorded ``pending`` and sent, each attempt recorded before it leaves; at most
+   ``max_attempts`` billed attempts per group over every run: transport failures (timeouts -- billed --, connection
+   errors, 408 / 409 / 429 / 5xx) are retried with exponential back-off, a malformed reply gets a repair message;
+   a connection that was refused is not billed;
+5. presented score ``j`` -> candidate ``perm[j]``. A group without scores (malformed after every attempt, no answer,
+   lost) scores NaN for all its candidates and is counted in ``failures``: the trainer drops it with zero weight.
+   A wrong URL, key or model (401 / 403 / 404) raises :class:`JudgeError`; a spent budget
+   (``max_billed``) raises :class:`~flowforge.rewards.judge.ledger.BudgetExhausted` before the step sends anything.
 
 Metrics since the last :meth:`VLMJudge.pop_metrics` (the reward processor logs them as ``reward/<name>_<metric>``):
-``requests_sent`` (HTTP requests, retries and repairs included), ``served_from_ledger`` (groups), ``retries``
-(transport retries + repairs), ``failures`` (NaN groups), ``tokens`` (prompt + completion, as reported),
-``latency_s`` (mean seconds per HTTP request sent; NaN when none was sent).
+``requests_sent`` (HTTP attempts started), ``billed`` (of them, billed), ``served_from_ledger`` (groups),
+``media_changed`` (of them, served by slot for media that differ from what was judged), ``retries`` (retries and
+repairs), ``failures`` (NaN groups), ``lost`` (groups lost in a crash), ``tokens``, ``latency_s`` (mean seconds per
+HTTP attempt; NaN when none was sent).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ import torch
 from torch import Tensor
 
 from flowforge.rewards.judge import protocol as P
-from flowforge.rewards.judge.ledger import LedgerEntry, RequestLedger
+from flowforge.rewards.judge.ledger import BudgetExhausted, LedgerEntry, RequestLedger, Slot
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +69,13 @@ class JudgeError(RuntimeError):
     """The judge cannot work at all (bad credentials, URL or model name): an error, never a reward."""
 
 
-class _NoAnswer(Exception):
-    """A request that got no usable HTTP answer after every retry (or a non-retryable 4xx)."""
+class _Unanswered(Exception):
+    """One HTTP attempt without an answer: ``outcome`` (ledger), ``billed``, whether to retry, the HTTP status."""
+
+    def __init__(self, message: str, outcome: str, *, billed: bool, retry: bool, status: int | None = None,
+                 seconds: float = 0.0) -> None:
+        super().__init__(message)
+        self.outcome, self.billed, self.retry, self.status, self.seconds = outcome, billed, retry, status, seconds
 
 
 @dataclasses.dataclass
@@ -69,10 +85,12 @@ class _Group:
     labels: list[str]
     content: list[dict]  # message parts with data URLs (what is sent)
     request: dict  # the same with {"sha256", "path"} per image (what the ledger keeps)
+    slot: Slot
 
 
 def _counters() -> dict[str, float]:
-    return dict(requests_sent=0, served_from_ledger=0, retries=0, failures=0, tokens=0, latency_total=0.0)
+    return dict(requests_sent=0, billed=0, served_from_ledger=0, media_changed=0, retries=0, failures=0, lost=0,
+                tokens=0, latency_total=0.0)
 
 
 class VLMJudge:
@@ -85,16 +103,21 @@ class VLMJudge:
             run with ``--no-auth``).
         timeout_s: seconds per HTTP request.
         max_concurrency: groups in flight at once in :meth:`score_groups`.
-        template: template file (default: the shipped ``group_v1``).
+        template: template file (default: the shipped ``group_v2``).
         frames: frames per video (``N``); images are one frame. max_side: longest side of a sent frame, pixels.
-        max_repairs: repair messages after malformed replies. max_retries: re-sends after transport failures.
+        max_attempts: billed HTTP attempts per group at most, over every run (first send, retries, repairs).
         retry_backoff_s: first back-off; doubled per retry.
         seed: permutation seed (also sent as the request's ``seed``).
         temperature, max_tokens: generation settings sent with each request (part of the request key).
         jpeg_quality: JPEG quality of the frames (part of the key through the frame hashes).
-        reference_root: directory that relative ``metadata["reference"]`` paths are read from (default: cwd).
+        reference_root: directory that relative ``metadata["reference"]`` / ``metadata["image"]`` paths are read from
+            (default: cwd).
         run_dir: the run directory; the ledger is ``run_dir/judge/ledger.sqlite`` and frames go to
-            ``run_dir/judge/media``. ledger: an explicit ledger path instead. Neither: an in-memory ledger (warned).
+            ``run_dir/judge/media``. ledger: an explicit ledger path instead (frames beside it in ``media/``).
+            Neither: an in-memory ledger (warned). The ledger is opened on first use (a rank that never judges
+            never opens it).
+        max_billed: budget: billed attempts the ledger file may hold at most (0: no limit).
+        paid: whether evaluation counts this judge as paid (``eval.teacher_groups``); False for a student.
 
     Raises:
         ValueError: a bad option, or ``api_key_env`` names an unset variable.
@@ -102,19 +125,20 @@ class VLMJudge:
 
     name = "vlm_judge"
     needs_group: ClassVar[bool] = True
+    takes_video: ClassVar[bool] = True
 
     def __init__(self, *, model: str, base_url: str, api_key_env: str | None = "OPENAI_API_KEY",
                  timeout_s: float = 120.0, max_concurrency: int = 4, template: str | Path | None = None,
-                 frames: int = 24, max_side: int = 832, max_repairs: int = 2, max_retries: int = 3,
-                 retry_backoff_s: float = 1.0, seed: int = 0, temperature: float = 0.0, max_tokens: int = 512,
-                 jpeg_quality: int = 90, reference_root: str | Path | None = None,
-                 run_dir: str | Path | None = None, ledger: str | Path | None = None) -> None:
+                 frames: int = 24, max_side: int = 832, max_attempts: int = 3, retry_backoff_s: float = 1.0,
+                 seed: int = 0, temperature: float = 0.0, max_tokens: int = 512, jpeg_quality: int = 90,
+                 reference_root: str | Path | None = None, run_dir: str | Path | None = None,
+                 ledger: str | Path | None = None, max_billed: int = 0, paid: bool = True) -> None:
         import openai
 
         for opt, value, low in (("max_concurrency", max_concurrency, 1), ("frames", frames, 1),
-                                ("max_side", max_side, 1), ("max_repairs", max_repairs, 0),
-                                ("max_retries", max_retries, 0), ("max_tokens", max_tokens, 1),
-                                ("jpeg_quality", jpeg_quality, 1)):
+                                ("max_side", max_side, 1), ("max_attempts", max_attempts, 1),
+                                ("max_tokens", max_tokens, 1), ("jpeg_quality", jpeg_quality, 1),
+                                ("max_billed", max_billed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"vlm_judge option {opt} must be an int >= {low}, got {value!r}")
         if not timeout_s > 0 or retry_backoff_s < 0 or temperature < 0:
@@ -128,10 +152,10 @@ class VLMJudge:
             if not key:
                 raise ValueError(f"vlm_judge: environment variable {api_key_env} (api_key_env) is not set")
         self.model, self.frames, self.max_side, self.quality = model, frames, max_side, jpeg_quality
-        self.max_repairs, self.max_retries, self.backoff = max_repairs, max_retries, retry_backoff_s
-        self.max_concurrency, self.seed = max_concurrency, seed
+        self.max_attempts, self.backoff, self.paid = max_attempts, retry_backoff_s, bool(paid)
+        self.max_concurrency, self.seed, self.max_billed = max_concurrency, seed, max_billed
         self.settings = dict(temperature=float(temperature), max_tokens=max_tokens, seed=seed, frames=frames,
-                             max_side=max_side, jpeg_quality=jpeg_quality, max_repairs=max_repairs)
+                             max_side=max_side, jpeg_quality=jpeg_quality)
         self.template = P.JudgeTemplate.load(template)
         self.reference_root = Path(reference_root) if reference_root is not None else None
         self.client = openai.OpenAI(base_url=base_url, api_key=key, timeout=timeout_s, max_retries=0)
@@ -139,51 +163,78 @@ class VLMJudge:
         root = Path(run_dir) if run_dir is not None else None
         if ledger is None and root is None:
             log.warning("vlm_judge has no run_dir and no ledger path: its request ledger lives in memory only")
-        self.ledger = RequestLedger(ledger if ledger is not None else (root / LEDGER_FILE if root else ":memory:"))
-        self.media_dir = root / MEDIA_DIR if root is not None else None
+        self.ledger_path = str(ledger if ledger is not None else (root / LEDGER_FILE if root else ":memory:"))
+        self.media_dir = (Path(ledger).parent / "media" if ledger is not None else
+                          root / MEDIA_DIR if root is not None else None)
+        self._ledger: RequestLedger | None = None
+        self._context = Slot()
         self._references: dict[str, list[bytes]] = {}
         self._lock = threading.Lock()
         self._counts = _counters()
+
+    @property
+    def ledger(self) -> RequestLedger:
+        """The request ledger (opened on first use)."""
+        with self._lock:
+            if self._ledger is None:
+                self._ledger = RequestLedger(self.ledger_path, budget=self.max_billed)
+            return self._ledger
+
+    def bind(self, *, stage: str = "", purpose: str = "", step: int | None = None,
+             policy_version: int | None = None) -> None:
+        """Tag the next requests with where they belong (the ledger's slot columns): a stage, its purpose
+        (``train`` / ``eval`` / ``audit``), the trainer step and the policy version. A bound group is also found by
+        its slot (stage, purpose, step, condition id) -- a resumed step re-uses its recorded answers even when its
+        re-generated media differ."""
+        self._context = Slot(stage=stage, purpose=purpose, step=step, policy_version=policy_version)
 
     # ------------------------------------------------------------------------------------------------ scoring
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         """Score one group: ``media`` ``[K, 3, H, W]`` images or ``[K, 3, F, H, W]`` videos in [0, 1] of one prompt.
 
         Returns:
-            ``[K]`` float32 in [0, 1] on ``media``'s device; all NaN when the group failed.
+            ``[K]`` float32 in [0, 1] on ``media``'s device; all NaN when the group has no scores.
 
         Raises:
-            ValueError: bad shapes, prompts that differ within the group, an unreadable reference.
+            ValueError: bad shapes, prompts that differ within the group, an unreadable reference or condition.
             JudgeError: the server refuses the credentials, URL or model.
+            BudgetExhausted: the budget cannot pay for the group.
         """
         return self.score_groups([(media, prompts, metadata)])[0]
 
     def score_groups(self, groups: Sequence[tuple[Tensor, Sequence[str], Sequence[dict[str, Any]]]]) -> list[Tensor]:
-        """Score several groups, up to ``max_concurrency`` requests in flight; one ``[K_i]`` tensor per group."""
+        """Score several groups, up to ``max_concurrency`` requests in flight; one ``[K_i]`` tensor per group.
+
+        Raises:
+            BudgetExhausted: the groups to send exceed what is left of ``max_billed``; nothing was sent.
+        """
         prepared = [self._prepare(*group) for group in groups]
-        results: list[list[float] | None] = [None] * len(prepared)
-        pending: dict[str, _Group] = {}  # one request per key, even when a group repeats within the call
-        for i, group in enumerate(prepared):
-            entry = self.ledger.get(group.key)
-            if entry is None:
-                pending.setdefault(group.key, group)
+        ledger = self.ledger
+        decided: dict[str, list[float] | None] = {}  # key -> candidate-order scores (None: no scores)
+        todo: dict[str, tuple[_Group, int]] = {}  # one request per key, even when a group repeats within the call
+        for group in prepared:
+            if group.key in decided or group.key in todo:
                 continue
-            self._count(served_from_ledger=1)
-            results[i] = self._presented_scores(entry, group)
-        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-            asked = dict(zip(pending, pool.map(self._ask, pending.values()), strict=True))
-        for i, group in enumerate(prepared):
-            if group.key in asked:
-                results[i] = asked[group.key]
-        out = []
-        for (media, _, _), group, scores in zip(groups, prepared, results, strict=True):
-            row = torch.full((len(group.perm),), float("nan"), dtype=torch.float32)
-            if scores is not None:
-                for position, candidate in enumerate(group.perm):
-                    row[candidate] = scores[position]
+            entry, billed = ledger.claim(group.key, group.slot)
+            if entry is not None:
+                decided[group.key] = self._served(entry, group)
+            elif billed >= self.max_attempts:
+                decided[group.key] = None  # its attempts are spent (no answer came): not sent again
             else:
+                todo[group.key] = (group, self.max_attempts - billed)
+        if self.max_billed and len(todo) > self.max_billed - ledger.billed():
+            raise BudgetExhausted(f"the judge's budget of {self.max_billed} billed requests cannot pay for "
+                                  f"{len(todo)} more groups ({ledger.billed()} spent, in {ledger.path}); nothing "
+                                  "was sent")
+        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+            decided.update(zip(todo, pool.map(lambda item: self._ask(*item), todo.values()), strict=True))
+        out = []
+        for (media, _, _), group in zip(groups, prepared, strict=True):
+            scores = decided[group.key]
+            if scores is None:
                 self._count(failures=1)
-            out.append(row.to(media.device))
+                scores = [math.nan] * len(group.perm)
+            out.append(torch.tensor(scores, dtype=torch.float32).to(media.device))
         return out
 
     def pop_metrics(self) -> dict[str, float]:
@@ -196,7 +247,8 @@ class VLMJudge:
                 "latency_s": latency / sent if sent else math.nan}
 
     def close(self) -> None:
-        self.ledger.close()
+        if self._ledger is not None:
+            self._ledger.close()
         self.client.close()
 
     # ------------------------------------------------------------------------------------------------ internals
@@ -206,7 +258,7 @@ class VLMJudge:
                 self._counts[k] += v
 
     def _store(self, jpeg: bytes, digest: str) -> str | None:
-        """Keep a sent frame under its hash (atomic: temp file + rename); its path, or None without a run dir."""
+        """Keep a sent frame under its hash (atomic: temp file + rename); its path, or None without a media dir."""
         if self.media_dir is None:
             return None
         path = self.media_dir / digest[:2] / f"{digest}.jpg"
@@ -217,18 +269,18 @@ class VLMJudge:
             os.replace(tmp, path)
         return str(path)
 
-    def _reference(self, metadata: Sequence[dict[str, Any]]) -> list[bytes] | None:
-        """The group's reference frames (first ``metadata["reference"]`` of the group), or None."""
-        paths = [m.get("reference") for m in metadata if m.get("reference")]
+    def _side_media(self, metadata: Sequence[dict[str, Any]], field: str, frames: int) -> list[bytes] | None:
+        """The group's ``metadata[field]`` (first one of the group) as JPEG frames, or None."""
+        paths = [m.get(field) for m in metadata if m.get(field)]
         if not paths:
             return None
         path = Path(paths[0])
         if not path.is_absolute() and self.reference_root is not None:
             path = self.reference_root / path
-        if str(path) not in self._references:
-            self._references[str(path)] = P.encode_media(load_reference(path), self.frames, self.max_side,
-                                                         self.quality)
-        return self._references[str(path)]
+        cache = f"{field}:{frames}:{path}"
+        if cache not in self._references:
+            self._references[cache] = P.encode_media(load_reference(path), frames, self.max_side, self.quality)
+        return self._references[cache]
 
     def _prepare(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> _Group:
         if media.dim() not in (4, 5) or media.shape[1] != 3:
@@ -241,111 +293,156 @@ class VLMJudge:
         prompt = prompts[0]
         frames = [P.encode_media(item, self.frames, self.max_side, self.quality) for item in media]
         hashes = [[P.sha256_hex(f) for f in item] for item in frames]
-        reference = self._reference(metadata)
-        ref_hashes = [P.sha256_hex(f) for f in reference] if reference is not None else []
+        reference = self._side_media(metadata, "reference", self.frames)
+        condition = self._side_media(metadata, "image", 1)
+        side = {name: [P.sha256_hex(f) for f in got] if got is not None else []
+                for name, got in (("reference", reference), ("condition", condition))}
         perm = P.group_permutation(self.seed, prompt, hashes)
         labels = P.candidate_labels(len(perm))
         presented = [hashes[c] for c in perm]
-        key = P.request_key(self.model, self.template.sha256, prompt, ref_hashes, presented, self.settings)
-        instructions = self.template.render(prompt, labels, len(frames[0]), reference is not None)
+        settings = self.settings if condition is None else {**self.settings, "condition": side["condition"]}
+        key = P.request_key(self.model, self.template.sha256, prompt, side["reference"], presented, settings)
+        instructions = self.template.render(prompt, labels, len(frames[0]), reference is not None,
+                                            condition is not None)
         content = P.build_content(instructions, prompt, None if reference is None else
                                   [P.data_url(f) for f in reference], [[P.data_url(f) for f in frames[c]]
-                                                                       for c in perm], labels)
+                                                                       for c in perm], labels,
+                                  condition=None if condition is None else [P.data_url(f) for f in condition])
 
-        def kept(jpegs: list[bytes], digests: list[str]) -> list[dict]:
+        def kept(jpegs: list[bytes] | None, digests: list[str]) -> list[dict] | None:
+            if jpegs is None:
+                return None
             return [{"sha256": d, "path": self._store(j, d)} for j, d in zip(jpegs, digests, strict=True)]
 
+        ids = {m.get("sample_id") for m in metadata}
+        slot = dataclasses.replace(self._context, condition=str(ids.pop()) if len(ids) == 1 and None not in ids
+                                   else None)
         request = {"model": self.model, "template": {"version": self.template.version,
                                                      "sha256": self.template.sha256},
                    "settings": self.settings, "prompt": prompt, "instructions": instructions, "labels": labels,
                    "permutation": perm, "sample_ids": [m.get("sample_id") for m in metadata],
-                   "reference": kept(reference, ref_hashes) if reference is not None else None,
+                   "frames_per_candidate": len(frames[0]), "slot": dataclasses.asdict(slot),
+                   "reference": kept(reference, side["reference"]), "condition": kept(condition, side["condition"]),
                    "candidates": [kept(frames[c], hashes[c]) for c in perm]}
-        return _Group(key=key, perm=perm, labels=labels, content=content, request=request)
+        return _Group(key=key, perm=perm, labels=labels, content=content, request=request, slot=slot)
 
-    @staticmethod
-    def _presented_scores(entry: LedgerEntry, group: _Group) -> list[float] | None:
+    def _served(self, entry: LedgerEntry, group: _Group) -> list[float] | None:
+        """Candidate-order scores of a recorded request (through *its* permutation), None without scores."""
+        self._count(served_from_ledger=1, media_changed=int(entry.key != group.key),
+                    lost=int(entry.status == "lost"))
         if entry.status != "ok" or entry.scores is None:
             return None
-        return [float(entry.scores[label]) for label in group.labels]
+        perm, labels = entry.request["permutation"], entry.request["labels"]
+        if len(perm) != len(group.perm):
+            log.warning("vlm_judge: the recorded request %s has %d candidates, the group %d; not used",
+                        entry.key[:12], len(perm), len(group.perm))
+            return None
+        scores = [math.nan] * len(perm)
+        for label, candidate in zip(labels, perm, strict=True):
+            scores[candidate] = float(entry.scores[label])
+        return scores
 
-    def _ask(self, group: _Group) -> list[float] | None:
-        """Send one group (repairing malformed replies), record the answer; presented-order scores or None."""
+    def _ask(self, group: _Group, attempts_left: int) -> list[float] | None:
+        """Send one group (retrying, repairing), every attempt recorded before it leaves; candidate-order scores or
+        None."""
+        ledger = self.ledger
+        ledger.begin(group.key, model=self.model, template_sha256=self.template.sha256, request=group.request,
+                     slot=group.slot)
         messages: list[dict] = [{"role": "user", "content": group.content}]
-        attempts: list[dict] = []
-        usage, latency, scores = [0, 0], 0.0, None
-        for repair in range(self.max_repairs + 1):
+        answers: list[dict] = []
+        usage, latency, scores, kind, error = [0, 0], 0.0, None, "first", ""
+        for attempt in range(attempts_left):
+            try:
+                row = ledger.start_attempt(group.key, kind)
+            except BudgetExhausted as exc:
+                error = str(exc)
+                break
+            self._count(requests_sent=1, retries=int(kind != "first"))
             try:
                 text, body, used, seconds = self._send(messages)
-            except _NoAnswer as exc:
-                self.ledger.record_failure(group.key, str(exc), group.request, len(attempts))
-                log.warning("vlm_judge: no answer for request %s: %s", group.key[:12], exc)
-                return None
+            except _Unanswered as exc:
+                ledger.finish_attempt(row, exc.outcome, billed=exc.billed, http_status=exc.status, error=str(exc),
+                                      latency_s=exc.seconds)
+                self._count(billed=int(exc.billed), latency_total=exc.seconds)
+                error = str(exc)
+                if not exc.retry:
+                    break
+                kind = "retry"
+                if attempt + 1 < attempts_left:
+                    time.sleep(self.backoff * 2 ** attempt)
+                continue
+            except JudgeError as exc:  # refused before any work: not billed
+                ledger.finish_attempt(row, "http_error", billed=False, error=str(exc))
+                ledger.finish(group.key, "failed", scores=None, response=answers)
+                raise
+            ledger.finish_attempt(row, "answered", latency_s=seconds, tokens=used)
+            self._count(billed=1, latency_total=seconds, tokens=sum(used))
             usage, latency = [usage[0] + used[0], usage[1] + used[1]], latency + seconds
             try:
                 scores = P.parse_scores(text, group.labels)
-                attempts.append({"body": body, "verdict": "ok"})
+                answers.append({"body": body, "verdict": "ok"})
                 break
             except P.MalformedReply as exc:
-                attempts.append({"body": body, "verdict": f"malformed: {exc}"})
-                if repair < self.max_repairs:
-                    self._count(retries=1)
-                    messages = [*messages, {"role": "assistant", "content": text or ""},
-                                {"role": "user", "content": P.repair_message(str(exc), group.labels)}]
-        status = "ok" if scores is not None else "malformed"
+                answers.append({"body": body, "verdict": f"malformed: {exc}"})
+                messages = [*messages, {"role": "assistant", "content": text or ""},
+                            {"role": "user", "content": P.repair_message(str(exc), group.labels)}]
+                kind = "repair"
+        status = "ok" if scores is not None else "malformed" if answers else "failed"
         if scores is None:
-            log.warning("vlm_judge: request %s still malformed after %d repairs", group.key[:12], self.max_repairs)
-        self.ledger.record(LedgerEntry(
-            key=group.key, model=self.model, template_sha256=self.template.sha256, status=status,
-            scores=None if scores is None else dict(zip(group.labels, scores, strict=True)),
-            request={**group.request, "repairs": [m["content"] for m in messages[2::2]]}, response=attempts,
-            prompt_tokens=usage[0], completion_tokens=usage[1], latency_s=latency, attempts=len(attempts)))
-        return scores
+            log.warning("vlm_judge: request %s has no scores (%s) after its attempts: %s", group.key[:12], status,
+                        error or answers[-1]["verdict"])
+        ledger.finish(group.key, status, scores=None if scores is None else dict(zip(group.labels, scores,
+                                                                                        strict=True)),
+                      response=answers, tokens=(usage[0], usage[1]), latency_s=latency,
+                      request={**group.request, "repairs": [m["content"] for m in messages[2::2]]})
+        if scores is None:
+            return None
+        out = [math.nan] * len(scores)
+        for position, candidate in enumerate(group.perm):
+            out[candidate] = scores[position]
+        return out
 
     def _send(self, messages: list[dict]) -> tuple[str | None, str, tuple[int, int], float]:
-        """One chat completion with transport retries: ``(reply text, raw HTTP body, (prompt, completion) tokens,
+        """One chat completion (one HTTP attempt): ``(reply text, raw HTTP body, (prompt, completion) tokens,
         seconds)``.
 
         Raises:
-            _NoAnswer: still failing after ``max_retries`` re-sends, or a non-retryable 4xx.
+            _Unanswered: no answer (a timeout, a connection error, an HTTP error other than the fatal ones).
             JudgeError: 401 / 403 / 404.
         """
         oa = self._openai
-        for attempt in range(self.max_retries + 1):
-            self._count(requests_sent=1)
-            start = time.perf_counter()
-            try:
-                raw = self.client.chat.completions.with_raw_response.create(
-                    model=self.model, messages=messages, temperature=self.settings["temperature"],
-                    max_tokens=self.settings["max_tokens"], seed=self.seed)
-                completion = raw.parse()
-            except (oa.APITimeoutError, oa.APIConnectionError, oa.APIStatusError) as exc:
-                seconds = time.perf_counter() - start
-                self._count(latency_total=seconds)
-                status = getattr(exc, "status_code", None)
-                body = getattr(getattr(exc, "response", None), "text", "")[:500]
-                if status in FATAL_STATUS:
-                    raise JudgeError(f"judge at {self.client.base_url} refused the request (HTTP {status}): "
-                                     f"{body}") from exc
-                if status is not None and status < 500 and status not in RETRY_STATUS:
-                    raise _NoAnswer(f"HTTP {status}: {body}") from exc
-                if attempt == self.max_retries:
-                    raise _NoAnswer(f"{type(exc).__name__} after {attempt + 1} tries: {exc}") from exc
-                self._count(retries=1)
-                time.sleep(self.backoff * 2 ** attempt)
-                continue
-            seconds = time.perf_counter() - start
-            used = completion.usage
-            tokens = (used.prompt_tokens or 0, used.completion_tokens or 0) if used is not None else (0, 0)
-            self._count(latency_total=seconds, tokens=sum(tokens))
-            text = completion.choices[0].message.content if completion.choices else None
-            return text, raw.text, tokens, seconds
-        raise AssertionError("unreachable")
+        start = time.perf_counter()
+        try:
+            raw = self.client.chat.completions.with_raw_response.create(
+                model=self.model, messages=messages, temperature=self.settings["temperature"],
+                max_tokens=self.settings["max_tokens"], seed=self.seed)
+            completion = raw.parse()
+        except oa.APITimeoutError as exc:
+            raise _Unanswered(f"timed out: {exc}", "timeout", billed=True, retry=True,
+                              seconds=time.perf_counter() - start) from exc
+        except oa.APIConnectionError as exc:
+            # refused: nothing left this machine (the client's httpx may be a vendored copy: matched by name)
+            refused = any(c.__name__ == "ConnectError" for c in type(exc.__cause__).__mro__)
+            raise _Unanswered(f"{type(exc.__cause__ or exc).__name__}: {exc}", "connection_error",
+                              billed=not refused, retry=True, seconds=time.perf_counter() - start) from exc
+        except oa.APIStatusError as exc:
+            status, body = exc.status_code, exc.response.text[:500]
+            if status in FATAL_STATUS:
+                raise JudgeError(f"judge at {self.client.base_url} refused the request (HTTP {status}): "
+                                 f"{body}") from exc
+            raise _Unanswered(f"HTTP {status}: {body}", "http_error", billed=True, status=status,
+                              retry=status >= 500 or status in RETRY_STATUS,
+                              seconds=time.perf_counter() - start) from exc
+        seconds = time.perf_counter() - start
+        used = completion.usage
+        tokens = (used.prompt_tokens or 0, used.completion_tokens or 0) if used is not None else (0, 0)
+        text = completion.choices[0].message.content if completion.choices else None
+        return text, raw.text, tokens, seconds
 
 
 def load_reference(path: Path) -> Tensor:
-    """A reference as media: an image file -> ``[3, H, W]``; a directory of image files -> ``[3, F, H, W]`` (frames
-    in file-name order). Values float32 in [0, 1].
+    """A reference or condition as media: an image file -> ``[3, H, W]``; a directory of image files ->
+    ``[3, F, H, W]`` (frames in file-name order). Values float32 in [0, 1].
 
     Raises:
         ValueError: the path does not exist, is not an image, or is a directory without images.

@@ -1,15 +1,18 @@
 """The group-judge wire protocol: prompt template, media encoding, candidate permutation, message layout, parser.
 
-One request judges one group: the ``K`` candidates generated for one prompt (and optionally a reference the
-candidates should match). Everything here is shared by the client (:mod:`flowforge.rewards.judge.client`) and the
-judge server (``flowforge serve judge``), so both sides agree on one layout:
+One request judges one group: the ``K`` candidates generated for one prompt, each an image or a video shown as its
+ordered frames, with the condition's first frame (image-to-video, world models) and a reference the candidates should
+match when the task has them. Everything here is shared by the client (:mod:`flowforge.rewards.judge.client`), the
+judge server (``flowforge serve judge``) and the student's data (:mod:`flowforge.reward_model.data`), so training,
+audits and the student see one layout:
 
 ====================  ===============================================================================================
 message part          content
 ====================  ===============================================================================================
 instructions          the rendered template (:class:`JudgeTemplate`; its sha256 is part of every request key)
 ``Prompt: <text>``    the prompt / condition text of the group
-``Reference:``        (optional) followed by the reference's frames as images
+``Condition:``        (optional) followed by the condition's first frame: the image the candidates start from
+``Reference:``        (optional) followed by the reference's frames as images (a clip: its ordered frames)
 ``Candidate A:`` ...  each candidate's label line followed by its ``N`` frames as images, in presented order
 ====================  ===============================================================================================
 
@@ -47,16 +50,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-DEFAULT_TEMPLATE = Path(__file__).resolve().parents[1] / "judge_templates" / "group_v1.txt"
-"""The shipped group-judge template (``group_v1``)."""
+DEFAULT_TEMPLATE = Path(__file__).resolve().parents[1] / "judge_templates" / "group_v2.txt"
+"""The shipped group-judge template (``group_v2``: ``group_v1`` plus the condition frame's note)."""
 PLACEHOLDERS = frozenset({"num_candidates", "labels", "media_kind", "frames_note", "reference_note", "video_note",
-                          "json_example", "prompt"})
+                          "json_example", "prompt", "condition_note"})
 """Names a template may use as ``{{name}}``; any other ``{{...}}`` is an error at load time."""
 SCORE_MAX = 100.0
 """Replies score on ``[0, SCORE_MAX]``; :func:`parse_scores` divides by it."""
 DATA_URL_PREFIX = "data:image/jpeg;base64,"
 PROMPT_PREFIX = "Prompt: "
 REFERENCE_HEADER = "Reference:"
+CONDITION_HEADER = "Condition:"
 CANDIDATE_HEADER = re.compile(r"^Candidate ([A-Z]{1,2}):$")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
@@ -102,7 +106,8 @@ class JudgeTemplate:
                              f"{sorted(PLACEHOLDERS)}")
         return cls(text=text, sha256=hashlib.sha256(data).hexdigest(), version=path.stem)
 
-    def render(self, prompt: str, labels: Sequence[str], frames: int, has_reference: bool) -> str:
+    def render(self, prompt: str, labels: Sequence[str], frames: int, has_reference: bool,
+               has_condition: bool = False) -> str:
         """The instructions for one group: ``labels`` in presented order, ``frames`` per candidate (1: images)."""
         video = frames > 1
         example = json.dumps({label: 50 + 10 * (i % 3) for i, label in enumerate(labels)})
@@ -114,6 +119,8 @@ class JudgeTemplate:
             "reference_note": ("A reference, shown first after the line \"Reference:\", is what the candidates "
                                "should match; it is not scored." if has_reference else ""),
             "video_note": " and, for videos, temporal consistency and motion" if video else "",
+            "condition_note": ("The condition, shown after the line \"Condition:\", is the first frame every "
+                               "candidate starts from; it is not scored." if has_condition else ""),
             "json_example": example,
             "prompt": prompt,
         }
@@ -193,10 +200,10 @@ def decode_data_url(url: str) -> bytes:
 
 
 def group_permutation(seed: int, prompt: str, media_hashes: Sequence[Sequence[str]]) -> list[int]:
-    """The presented order of a group: position ``j`` shows candidate ``perm[j]``.
+    """The presented order of a group: position ``j`` shows candidate ``perm[j]`` (recorded with every request).
 
-    A ``random.Random`` shuffle seeded with the first 8 bytes of ``sha256(seed, prompt, hashes)``: deterministic for
-    the same seed and group, different across groups.
+    A ``random.Random`` shuffle seeded with the first 8 bytes of ``sha256(seed, prompt, hashes)``: each request is
+    shuffled its own way, and the same seed and group give the same order (so the same request, a ledger hit).
     """
     material = json.dumps([seed, prompt, [list(h) for h in media_hashes]], separators=(",", ":"))
     rng = random.Random(int.from_bytes(hashlib.sha256(material.encode()).digest()[:8], "big"))
@@ -216,13 +223,17 @@ def request_key(model: str, template_sha256: str, prompt: str, reference: Sequen
 
 
 def build_content(instructions: str, prompt: str, reference: Sequence[str] | None,
-                  candidates: Sequence[Sequence[str]], labels: Sequence[str]) -> list[dict]:
-    """The user message's content parts (module table) from image URLs; ``reference`` None: no reference."""
+                  candidates: Sequence[Sequence[str]], labels: Sequence[str], *,
+                  condition: Sequence[str] | None = None) -> list[dict]:
+    """The user message's content parts (module table) from image URLs; ``reference`` / ``condition`` None: none."""
     parts: list[dict] = [{"type": "text", "text": instructions}, {"type": "text", "text": PROMPT_PREFIX + prompt}]
 
     def images(urls: Sequence[str]) -> None:
         parts.extend({"type": "image_url", "image_url": {"url": url}} for url in urls)
 
+    if condition is not None:
+        parts.append({"type": "text", "text": CONDITION_HEADER})
+        images(condition)
     if reference is not None:
         parts.append({"type": "text", "text": REFERENCE_HEADER})
         images(reference)
@@ -234,11 +245,13 @@ def build_content(instructions: str, prompt: str, reference: Sequence[str] | Non
 
 @dataclasses.dataclass
 class GroupRequest:
-    """A group request as the server reads it: prompt text, reference frames and each label's frames (bytes)."""
+    """A group request as the server reads it: prompt text, condition and reference frames and each label's frames
+    (bytes, in the order sent)."""
 
     prompt: str
     reference: list[bytes]
     candidates: dict[str, list[bytes]]  # label -> JPEG / PNG bytes of its frames, presented order
+    condition: list[bytes] = dataclasses.field(default_factory=list)
 
 
 def read_group_request(content: Sequence[dict]) -> GroupRequest:
@@ -249,7 +262,7 @@ def read_group_request(content: Sequence[dict]) -> GroupRequest:
         ValueError: an image before any header, a repeated label, no candidate, a candidate without frames, a
             part of an unknown type, or a bad image URL.
     """
-    prompt, reference, candidates = "", [], {}
+    prompt, reference, condition, candidates = "", [], [], {}
     current: list[bytes] | None = None
     for part in content:
         kind = part.get("type")
@@ -260,13 +273,15 @@ def read_group_request(content: Sequence[dict]) -> GroupRequest:
                 prompt = text[len(PROMPT_PREFIX):]
             elif text.strip() == REFERENCE_HEADER:
                 current = reference
+            elif text.strip() == CONDITION_HEADER:
+                current = condition
             elif match:
                 if match.group(1) in candidates:
                     raise ValueError(f"candidate label {match.group(1)!r} appears twice")
                 current = candidates[match.group(1)] = []
         elif kind == "image_url":
             if current is None:
-                raise ValueError("an image comes before any 'Reference:' / 'Candidate X:' line")
+                raise ValueError("an image comes before any 'Condition:' / 'Reference:' / 'Candidate X:' line")
             current.append(decode_data_url((part.get("image_url") or {}).get("url", "")))
         else:
             raise ValueError(f"unknown content part type {kind!r}; expected 'text' or 'image_url'")
@@ -275,7 +290,7 @@ def read_group_request(content: Sequence[dict]) -> GroupRequest:
     empty = [label for label, frames in candidates.items() if not frames]
     if empty:
         raise ValueError(f"candidates without images: {empty}")
-    return GroupRequest(prompt=prompt, reference=reference, candidates=candidates)
+    return GroupRequest(prompt=prompt, reference=reference, candidates=candidates, condition=condition)
 
 
 def _reject_constant(name: str) -> float:

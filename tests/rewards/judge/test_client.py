@@ -1,5 +1,6 @@
-"""``vlm_judge`` without a server: options, the registry's ``run_dir``, ledger hits, and the processor's metrics.
-The HTTP paths (un-permutation, parser repairs, retries, SIGKILL resume) are in ``tests/serve/test_judge_server.py``.
+"""``vlm_judge`` without a server: options, the registry's ``run_dir``, ledger hits (by key and by slot), the
+condition frame, and the processor's metrics. The HTTP paths (un-permutation, frames per candidate, parser repairs,
+retries, billing, SIGKILL between send and record) are in ``tests/serve/test_judge_server.py``.
 """
 
 import math
@@ -10,7 +11,7 @@ import torch
 from flowforge.rewards import RewardProcessor
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.client import LEDGER_FILE, VLMJudge, load_reference
-from flowforge.rewards.judge.ledger import LedgerEntry
+from flowforge.rewards.judge.ledger import LedgerEntry, Slot
 from flowforge.rewards.registry import SCORERS, build_scorer
 
 UNREACHABLE = "http://127.0.0.1:9/v1"  # the discard port: nothing answers; these tests never send
@@ -21,16 +22,18 @@ def _judge(**kw):
 
 
 def test_registered_with_run_dir_from_the_registry(tmp_path):
-    assert SCORERS["vlm_judge"] is VLMJudge and VLMJudge.needs_group is True
+    assert SCORERS["vlm_judge"] is VLMJudge and VLMJudge.needs_group is True and VLMJudge.takes_video is True
     judge = build_scorer("vlm_judge", run_dir=tmp_path, model="m", base_url=UNREACHABLE, api_key_env=None)
+    assert not (tmp_path / LEDGER_FILE).exists()  # opened on first use: a rank that never judges never opens it
     assert judge.ledger.path == str(tmp_path / LEDGER_FILE) and (tmp_path / LEDGER_FILE).exists()
     assert build_scorer("jpeg_compressibility", run_dir=tmp_path).name == "jpeg_compressibility"  # dropped there
     defaults = judge.settings
     assert (defaults["frames"], defaults["max_side"]) == (24, 832)  # the source protocol's defaults
 
 
-@pytest.mark.parametrize("bad", [dict(frames=0), dict(max_side=0), dict(max_repairs=-1), dict(max_concurrency=0),
-                                 dict(timeout_s=0), dict(temperature=-1.0), dict(max_tokens=True)])
+@pytest.mark.parametrize("bad", [dict(frames=0), dict(max_side=0), dict(max_attempts=0), dict(max_concurrency=0),
+                                 dict(timeout_s=0), dict(temperature=-1.0), dict(max_tokens=True),
+                                 dict(max_billed=-1)])
 def test_bad_options(bad):
     with pytest.raises(ValueError, match="vlm_judge"):
         _judge(**bad)
@@ -61,6 +64,45 @@ def test_ledger_hit_is_served_unpermuted_without_sending(tmp_path):
     cands = group.request["candidates"]
     assert all(f["path"].endswith(f["sha256"] + ".jpg") for c in cands for f in c)
     assert "base64" not in str(group.request)
+
+
+def test_a_resumed_step_reuses_its_slot_answer_for_regenerated_media(tmp_path):
+    """Bound to a step, a group is found by (stage, purpose, step, condition): media re-generated after a resume --
+    other bits, another permutation, another key -- get the recorded answer, through its own permutation."""
+    judge = _judge(run_dir=tmp_path, frames=1, max_side=16, seed=3)
+    judge.bind(stage="A", purpose="train", step=4, policy_version=8)
+    meta = [{"sample_id": "c9"}] * 4
+    media = torch.stack([torch.full((3, 8, 8), v) for v in (0.1, 0.4, 0.7, 0.9)])
+    group = judge._prepare(media, ["p"] * 4, meta)
+    assert group.slot == Slot("A", "train", 4, 8, "c9") and group.request["slot"]["condition"] == "c9"
+    presented = [0.11, 0.22, 0.33, 0.44]
+    judge.ledger.record(LedgerEntry(key=group.key, model="m", template_sha256=judge.template.sha256, status="ok",
+                                    scores=dict(zip(group.labels, presented, strict=True)), request=group.request,
+                                    response=[], prompt_tokens=0, completion_tokens=0, latency_s=0.0, attempts=1,
+                                    slot=group.slot))
+    expected = torch.empty(4)
+    expected[torch.tensor(group.perm)] = torch.tensor(presented)
+    regenerated = (media + 0.02).clamp(0, 1)
+    assert judge._prepare(regenerated, ["p"] * 4, meta).key != group.key
+    assert torch.equal(judge(regenerated, ["p"] * 4, meta), expected)
+    metrics = judge.pop_metrics()
+    assert (metrics["served_from_ledger"], metrics["media_changed"], metrics["requests_sent"]) == (1, 1, 0)
+    judge.bind(stage="A", purpose="eval", step=4, policy_version=8)  # another purpose is another slot
+    assert judge._prepare(regenerated, ["p"] * 4, meta).slot.purpose == "eval"
+
+
+def test_the_condition_frame_is_sent_first_and_keyed(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (10, 200, 30)).save(tmp_path / "first.png")
+    judge = _judge(frames=3, max_side=16, reference_root=tmp_path)
+    video = torch.rand(2, 3, 5, 8, 8)
+    with_condition = judge._prepare(video, ["a", "a"], [{"image": "first.png"}] * 2)
+    without = judge._prepare(video, ["a", "a"], [{}, {}])
+    assert with_condition.key != without.key and len(with_condition.request["condition"]) == 1
+    sent = P.read_group_request(with_condition.content)
+    assert len(sent.condition) == 1 and sent.reference == [] and [len(f) for f in sent.candidates.values()] == [3, 3]
+    assert "Condition:" in with_condition.request["instructions"] and without.request["condition"] is None
 
 
 def test_processor_logs_the_judge_metrics_and_a_malformed_answer_is_nan(tmp_path):

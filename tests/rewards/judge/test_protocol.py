@@ -58,14 +58,17 @@ def test_parser_rejects_a_missing_reply_and_the_repair_message_names_the_labels(
 
 def test_default_template_loads_with_its_hash_and_renders_every_placeholder():
     t = P.JudgeTemplate.load()
-    assert t.version == "group_v1" and t.sha256 == hashlib.sha256(P.DEFAULT_TEMPLATE.read_bytes()).hexdigest()
-    text = t.render("a red cat", ["A", "B", "C"], frames=24, has_reference=True)
+    assert t.version == "group_v2" and t.sha256 == hashlib.sha256(P.DEFAULT_TEMPLATE.read_bytes()).hexdigest()
+    text = t.render("a red cat", ["A", "B", "C"], frames=24, has_reference=True, has_condition=True)
     assert "{{" not in text and "3 generated videos" in text and "A, B, C" in text and "24 frames" in text
-    assert "Reference:" in text
+    assert "Reference:" in text and "Condition:" in text
     example = json.loads(text.strip().splitlines()[-1])
     assert P.parse_scores(json.dumps(example), ["A", "B", "C"])  # the shown example is itself a valid reply
     image = t.render("a red cat", ["A", "B"], frames=1, has_reference=False)
     assert "2 generated images" in image and "frames" not in image and "Reference" not in image
+    assert "Condition" not in image
+    old = P.JudgeTemplate.load(P.DEFAULT_TEMPLATE.with_name("group_v1.txt"))  # kept: older ledgers name it
+    assert old.version == "group_v1" and "Condition" not in old.render("x", ["A"], 2, False, True)
 
 
 def test_template_with_an_unknown_placeholder_is_refused(tmp_path):
@@ -145,7 +148,14 @@ def test_content_layout_round_trips_through_the_server_reader():
     assert group.prompt == "a cat" and group.reference == ref
     assert group.candidates == {"A": frames[0], "B": frames[1]}
     no_ref = P.read_group_request(P.build_content("i", "x", None, [[P.data_url(frames[0][0])]], ["A"]))
-    assert no_ref.reference == [] and list(no_ref.candidates) == ["A"]
+    assert no_ref.reference == [] and no_ref.condition == [] and list(no_ref.candidates) == ["A"]
+    first = P.encode_media(torch.full((3, 8, 8), 0.5), 1, 8)
+    with_condition = P.build_content("i", "x", [P.data_url(f) for f in ref], [[P.data_url(f) for f in c]
+                                                                            for c in frames], ["A", "B"],
+                                     condition=[P.data_url(first[0])])
+    assert [p.get("text") for p in with_condition[2:4]] == ["Condition:", None]  # first, before the reference
+    group = P.read_group_request(with_condition)
+    assert group.condition == first and group.reference == ref and group.candidates["B"] == frames[1]
 
 
 @pytest.mark.parametrize("content, match", [
