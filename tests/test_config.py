@@ -47,7 +47,16 @@ def test_unknown_section_and_wrong_types_all_reported():
         C.load_config(None, ["trian.lr=1", "train.steps=1.5", "sampler.num_steps=ten", "lora.targets=[1]",
                              "run.seed=true"])
     assert len(err.value.problems) == 5, err.value.problems
-    assert "unknown key 'trian'" in str(err.value)
+    assert "unknown key 'trian' (did you mean 'train'?)" in str(err.value)
+
+
+def test_a_mistyped_key_gets_a_did_you_mean():
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(None, ["train.lrr=1e-4", "sampler.num_stepz=4", "train.zzzz=1"])
+    msg = str(err.value)
+    assert "unknown key 'train.lrr' (did you mean 'train.lr'?)" in msg
+    assert "unknown key 'sampler.num_stepz' (did you mean 'sampler.num_steps'?)" in msg
+    assert "unknown key 'train.zzzz'; allowed:" in msg  # nothing close: no guess
 
 
 def test_float_fields_accept_yaml_exponent_strings(tmp_path):

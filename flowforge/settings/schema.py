@@ -20,6 +20,7 @@ This module imports only the standard library and PyYAML: configs are validated 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import math
 import types
@@ -235,7 +236,9 @@ def _build(cls: type, data: Mapping[str, Any], where: str, problems: list[str]) 
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            problems.append(f"unknown key '{where + '.' if where else ''}{key}'; allowed: {', '.join(names)}")
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            guess = f" (did you mean '{where + '.' if where else ''}{close[0]}'?)" if close else ""
+            problems.append(f"unknown key '{where + '.' if where else ''}{key}'{guess}; allowed: {', '.join(names)}")
     kwargs = {}
     for name in names:
         if name in data:
