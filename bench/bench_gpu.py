@@ -1,12 +1,16 @@
-"""bf16 replay throughput of an SD3.5-Medium-sized transformer at 512x512 (64x64 latents) on one GPU.
+"""bf16 rollout and replay throughput of an SD3.5-Medium-sized transformer at 512x512 (64x64 latents) on one GPU.
 
     python bench/bench_gpu.py [--batch 8] [--iters 10]
 
-Replays FlowGRPO steps the way training does (forward with grad through the SD3 adapter, the SDE transition
-log-prob, the clipped surrogate, backward) on a random-init ``SD3Transformer2DModel`` with SD3.5-Medium's config
-(no download). Prints transitions/s, model FLOP/s utilization against the device's dense bf16 peak, and peak memory
-with and without activation checkpointing (diffusers' gradient checkpointing of the blocks). Exits cleanly where
-CUDA is not available.
+On a random-init ``SD3Transformer2DModel`` with SD3.5-Medium's config (no download):
+
+* **rollout**: velocity forwards without grad through the SD3 adapter, as a rollout's denoising steps make them;
+* **update**: FlowGRPO replay steps the way training does (forward with grad, the SDE transition log-prob, the
+  clipped surrogate, backward), with and without activation checkpointing (diffusers' gradient checkpointing).
+
+Prints transitions/s, MFU and peak memory. MFU is counted as in training (:mod:`flowforge.train.perf`): the FLOPs
+of one forward by torch's ``FlopCounterMode``, a backward as twice its forward, against the device's dense bf16 peak
+from flowforge's table (measured by a matrix product for a GPU not in it). Exits cleanly where CUDA is not available.
 """
 
 import argparse
@@ -19,16 +23,20 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=1
                    attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
                    caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
                    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 TEXT_TOKENS = 333  # T5 256 + CLIP 77
 
 
-def model_flops(params: int, layers: int, width: int, tokens: int, batch: int) -> float:
-    """Forward + backward FLOPs: 6 N T for the weights plus 3 x 4 T^2 D per layer for attention."""
-    return batch * (6 * params * tokens + 3 * 4 * layers * tokens**2 * width)
+def forward_flops(adapter, x, sigma, cond) -> float:
+    """FLOPs of one velocity forward, counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        adapter.velocity(x, sigma, cond, 1.0)
+    return counter.get_total_flops()
 
 
-def run(batch: int, iters: int, checkpointing: bool) -> tuple[float, float, float]:
+def run(batch: int, iters: int, checkpointing: bool) -> tuple[float, float, float, float, float]:
+    """``(update transitions/s, update FLOP/s, peak GiB, rollout transitions/s, rollout FLOP/s)``."""
     from diffusers import SD3Transformer2DModel
 
     from flowforge.algorithms import losses
@@ -55,17 +63,21 @@ def run(batch: int, iters: int, checkpointing: bool) -> tuple[float, float, floa
         loss, _ = losses.grpo_clip_loss(tr.log_prob, old + tr.log_prob.detach(), adv, 1e-4)
         loss.backward()
 
-    step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / iters
-    params = sum(p.numel() for p in model.parameters())
-    tokens = (64 // 2) ** 2 + TEXT_TOKENS
-    flops = model_flops(params, SD35_MEDIUM["num_layers"], 64 * 24, tokens, batch) / dt
-    return batch / dt, flops, torch.cuda.max_memory_allocated() / 2**30
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters
+
+    flops = forward_flops(adapter, x, sigma, cond)
+    dt = timed(step)
+    memory = torch.cuda.max_memory_allocated() / 2**30
+    with torch.no_grad():
+        rollout_dt = timed(lambda: adapter.velocity(x, sigma, cond, 1.0))
+    return batch / dt, 3 * flops / dt, memory, batch / rollout_dt, flops / rollout_dt
 
 
 def main() -> int:
@@ -76,14 +88,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_gpu: CUDA is not available; skipped")
         return 0
-    name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    print(f"device: {name}; SD3.5-Medium-sized transformer, 512x512 (64x64 latents), bf16, batch {args.batch}")
+    from flowforge.train.perf import device_peak
+
+    peak = device_peak(torch.device("cuda"), torch.bfloat16)
+    print(f"device: {torch.cuda.get_device_name()}; SD3.5-Medium-sized transformer, 512x512 (64x64 latents), bf16, "
+          f"batch {args.batch}; peak {peak.flops / 1e12:.0f} TFLOP/s ({peak.source})")
     for ckpt in (False, True):
-        tps, flops, mem = run(args.batch, args.iters, ckpt)
-        mfu = f"{flops / peak:.1%}" if peak else "unknown peak"
-        print(f"activation checkpointing {'on ' if ckpt else 'off'}: {tps:.1f} transitions/s, "
-              f"{flops / 1e12:.0f} TFLOP/s ({mfu} MFU), peak memory {mem:.1f} GiB")
+        tps, flops, mem, rollout_tps, rollout_flops = run(args.batch, args.iters, ckpt)
+        if not ckpt:
+            print(f"rollout (no grad): {rollout_tps:.1f} transitions/s, {rollout_flops / 1e12:.0f} TFLOP/s "
+                  f"(MFU {rollout_flops / peak.flops:.1%})")
+        print(f"update, activation checkpointing {'on ' if ckpt else 'off'}: {tps:.1f} transitions/s, "
+              f"{flops / 1e12:.0f} TFLOP/s (MFU {flops / peak.flops:.1%}), peak memory {mem:.1f} GiB")
     return 0
 
 

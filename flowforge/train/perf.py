@@ -146,7 +146,7 @@ class FlopMeter:
         self._mode: object | None = None
         self.rows = {"grad": 0, "no_grad": 0}
         self._handles = [register_module_forward_pre_hook(self._pre),
-                         register_module_forward_hook(self._post, with_kwargs=True)]
+                         register_module_forward_hook(self._post, with_kwargs=True, always_call=True)]
 
     def _pre(self, module, args):
         if self.flops_per_row is None and self._mode is None and module is self.target():
@@ -172,6 +172,9 @@ class FlopMeter:
         return self.flops_per_row * (rows["no_grad"] + 3 * rows["grad"])
 
     def remove(self) -> None:
+        if self._mode is not None:  # a forward that raised before its hook ran: leave torch's mode stack clean
+            self._mode.__exit__(None, None, None)
+            self._mode = None
         for handle in self._handles:
             handle.remove()
 
