@@ -64,6 +64,13 @@ def _load_wan(path: str, task: str | None = None, **kw: Any):
     return load_wan(path, task=task, **kw)
 
 
+def _load_z_image(path: str, task: str = "t2i", **kw: Any):
+    from flowforge.models.z_image import Z_IMAGE_TASKS, load_z_image
+
+    _check_task("z_image", task, Z_IMAGE_TASKS)
+    return load_z_image(path, task=task, **kw)
+
+
 def _load_world_model(path: str, task: str = "i2v", **kw: Any):
     from flowforge.models.world_model.adapter import load_world_model
 
@@ -76,6 +83,7 @@ ADAPTERS: dict[str, Callable[..., FlowModel]] = {
     "qwen_image": _load_qwen_image,
     "wan": _load_wan,
     "world_model": _load_world_model,
+    "z_image": _load_z_image,
 }
 """Registered model families: name → loader ``(path, *, task, dtype, device, ...) -> FlowModel``."""
 
@@ -86,6 +94,7 @@ ADAPTER_CLASSES: dict[str, str] = {
     "qwen_image": "flowforge.models.qwen_image:QwenImageAdapter",
     "wan": "flowforge.models.wan:WanAdapter",
     "world_model": "flowforge.models.world_model.adapter:WorldModelAdapter",
+    "z_image": "flowforge.models.z_image:ZImageAdapter",
 }
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 

@@ -1,0 +1,62 @@
+"""Tiny random-init components of the Z-Image, FLUX.2 and Qwen-Image-Edit-Plus pipelines, built from configs (never
+downloaded). Tokenizers are :func:`tests.models.tiny_families.word_tokenizer`; every builder seeds torch."""
+from __future__ import annotations
+
+import torch
+
+from tests.models import tiny_families as tiny
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A Qwen-style chat template over the word tokenizer's vocabulary (every token of it is a word of the vocab)."""
+
+
+def chat_tokenizer(model_max_length: int = 1024):
+    tok = tiny.word_tokenizer(model_max_length, eos=False, pad="<|endoftext|>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def qwen3_text_encoder(tokenizer, hidden: int = 16, layers: int = 2):
+    """A tiny ``Qwen3Model`` (Z-Image's text encoder class; ``hidden_states[-2]`` needs >= 2 layers)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    return Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)).eval()
+
+
+def image_vae(latent_channels: int = 4):
+    """``AutoencoderKL`` with 2x spatial downsampling and FLUX-like scaling / shift."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=latent_channels, norm_num_groups=4, sample_size=16, scaling_factor=0.3611,
+        shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+
+
+def z_image_components(seed: int = 0, *, dynamic: bool = False) -> dict:
+    """Z-Image parts. The scheduler is Z-Image-Turbo's kind (static ``shift=3``); ``dynamic=True`` a
+    dynamic-shift config (so both branches of the pipeline's ``mu`` handling are exercised)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = ZImageTransformer2DModel(
+        in_channels=4, dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+        axes_dims=[4, 6, 6], axes_lens=[1024, 32, 32],
+    ).eval()
+    tokenizer = chat_tokenizer()
+    text_encoder = qwen3_text_encoder(tokenizer)
+    vae = image_vae()
+    if dynamic:
+        scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_image_seq_len=256,
+                                                    max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                scheduler=scheduler)
