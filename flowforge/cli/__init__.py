@@ -4,7 +4,8 @@
 
     flowforge train CONFIG [section.key=value ...]   online RL post-training (the main job)
     flowforge sft CONFIG [section.key=value ...]     flow-matching supervised fine-tuning (makes the demo base)
-    flowforge check CONFIG [section.key=value ...]   load + preflight only; prints warnings, exits 2 on errors
+    flowforge check CONFIG [CONFIG ...] [section.key=value ...] [--portable] [--print]
+                                                     load + preflight only; OK or the problems (exit 2)
     flowforge compare FILE [section.key=value ...]   several algorithms / seeds, one budget, one plot + table
     flowforge report RUN_DIR                         (re)write RUN_DIR/report.html
     flowforge export RUN_DIR OUT --form merged|adapter [--step N] [--verify] [--base PATH] [--overwrite]

@@ -411,7 +411,9 @@ def test_debug_shows_the_traceback(places, how):
 
 def test_a_good_command_still_exits_zero(places):
     rc, stdout, stderr = run_cli(["check", EXAMPLE], places["cwd"])
-    assert rc == 0 and "train:" in stdout and "Traceback" not in stderr
+    assert rc == 0 and stdout == f"OK: {EXAMPLE}\n" and "Traceback" not in stderr
+    rc, stdout, _ = run_cli(["check", EXAMPLE, "--print"], places["cwd"], in_process=True)
+    assert rc == 0 and "train:" in stdout and stdout.endswith(f"OK: {EXAMPLE}\n")
 
 
 # ------------------------------------------------------------------------------------------------ in process

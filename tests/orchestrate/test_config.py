@@ -79,5 +79,5 @@ def test_check_and_stages_refuse_a_bad_pipeline_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: invalid pipeline config") and "stages.n_a=98" in err[0]
     assert not (tmp_path / "runs").exists()
-    assert main(["check", str(EXAMPLE)]) == 0
+    assert main(["check", str(EXAMPLE), "--print"]) == 0
     assert "stages:" in capsys.readouterr().out
