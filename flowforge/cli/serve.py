@@ -16,7 +16,10 @@ printed on stderr); ``--no-auth`` only on a loopback host.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
+
+from flowforge.runtime.errors import UserError
 
 HELP = "run a flowforge HTTP service (reward scorers, judge)"
 REWARD_PORT = 8765
@@ -31,6 +34,19 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--no-auth", action="store_true", help="no token (refused unless --host is loopback)")
 
 
+def _add_pixel_budget(parser) -> None:
+    parser.add_argument("--max-request-mpixels", type=float, default=32.0, metavar="M",
+                        help="decoded megapixels (2^20) per request, all images and frames together, read from the "
+                        "image headers before decoding (default 32)")
+
+
+def _pixel_budget(args: argparse.Namespace) -> int:
+    value = args.max_request_mpixels
+    if not math.isfinite(value) or value <= 0:
+        raise UserError("--max-request-mpixels", f"is {value}", "give a finite number > 0")
+    return max(1, int(value * 2**20))
+
+
 def _add_reward(servers) -> None:
     parser = servers.add_parser("reward", help="reward scorers over HTTP (the 'remote' scorer's server)")
     parser.add_argument("--scorers", required=True,
@@ -39,6 +55,7 @@ def _add_reward(servers) -> None:
                         help="YAML file: scorer name -> keyword options for its factory")
     parser.add_argument("--device", default="cpu", help="device the media are scored on (cpu, cuda, cuda:N)")
     parser.add_argument("--max-batch", type=int, default=256, help="most media items per request")
+    _add_pixel_budget(parser)
     parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB")
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
     add_server_args(parser, REWARD_PORT)
@@ -66,7 +83,7 @@ def _run_reward(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     scorers = {name: build_scorer(name, **options.get(name, {})) for name in names}
     app = build_app(scorers, token, max_batch=args.max_batch, max_bytes=int(args.max_body_mb * 2**20),
-                    device=args.device)
+                    max_request_pixels=_pixel_budget(args), device=args.device)
     serve_app(app, args.host, args.port, "reward")
     return 0
 
@@ -89,6 +106,7 @@ def _add_judge(servers) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="cap on a request's max_tokens (--model)")
     parser.add_argument("--max-images", type=int, default=512, help="most images per request")
+    _add_pixel_budget(parser)
     parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB")
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
     add_server_args(parser, JUDGE_PORT)
@@ -120,7 +138,7 @@ def _run_judge(args: argparse.Namespace) -> int:
                                 score_range=tuple(args.score_range), device=args.device, dtype=args.dtype,
                                 max_new_tokens=args.max_new_tokens, model_id=args.model_name)
     app = build_app(backend, token, request_log=args.request_log, max_bytes=int(args.max_body_mb * 2**20),
-                    max_images=args.max_images)
+                    max_images=args.max_images, max_request_pixels=_pixel_budget(args))
     serve_app(app, args.host, args.port, "judge")
     return 0
 

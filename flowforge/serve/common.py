@@ -7,15 +7,25 @@ Rules (the same for the reward service and the judge server):
   (``--token-file``), or generated and printed on stderr when no file is given;
 * it runs without a token only when asked (``--no-auth``) **and** bound to a loopback address: anyone who can reach
   a non-loopback port could otherwise score or judge with this machine's models;
-* request bodies over a byte limit are refused with 413 before they are read whole (:func:`limit_body`).
+* request bodies over a byte limit are refused with 413 before they are read whole (:func:`limit_body`), and a JSON
+  body nested deeper than :data:`MAX_JSON_DEPTH` with 400 before it is parsed (the parser would recurse into a
+  ``RecursionError``, a 500);
+* the pixels a request would decode (all its images and frames together) are read from the image headers (Pillow's
+  lazy ``Image.open`` gives the size without decoding) and refused with 413 over a per-request budget
+  (:func:`check_pixel_budget`), so memory per request is bounded by the budget, not by how well an image compresses;
+* ``/docs``, ``/redoc`` and ``/openapi.json`` are off (:data:`NO_DOCS`): they would be served without the token.
 
 When the server is listening, :func:`serve_app` prints one line ``serving <name> at http://HOST:PORT`` on stdout
 (flushed), which scripts and tests read to find the port (``--port 0`` picks a free one).
 """
 
+import base64
+import binascii
 import hmac
+import io
 import ipaddress
 import json
+import re
 import secrets
 import socket
 import sys
@@ -25,6 +35,59 @@ from typing import Any
 
 LOOPBACK_NAMES = ("localhost",)
 TOKEN_BYTES = 32
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays / objects a JSON request body may have (the servers' schemas need fewer than 10)."""
+DEFAULT_MAX_REQUEST_PIXELS = 2**25
+"""Decoded pixels one request may carry, all images and frames together (32 Mi pixels, e.g. 2 x 4096^2 or
+128 x 512^2: 384 MiB as float32 RGB)."""
+NO_DOCS = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+"""``FastAPI(**NO_DOCS)``: no interactive docs or schema routes (FastAPI serves them outside the app's auth)."""
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of ``[`` / ``{`` in a JSON text, strings skipped, without parsing it (a vectorised scan,
+    so a hostile 64 MiB body costs a fraction of a second and no recursion)."""
+    import numpy as np
+
+    skeleton = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
+    step = np.isin(skeleton, (0x5B, 0x7B)).astype(np.int64) - np.isin(skeleton, (0x5D, 0x7D)).astype(np.int64)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def image_pixels(data: bytes) -> int:
+    """``width * height * frames`` of an encoded image, read from its header (``PIL.Image.open`` is lazy: nothing is
+    decoded); 0 when ``data`` is not an image Pillow recognises (the decoder reports that later, with context)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            return width * height * max(1, int(getattr(image, "n_frames", 1) or 1))
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        return 0
+
+
+def b64_image_pixels(text: str) -> int:
+    """:func:`image_pixels` of base64 text, or of a ``data:image/...;base64,`` URL; 0 for anything else."""
+    if text.startswith("data:"):
+        head, _, text = text.partition(",")
+        if ";base64" not in head:
+            return 0
+    try:
+        return image_pixels(base64.b64decode(text, validate=True))
+    except (binascii.Error, ValueError):
+        return 0
+
+
+def check_pixel_budget(pixels: int, limit: int) -> None:
+    """Refuse (HTTP 413) a request whose images and frames would decode to more than ``limit`` pixels."""
+    from fastapi import HTTPException
+
+    if pixels > limit:
+        raise HTTPException(413, f"the request's images and frames decode to {pixels} pixels, over the limit of "
+                                 f"{limit} per request; send fewer or smaller images per request")
 
 
 def is_loopback(host: str) -> bool:
@@ -97,14 +160,19 @@ def require_token(token: str | None) -> Callable[..., None]:
     return check
 
 
-def limit_body(app: Any, max_bytes: int) -> Callable:
+def limit_body(app: Any, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Callable:
     """Wrap an ASGI ``app`` so that an HTTP request body over ``max_bytes`` is answered 413 with a JSON
     ``{"detail": ...}``: at once from ``Content-Length``, else as soon as the streamed body passes the limit (the
-    body is read here, at most ``max_bytes`` of it, and handed to ``app`` whole)."""
+    body is read here, at most ``max_bytes`` of it, and handed to ``app`` whole); a body nested deeper than
+    ``max_depth`` (brackets outside JSON strings, whatever its ``Content-Type``) is answered 400 before anything
+    parses it."""
 
     async def send_413(send, size: str) -> None:
-        body = json.dumps({"detail": f"request body {size} exceeds the limit of {max_bytes} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413,
+        await send_error(send, 413, f"request body {size} exceeds the limit of {max_bytes} bytes")
+
+    async def send_error(send, status: int, detail: str) -> None:
+        body = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
@@ -123,6 +191,9 @@ def limit_body(app: Any, max_bytes: int) -> Callable:
             more = message.get("more_body", False)
             if len(body) > max_bytes:
                 return await send_413(send, "streamed")
+        if body and (depth := json_depth(bytes(body))) > max_depth:  # any content type: the judge parses every body
+            return await send_error(send, 400, f"the JSON body is nested {depth} levels deep, over the limit of "
+                                               f"{max_depth}")
         replayed = False
 
         async def replay():

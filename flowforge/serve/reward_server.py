@@ -18,7 +18,9 @@ Routes (every one wants ``Authorization: Bearer <token>`` unless the server runs
 that reads back to the same float, so a float32 survives exactly), ``null`` = NaN ("not applicable"). A video is
 scored frame by frame and each component averaged over its frames, as the trainer does.
 
-Errors: 401 without the token; 413 for a body over ``max_bytes`` or more than ``max_batch`` items; 422 with a
+Errors: 401 without the token; 413 for a body over ``max_bytes``, more than ``max_batch`` items or media decoding to
+more than ``max_request_pixels`` pixels (read from the image headers first); 400 for a body nested deeper than
+:data:`~flowforge.serve.common.MAX_JSON_DEPTH`; 422 with a
 one-line ``detail`` for a malformed body (schema, base64, image bytes, sizes, lengths, unknown components, a scorer
 rejecting its input with ``ValueError``); 500 when a scorer fails otherwise or returns a wrong shape or an infinite
 score. A failure is never answered with a score.
@@ -40,7 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flowforge.rewards.base import RewardScorer
 from flowforge.rewards.media import decode_media
-from flowforge.serve.common import limit_body, require_token
+from flowforge.serve.common import (DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, b64_image_pixels, check_pixel_budget,
+                                    limit_body, require_token)
 
 DEFAULT_MAX_BATCH = 256
 DEFAULT_MAX_BYTES = 64 * 2**20
@@ -72,6 +75,19 @@ class ScoreRequest(BaseModel):
     media: list[ImageItem | VideoItem]
     metadata: list[dict[str, Any]] | None = None
     components: list[str] | None = None
+
+
+def _item_pixels(item: ImageItem) -> int:
+    """Decoded pixels of one image item, from its ``shape`` (float32) or its header (png / jpeg)."""
+    if item.format == "float32":
+        shape = item.shape or []
+        return shape[1] * shape[2] if len(shape) == 3 and all(isinstance(d, int) and d > 0 for d in shape) else 0
+    return b64_image_pixels(item.data)
+
+
+def request_pixels(media: list[ImageItem | VideoItem]) -> int:
+    """Every pixel a request's media decode to, images and video frames together, read without decoding."""
+    return sum(sum(_item_pixels(f) for f in m.frames) if isinstance(m, VideoItem) else _item_pixels(m) for m in media)
 
 
 class ScoreResponse(BaseModel):
@@ -130,27 +146,30 @@ def _score_one(name: str, scorer: RewardScorer, media: torch.Tensor, prompts: li
 
 def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_batch: int = DEFAULT_MAX_BATCH,
               max_bytes: int = DEFAULT_MAX_BYTES, max_pixels: int = DEFAULT_MAX_PIXELS,
-              max_frames: int = DEFAULT_MAX_FRAMES, device: str = "cpu"):
+              max_frames: int = DEFAULT_MAX_FRAMES, max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
+              device: str = "cpu"):
     """The ASGI app serving ``scorers`` (name -> scorer; the name is the component name clients ask for).
 
     Args:
         token: the bearer token every route requires; ``None`` = no auth (the CLI allows it on loopback only).
         max_batch: most media items per request. max_bytes: largest request body. max_pixels: largest image
-            (``H * W``). max_frames: most frames per video.
+            (``H * W``). max_frames: most frames per video. max_request_pixels: decoded pixels per request, all
+            images and frames together (read from the headers before anything is decoded; 413 over it).
         device: where decoded media are put before scoring (``"cpu"`` / ``"cuda[:N]"``).
 
     Raises:
         ValueError: :func:`check_hosted`; a limit < 1.
     """
     check_hosted(scorers)
-    limits = {"max_batch": max_batch, "max_bytes": max_bytes, "max_pixels": max_pixels, "max_frames": max_frames}
+    limits = {"max_batch": max_batch, "max_bytes": max_bytes, "max_pixels": max_pixels, "max_frames": max_frames,
+              "max_request_pixels": max_request_pixels}
     for key, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be an int >= 1, got {value!r}")
     scorers = dict(scorers)
     versions = _versions()
     lock = threading.Lock()  # scorers hold models that are not safe to call from two request threads at once
-    app = FastAPI(title="flowforge reward service", dependencies=[Depends(require_token(token))])
+    app = FastAPI(title="flowforge reward service", dependencies=[Depends(require_token(token))], **NO_DOCS)
 
     @app.exception_handler(RequestValidationError)
     async def readable_422(request: Request, exc: RequestValidationError):
@@ -176,10 +195,11 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
         unknown = [n for n in names if n not in scorers]
         if unknown or not names:
             raise HTTPException(422, f"unknown components {unknown}; this server hosts {sorted(scorers)}")
+        check_pixel_budget(request_pixels(request.media), max_request_pixels)
         try:
-            media = decode_media([item.model_dump(exclude_none=True) for item in request.media],
-                                 max_pixels=max_pixels, max_frames=max_frames).to(device)
-            with lock:
+            with lock:  # decoding under the lock too: one request's pixels in memory at a time, not one per thread
+                media = decode_media([item.model_dump(exclude_none=True) for item in request.media],
+                                     max_pixels=max_pixels, max_frames=max_frames).to(device)
                 return ScoreResponse(scores={n: _score_one(n, scorers[n], media, request.prompts, metadata)
                                              for n in dict.fromkeys(names)})
         except ValueError as exc:

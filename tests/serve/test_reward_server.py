@@ -188,3 +188,29 @@ def test_common_loopback_url_and_token_rules(tmp_path, capsys):
         resolve_token(tmp_path / "t", True, "127.0.0.1")
     with pytest.raises(ValueError, match="non-loopback"):
         resolve_token(None, True, "10.0.0.1")
+
+
+def _big_png_b64(side):
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side)).save(buffer, format="PNG")  # one colour: a few kB for millions of pixels
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_pixel_budget_nesting_and_docs(server):
+    """Issue 24 item 3: 4 x 4096^2 PNGs in a small body are refused from their headers (413, nothing decoded); a
+    deeply nested body is a 400, not a 500 RecursionError; /docs and /openapi.json are not served."""
+    url, auth = server
+    png = {"format": "png", "data": _big_png_b64(4096)}
+    body = {"prompts": ["a"] * 4, "metadata": [{"digit": 0}] * 4, "media": [png] * 4}
+    response = httpx.post(f"{url}/score", json=body, headers=auth)
+    assert response.status_code == 413 and "over the limit of 33554432 per request" in response.json()["detail"]
+    video = {"prompts": ["a"], "metadata": [{"digit": 0}], "media": [{"frames": [png] * 3}]}
+    assert httpx.post(f"{url}/score", json=video, headers=auth).status_code == 413
+    deep = b'{"prompts": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = httpx.post(f"{url}/score", content=deep, headers={**auth, "content-type": "application/json"})
+    assert response.status_code == 400 and "nested 100001 levels deep" in response.json()["detail"]
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert httpx.get(f"{url}{path}", headers=auth).status_code == 404
+        assert httpx.get(f"{url}{path}").status_code in (401, 404)
+    ok = {"prompts": ["a"], "metadata": [{"digit": 0}], "media": [{"format": "png", "data": _big_png_b64(64)}]}
+    assert httpx.post(f"{url}/score", json=ok, headers=auth).status_code == 200
