@@ -42,6 +42,7 @@ import os
 import pickle
 import sys
 
+from flowforge import __version__
 from flowforge.cli import check, compare, data, export, report, sample, serve, sft, stages, train
 from flowforge.runtime.errors import one_line
 
@@ -54,6 +55,7 @@ DEBUG_ENV = "FLOWFORGE_DEBUG"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowforge", description=__doc__.split("\n\n")[0])
     p.add_argument("--debug", action="store_true", help=f"show tracebacks (also: {DEBUG_ENV}=1)")
+    p.add_argument("--version", action="version", version=f"flowforge {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for module in VERBS.values():
         # SUPPRESS: a verb's parser leaves the attribute alone unless the flag follows the verb, so

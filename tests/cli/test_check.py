@@ -40,3 +40,4 @@ def test_print_shows_the_resolved_config_with_the_overrides(capsys):
     assert main(["check", str(REPO / "examples" / "digits" / "grpo.yaml"), "train.steps=3", "--print"]) == 0
     out = capsys.readouterr().out
     assert "steps: 3" in out and out.rstrip().endswith("grpo.yaml")
+
