@@ -9,15 +9,30 @@ split of :mod:`flowforge.data.atari`, split by episode from the held-out clips),
 generator seeded by ``(run seed, optimizer steps so far)`` -- a resumed run draws the same ones -- and adds the
 gradients of the weighted terms to the RL gradients already accumulated.
 
-**Gradient reach.** Which trained parameters each term can change depends on the parameter mode: with LoRA on the
-coupling attention only, the transition cross-entropy has no gradient path to any trained parameter (the predictor
-reads the state, which no coupling layer touches); under ``module+lora`` (B in full and the coupling LoRA) the
-flow-matching term reaches both kinds and the transition term B only. The reach is measured over every trained
-tensor of the transformer (``requires_grad``: the trained submodules and the live LoRA adapter alike). On the first
-call every term's reach is measured with autograd
-(``torch.autograd.grad(..., allow_unused=True)``: the trained tensors with a gradient path); a weighted term that
-reaches nothing is never computed or applied, a warning says so once, and ``anchor_<term>_reach`` (the number of
-trained tensors reached, logged every step) is 0 -- it is not reported as training anything.
+**Gradient reach, by size.** Which trained parameters each term can change depends on the parameter mode (with LoRA
+on the coupling attention only, the transition cross-entropy has no gradient path to any trained parameter: the
+predictor reads the state, which no coupling layer touches), and a path can exist yet carry almost nothing: with
+the coupling gates near 0, the flow-matching term's gradient on B is ~1e-5 of what it is with open gates. On the
+first call every term's gradient is measured over *every* parameter of the network (frozen ones included, for that
+one measurement): :attr:`AnchorLosses.reach` counts the trained tensors with a non-zero gradient and
+:attr:`AnchorLosses.leverage` is the share ``||grad on trained|| / ||grad on all||`` (not defined while the term's
+gradient is exactly 0 everywhere, as the reference penalty's is at the start); both are logged once. A weighted term
+with no gradient path to any trained tensor is never computed or applied (``anchor_<term>_reach``, logged every
+step, counts the trained tensors with a path); one whose leverage is under :data:`MIN_LEVERAGE` is applied with a
+warning that it can barely change the trained parameters. The per-step size is ``grad_norm_<term>_<group>`` below
+(the first-call numbers depend on the weights of that call, so they stay out of the per-step rows a resumed run
+must reproduce).
+
+**Leverage, every step** (world models, even with every anchor weight 0): ``coupling_gate_<i>`` (the gate of block
+``i``'s coupling attention) and ``grad_norm_<term>_<group>``, the gradient norm each loss term puts on each group
+of trained tensors (``rl`` = the objective's loss, measured before the anchors add theirs; ``fm`` / ``trans`` /
+``ref`` = the weighted anchor terms; groups: ``transition`` = B, ``coupling`` = the coupling attention's own
+weights, ``coupling_lora`` = LoRA on it, else the top-level module's name).
+
+**Sigmas as the SFT drew them.** The flow-matching and reference terms draw ``sigma`` with
+:func:`flowforge.algorithms.schedules.sample_sigmas` (``anchor.sigma_sampling``: ``logit_normal`` with mean 0 and
+std 1, as the world SFT draws them by default, or ``uniform``) from the anchor's own generator, and weigh every clip
+1, as the SFT's loss does; the rollout's ``T``-step sampling schedule is not involved.
 """
 
 from __future__ import annotations
@@ -29,14 +44,20 @@ from dataclasses import dataclass
 import torch
 
 from flowforge.algorithms.losses import anchors as anchor_math
+from flowforge.algorithms.schedules import sample_sigmas
 from flowforge.rollout import generated_index, with_condition
 from flowforge.settings import Checks, Section
+from flowforge.settings.sections import SIGMA_SAMPLINGS
 
 log = logging.getLogger(__name__)
 
 ANCHOR_CLIPS = ("atari",)
 """``anchor.clips`` values: the real clips of :mod:`flowforge.data.atari` (Breakout, the demo world model's game)."""
 TERMS = ("fm", "trans", "ref")
+MIN_LEVERAGE = 1e-3
+"""A term whose gradient on the trained tensors is under this share of its gradient on the whole network is said to
+have no leverage (warned once): at the shipped demo:world's gates (~1e-4) the flow-matching term's share on B is
+far below it, at open gates (0.5) far above."""
 
 
 @dataclass(frozen=True)
@@ -49,15 +70,15 @@ class AnchorConfig(Section):
     trans_weight: float = 0.01  # lambda_trans: transition-code cross-entropy on real clips
     ref_weight: float = 0.0  # velocity MSE to the reference (SFT) policy on real clips
     batch_size: int = 4  # real clips per optimizer step
-    train_timesteps: int = 1000  # the anchor's own training schedule: this many sigmas
-    shift: float = 1.0  # static shift of that schedule
+    sigma_sampling: str = "logit_normal"  # how the FM / ref terms draw sigma: as the world SFT (sft.sigma_sampling)
     clips: str = "atari"  # where the real clips come from
     episodes: int = 64  # real episodes recorded for the stream (the demo's recording; its train split is used)
 
     def problems(self) -> list[str]:
         c = Checks(self)
         c.positive("fm_weight", "trans_weight", "ref_weight", allow_zero=True)
-        c.positive("batch_size", "train_timesteps", "shift")
+        c.positive("batch_size")
+        c.choice("sigma_sampling", SIGMA_SAMPLINGS)
         c.require(self.episodes >= 8, f"anchor.episodes={self.episodes} must be >= 8 (every 8th episode is held out)")
         c.choice("clips", ANCHOR_CLIPS)
         return c.problems
@@ -80,10 +101,12 @@ def _is_world_model(adapter) -> bool:
 
 
 def build_anchor(section: AnchorConfig, adapter, policy, *, seed: int, cache_dir: str) -> "AnchorLosses | None":
-    """The anchor of a run, or None (not a world model, or every weight 0). Loads the real training clips
-    (recorded once and cached under ``cache_dir``)."""
-    if not _is_world_model(adapter) or not any(w > 0 for w in section.weights.values()):
+    """The anchor of a run, or None (not a world model). Loads the real training clips (recorded once and cached
+    under ``cache_dir``) when a weight is > 0; with every weight 0 it only logs the leverage metrics."""
+    if not _is_world_model(adapter):
         return None
+    if not any(w > 0 for w in section.weights.values()):
+        return AnchorLosses(section, adapter, policy, None, None, seed=seed)
     from flowforge.data.atari import AtariDataConfig, load_atari_clips
 
     clips = load_atari_clips(AtariDataConfig(episodes=section.episodes), cache_dir)
@@ -95,10 +118,11 @@ class AnchorLosses:
     """The anchor terms of one run (module docstring).
 
     Args:
-        section: weights, batch size, training schedule.
+        section: weights, batch size, sigma sampling.
         adapter: the world-model adapter (its ``transformer`` the live network of ``policy``).
         policy: the policy bank (its trained parameters, its reference policy for ``ref_weight``).
-        video: ``[N, 1, F, H, W]`` float in [0, 1], the real clips. actions: ``[N, F]`` int64 action ids.
+        video: ``[N, 1, F, H, W]`` float in [0, 1], the real clips. actions: ``[N, F]`` int64 action ids. Both None
+            when every weight is 0 (then only the leverage metrics are logged).
         seed: the run seed.
 
     Raises:
@@ -107,22 +131,28 @@ class AnchorLosses:
 
     def __init__(self, section: AnchorConfig, adapter, policy, video: torch.Tensor, actions: torch.Tensor, *,
                  seed: int):
-        if video.ndim != 5 or actions.shape != (video.shape[0], video.shape[2]) or video.shape[0] == 0:
-            raise ValueError(f"anchor clips must be [N, C, F, H, W] with actions [N, F], got {tuple(video.shape)} and "
-                             f"{tuple(actions.shape)}")
+        active = any(w > 0 for w in section.weights.values())
+        if active and (video is None or video.ndim != 5 or actions.shape != (video.shape[0], video.shape[2])
+                       or video.shape[0] == 0):
+            raise ValueError(f"anchor clips must be [N, C, F, H, W] with actions [N, F], got "
+                             f"{None if video is None else tuple(video.shape)} and "
+                             f"{None if actions is None else tuple(actions.shape)}")
         if section.ref_weight > 0 and not policy.has("ref"):
             raise ValueError("anchor.ref_weight > 0 needs the reference policy in the bank (anchor_policy_bank)")
         self.section, self.adapter, self.policy, self.seed = section, adapter, policy, seed
         self.video, self.actions = video, actions
-        self.schedule = anchor_math.training_sigmas(section.train_timesteps, section.shift)
-        self.reach: dict[str, int] | None = None  # term -> trained tensors with a gradient path (first call)
+        self.reach: dict[str, int] | None = None  # term -> trained tensors with a non-zero gradient (first call)
+        self.paths: dict[str, int] = {}  # term -> trained tensors with a gradient path (first call)
+        self.leverage: dict[str, float] = {}  # term -> share of its gradient on the trained tensors (first call)
+        names = [n for n, p in adapter.transformer.named_parameters() if p.requires_grad]
+        self.groups = {n: trained_group(n) for n in names}
 
     def clip_batch(self, step: int):
         """``(x0 [b, C, F, H, W] in [-1, 1], noise, sigma [b], cond)`` of optimizer step ``step``: clips, noise and
         sigma from a generator seeded by ``(seed, step)`` only."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 7 * step + 11)
         rows = torch.randint(0, self.video.shape[0], (self.section.batch_size,), generator=gen)
-        sigma = anchor_math.draw_training_sigmas(self.schedule, rows.numel(), gen)
+        sigma = sample_sigmas(rows.numel(), gen, kind=self.section.sigma_sampling)
         device = next(self.adapter.transformer.parameters()).device
         x0 = self.adapter.encode_video(self.video[rows]).to(device)
         noise = torch.randn(x0.shape, generator=gen).to(device)
@@ -154,35 +184,104 @@ class AnchorLosses:
             out["trans"], metrics["trans"] = anchor_math.transition_ce_loss(logits, model.transition_labels(x0))
         return out, metrics
 
-    def measure_reach(self, terms: dict[str, torch.Tensor | None]) -> dict[str, int]:
-        """Trained tensors each computed term has a gradient path to (``torch.autograd.grad``, ``allow_unused``)."""
-        named = [(n, p) for n, p in self.adapter.transformer.named_parameters() if p.requires_grad]
-        reach = {}
-        for name, term in terms.items():
-            reach[name] = 0
-            if term is not None and term.requires_grad:  # no graph at all: no path to any trained parameter
+    def measure_reach(self, step: int) -> dict[str, int]:
+        """On the terms of step ``step`` computed with every parameter of the network requiring a gradient (for this
+        measurement only): per term the trained tensors with a non-zero gradient (returned) and
+        :attr:`leverage`, the share of its gradient norm on the trained tensors (module docstring)."""
+        model = self.adapter.transformer
+        frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+        for p in frozen:
+            p.requires_grad_(True)
+        try:
+            terms, _ = self.terms(step)
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            reach = {}
+            for name, term in terms.items():
+                reach[name] = self.paths[name] = 0
+                if term is None or not term.requires_grad:  # no graph at all: no path to any parameter
+                    continue
                 grads = torch.autograd.grad(term, [p for _, p in named], allow_unused=True, retain_graph=True)
-                reach[name] = sum(g is not None for g in grads)
-            if term is not None and reach[name] == 0:
+                sq = {n: float(g.detach().float().pow(2).sum()) for (n, _), g in zip(named, grads) if g is not None}
+                trained = [v for n, v in sq.items() if n in self.groups]
+                reach[name], self.paths[name] = sum(v > 0 for v in trained), len(trained)
+                if sum(sq.values()) > 0:
+                    self.leverage[name] = (sum(trained) / sum(sq.values())) ** 0.5
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+        for name, term in terms.items():
+            weight = self.section.weights[name]
+            if term is not None:
+                log.info("anchor %s: a non-zero gradient on %d of %d trained tensors (a path to %d), leverage %s",
+                         name, reach[name], len(self.groups), self.paths[name],
+                         f"{self.leverage[name]:.2e}" if name in self.leverage else "undefined (zero gradient)")
+            if term is not None and self.paths[name] == 0:
                 log.warning("anchor.%s_weight=%s but the %s term has no gradient path to any trained parameter in "
-                            "this parameter mode: it is not applied", name, self.section.weights[name], name)
+                            "this parameter mode: it is not applied", name, weight, name)
+            elif term is not None and self.leverage.get(name, 1.0) < MIN_LEVERAGE:
+                log.warning("anchor.%s_weight=%s: only %.1e of the %s term's gradient reaches the trained parameters "
+                            "(the coupling gates may be ~0): it can barely change them", name, weight,
+                            self.leverage[name], name)
         return reach
+
+    def group_norms(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """``{group: 0-d}`` gradient norms of ``{trained name: gradient}`` per :func:`trained_group`."""
+        sq: dict[str, torch.Tensor] = {}
+        for name, g in grads.items():
+            value = torch.zeros(()) if g is None else g.detach().float().pow(2).sum().cpu()
+            sq[self.groups[name]] = sq.get(self.groups[name], torch.zeros(())) + value
+        return {k: v.sqrt() for k, v in sq.items()}
+
+    def leverage_metrics(self, terms: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """``coupling_gate_<i>`` and ``grad_norm_<term>_<group>`` (module docstring) of this optimizer step: the RL
+        gradients already accumulated, and each present weighted anchor term's (``retain_graph``: the terms are
+        applied afterwards)."""
+        model = self.adapter.transformer
+        out = {f"coupling_gate_{i}": b.coupling.gate.detach().float().reshape(()).cpu()
+               for i, b in enumerate(model.blocks)}
+        named = [(n, p) for n, p in model.named_parameters() if n in self.groups]
+        out.update({f"grad_norm_rl_{k}": v for k, v in self.group_norms({n: p.grad for n, p in named}).items()})
+        for name, term in terms.items():
+            if term is None or not term.requires_grad or self.section.weights[name] <= 0:
+                continue
+            grads = torch.autograd.grad(self.section.weights[name] * term, [p for _, p in named], allow_unused=True,
+                                        retain_graph=True)
+            norms = self.group_norms({n: g for (n, _), g in zip(named, grads)})
+            out.update({f"grad_norm_{name}_{k}": v for k, v in norms.items()})
+        return out
 
     def backward(self) -> dict[str, torch.Tensor]:
         """Add the gradients of the weighted terms of the coming optimizer step; returns ``anchor_<term>`` values,
-        ``anchor_loss`` (their weighted sum) and ``anchor_<term>_reach``."""
+        ``anchor_loss`` (their weighted sum), ``anchor_<term>_reach`` and the leverage metrics."""
         step = self.policy.optimizer_steps
-        skip = () if self.reach is None else tuple(k for k, n in self.reach.items() if n == 0)
-        terms, metrics = self.terms(step, skip)
+        if not any(w > 0 for w in self.section.weights.values()):
+            return self.leverage_metrics(dict.fromkeys(TERMS))
         if self.reach is None:
-            self.reach = self.measure_reach(terms)
-            terms = {k: (None if self.reach[k] == 0 else t) for k, t in terms.items()}
+            self.reach = self.measure_reach(step)
+        skip = tuple(k for k, n in self.paths.items() if n == 0)
+        terms, metrics = self.terms(step, skip)
+        out = self.leverage_metrics(terms)
         loss, values = anchor_math.combine_anchor_terms(terms, self.section.weights)
         if loss.requires_grad:
             self.policy.backward(loss)
-        out = {f"anchor_{k}": v for k, v in values.items()}
+        out.update({f"anchor_{k}": v for k, v in values.items()})
         out.update({f"anchor_{k}": v.detach() for term, m in metrics.items() if term in values for k, v in m.items()})
-        out["anchor_loss"] = loss.detach()
-        out.update({f"anchor_{k}_reach": torch.tensor(float(n)) for k, n in self.reach.items()
-                    if self.section.weights[k] > 0})
+        if any(w > 0 for w in self.section.weights.values()):
+            out["anchor_loss"] = loss.detach()
+        for k, n in self.paths.items():
+            if self.section.weights[k] > 0:
+                out[f"anchor_{k}_reach"] = torch.tensor(float(n))
         return out
+
+
+def trained_group(name: str) -> str:
+    """The group a trained tensor of a world model is reported under: ``transition`` (B), ``coupling_lora`` (LoRA on
+    the coupling attention), ``coupling`` (its own weights and gate), ``lora`` (other LoRA), else the top-level
+    module's name."""
+    if ".lora_" in name:
+        return "coupling_lora" if ".coupling." in name else "lora"
+    if name.startswith("latent_state_rollout.transition."):
+        return "transition"
+    if ".coupling." in name:
+        return "coupling"
+    return name.split(".")[0]

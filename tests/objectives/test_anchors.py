@@ -8,7 +8,8 @@ from tests.models.world_model.wm_helpers import make_adapter
 from flowforge.config import LoraConfig, TrainConfig
 from flowforge.data import atari
 from flowforge.data.atari import AtariDataConfig
-from flowforge.objectives.anchors import AnchorConfig, AnchorLosses, anchor_policy_bank, build_anchor
+from flowforge.objectives.anchors import (MIN_LEVERAGE, AnchorConfig, AnchorLosses, anchor_policy_bank,
+                                         build_anchor)
 from flowforge.objectives.base import Objective, ObjectiveContext
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
 from flowforge.settings import SamplerConfig
@@ -38,10 +39,11 @@ def _grads(adapter):
 
 def test_module_mode_every_term_reaches_exactly_the_transition_module(clips):
     anchor, adapter, _ = _anchor("module", clips)
-    terms, _ = anchor.terms(0)
-    reach = anchor.measure_reach(terms)
+    reach = anchor.measure_reach(0)
     n_b = len(list(adapter.transformer.latent_state_rollout.transition.parameters()))
     assert reach == {"fm": n_b, "trans": n_b, "ref": 0}  # B feeds the coupling (gate 0.5) and the predictor
+    assert all(p.grad is None for p in adapter.transformer.parameters())  # the measurement leaves no gradients
+    assert [n for n, p in adapter.transformer.named_parameters() if p.requires_grad] == list(anchor.groups)
     metrics = anchor.backward()
     assert float(metrics["anchor_trans_reach"]) == n_b and "anchor_trans" in metrics and "anchor_fm" in metrics
     grads = _grads(adapter)
@@ -57,7 +59,10 @@ def test_coupling_lora_transition_ce_has_no_gradient_path_and_is_not_applied(cli
     anchor, adapter, _ = _anchor("lora", clips)
     with caplog.at_level("WARNING"):
         metrics = anchor.backward()
-    assert anchor.reach["trans"] == 0 and anchor.reach["fm"] == 2 * 4 * len(adapter.blocks())  # lora_A/B x q,k,v,out
+    # a path to lora_A / lora_B of q, k, v, out in every block; a non-zero gradient on lora_B only (lora_A's is
+    # exactly 0 while lora_B is at its init 0): the reach measured by size
+    assert anchor.paths["trans"] == 0 and anchor.paths["fm"] == 2 * 4 * len(adapter.blocks())
+    assert anchor.reach["trans"] == 0 and anchor.reach["fm"] == 4 * len(adapter.blocks())
     assert float(metrics["anchor_trans_reach"]) == 0.0
     assert "anchor_trans" not in metrics and "anchor_trans_accuracy" not in metrics  # not reported as training
     assert float(metrics["anchor_loss"]) == pytest.approx(0.1 * float(metrics["anchor_fm"]), rel=1e-6)
@@ -69,10 +74,9 @@ def test_coupling_lora_transition_ce_has_no_gradient_path_and_is_not_applied(cli
 
 def test_module_lora_terms_reach_both_kinds_of_trained_tensor(clips):
     anchor, adapter, _ = _anchor("module+lora", clips)
-    terms, _ = anchor.terms(0)
     n_b = len(list(adapter.transformer.latent_state_rollout.transition.parameters()))
-    lora = 2 * 4 * len(adapter.blocks())  # lora_A / lora_B x q, k, v, out of every block
-    assert anchor.measure_reach(terms) == {"fm": n_b + lora, "trans": n_b, "ref": 0}
+    lora = 4 * len(adapter.blocks())  # lora_B of q, k, v, out of every block (lora_A's gradient is 0 at init)
+    assert anchor.measure_reach(0) == {"fm": n_b + lora, "trans": n_b, "ref": 0}
     anchor.backward()
     grads = _grads(adapter)
     assert {n.split(".")[0] for n in grads} == {"latent_state_rollout", "blocks"}
@@ -106,7 +110,7 @@ def test_clip_stream_depends_only_on_seed_and_step(clips):
     xb, nb, sb, _ = b.clip_batch(5)
     assert torch.equal(xa, xb) and torch.equal(na, nb) and torch.equal(sa, sb)
     assert not torch.equal(a.clip_batch(6)[1], na)
-    assert set(sa.tolist()) <= set(a.schedule.tolist())  # sigmas of the anchor's own 1000-step schedule
+    assert bool(((sa > 0) & (sa < 1)).all())  # logit-normal, as the world SFT draws them (its own generator)
 
 
 def test_reference_penalty_uses_the_immutable_reference(clips):
@@ -142,5 +146,51 @@ def test_build_anchor_is_inactive_for_other_families_and_zero_weights(clips):
         pass
 
     assert build_anchor(AnchorConfig(), NotAWorldModel(), None, seed=0, cache_dir="unused") is None
-    assert build_anchor(AnchorConfig(fm_weight=0.0, trans_weight=0.0), make_adapter(), None, seed=0,
-                        cache_dir="unused") is None
+    adapter = make_adapter()
+    policy = Policy(adapter, TrainableWeights.from_section(MODES["module"]),
+                    OptimizerSettings.from_section(TrainConfig(lr=1e-2)), 10)
+    quiet = build_anchor(AnchorConfig(fm_weight=0.0, trans_weight=0.0), adapter, policy, seed=0, cache_dir="unused")
+    metrics = quiet.backward()  # no clips loaded, no anchor term: only the leverage of the step
+    assert set(metrics) == {f"coupling_gate_{i}" for i in range(2)} | {"grad_norm_rl_transition"}
+    assert all(p.grad is None for p in policy.params)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from flowforge.demo.paths import resolve_demo_path
+    from flowforge.models import build_adapter
+
+    return build_adapter("world_model", str(resolve_demo_path("demo:world")), task="i2v")
+
+
+@pytest.mark.parametrize("mode", ["module", "lora"])
+def test_leverage_is_measured_by_size_with_the_shipped_gates(clips, shipped, mode, caplog):
+    """demo:world's coupling gates stayed ~0 in SFT: B-only and coupling-LoRA reach their tensors (non-zero
+    gradients) with almost no leverage, which is warned; the same weights with the gates opened to 0.5 have it."""
+    import copy
+
+    from flowforge.data.atari import AtariDataConfig, load_atari_clips
+
+    shipped_clips = atari.record_clips(AtariDataConfig(episodes=2, heldout_every=2, max_steps=24, seed=1))
+    video, actions = shipped_clips.clips(torch.arange(len(shipped_clips.clip_starts)))
+    shares = {}
+    for gate in (None, 0.5):
+        adapter = copy.deepcopy(shipped)
+        if gate is not None:
+            with torch.no_grad():
+                for block in adapter.transformer.blocks:
+                    block.coupling.gate.fill_(gate)
+        policy = Policy(adapter, TrainableWeights.from_section(MODES[mode]),
+                        OptimizerSettings.from_section(TrainConfig(lr=1e-2)), 10)
+        anchor = AnchorLosses(AnchorConfig(batch_size=2, trans_weight=0.0), adapter, policy, video, actions, seed=0)
+        with caplog.at_level("WARNING"):
+            caplog.clear()
+            metrics = anchor.backward()
+        shares[gate] = anchor.leverage["fm"]
+        assert float(metrics["anchor_fm_reach"]) > 0 and anchor.reach["fm"] > 0  # a non-zero gradient either way
+        group = "transition" if mode == "module" else "coupling_lora"
+        assert float(metrics[f"grad_norm_fm_{group}"]) > 0 and f"grad_norm_rl_{group}" in metrics
+        assert ("barely change" in caplog.text) == (shares[gate] < MIN_LEVERAGE)
+    gates = [float(b.coupling.gate) for b in shipped.transformer.blocks]
+    assert max(abs(g) for g in gates) < 1e-3  # the shipped base: the latent-state path is closed
+    assert shares[None] < MIN_LEVERAGE <= shares[0.5]

@@ -54,11 +54,17 @@ def test_grpo_on_video_latents_ratio_exactly_one_slot_zero_pinned(tmp_path, enco
 
 
 def test_nft_coupling_lora_reports_no_transition_anchor(tmp_path, encode_cache_dir):
-    trainer = _trainer(tmp_path, encode_cache_dir, "nft", *LORA)
+    # realism as the reward here: it varies within every group (demo:world's faint paddle fails the paddle rule's
+    # shape test, so action_following is 0 for all of a group and NFT would take no step)
+    trainer = _trainer(tmp_path, encode_cache_dir, "nft", *LORA, "reward.weights={world_psnr: 1.0}",
+                       "reward.required=[world_psnr]")
     trainer.train()
     row = _metrics(trainer)
     assert row["train/anchor_trans_reach"] == 0.0 and "train/anchor_trans" not in row
-    assert row["train/anchor_fm_reach"] == 2 * 4 * 4  # lora_A / lora_B of q, k, v, out in 4 blocks
+    assert row["train/anchor_fm_reach"] == 2 * 4 * 4  # a path to lora_A / lora_B of q, k, v, out in 4 blocks
+    assert trainer.objective.anchor.leverage["fm"] < 1e-3  # demo:world's gates are ~0: the coupling LoRA has none
+    assert row["train/grad_norm_fm_coupling_lora"] > 0 and row["train/grad_norm_rl_coupling_lora"] > 0
+    assert abs(row["train/coupling_gate_3"]) < 1e-3
 
 
 def straight_and_resumed(tmp_path, cache, *extra):

@@ -10,9 +10,10 @@ term                definition (per real clip, then the mean over the clips)
 ==================  ===================================================================================================
 ``L_FM_real``       flow-matching MSE ``mean_el((v(x_sigma, sigma) - (noise - x0))^2)`` over the *generated* elements
                     only (the condition slot, latent frame 0, is excluded: it is pinned to the clean first frame).
-                    ``sigma`` is drawn from the anchor's own training schedule: ``N`` (1000) training sigmas
-                    (:func:`training_sigmas`), one uniformly drawn index per clip -- a schedule instance separate from
-                    the rollout's ``T``-step sampling schedule
+                    ``sigma`` is drawn per clip by the caller's own sampler, separate from the rollout's ``T``-step
+                    sampling schedule: the world-model anchor draws it as the SFT did
+                    (:func:`~flowforge.algorithms.schedules.sample_sigmas`, logit-normal); :func:`training_sigmas`
+                    / :func:`draw_training_sigmas` draw from a discrete ``N``-sigma training schedule instead
 ``L_trans_real``    cross-entropy of the transition predictor's logits ``[B, f - 1, M, K]`` against the frozen
                     tokenizer's codes ``[B, f - 1, M]`` of the real clip's adjacent frames
 ``L_ref_real``      velocity MSE to the immutable reference (SFT) policy at the same ``x_sigma`` (default weight 0)
