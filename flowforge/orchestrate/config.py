@@ -18,7 +18,9 @@ key                    stage A / stage C
 ``reward.options``     ``vlm_judge``: ``teacher.judge`` plus the endpoint (``base_url``, ``model``, ``api_key_env``)
 ``train.steps``        A: ``budget_A / M``; C: A's steps + ``budget_C / M`` (or ``stages.c_steps``)
 ``train.resume``       ``auto`` (C's first start: A's last checkpoint)
-``checkpoint.every``   C: ``audit.every`` when audits run every k steps (the last good checkpoint is an audited one)
+``checkpoint.every``   A: ``checkpoint.every`` (1 when 0: a resume replays at most one step, whose answers the judge's
+                       ledger serves); C: ``audit.every`` when audits run every k steps (the last good checkpoint is
+                       an audited one)
 =====================  ================================================================================================
 
 then ``stages.a_overrides`` / ``stages.c_overrides`` (``section.key=value`` strings). The file must not set
@@ -92,6 +94,7 @@ class TeacherConfig(Section):
     scorer: str = ""  # the auto-started server's --scorer (a registry name or pkg.module:Factory)
     model_dir: str = ""  # the auto-started server's --model (a local image-text-to-text model)
     score_range: tuple[float, float] = (0.0, 1.0)  # --score-range of the auto-started scorer judge
+    max_requests: int = 0  # hard budget: billed teacher requests of the whole pipeline (A and audits); 0: no limit
     judge: dict[str, Any] = field(default_factory=dict)  # vlm_judge options shared by teacher and student
 
     def problems(self) -> list[str]:
@@ -106,9 +109,10 @@ class TeacherConfig(Section):
         c.require(bool(self.model), "teacher.model must name the judge model id")
         c.require(len(self.score_range) == 2 and self.score_range[1] > self.score_range[0],
                   f"teacher.score_range={list(self.score_range)} must be [low, high] with high > low")
-        bad = sorted(set(self.judge) & {"model", "base_url", "api_key_env", "run_dir", "ledger"})
-        c.require(not bad, f"teacher.judge sets {bad}: the pipeline sets the endpoint and the ledger; give the other "
-                           "vlm_judge options only")
+        c.positive("max_requests", allow_zero=True)
+        bad = sorted(set(self.judge) & {"model", "base_url", "api_key_env", "run_dir", "ledger", "max_billed", "paid"})
+        c.require(not bad, f"teacher.judge sets {bad}: the pipeline sets the endpoint, the ledger and the budget "
+                           "(teacher.max_requests); give the other vlm_judge options only")
         return c.problems
 
 
@@ -203,6 +207,8 @@ def stage_config(pcfg: Any, stage: str, *, steps: int, reward: Mapping[str, Any]
                                 "train": {"steps": steps, "resume": resume}}
     if stage == "C" and pcfg.audit.every > 0:
         set_here["checkpoint"] = {"every": pcfg.audit.every}
+    if stage == "A":
+        set_here["checkpoint"] = {"every": pcfg.checkpoint.every or 1}
     nested, problems = parse_overrides(s.a_overrides if stage == "A" else s.c_overrides)
     if problems:
         raise ConfigError(problems, header=f"invalid stages.{stage.lower()}_overrides")

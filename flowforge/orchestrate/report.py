@@ -7,9 +7,13 @@ What it counts (every number read from the pipeline's own files):
                                   ledger rows whose ``sample_ids`` are conditions)
 ``teacher.eval_groups``           answered teacher requests of A's held-out evaluations (the other rows)
 ``teacher.audit_groups``          answered teacher requests of stage C's audits (``C/audit/judge/ledger.sqlite``)
-``teacher.http_requests``         HTTP requests behind those answers (repairs of malformed replies included)
-``teacher.server_log``            lines of the auto-started teacher's request log and how many repeat a key (a
-                                  request sent twice); absent with ``teacher.url``
+``teacher.http_requests``         billed HTTP attempts in the teacher's ledgers (first sends, retries after timeouts,
+                                  repairs of malformed replies; attempts lost in a crash included)
+``teacher.failed_groups``         requests that ended without scores (malformed, failed, lost): dropped groups
+``teacher.server_log``            the auto-started teacher's own request log: ``requests`` received, ``groups``,
+                                  ``max_per_group`` (billed attempts of the most-billed group: 1 without timeouts,
+                                  repairs or retries) and ``duplicates`` (requests received twice with the same
+                                  body); absent with ``teacher.url``
 ``savings.c_groups``              groups stage C trained on with the student's reward (its ``trained_on``
                                   conditions)
 ``savings.teacher_requests_saved``  ``c_groups - audit_groups``: what running A for C's steps would have cost in
@@ -43,29 +47,37 @@ DIAGRAM = """\
 
 
 def _ledger_rows(path: Path, conditions: set[str]) -> dict[str, int]:
-    """``{"train_groups", "eval_groups", "http_requests"}`` of a judge request ledger (zeros when absent)."""
-    out = {"train_groups": 0, "eval_groups": 0, "http_requests": 0}
+    """``{"train_groups", "eval_groups", "http_requests", "failed_groups"}`` of a judge request ledger (zeros when
+    absent): answered requests by whether they judged a condition of the pass, billed attempts, requests without
+    scores."""
+    out = {"train_groups": 0, "eval_groups": 0, "http_requests": 0, "failed_groups": 0}
     if not path.is_file():
         return out
     from flowforge.rewards.judge.ledger import RequestLedger
 
     ledger = RequestLedger(path)
     try:
-        for key in ledger.keys():
-            entry = ledger.get(key)
+        for entry in ledger.entries():
             ids = {i for i in entry.request.get("sample_ids") or [] if i is not None}
-            out["train_groups" if ids & conditions else "eval_groups"] += 1
-            out["http_requests"] += entry.attempts
+            if entry.status in ("ok", "malformed"):
+                out["train_groups" if ids & conditions else "eval_groups"] += 1
+            out["failed_groups"] += int(entry.status != "ok")
+        out["http_requests"] = ledger.billed()
     finally:
         ledger.close()
     return out
 
 
 def _server_log(path: Path) -> dict[str, int] | None:
+    from flowforge.rewards.judge.protocol import billed_per_group, read_request_log
+
     if not path.is_file():
         return None
-    keys = [line for line in path.read_text().splitlines() if line.strip()]
-    return {"requests": len(keys), "duplicates": len(keys) - len(set(keys))}
+    records = read_request_log(path)
+    per_group = billed_per_group(records)
+    keys = [r["key"] for r in records]
+    return {"requests": len(records), "groups": len(per_group), "max_per_group": max(per_group.values(), default=0),
+            "duplicates": len(keys) - len(set(keys))}
 
 
 def last_eval(run_dir: Path) -> dict[str, float]:
@@ -97,6 +109,7 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
     teacher = {"train_groups": a["train_groups"], "eval_groups": a["eval_groups"], "audit_groups": audit_groups,
                "total_groups": a["train_groups"] + a["eval_groups"] + audit_groups,
                "http_requests": a["http_requests"] + audit["http_requests"],
+               "failed_groups": a["failed_groups"] + audit["failed_groups"],
                "server_log": _server_log(directory / "teacher" / "requests.log")}
     return {
         "status": outcome.status, "reason": outcome.reason, "last_good_checkpoint": outcome.last_good,

@@ -1,16 +1,24 @@
 """The trainer of stages A and C: the ordinary :class:`~flowforge.train.trainer.Trainer`, with its prompts drawn
 from the condition ledger and, in stage C, teacher audits of the student.
 
-:class:`StageTrainer` changes three of the six stages and nothing else:
+:class:`StageTrainer` changes these stages and nothing else:
 
 1. **prompts** -- the K-repeat sampler still fixes the step's layout (candidate ids, which seed each candidate's
    noise; group ids; the training order), but the ``M`` prompts are the next ``M`` conditions of the ledger's one
    pass (:meth:`ConditionLedger.take <flowforge.orchestrate.ledger.ConditionLedger.take>`, recorded for the
-   trainer's step before the rollout; a resumed step gets the same conditions back);
+   trainer's step before the rollout; a resumed step gets the same conditions back); the judges are bound to the
+   step (:meth:`VLMJudge.bind <flowforge.rewards.judge.client.VLMJudge.bind>`: stage, ``train``, step, policy
+   version), so a resumed step re-uses the recorded answers of its groups even when its media are re-generated;
 2. **sample** / **reward** -- the conditions are marked ``rolled_out`` and, for groups the reward scored (not NaN),
    ``judged``; in stage C an :class:`Auditor` has the teacher re-judge the step's groups when an audit is due;
+4. **advantage** / 5. **optimize** -- a group whose weighted reward is NaN (the judge gave it no marks after its
+   bounded attempts, or its answer was lost in a crash) is dropped: advantage 0 and its rows left out of the update
+   (zero weight), counted as ``reward/judge_failed_groups``; a step with no usable group is skipped;
 6. **finish** -- the conditions are marked ``trained_on`` with the policy version after the update (the optimizer
    steps so far), unless the step was skipped.
+
+Evaluation never calls a paid judge (a scorer with ``paid = True``: the teacher): the held-out eval scores the other
+components and ``eval.scorers`` only.
 
 Audits (:class:`Auditor`): the teacher scores every group of an audited step; agreement with the student's scores of
 the same candidates (:func:`flowforge.reward_model.evaluate.agreement`: within-group Spearman, pairwise accuracy,
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -32,10 +41,13 @@ import torch
 
 from flowforge.orchestrate.ledger import ConditionLedger
 from flowforge.reward_model.evaluate import agreement
+from flowforge.rewards.processor import RewardProcessor
+from flowforge.runtime.distributed import all_reduce_processes
 from flowforge.runtime.durable import fsync_path
 from flowforge.train.trainer import StepBatch, Trainer
 
 AUDIT_FILE = "audit.jsonl"
+log = logging.getLogger("flowforge")
 
 
 class AuditStop(Exception):
@@ -92,12 +104,15 @@ class Auditor:
         """
         groups = torch.unique(batch.group_ids).tolist()
         rows = [torch.nonzero(batch.group_ids == g).view(-1) for g in groups]
+        bind = getattr(self.judge, "bind", None)
+        if callable(bind):
+            bind(stage="C", purpose="audit", step=step, policy_version=policy_version)
         requests = [(media[r], [batch.records[i].prompt for i in r.tolist()],
                      [batch.records[i].metadata for i in r.tolist()]) for r in rows]
         teacher = [t.detach().float().cpu() for t in self.judge.score_groups(requests)]
         sent = self.judge.pop_metrics()
         kept = [(student[r].detach().float().cpu(), t) for r, t in zip(rows, teacher, strict=True)
-                if not torch.isnan(t).any()]
+                if not torch.isnan(t).any() and not torch.isnan(student[r]).any()]  # a dropped group: no verdict
         result = agreement([s for s, _ in kept], [t for _, t in kept]) if kept else {}
         reasons = []
         for metric, bound in (("spearman", self.cfg.min_spearman),
@@ -169,6 +184,10 @@ class StageTrainer(Trainer):
         if len(taken) != m:
             raise RuntimeError(f"stage {self.stage} step {self.step}: the condition ledger had {len(taken)} of the "
                                f"{m} conditions a step needs (budget or pass used up)")
+        for scorer in self.rewards.scorers.values():
+            bind = getattr(scorer, "bind", None)
+            if callable(bind):
+                bind(stage=self.stage, purpose="train", step=self.step, policy_version=self.policy_version)
         chosen = torch.tensor([self.index[c.id] for c in taken], dtype=torch.int64)
         prompt_indices = chosen[batch.group_ids]
         return dataclasses.replace(batch, prompt_indices=prompt_indices,
@@ -191,6 +210,50 @@ class StageTrainer(Trainer):
         if self.auditor is not None and self.auditor.due(self.step):
             metrics.update(self.auditor.audit(self.step, self.policy_version, media, batch, scores))
         return media, components, metrics
+
+    def advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
+        """Stage 4 with failed groups dropped (module docstring): ``(adv, total, metrics)`` as the base, the dropped
+        rows' advantage 0 and total NaN; :meth:`optimize` leaves them out."""
+        weights = self.cfg.reward.weights
+        bad = torch.zeros(len(batch.records), dtype=torch.bool)
+        for name in weights:
+            bad |= ~torch.isfinite(components[name].detach().cpu())
+        failed = set(batch.group_ids[bad].tolist())
+        drop = torch.tensor([g in failed for g in batch.group_ids.tolist()], dtype=torch.bool)
+        clean = {k: torch.nan_to_num(v, nan=0.0) if k in weights else v for k, v in components.items()}
+        adv, total, metrics = super().advantages(clean, batch)
+        self._dropped = drop
+        flags = torch.zeros(int(batch.global_group_ids.max()) + 1)
+        flags[sorted(failed)] = 1.0
+        flags = all_reduce_processes(flags, "max")  # a group straddling ranks counts once
+        kept = torch.stack([total[~drop.to(total.device)].double().sum().cpu(),
+                            torch.tensor(float((~drop).sum()), dtype=torch.float64)])
+        kept = all_reduce_processes(kept, "sum")
+        metrics["reward/judge_failed_groups"] = flags.sum()
+        metrics["reward/total_mean"] = (kept[0] / kept[1]).float() if kept[1] > 0 else torch.tensor(math.nan)
+        return adv.masked_fill(drop.to(adv.device), 0.0), total.masked_fill(drop.to(total.device), math.nan), metrics
+
+    def optimize(self, batch):
+        """Stage 5 on the rows of the groups that were not dropped (zero weight for the others); a step whose groups
+        were all dropped is skipped (its advantages are all 0)."""
+        drop = getattr(self, "_dropped", None)
+        if drop is not None and bool(drop.any()):
+            batch = batch.select(torch.nonzero(~drop).view(-1))
+        return super().optimize(batch)
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out eval without the paid judges (module docstring)."""
+        free = {n: s for n, s in self.rewards.scorers.items() if not getattr(s, "paid", False)}
+        if not free:
+            log.warning("eval step %d skipped: every scorer is a paid judge and eval.scorers is empty", step)
+            return {}
+        full = self.rewards
+        self.rewards = RewardProcessor(free, {}, batch_size=self.cfg.reward.batch_size)
+        try:
+            return super().evaluate(step)
+        finally:
+            self.rewards = full
 
     def finish_step(self, step, batch, media, local, adv_metrics, times):
         if not local.get("train/skipped", 0.0):

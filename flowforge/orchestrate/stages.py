@@ -46,6 +46,7 @@ from flowforge.demo.paths import resolve_demo_path
 from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, judge_options, pipeline_dir, stage_config
 from flowforge.orchestrate.ledger import ConditionLedger, conditions_from_records
 from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
+from flowforge.rewards.judge.ledger import BudgetExhausted
 from flowforge.runtime.durable import step_dir_name, write_bytes
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint import committed_checkpoints, step_of
@@ -59,8 +60,8 @@ STAGES = ("A", "B", "C")
 
 @dataclasses.dataclass
 class Outcome:
-    """How a pipeline invocation ended: ``status`` is ``done`` (every stage asked for finished), ``gate_failed``
-    or ``audit_stopped``; ``reason`` says why it stopped; ``last_good`` is the checkpoint to use after an audit
+    """How a pipeline invocation ended: ``status`` is ``done`` (every stage asked for finished), ``gate_failed``,
+    ``audit_stopped`` or ``budget_exhausted`` (``teacher.max_requests`` would have been exceeded); ``reason`` says why it stopped; ``last_good`` is the checkpoint to use after an audit
     stop."""
 
     status: str
@@ -125,7 +126,8 @@ class Endpoints:
     def student(self, student_dir: Path) -> dict[str, Any]:
         """``reward.options.vlm_judge`` for a ``flowforge serve judge --student`` server of ``student_dir``."""
         server = self._start(["--student", str(student_dir)], "student", "student", request_log=True)
-        return judge_options(self.pcfg, base_url=server.api_root, model="student", api_key_env=TOKEN_ENV)
+        return {**judge_options(self.pcfg, base_url=server.api_root, model="student", api_key_env=TOKEN_ENV),
+                "paid": False}
 
     def _start(self, backend: list[str], model: str, name: str, *, request_log: bool) -> JudgeServer:
         where = self.directory / name
@@ -153,12 +155,38 @@ def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, pro
         if not (run_dir / "report.html").is_file():
             write_report(run_dir)
         return run_dir
-    reward = {"weights": {JUDGE: 1.0}, "options": {JUDGE: endpoints.teacher()}}
+    teacher = {**endpoints.teacher(), "max_billed": pcfg.teacher.max_requests}  # A spends first: the whole budget
+    reward = {"weights": {JUDGE: 1.0}, "options": {JUDGE: teacher}}
     cfg = stage_config(pcfg, "A", steps=steps, reward=reward)
     log.info("stage A: %d steps on %d conditions (teacher %s)", steps, ledger.budget("A"), reward["options"][JUDGE]
              ["base_url"])
-    StageTrainer(cfg, ledger=ledger, stage="A", reward_name=JUDGE, progress=progress).train()
+    _train(StageTrainer(cfg, ledger=ledger, stage="A", reward_name=JUDGE, progress=progress))
     return run_dir
+
+
+def _train(trainer: Any) -> None:
+    """``trainer.train()``; on a stop (an audit, the spent budget) its log and lock are closed before it is raised."""
+    try:
+        trainer.train()
+    except BaseException:
+        if trainer.logger is not None:
+            trainer.logger.close()
+        trainer.close()
+        raise
+
+
+def teacher_billed(pcfg: Any) -> int:
+    """Billed teacher requests of stage A so far (its request ledger; 0 before A)."""
+    from flowforge.rewards.judge.ledger import RequestLedger
+
+    path = pipeline_dir(pcfg) / "A" / "judge" / "ledger.sqlite"
+    if not path.is_file():
+        return 0
+    book = RequestLedger(path)
+    try:
+        return book.billed()
+    finally:
+        book.close()
 
 
 # ------------------------------------------------------------------------------------------------ stage B
@@ -251,18 +279,21 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
     cfg = stage_config(pcfg, "C", steps=start + steps, reward=reward, resume=resume)
     auditor = None
     if pcfg.audit.first_groups > 0 or pcfg.audit.every > 0:
-        teacher = build_scorer(JUDGE, run_dir=run_dir / "audit", **endpoints.teacher())
+        budget = pcfg.teacher.max_requests
+        left = budget - teacher_billed(pcfg)  # the audits spend what A left of teacher.max_requests
+        if budget and left <= 0:
+            return Outcome("budget_exhausted", f"teacher.max_requests={budget} was spent by stage A; stage C's "
+                                               "audits cannot be paid")
+        teacher = build_scorer(JUDGE, run_dir=run_dir / "audit", **endpoints.teacher(),
+                               max_billed=left if budget else 0)
         auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=pcfg.data.prompts_per_step,
                           run_dir=run_dir)
     log.info("stage C: steps %d..%d on %d conditions, student %s", start, start + steps, ledger.budget("C"),
              student_dir)
     trainer = StageTrainer(cfg, ledger=ledger, stage="C", reward_name=name, auditor=auditor, progress=progress)
     try:
-        trainer.train()
+        _train(trainer)
     except AuditStop as stop:
-        if trainer.logger is not None:
-            trainer.logger.close()
-        trainer.close()
         log.warning("stage C stopped: %s", stop)
         return audit_outcome(pcfg, ledger) or Outcome("audit_stopped", str(stop))
     return Outcome("done")
@@ -313,12 +344,16 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True) 
     try:
         ledger = open_ledger(pcfg)
         record, outcome = (None, None)
-        if stage != "C":
-            record, outcome = _a_and_b(pcfg, ledger, endpoints, stage, progress)
-        else:
-            record = _passed_gate(pcfg, ledger)
-        if outcome is None and stage in (None, "C"):
-            outcome = run_stage_c(pcfg, ledger, endpoints, Path(record["student"]), progress=progress)
+        try:
+            if stage != "C":
+                record, outcome = _a_and_b(pcfg, ledger, endpoints, stage, progress)
+            else:
+                record = _passed_gate(pcfg, ledger)
+            if outcome is None and stage in (None, "C"):
+                outcome = run_stage_c(pcfg, ledger, endpoints, Path(record["student"]), progress=progress)
+        except BudgetExhausted as exc:  # stopped before the budget was exceeded; a rerun with more continues
+            log.warning("pipeline stopped: %s", exc)
+            outcome = Outcome("budget_exhausted", str(exc))
         outcome = outcome or Outcome("done")
         write_pipeline_report(pcfg, ledger, outcome)
         return outcome

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flowforge.serve.common import (DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, b64_image_pixels, check_pixel_budget,
                                     limit_body, require_token)
+from flowforge.rewards.judge.protocol import billed_per_group, read_request_log  # noqa: F401 (re-exported)
 from flowforge.serve.judge_backends import BackendError
 
 DEFAULT_MAX_BYTES = 64 * 2**20
@@ -133,30 +134,6 @@ class RequestLog:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
-
-
-def read_request_log(path: str | Path) -> list[dict[str, Any]]:
-    """Every line of a request log (a torn last line after a kill is skipped); ``[]`` when the file is missing."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-def billed_per_group(records: list[dict[str, Any]]) -> dict[str, int]:
-    """Group -> requests the server received for it (first sends, retries and repairs: every billed attempt), from
-    :func:`read_request_log`'s records; requests that are not group requests count under their own key."""
-    counts: dict[str, int] = {}
-    for record in records:
-        group = record.get("group") or record["key"]
-        counts[group] = counts.get(group, 0) + 1
-    return counts
 
 
 def _completion(model: str, text: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -34,7 +34,9 @@ def test_stage_configs_replace_the_reward_and_set_the_pipeline_keys():
     assert (a.run.output_dir, a.run.name, c.run.name) == ("runs/digits-stages", "A", "C")
     assert (a.train.steps, a.train.resume, c.train.steps, c.train.resume) == (24, "auto", 45, "/x/step_000024")
     assert (a.train.lr, c.train.lr) == (3e-4, 1e-4)
-    assert c.checkpoint.every == 4 and a.checkpoint.every == pcfg.checkpoint.every
+    assert c.checkpoint.every == 4 and a.checkpoint.every == (pcfg.checkpoint.every or 1)  # A resumes near a crash
+    every_3 = load_pipeline(EXAMPLE, ["checkpoint.every=3"])
+    assert stage_config(every_3, "A", steps=24, reward=REWARD).checkpoint.every == 3
     with pytest.raises(ValueError, match="stage must be"):
         stage_config(pcfg, "B", steps=1, reward=REWARD)
 

@@ -396,3 +396,27 @@ def decode_image_bytes(data: bytes, what: str = "image") -> Tensor:
     except (UnidentifiedImageError, OSError) as exc:
         raise ValueError(f"{what} is not a readable image: {exc}") from None
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def read_request_log(path: str | Path) -> list[dict[str, Any]]:
+    """Every line of a judge server's request log (``flowforge serve judge --request-log``) (a torn last line after a kill is skipped); ``[]`` when the file is missing."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def billed_per_group(records: list[dict[str, Any]]) -> dict[str, int]:
+    """Group -> requests the server received for it (first sends, retries and repairs: every billed attempt), from
+    :func:`read_request_log`'s records; requests that are not group requests count under their own key."""
+    counts: dict[str, int] = {}
+    for record in records:
+        group = record.get("group") or record["key"]
+        counts[group] = counts.get(group, 0) + 1
+    return counts
