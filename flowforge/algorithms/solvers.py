@@ -28,11 +28,16 @@ the first step is 1st order (no previous prediction); the last step (``sigma_nex
 order from step 2 on. Coefficients are computed in float64 (python floats, as NVlabs' ``sigmas.to(float64)``) and
 applied in the compute dtype.
 
-Which schedule: NVlabs samples on a shifted ``linspace(1, 1 / T, T)`` (+ 0), flowforge's ``flow_match_sigmas(T, shift,
-kind="wan")``. The SD3 "static" schedule's last nonzero level is tiny (0.009 for 10 steps, shift 3), so its
-next-to-last step spans a log-SNR gap 4.6 times the step before it (``h / h_0``, the weight of the 2nd-order term),
-which amplifies the data-prediction error: on N(0, 1) data with the exact velocity, 10 steps, shift 3, the final
-error is 1.15 ("static") against 0.14 ("wan"; Euler 0.57 / 0.53).
+Which schedule: NVlabs' released path (``scripts/train_nft_sd3.py``, SD3 only, ``model_type="sd3"``) calls
+``pipeline_with_logprob``, which takes ``retrieve_timesteps(scheduler, T, sigmas=None)`` and then
+``scheduler.sigmas``: the SD3 ``FlowMatchEulerDiscreteScheduler``'s static shifted schedule (shift 3), flowforge's
+``flow_match_sigmas(T, shift, kind="static")``. A shifted ``linspace(1, 1 / T, T)`` appears there only in the FLUX
+branch (with a dynamic ``mu``), which no released script runs. flowforge's own measurement, not a claim about NVlabs:
+the static schedule's last nonzero level is tiny (0.009 for 10 steps, shift 3), so its next-to-last step spans a
+log-SNR gap 4.6 times the step before it (``h / h_0``, the weight of the 2nd-order term), which amplifies the
+data-prediction error: on N(0, 1) data with the exact velocity, 10 steps, shift 3, the final error is 1.15
+("static") against 0.14 ("wan", the shifted ``linspace(1, 0, T + 1)[:-1]``; Euler 0.57 / 0.53). With a trained
+model's (smaller) error the difference is smaller; preflight warns so the choice is a deliberate one.
 
 Notation
     ================  =========================================================================================

@@ -7,7 +7,8 @@ reference implementation Tencent-Hunyuan/UniRL ``unirl/algorithms/flowdppo.py``.
 is dropped only where the KL between the live and the rollout transition (from their means, equal std) is at least
 ``dppo.delta`` AND the update moves further out in the advantage's direction. The rollout stores each trained step's
 transition mean (the old mean). ``grpo.kl_weight`` (KL to the reference policy) applies as in FlowGRPO; the ``grpo``
-clip range is not used.
+clip range is not used. The mask's std is the one the rollout sampled with, also at ``sigma = 1`` (Flow-Factory-Draft's
+convention; UniRL's normaliser differs there only, see :mod:`flowforge.algorithms.losses.dppo`).
 """
 
 from __future__ import annotations
@@ -44,11 +45,24 @@ class DPPOConfig(Section):
 
 class DPPO(GRPO):
     """Flow-DPPO (see the module docstring). Needs a Gaussian transition with a stored mean: ``sampler.sde_kind``
-    "sde" or "dance". The first update's ratio is exactly 1 and nothing is masked there."""
+    "sde" or "dance" (preflight refuses others: :attr:`sde_kinds`). "cps" is refused because its default log-prob is
+    flow_grpo's unnormalised score (``-mean((x_next - mean)^2)``, not a Gaussian density), so its ratio is not the
+    density ratio the divergence mask is calibrated against. The first update's ratio is exactly 1 and nothing is
+    masked there."""
 
     name = "dppo"
     sections = (GRPOConfig, DPPOConfig)
     store_means = True
+    sde_kinds = ("sde", "dance")
+
+    @classmethod
+    def preflight_problems(cls, cfg, *, world_size: int) -> list[str]:
+        """GRPO's rules, and ``sampler.sde_kind`` one of :attr:`sde_kinds` (one line naming the allowed values)."""
+        problems = super().preflight_problems(cfg, world_size=world_size)
+        if cfg.sampler.sde_kind not in cls.sde_kinds:
+            problems.append(f"sampler.sde_kind={cfg.sampler.sde_kind!r} is not allowed with train.algorithm='dppo' "
+                            f"(the divergence mask needs a Gaussian transition density); allowed: {list(cls.sde_kinds)}")
+        return problems
     dppo: DPPOConfig
 
     def surrogate(self, tr, sub: TrainBatch, slot: int) -> tuple[torch.Tensor, dict]:

@@ -1,7 +1,9 @@
 """Rollout chunking: preflight names a rollout chunk / micro-batch pair whose first update is not an exact replay."""
 
+import pytest
+
 from flowforge.config import load_config
-from flowforge.train.preflight import preflight
+from flowforge.train.preflight import PreflightError, preflight
 from flowforge.train.preflight.rules import chunking_warnings
 
 
@@ -54,3 +56,13 @@ def test_a_module_lora_run_that_export_cannot_write_is_warned():
     assert export_warnings(load_config(None, ["lora.trainable=module", "lora.modules=[transformer_blocks.0.ff]"])) == []
     report = preflight(load_config(None, module_lora), this_machine=False)
     assert any(w.startswith("lora.trainable='module+lora' with model.adapter='sd3'") for w in report.warnings)
+
+
+def test_dppo_refuses_a_sampler_kind_without_a_gaussian_density():
+    with pytest.raises(PreflightError) as err:
+        preflight(load_config(None, ["train.algorithm=dppo", "sampler.sde_kind=cps"]), this_machine=False)
+    assert err.value.problems == ["sampler.sde_kind='cps' is not allowed with train.algorithm='dppo' (the divergence "
+                                  "mask needs a Gaussian transition density); allowed: ['sde', 'dance']"]
+    for kind in ("sde", "dance"):  # accepted (preflight returns a report, no PreflightError)
+        preflight(load_config(None, ["train.algorithm=dppo", f"sampler.sde_kind={kind}"]), this_machine=False)
+    preflight(load_config(None, ["train.algorithm=grpo", "sampler.sde_kind=cps"]), this_machine=False)

@@ -20,9 +20,21 @@ loss is ``-mean(A)``, FlowGRPO's first-update value and gradient.
 
 The KL is the mean over latent elements (not the sum over them, as the paper's Eq. 14 writes it): the reference code
 reduces with a mean, and ``delta`` is calibrated against that (reference default 1e-5; Flow-Factory's 1e-6).
-``std`` is the TRANSITION std (``sde.Transition.std``, ``g * sqrt(-dt)``: the reference's ``std_dev_t * sqrt_dt``
-with ``add_kl_coefficient=True``, unlike flow_grpo's KL loss, which divides by ``std_dev_t = g`` alone); ``std=1.0``
-gives its ``add_kl_coefficient=False`` score ``mean_el((mu - mu_old)^2) / 2``.
+``std`` is the TRANSITION std (``sde.Transition.std``, ``g * sqrt(-dt)``, unlike flow_grpo's KL loss, which divides
+by ``std_dev_t = g`` alone); ``std=1.0`` gives the references' ``add_kl_coefficient=False`` score
+``mean_el((mu - mu_old)^2) / 2``.
+
+Which std at ``sigma = 1`` (step 0 of a schedule starting at 1). flowforge uses the std the rollout actually sampled
+with: FlowGRPO's ``g = eta sqrt(sigma / (1 - sigma'))`` with ``sigma' = sigmas[1]`` where ``sigma == 1``, so ``D`` is
+the exact KL of the two transitions. Flow-Factory-Draft (``src/flow_factory/trainers/dppo.py``,
+``_effective_sigma``: ``std_dev_t * sqrt(-dt)`` with the scheduler's own ``std_dev_t``) does the same. UniRL's
+``FlowDPPO._compute_sigma_t`` instead recomputes ``std_dev_t = eta sqrt(s / (1 - clamp(s, max=0.99)))``, i.e.
+``sigma' = 0.99`` at ``sigma = 1``, while its SDE kernel (``unirl/sde/kernels.py``, given ``sigma_max =
+schedule[1]`` by e.g. ``unirl/models/flux2_klein/diffusion.py``) draws step 0 with ``sigma' = sigmas[1]``: at step 0 its normaliser ``2 s^2`` is ``100 (1 - sigmas[1])`` times flowforge's
+(3.99x for SD3's static schedule, 10 steps, shift 3; 2.3x for 16 steps; 0.87x for 40 steps), so UniRL's step-0
+``D`` is that many times smaller and the mask trips less often there. Every other step agrees (``sigma < 0.99``:
+the clamp is inactive). flowforge keeps the sampler's std because the mask is meant to bound the divergence of the
+transition that was sampled; to reproduce UniRL's step 0 exactly, scale ``delta`` or start the schedule below 1.
 
 Notation
     =============  =================================================================================
