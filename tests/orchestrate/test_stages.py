@@ -244,3 +244,18 @@ def test_a_group_without_marks_is_dropped_and_the_stage_goes_on(pipeline, tmp_pa
     assert sorted(e.status for e in book.entries()) == ["malformed", "ok", "ok", "ok"] and book.billed() == 6
     ledger = open_ledger(pcfg)
     assert len(ledger.with_state("judged", "A")) == 3 and len(ledger.with_state("trained_on", "A")) == 4
+
+
+def test_the_teacher_budget_stops_the_pipeline_before_it_is_exceeded(pipeline):
+    """teacher.max_requests=3 with 2 groups a step: step 1 spends 2, step 2 would need 2 of the 1 left -- the
+    pipeline stops there, nothing of step 2 sent; a rerun with a larger budget continues without re-sending."""
+    _, pcfg, directory = pipeline(stages={"n_a": 4}, teacher={"max_requests": 3})
+    outcome = run_pipeline(pcfg, stage="A", progress=False)
+    assert outcome.status == "budget_exhausted" and "cannot pay for 2 more groups" in outcome.reason
+    first = log_keys(directory / "teacher" / "requests.log")
+    assert len(first) == 2 and newest_step(directory / "A") == 1
+    _, more, _ = pipeline(stages={"n_a": 4}, teacher={"max_requests": 4})
+    assert run_pipeline(more, stage="A", progress=False).status == "done"
+    keys = log_keys(directory / "teacher" / "requests.log")
+    assert len(keys) == 4 and keys[:2] == first
+    assert set(billed_per_group(read_request_log(directory / "teacher" / "requests.log")).values()) == {1}
