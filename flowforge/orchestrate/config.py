@@ -126,8 +126,9 @@ class AuditConfig(Section):
 
     first_groups: int = 8
     every: int = 5
-    min_spearman: float = 0.0  # mean within-group Spearman of student vs teacher on the audited groups
-    min_pairwise_accuracy: float = 0.5  # teacher-ordered pairs the student orders the same way
+    min_spearman: float = 0.45  # mean within-group Spearman of student vs teacher on the audited groups
+    min_pairwise_accuracy: float = 0.67  # teacher-ordered pairs the student orders the same way
+    max_null_pass: float = 0.01  # a random student passes one audit (M groups of K) with p < this (check_pipeline)
 
     def problems(self) -> list[str]:
         c = Checks(self)
@@ -135,6 +136,7 @@ class AuditConfig(Section):
         c.require(-1.0 <= self.min_spearman <= 1.0, f"audit.min_spearman={self.min_spearman} must be in [-1, 1]")
         c.require(0.0 <= self.min_pairwise_accuracy <= 1.0,
                   f"audit.min_pairwise_accuracy={self.min_pairwise_accuracy} must be in [0, 1]")
+        c.require(0.0 < self.max_null_pass <= 1.0, f"audit.max_null_pass={self.max_null_pass} must be in (0, 1]")
         return c.problems
 
 
@@ -263,6 +265,12 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True) -> list[str]:
                         "it is the condition id)")
     if total:
         problems += _budget_problems(pcfg, total)
+        if not _budget_problems(pcfg, total):
+            from flowforge.orchestrate.thresholds import threshold_problems
+
+            found, warned = threshold_problems(pcfg)  # gate and audit thresholds a random student fails
+            problems += found
+            warnings += warned
         rest = (total - pcfg.stages.n_a) // pcfg.data.prompts_per_step
         if rest == 0:
             warnings.append(f"stage C gets no step: {total} conditions - stages.n_a={pcfg.stages.n_a} is fewer than "

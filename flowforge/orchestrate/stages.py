@@ -15,9 +15,10 @@
 
 Stage A trains ``budget_A / M`` steps on the first ``budget_A`` conditions of the pass with ``vlm_judge`` pointed at
 the teacher. Stage B reads A's judged groups (only the groups of conditions A judged: held-out eval prompts never
-reach the student), trains the student (:func:`flowforge.reward_model.train.train_student`) and gates it on its
-held-out groups, ``val`` and ``test`` together (:func:`flowforge.reward_model.evaluate.gate`). A failed gate stops the pipeline with the
-reasons, or with ``stages.on_gate_fail: extend`` moves ``extend_delta`` conditions from C to A
+reach the student), splits them 80/10/10 by the pass's clusters, trains the student
+(:func:`flowforge.reward_model.train.train_student`: epochs chosen on ``val``) and gates it on ``test`` only, with
+thresholds a random student must fail (:func:`flowforge.reward_model.gate.gate_on_test`). A failed gate stops the
+pipeline with the reasons, or with ``stages.on_gate_fail: extend`` moves ``extend_delta`` conditions from C to A
 (:meth:`ConditionLedger.extend_a <flowforge.orchestrate.ledger.ConditionLedger.extend_a>`, recorded once per gate
 attempt), continues A and retrains the student in a new attempt directory, until the gate passes or the cap is
 reached. Stage C resumes A's last checkpoint in its own run directory (the trainer's step, policy, optimizer and
@@ -198,7 +199,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
         ValueError: stage A has judged nothing yet.
     """
     from flowforge.reward_model.data import read_judged_groups, split_groups
-    from flowforge.reward_model.evaluate import evaluate, gate
+    from flowforge.reward_model.gate import gate_on_test
     from flowforge.reward_model.students import load_student
     from flowforge.reward_model.train import train_student
 
@@ -215,16 +216,19 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     groups = list(by_condition.values())
     s = pcfg.student
     log.info("stage B: training a %s student on %d judged groups (attempt %d)", s.kind, len(groups), attempt)
-    result = train_student(s, groups, out)
-    splits = split_groups(groups, s.split_seed, s.split)
+    clusters = sorted(set(ledger.clusters().values()))  # every cluster of the pass: an exact 80/10/10 of them
+    result = train_student(s, groups, out, clusters=clusters)
+    splits = split_groups(groups, s.split_seed, s.split, clusters)
     ledger.mark("used_for_rm", [g.condition_id for g in splits["train"]], stage="B", step=attempt,
                 policy_version=0)
-    # gated on every held-out group (val and test: train_student selects nothing on val), not on test alone
-    held_out = evaluate(load_student(result.student_dir, device=s.device), splits["val"] + splits["test"])
-    passed, reasons = gate(held_out, s.gate)
+    # judged on the test split only: validation chose the epoch (train_student), test selects nothing
+    verdict = gate_on_test(load_student(result.student_dir, device=s.device), splits["test"], s.gate)
+    passed, reasons = verdict["passed"], verdict["reasons"]
     record = {"attempt": attempt, "student": str(result.student_dir), "groups": len(groups),
-              "split_sizes": result.split_sizes, "held_out": held_out, "val": result.val, "test": result.test,
-              "passed": passed, "reasons": reasons, "budget_a": ledger.budget("A")}
+              "split_sizes": result.split_sizes, "best_epoch": result.best_epoch, "val": result.val,
+              "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"], "passed": passed,
+              "reasons": reasons,
+              "budget_a": ledger.budget("A")}
     write_bytes(out / GATE_FILE, json.dumps(record, indent=1, default=float).encode())
     return record
 

@@ -11,7 +11,7 @@ gate it must pass before it may replace the teacher.
       split: [0.8, 0.1, 0.1]    # train / val / test by condition cluster (flowforge.reward_model.data)
       vlm_json: {base: /models/Qwen2.5-VL-3B-Instruct, lora_rank: 16, lora_alpha: 32, lora_dropout: 0.05}
       scalar_head: {image_size: 32, text_encoder: minilm, pairwise_weight: 1.0, regression_weight: 1.0}
-      gate: {min_spearman: 0.6, min_pairwise_accuracy: 0.75, max_mae: 0.15}
+      gate: {min_spearman: 0.6, min_pairwise_accuracy: 0.75, max_mae: 0.15, max_null_pass: 0.01}
 """
 
 from __future__ import annotations
@@ -57,13 +57,17 @@ class ScalarHeadOptions:
 
 @dataclass(frozen=True)
 class GateThresholds:
-    """``student.gate``: held-out agreement the student must reach (:func:`flowforge.reward_model.evaluate.gate`)."""
+    """``student.gate``: agreement with the teacher the student must reach on the **test** split
+    (:func:`flowforge.reward_model.gate.gate_on_test`); the thresholds must be ones a random student fails
+    (``max_null_pass``, :mod:`flowforge.reward_model.null`)."""
 
     min_spearman: float = 0.5  # mean within-group Spearman vs the teacher
     min_pairwise_accuracy: float = 0.7  # fraction of teacher-ordered pairs the student orders the same way
     max_mae: float = 0.25  # mean |student - teacher| on [0, 1]
     max_failure_rate: float = 0.05  # groups the student could not score (unparseable answers)
-    min_groups: int = 1  # held-out groups needed to judge at all
+    min_groups: int = 1  # test groups needed to judge at all
+    max_null_pass: float = 0.01  # a random student may pass these thresholds on the test groups with p < this (1: off)
+    null_trials: int = 2000  # random students drawn for that probability (flowforge.reward_model.null)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,9 @@ class StudentConfig(Section):
         g = self.gate
         c.require(g.min_groups >= 1 and 0 <= g.max_failure_rate <= 1 and g.max_mae >= 0,
                   "student.gate needs min_groups >= 1, max_failure_rate in [0, 1] and max_mae >= 0")
+        c.require(0 < g.max_null_pass <= 1 and g.null_trials >= 100,
+                  f"student.gate.max_null_pass={g.max_null_pass} must be in (0, 1] and null_trials={g.null_trials} "
+                  ">= 100")
         return c.problems
 
 

@@ -13,10 +13,13 @@ times); its **cluster** comes from the condition ledger's map (:meth:`ConditionL
 <flowforge.orchestrate.ledger.ConditionLedger.clusters>`) or, for a condition it does not know, from the prompt
 text (:func:`flowforge.data.clusters.text_cluster`).
 
-**Split** (:func:`split_of`): ``u = int(sha256("<seed>:<cluster>")[:16], 16) / 2**64``; ``train`` when
-``u < f_train``, ``val`` when ``u < f_train + f_val``, else ``test``. A function of the cluster id alone, so every
-group of a cluster lands in the same split (no near-duplicate of a held-out condition is trained on), and a group
-keeps its split when more groups are added.
+**Split** (:func:`split_clusters`): the known cluster ids (the condition ledger's, i.e. every condition the
+pipeline may ever judge) are sorted by ``sha256("<seed>:<cluster>")``; the first ``round(n f_train)`` are ``train``,
+up to ``round(n (f_train + f_val))`` ``val``, the rest ``test`` -- an exact 80/10/10 of the clusters, not of a
+coin flip per cluster. Every group of a cluster lands in the same split (no near-duplicate of a held-out condition
+is trained on), and a group keeps its split when more groups are judged. A cluster outside the known set (or every
+cluster, when none is given) falls back to :func:`split_of`: ``u = int(sha256("<seed>:<cluster>")[:16], 16) /
+2**64``; ``train`` when ``u < f_train``, ``val`` when ``u < f_train + f_val``, else ``test``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from torch import Tensor
@@ -204,12 +207,30 @@ def split_of(cluster: str, seed: int = 0, fractions: Sequence[float] = DEFAULT_F
     return "val" if u < fractions[0] + fractions[1] else "test"
 
 
-def split_groups(groups: Sequence[JudgedGroup], seed: int = 0,
-                 fractions: Sequence[float] = DEFAULT_FRACTIONS) -> dict[str, list[JudgedGroup]]:
-    """``{"train", "val", "test"} -> groups`` by :func:`split_of` of each group's cluster, order kept."""
+def split_clusters(clusters: Iterable[str], seed: int = 0,
+                   fractions: Sequence[float] = DEFAULT_FRACTIONS) -> dict[str, str]:
+    """``cluster -> split`` for the distinct ``clusters``: an exact split of the clusters by the module docstring's
+    rule.
+
+    Raises:
+        ValueError: ``fractions`` are not three non-negative numbers summing to 1.
+    """
+    split_of("", seed, fractions)  # validates the fractions
+    ordered = sorted(set(clusters), key=lambda c: hashlib.sha256(f"{seed}:{c}".encode("utf-8")).hexdigest())
+    n = len(ordered)
+    first, second = round(n * fractions[0]), round(n * (fractions[0] + fractions[1]))
+    return {c: "train" if i < first else "val" if i < second else "test" for i, c in enumerate(ordered)}
+
+
+def split_groups(groups: Sequence[JudgedGroup], seed: int = 0, fractions: Sequence[float] = DEFAULT_FRACTIONS,
+                 clusters: Iterable[str] | None = None) -> dict[str, list[JudgedGroup]]:
+    """``{"train", "val", "test"} -> groups`` by their cluster's split, order kept: :func:`split_clusters` of
+    ``clusters`` (every cluster that may ever be judged, e.g. the condition ledger's), with :func:`split_of` for a
+    cluster outside it; every group by :func:`split_of` when ``clusters`` is None."""
+    assigned = split_clusters(clusters, seed, fractions) if clusters is not None else {}
     out: dict[str, list[JudgedGroup]] = {s: [] for s in SPLITS}
     for group in groups:
-        out[split_of(group.cluster, seed, fractions)].append(group)
+        out[assigned.get(group.cluster) or split_of(group.cluster, seed, fractions)].append(group)
     return out
 
 

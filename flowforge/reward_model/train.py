@@ -6,8 +6,14 @@ Output directory::
       run.json                   the student config, the split (group keys per split) and their fingerprints
       checkpoints/step_000002/   after epoch 2: trainable.pt (the student's trainable weights), optimizer.pt,
                                  history.json, then COMMITTED (written last; a directory without it is discarded)
-      student/                   the final student (:mod:`flowforge.reward_model.students`), COMMITTED last
-      metrics.json               per-epoch history, held-out ``val`` and ``test`` agreement with the teacher
+      best.pt                    the trainable weights of the best epoch on validation so far (and its number)
+      student/                   the selected student (:mod:`flowforge.reward_model.students`), COMMITTED last
+      metrics.json               per-epoch history, the selected epoch, its ``val`` and ``test`` agreement
+
+Epochs are chosen on validation: after every epoch the student is scored on the ``val`` split; the saved student is
+the epoch with the highest validation Spearman (the earliest on a tie; pairwise accuracy when no validation group has
+an order), never the last epoch by default. ``test`` is scored once, on the selected student, and selects nothing.
+Without validation groups the last epoch is kept (``selected_by: "last"``).
 
 Determinism: the groups are split by cluster (:func:`flowforge.reward_model.data.split_groups`); epoch ``e`` visits
 the training groups sorted by ``sha256("<seed>:<e>:<group key>")`` and seeds torch with a hash of ``(seed, e)``
@@ -23,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +47,7 @@ from flowforge.settings.schema import to_dict
 log = logging.getLogger(__name__)
 
 COMMITTED = "COMMITTED"
+BEST_FILE = "best.pt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +60,8 @@ class TrainResult:
     val: dict[str, float]
     test: dict[str, float]
     split_sizes: dict[str, int]
+    best_epoch: int = 0
+    splits: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # group keys per split
 
 
 def _hash_int(*parts: Any) -> int:
@@ -107,6 +117,25 @@ def _save_checkpoint(root: Path, epoch: int, student: Any, optimizer: torch.opti
         remove_marked_dir(old, COMMITTED)
 
 
+def _selection_value(val: dict[str, float]) -> float:
+    """What validation selects epochs by: Spearman, else pairwise accuracy, else -inf (nothing to measure)."""
+    for metric in ("spearman", "pairwise_accuracy"):
+        value = float(val.get(metric, math.nan))
+        if not math.isnan(value):
+            return value
+    return -math.inf
+
+
+def _best_so_far(history: list[dict[str, Any]]) -> int:
+    """The epoch of ``history`` with the highest :func:`_selection_value` of its ``val`` (the earliest on a tie)."""
+    best, value = 0, -math.inf
+    for record in history:
+        v = _selection_value(record.get("val") or {})
+        if v > value:
+            best, value = record["epoch"], v
+    return best
+
+
 def _run_epoch(student: Any, optimizer: torch.optim.Optimizer, cfg: StudentConfig, groups: list[JudgedGroup],
                epoch: int) -> dict[str, float]:
     order = sorted(groups, key=lambda g: hashlib.sha256(f"{cfg.seed}:{epoch}:{g.key}".encode()).hexdigest())
@@ -129,14 +158,17 @@ def _run_epoch(student: Any, optimizer: torch.optim.Optimizer, cfg: StudentConfi
 
 
 def train_student(cfg_section: StudentConfig | dict | None, groups: Sequence[JudgedGroup], out_dir: str | Path, *,
+                  clusters: Sequence[str] | None = None,
                   on_epoch: Callable[[int, dict[str, Any]], None] | None = None) -> TrainResult:
-    """Train a student of ``cfg_section.kind`` on the train split of ``groups`` for ``epochs`` epochs (module
-    docstring), save it to ``out_dir/student`` and measure it on the held-out splits.
+    """Train a student of ``cfg_section.kind`` on the train split of ``groups`` for ``epochs`` epochs, keep the epoch
+    that is best on validation (module docstring), save it to ``out_dir/student`` and score it on ``test``.
 
     Args:
         cfg_section: the ``student`` section (a :class:`StudentConfig`, its mapping, or None for the defaults).
         groups: the judged groups (:func:`flowforge.reward_model.data.read_judged_groups`).
         out_dir: the run directory (created; a rerun continues it).
+        clusters: every cluster that may be judged (the condition ledger's), for the exact cluster split
+            (:func:`flowforge.reward_model.data.split_groups`); None: a hash per cluster.
         on_epoch: called as ``on_epoch(epoch, record)`` after each epoch's checkpoint is committed.
 
     Raises:
@@ -146,16 +178,17 @@ def train_student(cfg_section: StudentConfig | dict | None, groups: Sequence[Jud
     cfg = student_config(cfg_section)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    splits = split_groups(groups, cfg.split_seed, cfg.split)
+    splits = split_groups(groups, cfg.split_seed, cfg.split, clusters)
     if not splits["train"]:
         raise ValueError(f"no training groups among {len(groups)} judged groups (split {cfg.split})")
     _check_run(out, _run_record(cfg, splits))
     sizes = {s: len(splits[s]) for s in SPLITS}
+    keys = {s: [g.key for g in splits[s]] for s in SPLITS}
     final, metrics_file = out / "student", out / "metrics.json"
     if (final / COMMITTED).is_file() and metrics_file.is_file():
         done = json.loads(metrics_file.read_text())
         if len(done["history"]) == cfg.epochs:
-            return TrainResult(final, done["history"], done["val"], done["test"], sizes)
+            return TrainResult(final, done["history"], done["val"], done["test"], sizes, done["best_epoch"], keys)
     student = create_student(cfg)
     optimizer = torch.optim.AdamW(student.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     root = out / "checkpoints"
@@ -168,19 +201,33 @@ def train_student(cfg_section: StudentConfig | dict | None, groups: Sequence[Jud
         log.info("student: resuming after epoch %d from %s", start, latest)
     if start > cfg.epochs:
         raise ValueError(f"{out} already trained {start} epochs; student.epochs={cfg.epochs} is fewer")
+    best_file = out / BEST_FILE
     for epoch in range(start + 1, cfg.epochs + 1):
         record = {"epoch": epoch, "train": _run_epoch(student, optimizer, cfg, splits["train"], epoch)}
         record["val"] = evaluate(student, splits["val"]) if splits["val"] else {}
         history.append(record)
+        if _best_so_far(history) == epoch:  # before the checkpoint: a rerun of this epoch rewrites it identically
+            state = {"epoch": epoch, "state": student.trainable_state()}
+            atomic_write(best_file, lambda tmp, state=state: torch.save(state, tmp))
         _save_checkpoint(root, epoch, student, optimizer, history, cfg.keep_checkpoints)
         if on_epoch is not None:
             on_epoch(epoch, record)
+    best = _best_so_far(history) if splits["val"] else 0
+    if best and best != len(history):
+        saved = torch.load(best_file, weights_only=True)
+        if saved["epoch"] != best:
+            raise RuntimeError(f"{best_file} holds epoch {saved['epoch']}, but validation selects epoch {best}")
+        student.load_trainable_state(saved["state"])
+    best = best or len(history)
     student.eval()
     test = evaluate(student, splits["test"]) if splits["test"] else {}
-    val = history[-1]["val"] if history else {}
+    val = history[best - 1]["val"] if history else {}
     if final.exists():  # an earlier, shorter run's student (or a half-written one): replaced
         remove_marked_dir(final, COMMITTED)
     student.save(final)
     write_bytes(final / COMMITTED, b"")
-    _write_json(metrics_file, {"history": history, "val": val, "test": test, "split_sizes": sizes})
-    return TrainResult(final, history, val, test, sizes)
+    _write_json(metrics_file, {"history": history, "best_epoch": best,
+                               "selected_by": "val" if splits["val"] else "last", "val": val, "test": test,
+                               "split_sizes": sizes})
+    log.info("student: epoch %d of %d selected on validation (%s)", best, len(history), val)
+    return TrainResult(final, history, val, test, sizes, best, keys)

@@ -25,8 +25,10 @@ PIPELINE = {
                 "judge": {"frames": 1, "max_side": 32, "max_concurrency": 2, "timeout_s": 60.0}},
     "student": {"kind": "scalar_head", "epochs": 2, "batch_size": 2, "split": [0.5, 0.0, 0.5],
                 "scalar_head": {"image_size": 16, "channels": [4, 8], "hidden": 8, "text_encoder": "none"},
-                "gate": {"min_spearman": -1.0, "min_pairwise_accuracy": 0.0, "max_mae": 1.0, "min_groups": 1}},
-    "audit": {"first_groups": 2, "every": 0, "min_spearman": -1.0, "min_pairwise_accuracy": 0.0},
+                # mechanics only: a gate and audits any student passes (max_null_pass 1 allows that explicitly)
+                "gate": {"min_spearman": -1.0, "min_pairwise_accuracy": 0.0, "max_mae": 1.0, "min_groups": 1,
+                         "max_null_pass": 1.0}},
+    "audit": {"first_groups": 2, "every": 0, "min_spearman": -1.0, "min_pairwise_accuracy": 0.0, "max_null_pass": 1.0},
 }
 
 

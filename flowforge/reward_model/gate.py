@@ -1,0 +1,45 @@
+"""The student's quality gate, judged on the test split only, with the permutation null beside it.
+
+The gate passes when, on the test groups (clusters never trained on, epochs chosen on the separate validation
+split by :func:`flowforge.reward_model.train.train_student`):
+
+1. the agreement thresholds hold (:func:`flowforge.reward_model.evaluate.gate`: Spearman, pairwise accuracy, MAE,
+   failure rate, ``min_groups``), and
+2. those thresholds are ones a random student fails: the probability that a random ranking of each test group
+   passes both the Spearman and the pairwise threshold (:func:`flowforge.reward_model.null.null_summary`, on the
+   test groups' own teacher scores, ties included) is below ``max_null_pass`` -- too few test groups, or
+   thresholds too low, fail the gate whatever the student scores (``max_null_pass: 1`` turns this off: for
+   tests of the pipeline's mechanics).
+
+The record also holds the student's permutation p-values (``null.spearman_p``, ``null.pairwise_p``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from flowforge.reward_model.config import GateThresholds
+from flowforge.reward_model.evaluate import evaluate, gate
+from flowforge.reward_model.null import null_summary
+
+
+def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThresholds, *,
+                 seed: int = 0) -> dict[str, Any]:
+    """``{"test": agreement, "null": null summary, "passed": bool, "reasons": [...]}`` for ``student`` on
+    ``test_groups`` (module docstring)."""
+    metrics = evaluate(student, test_groups)
+    passed, reasons = gate(metrics, thresholds)
+    teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in test_groups]
+    null: dict[str, float] = {}
+    if teacher:
+        null = null_summary(teacher, thresholds.min_spearman, thresholds.min_pairwise_accuracy, metrics,
+                            trials=thresholds.null_trials, seed=seed)
+        if thresholds.max_null_pass < 1 and not null["pass_probability"] < thresholds.max_null_pass:
+            reasons.append(f"a random student passes min_spearman={thresholds.min_spearman:g} and "
+                           f"min_pairwise_accuracy={thresholds.min_pairwise_accuracy:g} on these "
+                           f"{len(teacher)} test groups with probability {null['pass_probability']:.3g} >= "
+                           f"max_null_pass={thresholds.max_null_pass:g} (too few test groups or thresholds too low)")
+    return {"test": metrics, "null": null, "passed": not reasons, "reasons": reasons}
