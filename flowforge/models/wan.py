@@ -45,10 +45,11 @@ In both layouts the loop (:mod:`flowforge.rollout`) writes :meth:`WanAdapter.enc
 prompt's first-frame image into :attr:`WanAdapter.condition_index` of the start latent and of every forward-process
 visit, steps only :attr:`WanAdapter.generated_index` (so the slot is re-pinned after every stochastic step) and takes
 log-probs and losses over the generated elements only. Not done here: last-frame conditioning (FLF2V:
-``last_image``, ``pos_embed_seq_len``), and Wan2.2 A14B's two experts (``transformer_2`` / ``boundary_ratio``;
-:func:`load_wan` refuses such a directory). The CLIP tokens are computed from the images the adapter is given
-(the trainer's: already resized to the video size by ``load_condition_images``), while the pipeline hands CLIP the
-caller's original image; the two agree exactly when the source image already has the video size.
+``last_image``, ``pos_embed_seq_len``). Wan2.2 A14B's two experts (``transformer_2`` / ``boundary_ratio``):
+:func:`load_wan` loads both into one :class:`flowforge.models.wan_experts.WanExperts` transformer. The CLIP tokens
+are computed from the images the adapter is given (the trainer's: already resized to the video size by
+``load_condition_images``), while the pipeline hands CLIP the caller's original image; the two agree exactly when
+the source image already has the video size.
 """
 
 from __future__ import annotations
@@ -459,17 +460,18 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
     resolved through ``transformers`` as diffusers does) are loaded too; the text encoder never loads them.
 
     Raises:
-        FileNotFoundError: not a pipeline directory. ValueError: a two-expert (Wan2.2 A14B) directory; an
-        ``image_dim`` i2v directory without ``image_encoder`` / ``image_processor``.
+        FileNotFoundError: not a pipeline directory. ValueError: a two-expert (Wan2.2 A14B) directory missing
+        ``transformer_2`` or ``boundary_ratio``; an ``image_dim`` i2v directory without ``image_encoder`` /
+        ``image_processor``. A complete two-expert directory gives an adapter whose ``transformer`` is a
+        :class:`~flowforge.models.wan_experts.WanExperts`.
     """
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
     root = pipeline_dir(path, "Wan")
     index = read_json(root / "model_index.json")
-    if has_component(root, "transformer_2") or index.get("boundary_ratio") is not None:
-        raise ValueError(f"{path!s}: two-expert Wan2.2 pipelines (transformer_2 / boundary_ratio) are not supported")
-    transformer = WanTransformer3DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
-                                                        local_files_only=True).to(device)
+    two_experts = has_component(root, "transformer_2") or index.get("boundary_ratio") is not None
+    transformer = None if two_experts else WanTransformer3DModel.from_pretrained(
+        str(root / "transformer"), torch_dtype=dtype, local_files_only=True).to(device)
     vae = None
     if has_component(root, "vae"):
         # The diffusers Wan examples keep the VAE in fp32.
@@ -478,6 +480,10 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
     if text_encoder is None and has_component(root, "text_encoder"):
         text_encoder = wan_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
                                 min_tokenizer_size=min_tokenizer_size, pipeline_class=index["_class_name"])
+    if two_experts:  # Wan2.2 A14B: both experts in one module (flowforge.models.wan_experts)
+        from flowforge.models.wan_experts import load_wan_experts
+
+        transformer = load_wan_experts(root, index, dtype=dtype, device=device)
     image_encoder = image_processor = None
     if getattr(transformer.config, "image_dim", None) is not None:
         image_encoder, image_processor = load_image_encoder(root, index, device)
