@@ -257,6 +257,28 @@ class WorldModelAdapter(AdapterMixin):
                 p.requires_grad_(True)
         return {n: p for n, p in self.transformer.named_parameters() if p.requires_grad}
 
+    def leverage_warnings(self, trainable: str, modules: Sequence[str] | None, *, threshold: float = 1e-2) -> list[str]:
+        """Warnings when what ``lora.trainable`` / ``lora.modules`` train can barely change the video: a trained set
+        that reaches the video only through the coupling attention (B or anything else in ``latent_state_rollout``,
+        or LoRA on the coupling's q / k / v / out) while no coupling gate is trained and every gate is under
+        ``threshold`` in size (then the coupling adds at most 1% of its attention output to the residual stream:
+        demo:world's gates ended at ~1e-4 in SFT)."""
+        modules = tuple(modules or ())
+        through_state = [m for m in modules if m == "latent_state_rollout" or m.startswith("latent_state_rollout.")]
+        lora = "lora" in trainable and trainable != "full"
+        gates_trained = any(m == "blocks" or (m.startswith("blocks.") and (m.endswith(".coupling") or m.count(".") < 2))
+                            for m in modules)
+        if trainable == "full" or gates_trained or not (through_state or lora):
+            return []
+        gates = [float(b.coupling.gate.detach().abs().max()) for b in self.transformer.blocks]
+        if max(gates) >= threshold:
+            return []
+        what = " and ".join([f"{through_state}"] * bool(through_state) + ["LoRA on the coupling attention"] * lora)
+        return [f"lora.trainable={trainable!r} trains {what}, which reach the video only through the coupling "
+                f"attention, but every coupling gate of this model is ~0 (max |gate| {max(gates):.1e} < {threshold}) "
+                "and none is trained: this run can barely change the video. Train the gates too (lora.modules "
+                "with blocks.<i>.coupling) or start from a model whose gates opened in SFT"]
+
     # ------------------------------------------------------------------ files
 
     def provenance_table(self) -> str:

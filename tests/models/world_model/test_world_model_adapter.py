@@ -2,6 +2,7 @@
 provenance and source protection, save / load."""
 
 import hashlib
+import pathlib
 
 import pytest
 import torch
@@ -158,3 +159,30 @@ def test_provenance_refuses_a_checkpoint_missing_a_module(adapter, tmp_path):
     _rewrite(src, extra={"blocks.9.coupling.q.weight": torch.zeros(2, 2)})
     with pytest.raises(prov.ProvenanceError, match="unexpected"):
         load_world_model(src, allow_init=["latent_state_rollout.transition"])
+
+
+def test_leverage_warnings_with_the_shipped_gates():
+    """demo:world's coupling gates are ~0: B-only and coupling-LoRA are warned, training the gates or opening them
+    is not; check_loaded_model logs and returns the warning before anything is written."""
+    from flowforge.config import load_config
+    from flowforge.demo.paths import resolve_demo_path
+    from flowforge.models import build_adapter
+    from flowforge.train.preflight.loaded import check_loaded_model
+
+    shipped = build_adapter("world_model", str(resolve_demo_path("demo:world")), task="i2v")
+    b_only = ["latent_state_rollout.transition"]
+    assert "barely change the video" in shipped.leverage_warnings("module", b_only)[0]
+    assert "LoRA on the coupling" in shipped.leverage_warnings("lora", None)[0]
+    assert shipped.leverage_warnings("module+lora", b_only)
+    assert shipped.leverage_warnings("module", [*b_only, "blocks.0.coupling"]) == []  # a gate is trained
+    assert shipped.leverage_warnings("module", ["blocks.1"]) == []
+    assert shipped.leverage_warnings("module", [*b_only, "blocks.0.coupling.q"])  # q alone leaves the gate shut
+    assert shipped.leverage_warnings("full", None) == []
+    example = pathlib.Path(__file__).resolve().parents[3] / "examples" / "worldmodel" / "nft.yaml"
+    cfg = load_config(example, ["lora.modules=[latent_state_rollout.transition]"])
+    assert len(check_loaded_model(cfg, shipped)) == 1
+    assert check_loaded_model(load_config(example, []), shipped) == []  # the example trains the gates
+    with torch.no_grad():
+        for block in shipped.transformer.blocks:
+            block.coupling.gate.fill_(0.5)
+    assert shipped.leverage_warnings("module", b_only) == []
