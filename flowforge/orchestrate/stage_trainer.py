@@ -17,8 +17,8 @@ from the condition ledger and, in stage C, teacher audits of the student.
 6. **finish** -- the conditions are marked ``trained_on`` with the policy version after the update (the optimizer
    steps so far), unless the step was skipped.
 
-Evaluation never calls a paid judge (a scorer with ``paid = True``: the teacher): the held-out eval scores the other
-components and ``eval.scorers`` only.
+Evaluation never calls a paid judge (a scorer with ``paid = True``: the teacher) unless ``eval.teacher_groups`` asks
+for it: then it scores the groups of the first that many held-out prompts, billed against the budget.
 
 Audits (:class:`Auditor`): the teacher scores every group of an audited step; agreement with the student's scores of
 the same candidates (:func:`flowforge.reward_model.evaluate.agreement`: within-group Spearman, pairwise accuracy,
@@ -243,17 +243,40 @@ class StageTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        """The held-out eval without the paid judges (module docstring)."""
-        free = {n: s for n, s in self.rewards.scorers.items() if not getattr(s, "paid", False)}
-        if not free:
-            log.warning("eval step %d skipped: every scorer is a paid judge and eval.scorers is empty", step)
-            return {}
-        full = self.rewards
-        self.rewards = RewardProcessor(free, {}, batch_size=self.cfg.reward.batch_size)
+        """The held-out eval, paid judges only on its first ``eval.teacher_groups`` groups (module docstring)."""
+        self._eval_step = step
         try:
             return super().evaluate(step)
         finally:
-            self.rewards = full
+            self._eval_step = None
+
+    def score_media(self, media, records, group_ids, dist=None):
+        """Training: every component. Evaluation (:meth:`evaluate`): the free components and ``eval.scorers`` on
+        every held-out group, a paid judge (``paid = True``: the teacher) on the groups of the first
+        ``eval.teacher_groups`` prompts only (bound as ``eval``: its requests are billed against the budget), NaN
+        elsewhere -- so ``eval/<judge>`` is its mean over those groups, absent when there are none."""
+        step = getattr(self, "_eval_step", None)
+        if step is None:
+            return super().score_media(media, records, group_ids, dist)
+        scorers = self.rewards.scorers
+        free = {n: s for n, s in scorers.items() if not getattr(s, "paid", False)}
+        paid = {n: s for n, s in scorers.items() if n not in free}
+        components, metrics = (RewardProcessor(free, {}, batch_size=self.cfg.reward.batch_size)(
+            media, [r.prompt for r in records], [r.metadata for r in records], group_ids) if free else ({}, {}))
+        rows = torch.nonzero(group_ids < self.cfg.eval.teacher_groups).view(-1)
+        if paid and rows.numel():
+            for scorer in paid.values():
+                bind = getattr(scorer, "bind", None)
+                if callable(bind):
+                    bind(stage=self.stage, purpose="eval", step=step, policy_version=self.policy_version)
+            sub, _ = RewardProcessor(paid, {}, batch_size=self.cfg.reward.batch_size)(
+                media[rows], [records[i].prompt for i in rows.tolist()], [records[i].metadata for i in rows.tolist()],
+                group_ids[rows])
+            for name, values in sub.items():
+                full = torch.full((len(records),), math.nan, device=values.device)
+                full[rows.to(values.device)] = values
+                components[name] = full
+        return components, metrics
 
     def finish_step(self, step, batch, media, local, adv_metrics, times):
         if not local.get("train/skipped", 0.0):

@@ -289,10 +289,12 @@ class EvalConfig(Section):
     scorers: tuple[str, ...] = ()  # eval-only scorers beside the reward components (e.g. digit_eval)
     max_prompts: int | None = None
     batch_size: int = 32
+    teacher_groups: int = 0  # pipeline stages: held-out groups (first prompts) a paid judge scores per eval; 0: none
 
     def problems(self) -> list[str]:
         c = Checks(self)
         c.positive("batch_size", "samples_per_prompt", "max_prompts")
+        c.positive("teacher_groups", allow_zero=True)
         c.positive("every", allow_zero=True)
         return c.problems
 

@@ -259,3 +259,19 @@ def test_the_teacher_budget_stops_the_pipeline_before_it_is_exceeded(pipeline):
     keys = log_keys(directory / "teacher" / "requests.log")
     assert len(keys) == 4 and keys[:2] == first
     assert set(billed_per_group(read_request_log(directory / "teacher" / "requests.log")).values()) == {1}
+
+
+def test_evaluation_asks_the_teacher_only_for_eval_teacher_groups(pipeline):
+    """Evaluation never calls the teacher unless eval.teacher_groups asks: then the first N held-out groups of each
+    eval (2 evals in A: at the start and the end), bound as 'eval' and billed like the rest."""
+    _, pcfg, directory = pipeline(stages={"n_a": 4}, eval={"teacher_groups": 1})
+    assert run_pipeline(pcfg, stage="A", progress=False).status == "done"
+    records = read_request_log(directory / "teacher" / "requests.log")
+    assert len(records) == 4 + 2 and set(billed_per_group(records).values()) == {1}
+    from flowforge.rewards.judge.ledger import RequestLedger
+
+    book = RequestLedger(directory / "A" / "judge" / "ledger.sqlite")
+    purposes = sorted((e.slot.purpose, e.slot.step) for e in book.entries())
+    assert purposes == [("eval", 0), ("eval", 2), ("train", 0), ("train", 0), ("train", 1), ("train", 1)]
+    evals = [json.loads(line) for line in (directory / "A" / "eval.jsonl").read_text().splitlines()]
+    assert all(0.0 <= e["eval/vlm_judge"] <= 1.0 and "eval/digit_eval" in e for e in evals) and len(evals) == 2
