@@ -1,0 +1,56 @@
+"""A random student swapped in mid-C is stopped by the audits (thresholds a random student passes with p < 0.01 at
+one audited step's 4 groups of 8) within two audits, at the last checkpoint an audit passed; the student it replaced
+passed every audit before the swap."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from flowforge.orchestrate.config import check_pipeline, load_pipeline
+from flowforge.orchestrate.stages import run_pipeline
+from flowforge.reward_model import scalar_head
+from tests.orchestrate.support import write_pipeline
+
+SWAP_AFTER = 3  # student calls (one per C step) before the random student takes over
+
+
+def test_a_random_student_swapped_in_mid_c_is_stopped_within_two_audits(tiny_model_dir, tmp_path,
+                                                                        encode_cache_dir, monkeypatch):
+    path = write_pipeline(
+        tmp_path / "p.yaml", tiny_model_dir, tmp_path / "runs", encode_cache_dir,
+        data={"prompts_per_step": 4, "group_size": 8},
+        train={"micro_batch_size": 8},
+        stages={"n_a": 16, "c_steps": 6, "student_serving": "in_process"},
+        # a teacher a small CNN can learn from 16 groups: the candidates' brightness
+        teacher={"scorer": "tests.serve.judge_support:Brightness"},
+        student={"epochs": 15, "lr": 3e-3, "split": [0.5, 0.25, 0.25]},
+        audit={"first_groups": 4, "every": 2, "min_spearman": 0.45, "min_pairwise_accuracy": 0.67,
+               "max_null_pass": 0.01},
+        checkpoint={"keep": 10})
+    pcfg = load_pipeline(path)
+    check_pipeline(pcfg)  # the audit thresholds pass the null check at 4 groups of 8
+    real_call = scalar_head.ScalarHeadScorer.__call__
+    calls = []
+    generator = torch.Generator().manual_seed(0)
+
+    def swapped(self, media, prompts, metadata):
+        calls.append(len(prompts))
+        if len(calls) <= SWAP_AFTER:
+            return real_call(self, media, prompts, metadata)
+        return torch.rand(len(prompts), generator=generator)  # a random student
+
+    monkeypatch.setattr(scalar_head.ScalarHeadScorer, "__call__", swapped)
+    outcome = run_pipeline(pcfg, progress=False)
+    directory = tmp_path / "runs" / "p"
+    audits = [json.loads(line) for line in (directory / "C" / "audit.jsonl").read_text().splitlines()]
+    first_c = 4
+    swap_step = first_c + SWAP_AFTER
+    before = [a for a in audits if a["step"] < swap_step]
+    after = [a for a in audits if a["step"] >= swap_step]
+    assert before and all(a["passed"] for a in before), before  # the trained student passed its audits
+    assert outcome.status == "audit_stopped", outcome
+    assert 1 <= len(after) <= 2 and not after[-1]["passed"]  # stopped within two audits of the swap
+    last_passed = max(a["step"] for a in before)
+    assert outcome.last_good.endswith(f"step_{last_passed:06d}")
