@@ -28,3 +28,16 @@ def load_config_file(path: Path, overrides: list[str]):
         return load_config(path, overrides)
     except (UnicodeDecodeError, OSError) as exc:  # the config file itself: the only file load_config reads
         raise file_error(path, exc, "give a YAML config file") from exc
+
+
+def finite_float(text: str) -> float:
+    """argparse ``type`` for a float flag: a finite number (``nan``, ``inf`` and ``-inf`` refused, exit 2)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value

@@ -18,6 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from flowforge.cli.common import finite_float
+
 HELP = "prepare, curate and inspect prompt files (unified JSONL schema)"
 
 
@@ -52,7 +54,7 @@ def _add_curate(verbs) -> None:
                    help="drop shorter prompts (default 6; 0 keeps all)")
     p.add_argument("--eval-size", type=int, default=None, metavar="N",
                    help="eval records (default 2048; with --eval-fraction: the cap on the fraction)")
-    p.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+    p.add_argument("--eval-fraction", type=finite_float, default=None, metavar="F",
                    help="eval share of the kept records, in (0, 1)")
     p.add_argument("--eval-subset-sizes", type=int, nargs="*", default=[64, 256], metavar="N",
                    help="nested eval subsets PREFIXeval<N>.jsonl (default 64 256; none when given empty)")

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowforge.cli.common import finite_float
+
 HELP = "write RUN_DIR/report.html from its logs"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser("report", help=HELP)
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--smooth", type=float, default=0.0, metavar="A",
+    parser.add_argument("--smooth", type=finite_float, default=0.0, metavar="A",
                         help="moving-average weight in [0, 1) drawn over the training curves (default 0: raw)")
     return parser
 

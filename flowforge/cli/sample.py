@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowforge.cli.common import finite_float
+
 HELP = "generate images with a run's or an export's model; writes each PNG and a labelled grid"
 
 
@@ -21,7 +23,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "demo:world-eval (i2i / i2v need metadata.image)")
     parser.add_argument("--num", type=int, default=4, help="images per prompt (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
-    parser.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the run's sampler)")
+    parser.add_argument("--guidance", type=finite_float, default=None,
+                        help="guidance scale (default: the run's sampler)")
     parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: the run's sampler)")
     parser.add_argument("--out", type=Path, required=True,
                         help="the labelled grid (.png); each image goes to <stem>_<i>.png beside it")

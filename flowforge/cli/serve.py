@@ -19,6 +19,7 @@ import argparse
 import math
 from pathlib import Path
 
+from flowforge.cli.common import finite_float
 from flowforge.runtime.errors import UserError
 
 HELP = "run a flowforge HTTP service (reward scorers, judge)"
@@ -35,7 +36,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def _add_pixel_budget(parser) -> None:
-    parser.add_argument("--max-request-mpixels", type=float, default=32.0, metavar="M",
+    parser.add_argument("--max-request-mpixels", type=finite_float, default=32.0, metavar="M",
                         help="decoded megapixels (2^20) per request, all images and frames together, read from the "
                         "image headers before decoding (default 32)")
 
@@ -56,7 +57,7 @@ def _add_reward(servers) -> None:
     parser.add_argument("--device", default="cpu", help="device the media are scored on (cpu, cuda, cuda:N)")
     parser.add_argument("--max-batch", type=int, default=256, help="most media items per request")
     _add_pixel_budget(parser)
-    parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB")
+    parser.add_argument("--max-body-mb", type=finite_float, default=64.0, help="largest request body, MiB")
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
     add_server_args(parser, REWARD_PORT)
 
@@ -98,7 +99,7 @@ def _add_judge(servers) -> None:
     backend.add_argument("--model", help="a local Hugging Face image-text-to-text model directory")
     backend.add_argument("--student", help="a saved student reward model directory (flowforge.reward_model)")
     parser.add_argument("--options", type=Path, default=None, help="YAML file: keyword options for the scorer")
-    parser.add_argument("--score-range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"),
+    parser.add_argument("--score-range", type=finite_float, nargs=2, default=(0.0, 1.0), metavar=("LO", "HI"),
                         help="scorer scores mapped linearly from [LO, HI] to the judge's [0, 100] (default 0 1)")
     parser.add_argument("--model-name", default=None, help="model id served (default: the scorer / directory name)")
     parser.add_argument("--request-log", type=Path, default=None, help="append each received request's key here")
@@ -107,7 +108,7 @@ def _add_judge(servers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="cap on a request's max_tokens (--model)")
     parser.add_argument("--max-images", type=int, default=512, help="most images per request")
     _add_pixel_budget(parser)
-    parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB")
+    parser.add_argument("--max-body-mb", type=finite_float, default=64.0, help="largest request body, MiB")
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
     add_server_args(parser, JUDGE_PORT)
 

@@ -194,6 +194,8 @@ def places(cli_run, tiny_model_dir, tmp_path_factory):
     (tmp / "foreign" / "precious.txt").write_text("keep")
     (tmp / "a_file").write_text("keep")
     (tmp / "not_a_run").mkdir()
+    (tmp / "good.jsonl").write_text("".join(json.dumps({"prompt": f"a handwritten {i}", "metadata": {
+        "task": "t2i", "sample_id": f"g{i}"}}) + "\n" for i in range(6)))
     _bad_prompt_files(tmp)
     _damaged_runs(cli_run, tmp)
     broken = Path(shutil.copytree(tiny_model_dir, tmp / "broken_model"))
@@ -201,7 +203,7 @@ def places(cli_run, tiny_model_dir, tmp_path_factory):
     weights.write_bytes(b"\x07" * weights.stat().st_size)
     return {"run": str(cli_run), "run_parent": str(cli_run.parent), "base": str(tiny_model_dir), "tmp": str(tmp),
             "cwd": str(tmp / "cwd"), "example": EXAMPLE, "run_config": str(cli_run / "config.yaml"),
-            "ckpt": str(cli_run / "checkpoints" / "step_000001")}
+            "ckpt": str(cli_run / "checkpoints" / "step_000001"), "run_name": cli_run.name}
 
 
 def train(*overrides):
@@ -358,6 +360,19 @@ CASES = [
     pytest.param(["report", "{tmp}/foreign"], ["foreign", "not a flowforge run directory"], id="report-not-a-run"),
     pytest.param(["sample", "{tmp}/not_a_run", "--prompt", "a seven", "--out", "{tmp}/s.png"], ["not_a_run"],
                  id="sample-not-a-run"),
+    # --- issue 24: no command writes into what it did not create; sample bounded before allocation ---
+    pytest.param(["sample", "{run}", "--prompt", "a seven", "--out", "{run}/samples/step_000001.png"],
+                 ["--out", "lies inside"], id="write-sample-onto-the-eval-grid"),
+    pytest.param(["sample", "{run}", "--prompt", "a seven", "--out", "{ckpt}/weights/live.png"],
+                 ["--out", "lies inside"], id="write-sample-into-a-checkpoint"),
+    pytest.param(["sample", "{run}", "--prompt", "a", "--out", "{run}/samples/../y.png"],
+                 ["--out", "lies inside"], id="write-sample-through-dotdot"),
+    pytest.param(["data", "curate", "--input", "{tmp}/good.jsonl", "--out-dir", "{run}/data"],
+                 ["--out-dir", "run directory"], id="write-curate-into-a-run"),
+    pytest.param(["data", "prepare", "--source", "jsonl", "--input", "{tmp}/good.jsonl", "--output",
+                  "{tmp}/foreign/../good.jsonl", "--overwrite"], ["is the input"], id="write-prepare-onto-its-input"),
+    pytest.param(["sample", "{run}", "--prompt", "a seven", "--out", "{tmp}/n.png", "--num", "1000000000"],
+                 ["--num", "limit"], id="value-sample-num-huge"),
 ]
 
 
@@ -390,6 +405,14 @@ USAGE_CASES = [
                  id="export-step-not-int"),
     pytest.param(["export", "{run}", "{tmp}/u4", "--form", "adapter", "--weights", "best"], ["best"],
                  id="export-bad-weights"),
+    pytest.param(["sample", "{run}", "--prompt", "a", "--out", "{tmp}/g.png", "--guidance", "nan"], ["nan"],
+                 id="sample-guidance-nan"),
+    pytest.param(["sample", "{run}", "--prompt", "a", "--out", "{tmp}/g.png", "--guidance", "inf"], ["inf"],
+                 id="sample-guidance-inf"),
+    pytest.param(["report", "{run}", "--smooth", "nan"], ["nan"], id="report-smooth-nan"),
+    pytest.param(["data", "curate", "--input", "{tmp}/x.jsonl", "--out-dir", "{tmp}/o", "--eval-fraction=-inf"],
+                 ["-inf"], id="curate-eval-fraction-inf"),
+    pytest.param(["serve", "reward", "--scorers", "digit", "--max-body-mb", "nan"], ["nan"], id="serve-body-nan"),
 ]
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,27 @@ def read_prompts(prompts: Sequence[str], prompt_file: str | Path | None, task: s
     return records
 
 
+MAX_IMAGES = 4096
+"""Most images (prompts x ``num``) one ``sample`` call makes: every one is held in memory until the grid is drawn."""
+MAX_PIXELS = 2**28
+"""Most output pixels (images x frames x H x W) of one call: 256 Mi pixels, 3 GiB as float32 RGB."""
+
+
+def check_budget(n_prompts: int, num: int, height: int, width: int, frames: int | None) -> None:
+    """Refuse, before anything is allocated, a call whose images or pixels exceed :data:`MAX_IMAGES` /
+    :data:`MAX_PIXELS`.
+
+    Raises:
+        UserError: naming ``--num`` and the counts.
+    """
+    images = n_prompts * num
+    pixels = images * max(1, frames or 1) * height * width
+    if images > MAX_IMAGES or pixels > MAX_PIXELS:
+        raise UserError("--num", f"{num} images for each of {n_prompts} prompt(s) is {images} images of "
+                        f"{max(1, frames or 1)}x{height}x{width} ({pixels} pixels), over the limit of {MAX_IMAGES} "
+                        f"images and {MAX_PIXELS} pixels per call", "sample in several calls with other --seed values")
+
+
 def schedule(model: SampleModel, steps: int | None) -> torch.Tensor:
     """The run's ``[T+1]`` fp32 sampling schedule with ``T = steps`` (default ``sampler.num_steps``), computed as
     the trainer does (:meth:`flowforge.train.trainer.Trainer._schedule`)."""
@@ -138,11 +160,16 @@ def sample(model: SampleModel, records: list[PromptRecord], *, num: int = 1, see
         ``[P * num, 3, H, W]`` (video ``[P * num, 3, F, H, W]``) float32 in [0, 1] on CPU, prompt-major.
 
     Raises:
-        ValueError: ``num``, ``steps`` or ``batch_size`` < 1.
+        UserError: ``num``, ``steps`` or ``batch_size`` < 1; a non-finite ``guidance``; more than
+            :data:`MAX_IMAGES` images or :data:`MAX_PIXELS` pixels (:func:`check_budget`), checked before the noise is
+            allocated.
     """
     if num < 1 or batch_size < 1 or (steps is not None and steps < 1):
         raise UserError("--num / --steps / --batch-size", f"must be >= 1, got {num} / {steps} / {batch_size}")
+    if guidance is not None and not math.isfinite(float(guidance)):
+        raise UserError("--guidance", f"is {guidance}", "give a finite number")
     m = model.cfg.model
+    check_budget(len(records), num, m.height, m.width, m.frames)
     g = model.cfg.sampler.guidance_scale if guidance is None else float(guidance)
     device = next(model.adapter.transformer.parameters()).device
     sigmas = schedule(model, steps)
@@ -192,7 +219,10 @@ def run_sample(source: str | Path, out: str | Path, *, prompts: Sequence[str] = 
         raise UserError("--out", f"{out} is not a .png file", "name the grid e.g. grid.png")
     cfg = source_config(source)  # the prompts are checked before any model loads
     check_sample_targets(out, source=source, prompt_file=prompt_file, base=base)
+    if num < 1:
+        raise UserError("--num", f"must be >= 1, got {num}")
     records = read_prompts(prompts, prompt_file, cfg.model.task, image_prompts=cfg.data.eval_prompts)
+    check_budget(len(records), num, cfg.model.height, cfg.model.width, cfg.model.frames)  # before any model loads
     model = load_for_sampling(source, device=device, base=base)
     media = sample(model, records, num=num, seed=seed, guidance=guidance, steps=steps, batch_size=batch_size)
     tiles = [to_pil(x) for x in media]
