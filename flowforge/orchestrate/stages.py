@@ -62,8 +62,8 @@ STAGES = ("A", "B", "C")
 @dataclasses.dataclass
 class Outcome:
     """How a pipeline invocation ended: ``status`` is ``done`` (every stage asked for finished), ``gate_failed``,
-    ``audit_stopped`` or ``budget_exhausted`` (``teacher.max_requests`` would have been exceeded); ``reason`` says why it stopped; ``last_good`` is the checkpoint to use after an audit
-    stop."""
+    ``audit_stopped`` or ``budget_exhausted`` (``teacher.max_requests`` would have been exceeded); ``reason``
+    says why it stopped; ``last_good`` is the checkpoint to use after an audit stop."""
 
     status: str
     reason: str = ""

@@ -399,7 +399,8 @@ def decode_image_bytes(data: bytes, what: str = "image") -> Tensor:
 
 
 def read_request_log(path: str | Path) -> list[dict[str, Any]]:
-    """Every line of a judge server's request log (``flowforge serve judge --request-log``) (a torn last line after a kill is skipped); ``[]`` when the file is missing."""
+    """Every line of a judge server's request log (``flowforge serve judge --request-log``); a torn last line after
+    a kill is skipped; ``[]`` when the file is missing."""
     path = Path(path)
     if not path.is_file():
         return []
