@@ -89,7 +89,12 @@ def error_message(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (table above)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after an option (``stages CFG --no-progress run.name=x``): argparse ends a "*" positional
+        if not isinstance(getattr(args, "overrides", None), list) or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     args.debug = bool(getattr(args, "debug", False)) or _debug_from_env()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -541,3 +541,16 @@ def test_in_process_harness_agrees_with_the_process(places, case):
 def test_in_process_harness_agrees_on_a_usage_error(places):
     args = ["export", places["run"], f"{places['tmp']}/u5", "--form", "fused"]
     assert run_cli(args, places["cwd"], in_process=True)[::2] == run_cli(args, places["cwd"])[::2]
+
+
+def test_overrides_after_an_option_are_overrides(places):
+    """Issue 24: ``stages CFG --no-progress run.name=x`` (and every config verb) takes overrides after options."""
+    from flowforge.cli import _parser
+
+    rc, _, stderr = run_cli(["stages", "{tmp}/missing.yaml".format(**places), "--no-progress", "run.name=x"],
+                            places["cwd"], in_process=True)
+    assert_one_line_error(rc, stderr, ["missing.yaml"])  # reached the config, not "unrecognized arguments"
+    rc, _, stderr = run_cli(["stages", "{tmp}/missing.yaml".format(**places), "--no-progress", "--bogus"],
+                            places["cwd"], in_process=True)
+    assert_usage_error(rc, stderr, ["--bogus"])
+    assert _parser().parse_known_args(["stages", "p.yaml", "--no-progress", "run.name=x"])[1] == ["run.name=x"]
