@@ -132,6 +132,7 @@ def _servers_of(token_file: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # a pipeline killed and rerun (multi-process, tens of seconds): CI runs it after the default set
 @pytest.mark.parametrize("kill_in", ["A", "C"])
 def test_kill_9_and_rerun_never_bill_a_group_twice(pipeline, kill_in):
     """Killed while a judge request is in flight (between send and record); the rerun continues the stage: the
