@@ -135,3 +135,35 @@ def test_policy_bank_state_dict_round_trip(tiny_model_dir, tmp_path, encode_cach
     assert fresh.policy.optimizer_steps == trained.policy.optimizer_steps > 0
     assert fresh.policy.scheduler.state_dict() == trained.policy.scheduler.state_dict()
     assert fresh.policy.lr == trained.policy.lr
+
+
+def test_checkpoints_leave_the_run_unchanged_and_an_interrupted_run_without_one_says_so(
+        tiny_model_dir, tmp_path, encode_cache_dir):
+    """every=1 vs every=0: the same metrics and weights (a save only reads the RNG states). A run stopped after 2 of
+    3 steps with every=0 has nothing to resume: resume=auto and export say so; with every=1 resume=auto continues."""
+    from flowforge.tools.export.out import ExportError
+    from flowforge.tools.export.source import pick_checkpoint
+
+    def cfg(name, *more):
+        return tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, f"run.name={name}", "train.steps=3",
+                        "eval.every=0", *more)
+
+    never = Trainer(cfg("never", "checkpoint.every=0"), progress=False)
+    never.train(stop_at=2)
+    saving = Trainer(cfg("saving", "checkpoint.every=1"), progress=False)
+    saving.train(stop_at=2)
+    assert _rows(never.run_dir) == _rows(saving.run_dir) and len(_rows(never.run_dir)) == 2
+    _assert_same(_state(never), _state(saving))
+
+    lost = "the run was interrupted at step 2 of 3 before any checkpoint (checkpoint.every=0)"
+    assert ckpt.lost_progress(never.run_dir) == lost and ckpt.lost_progress(saving.run_dir) is None
+    path, notes = ckpt.resolve_resume(never.run_dir, "auto")
+    assert path is None and notes == [f"{lost}: nothing to resume, starting from step 0; {ckpt.NO_CHECKPOINT_FIX}"]
+    with pytest.raises(ExportError, match=r"interrupted at step 2 of 3 before any checkpoint.*checkpoint.every > 0"):
+        pick_checkpoint(never.run_dir, None)
+
+    del saving
+    resumed = Trainer(cfg("saving", "checkpoint.every=1", "train.resume=auto"), progress=False)
+    assert resumed.step == 2
+    resumed.train()
+    assert [r["step"] for r in _rows(resumed.run_dir)] == [1, 2, 3]

@@ -81,8 +81,11 @@ def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
     committed = ckpt.committed_checkpoints(run_dir)
     if step is None:
         if not committed:
+            lost = ckpt.lost_progress(run_dir)
+            if lost:
+                raise ExportError(run_dir, lost, ckpt.NO_CHECKPOINT_FIX)
             raise ExportError(run_dir / ckpt.CHECKPOINTS_DIR, "holds no committed checkpoint",
-                              "train with checkpoint.every > 0")
+                              "train with checkpoint.every > 0 (a run that ends saves one at its last step)")
         return committed[-1]
     path = run_dir / ckpt.CHECKPOINTS_DIR / ckpt.step_dir_name(step)
     if not ckpt.is_committed(path):

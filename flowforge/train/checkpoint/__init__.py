@@ -84,7 +84,8 @@ from flowforge.runtime.durable import (atomic_write, demote, fsync_path, only_la
                                        sha256_file, step_dir_name, step_dirs, step_of, write_bytes)
 from flowforge.runtime.errors import UserError, file_error
 from flowforge.runtime.rng import capture_rng
-from flowforge.runtime.run_dir import CHECKPOINTS_DIR, MARKER, committed_checkpoints, is_committed
+from flowforge.runtime.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, MARKER, METRICS_FILE, committed_checkpoints,
+                                       is_committed)
 
 log = logging.getLogger("flowforge")
 
@@ -322,6 +323,37 @@ def _rel(run_dir: Path, p: Path) -> str:
         return str(p)
 
 
+def lost_progress(run_dir: str | Path) -> str | None:
+    """What happened to a run directory that holds no committed checkpoint, for a user about to resume or export it:
+    e.g. ``"the run was interrupted at step 5 of 20 before any checkpoint (checkpoint.every=0)"``, read from its
+    ``metrics.jsonl`` (the last logged step) and ``config.yaml`` (``train.steps``, ``checkpoint.every``). ``None``
+    when the directory has a committed checkpoint or logged no step. Never raises: an unreadable file gives ``?``."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    if committed_checkpoints(run_dir):
+        return None
+    done = None
+    try:
+        for line in (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                done = json.loads(line).get("step", done)
+    except (OSError, ValueError):
+        pass
+    if done is None:
+        return None
+    try:
+        cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8")) or {}
+        total, every = cfg.get("train", {}).get("steps", "?"), cfg.get("checkpoint", {}).get("every", 0)
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        total, every = "?", "?"
+    return f"the run was interrupted at step {done} of {total} before any checkpoint (checkpoint.every={every})"
+
+
+NO_CHECKPOINT_FIX = ("its training cannot be recovered; rerun it with checkpoint.every > 0 (every N steps and at the "
+                     "end, checkpoint.keep bounds the disk) and --overwrite, or under another run.name")
+
+
 def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None, list[str]]:
     """Which checkpoint to resume from, and notes for the log.
 
@@ -361,7 +393,10 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None
             why = ("was superseded (left by a run that later resumed from an earlier checkpoint)"
                    if (p / SUPERSEDED).exists() else f"has no {MARKER} marker (incomplete write)")
             notes.append(f"{_rel(run_dir, p)} {why}; {chosen}")
-        if newest is None and not notes:
+        lost = lost_progress(run_dir) if newest is None else None
+        if lost:
+            notes.append(f"{lost}: nothing to resume, starting from step 0; {NO_CHECKPOINT_FIX}")
+        elif newest is None and not notes:
             notes.append(f"no checkpoints under {run_dir / CHECKPOINTS_DIR}: starting from step 0")
         return newest, notes
     path = Path(resume).expanduser()
