@@ -39,6 +39,7 @@ EVAL_PREFIX = "eval/"  # the namespace of eval.jsonl's metrics
 TB_DIR = "tb"  # TensorBoard events
 SAMPLES_DIR = "samples"  # eval grids, samples/step_000010.png (+ .json captions)
 PROVENANCE_FILE = "provenance.json"  # versions, git commit, host
+MODEL_PROVENANCE_FILE = "model_provenance.json"  # every loaded tensor's source (models that record it: world models)
 LOG_FILE = "train.log"
 CHECKPOINTS_DIR = "checkpoints"  # checkpoints/step_000020/, each counted once its MARKER is written
 MARKER = "COMMITTED"
@@ -46,7 +47,8 @@ GUARD_BEST_FILE = "guard_best.safetensors"  # the reward-hacking guard's rollbac
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR, GUARD_BEST_FILE)
 """Any of these marks a directory as holding a run."""
-WRITTEN_FILES = (CONFIG_FILE, METRICS_FILE, EVAL_FILE, LOG_FILE, PROVENANCE_FILE, GUARD_BEST_FILE)
+WRITTEN_FILES = (CONFIG_FILE, METRICS_FILE, EVAL_FILE, LOG_FILE, PROVENANCE_FILE, MODEL_PROVENANCE_FILE,
+                 GUARD_BEST_FILE)
 
 
 def sample_grid_path(run_dir: Path, step: int) -> Path:

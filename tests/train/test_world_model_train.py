@@ -5,6 +5,7 @@ anchors in module and coupling-LoRA mode."""
 import json
 import pathlib
 
+import pytest
 import torch
 
 from flowforge.config import load_config
@@ -22,7 +23,10 @@ def _trainer(tmp_path, cache, algorithm, *extra):
         "data.prompts_per_step=2", "data.group_size=2", "sampler.num_steps=4", "sampler.sde_kind=sde",
         "sampler.noise_level=0.7", "sampler.num_sde_steps=2", "train.micro_batch_size=2", "train.steps=1",
         "train.allow_unit_ratio=true", "forward.sigma_mode=uniform_schedule", "anchor.episodes=8",
-        "anchor.batch_size=2", "eval.max_prompts=2", "eval.every=0", "eval.scorers=[world_psnr]", *extra])
+        "anchor.batch_size=2", "eval.max_prompts=2", "eval.every=0", "eval.scorers=[world_psnr]",
+        # realism as the training reward: it varies within every group, so every step updates (demo:world's faint
+        # paddle fails the paddle rule's shape test: action_following is 0 for a whole group and NFT takes no step)
+        "reward.weights={world_psnr: 1.0, action_following: 0.5}", "reward.required=[world_psnr]", *extra])
     return Trainer(cfg, progress=False)
 
 
@@ -54,10 +58,7 @@ def test_grpo_on_video_latents_ratio_exactly_one_slot_zero_pinned(tmp_path, enco
 
 
 def test_nft_coupling_lora_reports_no_transition_anchor(tmp_path, encode_cache_dir):
-    # realism as the reward here: it varies within every group (demo:world's faint paddle fails the paddle rule's
-    # shape test, so action_following is 0 for all of a group and NFT would take no step)
-    trainer = _trainer(tmp_path, encode_cache_dir, "nft", *LORA, "reward.weights={world_psnr: 1.0}",
-                       "reward.required=[world_psnr]")
+    trainer = _trainer(tmp_path, encode_cache_dir, "nft", *LORA)
     trainer.train()
     row = _metrics(trainer)
     assert row["train/anchor_trans_reach"] == 0.0 and "train/anchor_trans" not in row
@@ -91,3 +92,23 @@ def test_world_model_resume_equals_uninterrupted_run(tmp_path, encode_cache_dir)
     _assert_same(_state(full), _state(resumed))
     rows = _rows(full.run_dir)
     assert rows == _rows(resumed.run_dir) and rows[-1]["train/anchor_fm"] > 0
+
+
+def test_provenance_saved_in_the_run_and_an_output_dir_in_the_source_refused(tmp_path, encode_cache_dir, caplog):
+    """The provenance of every loaded tensor is a file of the run (the log has one summary line); a run directory
+    inside the shipped demo:world checkpoint is refused before anything is written."""
+    from flowforge.demo.paths import demo_world_dir
+    from flowforge.runtime.run_dir import MODEL_PROVENANCE_FILE
+
+    with caplog.at_level("INFO"):
+        trainer = _trainer(tmp_path, encode_cache_dir, "nft", *B_MODULE)
+    record = json.loads((trainer.run_dir / MODEL_PROVENANCE_FILE).read_text())
+    assert {t["status"] for t in record["tensors"]} == {"loaded"} and len(record["tensors"]) > 50
+    assert record["sources"][0]["realpath"].endswith("diffusion_pytorch_model.safetensors")
+    lines = [r.getMessage() for r in caplog.records if "world model provenance" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "loaded" in lines[0]
+    trainer.close()
+    before = sorted(p.name for p in demo_world_dir().iterdir())
+    with pytest.raises(ValueError, match="source model directory"):
+        _trainer(demo_world_dir(), encode_cache_dir, "nft", *B_MODULE)
+    assert sorted(p.name for p in demo_world_dir().iterdir()) == before

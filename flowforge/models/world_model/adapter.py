@@ -64,6 +64,7 @@ LORA_ALPHA = 16.0
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 META_NAME = "flowforge.json"
+PROVENANCE_NAME = "source_provenance.json"
 CLASS_NAME = "FlowforgeWorldModel"
 
 
@@ -285,8 +286,14 @@ class WorldModelAdapter(AdapterMixin):
         """The provenance summary of the load (:func:`~.provenance.format_table`)."""
         return prov.format_table(self.provenance, self.sources)
 
+    def provenance_record(self) -> dict:
+        """Every loaded tensor's provenance and the source files, JSON-ready (:func:`~.provenance.provenance_record`;
+        empty lists for a model built in memory): written into a run directory and beside an export."""
+        return prov.provenance_record(self.provenance, self.sources)
+
     def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json``, ``diffusion_pytorch_model.safetensors`` and ``flowforge.json`` to ``directory``.
+        """Write ``config.json``, ``diffusion_pytorch_model.safetensors`` and ``flowforge.json`` to ``directory`` (and
+        ``source_provenance.json``, the provenance of the load this model started from, when it was loaded).
 
         Raises:
             ValueError: ``directory`` overlaps the source checkpoint. RuntimeError: LoRA layers are injected (export
@@ -299,6 +306,8 @@ class WorldModelAdapter(AdapterMixin):
             raise RuntimeError("save_pretrained writes base weights; this model has LoRA layers injected")
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
+        if self.provenance:  # where the weights this export starts from came from
+            (root / PROVENANCE_NAME).write_text(json.dumps(self.provenance_record(), indent=1) + "\n")
         config = {"_class_name": CLASS_NAME, **self.world_config.to_dict()}
         (root / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         (root / META_NAME).write_text(json.dumps({"family": "world_model",
@@ -318,7 +327,8 @@ def load_world_model(path: str | Path, *, dtype: torch.dtype = torch.float32, de
                      trainable_modules: Sequence[str] = DEFAULT_TRAINABLE_MODULES,
                      allow_init: Sequence[str] = (), seed: int = 0) -> WorldModelAdapter:
     """Load a world-model directory (``config.json`` + ``diffusion_pytorch_model.safetensors`` [+ ``flowforge.json``
-    with ``action_names``]) with a provenance row for every tensor (logged as a table, kept on the adapter).
+    with ``action_names``]) with a provenance row for every tensor (kept on the adapter, logged as one summary line;
+    a refused load's error carries the full table).
 
     Args:
         allow_init: exact module paths that may be absent from the checkpoint and are then freshly initialised
@@ -349,5 +359,5 @@ def load_world_model(path: str | Path, *, dtype: torch.dtype = torch.float32, de
     model = model.to(device=device, dtype=dtype)
     adapter = WorldModelAdapter(model, action_names=meta.get("action_names", ACTIONS), parameter_mode=parameter_mode,
                                 trainable_modules=trainable_modules, provenance=rows, sources=[source])
-    logger.info("world model provenance:\n%s", adapter.provenance_table())
+    logger.info("world model provenance: %s", prov.summary_line(rows, [source]))
     return adapter

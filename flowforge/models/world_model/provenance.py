@@ -139,6 +139,21 @@ def format_table(rows: Sequence[ProvenanceRow], sources: Sequence[SourceFile] = 
     return "\n".join(lines)
 
 
+def summary_line(rows: Sequence[ProvenanceRow], sources: Sequence[SourceFile] = ()) -> str:
+    """One log line: the count of tensors per status and each source's path and sha256 prefix."""
+    counts = Counter(r.status for r in rows)
+    parts = [f"{counts[s]} {s}" for s in STATUSES if counts.get(s)]
+    where = "; ".join(f"{s.realpath} (sha256 {s.sha256[:12]})" for s in sources) or "no checkpoint"
+    return f"{len(rows)} tensors: {', '.join(parts) or 'none'} from {where}"
+
+
+def provenance_record(rows: Sequence[ProvenanceRow], sources: Sequence[SourceFile] = ()) -> dict:
+    """JSON-ready provenance: ``{"sources": [...], "tensors": [...]}`` (one dict per :class:`SourceFile` and per
+    :class:`ProvenanceRow`, shapes as lists) -- what a run directory and an export keep."""
+    return {"sources": [dataclasses.asdict(s) for s in sources],
+            "tensors": [{**dataclasses.asdict(r), "shape": list(r.shape)} for r in rows]}
+
+
 def refuse_unsafe(rows: Sequence[ProvenanceRow], sources: Sequence[SourceFile] = ()) -> None:
     """Raise when any row is missing / unexpected / mismatched.
 
