@@ -181,3 +181,18 @@ def test_overwrite_moves_the_old_run_aside(trained, caplog):
     assert any("moving the old run" in r.getMessage() and "r.old-1" in r.getMessage() for r in caplog.records)
     assert tree_hash(aside) == before
     assert [p.name for p in ckpt.committed_checkpoints(run_dir)] == ["step_000001"]
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused_before_anything_is_written(trained):
+    """Issue 24: ``train.resume=auto train.steps=4`` on a run whose newest checkpoint is step 6 is refused (it exited
+    0, trained nothing and rewrote config.yaml to ``steps: 4``); the run directory stays byte-identical."""
+    import shutil
+
+    run_dir, cfg = trained
+    six = run_dir.parent / "r6"
+    shutil.copytree(run_dir, six)
+    (six / "checkpoints" / "step_000001").rename(six / "checkpoints" / "step_000006")
+    before = tree_hash(six)
+    with pytest.raises(UserError, match=r"train.steps=4: is below the step 6 of the checkpoint step_000006"):
+        Trainer(cfg("train.resume=auto", "train.steps=4", name="r6"), progress=False)
+    assert tree_hash(six) == before

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from flowforge.runtime import distributed as dist_lib
 from flowforge.settings import LORA_MODES, MODULE_MODES, config_diff, resume_neutral_keys
+from flowforge.runtime.durable import step_of
+from flowforge.runtime.errors import UserError
 from flowforge.runtime.rng import restore_rng
 from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, resolve_resume,
                                         save_checkpoint)
@@ -194,22 +196,30 @@ class CheckpointManager:
         self.saved_step = self.record.step
         return path
 
-    def restore(self, resume: str) -> Path | None:
+    def restore(self, resume: str, max_step: int | None = None) -> Path | None:
         """Restore what :meth:`save` wrote from ``resume`` (``"auto"``: the newest committed checkpoint; else a
         checkpoint directory); training continues at ``record.step``.
 
         Returns:
             The checkpoint restored from, or None when ``"auto"`` finds none (the run starts from scratch).
 
+        Args:
+            max_step: ``train.steps``; a checkpoint past it is refused (before anything is restored or written).
+
         Raises:
             UserError: (a ``ValueError``) an explicit checkpoint whose file differs from its manifest (size or
-                sha256); under ``"auto"`` such a checkpoint is skipped for the previous committed one instead.
+                sha256); under ``"auto"`` such a checkpoint is skipped for the previous committed one instead; a
+                checkpoint past ``max_step``.
             ValueError: an explicit checkpoint without ``COMMITTED``; a LoRA-contract or base-model mismatch (raised
                 before anything is restored); sharded (FSDP) state in a run that is not sharded.
         """
         path, notes = resolve_resume(self.run_dir, resume)
         for note in notes:
             log.warning(note)
+        if path is not None and max_step is not None and (step := step_of(path)) is not None and step > max_step:
+            raise UserError(f"train.steps={max_step}", f"is below the step {step} of the checkpoint {path.name} "
+                            "it would resume from (nothing would train, and config.yaml would say otherwise)",
+                            f"give train.steps > {step} to continue, or leave the finished run as it is")
         if path is None:
             log.info("train.resume=%s: no committed checkpoint in %s, starting from scratch", resume, self.run_dir)
             return None
