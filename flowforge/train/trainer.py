@@ -21,6 +21,7 @@ decode of latents into media at the rollout boundary (:func:`flowforge.rollout.d
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ from flowforge.data.preprocess import encode_cached
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, check_task, load_prompts
 from flowforge.train.metrics import MetricsLogger, StageTimer, to_scalars, within_group_diversity, write_provenance
-from flowforge.runtime.run_dir import (WRITTEN_FILES, check_artifacts_root, check_run_dir_outside_source, existing_run,
-                                      move_aside, refuse_rerun, sample_grid_path, sha256_of_path)
+from flowforge.runtime.run_dir import (MODEL_PROVENANCE_FILE, WRITTEN_FILES, check_artifacts_root,
+                                       check_run_dir_outside_source, existing_run, move_aside, refuse_rerun,
+                                       sample_grid_path, sha256_of_path)
 from flowforge.report.grids import save_eval_grid
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter
@@ -209,6 +211,9 @@ class Trainer:
         if self.dist.is_main:
             write_bytes(self.run_dir / "config.yaml", config_lib.dump_config(self.cfg).encode())
             write_provenance(self.run_dir)
+            record = getattr(self.adapter, "provenance_record", None)  # a world model: every loaded tensor's source
+            if record is not None:
+                write_bytes(self.run_dir / MODEL_PROVENANCE_FILE, (json.dumps(record(), indent=1) + "\n").encode())
             self.logger = MetricsLogger(self.run_dir, trackers=self.cfg.metrics.trackers, run_name=self.cfg.run.name)
             self.logger.log_config(config_lib.to_dict(self.cfg), config_lib.dump_config(self.cfg))
         dist_lib.barrier(self.dist)
