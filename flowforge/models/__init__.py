@@ -64,6 +64,13 @@ def _load_wan(path: str, task: str | None = None, **kw: Any):
     return load_wan(path, task=task, **kw)
 
 
+def _load_flux2(path: str, task: str = "t2i", **kw: Any):
+    from flowforge.models.flux2 import FLUX2_TASKS, load_flux2_klein
+
+    _check_task("flux2", task, FLUX2_TASKS)
+    return load_flux2_klein(path, task=task, **kw)
+
+
 def _load_z_image(path: str, task: str = "t2i", **kw: Any):
     from flowforge.models.z_image import Z_IMAGE_TASKS, load_z_image
 
@@ -84,6 +91,7 @@ ADAPTERS: dict[str, Callable[..., FlowModel]] = {
     "wan": _load_wan,
     "world_model": _load_world_model,
     "z_image": _load_z_image,
+    "flux2": _load_flux2,
 }
 """Registered model families: name → loader ``(path, *, task, dtype, device, ...) -> FlowModel``."""
 
@@ -95,6 +103,7 @@ ADAPTER_CLASSES: dict[str, str] = {
     "wan": "flowforge.models.wan:WanAdapter",
     "world_model": "flowforge.models.world_model.adapter:WorldModelAdapter",
     "z_image": "flowforge.models.z_image:ZImageAdapter",
+    "flux2": "flowforge.models.flux2:Flux2KleinAdapter",
 }
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 

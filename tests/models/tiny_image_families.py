@@ -60,3 +60,33 @@ def z_image_components(seed: int = 0, *, dynamic: bool = False) -> dict:
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 scheduler=scheduler)
+
+
+def flux2_klein_components(seed: int = 0, *, is_distilled: bool = False) -> dict:
+    """FLUX.2 Klein parts: a Qwen3ForCausalLM with 28 layers (the pipeline stacks hidden states 9, 18, 27), a
+    ``Flux2Transformer2DModel`` without guidance embedding, an ``AutoencoderKLFlux2`` whose latent batch-norm
+    statistics are set away from 0 / 1 (so the decode's de-normalisation is exercised) and Klein's dynamic-shift
+    scheduler."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = chat_tokenizer()
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16, num_hidden_layers=28, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False)).eval()
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=24, timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2),
+        guidance_embeds=False).eval()
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1, latent_channels=4,
+        norm_num_groups=4, sample_size=16, use_quant_conv=False, use_post_quant_conv=False).eval()
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.running_mean.numel()))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.running_var.numel()))
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
+    return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                scheduler=scheduler, is_distilled=is_distilled)

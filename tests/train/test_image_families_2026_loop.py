@@ -12,14 +12,17 @@ from tests.models import tiny_image_families as tiny_image
 from tests.models import tiny_families as tiny
 from tests.train.test_families_loop import EXTRA_WORDS, prompt_files, train_and_check  # noqa: F401 (fixture)
 
-PIPELINES = {"z_image": ("ZImagePipeline", tiny_image.z_image_components)}
-SIZES = {"z_image": (16, 16)}
+PIPELINES = {"z_image": ("ZImagePipeline", tiny_image.z_image_components),
+             "flux2": ("Flux2KleinPipeline", tiny_image.flux2_klein_components)}
+SIZES = {"z_image": (16, 16), "flux2": (16, 16)}
 SETTINGS = {
     # Z-Image-Turbo: few-step and guidance-free; the trained SDE steps are the first two, so step 0 (sigma = 1,
     # where the transition std is eta exactly) is sampled and replayed
     ("z_image", "turbo"): (1.0, ["sampler.num_steps=4", "sampler.trained_indices=[0,1]", "sampler.noise_level=0.5"]),
     # Z-Image base: true CFG (two branches in one forward, replayed as such)
     ("z_image", "base"): (4.0, ["sampler.num_steps=4", "sampler.num_sde_steps=2"]),
+    # FLUX.2 Klein (step-distilled use): few-step, guidance-free, SDE from sigma = 1
+    ("flux2", "klein"): (1.0, ["sampler.num_steps=4", "sampler.trained_indices=[0,1]", "sampler.noise_level=0.5"]),
 }
 """(family, variant) -> (GRPO guidance_scale in flowforge's convention, extra overrides)."""
 
@@ -47,7 +50,8 @@ def image_family_dirs(tmp_path_factory):
     return dirs
 
 
-CASES = [("z_image", "turbo", "grpo"), ("z_image", "turbo", "nft"), ("z_image", "base", "grpo")]
+CASES = [("z_image", "turbo", "grpo"), ("z_image", "turbo", "nft"), ("z_image", "base", "grpo"),
+         ("flux2", "klein", "grpo"), ("flux2", "klein", "nft")]
 """NFT samples guidance-free, so one NFT run per family (on its few-step grid where it has one)."""
 
 

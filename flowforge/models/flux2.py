@@ -1,0 +1,244 @@
+"""FLUX.2 Klein adapter (diffusers ``Flux2Transformer2DModel``, ``Flux2KleinPipeline``), text-to-image.
+
+==================  ================================================================================================
+flowforge           FLUX.2 Klein (checked against diffusers 0.42 ``pipeline_flux2_klein.py``)
+==================  ================================================================================================
+``x`` [B,4C,h,w]    the *patchified* latent the pipeline draws (``prepare_latents``: ``shape = (B, 4C, H/2f, W/2f)``,
+                    ``f = vae_scale_factor``); tokens are ``x.reshape(B, 4C, hw).permute(0, 2, 1)`` (``_pack_latents``)
+                    with ids ``(0, row, col, 0)`` (``_prepare_latent_ids``); the output goes back by the inverse
+                    permutation (``_unpack_latents_with_ids`` scatters the same values)
+``sigma`` [B]       ``timestep = (1000 sigma) / 1000`` in the latent dtype, as the pipeline forms it from the
+                    scheduler's ``t`` (``timestep = t.expand(B).to(latents.dtype)``, ``timestep / 1000``); the
+                    transformer scales by 1000 itself
+``v`` (fp32)        the transformer output cropped to the noisy tokens (``noise_pred[:, : latents.size(1)]``); the
+                    scheduler steps ``x + (sigma_next - sigma) v``: flowforge's velocity
+guidance            Klein has no guidance embedding (``guidance=None``). True CFG ``v_u + g (v_c - v_u)`` with two
+                    separate forwards (``"cond"`` then ``"uncond"``, as the pipeline), on when ``g > 1`` and the
+                    pipeline is not ``is_distilled`` (``do_classifier_free_guidance``); a step-distilled Klein
+                    (``is_distilled: true`` in ``model_index.json``) ignores ``guidance_scale`` like the pipeline.
+                    Negative prompt ``""`` (``__call__``). The CFG combination is done in fp32 (the pipeline: in the
+                    transformer dtype; identical in fp32 runs).
+VAE latents         ``AutoencoderKLFlux2``: decode = ``x * sqrt(bn.running_var + batch_norm_eps) + bn.running_mean``,
+                    ``_unpatchify_latents``, ``vae.decode`` (``__call__`` after the loop)
+text                Qwen3 hidden states of layers ``text_encoder_out_layers`` (default ``(9, 18, 27)``) stacked on
+                    channels, chat template with ``enable_thinking=False``, padded to ``max_sequence_length``
+                    (``_get_qwen3_prompt_embeds``), through the pipeline's own ``encode_prompt``; no mask (the
+                    transformer attends the padded context); ``txt_ids = (0, 0, 0, l)`` (``_prepare_text_ids``)
+schedule            ``sigmas = linspace(1, 1/T, T)`` through the scheduler with ``mu = compute_empirical_mu(hw, T)``
+                    (the pipeline's own function: depends on the number of steps as well as the token count)
+==================  ================================================================================================
+
+Not adapted: reference-image editing (``image=`` of ``Flux2KleinPipeline``), FLUX.2 dev (``Flux2Pipeline``, Mistral
+text encoder, guidance embedding), a scheduler config with ``use_flow_sigmas``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.common import (
+    DEFAULT_MIN_TOKENIZER_SIZE,
+    PipelineText,
+    check_velocity_inputs,
+    encode_with_negative,
+    flow_match_pipeline_sigmas,
+    has_component,
+    pipeline_dir,
+    read_json,
+    require_negative,
+    to_unit_range,
+)
+
+FLUX2_TASKS = ("t2i",)
+
+FLUX2_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                      "attn.add_v_proj", "attn.to_add_out")
+"""Attention projections of the double-stream ``Flux2TransformerBlock`` (image ``to_*``, text ``add_*`` /
+``to_add_out``); diffusers' FLUX.2 LoRA module names (``transformer.<module>.lora_A``)."""
+
+
+def _klein_encode_fn(max_sequence_length: int, out_layers: tuple[int, ...]):
+    def encode(pipe, prompts: list[str]) -> tuple[Tensor, None, None]:
+        embeds, _ = pipe.encode_prompt(prompt=list(prompts), device=pipe.device,
+                                       max_sequence_length=max_sequence_length, text_encoder_out_layers=out_layers)
+        return embeds, None, None
+
+    return encode
+
+
+def flux2_klein_text(*, path: str | Path | None = None, components: dict[str, Any] | None = None,
+                     max_sequence_length: int = 512, out_layers: Sequence[int] = (9, 18, 27),
+                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                     encoder_id: str | None = None,
+                     min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> PipelineText:
+    """The Qwen3 text side of a FLUX.2 Klein pipeline, through ``Flux2KleinPipeline.encode_prompt``:
+    ``(embeds [B, max_sequence_length, len(out_layers) * D], None, None)``."""
+    layers = tuple(int(i) for i in out_layers)
+    return PipelineText("Flux2KleinPipeline", _klein_encode_fn(int(max_sequence_length), layers), path=path,
+                        components=components, device=device, dtype=dtype,
+                        settings=f"len={int(max_sequence_length)}:layers={list(layers)}", encoder_id=encoder_id,
+                        min_tokenizer_size=min_tokenizer_size)
+
+
+class Flux2KleinAdapter(AdapterMixin):
+    """:class:`~flowforge.models.base.FlowModel` around a diffusers ``Flux2Transformer2DModel`` driven as
+    ``Flux2KleinPipeline`` does (module docstring).
+
+    Args:
+        transformer: the ``Flux2Transformer2DModel`` (eval mode; its dtype is the forward dtype).
+        text_encoder: :func:`flux2_klein_text` or any object with ``encode(prompts) -> (embeds, None, None)`` and
+            ``encoder_id``; ``None``: conditioning from a cache.
+        vae: the ``AutoencoderKLFlux2`` (``None``: :meth:`decode` raises).
+        negative_prompt: CFG's unconditional prompt (pipeline: ``""``); ``None``: none encoded.
+        scheduler_config: the pipeline's scheduler config.
+        is_distilled: the pipeline's ``is_distilled`` flag (step-distilled Klein: guidance is ignored).
+        task: ``"t2i"``.
+
+    Raises:
+        ValueError: unknown ``task``.
+    """
+
+    family = "FLUX.2 Klein"
+    tasks: tuple[str, ...] = FLUX2_TASKS
+    lora_targets: tuple[str, ...] = FLUX2_LORA_TARGETS
+
+    def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
+                 negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,
+                 is_distilled: bool = False, task: str = "t2i"):
+        if task not in FLUX2_TASKS:
+            raise ValueError(f"task={task!r}; allowed: {list(FLUX2_TASKS)}")
+        self.task = task
+        self.transformer = transformer.eval()
+        self.text_encoder = text_encoder
+        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.negative_prompt = negative_prompt
+        self.scheduler_config = dict(scheduler_config or {})
+        self.is_distilled = bool(is_distilled)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """``2 ** (len(block_out_channels) - 1)``; 8 without a VAE (the pipeline's fallback)."""
+        return 8 if self.vae is None else 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """Patchified ``(in_channels, H / 2f, W / 2f)`` (``prepare_latents``).
+
+        Raises:
+            ValueError: ``frames`` given, or a size not a positive multiple of ``2 f``.
+        """
+        if frames is not None:
+            raise ValueError(f"FLUX.2 is an image model; frames must be None, got {frames}")
+        unit = 2 * self.vae_scale_factor
+        if height <= 0 or width <= 0 or height % unit or width % unit:
+            raise ValueError(f"height and width must be positive multiples of {unit}, got {height}x{width}")
+        return (int(self.config.in_channels), height // unit, width // unit)
+
+    def blocks(self) -> list[nn.Module]:
+        """The double-stream then the single-stream transformer blocks."""
+        return list(self.transformer.transformer_blocks) + list(self.transformer.single_transformer_blocks)
+
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        """Stacked Qwen3 hidden states ``[B, max_sequence_length, 3 D]``; ``negative`` per :attr:`negative_prompt`."""
+        return encode_with_negative(self.text_encoder, prompts, self.negative_prompt)
+
+    def schedule_mu(self, height: int, width: int, num_steps: int) -> float:
+        """``compute_empirical_mu(hw, num_steps)`` of the pipeline (``hw`` latent tokens)."""
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+        _, h, w = self.latent_shape(height, width)
+        return compute_empirical_mu(image_seq_len=h * w, num_steps=num_steps)
+
+    def pipeline_sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
+        """The exact ``[T+1]`` fp32 schedule of ``Flux2KleinPipeline`` (scheduler config defaults: diffusers')."""
+        config = dict(self.scheduler_config)
+        config.setdefault("use_dynamic_shifting", False)  # FlowMatchEulerDiscreteScheduler's default
+        return flow_match_pipeline_sigmas(config, num_steps, self.schedule_mu(height, width, num_steps))
+
+    def _forward(self, x: Tensor, sigma: Tensor, embeds: Tensor) -> Tensor:
+        from diffusers import Flux2KleinPipeline
+
+        dtype, device = self.dtype, x.device
+        b, c, h, w = x.shape
+        tokens = x.reshape(b, c, h * w).permute(0, 2, 1).to(dtype)
+        img_ids = Flux2KleinPipeline._prepare_latent_ids(x).to(device)
+        embeds = embeds.to(device=device, dtype=dtype)
+        txt_ids = Flux2KleinPipeline._prepare_text_ids(embeds).to(device)
+        timestep = (sigma * 1000.0).to(x.dtype) / 1000  # the pipeline's t.to(latents.dtype) / 1000
+        out = self.transformer(hidden_states=tokens, timestep=timestep, guidance=None, encoder_hidden_states=embeds,
+                               txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        return out[:, : h * w].float().permute(0, 2, 1).reshape(b, c, h, w)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        """Velocity at patchified ``x [B, 4C, h, w]``, ``sigma [B]``; fp32, shape of ``x``. ``g <= 1`` or a
+        distilled pipeline: the conditional forward alone; else ``v_u + g (v_c - v_u)`` (two forwards).
+
+        Raises:
+            ValueError: bad shapes; CFG without ``cond.negative``.
+        """
+        sigma = check_velocity_inputs(x, sigma, cond, 4)
+        g = float(guidance_scale)
+        v_c = self._forward(x, sigma, cond.prompt_embeds)
+        if g <= 1.0 or self.is_distilled:
+            return v_c
+        v_u = self._forward(x, sigma, require_negative(cond, g).prompt_embeds)
+        return v_u + g * (v_c - v_u)
+
+    def _bn(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        bn = self.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(like.device,
+                                                                                               like.dtype)
+        return mean, std
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Patchified latents ``[B, 4C, h, w]`` → images ``[B, 3, 2 f h, 2 f w]`` float32 in [0, 1]."""
+        if self.vae is None:
+            raise RuntimeError("this Flux2KleinAdapter has no VAE; decode is unavailable")
+        from diffusers import Flux2KleinPipeline
+
+        mean, std = self._bn(latents)
+        z = Flux2KleinPipeline._unpatchify_latents(latents * std + mean)
+        return to_unit_range(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> Flux2KleinAdapter:
+        """Same as :func:`load_flux2_klein`."""
+        return load_flux2_klein(path, **kwargs)
+
+
+def load_flux2_klein(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                     task: str = "t2i", text_encoder: Any = None, negative_prompt: str | None = "",
+                     max_sequence_length: int = 512,
+                     min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> Flux2KleinAdapter:
+    """Load FLUX.2 Klein from a local ``Flux2KleinPipeline`` directory (``is_distilled`` read from
+    ``model_index.json``); never downloads.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a pipeline directory. ValueError: ``task`` is not ``"t2i"``.
+    """
+    if task not in FLUX2_TASKS:
+        raise ValueError(f"task={task!r}; allowed: {list(FLUX2_TASKS)}")
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    root = pipeline_dir(path, "FLUX.2 Klein")
+    transformer = Flux2Transformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
+                                                          local_files_only=True).to(device)
+    vae = None
+    if has_component(root, "vae"):
+        vae = AutoencoderKLFlux2.from_pretrained(str(root / "vae"), torch_dtype=dtype,
+                                                 local_files_only=True).to(device)
+    if text_encoder is None and has_component(root, "text_encoder"):
+        text_encoder = flux2_klein_text(path=root, max_sequence_length=max_sequence_length, device=device,
+                                        dtype=dtype, min_tokenizer_size=min_tokenizer_size)
+    index = json.loads((root / "model_index.json").read_text())
+    return Flux2KleinAdapter(transformer, text_encoder, vae, negative_prompt=negative_prompt,
+                             scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"),
+                             is_distilled=bool(index.get("is_distilled", False)), task=task)
