@@ -226,7 +226,8 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     passed, reasons = verdict["passed"], verdict["reasons"]
     record = {"attempt": attempt, "student": str(result.student_dir), "groups": len(groups),
               "split_sizes": result.split_sizes, "best_epoch": result.best_epoch, "val": result.val,
-              "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"], "passed": passed,
+              "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"],
+              "probes": verdict["probes"], "passed": passed,
               "reasons": reasons,
               "budget_a": ledger.budget("A")}
     write_bytes(out / GATE_FILE, json.dumps(record, indent=1, default=float).encode())

@@ -68,6 +68,7 @@ class GateThresholds:
     min_groups: int = 1  # test groups needed to judge at all
     max_null_pass: float = 0.01  # a random student may pass these thresholds on the test groups with p < this (1: off)
     null_trials: int = 2000  # random students drawn for that probability (flowforge.reward_model.null)
+    fail_on_shortcuts: bool = True  # a student that does not beat its shortcut probes fails (false: reported only)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ split by :func:`flowforge.reward_model.train.train_student`):
    thresholds too low, fail the gate whatever the student scores (``max_null_pass: 1`` turns this off: for
    tests of the pipeline's mechanics).
 
-The record also holds the student's permutation p-values (``null.spearman_p``, ``null.pairwise_p``).
+3. the student beats its shortcut baselines (:func:`flowforge.reward_model.probes.shortcut_probes`: blank media,
+   re-ordered candidates; the reference removed is reported; ``fail_on_shortcuts: false`` reports them only).
+
+The record also holds the student's permutation p-values (``null.spearman_p``, ``null.pairwise_p``) and the probes.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import torch
 from flowforge.reward_model.config import GateThresholds
 from flowforge.reward_model.evaluate import evaluate, gate
 from flowforge.reward_model.null import null_summary
+from flowforge.reward_model.probes import shortcut_probes
 
 
 def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThresholds, *,
                  seed: int = 0) -> dict[str, Any]:
-    """``{"test": agreement, "null": null summary, "passed": bool, "reasons": [...]}`` for ``student`` on
-    ``test_groups`` (module docstring)."""
+    """``{"test": agreement, "null": null summary, "probes": shortcut probes, "passed": bool, "reasons": [...]}`` for
+    ``student`` on ``test_groups`` (module docstring)."""
     metrics = evaluate(student, test_groups)
     passed, reasons = gate(metrics, thresholds)
     teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in test_groups]
@@ -42,4 +46,11 @@ def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThres
                            f"min_pairwise_accuracy={thresholds.min_pairwise_accuracy:g} on these "
                            f"{len(teacher)} test groups with probability {null['pass_probability']:.3g} >= "
                            f"max_null_pass={thresholds.max_null_pass:g} (too few test groups or thresholds too low)")
-    return {"test": metrics, "null": null, "passed": not reasons, "reasons": reasons}
+    probes: dict[str, Any] = {}
+    if test_groups:
+        probes, shortcut_reasons = shortcut_probes(student, test_groups, thresholds)
+        if thresholds.fail_on_shortcuts:
+            reasons += shortcut_reasons
+        else:  # reported, not failing (student.gate.fail_on_shortcuts: false)
+            probes["ignored_reasons"] = shortcut_reasons
+    return {"test": metrics, "null": null, "probes": probes, "passed": not reasons, "reasons": reasons}

@@ -27,7 +27,7 @@ PIPELINE = {
                 "scalar_head": {"image_size": 16, "channels": [4, 8], "hidden": 8, "text_encoder": "none"},
                 # mechanics only: a gate and audits any student passes (max_null_pass 1 allows that explicitly)
                 "gate": {"min_spearman": -1.0, "min_pairwise_accuracy": 0.0, "max_mae": 1.0, "min_groups": 1,
-                         "max_null_pass": 1.0}},
+                         "max_null_pass": 1.0, "fail_on_shortcuts": False}},
     "audit": {"first_groups": 2, "every": 0, "min_spearman": -1.0, "min_pairwise_accuracy": 0.0, "max_null_pass": 1.0},
 }
 

@@ -1,0 +1,111 @@
+"""Shortcut probes of a student at its gate: does it need the media, the order, the reference?
+
+Each probe re-presents the test groups with one piece of information taken away and scores the student's agreement
+with the teacher again (:func:`flowforge.reward_model.evaluate.agreement`):
+
+================  ===================================================================================================
+probe             what changes / when the gate fails
+================  ===================================================================================================
+``prompt_only``   every candidate frame replaced by a black frame of the same size (prompt, reference and layout
+                  kept). Fails the gate when the student does not beat it: the mean over test groups of
+                  ``spearman(student) - spearman(probe)`` is not above ``2.33`` standard errors of that paired
+                  difference (one-sided, p < 0.01), i.e. the student ranks as well without seeing the candidates.
+``position``      the candidates presented in another order (rotated by one place; labels stay in place), scores
+                  mapped back to the candidates; ``order_consistency`` = mean Spearman between the student's scores
+                  of the same candidates in both orders. Fails the gate when the re-ordered agreement does not pass
+                  the Spearman and pairwise thresholds itself (a student that scores positions drops to chance).
+``no_reference``  the reference removed (groups that have one; NaN otherwise). Reported, never failing: a student
+                  may rank well without the reference.
+================  ===================================================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowforge.reward_model.data import JudgedGroup, decode_frame, read_frame
+from flowforge.reward_model.evaluate import agreement, spearman
+from flowforge.rewards.judge import protocol as P
+
+Z_99 = 2.326
+"""One-sided 99 % normal quantile for the paired prompt-only test."""
+
+
+def _blank(group: JudgedGroup, directory: Path) -> JudgedGroup:
+    first = decode_frame(read_frame(group.candidates[0][0]))
+    data = P.jpeg_bytes(torch.zeros_like(first), max(first.shape[-2:]))
+    digest = P.sha256_hex(data)
+    path = directory / f"{digest}.jpg"
+    path.write_bytes(data)
+    frames = tuple(tuple(str(path) for _ in c) for c in group.candidates)
+    hashes = tuple(tuple(digest for _ in c) for c in group.candidates)
+    return dataclasses.replace(group, key=group.key + ":blank", candidates=frames, hashes=hashes)
+
+
+def _rotated(group: JudgedGroup) -> tuple[JudgedGroup, list[int]]:
+    """The group with candidate ``j`` shown at position ``(j + 1) % K``; ``order[new position] = old position``."""
+    k = len(group.labels)
+    order = [(p - 1) % k for p in range(k)]
+
+    def take(values):
+        return tuple(values[i] for i in order) if values else values
+
+    return dataclasses.replace(group, key=group.key + ":rotated", candidates=take(group.candidates),
+                               scores=take(group.scores), permutation=take(group.permutation),
+                               hashes=take(group.hashes)), order
+
+
+def _per_group_spearman(predictions: Sequence[torch.Tensor], groups: Sequence[JudgedGroup]) -> torch.Tensor:
+    values = [spearman(p.double(), torch.tensor(g.scores, dtype=torch.float64)) if not torch.isnan(p).any()
+              else math.nan for p, g in zip(predictions, groups, strict=True)]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def shortcut_probes(student: Any, groups: Sequence[JudgedGroup], thresholds: Any) -> tuple[dict[str, Any], list[str]]:
+    """``(probe records, reasons the gate fails)`` for ``student`` on the test ``groups`` (module table)."""
+    teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in groups]
+    base = student.predict(groups)
+    base_rho = _per_group_spearman(base, groups)
+    reasons: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        blank_groups = [_blank(g, Path(tmp)) for g in groups]
+        blank = student.predict(blank_groups)
+    prompt_only = agreement(blank, teacher)
+    diff = base_rho - _per_group_spearman(blank, groups)
+    diff = diff[~torch.isnan(diff)]
+    mean = float(diff.mean()) if diff.numel() else math.nan
+    se = float(diff.std() / math.sqrt(diff.numel())) if diff.numel() > 1 else math.nan
+    prompt_only.update(spearman_gain=mean, spearman_gain_se=se)
+    if not (mean > Z_99 * se or (se == 0 and mean > 0)):
+        reasons.append(f"the student does not beat its prompt-only baseline (blank media): Spearman gain "
+                       f"{mean:.3g} +- {se:.3g} over {diff.numel()} test groups is not above {Z_99} standard errors")
+    rotated, orders = zip(*(_rotated(g) for g in groups)) if groups else ((), ())
+    moved = student.predict(list(rotated))
+    back = []
+    for scores, order in zip(moved, orders, strict=True):
+        out = torch.empty_like(scores)
+        out[torch.tensor(order)] = scores
+        back.append(out)
+    position = agreement(back, teacher)
+    consistency = [spearman(b.double(), o.double()) for b, o in zip(back, base, strict=True)
+                   if not (torch.isnan(b).any() or torch.isnan(o).any())]
+    position["order_consistency"] = sum(consistency) / len(consistency) if consistency else math.nan
+    rho, pairs = position["spearman"], position["pairwise_accuracy"]
+    if not (rho >= thresholds.min_spearman and pairs >= thresholds.min_pairwise_accuracy):
+        reasons.append(f"with the candidates re-ordered the student's agreement falls to Spearman {rho:.3g} / pairwise "
+                       f"{pairs:.3g} (position shortcut; thresholds {thresholds.min_spearman:g} / "
+                       f"{thresholds.min_pairwise_accuracy:g})")
+    with_reference = [i for i, g in enumerate(groups) if g.reference is not None]
+    no_reference: dict[str, float] = {"groups": float(len(with_reference))}
+    if with_reference:
+        stripped = [dataclasses.replace(groups[i], key=groups[i].key + ":noref", reference=None,
+                                        reference_hashes=()) for i in with_reference]
+        no_reference = agreement(student.predict(stripped), [teacher[i] for i in with_reference])
+    return {"prompt_only": prompt_only, "position": position, "no_reference": no_reference}, reasons
