@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from flowforge.data import peer_prompts as peer
 from flowforge.runtime.durable import incomplete_set
 from flowforge.runtime.errors import UserError, file_error
 
@@ -105,17 +106,25 @@ def resolve_prompt_path(source: str | pathlib.Path) -> pathlib.Path:
     return pathlib.Path(source)
 
 
+_PREPARE = "flowforge data prepare SOURCE OUT.jsonl converts other formats"
+
+
 def _row_error(path: pathlib.Path, line: int, field: str, problem: str) -> ValueError:
-    return ValueError(f"{path}:{line}: field {field!r} {problem}")
+    return ValueError(f"{path}:{line}: field {field!r} {problem}; {_PREPARE}")
 
 
-def _parse_row(path: pathlib.Path, line: int, text: str) -> PromptRecord:
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{line}: not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}:{line}: each line must be a JSON object, got {type(row).__name__}")
+def _parse_row(path: pathlib.Path, line: int, text: str, index: int) -> PromptRecord:
+    if path.suffix == ".txt":
+        row = peer.txt_row(path, index, text)
+    else:
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line}: not valid JSON ({err.msg} at column {err.colno}); {_PREPARE}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line}: each line must be a JSON object, got {type(row).__name__}; {_PREPARE}")
+        if "metadata" not in row:
+            row = peer.peer_row(path, index, text, row)
     unknown = sorted(set(row) - set(_TOP_LEVEL_KEYS))
     if unknown:
         raise _row_error(path, line, unknown[0], f"is not allowed; top-level keys are {list(_TOP_LEVEL_KEYS)}")
@@ -149,7 +158,8 @@ def _parse_row(path: pathlib.Path, line: int, text: str) -> PromptRecord:
     return PromptRecord(prompt=prompt, metadata=metadata)
 
 
-_FIX = "give a JSONL prompt file (one {\"prompt\": ..., \"metadata\": ...} object per line)"
+_FIX = ("give a .txt (one prompt a line) or JSONL prompt file, or a dataset directory with "
+        f"{' / '.join(peer.TRAIN_FILES)}; {_PREPARE}")
 _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
           (stat.S_ISSOCK, "a socket"))
 
@@ -169,7 +179,7 @@ def check_prompt_file(path: pathlib.Path) -> None:
     except OSError as exc:
         raise file_error(path, exc, _FIX) from None
     if stat.S_ISDIR(mode):
-        raise UserError(path, "is a directory", _FIX)
+        raise UserError(path, f"is a directory without {' / '.join(peer.TRAIN_FILES)}", _FIX)
     if not stat.S_ISREG(mode):
         kind = next((name for test, name in _KINDS if test(mode)), "a special file")
         raise UserError(path, f"is not a regular file ({kind})", _FIX)
@@ -178,10 +188,12 @@ def check_prompt_file(path: pathlib.Path) -> None:
 
 
 def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
-    """Load and validate a JSONL prompt file (see the module docstring for the schema).
+    """Load and validate a prompt file (see the module docstring for the schema); peer sources are read as they
+    are (:mod:`flowforge.data.peer_prompts`: a ``.txt`` file, ``{"prompt": ..., "image": ...}`` JSONL, a dataset
+    directory's train split), with derived ids.
 
     Args:
-        source: a path, or ``"demo:train"`` / ``"demo:eval"`` for the packaged demo prompts.
+        source: a path (file or dataset directory), or ``"demo:train"`` / ``"demo:eval"`` for the demo prompts.
 
     Returns:
         The records in file order.
@@ -194,6 +206,8 @@ def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
             the field), a ``sample_id`` repeats (naming both lines), or the file holds no rows.
     """
     path = resolve_prompt_path(source)
+    if path.is_dir() and (train := peer.dataset_file(path)) is not None:
+        path = train
     check_prompt_file(path)
     if (marker := incomplete_set(path)) is not None:
         raise UserError(path, f"belongs to a file set whose writing was interrupted ({marker.name} is still there), "
@@ -205,6 +219,7 @@ def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
         raise file_error(path, exc, _FIX) from None
     records: list[PromptRecord] = []
     first_line: dict[str, int] = {}
+    index = 0
     for line, raw in enumerate(data.splitlines(), start=1):
         try:
             text = raw.decode("utf-8")
@@ -213,7 +228,8 @@ def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
                              f"0x{raw[exc.start]:02x}); save the file as UTF-8") from None
         if not text.strip():
             continue
-        record = _parse_row(path, line, text)
+        record = _parse_row(path, line, text, index)
+        index += 1
         if record.sample_id in first_line:
             raise _row_error(
                 path, line, "metadata.sample_id",

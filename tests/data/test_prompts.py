@@ -41,7 +41,8 @@ def test_load_prompts_reads_records_in_order(tmp_path):
         ({"prompt": "   ", "metadata": {"task": "t2i", "sample_id": "x"}}, 2, "'prompt'"),
         ({"prompt": "a", "metadata": {"task": "t2x", "sample_id": "x"}}, 2, "'metadata.task'.*t2i.*i2i.*t2v.*i2v"),
         ({"prompt": "a", "metadata": {"task": "t2i"}}, 2, "'metadata.sample_id'"),
-        ({"prompt": "a"}, 2, "'metadata'"),
+        ({"prompt": "a", "metadata": "t2i"}, 2, "'metadata'"),
+        ({"text": "a"}, 2, "'prompt'.*flowforge data prepare"),  # a peer row (no metadata) still needs its prompt
         ({"prompt": "a", "metadata": {"task": "t2i", "sample_id": "y"}, "extra": 1}, 2, "'extra'"),
         ({"prompt": "a", "metadata": {"task": "t2i", "sample_id": "id0"}}, 2, "'metadata.sample_id'.*line 1"),
         ("{not json", 2, "not valid JSON"),
