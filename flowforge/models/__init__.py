@@ -18,6 +18,7 @@ against the class — e.g. which tasks it runs (:func:`adapter_tasks`) — by im
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 from pathlib import Path
@@ -127,9 +128,13 @@ def _import_object(spec: str):
     except ImportError as exc:
         raise ValueError(f"adapter {spec!r}: cannot import module {module_name!r} ({exc})") from exc
     try:
-        return getattr(module, attr)
+        obj = getattr(module, attr)
     except AttributeError:
         raise ValueError(f"adapter {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not (isinstance(obj, type) or inspect.isfunction(obj)):  # os:getcwd: called with the adapter's arguments
+        raise ValueError(f"adapter {spec!r}: {attr!r} is a {type(obj).__name__}, not an adapter class or factory "
+                         "function; name one as 'pkg.module:Class'")
+    return obj
 
 
 def adapter_class(name: str) -> type:

@@ -50,8 +50,10 @@ def load_factory(spec: str) -> Callable[..., RewardScorer]:
         if not hasattr(obj, part):
             raise ValueError(f"reward component {spec!r}: {module_name!r} has no attribute {attr_path!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward component {spec!r}: {attr_path!r} is a {type(obj).__name__}, not a factory")
+    if not (isinstance(obj, type) or inspect.isfunction(obj) or inspect.ismethod(obj)):
+        # a builtin (os:getcwd), a module or an instance: not a scorer class or factory function of the right kind
+        raise ValueError(f"reward component {spec!r}: {attr_path!r} is a {type(obj).__name__}, not a factory (a "
+                         "scorer class or factory function)")
     return obj
 
 
@@ -73,7 +75,14 @@ def build_imported(spec: str, options: Mapping[str, Any]) -> RewardScorer:
     Raises:
         ValueError: :func:`load_factory` errors, or the result does not follow the scorer protocol.
     """
-    scorer = load_factory(spec)(**options)
+    factory = load_factory(spec)
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as exc:
+        raise ValueError(f"reward component {spec!r}: options {sorted(options)} do not fit it: {exc}") from None
+    except ValueError:
+        pass  # no introspectable signature: the call reports
+    scorer = factory(**options)
     problems = protocol_problems(spec, scorer)
     if problems:
         raise ValueError("; ".join(problems))

@@ -159,3 +159,11 @@ def test_condition_slot_needs_generated_index():
         check_condition_slot(Slot())
     Slot.generated_index = (slice(None), slice(1, None))
     check_condition_slot(Slot())
+
+
+def test_an_adapter_path_that_names_a_function_is_refused():
+    """Issue 24: ``model.adapter=os:getcwd`` is refused when resolved, not called with the adapter's arguments."""
+    from flowforge.models import adapter_class
+
+    with pytest.raises(ValueError, match="'getcwd' is a builtin_function_or_method, not an adapter class or factory"):
+        adapter_class("os:getcwd")

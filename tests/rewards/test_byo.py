@@ -94,3 +94,16 @@ def test_group_scorer_sees_whole_groups_and_metrics_count_them():
         assert torch.equal(components["rank"][members], expected)
     assert "reward/rank_groups_scored" not in RewardProcessor({"b": build_scorer(f"{MOD}:Brightness")}, {"b": 1.0})(
         media, prompts, meta, group_ids)[1]
+
+
+def test_a_dotted_path_to_a_builtin_function_is_refused():
+    """Issue 24: ``os:getcwd`` names a callable that is no scorer class or factory: refused in one line, and options
+    that do not fit a factory are a ValueError (exit 2), not a TypeError from inside the call."""
+    from flowforge.rewards.byo import build_imported, check_import_spec, load_factory
+
+    for spec in ("os:getcwd", "os:sep"):
+        with pytest.raises(ValueError, match="not a factory \\(a scorer class or factory function\\)"):
+            load_factory(spec)
+        assert check_import_spec(spec, {}) and "not a factory" in check_import_spec(spec, {})[0]
+    with pytest.raises(ValueError, match="do not fit"):
+        build_imported("tests.rewards.byo_scorers:make_brightness", {"no_such_option": 1})
