@@ -26,6 +26,7 @@ def test_world_prompt_sets_are_i2v_and_split_by_episode():
     assert len(train) == 128 and len(held) == 32
     assert all(r.metadata["task"] == "i2v" and len(r.prompt.split()) == 8 for r in train + held)
     assert not {r.metadata["clip"] for r in train} & {r.metadata["clip"] for r in held}
+    assert not {r.metadata["episode"] for r in train} & {r.metadata["episode"] for r in held}  # split by episode
 
 
 def test_world_sft_writes_a_model_that_loads_like_demo_world(tmp_path):
