@@ -179,7 +179,7 @@ def check_prompt_file(path: pathlib.Path) -> None:
     except OSError as exc:
         raise file_error(path, exc, _FIX) from None
     if stat.S_ISDIR(mode):
-        raise UserError(path, f"is a directory without {' / '.join(peer.TRAIN_FILES)}", _FIX)
+        raise UserError(path, "is a directory with no train split", _FIX)
     if not stat.S_ISREG(mode):
         kind = next((name for test, name in _KINDS if test(mode)), "a special file")
         raise UserError(path, f"is not a regular file ({kind})", _FIX)

@@ -40,7 +40,7 @@ def test_a_dataset_directory_reads_its_train_split_and_its_test_file_by_name(tmp
 
 
 def test_what_still_cannot_be_read_names_flowforge_data_prepare(tmp_path):
-    with pytest.raises(ValueError, match=r"directory without train.jsonl.*flowforge data prepare"):
+    with pytest.raises(ValueError, match=r"is a directory with no train split.*train.jsonl.*flowforge data prepare"):
         load_prompts(tmp_path)
     bad = tmp_path / "p.jsonl"
     bad.write_text("not json\n", encoding="utf-8")
