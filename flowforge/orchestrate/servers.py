@@ -45,6 +45,18 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _isolated_env() -> dict[str, str]:
+    """The child's environment: with ``python -P`` the working directory is not put first on ``sys.path``, and
+    ``PYTHONPATH`` lists the directory of the flowforge this process runs before it, so a ``flowforge/`` directory
+    in the working directory (an export's, say) cannot shadow the package; the working directory follows, so
+    ``pkg.module:Factory`` scorers found there still import."""
+    import flowforge
+
+    package_root = str(Path(flowforge.__file__).resolve().parents[1])
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.getcwd(), *rest])}
+
+
 class JudgeServer:
     """A ``flowforge serve judge`` child process (module docstring).
 
@@ -63,7 +75,7 @@ class JudgeServer:
     def __init__(self, backend_args: Sequence[str], *, token_file: Path, model_name: str,
                  request_log: Path | None = None, num_threads: int = 0, log_file: Path,
                  timeout_s: float = 300.0) -> None:
-        args = [sys.executable, "-m", "flowforge.cli", "serve", "judge", *backend_args, "--host", "127.0.0.1",
+        args = [sys.executable, "-P", "-m", "flowforge.cli", "serve", "judge", *backend_args, "--host", "127.0.0.1",
                 "--port", "0", "--token-file", str(token_file), "--model-name", model_name,
                 "--num-threads", str(num_threads)]
         if request_log is not None:
@@ -71,7 +83,7 @@ class JudgeServer:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = log_file
         self._log = open(log_file, "a")  # noqa: SIM115 - kept open for the child's lifetime
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True,
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True, env=_isolated_env(),
                                      preexec_fn=_die_with_parent)
         self.url = self._wait(timeout_s)
 
