@@ -201,8 +201,10 @@ class Policy:
         return live_output
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` and release the pending live graph."""
-        loss.backward()
+        """``loss.backward()`` and release the pending live graph. A loss that reaches no trainable weight (a
+        two-expert Wan micro-batch all on the expert without LoRA) contributes a zero gradient: nothing to run."""
+        if loss.requires_grad:
+            loss.backward()
         self._pending = None
 
     @contextlib.contextmanager

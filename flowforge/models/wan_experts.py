@@ -99,16 +99,18 @@ class WanExperts(nn.Module):
                 encoder_hidden_states_image: Tensor | None = None, return_dict: bool = False,
                 attention_kwargs: dict | None = None):
         """``WanTransformer3DModel.forward`` of the expert of each row; returns ``(out,)`` (``return_dict`` must be
-        False)."""
+        False). A batch all on one side runs that expert alone (so a loss over it may reach no trained weight when
+        LoRA is on the other expert only: :meth:`flowforge.policy.Policy.backward` then skips it)."""
         if return_dict:
             raise ValueError("WanExperts.forward returns a tuple; call it with return_dict=False")
         high = self.high_noise_rows(timestep)
         kw = dict(attention_kwargs=attention_kwargs, return_dict=False)
         if bool(high.all()) or bool((~high).all()):  # the pipeline's case: the whole batch on one expert
-            expert = self.transformer if bool(high.all()) else self.transformer_2
-            return (expert(hidden_states=hidden_states, timestep=timestep,
-                           encoder_hidden_states=encoder_hidden_states,
-                           encoder_hidden_states_image=encoder_hidden_states_image, **kw)[0],)
+            expert = EXPERTS[0] if bool(high.all()) else EXPERTS[1]
+            out = getattr(self, expert)(hidden_states=hidden_states, timestep=timestep,
+                                        encoder_hidden_states=encoder_hidden_states,
+                                        encoder_hidden_states_image=encoder_hidden_states_image, **kw)[0]
+            return (out,)
         out = None
         for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
             idx = rows.nonzero().flatten()

@@ -1,6 +1,7 @@
 """Wan 2.2 A14B (two experts) on the real training loop: a saved tiny two-expert ``WanPipeline`` directory loaded by
 the trainer through ``model.adapter=wan``; GRPO (first ratio exactly 1 with CFG) and NFT (forward process at random
-per-row sigmas, so batches straddle the boundary) 2-step LoRA runs; the checkpoint keeps both experts' LoRA."""
+per-row sigmas, so batches straddle the boundary) 2-step LoRA runs on both / one expert; the checkpoint keeps the
+trained experts' LoRA; both export forms, verified."""
 from __future__ import annotations
 
 import pytest
@@ -32,19 +33,40 @@ def experts_dir(tmp_path_factory):
     return path
 
 
+LOW_ONLY = [f"transformer_2.blocks.0.{t}" for t in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_q")]
+"""``lora.targets`` naming low-noise-expert modules only (the tiny experts have one block each)."""
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
-def test_two_expert_wan_trains_on_the_real_loop(algorithm, experts_dir, prompt_files, tmp_path):  # noqa: F811
+def test_two_expert_wan_trains_and_exports(algorithm, experts_dir, prompt_files, tmp_path):  # noqa: F811
+    """GRPO: LoRA on both experts (the default targets); NFT: on the low-noise expert only. Then both export forms,
+    verified (the probe has one row per expert)."""
+    from diffusers import WanPipeline
+
+    from flowforge.tools.export import export_run, read_export_meta
+    from flowforge.tools.export.wan_experts import LORA_FILES
     from flowforge.train.trainer import Trainer
 
     guidance = GUIDANCE["wan"] if algorithm == "grpo" else 1.0
+    targets = [] if algorithm == "grpo" else [f"lora.targets=[{', '.join(LOW_ONLY)}]"]
     cfg = family_cfg("wan", experts_dir, tmp_path / "runs", tmp_path / "cache", prompt_files,
-                     f"run.name=a14b-{algorithm}", f"train.algorithm={algorithm}",
-                     f"sampler.guidance_scale={guidance}", "checkpoint.every=2")
+                     f"run.name=a14b-{algorithm}", f"train.algorithm={algorithm}", "lora.rank=4", "lora.alpha=8",
+                     f"sampler.guidance_scale={guidance}", "checkpoint.every=2", *targets)
     trainer = Trainer(cfg, progress=False)
     assert isinstance(trainer.adapter.transformer, WanExperts)
     assert trainer.adapter.transformer.expert_of(trainer.sigmas[:-1]) == [EXPERTS[0]] * 2 + [EXPERTS[1]] * 2
     run_dir = train_and_check(trainer, algorithm)
-    weights = run_dir / "checkpoints" / "step_000002" / "weights" / "live.safetensors"
-    keys = load_file(str(weights)).keys()
-    assert {k.split(".")[0] for k in keys} == set(EXPERTS)  # both experts' LoRA saved
-    assert all(torch.isfinite(v).all() for v in load_file(str(weights)).values())
+    weights = load_file(str(run_dir / "checkpoints" / "step_000002" / "weights" / "live.safetensors"))
+    trained = set(EXPERTS) if algorithm == "grpo" else {"transformer_2"}
+    assert {k.split(".")[0] for k in weights} == trained  # the checkpoint keeps each trained expert's LoRA
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+    merged = export_run(run_dir, tmp_path / "merged", form="merged", verify=True)
+    report = read_export_meta(merged)["verify"]
+    assert report["passed"] and report["base_diff"] > 1e-6, report
+    pipe = WanPipeline.from_pretrained(str(merged), local_files_only=True)
+    assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == BOUNDARY
+    adapter = export_run(run_dir, tmp_path / "adapter", form="adapter", verify=True)
+    report = read_export_meta(adapter)["verify"]
+    assert report["passed"] and report["max_abs_diff"] == 0.0, report
+    assert {n for n, f in LORA_FILES.items() if (adapter / f).is_file()} == trained

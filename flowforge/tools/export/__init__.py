@@ -18,8 +18,9 @@ adapter         transformer                  ``save_lora_weights`` / ``load_lora
 ``wan``         ``WanTransformer3DModel``    ``WanPipeline`` (``WanImageToVideoPipeline`` for an i2v base)
 ==============  ===========================  =====================================================================
 
-Families with a file format of their own are written by their own writer (:data:`WRITERS`, one dispatch in
-:func:`export_run`): the world model (``model.adapter: world_model``) by :mod:`flowforge.tools.export.world`, in the
+A two-expert Wan 2.2 A14B base (``transformer_2/``) is written by :mod:`flowforge.tools.export.wan_experts` (both
+experts, in either form). Families with a file format of their own are written by their own writer
+(:data:`WRITERS`, one dispatch in :func:`export_run`): the world model (``model.adapter: world_model``) by :mod:`flowforge.tools.export.world`, in the
 format ``load_world_model`` reads. Everything else below (checks, marker, card, verification rule) is shared.
 A ``module`` run (``lora.trainable: module``: exact submodules fine-tuned in full) exports ``merged`` as a full
 fine-tune does, and ``adapter`` as exactly its trained tensors (:mod:`flowforge.tools.export.weights`). A
@@ -100,6 +101,7 @@ from pathlib import Path
 import torch
 
 from flowforge.tools.export import diffusers as export_diffusers, world as export_world
+from flowforge.tools.export import wan_experts as export_wan_experts
 from flowforge.tools.export.card import write_card_and_config
 from flowforge.tools.export.contract import check_contract
 from flowforge.tools.export.diffusers import LORA_PIPELINES, LORA_WEIGHT_NAME
@@ -187,7 +189,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
         raise ExportError("--weights", f"{weights!r} is not a weight group", f"allowed: {list(WEIGHT_GROUPS)}")
     run_dir, out = Path(run_dir), Path(out).expanduser()
     src = _load_checked(run_dir, out, step, base, weights, overwrite)
-    writer = WRITERS.get(src.adapter, DIFFUSERS_WRITER)
+    writer = WAN_EXPERTS_WRITER if export_wan_experts.is_two_expert_base(src.base) else \
+        WRITERS.get(src.adapter, DIFFUSERS_WRITER)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = work_dir(out)
     try:
@@ -239,6 +242,9 @@ def read_export_meta(out: str | Path) -> dict:
 DIFFUSERS_WRITER = Writer(merged=export_diffusers.write_merged, adapter=export_diffusers.write_adapter,
                           snippet=export_diffusers.card_snippet)
 """The writer of every diffusers family (registered or ``pkg.module:Class``)."""
+WAN_EXPERTS_WRITER = Writer(merged=export_wan_experts.write_merged, adapter=export_wan_experts.write_adapter,
+                            snippet=export_wan_experts.loading_snippet)
+"""The writer of a two-expert Wan 2.2 A14B base (both experts; :mod:`flowforge.tools.export.wan_experts`)."""
 WRITERS: dict[str, Writer] = {
     "world_model": Writer(merged=export_world.write_merged, adapter=export_world.write_adapter,
                           snippet=export_world.loading_snippet),

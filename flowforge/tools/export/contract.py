@@ -69,8 +69,12 @@ def meta_model(transformer_dir: Path) -> nn.Module:
 
 
 def _expected_tensors(transformer_dir: Path, lora: dict) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """``(key -> shape the contract allows, keys it requires)`` from the base transformer built on ``meta``."""
-    model = meta_model(transformer_dir)
+    """``(key -> shape the contract allows, keys it requires)`` from the base transformer built on ``meta`` (both
+    experts of a two-expert Wan base, keys ``transformer.`` / ``transformer_2.``)."""
+    from flowforge.tools.export.wan_experts import is_two_expert_base, meta_experts
+
+    two = transformer_dir.name == "transformer" and is_two_expert_base(transformer_dir.parent)
+    model = meta_experts(transformer_dir.parent) if two else meta_model(transformer_dir)
     if lora["trainable"] == "module+lora":  # the submodules' entries first: LoRA injection renames no key of theirs
         module_shapes, module_required = _expected_of(model, {**lora, "trainable": "module"}, transformer_dir)
         lora_shapes, lora_required = _expected_of(model, {**lora, "trainable": "lora"}, transformer_dir)
