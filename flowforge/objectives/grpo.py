@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from flowforge.algorithms import losses
+from flowforge.algorithms.ema import EMA_SCHEDULES
 from flowforge.objectives.base import ObjectiveContext, TrainBatch
 from flowforge.objectives.replay import ReplayObjective
 from flowforge.rollout import RolloutSpec, replay_log_prob
@@ -29,9 +30,13 @@ class GRPOConfig(Section):
     clip_low: float = 1e-4
     clip_high: float | None = None  # None: equal to clip_low
     kl_weight: float = 0.0  # flow_grpo's beta: weight of its kl_loss to the reference policy
+    ema_decay: float = 0.0  # > 0: keep an eval EMA of live with this decay (flow_grpo's train.ema; 0 = none)
+    ema_schedule: str = "constant"  # "constant" | "warmup": d = min((1 + n) / (10 + n), ema_decay) (flow_grpo)
 
     def problems(self) -> list[str]:
         c = Checks(self)
+        c.choice("ema_schedule", EMA_SCHEDULES)
+        c.require(0 <= self.ema_decay < 1, f"grpo.ema_decay={self.ema_decay} must be in [0, 1) (0 = no EMA)")
         c.require(self.clip_low > 0 and (self.clip_high is None or self.clip_high > 0),
                   f"grpo.clip_low={self.clip_low} / grpo.clip_high={self.clip_high} must be > 0")
         c.positive("kl_weight", allow_zero=True)
@@ -47,9 +52,16 @@ class GRPO(ReplayObjective):
     clipped_ratio = True
     grpo: GRPOConfig
 
+    def __init__(self, ctx: ObjectiveContext, adapter, policy):
+        super().__init__(ctx, adapter, policy)
+        # as flow_grpo's train.ema (flow_grpo/ema.py, copy_ema_to around eval): held-out evals see the EMA, the
+        # rollouts and updates use live
+        self.eval_policy = "ema" if self.grpo.ema_decay > 0 else "live"
+
     @classmethod
     def policy_bank(cls, ctx: ObjectiveContext) -> dict:
-        return {"keep_ref": ctx.sections["grpo"].kl_weight > 0}
+        g = ctx.sections["grpo"]
+        return {"keep_ref": g.kl_weight > 0, "ema_decay": g.ema_decay, "ema_schedule": g.ema_schedule}
 
     def surrogate(self, tr, sub: TrainBatch, slot: int) -> tuple[torch.Tensor, dict]:
         """The clipped surrogate of one replayed step (``tr`` the live transition)."""

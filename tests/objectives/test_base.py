@@ -47,7 +47,10 @@ def test_declarations_read_the_context():
     assert nft.optimizer_steps_per_batch(ctx) == 2 * 3
     assert nft(ctx, None, None).eval_policy == "ema"
     grpo = OBJECTIVES["grpo"]
-    assert grpo.policy_bank(grpo.context(load_config(None, ["grpo.kl_weight=0.1"]))) == {"keep_ref": True}
+    assert grpo.policy_bank(grpo.context(load_config(None, ["grpo.kl_weight=0.1"]))) == {
+        "keep_ref": True, "ema_decay": 0.0, "ema_schedule": "constant"}
+    assert grpo.policy_bank(grpo.context(load_config(None, ["grpo.ema_decay=0.9", "grpo.ema_schedule=warmup"]))) \
+        == {"keep_ref": False, "ema_decay": 0.9, "ema_schedule": "warmup"}
 
 
 def test_a_context_missing_a_section_is_refused():
