@@ -29,9 +29,9 @@ both at once. The default LoRA targets (``WanAdapter.lora_targets``, module-name
 LoRA on one expert only: list that expert's full module names in ``lora.targets`` (:func:`expert_lora_targets`
 prints them, e.g. ``transformer_2.blocks.0.attn1.to_q``); the other expert then stays the base model bit for bit.
 
-Not done: ``guidance_scale_2`` different from ``guidance_scale``; ``flowforge export`` of a two-expert run (refused
-by the exporter, which writes one ``transformer/``); ``load_wan`` loads the experts, the trainer's checkpoints keep
-both.
+Exports keep both experts (:mod:`flowforge.tools.export.wan_experts`). Not done: ``guidance_scale_2`` different
+from ``guidance_scale``. Multi-GPU FSDP with per-row sigmas (NFT's forward process) is untested: ranks whose rows fall
+on different sides of the boundary run different experts.
 """
 
 from __future__ import annotations
