@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     args.debug = bool(getattr(args, "debug", False)) or _debug_from_env()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore"):  # one INFO line per HTTP request (judge, reward server) otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return VERBS[args.command].run(args)
     except Exception as exc:  # noqa: BLE001 - every failure ends in one line unless --debug asks for the traceback
