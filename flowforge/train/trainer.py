@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,13 +122,19 @@ class Trainer:
         self._prepare_run()
 
         m = cfg.model
+        log.info("loading model %s (%s) ...", m.path, m.adapter)  # startup stages, timed: minutes on a big model
+        started = time.perf_counter()
         self.adapter = build_adapter(m.adapter, resolve_demo_path(m.path), task=m.task,
                                      dtype=resolve_dtype(m.dtype, key="model.dtype"), device=self.device)
         check_loaded_model(cfg, self.adapter, world_size=self.dist.world_size)  # what only the model can tell
         self.latent_shape = tuple(self.adapter.latent_shape(m.height, m.width, m.frames))
+        log.info("model loaded in %.1f s; encoding %d train + %d eval prompts ...", time.perf_counter() - started,
+                 len(self.train_prompts), len(self.eval_prompts))
+        started = time.perf_counter()
         self.train_cond = _encode(self.adapter, self.train_prompts, cfg.data.cache_dir).to(self.device)
         self.eval_cond = _encode(self.adapter, self.eval_prompts, cfg.data.cache_dir).to(self.device)
         self.adapter.release_text_encoder()
+        log.info("prompts encoded in %.1f s", time.perf_counter() - started)
         self.sigmas = self._schedule()
 
         objective_cls = OBJECTIVES[cfg.train.algorithm]

@@ -167,3 +167,14 @@ def test_checkpoints_leave_the_run_unchanged_and_an_interrupted_run_without_one_
     assert resumed.step == 2
     resumed.train()
     assert [r["step"] for r in _rows(resumed.run_dir)] == [1, 2, 3]
+
+
+def test_startup_stages_are_logged_with_their_time(tiny_model_dir, tmp_path, encode_cache_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="flowforge"):
+        Trainer(tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir), progress=False)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("loading model ") for line in lines), lines
+    assert any(line.startswith("model loaded in ") and "encoding 220 train + 3 eval prompts" in line for line in lines)
+    assert any(line.startswith("prompts encoded in ") for line in lines), lines
