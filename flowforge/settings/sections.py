@@ -174,6 +174,7 @@ class SamplerConfig(Section):
     sde_kind: str = "sde"  # "sde" | "dance" | "cps" | "ode"
     noise_level: float = 0.7  # eta
     guidance_scale: float = 1.0
+    negative_prompt: str | None = None  # CFG's unconditional prompt (used when guidance_scale != 1); None: the model's
     trained_indices: tuple[int, ...] | None = None
     num_sde_steps: int = 3
     sde_window: tuple[float, float] = (0.0, 1.0)

@@ -127,6 +127,8 @@ class Trainer:
         self.adapter = build_adapter(m.adapter, resolve_demo_path(m.path), task=m.task,
                                      dtype=resolve_dtype(m.dtype, key="model.dtype"), device=self.device)
         check_loaded_model(cfg, self.adapter, world_size=self.dist.world_size)  # what only the model can tell
+        if cfg.sampler.negative_prompt is not None:  # before encoding: it is part of the encodings (and encoder_id)
+            self.adapter.negative_prompt = cfg.sampler.negative_prompt
         self.latent_shape = tuple(self.adapter.latent_shape(m.height, m.width, m.frames))
         log.info("model loaded in %.1f s; encoding %d train + %d eval prompts ...", time.perf_counter() - started,
                  len(self.train_prompts), len(self.eval_prompts))

@@ -379,6 +379,9 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     if cfg.data.group_size < 2 and cfg.advantage.std_mode == "group":
         warnings.append(f"data.group_size={cfg.data.group_size} with advantage.std_mode='group': every group has one "
                         "candidate, so every advantage is 0 and nothing is learned")
+    if cfg.sampler.negative_prompt is not None and cfg.sampler.guidance_scale == 1.0:
+        warnings.append(f"sampler.negative_prompt={cfg.sampler.negative_prompt!r} is not used: classifier-free guidance "
+                        "runs only when sampler.guidance_scale != 1")
     if cfg.reward.device != "cpu":
         warnings.append(f"reward.device={cfg.reward.device!r} is not read: scorers run on the run device "
                         "(run.device) unless a scorer takes its own device option (reward.options.<name>.device)")
