@@ -13,7 +13,8 @@
 Rows are put in a seeded training order *before* the rollout, and the rollout is chunked exactly like the training
 micro-batches, so replaying the first update runs the same computations as the rollout (ratio exactly 1).
 
-Everything else lives beside the loop: save / resume in :class:`~flowforge.train.checkpoint.manager.CheckpointManager`
+Everything else lives beside the loop: the run directory's lifecycle in
+:class:`~flowforge.train.run_lifecycle.RunDirectory` (checked, claimed, accepted, abandoned, released), save / resume in :class:`~flowforge.train.checkpoint.manager.CheckpointManager`
 (over the Stateful policy bank, prompt sampler and :class:`~flowforge.train.checkpoint.manager.TrainerState`), the
 decode of latents into media at the rollout boundary (:func:`flowforge.rollout.decode_media`).
 """
@@ -21,7 +22,6 @@ decode of latents into media at the rollout boundary (:func:`flowforge.rollout.d
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import time
@@ -38,11 +38,9 @@ from flowforge.algorithms.advantages import clip_advantages, combine_components,
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
 from flowforge.data.images import load_condition_images
-from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, check_task, load_prompts
-from flowforge.train.metrics import MetricsLogger, StageTimer, to_scalars, within_group_diversity, write_provenance
-from flowforge.runtime.run_dir import (MODEL_PROVENANCE_FILE, WRITTEN_FILES, check_artifacts_root,
-                                       check_run_dir_outside_source, existing_run, move_aside, refuse_rerun,
-                                       sample_grid_path, sha256_of_path)
+from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord
+from flowforge.train.metrics import StageTimer, to_scalars, within_group_diversity
+from flowforge.runtime.run_dir import sample_grid_path, sha256_of_path
 from flowforge.report.grids import save_eval_grid
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter
@@ -56,7 +54,6 @@ from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
 from flowforge.rollout import (Trajectory, candidate_noise, decode_media, generate, rollout_chunked,
                               rollout_grouped, sigmas_for)
-from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, training_contract
 from flowforge.train.guard import RewardHackingGuard
@@ -64,6 +61,7 @@ from flowforge.train.perf import PerfMeter, compute_dtype
 from flowforge.train.sidecars import SidecarWriter
 from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
 from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
+from flowforge.train.run_lifecycle import RunDirectory
 
 log = logging.getLogger("flowforge")
 
@@ -86,7 +84,7 @@ def _encode(adapter, records: list[PromptRecord], cache_dir: str):
     return encode_cached(adapter.encode, adapter.encoder_id, prompts, Path(cache_dir), batch_size=64)
 
 
-class Trainer:
+class Trainer(RunDirectory):
     """Builds everything a run needs from a validated config, then runs :meth:`train`.
 
     Raises:
@@ -176,71 +174,6 @@ class Trainer:
     def step(self) -> int:
         """Completed training steps (the trainer record's)."""
         return self.state.step
-
-    def _prepare_run(self) -> None:
-        """Checks before anything is written: the run directory (refused inside the base model's; an existing run
-        needs ``train.resume`` or ``--overwrite``; none of its files a symlink leading out of it), ``artifacts.root``
-        (not inside checkpoints), the prompt files (bad ones fail before any model loads); then the run's lock
-        (rank 0). ``config.yaml`` and provenance wait for :meth:`_accept_run`."""
-        cfg = self.cfg
-        self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
-        self.model_source = _model_source(cfg.model.path)
-        if self.model_source is not None:
-            check_run_dir_outside_source(self.run_dir, self.model_source)
-        self.train_prompts = load_prompts(cfg.data.prompts)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]
-        check_task(self.train_prompts, cfg.model.task, "data.prompts")
-        check_task(self.eval_prompts, cfg.model.task, "data.eval_prompts")
-        if cfg.artifacts.root is not None:
-            check_artifacts_root(Path(cfg.artifacts.root), self.run_dir)
-        for name in WRITTEN_FILES:
-            refuse_escaping_symlink(self.run_dir / name, self.run_dir)
-        if self.dist.is_main:
-            self._claim_run_dir()
-        dist_lib.barrier(self.dist)
-
-    def _claim_run_dir(self) -> None:
-        """Rank 0: refuse a new run into a directory holding one (or move that aside under ``--overwrite``), create
-        the directory if missing, take its lock (a second process is refused, naming the holder)."""
-        found = existing_run(self.run_dir)
-        if found and not self.cfg.train.resume:
-            if not self.overwrite:
-                refuse_rerun(self.run_dir, found)
-            RunLock(self.run_dir).check_free()  # refused while another process runs the old run
-            move_aside(self.run_dir)
-        if not self.run_dir.exists():
-            self.run_dir.mkdir(parents=True)
-            self._created_run_dir = True
-        self.run_lock = RunLock(self.run_dir)
-        self.run_lock.acquire()
-
-    def _accept_run(self) -> None:
-        """The command is accepted (model loaded, resume checked): write the resolved config and provenance
-        atomically and open the metrics logger (rank 0)."""
-        if self.dist.is_main:
-            write_bytes(self.run_dir / "config.yaml", config_lib.dump_config(self.cfg).encode())
-            write_provenance(self.run_dir)
-            record = getattr(self.adapter, "provenance_record", None)  # a world model: every loaded tensor's source
-            if record is not None:
-                write_bytes(self.run_dir / MODEL_PROVENANCE_FILE, (json.dumps(record(), indent=1) + "\n").encode())
-            self.logger = MetricsLogger(self.run_dir, trackers=self.cfg.metrics.trackers, run_name=self.cfg.run.name)
-            self.logger.log_config(config_lib.to_dict(self.cfg), config_lib.dump_config(self.cfg))
-        dist_lib.barrier(self.dist)
-
-    def _abandon(self) -> None:
-        """Undo what a refused command did to the run directory: its lock files, the directory if it made it."""
-        if self.run_lock is not None:
-            self.run_lock.release(undo=True)
-        if self._created_run_dir:
-            try:
-                self.run_dir.rmdir()
-            except OSError:  # not empty: something else wrote there meanwhile; left alone
-                pass
-
-    def close(self) -> None:
-        """Release the run directory's lock (:meth:`train` does at its end; a later :meth:`train` takes it again)."""
-        if self.run_lock is not None:
-            self.run_lock.release()
 
     def _build_outputs(self) -> None:
         """Reward processor (training components + eval scorers), metrics logger (rank 0), trajectory sidecars."""
@@ -507,8 +440,3 @@ class Trainer:
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars
 
-
-def _model_source(path: str) -> Path | None:
-    """The local directory (or file) holding the base weights, or None for a hub id."""
-    local = Path(resolve_demo_path(path))
-    return local if local.exists() else None
