@@ -138,7 +138,9 @@ def test_kill_9_and_rerun_never_bill_a_group_twice(pipeline, kill_in):
     """Killed while a judge request is in flight (between send and record); the rerun continues the stage: the
     teacher's own request log shows every group billed exactly once, and the group whose answer the crash swallowed
     is dropped (zero weight), never asked again."""
-    path, pcfg, directory = pipeline(stages={"n_a": 6, "c_steps": 3},
+    # split_seed 11: each of A's three steps judges one train-split and one test-split cluster (demo:train, pass
+    # seed 0), so whichever step the kill loses, stage B still has groups of both splits to train and gate on
+    path, pcfg, directory = pipeline(stages={"n_a": 6, "c_steps": 3}, student={"split_seed": 11},
                                      audit={"first_groups": 2, "every": 0})
     command = [sys.executable, "-m", "flowforge.cli", "stages", str(path), "--no-progress"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
