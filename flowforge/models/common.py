@@ -266,6 +266,23 @@ def to_unit_range(images: Tensor) -> Tensor:
     return (images.float() / 2 + 0.5).clamp(0.0, 1.0)
 
 
+def vae_decode_scaled(vae: torch.nn.Module, latents: Tensor) -> Tensor:
+    """Model latents ``[B, C, h, w]`` → images ``[B, 3, h f, w f]`` float32 in [0, 1]:
+    ``vae.decode(z / scaling_factor + shift_factor)`` (FLUX.1 / Z-Image pipelines, before ``vae.decode``)."""
+    cfg = vae.config
+    z = latents.to(vae.dtype) / cfg.scaling_factor + cfg.shift_factor
+    return to_unit_range(vae.decode(z, return_dict=False)[0])
+
+
+def vae_encode_scaled(vae: torch.nn.Module, images: Tensor) -> Tensor:
+    """Images ``[B, 3, H, W]`` in [0, 1] → model latents ``(mode(z) - shift_factor) * scaling_factor`` fp32, the
+    inverse of :func:`vae_decode_scaled` up to the VAE."""
+    cfg = vae.config
+    pixels = (images.to(device=vae.device, dtype=torch.float32) * 2.0 - 1.0).to(vae.dtype)
+    z = vae.encode(pixels).latent_dist.mode()
+    return ((z - cfg.shift_factor) * cfg.scaling_factor).float()
+
+
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 

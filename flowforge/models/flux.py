@@ -81,8 +81,9 @@ from flowforge.models.common import (
     pipeline_dir,
     read_json,
     require_negative,
-    to_unit_range,
     unpack_2x2,
+    vae_decode_scaled,
+    vae_encode_scaled,
 )
 
 FLUX_TIMESTEP_SCALE = 1.0
@@ -289,19 +290,14 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         """Unpacked latents ``[B, C, h, w]`` → images ``[B, 3, h f, w f]`` float32 in [0, 1]."""
         if self.vae is None:
             raise RuntimeError("this FluxAdapter has no VAE; decode is unavailable")
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype) / cfg.scaling_factor + cfg.shift_factor
-        return to_unit_range(self.vae.decode(z, return_dict=False)[0])
+        return vae_decode_scaled(self.vae, latents)
 
     @torch.no_grad()
     def encode_images(self, images: Tensor) -> Tensor:
         """Images ``[B, 3, H, W]`` in [0, 1] → model latents ``(mode(z) - shift_factor) * scaling_factor`` fp32."""
         if self.vae is None:
             raise RuntimeError("this FluxAdapter has no VAE")
-        cfg = self.vae.config
-        pixels = (images.to(device=self.vae.device, dtype=torch.float32) * 2.0 - 1.0).to(self.vae.dtype)
-        z = self.vae.encode(pixels).latent_dist.mode()
-        return ((z - cfg.shift_factor) * cfg.scaling_factor).float()
+        return vae_encode_scaled(self.vae, images)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: Any) -> FluxAdapter:
