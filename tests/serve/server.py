@@ -48,3 +48,24 @@ def reward_server(scorers: str, *extra: str, token_dir: Path, no_auth: bool = Fa
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def post_declared_only(url: str, length: int, headers: dict[str, str]) -> tuple[int, dict]:
+    """POST headers declaring a ``length``-byte JSON body to ``url``, send none of it, and read the answer: how a
+    test sees a server refuse a body from its ``Content-Length`` (sending the body too races the early answer, and
+    the client may see a broken pipe instead of the 413)."""
+    import http.client
+    import json
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.putrequest("POST", parts.path)
+        for name, value in {"Content-Type": "application/json", **headers, "Content-Length": str(length)}.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        conn.close()

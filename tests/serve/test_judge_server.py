@@ -27,6 +27,7 @@ from flowforge.rewards.judge.client import JudgeError, VLMJudge
 from flowforge.rewards.judge.ledger import BudgetExhausted
 from flowforge.serve.judge_server import billed_per_group, read_request_log
 from tests.serve import judge_support as S
+from tests.serve.server import post_declared_only
 
 TOKEN = "judge-test-token"
 
@@ -84,25 +85,6 @@ def _http(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tup
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
-
-
-def _declared_only(url: str, length: int) -> tuple[int, dict]:
-    """POST headers declaring a ``length``-byte JSON body, send none of it, and read the answer."""
-    import http.client
-    import urllib.parse
-
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
-    try:
-        conn.putrequest("POST", parts.path)
-        for name, value in (("Content-Type", "application/json"), ("Content-Length", str(length)),
-                            ("Authorization", f"Bearer {TOKEN}")):
-            conn.putheader(name, value)
-        conn.endheaders()
-        response = conn.getresponse()
-        return response.status, json.loads(response.read() or b"{}")
-    finally:
-        conn.close()
 
 
 # ------------------------------------------------------------------------------------------------ scorer backend
@@ -168,9 +150,8 @@ def test_auth_and_payload_errors(scorer_server, tmp_path, monkeypatch):
     for body_bytes, code, text in cases:
         status, body = _http(chat, body_bytes)
         assert status == code and text in body["detail"], (code, status, body)
-    # an oversized body is refused from its Content-Length, before it is read: only the headers are sent (sending
-    # the 2 MiB too races the early answer, and the client may see a broken pipe instead of the 413)
-    status, body = _declared_only(chat, 2 * 2**20)
+    # an oversized body is refused from its Content-Length, before it is read
+    status, body = post_declared_only(chat, 2 * 2**20, {"Authorization": f"Bearer {TOKEN}"})
     assert status == 413 and "exceeds" in body["detail"], (status, body)
     monkeypatch.setenv("FF_WRONG_TOKEN_ENV", "not-the-token")
     wrong = VLMJudge(model="brightness", base_url=url + "/v1", api_key_env="FF_WRONG_TOKEN_ENV",

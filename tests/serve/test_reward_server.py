@@ -2,6 +2,7 @@
 
 import base64
 import io
+import json
 
 import httpx
 import numpy as np
@@ -13,7 +14,7 @@ from flowforge.cli import main as cli_main
 from flowforge.rewards.media import encode_image, encode_images
 from flowforge.rewards.registry import build_scorer
 from flowforge.serve.common import is_loopback, resolve_token, server_url
-from tests.serve.server import reward_server
+from tests.serve.server import post_declared_only, reward_server
 
 SCORERS = "digit,jpeg_compressibility,tests.serve.scorers:NotApplicable"
 
@@ -107,9 +108,9 @@ def test_not_applicable_scores_come_back_as_null(server):
 
 def test_oversized_requests_get_413_with_a_message(server):
     url, auth = server
-    big = _body(_media(8, size=64))  # 8 x float32 64x64x3 ~ 520 kB of base64 > 0.25 MiB
-    response = httpx.post(f"{url}/score", json=big, headers=auth)
-    assert response.status_code == 413 and "exceeds the limit of 262144 bytes" in response.json()["detail"]
+    big = json.dumps(_body(_media(8, size=64))).encode()  # 8 x float32 64x64x3 ~ 520 kB of base64 > 0.25 MiB
+    status, detail = post_declared_only(f"{url}/score", len(big), auth)  # refused from its Content-Length
+    assert status == 413 and "exceeds the limit of 262144 bytes" in detail["detail"]
     response = httpx.post(f"{url}/score", json=_body((_media(9, size=4) * 255).round() / 255), headers=auth)
     assert response.status_code == 413 and "9 media items exceed the batch limit of 8" in response.json()["detail"]
     chunks = iter([b"[" + b" " * 200_000] * 2)  # no Content-Length: refused once the streamed body passes the limit
