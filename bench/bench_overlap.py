@@ -39,9 +39,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import start_announced  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_ENV = "FF_BENCH_OVERLAP_TOKEN"
@@ -81,16 +83,8 @@ def serve(latency: float, token_file: str) -> None:
 def start_server(latency: float, token_file: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", str(latency),
-                             "--token-file", str(token_file)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(120)
-    if not line or " at http://" not in line[0]:
-        proc.kill()
-        raise SystemExit(f"the judge server did not start: {line!r}")
-    return proc, line[0].split(" at ", 1)[1].strip()
+    return start_announced([sys.executable, str(Path(__file__).resolve()), "--serve", str(latency), "--token-file",
+                            str(token_file)], env, ROOT, "judge server")
 
 
 def run_arm(url: str, out: Path, name: str, concurrency: int, overlap: bool, steps: int) -> list[dict]:

@@ -21,13 +21,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleave  # noqa: E402
+from common import interleave, start_announced  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_ENV = "FF_BENCH_REWARD_TOKEN"
@@ -36,16 +35,7 @@ TOKEN_ENV = "FF_BENCH_REWARD_TOKEN"
 def start_server(scorers: str, token_file: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "flowforge.cli", "serve", "reward", "--scorers", scorers, "--port", "0",
            "--token-file", str(token_file), "--num-threads", "1", "--max-body-mb", "512"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(120)
-    if not line or " at http://" not in line[0]:
-        proc.kill()
-        raise SystemExit(f"the reward server did not start: {line!r}")
-    return proc, line[0].split(" at ", 1)[1].strip()
+    return start_announced(cmd, {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, ROOT, "reward server")
 
 
 def main() -> None:

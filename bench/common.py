@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 import statistics
+import subprocess
+import threading
 import time
+from pathlib import Path
 
 import torch
+
+
+def start_announced(cmd: list[str], env: dict[str, str], cwd: Path, what: str) -> tuple[subprocess.Popen, str]:
+    """Start a server ``cmd`` that prints ``serving ... at URL`` once it listens; returns ``(process, URL)``.
+
+    Raises:
+        SystemExit: no such line within 120 s (the process is killed), naming ``what``.
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(120)
+    if not line or " at http://" not in line[0]:
+        proc.kill()
+        raise SystemExit(f"the {what} did not start: {line!r}")
+    return proc, line[0].split(" at ", 1)[1].strip()
 
 
 def build(extra=()):
