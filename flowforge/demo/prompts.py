@@ -24,8 +24,10 @@ near-duplicate of a condition it is tested on (its train / val / test split is b
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
+import re
 from collections.abc import Sequence
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -101,6 +103,46 @@ def render(template: str, digit: int) -> str:
     if isinstance(digit, bool) or not isinstance(digit, int) or not 0 <= digit <= 9:
         raise ValueError(f"digit must be an int in 0..9, got {digit!r}")
     return template.format(word=DIGIT_WORDS[digit], numeral=str(digit))
+
+
+@functools.lru_cache(maxsize=1)
+def _digit_table() -> dict[str, int]:
+    from flowforge.data.clusters import normalise_text
+
+    return {normalise_text(render(t, d)): d for t in (*TRAIN_TEMPLATES, *EVAL_TEMPLATES) for d in range(10)}
+
+
+_TOKEN = re.compile(r"[a-z]+|[0-9]+")
+
+
+def prompt_digit(prompt: str) -> int:
+    """The digit (0..9) ``prompt`` asks for, read from the text alone (what a judge sees, and what a prompt file
+    without ``metadata.digit`` gives the digit reward).
+
+    A demo phrasing (every train and eval template, any digit) is looked up after
+    :func:`~flowforge.data.clusters.normalise_text` (case, punctuation and spacing ignored), so
+    ``"one handwritten character: nine"`` is 9. Any other prompt must name exactly one digit, as a numeral ``0``..``9``
+    or a word ``zero``..``nine``; the word ``one`` next to another digit is read as a count (``"one 3"`` is 3).
+
+    Raises:
+        ValueError: the prompt names no digit, or several (the message quotes it).
+    """
+    from flowforge.data.clusters import normalise_text
+
+    text = normalise_text(prompt)
+    digit = _digit_table().get(text)
+    if digit is not None:
+        return digit
+    found = [(int(t), False) if t.isdigit() else (DIGIT_WORDS.index(t), True)
+             for t in _TOKEN.findall(text) if (t.isdigit() and len(t) == 1) or t in DIGIT_WORDS]
+    digits = {d for d, _ in found}
+    if len(digits) > 1:  # "one" as a count word: dropped when another digit is named
+        digits = {d for d, word in found if not (word and d == 1)}
+    if len(digits) != 1:
+        what = "no digit" if not digits else f"several digits {sorted(digits)}"
+        raise ValueError(f"prompt {prompt!r} names {what}; the digit reward needs one digit per prompt (a numeral "
+                         "0..9 or a word zero..nine, or metadata['digit'])")
+    return digits.pop()
 
 
 def generate_rows(name: str) -> list[dict]:

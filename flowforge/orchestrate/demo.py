@@ -1,9 +1,9 @@
 """The embedded pipeline demo's teacher: the digit reward classifier as a group judge that reads the prompt only.
 
 A group judge sees what a paid multimodal judge would see -- the prompt text and the candidates' frames, nothing
-from the prompt file's metadata -- so the requested digit must come from the prompt. :func:`prompt_digit` looks the
-prompt up in the demo's own phrasings (:mod:`flowforge.demo.prompts`: every train and eval template rendered for
-every digit); :class:`PromptDigitScorer` then scores each frame with the demo's reward classifier
+from the prompt file's metadata -- so the requested digit must come from the prompt
+(:func:`flowforge.demo.prompts.prompt_digit`: the demo's own phrasings, else the one digit the prompt names);
+:class:`PromptDigitScorer` then scores each frame with the demo's reward classifier
 (:class:`flowforge.rewards.scorers.digit.DigitScorer`: softmax probability of the requested digit, in [0, 1]).
 
 Serve it as the teacher of ``examples/stages/``::
@@ -13,34 +13,14 @@ Serve it as the teacher of ``examples/stages/``::
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from torch import Tensor
 
+from flowforge.demo.prompts import prompt_digit
 
-@functools.lru_cache(maxsize=1)
-def _digit_table() -> dict[str, int]:
-    from flowforge.demo.prompts import EVAL_TEMPLATES, TRAIN_TEMPLATES, render
-    from flowforge.data.clusters import normalise_text
-
-    return {normalise_text(render(t, d)): d for t in (*TRAIN_TEMPLATES, *EVAL_TEMPLATES) for d in range(10)}
-
-
-def prompt_digit(prompt: str) -> int:
-    """The digit (0..9) a demo prompt asks for, matched after :func:`~flowforge.data.clusters.normalise_text`
-    (case, punctuation and spacing ignored).
-
-    Raises:
-        ValueError: the prompt is none of the demo's phrasings.
-    """
-    from flowforge.data.clusters import normalise_text
-
-    digit = _digit_table().get(normalise_text(prompt))
-    if digit is None:
-        raise ValueError(f"prompt {prompt!r} is not one of the digits demo's phrasings (flowforge.demo.prompts)")
-    return digit
+__all__ = ["PromptDigitScorer", "prompt_digit"]
 
 
 class PromptDigitScorer:
@@ -51,7 +31,7 @@ class PromptDigitScorer:
         batch_size: images per classifier forward (:class:`~flowforge.rewards.scorers.digit.DigitScorer`).
 
     Raises (``__call__``):
-        ValueError: a prompt outside the demo's phrasings; bad shapes.
+        ValueError: a prompt that names no digit or several; bad shapes.
     """
 
     name = "prompt_digit"

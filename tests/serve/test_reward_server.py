@@ -140,8 +140,9 @@ def _malformed_cases():
          "every item must have one shape"),
         ("images and videos", {**good, "media": [png, {"frames": [png]}]}, "mixes images and videos"),
         ("empty video", {**good, "media": [{"frames": []}] * 2}, "frames"),
-        ("scorer rejects", {**good, "metadata": [{}, {}], "components": ["digit"]},
-         "component 'digit' rejected the request: metadata[0] has no 'digit' key"),
+        ("scorer rejects", {**good, "metadata": [{}, {}], "prompts": ["a cat", "a dog"], "components": ["digit"]},
+         "component 'digit' rejected the request: sample 0: metadata has no 'digit' key and prompt 'a cat' names "
+         "no digit"),
     ]
 
 

@@ -1,6 +1,7 @@
 """Digit reward of the embedded default: how sure the reward classifier is that the image shows the prompted digit.
 
-``r_i = softmax(RewardNet(x_i))[d_i]`` with ``d_i = metadata[i]["digit"]``, a probability in [0, 1]. ``RewardNet`` is
+``r_i = softmax(RewardNet(x_i))[d_i]`` with ``d_i = metadata[i]["digit"]`` (a row without one: the digit its prompt
+names, :func:`flowforge.demo.prompts.prompt_digit`), a probability in [0, 1]. ``RewardNet`` is
 trained on the demo's ``"reward"`` split only (:mod:`flowforge.demo.classifiers`); evaluation uses the independent
 ``EvalNet`` (DigitEval), so a policy that learns to fool ``RewardNet`` is caught by evaluation. ``RewardNet`` was
 trained with label smoothing and outlier exposure: a clean real digit scores about 0.95 (not 1.0) and pure noise
@@ -25,16 +26,28 @@ from torch import Tensor, nn
 from flowforge.rewards.base import check_batch_size, check_inputs
 
 
-def requested_digits(metadata: Sequence[dict[str, Any]]) -> Tensor:
-    """``[B]`` int64 digits read from ``metadata[i]["digit"]``.
+def requested_digits(metadata: Sequence[dict[str, Any]], prompts: Sequence[str] | None = None) -> Tensor:
+    """``[B]`` int64 digits: ``metadata[i]["digit"]``, else (no such key) the one digit ``prompts[i]`` names
+    (:func:`flowforge.demo.prompts.prompt_digit`), as for a plain-text prompt file or a judge request, which carry
+    the prompt only.
 
     Raises:
-        ValueError: an entry lacks ``"digit"`` or it is not an int in 0..9 (the message names the sample index).
+        ValueError: a ``"digit"`` that is not an int in 0..9; an entry without one whose prompt names no digit or
+            several (the message names the sample index).
     """
     digits = []
     for index, entry in enumerate(metadata):
         if not isinstance(entry, dict) or "digit" not in entry:
-            raise ValueError(f"metadata[{index}] has no 'digit' key; the digit reward needs metadata['digit'] in 0..9")
+            if prompts is None:
+                raise ValueError(f"metadata[{index}] has no 'digit' key; the digit reward needs metadata['digit'] "
+                                 "in 0..9 or a prompt naming the digit")
+            from flowforge.demo.prompts import prompt_digit
+
+            try:
+                digits.append(prompt_digit(prompts[index]))
+            except ValueError as exc:
+                raise ValueError(f"sample {index}: metadata has no 'digit' key and {exc}") from None
+            continue
         digit = entry["digit"]
         if isinstance(digit, bool) or not isinstance(digit, int) or not 0 <= digit <= 9:
             raise ValueError(f"metadata[{index}]['digit'] must be an int in 0..9, got {digit!r}")
@@ -80,7 +93,7 @@ class DigitScorer:
     def _probabilities(self, media: Tensor, prompts, metadata) -> tuple[Tensor, Tensor]:
         """``[B, 10]`` float32 softmax of the classifier and the ``[B]`` requested digits."""
         check_inputs(media, prompts, metadata)
-        digits = requested_digits(metadata).to(media.device)
+        digits = requested_digits(metadata, prompts).to(media.device)
         model = self._model_on(media.device)
         probs = [torch.softmax(model(media[start : start + self.batch_size].float()).float(), dim=1)
                  for start in range(0, media.shape[0], self.batch_size)]
@@ -92,7 +105,8 @@ class DigitScorer:
         """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 probabilities on ``media``'s device (at most ``cap``).
 
         Raises:
-            ValueError: bad shapes or lengths; a metadata entry without an int ``"digit"`` in 0..9.
+            ValueError: bad shapes or lengths; a ``"digit"`` that is not an int in 0..9; a row without one whose
+                prompt names no digit or several.
         """
         probs, digits = self._probabilities(media, prompts, metadata)
         reward = probs.gather(1, digits[:, None]).squeeze(1).float()

@@ -36,8 +36,10 @@ def test_digit_scorer_matches_softmax_of_the_reward_classifier_and_batches():
 
 def test_digit_scorer_metadata_errors():
     media = torch.zeros(2, 3, 32, 32)
-    with pytest.raises(ValueError, match=r"metadata\[1\] has no 'digit'"):
+    with pytest.raises(ValueError, match=r"sample 1: metadata has no 'digit' key and prompt 'b' names no digit"):
         DigitScorer()(media, ["a", "b"], [{"digit": 1}, {"task": "t2i"}])
+    with pytest.raises(ValueError, match=r"prompt 'the 3 or the 4' names several digits \[3, 4\]"):
+        DigitScorer()(media, ["a", "the 3 or the 4"], [{"digit": 1}, {}])
     with pytest.raises(ValueError, match=r"metadata\[0\]\['digit'\] must be an int in 0..9"):
         DigitScorer()(media, ["a", "b"], [{"digit": "7"}, {"digit": 1}])
 
@@ -67,3 +69,19 @@ def test_digit_cap_is_min_of_probability_and_cap():
     for bad in (0, 1.5, True, "high"):
         with pytest.raises(ValueError, match="digit cap"):
             DigitScorer(cap=bad)
+
+
+def test_digit_scorer_reads_the_digit_from_the_prompt_when_metadata_has_none():
+    """A prompt file without metadata.digit (a plain .txt file) or a judge request (the prompt only): the digit
+    comes from the prompt, and the reward equals the one given the digit in metadata."""
+    media, labels = real_digits(10)
+    words = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+    prompts = [f"a handwritten {words[int(d)]}" if i % 2 else f"the number {int(d)}, please"
+               for i, d in enumerate(labels)]
+    scorer = DigitScorer()
+    from_prompt = scorer(media, prompts, [{} for _ in prompts])
+    from_metadata = scorer(media, prompts, [{"digit": int(d)} for d in labels])
+    torch.testing.assert_close(from_prompt, from_metadata)
+    # metadata wins over the prompt: the reward of the digit metadata names, not the prompt's
+    wrong = scorer(media, ["a handwritten zero"] * 10, [{"digit": int(d)} for d in labels])
+    torch.testing.assert_close(wrong, from_metadata)
