@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     args.debug = bool(getattr(args, "debug", False)) or _debug_from_env()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "httpcore"):  # one INFO line per HTTP request (judge, reward server) otherwise
+    # one INFO line per HTTP request (judge, reward server) otherwise; httpx2 / httpcore2: the renamed httpx some
+    # openai SDK releases ship (the judge client's requests log under that name)
+    for noisy in ("httpx", "httpcore", "httpx2", "httpcore2"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return VERBS[args.command].run(args)

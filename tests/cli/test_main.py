@@ -12,13 +12,21 @@ def test_version(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out == f"flowforge {__version__}\n"
 
 
-def test_http_request_lines_are_not_logged_at_info(caplog):
-    """After the CLI set up logging, an httpx request (as the judge / reward clients make) logs nothing at INFO."""
+@pytest.mark.parametrize("client", ["httpx", "openai"])
+def test_http_request_lines_are_not_logged_at_info(caplog, client):
+    """After the CLI set up logging, an httpx request (as the reward client makes) and one through the HTTP library
+    the openai SDK uses (the judge client's; httpx2 in some releases) log nothing at INFO."""
     import http.server
+    import importlib
     import logging
     import threading
 
-    import httpx
+    if client == "openai":  # the module openai's client imports as its HTTP library
+        import openai._base_client as base_client
+
+        httpx = next(v for k, v in vars(base_client).items() if k in ("httpx", "httpx2") and hasattr(v, "get"))
+    else:
+        httpx = importlib.import_module("httpx")
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -30,4 +38,4 @@ def test_http_request_lines_are_not_logged_at_info(caplog):
     finally:
         server.shutdown()
         server.server_close()
-    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))], httpx.__name__

@@ -178,3 +178,16 @@ def test_startup_stages_are_logged_with_their_time(tiny_model_dir, tmp_path, enc
     assert any(line.startswith("loading model ") for line in lines), lines
     assert any(line.startswith("model loaded in ") and "encoding 220 train + 3 eval prompts" in line for line in lines)
     assert any(line.startswith("prompts encoded in ") for line in lines), lines
+
+
+def test_a_fresh_run_with_resume_auto_says_once_that_it_starts_from_scratch(tiny_model_dir, tmp_path,
+                                                                            encode_cache_dir, caplog):
+    """Every pipeline stage starts with train.resume=auto: a fresh run directory gives one INFO line, no WARNING
+    saying the same (issue 27: a duplicated line on every stage start); a damaged checkpoint still warns."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="flowforge"):
+        Trainer(tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, "train.resume=auto"), progress=False)
+    about = [r for r in caplog.records if "checkpoint" in r.getMessage()]
+    assert [(r.levelname, r.getMessage().split(":")[0]) for r in about] == [("INFO", "train.resume=auto")], \
+        [r.getMessage() for r in about]

@@ -354,6 +354,12 @@ NO_CHECKPOINT_FIX = ("its training cannot be recovered; rerun it with checkpoint
                      "end, checkpoint.keep bounds the disk) and --overwrite, or under another run.name")
 
 
+def no_checkpoints_note(run_dir: Path) -> str:
+    """The note of :func:`resolve_resume` (``"auto"``) for a run directory that never held a checkpoint: a fact, not
+    a problem (every fresh run and pipeline stage started with ``resume=auto`` gets it)."""
+    return f"no checkpoints under {run_dir / CHECKPOINTS_DIR}: starting from step 0"
+
+
 def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None, list[str]]:
     """Which checkpoint to resume from, and notes for the log.
 
@@ -397,7 +403,7 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None
         if lost:
             notes.append(f"{lost}: nothing to resume, starting from step 0; {NO_CHECKPOINT_FIX}")
         elif newest is None and not notes:
-            notes.append(f"no checkpoints under {run_dir / CHECKPOINTS_DIR}: starting from step 0")
+            notes.append(no_checkpoints_note(run_dir))
         return newest, notes
     path = Path(resume).expanduser()
     fallback = (f"resume=auto would fall back to {newest}" if newest

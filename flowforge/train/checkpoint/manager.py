@@ -41,7 +41,7 @@ from flowforge.settings import LORA_MODES, MODULE_MODES, config_diff, resume_neu
 from flowforge.runtime.durable import step_of
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.rng import restore_rng
-from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, resolve_resume,
+from flowforge.train.checkpoint import (SHARDED_DIR, load_checkpoint, no_checkpoints_note, resolve_resume,
                                         save_checkpoint)
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported only when a sharded checkpoint is written or read
@@ -214,6 +214,8 @@ class CheckpointManager:
                 before anything is restored); sharded (FSDP) state in a run that is not sharded.
         """
         path, notes = resolve_resume(self.run_dir, resume)
+        if notes == [no_checkpoints_note(self.run_dir)]:
+            notes = []  # a fresh run directory: the one INFO line below says it (was also logged as a WARNING)
         for note in notes:
             log.warning(note)
         if path is not None and max_step is not None and (step := step_of(path)) is not None and step > max_step:
