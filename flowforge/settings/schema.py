@@ -239,17 +239,24 @@ def _build(cls: type, data: Mapping[str, Any], where: str, problems: list[str]) 
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             guess = f" (did you mean '{where + '.' if where else ''}{close[0]}'?)" if close else ""
             problems.append(f"unknown key '{where + '.' if where else ''}{key}'{guess}; allowed: {', '.join(names)}")
-    kwargs = {}
+    kwargs, failed = {}, []
     for name in names:
         if name in data:
             before = len(problems)
             value = _coerce(data[name], hints[name], f"{where + '.' if where else ''}{name}", problems)
             if len(problems) == before:
                 kwargs[name] = value
+            else:
+                failed.append(f"{where + '.' if where else ''}{name}")
+    if failed and not issubclass(cls, Section):
+        # a root whose section failed: building it would build that section from its defaults, whose own rules
+        # would then report values the user never gave (stages.n_a=0 for a typo in the stages section)
+        return None
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        problems.extend(exc.problems)
+        # a key that failed kept its default: the section's rules about that default are not the user's problem
+        problems.extend(p for p in exc.problems if not any(f"{key}=" in p for key in failed))
         return None
 
 

@@ -83,3 +83,22 @@ def test_check_and_stages_refuse_a_bad_pipeline_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
     assert main(["check", str(EXAMPLE), "--print"]) == 0
     assert "stages:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("change", "must_mention"), [
+    ({"stages__n_aa": 96}, ["unknown key 'stages.n_aa'", "did you mean 'stages.n_a'"]),
+    ({"teacher__scorr": "digit"}, ["unknown key 'teacher.scorr'", "did you mean 'teacher.scorer'"]),
+    ({"stages__n_a": "many"}, ["stages.n_a: expected int"]),
+])
+def test_one_bad_key_of_a_pipeline_is_one_problem(tmp_path, change, must_mention):
+    """Issue 24: an unknown key in the stages section also reported 'stages.n_a=0 must be >= 1' (the section was
+    rebuilt from its defaults); a value of the wrong type reported its default's problem too. One problem each."""
+    from tests.cli.test_errors import assert_one_line_error, run_cli
+
+    path = _bad(tmp_path, **change)
+    for verb in ("check", "stages"):
+        rc, _, err = run_cli([verb, path, "--no-progress"] if verb == "stages" else [verb, path], tmp_path,
+                             in_process=True)
+        assert_one_line_error(rc, err, ["(1 problem)", *must_mention])
+        assert "n_a=0" not in err
+    assert not (tmp_path / "runs").exists()
