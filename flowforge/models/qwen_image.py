@@ -64,9 +64,37 @@ size). flowforge generates at ``model.height x model.width`` and loads every con
 the output, called with images of that size, is what we reproduce. The processor sees the images as 8-bit RGB PIL
 images (``round(255 x)``), as the pipeline receives them; its own resize (``smart_resize`` to multiples of the
 vision patch, within its min / max pixels) is the processor's, unchanged. Pre-encoded image latents passed as
-``image``, ``num_images_per_prompt > 1`` and the multi-image ``QwenImageEditPlusPipeline`` (Edit-2509: other template,
-condition images resized for the VL encoder) are not supported. In bf16 the pipeline normalises and packs the image
+``image`` and ``num_images_per_prompt > 1`` are not supported. In bf16 the pipeline normalises and packs the image
 latent in the text encoder's dtype; we do it in fp32 and cast at the forward (fp32 runs are identical).
+
+Multi-image editing (``task="i2i"``, ``edit_plus=True``: Qwen-Image-Edit-2509 / -2511; checked against diffusers 0.42
+``pipeline_qwenimage_edit_plus.py``)
+----------------------------------------------------------------------------------------------------------------------
+
+A ``QwenImageEditPlusPipeline`` directory loads with ``edit_plus=True``. Differences from Edit, each as the pipeline:
+
+==================  ================================================================================================
+text                :class:`QwenImageEditPlusText`: the pipeline's ``encode_prompt`` with ``"Picture k: <|vision_start|>
+                    <|image_pad|><|vision_end|>"`` per image before the prompt (``_get_qwen_prompt_embeds``), one
+                    prompt at a time (``__call__`` refuses ``batch_size > 1``); each image first resized by the
+                    pipeline's ``image_processor.resize`` to ``calculate_dimensions(CONDITION_IMAGE_SIZE, w / h)``
+                    (384^2 area, multiples of 32; ``__call__`` step 3). The negative is read with the same images.
+image tokens        each image through ``image_processor.preprocess`` at ``calculate_dimensions(VAE_IMAGE_SIZE, w / h)``
+                    (1024^2 area), ``_encode_vae_image``, ``_pack_latents``; the K images' tokens concatenated
+                    (``prepare_latents``) -> ``cond.image [N, K gh gw, 4C]``
+                    (:meth:`QwenImageAdapter.encode_plus_condition_images`); ``img_shapes = [(1, h/2, w/2),
+                    (1, gh, gw) x K]`` with ``gh = vae_height // f // 2`` (:meth:`QwenImageAdapter.plus_image_grid`)
+zero_cond_t         Edit-2511's transformer flag (condition tokens modulated with ``t = 0``); the transformer
+                    derives it from ``img_shapes``, so the velocity passes the same ``img_shapes`` and nothing else
+schedule, CFG       as Edit: ``mu`` from the noisy tokens, true CFG ``true_cfg_scale`` with the per-token
+                    renormalisation, negative prompt ``" "`` (the model card's)
+==================  ================================================================================================
+
+The two areas and ``calculate_dimensions`` are read from the pipeline module when used, so flowforge follows the
+installed pipeline. flowforge loads each condition image at ``model.height x model.width`` first (as for Edit): the
+pipeline's output equals flowforge's when it is given those images and ``height`` / ``width`` = the model size. The
+trainer gives one image per prompt (``metadata.image``); :meth:`QwenImageAdapter.condition_on_images` also takes
+``[N, K, 3, H, W]`` (K images per prompt, "Picture 1..K" in that order).
 
 Notes on the environment: (a) with transformers 5.x, ``_get_qwen_prompt_embeds`` does not pass the processor's
 ``mm_token_type_ids`` to the Qwen2.5-VL, which then uses sequential (1-D) rotary positions for the image tokens
@@ -230,6 +258,74 @@ class QwenImageEditText(PipelineText):
         return (*_pad_rows(embeds, mask, self.max_sequence_length), None)
 
 
+def edit_plus_sizes(height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((width, height) for the Qwen2.5-VL, (width, height) for the VAE)`` of a condition image of
+    ``height x width`` pixels in ``QwenImageEditPlusPipeline.__call__``: ``calculate_dimensions(CONDITION_IMAGE_SIZE,
+    w / h)`` and ``calculate_dimensions(VAE_IMAGE_SIZE, w / h)``, read from the pipeline module at call time."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    ratio = width / height
+    return (tuple(plus.calculate_dimensions(plus.CONDITION_IMAGE_SIZE, ratio)),
+            tuple(plus.calculate_dimensions(plus.VAE_IMAGE_SIZE, ratio)))
+
+
+def image_sets(images: Tensor) -> Tensor:
+    """Condition images as ``[N, K, 3, H, W]`` (K images per prompt): ``[N, 3, H, W]`` is one per prompt.
+
+    Raises:
+        ValueError: another shape.
+    """
+    if images.ndim == 4:
+        images = images.unsqueeze(1)
+    if images.ndim != 5 or images.shape[2] != 3 or images.shape[1] < 1:
+        raise ValueError(f"condition images must be [N, 3, H, W] or [N, K, 3, H, W], got {tuple(images.shape)}")
+    return images
+
+
+class QwenImageEditPlusText(PipelineText):
+    """Qwen2.5-VL + ``processor`` of a ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509 / -2511), used through its
+    own ``encode_prompt`` one prompt at a time (``__call__`` refuses a batch larger than 1).
+
+    :meth:`encode_with_images` reads each prompt with its K images (``"Picture k: <|vision_start|>..."`` per image,
+    each resized to ``calculate_dimensions(CONDITION_IMAGE_SIZE, w / h)`` by the pipeline's ``image_processor``);
+    :meth:`encode` (prompts only) calls the same ``encode_prompt`` without images (the Plus template needs none).
+    Rows are zero-padded to ``max_sequence_length``; a longer encoding raises (the pipeline does not truncate).
+    """
+
+    def __init__(self, *, path: str | Path | None = None, components: dict[str, Any] | None = None,
+                 max_sequence_length: int = 512, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, encoder_id: str | None = None,
+                 min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE):
+        self.max_sequence_length = _check_max_sequence_length(max_sequence_length)
+        super().__init__("QwenImageEditPlusPipeline", _qwen_encode_fn(self.max_sequence_length), path=path,
+                         components=components, device=device, dtype=dtype,
+                         settings=f"max_len={self.max_sequence_length}", encoder_id=encoder_id,
+                         min_tokenizer_size=min_tokenizer_size)
+
+    @torch.no_grad()
+    def encode_with_images(self, prompts: Sequence[str], images: Tensor) -> tuple[Tensor, Tensor, None]:
+        """``prompts[i]`` read with ``images[i]`` (``[N, 3, H, W]`` or ``[N, K, 3, H, W]`` float in [0, 1]) ->
+        ``(embeds [N, max_sequence_length, D], mask [N, max_sequence_length] int64, None)``.
+
+        Raises:
+            ValueError: not one image set per prompt; an encoding longer than ``max_sequence_length``.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a sequence of strings, not a single string")
+        prompts, sets = list(prompts), image_sets(images)
+        if len(prompts) != sets.shape[0]:
+            raise ValueError(f"{len(prompts)} prompts but {sets.shape[0]} image sets: one per prompt")
+        pipe = self.pipeline
+        (cw, ch), _ = edit_plus_sizes(*sets.shape[-2:])
+        rows = []
+        for prompt, pictures in zip(prompts, sets):
+            vl = [pipe.image_processor.resize(p, ch, cw) for p in condition_pil_images(pictures)]
+            embeds, mask = pipe.encode_prompt(prompt=[prompt], image=vl, device=pipe.device, num_images_per_prompt=1,
+                                              max_sequence_length=self.max_sequence_length)
+            rows.append(_pad_rows(embeds, mask, self.max_sequence_length))
+        return torch.cat([e for e, _ in rows]), torch.cat([m for _, m in rows]), None
+
+
 QWEN_IMAGE_TASKS = ("t2i", "i2i")
 """Tasks of :class:`QwenImageAdapter`: text-to-image and Qwen-Image-Edit image-to-image (same transformer class)."""
 
@@ -241,20 +337,22 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
 
     Args:
         transformer: the ``QwenImageTransformer2DModel`` (eval mode; its dtype is the forward dtype).
-        text_encoder: :func:`qwen_image_text` (t2i), :class:`QwenImageEditText` (i2i: also
-            ``encode_with_images(prompts, images) -> (embeds, mask, None)``) or any object with
+        text_encoder: :func:`qwen_image_text` (t2i), :class:`QwenImageEditText` / :class:`QwenImageEditPlusText`
+            (i2i: also ``encode_with_images(prompts, images) -> (embeds, mask, None)``) or any object with
             ``encode(prompts) -> (embeds, mask, None)`` and ``encoder_id``; ``None``: conditioning must come from a
             cache (and i2i cannot condition on images).
         vae: the ``AutoencoderKLQwenImage`` (``None``: :meth:`decode` and image conditioning raise).
         negative_prompt: the unconditional prompt (the pipeline's examples use ``" "``; ``None`` encodes none).
         cfg_renorm: rescale the CFG output to the conditional norm per token, as ``QwenImagePipeline`` does.
         scheduler_config: the pipeline's scheduler config (for :meth:`schedule_mu`).
+        edit_plus: ``QwenImageEditPlusPipeline`` conventions (Qwen-Image-Edit-2509 / -2511; module docstring):
+            condition images at their ``VAE_IMAGE_SIZE`` grid, K images per prompt.
         task: ``"t2i"`` or ``"i2i"``. In ``"i2i"`` every velocity needs ``cond.image`` (the packed image latents of
             :meth:`condition_on_images`); in ``"t2i"`` a ``cond.image``, when given, is used the same way.
 
     Raises:
-        ValueError: unknown ``task``; edit-2511 / layered variants (``zero_cond_t``, ``use_additional_t_cond``,
-            guidance embeds).
+        ValueError: unknown ``task``; the layered variant (``use_additional_t_cond``, ``use_layer3d_rope``) or
+            guidance embeds; ``edit_plus`` without ``task="i2i"``.
     """
 
     family = "Qwen-Image"
@@ -263,16 +361,21 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = " ", cfg_renorm: bool = True,
-                 scheduler_config: dict[str, Any] | None = None, task: str = "t2i"):
+                 scheduler_config: dict[str, Any] | None = None, task: str = "t2i", edit_plus: bool = False):
         if task not in QWEN_IMAGE_TASKS:
             raise ValueError(f"task={task!r}; allowed: {list(QWEN_IMAGE_TASKS)}")
+        if edit_plus and task != "i2i":
+            raise ValueError(f"edit_plus (QwenImageEditPlusPipeline) is image-to-image: task must be 'i2i', got "
+                             f"{task!r}")
         cfg = transformer.config
-        unsupported = [k for k in ("zero_cond_t", "use_additional_t_cond", "guidance_embeds", "use_layer3d_rope")
+        # zero_cond_t (Edit-2511: condition tokens modulated at t = 0) is the transformer's own, driven by img_shapes
+        unsupported = [k for k in ("use_additional_t_cond", "guidance_embeds", "use_layer3d_rope")
                        if getattr(cfg, k, False)]
         if unsupported:
-            raise ValueError(f"QwenImageAdapter supports the Qwen-Image / Qwen-Image-Edit transformer only; this one "
-                             f"sets {unsupported} (edit-2511 / layered variants are not implemented)")
+            raise ValueError(f"QwenImageAdapter supports the Qwen-Image / Qwen-Image-Edit(-Plus) transformer only; "
+                             f"this one sets {unsupported} (the layered variant is not implemented)")
         self.task = task
+        self.edit_plus = bool(edit_plus)
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
         self.vae = vae.eval().requires_grad_(False) if vae is not None else None
@@ -321,10 +424,11 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         return flow_match_pipeline_sigmas(self.scheduler_config, num_steps, self.schedule_mu(height, width))
 
     def _forward_packed(self, x: Tensor, sigma: Tensor, embeds: Tensor, mask: Tensor | None,
-                        image: Tensor | None = None) -> Tensor:
+                        image: Tensor | None = None, grids: Sequence[tuple[int, int]] = ()) -> Tensor:
         """One transformer forward over unpacked ``x [B, C, H, W]``; returns the packed fp32 prediction of the noisy
-        tokens ``[B, (H/2)(W/2), 4C]``. ``image``: Edit image tokens of the same shape, appended after the noisy
-        tokens with their grid in ``img_shapes`` (``QwenImageEditPipeline.__call__``), output cropped."""
+        tokens ``[B, (H/2)(W/2), 4C]``. ``image``: Edit image tokens, appended after the noisy tokens with their
+        grids ``grids`` (one ``(h, w)`` per condition image) in ``img_shapes`` (``QwenImageEditPipeline.__call__``,
+        ``QwenImageEditPlusPipeline.__call__``), output cropped."""
         dtype, device = self.dtype, x.device
         b, _, h, w = x.shape
         if mask is not None:
@@ -339,7 +443,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         shapes = [(1, h // 2, w // 2)]
         if image is not None:
             tokens = torch.cat([tokens, image.to(device=device, dtype=dtype)], dim=1)
-            shapes.append((1, h // 2, w // 2))  # the condition image's grid: same size as the output
+            shapes.extend((1, gh, gw) for gh, gw in grids)
         out = self.transformer(
             hidden_states=tokens,
             timestep=(QWEN_TIMESTEP_SCALE * sigma).to(dtype),
@@ -350,19 +454,35 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         )[0]
         return out[:, :num_noisy].float()
 
-    def _image_tokens(self, cond: Conditioning, x: Tensor) -> Tensor | None:
+    def plus_image_grid(self, h: int, w: int) -> tuple[int, int]:
+        """The packed token grid of one Edit-Plus condition image for a latent of ``h x w``: the image loaded at the
+        model's ``h f x w f`` pixels is VAE-encoded at ``edit_plus_sizes``' VAE size (``img_shapes`` of
+        ``QwenImageEditPlusPipeline.__call__``: ``vae_height // vae_scale_factor // 2``)."""
+        f = self.vae_scale_factor
+        _, (vw, vh) = edit_plus_sizes(h * f, w * f)
+        return vh // f // 2, vw // f // 2
+
+    def _image_tokens(self, cond: Conditioning, x: Tensor) -> tuple[Tensor | None, list[tuple[int, int]]]:
         if cond.image is None:
             if self.task == "i2i":
                 raise ValueError("task='i2i' (Qwen-Image-Edit) needs cond.image: the record of condition_on_images "
                                  "(image tokens + the prompts re-encoded with their images; the trainer sets it from "
                                  "each prompt's metadata.image)")
-            return None
+            return None, []
         b, c, h, w = x.shape
+        if self.edit_plus:
+            gh, gw = self.plus_image_grid(h, w)
+            n = cond.image.shape[1] // (gh * gw) if cond.image.ndim == 3 else 0
+            if n < 1 or tuple(cond.image.shape) != (b, n * gh * gw, 4 * c):
+                raise ValueError(f"cond.image must be the packed Edit-Plus image latents [B, K * {gh * gw}, {4 * c}] "
+                                 f"(K condition images of grid {gh}x{gw}, encode_plus_condition_images), got "
+                                 f"{tuple(cond.image.shape)}")
+            return cond.image, [(gh, gw)] * n
         expected = (b, (h // 2) * (w // 2), 4 * c)
         if tuple(cond.image.shape) != expected:
             raise ValueError(f"cond.image must be the packed Edit image latents [B, (H/2)(W/2), 4C] = {expected} of "
                              f"the latent (encode_condition_images), got {tuple(cond.image.shape)}")
-        return cond.image
+        return cond.image, [(h // 2, w // 2)]  # the condition image's grid: same size as the output
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity ``noise - x0`` at unpacked ``x [B, C, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
@@ -375,13 +495,13 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
             ValueError: bad shapes; CFG without ``cond.negative``; ``task="i2i"`` without ``cond.image``.
         """
         sigma = check_velocity_inputs(x, sigma, cond, 4)
-        image = self._image_tokens(cond, x)
+        image, grids = self._image_tokens(cond, x)
         h, w = x.shape[-2:]
         g = float(guidance_scale)
-        v_c = self._forward_packed(x, sigma, cond.prompt_embeds, cond.mask, image)
+        v_c = self._forward_packed(x, sigma, cond.prompt_embeds, cond.mask, image, grids)
         if g != 1.0:
             neg = require_negative(cond, g)
-            v_u = self._forward_packed(x, sigma, neg.prompt_embeds, neg.mask, image)
+            v_u = self._forward_packed(x, sigma, neg.prompt_embeds, neg.mask, image, grids)
             comb = v_u + g * (v_c - v_u)
             if self.cfg_renorm:
                 comb = comb * (torch.norm(v_c, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
@@ -408,6 +528,11 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         if isinstance(prompts, str):
             raise TypeError("prompts must be a sequence of strings, not a single string")
         prompts = list(prompts)
+        if self.edit_plus:
+            images = image_sets(images)
+        elif images.ndim != 4:
+            raise ValueError(f"Qwen-Image-Edit takes one image per prompt [N, 3, H, W], got {tuple(images.shape)} "
+                             "(several images per prompt: a QwenImageEditPlusPipeline directory)")
         if not (cond.batch_size == len(prompts) == images.shape[0]):
             raise ValueError(f"cond has {cond.batch_size} rows, {len(prompts)} prompts, {images.shape[0]} images: "
                              "one of each per row")
@@ -417,7 +542,10 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
                                "QwenImageEditText (a QwenImageEditPipeline directory loaded with task='i2i'), got "
                                f"{type(self.text_encoder).__name__}")
         device = cond.prompt_embeds.device
-        image = self.encode_condition_images(images, latent_shape).to(device)
+        if self.edit_plus:
+            image = self.encode_plus_condition_images(images, latent_shape).to(device)
+        else:
+            image = self.encode_condition_images(images, latent_shape).to(device)
         embeds, mask, _ = encode(prompts, images)
         negative = None
         if self.negative_prompt is not None:
@@ -425,6 +553,40 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
             negative = Conditioning(prompt_embeds=e_u.to(device), mask=m_u.to(device))
         return dataclasses.replace(cond, prompt_embeds=embeds.to(device), mask=mask.to(device), pooled=None,
                                    negative=negative, image=image)
+
+    @torch.no_grad()
+    def encode_plus_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
+        """Edit-Plus condition images ``[N, 3, H, W]`` / ``[N, K, 3, H, W]`` float32 in [0, 1] at the model's pixel
+        size -> packed tokens ``[N, K * gh * gw, 4C]`` fp32 (:meth:`plus_image_grid`), as
+        ``QwenImageEditPlusPipeline``: each image (as 8-bit PIL) through its ``image_processor.preprocess`` at the VAE
+        size, ``_encode_vae_image`` (VAE mode, ``(z - latents_mean) / latents_std``), ``_pack_latents``, the K
+        images' tokens concatenated in order (``prepare_latents``).
+
+        Raises:
+            RuntimeError: no VAE. ValueError: images not at the pixel size of ``latent_shape``.
+        """
+        from diffusers import QwenImageEditPlusPipeline
+
+        if self.vae is None:
+            raise RuntimeError("this QwenImageAdapter has no VAE")
+        sets = image_sets(images)
+        c, h, w = (int(v) for v in latent_shape)
+        f = self.vae_scale_factor
+        if tuple(sets.shape[-2:]) != (h * f, w * f):
+            raise ValueError(f"condition images {tuple(sets.shape)} are not {h * f}x{w * f} (latent_shape "
+                             f"{tuple(latent_shape)}): load them at the model's height x width")
+        pipe = QwenImageEditPlusPipeline(scheduler=None, vae=self.vae, text_encoder=None, tokenizer=None,
+                                         processor=None, transformer=None)
+        _, (vw, vh) = edit_plus_sizes(h * f, w * f)
+        rows = []
+        for pictures in sets:
+            tokens = []
+            for pil in condition_pil_images(pictures):
+                pixels = pipe.image_processor.preprocess(pil, vh, vw).unsqueeze(2)
+                z = pipe._encode_vae_image(pixels.to(device=self.vae.device, dtype=self.vae.dtype), None)
+                tokens.append(pipe._pack_latents(z, 1, c, z.shape[3], z.shape[4]))
+            rows.append(torch.cat(tokens, dim=1))
+        return torch.cat(rows).float()
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -457,15 +619,16 @@ def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
                     cfg_renorm: bool = True, max_sequence_length: int = 512,
                     min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> QwenImageAdapter:
     """Load Qwen-Image from a local diffusers pipeline directory: ``QwenImagePipeline.save_pretrained`` for
-    ``task="t2i"``, ``QwenImageEditPipeline.save_pretrained`` (with its ``processor``) for ``task="i2i"``.
+    ``task="t2i"``, ``QwenImageEditPipeline.save_pretrained`` or ``QwenImageEditPlusPipeline.save_pretrained``
+    (Edit-2509 / -2511), with its ``processor``, for ``task="i2i"``.
 
     The transformer and VAE load now; the Qwen2.5-VL text encoder (and, for i2i, the processor) lazily on the first
     encode, through the directory's own pipeline class. Never downloads.
 
     Raises:
         FileNotFoundError: ``path`` is not a pipeline directory.
-        ValueError: ``task`` not in ``("t2i", "i2i")``; an i2i directory that is not a ``QwenImageEditPipeline`` one
-            (e.g. the multi-image ``QwenImageEditPlusPipeline``) or a t2i directory that is.
+        ValueError: ``task`` not in ``("t2i", "i2i")``; an i2i directory that is not a Qwen-Image-Edit one or a t2i
+            directory that is.
     """
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
@@ -473,9 +636,10 @@ def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         raise ValueError(f"task={task!r}; allowed: {list(QWEN_IMAGE_TASKS)}")
     root = pipeline_dir(path, "Qwen-Image")
     pipeline_class = read_json(root / "model_index.json").get("_class_name")
-    if task == "i2i" and pipeline_class != "QwenImageEditPipeline":
-        raise ValueError(f"task='i2i' needs a QwenImageEditPipeline directory (Qwen-Image-Edit); {path!s} holds a "
-                         f"{pipeline_class}")
+    edit_plus = pipeline_class == "QwenImageEditPlusPipeline"
+    if task == "i2i" and pipeline_class not in ("QwenImageEditPipeline", "QwenImageEditPlusPipeline"):
+        raise ValueError(f"task='i2i' needs a QwenImageEditPipeline or QwenImageEditPlusPipeline directory "
+                         f"(Qwen-Image-Edit, -2509 / -2511); {path!s} holds a {pipeline_class}")
     if task == "t2i" and str(pipeline_class).startswith("QwenImageEdit"):
         raise ValueError(f"{path!s} holds a {pipeline_class} (Qwen-Image-Edit): load it with task='i2i'")
     transformer = QwenImageTransformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
@@ -485,8 +649,9 @@ def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         vae = AutoencoderKLQwenImage.from_pretrained(str(root / "vae"), torch_dtype=dtype,
                                                      local_files_only=True).to(device)
     if text_encoder is None and has_component(root, "text_encoder"):
-        make = QwenImageEditText if task == "i2i" else qwen_image_text
+        make = (QwenImageEditPlusText if edit_plus else QwenImageEditText) if task == "i2i" else qwen_image_text
         text_encoder = make(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
                             min_tokenizer_size=min_tokenizer_size)
     return QwenImageAdapter(transformer, text_encoder, vae, negative_prompt=negative_prompt, cfg_renorm=cfg_renorm,
-                            scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"), task=task)
+                            scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"), task=task,
+                            edit_plus=edit_plus)

@@ -219,5 +219,5 @@ def test_edit_directory_loads_through_the_registry(tmp_path):
     with pytest.raises(ValueError, match="load it with task='i2i'"):
         build_adapter("qwen_image", str(edit_dir), task="t2i")
     QwenImagePipeline(**{k: v for k, v in c.items() if k != "processor"}).save_pretrained(str(t2i_dir))
-    with pytest.raises(ValueError, match="needs a QwenImageEditPipeline directory"):
+    with pytest.raises(ValueError, match="needs a QwenImageEditPipeline or QwenImageEditPlusPipeline directory"):
         build_adapter("qwen_image", str(t2i_dir), task="i2i")

@@ -90,3 +90,17 @@ def flux2_klein_components(seed: int = 0, *, is_distilled: bool = False) -> dict
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
     return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 scheduler=scheduler, is_distilled=is_distilled)
+
+
+def qwen_edit_plus_components(seed: int = 0, *, zero_cond_t: bool = True) -> dict:
+    """Qwen-Image-Edit-Plus parts (``QwenImageEditPlusPipeline``): the tiny Qwen-Image-Edit parts
+    (:func:`tests.models.tiny_families.qwen_components` with ``edit=True``: Qwen2.5-VL with a vision tower and a
+    processor) with a transformer that sets ``zero_cond_t`` as Qwen-Image-Edit-2511's does (``False``: Edit-2509's)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    parts = tiny.qwen_components(seed, edit=True)
+    torch.manual_seed(seed + 1)
+    parts["transformer"] = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, axes_dims_rope=(2, 2, 4), zero_cond_t=zero_cond_t).eval()
+    return parts

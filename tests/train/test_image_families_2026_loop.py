@@ -78,3 +78,53 @@ def test_image_family_trains_on_the_real_loop(family, variant, algorithm, image_
     assert torch.equal(trainer.sigmas, trainer.adapter.pipeline_sigmas(steps, h, w))  # the pipeline's own grid
     assert trainer.sigmas[0] == 1.0
     train_and_check(trainer, algorithm)
+
+
+@pytest.fixture(scope="module")
+def edit_plus_dir(tmp_path_factory):
+    """A saved tiny ``QwenImageEditPlusPipeline`` (Edit-2511's ``zero_cond_t`` transformer)."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tiny, "WORDS", list(tiny.WORDS) + EXTRA_WORDS)  # > 1000 tokens: passes the loaders' guard
+    try:
+        parts = tiny_image.qwen_edit_plus_components(0)
+    finally:
+        mp.undo()
+    path = tmp_path_factory.mktemp("tiny_qwen_edit_plus")
+    QwenImageEditPlusPipeline(**parts).save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "nft"])
+def test_qwen_image_edit_plus_trains_on_the_real_loop(algorithm, edit_plus_dir, tmp_path, monkeypatch):
+    """Qwen-Image-Edit-2511 i2i: each record's image re-encoded with its prompt by the Qwen2.5-VL and appended as
+    image tokens (on their own VAE-size grid); GRPO at true CFG 4 (two forwards, renormalised), NFT guidance-free.
+    The pipeline's resize areas are set small (16x16 images -> 32x32 for the VL and the VAE: 64 image tokens
+    beside 16 noisy ones), as in tests/models/test_qwen_edit_plus.py."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+
+    from flowforge.config import load_config
+    from flowforge.train.trainer import Trainer
+    from tests.train.test_families_loop import image_prompt_files
+
+    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", 32 * 32)
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", 32 * 32)
+    prompts = image_prompt_files(tmp_path, "i2i", seed=2)
+    cfg = load_config(None, [
+        "model.adapter=qwen_image", f"model.path={edit_plus_dir}", "model.height=16", "model.width=16",
+        "model.task=i2i", f"run.output_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.prompts={prompts['i2i', 'train']}", f"data.eval_prompts={prompts['i2i', 'eval']}",
+        "data.prompts_per_step=2", "data.group_size=4", "sampler.schedule=dynamic", "sampler.num_steps=4",
+        "sampler.num_sde_steps=2", "train.micro_batch_size=2", "train.num_updates_per_batch=2", "train.steps=2",
+        "train.lr=1e-2", "grpo.clip_low=1e-3", "eval.max_prompts=2", "eval.every=0",
+        "reward.weights={jpeg_compressibility: 1.0}", f"run.name=edit-plus-{algorithm}",
+        f"train.algorithm={algorithm}", f"sampler.guidance_scale={4.0 if algorithm == 'grpo' else 1.0}",
+        "forward.sigma_mode=uniform_schedule"])
+    trainer = Trainer(cfg, progress=False)
+    assert trainer.adapter.edit_plus and trainer.adapter.task == "i2i"
+    assert torch.equal(trainer.sigmas, trainer.adapter.pipeline_sigmas(4, 16, 16))
+    sb = trainer.next_prompts()
+    cond = trainer._conditioning(trainer.train_cond, trainer.train_prompts, sb.prompt_indices)
+    assert cond.image.shape == (len(sb.prompt_indices), 64, 16)  # the 8x8 VAE-size grid, not the 4x4 noisy one
+    train_and_check(trainer, algorithm)
