@@ -8,7 +8,10 @@ A scorer maps a batch of generated media plus their prompts and metadata to one 
 A scorer that reads whole videos sets ``takes_video = True`` and is given ``[B, 3, F, H, W]``; the others see a
 video batch frame by frame (their scores averaged per video, :class:`~flowforge.rewards.processor.RewardProcessor`).
 Scorers set ``needs_group = True`` when they must see a whole group of candidates for one prompt at once (ranking,
-VLM judges comparing candidates); the reward processor then gathers the group before calling them. Advantages are
+VLM judges comparing candidates); the reward processor then gathers the group before calling them. A scorer that
+cannot score without some metadata entries (nothing in the prompt or the pixels stands in for them) lists their keys
+in ``metadata_keys`` (optional, default none): ``flowforge serve judge``, whose requests carry only the prompt and
+the frames, refuses such a scorer at start-up, naming them. Advantages are
 not computed here (see ``flowforge.algorithms.advantages``). Where scoring sits in the training loop:
 ``docs/architecture.md``, section "Rewards".
 """

@@ -160,18 +160,25 @@ def require_token(token: str | None) -> Callable[..., None]:
     return check
 
 
-def limit_body(app: Any, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Callable:
-    """Wrap an ASGI ``app`` so that an HTTP request body over ``max_bytes`` is answered 413 with a JSON
-    ``{"detail": ...}``: at once from ``Content-Length``, else as soon as the streamed body passes the limit (the
-    body is read here, at most ``max_bytes`` of it, and handed to ``app`` whole); a body nested deeper than
-    ``max_depth`` (brackets outside JSON strings, whatever its ``Content-Type``) is answered 400 before anything
-    parses it."""
+def detail_error(status: int, message: str) -> dict[str, Any]:
+    """FastAPI's error body, ``{"detail": message}`` (the reward service's)."""
+    return {"detail": message}
+
+
+def limit_body(app: Any, max_bytes: int, max_depth: int = MAX_JSON_DEPTH,
+               error_body: Callable[[int, str], dict[str, Any]] = detail_error) -> Callable:
+    """Wrap an ASGI ``app`` so that an HTTP request body over ``max_bytes`` is answered 413: at once from
+    ``Content-Length``, else as soon as the streamed body passes the limit (the body is read here, at most
+    ``max_bytes`` of it, and handed to ``app`` whole); a body nested deeper than ``max_depth`` (brackets outside JSON
+    strings, whatever its ``Content-Type``) is answered 400 before anything parses it. The JSON body of those
+    answers is ``error_body(status, message)`` (default ``{"detail": message}``; the judge server's is OpenAI's
+    error object)."""
 
     async def send_413(send, size: str) -> None:
         await send_error(send, 413, f"request body {size} exceeds the limit of {max_bytes} bytes")
 
     async def send_error(send, status: int, detail: str) -> None:
-        body = json.dumps({"detail": detail}).encode()
+        body = json.dumps(error_body(status, detail)).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from flowforge.rewards.base import RewardScorer, takes_video
 from flowforge.rewards.judge import protocol as P
+from flowforge.runtime.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,11 @@ def first_user_content(messages: Sequence[dict]) -> list[dict]:
     raise ValueError("the request has no user message")
 
 
+JUDGE_METADATA = ("label", "reference_media", "condition_media")
+"""The metadata entries :class:`ScorerBackend` gives a scorer (read from the message); a scorer's other needs come
+from the prompt text (e.g. the digit reward's digit, the action scorers' actions, OCR's quoted text)."""
+
+
 class ScorerBackend:
     """A flowforge scorer as a group judge: reads the group layout of :mod:`flowforge.rewards.judge.protocol`,
     scores every candidate, and replies with the strict JSON ``{label: score}`` the judge client parses.
@@ -75,12 +81,21 @@ class ScorerBackend:
     scorers that compare against them. Usage reports the number of images as ``prompt_tokens`` and the number of
     scores as ``completion_tokens``.
 
+    Raises:
+        UserError: (at construction) the scorer lists ``metadata_keys`` outside :data:`JUDGE_METADATA`: nothing in
+            a judge request can give them.
+
     Raises (``complete``):
         ValueError: a request outside the layout; the scorer rejects the input; a NaN score ("not applicable" has
             no strict-JSON answer).
     """
 
     def __init__(self, scorer: RewardScorer, model_id: str, score_range: tuple[float, float] = (0.0, 1.0)) -> None:
+        lacking = [k for k in getattr(scorer, "metadata_keys", ()) if k not in JUDGE_METADATA]
+        if lacking:
+            raise UserError(f"scorer {getattr(scorer, 'name', model_id)!r}", f"needs metadata {lacking}, which a "
+                            "judge request does not carry (the prompt and the frames only: docs/judge_server.md)",
+                            "serve it with `flowforge serve reward`, whose requests carry each row's metadata")
         low, high = score_range
         if not (math.isfinite(low) and math.isfinite(high) and high > low):
             raise ValueError(f"score_range must be two finite numbers low < high, got {score_range}")

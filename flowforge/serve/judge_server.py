@@ -13,10 +13,26 @@ Routes (bearer token as in :mod:`flowforge.serve.common`; ``GET /health`` is ope
 "temperature", "seed", "n": 1, "stream": false}`` -> a ``chat.completion`` object with one choice and ``usage``
 (``prompt_tokens``, ``completion_tokens``, ``total_tokens``). Other OpenAI fields are accepted and ignored.
 
-Errors (``{"detail": message}``): 400 body not JSON, ``n != 1``, ``stream``; 401 without the token; 404 unknown model
-id; 413 body over ``max_bytes`` or more than ``max_images`` images; 422 schema errors and requests the backend cannot
-serve (bad image data, a message outside the judge layout, ...); 500 a backend failure. Remote image URLs are never
-fetched.
+Errors come in OpenAI's error shape, so OpenAI clients show the message (the ``openai`` SDK: ``exc.message``,
+``exc.body["message"]``, ``exc.code``, ``exc.param``)::
+
+    {"error": {"message": "...", "type": "invalid_request_error" | "server_error", "param": "model" | null,
+               "code": "invalid_json" | ...}}
+
+=====  ==========================  ==================================================================================
+HTTP   ``code``                    when
+=====  ==========================  ==================================================================================
+400    ``invalid_json``            the body is not JSON, or nested deeper than the limit
+400    ``unsupported_parameter``   ``n != 1`` or ``stream: true`` (``param`` names it)
+401    ``invalid_api_key``         no or a wrong bearer token
+404    ``model_not_found``         an unknown model id (``param: "model"``); ``not_found``: an unknown route
+413    ``request_too_large``       body over ``max_bytes``, more than ``max_images`` images, or over the pixel budget
+422    ``invalid_request``         schema errors and requests the backend cannot serve (bad image data, a message
+                                   outside the judge layout, a scorer that refuses its input)
+500    ``backend_error``           a backend failure (``type: "server_error"``)
+=====  ==========================  ==================================================================================
+
+Remote image URLs are never fetched. The message layout a ``--scorer`` backend reads: ``docs/judge_server.md``.
 
 ``request_log``: every received request (after auth, as soon as its body parses as JSON) appends one JSON line,
 flushed and fsynced before the request is served -- the server's own record of what it was asked (and, for a paid
@@ -46,6 +62,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flowforge.serve.common import (DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, b64_image_pixels, check_pixel_budget,
                                     limit_body, require_token)
@@ -136,6 +153,25 @@ class RequestLog:
             os.fsync(f.fileno())
 
 
+ERROR_CODES = {400: "invalid_json", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
+               405: "method_not_allowed", 413: "request_too_large", 422: "invalid_request", 429: "rate_limited",
+               500: "backend_error"}
+"""The ``code`` of an error answer by HTTP status (module docstring), when the raiser names none."""
+
+
+def openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body for an answer with HTTP ``status``: ``{"error": {"message", "type", "param", "code"}}``;
+    ``type`` is ``server_error`` from 500 on, else ``invalid_request_error``; ``code`` defaults to
+    :data:`ERROR_CODES`' entry for ``status`` (``http_<status>`` for any other)."""
+    return {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                      "param": param, "code": code or ERROR_CODES.get(status, f"http_{status}")}}
+
+
+def refuse(status: int, message: str, *, param: str | None = None, code: str | None = None) -> HTTPException:
+    """An ``HTTPException`` the app answers as :func:`openai_error` (``param`` / ``code`` carried in its detail)."""
+    return HTTPException(status, {"message": message, "param": param, "code": code})
+
+
 def _completion(model: str, text: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model,
@@ -171,7 +207,14 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
 
     @app.exception_handler(RequestValidationError)
     async def readable_422(request: Request, exc: RequestValidationError):
-        return JSONResponse(status_code=422, content={"detail": readable(exc)})
+        return JSONResponse(status_code=422, content=openai_error(422, readable(exc)))
+
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's own, the token check's and unknown routes' too
+    async def openai_shaped(request: Request, exc: StarletteHTTPException):
+        detail = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
+        return JSONResponse(status_code=exc.status_code, headers=getattr(exc, "headers", None),
+                            content=openai_error(exc.status_code, str(detail.get("message")),
+                                                 param=detail.get("param"), code=detail.get("code")))
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -189,14 +232,17 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
         try:
             req = ChatRequest.model_validate(body)
         except ValidationError as exc:
-            raise HTTPException(422, readable(exc)) from None
+            first = exc.errors()[0].get("loc", ()) if exc.errors() else ()
+            raise refuse(422, readable(exc), param=str(first[0]) if first else None) from None
         if req.n != 1 or req.stream:
-            raise HTTPException(400, "only n=1 and stream=false are supported")
+            raise refuse(400, "only n=1 and stream=false are supported", param="n" if req.n != 1 else "stream",
+                         code="unsupported_parameter")
         if req.model != backend.model_id:
-            raise HTTPException(404, f"unknown model {req.model!r}; this server serves {backend.model_id!r}")
+            raise refuse(404, f"unknown model {req.model!r}; this server serves {backend.model_id!r}", param="model",
+                         code="model_not_found")
         images = sum(isinstance(p, ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
         if images > max_images:
-            raise HTTPException(413, f"{images} images exceed the limit of {max_images} per request")
+            raise refuse(413, f"{images} images exceed the limit of {max_images} per request", param="messages")
         check_pixel_budget(sum(b64_image_pixels(p.image_url.url) for m in req.messages if isinstance(m.content, list)
                                for p in m.content if isinstance(p, ImagePart)), max_request_pixels)
         messages = [m.model_dump() for m in req.messages]
@@ -204,14 +250,14 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
             done = backend.complete(messages, max_tokens=req.max_completion_tokens or req.max_tokens,
                                     temperature=req.temperature or 0.0, seed=req.seed)
         except BackendError as exc:
-            raise HTTPException(exc.status_code, exc.message) from None
+            raise refuse(exc.status_code, exc.message) from None
         except ValueError as exc:
-            raise HTTPException(422, str(exc)) from None
+            raise refuse(422, str(exc), param="messages") from None
         except Exception as exc:  # noqa: BLE001 - a backend failure is the server's (500), reported, never a reply
-            raise HTTPException(500, f"backend failed: {type(exc).__name__}: {exc}") from exc
+            raise refuse(500, f"backend failed: {type(exc).__name__}: {exc}") from exc
         return _completion(backend.model_id, done.text, done.prompt_tokens, done.completion_tokens)
 
-    return limit_body(app, max_bytes)
+    return limit_body(app, max_bytes, error_body=lambda status, message: openai_error(status, message))
 
 
 def _json_body():
@@ -222,7 +268,7 @@ def _json_body():
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HTTPException(400, f"the body is not JSON: {exc}") from None
+            raise refuse(400, f"the body is not JSON: {exc}") from None
 
     return Depends(parse)
 

@@ -135,7 +135,7 @@ def test_auth_and_payload_errors(scorer_server, tmp_path, monkeypatch):
     chat = url + "/v1/chat/completions"
     valid = {"model": "brightness", "messages": [{"role": "user", "content": "hi"}]}
     status, body = _http(chat, json.dumps(valid).encode(), token=None)
-    assert status == 401 and "bearer" in body["detail"].lower()
+    assert status == 401 and "bearer" in body["error"]["message"].lower()
     cases = [
         (b"{not json", 400, "not JSON"),
         (json.dumps({"model": "brightness"}).encode(), 422, "messages"),
@@ -149,10 +149,10 @@ def test_auth_and_payload_errors(scorer_server, tmp_path, monkeypatch):
     ]
     for body_bytes, code, text in cases:
         status, body = _http(chat, body_bytes)
-        assert status == code and text in body["detail"], (code, status, body)
+        assert status == code and text in body["error"]["message"], (code, status, body)
     # an oversized body is refused from its Content-Length, before it is read
     status, body = post_declared_only(chat, 2 * 2**20, {"Authorization": f"Bearer {TOKEN}"})
-    assert status == 413 and "exceeds" in body["detail"], (status, body)
+    assert status == 413 and "exceeds" in body["error"]["message"], (status, body)
     monkeypatch.setenv("FF_WRONG_TOKEN_ENV", "not-the-token")
     wrong = VLMJudge(model="brightness", base_url=url + "/v1", api_key_env="FF_WRONG_TOKEN_ENV",
                      ledger=tmp_path / "l.db", frames=1, max_side=16)

@@ -64,6 +64,7 @@ def load_real_clip(metadata: dict[str, Any], frames: int) -> Tensor | None:
 class _RealismScorer:
     needs_group: ClassVar[bool] = False
     takes_video: ClassVar[bool] = True
+    metadata_keys: ClassVar[tuple[str, ...]] = ("real_clip", "image")  # the real clip is a file named there
     metric = staticmethod(psnr)
 
     def __call__(self, video: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
