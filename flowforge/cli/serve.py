@@ -123,6 +123,8 @@ def _run_judge(args: argparse.Namespace) -> int:
         raise ValueError(f"--options {args.options}: expected a mapping of keyword options")
     if options and args.scorer is None:
         raise ValueError("--options applies to --scorer only")
+    if args.request_log is not None:  # the shared write rule, before anything loads or is written
+        check_request_log(args)
     token = resolve_token(args.token_file, args.no_auth, args.host)  # auth errors before any model loads
     import torch
 
@@ -142,6 +144,22 @@ def _run_judge(args: argparse.Namespace) -> int:
                     max_images=args.max_images, max_request_pixels=_pixel_budget(args))
     serve_app(app, args.host, args.port, "judge")
     return 0
+
+
+def check_request_log(args: argparse.Namespace) -> None:
+    """``--request-log`` under the shared write rule (:func:`flowforge.runtime.write_guard.check_write_target`):
+    resolved (symlinks, ``..``), it may not lie inside a run, a checkpoint, or be / lie inside the server's own
+    inputs (``--student`` / ``--model`` directory, ``--options``, ``--token-file``).
+
+    Raises:
+        UserError: naming ``--request-log`` and what it lies inside.
+    """
+    from flowforge.runtime.write_guard import check_write_target
+
+    inputs = {"--student directory": args.student, "--model directory": args.model, "--options file": args.options,
+              "--token-file": args.token_file}
+    check_write_target(args.request_log, "--request-log", protected={
+        label: path for label, path in inputs.items() if path is not None and Path(path).exists()})
 
 
 SERVERS = {"reward": (_add_reward, _run_reward), "judge": (_add_judge, _run_judge)}

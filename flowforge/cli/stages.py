@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     from flowforge.orchestrate.stages import run_pipeline
 
-    outcome = run_pipeline(pcfg, stage=args.stage, progress=not args.no_progress)
+    outcome = run_pipeline(pcfg, stage=args.stage, progress=not args.no_progress, inputs={"config": args.config})
     directory = pipeline_dir(pcfg)
     print(f"pipeline directory: {directory}\nreport: {directory / 'report.html'}")
     if outcome.status == "done":

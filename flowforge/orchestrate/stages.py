@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
 from flowforge.rewards.judge.ledger import BudgetExhausted
 from flowforge.runtime.durable import step_dir_name, write_bytes
 from flowforge.runtime.lock import RunLock
+from flowforge.runtime.write_guard import check_write_target
 from flowforge.train.checkpoint import committed_checkpoints, step_of
 
 log = logging.getLogger("flowforge")
@@ -330,17 +332,38 @@ def _a_and_b(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, stage: st
         return None, Outcome("gate_failed", reason)
 
 
-def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True) -> Outcome:
+def check_pipeline_dir(pcfg: Any, inputs: Mapping[str, str | Path] | None = None) -> Path:
+    """The shared write rule (:func:`flowforge.runtime.write_guard.check_write_target`) for the pipeline directory
+    ``run.output_dir / run.name``, before anything is written: not inside a run, a checkpoint, the base model, the
+    prompt files, the teacher's model directory or ``inputs`` (label -> path: the config file). Returns it resolved.
+
+    Raises:
+        UserError: naming the directory, what it lies inside, and what to do.
+    """
+    local = {"base model": pcfg.model.path, "data.prompts": pcfg.data.prompts,
+             "data.eval_prompts": pcfg.data.eval_prompts, "teacher.model_dir": pcfg.teacher.model_dir}
+    protected = {label: Path(resolve_demo_path(value)) for label, value in local.items()
+                 if value and Path(resolve_demo_path(value)).exists()}  # a hub id or a missing path holds nothing
+    protected.update(inputs or {})
+    return check_write_target(pipeline_dir(pcfg), "pipeline directory (run.output_dir / run.name)",
+                              protected=protected)
+
+
+def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
+                 inputs: Mapping[str, str | Path] | None = None) -> Outcome:
     """Run the pipeline (every stage, or only ``stage``), then write its report. Holds the pipeline directory's
-    lock throughout (a second process is refused).
+    lock throughout (a second process is refused). ``inputs`` (label -> path, e.g. the config file) may not hold
+    the pipeline directory (:func:`check_pipeline_dir`).
 
     Raises:
         ValueError: an unknown stage; a stage whose predecessor has not finished; ledger mismatches.
+        UserError: the pipeline directory lies inside a run, a checkpoint, the base model or an input.
     """
     from flowforge.orchestrate.report import write_pipeline_report
 
     if stage is not None and stage not in STAGES:
         raise ValueError(f"--stage must be one of {list(STAGES)}, got {stage!r}")
+    check_pipeline_dir(pcfg, inputs)
     directory = pipeline_dir(pcfg)
     directory.mkdir(parents=True, exist_ok=True)
     lock = RunLock(directory)

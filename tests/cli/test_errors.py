@@ -25,6 +25,7 @@ from tests.tools.test_export import _refresh_manifest, tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "digits" / "grpo.yaml")
+PIPELINE = str(REPO / "examples" / "stages" / "digits.yaml")
 
 
 def run_cli(args, cwd, env=None, in_process=False):
@@ -208,6 +209,8 @@ def places(cli_run, tiny_model_dir, tmp_path_factory):
     (tmp / "foreign").mkdir()
     (tmp / "foreign" / "precious.txt").write_text("keep")
     (tmp / "a_file").write_text("keep")
+    (tmp / "options.yaml").write_text("{}\n")
+    (tmp / "runlink").symlink_to(cli_run, target_is_directory=True)
     (tmp / "not_a_run").mkdir()
     (tmp / "good.jsonl").write_text("".join(json.dumps({"prompt": f"a handwritten {i}", "metadata": {
         "task": "t2i", "sample_id": f"g{i}"}}) + "\n" for i in range(6)))
@@ -218,7 +221,8 @@ def places(cli_run, tiny_model_dir, tmp_path_factory):
     weights.write_bytes(b"\x07" * weights.stat().st_size)
     return {"run": str(cli_run), "run_parent": str(cli_run.parent), "base": str(tiny_model_dir), "tmp": str(tmp),
             "cwd": str(tmp / "cwd"), "example": EXAMPLE, "run_config": str(cli_run / "config.yaml"),
-            "ckpt": str(cli_run / "checkpoints" / "step_000001"), "run_name": cli_run.name}
+            "ckpt": str(cli_run / "checkpoints" / "step_000001"), "run_name": cli_run.name,
+            "base_name": Path(tiny_model_dir).name}
 
 
 def train(*overrides):
@@ -388,6 +392,20 @@ CASES = [
                   "{tmp}/foreign/../good.jsonl", "--overwrite"], ["is the input"], id="write-prepare-onto-its-input"),
     pytest.param(["sample", "{run}", "--prompt", "a seven", "--out", "{tmp}/n.png", "--num", "1000000000"],
                  ["--num", "limit"], id="value-sample-num-huge"),
+    # the pipeline directory and a judge server's request log under the same rule (the serve cases also give a
+    # host --no-auth refuses, so that a server that checked nothing would fail on that instead of serving forever)
+    pytest.param(["stages", PIPELINE, "run.output_dir={run}", "--no-progress"],
+                 ["pipeline directory", "lies inside the run directory"], id="write-stages-into-a-run"),
+    pytest.param(["stages", PIPELINE, "run.output_dir={tmp}/runlink/checkpoints/step_000001", "--no-progress"],
+                 ["pipeline directory", "lies inside the checkpoint"], id="write-stages-into-a-checkpoint-by-symlink"),
+    pytest.param(["stages", PIPELINE, "model.path={base}", "run.output_dir={base}/../{base_name}", "--no-progress"],
+                 ["pipeline directory", "lies inside the base model"], id="write-stages-into-the-base-model"),
+    *[pytest.param(["serve", "judge", "--scorer", "digit", "--options", "{tmp}/options.yaml", "--request-log", log,
+                    "--host", "0.0.0.0", "--no-auth"], ["--request-log", why], id=f"write-serve-log-{ident}")
+      for log, why, ident in [("{run}/requests.log", "lies inside the run directory", "into-a-run"),
+                              ("{tmp}/runlink/checkpoints/step_000001/r.log", "lies inside the checkpoint",
+                               "into-a-checkpoint-by-symlink"),
+                              ("{tmp}/foreign/../options.yaml", "is the --options file", "onto-its-options")]],
 ]
 
 
