@@ -205,10 +205,16 @@ class VLMJudge:
     def score_groups(self, groups: Sequence[tuple[Tensor, Sequence[str], Sequence[dict[str, Any]]]]) -> list[Tensor]:
         """Score several groups, up to ``max_concurrency`` requests in flight; one ``[K_i]`` tensor per group.
 
+        Several groups are prepared (JPEG frames, hashes, stored files) on up to ``max_concurrency`` threads, as a
+        stage's 28 groups of ~124 frames each would otherwise be encoded one after another before the first is sent
+        (PIL and torch release the GIL while they encode); one group -- a streamed group (``reward.overlap``), an
+        audit's -- is prepared and sent in the calling thread, without a thread pool.
+
         Raises:
             BudgetExhausted: the groups to send exceed what is left of ``max_billed``; nothing was sent.
+            ValueError: as :meth:`__call__`, for the first bad group in order.
         """
-        prepared = [self._prepare(*group) for group in groups]
+        prepared = self._map(lambda group: self._prepare(*group), groups)
         ledger = self.ledger
         decided: dict[str, list[float] | None] = {}  # key -> candidate-order scores (None: no scores)
         todo: dict[str, tuple[_Group, int]] = {}  # one request per key, even when a group repeats within the call
@@ -226,8 +232,7 @@ class VLMJudge:
             raise BudgetExhausted(f"the judge's budget of {self.max_billed} billed requests cannot pay for "
                                   f"{len(todo)} more groups ({ledger.billed()} spent, in {ledger.path}); nothing "
                                   "was sent")
-        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-            decided.update(zip(todo, pool.map(lambda item: self._ask(*item), todo.values()), strict=True))
+        decided.update(zip(todo, self._map(lambda item: self._ask(*item), list(todo.values())), strict=True))
         out = []
         for (media, _, _), group in zip(groups, prepared, strict=True):
             scores = decided[group.key]
@@ -252,6 +257,15 @@ class VLMJudge:
         self.client.close()
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _map(self, fn, items: Sequence) -> list:
+        """``[fn(x) for x in items]``, on up to ``max_concurrency`` threads when there are several items; the first
+        failing item in order raises."""
+        workers = min(self.max_concurrency, len(items))
+        if workers <= 1:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vlm_judge") as pool:
+            return list(pool.map(fn, items))
+
     def _count(self, **deltas: float) -> None:
         with self._lock:
             for k, v in deltas.items():
@@ -413,9 +427,13 @@ class VLMJudge:
         oa = self._openai
         start = time.perf_counter()
         try:
+            # the messages go in extra_body, which the SDK merges into the JSON body after its request transform:
+            # the transform walks every content part in Python with the GIL held (6 ms for 8 frames, 60 ms for
+            # 124) and returns plain-JSON messages unchanged, so it is skipped. ``messages=[]`` keeps the key's
+            # place: the body is byte-identical (tests/rewards/judge/test_client_http.py).
             raw = self.client.chat.completions.with_raw_response.create(
-                model=self.model, messages=messages, temperature=self.settings["temperature"],
-                max_tokens=self.settings["max_tokens"], seed=self.seed)
+                model=self.model, messages=[], temperature=self.settings["temperature"],
+                max_tokens=self.settings["max_tokens"], seed=self.seed, extra_body={"messages": messages})
             completion = raw.parse()
         except oa.APITimeoutError as exc:
             raise _Unanswered(f"timed out: {exc}", "timeout", billed=True, retry=True,
