@@ -13,6 +13,13 @@ whitespace-separated words) the cell also lists its frames in order, ``"frames":
 "LEFT"}, ...]``, so the report writes each frame's action under that frame. Non-finite scores are written as
 ``null``. :func:`read_grid_cells` reads a sidecar back and tolerates its absence
 (grids written before sidecars existed).
+
+The sidecar also keeps every eval sample's score, not only the shown first sample of each prompt, so the report
+can give the eval mean its standard error (:func:`read_eval_scores`)::
+
+    "eval_scores": {"samples_per_prompt": K, "scores": {"digit_eval": [N*K floats or null], ...}}
+
+prompt-major: prompt ``i``'s samples are entries ``i*K .. i*K+K-1``, prompts in the order of ``cells``.
 """
 
 from __future__ import annotations
@@ -102,7 +109,8 @@ def _score(value: float) -> float | None:
 
 def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
                    scores: Mapping[str, torch.Tensor], step: int,
-                   frame_labels: Sequence[Sequence[str] | None] | None = None) -> Path:
+                   frame_labels: Sequence[Sequence[str] | None] | None = None, *,
+                   all_scores: Mapping[str, torch.Tensor] | None = None, samples_per_prompt: int = 1) -> Path:
     """Write the eval grid ``path`` (PNG) and its caption sidecar ``path.with_suffix(".json")``.
 
     Args:
@@ -115,18 +123,24 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
         frame_labels: videos only, optional: ``[N]`` entries, each ``F`` labels written under the video's frames
             (a world model's actions, :meth:`~flowforge.models.world_model.adapter.WorldModelAdapter.frame_labels`)
             or None (no per-frame labels for that video). The sidecar then lists each labelled frame's box.
+        all_scores: optional, scorer name -> ``[N * samples_per_prompt]`` float score of every eval sample,
+            prompt-major (the ``N`` media are the first sample of each prompt); kept as ``eval_scores``.
+        samples_per_prompt: ``K``, the eval samples of each prompt in ``all_scores``.
 
     Returns:
         ``path``.
 
     Raises:
         ValueError: ``prompts``, a score or ``frame_labels`` does not have ``N`` entries; a label list that is not
-            ``F`` long (and as ``save_grid``).
+            ``F`` long; an ``all_scores`` entry that is not ``N * samples_per_prompt`` long (and as ``save_grid``).
     """
     n = media.shape[0]
     if len(prompts) != n or any(v.numel() != n for v in scores.values()):
         raise ValueError(f"need {n} prompts and {n} scores per scorer, got {len(prompts)} prompts and "
                          f"{ {k: v.numel() for k, v in scores.items()} }")
+    if all_scores is not None and any(v.numel() != n * samples_per_prompt for v in all_scores.values()):
+        raise ValueError(f"all_scores need {n} x {samples_per_prompt} entries per scorer, got "
+                         f"{ {k: v.numel() for k, v in all_scores.items()} }")
     per_frame: list[list[dict[str, Any]] | None] = [None] * n
     if media.ndim == 5:
         frames, (h, w) = media.shape[2], media.shape[-2:]
@@ -147,7 +161,11 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
     values = {k: v.detach().float().cpu().reshape(-1).tolist() for k, v in scores.items()}
     cells = [{"prompt": p, "scores": {k: _score(v[i]) for k, v in values.items()}, "box": boxes[i],
               **({"frames": per_frame[i]} if per_frame[i] is not None else {})} for i, p in enumerate(prompts)]
-    text = json.dumps({"step": step, "image": Path(path).name, "cells": cells}, indent=1, allow_nan=False) + "\n"
+    data: dict[str, Any] = {"step": step, "image": Path(path).name, "cells": cells}
+    if all_scores is not None:
+        data["eval_scores"] = {"samples_per_prompt": samples_per_prompt, "scores": {
+            k: [_score(x) for x in v.detach().float().cpu().reshape(-1).tolist()] for k, v in all_scores.items()}}
+    text = json.dumps(data, indent=1, allow_nan=False) + "\n"
     atomic_write(Path(path).with_suffix(".json"), lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return Path(path)
 
@@ -173,4 +191,23 @@ def read_grid_cells(png: Path) -> list[dict[str, Any]] | None:
                 del cell["frames"]
         return cells
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def read_eval_scores(png: Path) -> tuple[int, dict[str, list[float]]] | None:
+    """``(samples_per_prompt, {scorer: [N*K scores, NaN for null]})`` of every eval sample of grid ``png``
+    (prompt-major, module docstring); ``None`` when its sidecar has none (a grid written before they were kept) or
+    cannot be read (never raises)."""
+    try:
+        data = json.loads(Path(png).with_suffix(".json").read_text(encoding="utf-8"))["eval_scores"]
+        k, scores = data["samples_per_prompt"], data["scores"]
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or not isinstance(scores, dict):
+            return None
+        out = {}
+        for name, values in scores.items():
+            if not isinstance(values, list) or len(values) % k:
+                return None
+            out[str(name)] = [float(v) if isinstance(v, (int, float)) else math.nan for v in values]
+        return k, out
+    except (OSError, ValueError, KeyError, TypeError):
         return None

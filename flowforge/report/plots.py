@@ -77,7 +77,24 @@ def _figure(n_panels: int, ncols: int) -> tuple[Figure, list[Any]]:
     return fig, axes[:n_panels]
 
 
+def _offset_to_label(ax: Any) -> None:
+    """Keep the y axis's offset text off the title: matplotlib draws it (``1e-5+5.152e-1``) above the axes'
+    top-left corner, where the title is. Tick labels are written in full instead of relative to an offset, and a
+    remaining multiplier (``1e-6``, for values below 1e-5) moves into the y label. Read from the final view limits
+    without drawing."""
+    formatter = ax.yaxis.get_major_formatter()
+    if not hasattr(formatter, "set_useOffset"):
+        return
+    formatter.set_useOffset(False)
+    formatter.set_locs(ax.yaxis.get_majorticklocs())
+    text = formatter.get_offset()
+    if text:
+        ax.yaxis.get_offset_text().set_visible(False)
+        ax.set_ylabel(f"× {text}", fontsize=7)
+
+
 def _style(ax: Any, title: str, per_step: int | None) -> None:
+    _offset_to_label(ax)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=8)
@@ -102,9 +119,10 @@ def _band(ax: Any, rows: Sequence[Row], key: str, std_key: str) -> None:
 
 def plot_panels(rows: Sequence[Row], keys: Sequence[str], *, bands: Mapping[str, str] | None = None,
                 markers: bool = False, ncols: int = 3, per_step: int | None = None,
-                smoothing: float = 0.0) -> Figure:
+                smoothing: float = 0.0, empty: Mapping[str, str] | None = None) -> Figure:
     """One panel per key over the step (plus a samples-seen axis when ``per_step`` is given); ``bands`` maps a key
-    to the key of its std (a ± std band); ``smoothing`` in [0, 1) draws the smoothed curve over the faint raw one."""
+    to the key of its std (a ± std band); ``smoothing`` in [0, 1) draws the smoothed curve over the faint raw one;
+    ``empty`` maps a key to the text its panel shows when it has no finite value (default "no finite values")."""
     fig, axes = _figure(len(keys), ncols)
     for ax, key in zip(axes, keys):
         steps, values = series(rows, key)
@@ -118,7 +136,8 @@ def plot_panels(rows: Sequence[Row], keys: Sequence[str], *, bands: Mapping[str,
         if std_key is not None:
             _band(ax, rows, key, std_key)
         if values and not any(math.isfinite(v) for v in values):
-            ax.text(0.5, 0.5, "no finite values", transform=ax.transAxes, ha="center", va="center", fontsize=9)
+            ax.text(0.5, 0.5, (empty or {}).get(key, "no finite values"), transform=ax.transAxes, ha="center",
+                    va="center", fontsize=9)
         _style(ax, key, per_step)
     return fig
 
@@ -161,4 +180,25 @@ def plot_reward_vs_judge(train_rows: Sequence[Row], eval_rows: Sequence[Row], ju
     extra = twin.get_legend_handles_labels()
     ax.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=7, loc="best")
     _style(ax, "training reward vs held-out judge vs diversity", per_step)
+    return fig
+
+
+def plot_eval_curves(curves: Sequence[tuple[str, Sequence[float], Sequence[float], Mapping[int, float], str | None]],
+                     *, per_step: int | None = None) -> Figure:
+    """Held-out curves side by side, one panel each, for the top of the report: ``(key, steps, values, se, empty)``
+    with ``se`` = ``{step: standard error}`` drawn as ± 1 SE error bars where known, and ``empty`` the text of a
+    panel without a finite value (None: "no finite values")."""
+    fig, axes = _figure(len(curves), len(curves))
+    for ax, (key, steps, values, se, empty) in zip(axes, curves):
+        errors = [se.get(int(s), math.nan) for s in steps]
+        if any(math.isfinite(e) for e in errors):
+            ax.errorbar(steps, values, yerr=[e if math.isfinite(e) else 0.0 for e in errors], marker="o",
+                        markersize=3, linewidth=1.3, capsize=3, color="C1", label="± 1 standard error")
+            ax.legend(fontsize=7, loc="best")
+        else:
+            ax.plot(steps, values, marker="o", markersize=3, linewidth=1.3, color="C1" if not empty else "C2")
+        if not any(math.isfinite(v) for v in values):
+            ax.text(0.5, 0.5, empty or "no finite values", transform=ax.transAxes, ha="center", va="center",
+                    fontsize=9)
+        _style(ax, key, per_step)
     return fig

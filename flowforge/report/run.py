@@ -1,4 +1,4 @@
-"""One self-contained HTML page per run that answers first: the summary, then curves, grids, config, provenance.
+"""One self-contained HTML page per run that answers first: the verdict, the summary, then samples, curves, config.
 
 ``write_report(run_dir)`` reads the run directory (``runs/<name>/``, README "A run directory") and writes
 ``<run_dir>/report.html``; every image is embedded as a base64 PNG, so the file can be mailed or archived alone.
@@ -7,21 +7,26 @@ Also ``python -m flowforge.report.run RUN_DIR [--smooth A]`` and ``flowforge rep
 =========================  ===========================================================================================
 section                    read from, shown as
 =========================  ===========================================================================================
+Verdict                    the headline eval metric start → end with its standard error (from every eval sample's
+                           score, kept in the grid sidecars) and whether the change exceeds 2 standard errors;
+                           diversity start → end or why it was not measured; the held-out curve beside it, ± 1 SE
+                           (:mod:`flowforge.report.verdict`)
 Summary                    final / best / first held-out eval, training reward, steps, samples seen, wall time,
                            committed checkpoints, and the ``flowforge export`` / ``flowforge sample`` commands
                            (:mod:`flowforge.report.summary`)
 First and last samples     the first and the last ``samples/step_*.png`` side by side, each image cropped out and
                            captioned with its prompt and scores from the grid's sidecar
                            (:mod:`flowforge.report.grids`); a video whose prompt has one word per frame (a
-                           world model's actions) as its frames side by side, each frame's action under it
-Training                   ``metrics.jsonl``: reward mean per training component (± std band), ``train/loss``,
-                           ``train/clip_fraction``, ``train/approx_kl``, ``train/diversity``, then one figure per
-                           namespace; eval-only scorers (``eval.scorers`` without a reward weight) and metrics that
-                           are 0 at every step are folded away (``<details>``)
+                           world model's actions) as its frames side by side, each frame's action under it,
+                           upscaled (nearest neighbour) to at least 128 px wide
 Evaluation                 training reward vs held-out judge vs diversity on one panel (with where and why the
                            reward-hacking guard stopped the run, :mod:`flowforge.train.guard`); ``eval.jsonl``: the
                            headline eval metric beside ``eval/diversity``, every other ``eval/*`` (the guard's
                            ``eval/guard_*`` entries aside), a first / last / min / max table
+Training                   ``metrics.jsonl``: reward mean per training component (± std band), ``train/loss``,
+                           ``train/clip_fraction``, ``train/approx_kl``, ``train/diversity``, then one figure per
+                           namespace; eval-only scorers (``eval.scorers`` without a reward weight) and metrics that
+                           are 0 at every step are folded away (``<details>``)
 Samples                    every grid in step order, captioned with that step's eval values (folded)
 Config                     ``config.yaml`` as a diff against the defaults, the full file folded
                            (:mod:`flowforge.report.config`)
@@ -29,10 +34,11 @@ Provenance                 ``provenance.json``: torch / diffusers / transformers
 =========================  ===========================================================================================
 
 Curves have the step on the x-axis and samples seen (``data.prompts_per_step x data.group_size`` per step) on a
-second axis on top; ``smoothing`` draws TensorBoard's debiased moving average over the raw training curves
+second axis on top; a y axis's offset / multiplier (``1e-4``) is written in its label, never over the title;
+``smoothing`` draws TensorBoard's debiased moving average over the raw training curves
 (:mod:`flowforge.report.plots`). Missing files are reported in the page, never an error. JSONL reading
 tolerates what killed and resumed runs leave behind (see :func:`read_jsonl`). All text from the run directory is
-HTML-escaped.
+HTML-escaped. The page's style is :mod:`flowforge.report.page`'s, shared with the pipeline report.
 """
 
 from __future__ import annotations
@@ -49,8 +55,10 @@ from typing import Any
 from flowforge.report.config import config_section, provenance_section
 from flowforge.report.plots import (figure_tag, img_tag, is_constant_zero, plot_panels, plot_reward_vs_judge,
                                     series)
-from flowforge.report.summary import (GUARD_PREFIX, RunInfo, esc, first_last_section, fmt, guard_event,
-                                      guard_key, headline_key, note, read_run_info, summary_section)
+from flowforge.report.page import render_page
+from flowforge.report.summary import (GROUP_KEYS, GUARD_PREFIX, RunInfo, esc, first_last_section, fmt, guard_event,
+                                      guard_key, headline_key, missing_reason, note, read_run_info, summary_section)
+from flowforge.report.verdict import verdict_section
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.run_dir import EVAL_FILE, METRICS_FILE, RUN_FILES, SAMPLES_DIR, existing_run
@@ -233,17 +241,21 @@ def _eval_section(rows: list[Row] | None, problems: list[str], headline: str | N
     keys = [k for k in _keys(rows) if not k.startswith(GUARD_PREFIX)]  # the guard's event is told above
     pair = EVAL_HEADLINE_KEYS if headline in (None, EVAL_HEADLINE_KEYS[0]) else (headline, "eval/diversity")
     shown = [k for k in pair if k in keys]
+    # a metric without a finite value says why on its panel and under it (diversity needs >= 2 samples a prompt)
+    empty = {k: missing_reason(k, info).replace(": ", ":\n", 1) for k in keys
+             if info is not None and k in GROUP_KEYS and not any(math.isfinite(v) for v in series(rows, k)[1])}
     if shown:
         # the eval score and diversity next to each other: a reward gain bought by collapse shows as one rising
         # while the other falls
         alt = "DigitEval and eval diversity" if pair == EVAL_HEADLINE_KEYS else f"{headline} and eval diversity"
-        parts.append(figure_tag(plot_panels(rows, shown, markers=True, ncols=2), alt))
+        parts.append(figure_tag(plot_panels(rows, shown, markers=True, ncols=2, empty=empty), alt))
     missing = [k for k in pair if k not in keys]
     if missing:
         parts.append(note("Not logged: " + ", ".join(missing) + "."))
     rest = [k for k in keys if k not in shown]
     if rest:
-        parts.append(figure_tag(plot_panels(rows, rest, markers=True), "other evaluation metrics"))
+        parts.append(figure_tag(plot_panels(rows, rest, markers=True, empty=empty), "other evaluation metrics"))
+    parts.extend(note(f"{k}: {missing_reason(k, info)}.") for k in empty)
     parts.append("<table><tr><th>metric</th><th>first</th><th>last</th><th>min</th><th>max</th></tr>")
     for key in keys:
         _, values = series(rows, key)
@@ -276,28 +288,6 @@ def _samples_section(grids: list[tuple[int, Path]], eval_rows: list[Row] | None)
     return "".join(parts)
 
 
-_CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1320px; margin: 1.5em auto;
-       padding: 0 1em; color: #222; line-height: 1.4; }
-h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }
-nav a { margin-right: 1em; } .note { color: #666; font-style: italic; }
-img.plot { max-width: 100%; display: block; margin: 0.5em 0; }
-img.grid, img.compare { image-rendering: pixelated; max-width: 100%; border: 1px solid #ccc; }
-.grids { display: flex; flex-wrap: wrap; gap: 1em; } figure { margin: 0; } figcaption { font-size: 0.85em; }
-.first-last { display: flex; gap: 1.5em; align-items: flex-start; } .column { flex: 1 1 0; min-width: 0; }
-.cells { display: flex; flex-wrap: wrap; gap: 0.4em; }
-.cell { width: 88px; } img.cell { width: 88px; image-rendering: pixelated; border: 1px solid #ccc; display: block; }
-.cap { font-size: 0.68em; line-height: 1.15; word-wrap: break-word; }
-.cell.video { width: auto; } .strip { display: flex; gap: 2px; } .frame { width: 44px; text-align: center; }
-img.frame { width: 44px; image-rendering: pixelated; border: 1px solid #ccc; display: block; }
-.act { font-size: 0.6em; line-height: 1.1; overflow-wrap: anywhere; }
-pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
-table { border-collapse: collapse; font-size: 0.9em; margin: 0.5em 0; }
-td, th { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }
-table.summary th { white-space: nowrap; } details { margin: 0.6em 0; } summary { cursor: pointer; }
-"""
-
-
 def write_report(run_dir: Path, *, smoothing: float = 0.0) -> Path:
     """Write ``<run_dir>/report.html`` (atomically) from the run directory's files and return its path.
 
@@ -328,27 +318,22 @@ def write_report(run_dir: Path, *, smoothing: float = 0.0) -> Path:
     steps = f"{len(train_rows)} steps logged" if train_rows else "no training steps logged"
     if train_rows:
         steps += f" ({int(train_rows[0]['step'])}–{int(train_rows[-1]['step'])})"
-    title = esc(run_dir.resolve().name)
-    page = [
-        "<!DOCTYPE html>",
-        f'<html lang="en"><head><meta charset="utf-8"><title>flowforge report — {title}</title>',
-        f"<style>{_CSS}</style></head><body>",
-        f"<h1>flowforge report — {title}</h1>",
-        f'<p class="note">{esc(str(run_dir.resolve()))} · {esc(steps)}</p>',
-        '<nav><a href="#summary">Summary</a><a href="#first-last">First / last samples</a>'
-        '<a href="#training">Training</a><a href="#evaluation">Evaluation</a><a href="#samples">Samples</a>'
-        '<a href="#config">Config</a><a href="#provenance">Provenance</a></nav>',
+    name = run_dir.resolve().name
+    sections = [
+        verdict_section(info, train_rows, eval_rows, grids, headline),
         summary_section(run_dir, info, train_rows, eval_rows, grids),
         first_last_section(grids, eval_rows, headline),
-        _train_section(train_rows, train_problems or [], info, smoothing),
         _eval_section(eval_rows, eval_problems or [], headline, train_rows, info),
+        _train_section(train_rows, train_problems or [], info, smoothing),
         _samples_section(grids, eval_rows),
         config_section(run_dir),
         provenance_section(run_dir),
-        "</body></html>\n",
     ]
+    nav = [("verdict", "Verdict"), ("summary", "Summary"), ("first-last", "First / last samples"),
+           ("evaluation", "Evaluation"), ("training", "Training"), ("samples", "Samples"), ("config", "Config"),
+           ("provenance", "Provenance")]
+    text = render_page(f"flowforge report — {name}", f"{run_dir.resolve()} · {steps}", nav, sections)
     path = run_dir / REPORT_FILE
-    text = "\n".join(page)
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return path
 

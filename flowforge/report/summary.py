@@ -13,7 +13,6 @@ higher-is-better (the scorer protocol, :class:`flowforge.rewards.base.RewardScor
 from __future__ import annotations
 
 import datetime as _dt
-import html
 import io
 import json
 import math
@@ -29,22 +28,13 @@ from PIL import Image
 from flowforge.config import load_config
 from flowforge.data.prompts import IMAGE_TASKS
 from flowforge.report.grids import read_grid_cells
+from flowforge.report.page import esc, note  # noqa: F401  (re-exported: config.py, run.py)
 from flowforge.report.plots import img_tag, series
 from flowforge.runtime.durable import step_dir_name
 from flowforge.runtime.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, EVAL_FILE, METRICS_FILE, PROVENANCE_FILE,
                                        committed_checkpoints)
 
 Row = dict[str, float]
-
-
-def esc(value: Any) -> str:
-    """``value`` as HTML-escaped text (quotes included)."""
-    return html.escape(str(value), quote=True)
-
-
-def note(text: str) -> str:
-    """A grey italic remark."""
-    return f'<p class="note">{esc(text)}</p>'
 
 
 def fmt(value: float) -> str:
@@ -175,11 +165,26 @@ def _checkpoints(run_dir: Path) -> str:
            f"{step_dir_name(steps[-1])})"
 
 
-def _eval_line(eval_rows: Sequence[Row], key: str, with_best: bool = True) -> str:
+GROUP_KEYS = ("eval/diversity", "eval/group_diversity")
+"""Eval metrics that compare the samples of one prompt with each other: NaN with ``eval.samples_per_prompt`` 1."""
+
+
+def missing_reason(key: str, info: RunInfo) -> str:
+    """Why the eval metric ``key`` has no finite value, in words a user can act on."""
+    k = info.cfg.eval.samples_per_prompt if info.cfg is not None else None
+    if key in GROUP_KEYS:
+        needs = f"{key} compares samples of the same prompt, so it needs eval.samples_per_prompt >= 2"
+        if k is not None and k < 2:
+            return f"not measured: {needs} (this run: {k})"
+        return f"no finite values ({needs}; this run: {k if k is not None else 'unknown'})"
+    return "no finite values (every held-out sample scored NaN)"
+
+
+def _eval_line(eval_rows: Sequence[Row], key: str, with_best: bool = True, info: RunInfo | None = None) -> str:
     steps, values = series(eval_rows, key)
     finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
     if not finite:
-        return "no finite values"
+        return esc(missing_reason(key, info)) if info is not None else "no finite values"
     text = f"final <strong>{esc(fmt(finite[-1][1]))}</strong> (step {int(finite[-1][0])})"
     if with_best:
         best = max(finite, key=lambda sv: sv[1])
@@ -204,10 +209,10 @@ def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, 
     rows: list[tuple[str, str]] = []
     key = headline_key(eval_rows, info)
     if key is not None:
-        rows.append((f"held-out {esc(key)}", _eval_line(eval_rows, key)))
+        rows.append((f"held-out {esc(key)}", _eval_line(eval_rows, key, info=info)))
         if key != "eval/diversity" and any("eval/diversity" in r for r in eval_rows):
             # not a score: higher is not better, so no "best"
-            rows.append(("held-out eval/diversity", _eval_line(eval_rows, "eval/diversity", with_best=False)))
+            rows.append(("held-out eval/diversity", _eval_line(eval_rows, "eval/diversity", False, info)))
     else:
         rows.append(("held-out eval", "none logged"))
     event = guard_event(eval_rows, guard_key(eval_rows, info))
@@ -240,9 +245,20 @@ def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, 
             f"<p>Export the trained model and generate with it:</p>{_commands(run_dir, name, prompt, prompt_file)}")
 
 
-def _cell_png(grid: Image.Image, box: Sequence[int]) -> bytes:
+FRAME_MIN_WIDTH = 128
+"""A video frame in the report is upscaled (nearest neighbour, an integer factor) to at least this many pixels wide:
+a 32 px world-model frame shows its 1-2 px paddle only when enlarged."""
+
+
+def _cell_png(grid: Image.Image, box: Sequence[int], min_width: int = 0) -> bytes:
+    """The ``box`` of ``grid`` as PNG bytes, upscaled by the smallest integer factor that makes it ``min_width``
+    wide (nearest neighbour: pixels stay sharp squares)."""
+    crop = grid.crop(tuple(box))
+    factor = max(1, math.ceil(min_width / max(crop.width, 1)))
+    if factor > 1:
+        crop = crop.resize((crop.width * factor, crop.height * factor), resample=Image.Resampling.NEAREST)
     buffer = io.BytesIO()
-    grid.crop(tuple(box)).save(buffer, format="PNG")
+    crop.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -252,7 +268,7 @@ def _frames_cell(grid: Image.Image, step: int, cell: dict, scores: str) -> str:
     frames = []
     for i, frame in enumerate(cell["frames"]):
         label = frame["label"]
-        image = img_tag(_cell_png(grid, frame["box"]), f"step {step}: frame {i} {label}", "frame")
+        image = img_tag(_cell_png(grid, frame["box"], FRAME_MIN_WIDTH), f"step {step}: frame {i} {label}", "frame")
         frames.append(f'<div class="frame">{image}<div class="act">{esc(label)}</div></div>')
     return (f'<div class="cell video"><div class="strip">{"".join(frames)}</div>'
             f'<div class="cap">{esc(scores)}</div></div>')
@@ -297,4 +313,6 @@ def first_last_section(grids: Sequence[tuple[int, Path]], eval_rows: list[Row] |
         return head + note("No eval sample grids in this run directory.")
     chosen = [grids[0]] if len(grids) == 1 else [grids[0], grids[-1]]
     columns = "".join(_grid_column(step, path, eval_rows, headline) for step, path in chosen)
-    return head + f'<div class="first-last">{columns}</div>'
+    videos = any("frames" in cell for cell in read_grid_cells(chosen[0][1]) or [])
+    # enlarged frame strips need the page's width: the first grid above the last instead of beside it
+    return head + f'<div class="first-last{" stacked" if videos else ""}">{columns}</div>'

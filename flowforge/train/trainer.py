@@ -435,7 +435,8 @@ class Trainer(RunDirectory):
         labeller = getattr(self.adapter, "frame_labels", None)  # e.g. a world model: each frame's action
         save_eval_grid(images[::k], sample_grid_path(self.run_dir, step), shown,
                        {name: v[::k] for name, v in components.items()}, step,
-                       [labeller(p) for p in shown] if labeller is not None else None)
+                       [labeller(p) for p in shown] if labeller is not None else None,
+                       all_scores=components, samples_per_prompt=k)  # every sample: the report's standard error
         self.logger.log_grid(step, sample_grid_path(self.run_dir, step))  # to TensorBoard / W&B, captioned
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars

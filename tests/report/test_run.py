@@ -9,6 +9,7 @@ import json
 import math
 import re
 import runpy
+import statistics
 import sys
 from html.parser import HTMLParser
 
@@ -21,7 +22,7 @@ from flowforge.train.metrics import MetricsLogger, write_provenance
 from flowforge.report.grids import save_grid
 from flowforge.runtime.run_dir import sample_grid_path
 from flowforge.report.run import main, read_jsonl, write_report
-from flowforge.report.grids import read_grid_cells, save_eval_grid
+from flowforge.report.grids import read_eval_scores, read_grid_cells, save_eval_grid
 
 CONFIG_TEXT = "run:\n  name: digits <script>alert(1)</script> & co\ntrain:\n  lr: 0.0001\n"
 
@@ -211,6 +212,10 @@ def decode_all(imgs):
 
 
 PROMPTS = ["a handwritten seven", "the number 3, written neatly", "a zero"]
+ALL_SCORES = {0: [0.2, 0.4, 0.5, 0.5, 0.7, 0.7],  # prompt means 0.3, 0.5, 0.7: mean 0.5, SE 0.2 / sqrt(3)
+              2: [0.9] * 6,
+              4: [0.7, 0.7, 0.7, 0.7, 1.0, 1.0]}  # means 0.7, 0.7, 1.0: mean 0.8; paired changes 0.4, 0.2, 0.3
+"""Every eval sample's digit_eval (3 prompts x 2 samples, prompt-major), consistent with eval.jsonl's means."""
 
 
 @pytest.fixture
@@ -236,7 +241,7 @@ def captioned_run(tmp_path):
             images = torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(step))
             save_eval_grid(images, sample_grid_path(run, step), PROMPTS,
                            {"digit_eval": torch.tensor([1.0, 0.0, float("nan")]), "digit": torch.full((3,), 0.25)},
-                           step)
+                           step, all_scores={"digit_eval": torch.tensor(ALL_SCORES[step])}, samples_per_prompt=2)
     write_provenance(run)
     for step in (2, 4):
         d = run / "checkpoints" / f"step_{step:06d}"
@@ -248,8 +253,8 @@ def captioned_run(tmp_path):
 def test_summary_header_first_last_grids_and_every_image_decodes(captioned_run):
     page = write_report(captioned_run).read_text()
     doc = parse(page)
-    # the answer comes first: summary, then the first / last grids, then the curves
-    assert doc.ids[:3] == ["summary", "first-last", "training"]
+    # the answer comes first: the verdict, the summary, the first / last grids, then the held-out curves
+    assert [i for i in doc.ids if i in SECTIONS] == list(SECTIONS)
     text = "".join(doc.text)
     assert "held-out eval/digit_eval" in text
     assert re.search(r"final 0\.8 \(step 4\) · best 0\.9 \(step 2\) · start 0\.5 \(step 0\)", text)
@@ -267,12 +272,110 @@ def test_summary_header_first_last_grids_and_every_image_decodes(captioned_run):
     assert "a zero — digit_eval nan · digit 0.25" in text
     sizes = decode_all(doc.imgs)
     assert len(sizes) == len(doc.imgs) > 6
-    assert sizes[: len(cells)] == [(16, 16)] * len(cells)  # 8x8 tiles at the grid's scale 2, padding cropped off
+    assert decode_all(cells) == [(16, 16)] * len(cells)  # 8x8 tiles at the grid's scale 2, padding cropped off
     # the cropped cell is exactly the tile of the grid
     grid = Image.open(sample_grid_path(captioned_run, 4))
     box = json.loads(sample_grid_path(captioned_run, 4).with_suffix(".json").read_text())["cells"][1]["box"]
     cell = Image.open(io.BytesIO(base64.b64decode(cells[4]["src"].split(",", 1)[1])))
     assert cell.tobytes() == grid.crop(tuple(box)).tobytes()
+
+
+SECTIONS = ("verdict", "summary", "first-last", "evaluation", "training", "samples", "config", "provenance")
+
+
+def _verdict(page):
+    return page.split('id="verdict"')[1].split("</section>")[0]
+
+
+def test_verdict_leads_with_the_change_and_its_standard_error(captioned_run):
+    """Issue 27: the page opens with the headline metric start -> end, its standard error from every eval sample's
+    score (over prompts, the change paired by prompt) and whether the change exceeds 2 SE; the held-out curve with
+    ± 1 SE bars beside it, before anything else."""
+    page = write_report(captioned_run).read_text()
+    assert page.index('id="verdict"') < page.index('id="summary"') < page.index("<details>")
+    verdict = _verdict(page)
+    text = "".join(parse(verdict).text)
+    se_start = statistics.stdev([0.3, 0.5, 0.7]) / math.sqrt(3)  # 0.1155
+    se_end = statistics.stdev([0.7, 0.7, 1.0]) / math.sqrt(3)  # 0.1
+    se_change = statistics.stdev([0.4, 0.2, 0.3]) / math.sqrt(3)  # 0.05774: paired, smaller than unpaired
+    assert f"eval/digit_eval 0.5 → 0.8 (step 0 → 4): +0.3 ± {se_change:.4g}" in text
+    assert f"start 0.5 ± {se_start:.4g}, end 0.8 ± {se_end:.4g}: standard errors over 3 held-out prompts x 2 " \
+           "samples, the change paired by prompt" in text
+    assert f"{0.3 / se_change:.1f} standard errors: an improvement beyond evaluation noise" in text
+    assert 'class="good"' in verdict
+    assert "best 0.9 at step 2 (± 0)" in text
+    assert "within-prompt diversity (eval/diversity) 0.2 → 0.2" in text and "4 of 4 steps" in text
+    (curve,) = parse(verdict).imgs
+    assert curve["alt"] == "held-out eval/digit_eval over steps"
+    decode_all([curve])
+
+
+def test_verdict_within_noise_and_without_per_sample_scores(captioned_run):
+    from flowforge.report.verdict import eval_points
+
+    # end scores that move by +/-0.4 per prompt around a +0.05 mean change: not beyond 2 SE
+    scores = [0.6, 0.6, 0.1, 0.1, 1.0, 1.0]  # means 0.6, 0.1, 1.0 (mean 0.5667); changes +0.3, -0.4, +0.3
+    save_eval_grid(torch.rand(3, 3, 8, 8), sample_grid_path(captioned_run, 4), PROMPTS,
+                   {"digit_eval": torch.zeros(3)}, 4, all_scores={"digit_eval": torch.tensor(scores)},
+                   samples_per_prompt=2)
+    points = eval_points([(0, sample_grid_path(captioned_run, 0)), (4, sample_grid_path(captioned_run, 4))],
+                         "eval/digit_eval")
+    assert points[4].mean == pytest.approx(sum(scores) / 6) and points[4].prompt_means == pytest.approx((.6, .1, 1.))
+    text = "".join(parse(_verdict(write_report(captioned_run).read_text())).text)
+    se = statistics.stdev([0.3, -0.4, 0.3]) / math.sqrt(3)
+    assert f"+0.3 ± {se:.4g}" in text  # eval.jsonl's 0.5 -> 0.8 with this sidecar's paired SE
+    assert f"{0.3 / se:.1f} standard errors: within evaluation noise" in text
+    # grids written before per-sample scores were kept: the change without an error bar, and why
+    for step in (0, 2, 4):
+        sidecar = sample_grid_path(captioned_run, step).with_suffix(".json")
+        data = json.loads(sidecar.read_text())
+        del data["eval_scores"]
+        sidecar.write_text(json.dumps(data))
+    text = "".join(parse(_verdict(write_report(captioned_run).read_text())).text)
+    assert "eval/digit_eval 0.5 → 0.8 (step 0 → 4): +0.3" in text and "±" not in text.split("best")[0]
+    assert "no standard error: this run's eval grids keep no per-sample scores" in text
+
+
+def test_diversity_without_a_second_sample_is_explained(captioned_run):
+    """eval.samples_per_prompt=1: eval/diversity is NaN at every eval; the verdict, the summary, its panel and the
+    Evaluation section say why instead of 'no finite values'."""
+    from flowforge.config import dump_config, load_config
+
+    cfg = load_config(captioned_run / "config.yaml", ["eval.samples_per_prompt=1"])
+    (captioned_run / "config.yaml").write_text(dump_config(cfg))
+    rows = [json.loads(line) for line in (captioned_run / "eval.jsonl").read_text().splitlines()]
+    (captioned_run / "eval.jsonl").write_text("".join(json.dumps({**r, "eval/diversity": None}) + "\n" for r in rows))
+    page = write_report(captioned_run).read_text()
+    why = "eval/diversity compares samples of the same prompt, so it needs eval.samples_per_prompt >= 2 (this run: 1)"
+    assert why in "".join(parse(_verdict(page)).text)
+    summary = page.split('id="summary"')[1].split('id="first-last"')[0]
+    assert f"held-out eval/diversitynot measured: {why}" in "".join(parse(summary).text)
+    evaluation = page.split('id="evaluation"')[1].split('id="training"')[0]
+    assert f"eval/diversity: not measured: {why}." in "".join(parse(evaluation).text)
+    assert "no finite values" not in page
+
+
+def test_plot_titles_clear_of_offset_labels():
+    """Values that need an offset (1.0003 + tiny steps) or a multiplier (1e-7): matplotlib would draw '1e-7' /
+    '+1.0003' above the axes' top-left corner over the title; the panels write tick labels in full and put a
+    multiplier in the y label, so no visible offset text overlaps a title."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from flowforge.report.plots import plot_panels
+
+    rows = [{"step": float(s), "a/offset": 1.0003 + 1e-6 * s, "a/tiny": 1e-7 * (1 + s), "a/plain": s / 3}
+            for s in range(6)]
+    fig = plot_panels(rows, ["a/offset", "a/tiny", "a/plain"], per_step=8)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert set(axes) == {"a/offset", "a/tiny", "a/plain"}
+    for title, ax in axes.items():
+        offset = ax.yaxis.get_offset_text()
+        if offset.get_visible() and offset.get_text():
+            assert not offset.get_window_extent(renderer).overlaps(ax.title.get_window_extent(renderer)), title
+    assert not axes["a/offset"].yaxis.get_offset_text().get_text()  # no '+1.0003' offset: full tick labels
+    assert "1e" in axes["a/tiny"].get_ylabel() or "10^{" in axes["a/tiny"].get_ylabel()
 
 
 def test_folded_panels_eval_only_scorers_and_config_diff(captioned_run):
@@ -341,6 +444,15 @@ def test_grid_sidecar_matches_the_grid(tmp_path):
         save_eval_grid(video, tmp_path / "w.png", ["a"], {}, 0)
     (tmp_path / "v.json").write_text("{not json")
     assert read_grid_cells(path) is None
+    # every eval sample's score, prompt-major, NaN kept as null
+    every = torch.tensor([0.1, 0.2, float("nan"), 0.4])
+    path = save_eval_grid(video, tmp_path / "e.png", ["a", "b"], {"s": every[::2]}, 0, all_scores={"s": every},
+                          samples_per_prompt=2)
+    k, scores = read_eval_scores(path)
+    assert k == 2 and scores["s"][:2] == pytest.approx([0.1, 0.2]) and math.isnan(scores["s"][2])
+    with pytest.raises(ValueError, match="all_scores need 2 x 3 entries"):
+        save_eval_grid(video, tmp_path / "e.png", ["a", "b"], {}, 0, all_scores={"s": every}, samples_per_prompt=3)
+    assert read_eval_scores(tmp_path / "v.png") is None
 
 
 def test_trainer_eval_writes_captioned_grids(tiny_model_dir, encode_cache_dir, tmp_path):
@@ -359,6 +471,16 @@ def test_trainer_eval_writes_captioned_grids(tiny_model_dir, encode_cache_dir, t
     assert [i["alt"] for i in doc.imgs if i["class"] == "cell"] == [f"step {s}: {r['prompt']}" for s in (0, 2)
                                                                    for r in _eval_records(3)]
     decode_all(doc.imgs)
+    # the sidecar keeps every eval sample's score (3 prompts x 2): their mean is eval.jsonl's value
+    from flowforge.report.verdict import eval_points
+
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    points = eval_points([(s, sample_grid_path(run, s)) for s in (0, 2)], "eval/digit")
+    for record in evals:
+        point = points[record["step"]]
+        assert point.samples_per_prompt == 2 and len(point.prompt_means) == 3
+        assert point.mean == pytest.approx(record["eval/digit"], rel=1e-6)
+    assert "held-out eval/digit_eval" in "".join(parse((run / "report.html").read_text().split("</section>")[0]).text)
 
 
 def _eval_records(n):

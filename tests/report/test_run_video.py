@@ -88,6 +88,9 @@ def test_report_writes_each_action_under_its_frame(tmp_path):
             src = unit.split('src="')[1].split('"')[0]
             crop = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
             assert _colours(crop) == {(25 * (5 * i + f),) * 3}
+            # enlarged so that a paddle of one source pixel shows: nearest neighbour by a whole factor (the 6x4
+            # frame is 12x8 in the grid at scale 2, x11 here: 132x88, every source pixel an 22x22 square)
+            assert crop.size == (132, 88)
     assert "action_following 1" in body and "action_following 0" in body  # the scores stay under the strip
     # a world model samples from first frames: the summary's sample commands name the run's eval prompts
     text = "".join(parse(page).text)

@@ -88,6 +88,18 @@ def test_group_of_one_with_group_std_is_a_warning():
     assert len(warnings) == 1 and "every advantage is 0" in warnings[0]
 
 
+@pytest.mark.parametrize("where", ["eval.scorers=[group_diversity]",
+                                   "reward.weights={digit: 1.0, group_diversity: 0.5}"])
+def test_diversity_with_one_eval_sample_a_prompt_is_a_warning(where):
+    """Issue 27: group_diversity (in eval.scorers, or a reward component, which the eval scores too) with
+    eval.samples_per_prompt=1 is NaN at every eval: preflight says so and names the fix; with 2 it is quiet."""
+    (warning,) = preflight(load_config(None, [where, "eval.samples_per_prompt=1"]), world_size=1).warnings
+    assert "group_diversity is evaluated with eval.samples_per_prompt=1" in warning
+    assert "diversity needs eval.samples_per_prompt >= 2" in warning
+    assert preflight(load_config(None, [where, "eval.samples_per_prompt=2"]), world_size=1).warnings == ()
+    assert preflight(load_config(None, ["eval.samples_per_prompt=1"]), world_size=1).warnings == ()  # not asked for
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "grpo_guard", "nft"])
 def test_guidance_is_allowed_for_every_objective(algorithm):
     """Replay objectives replay the guided velocity (ratio 1 tested in test_trainer / test_families_loop)."""

@@ -382,6 +382,11 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     if cfg.sampler.negative_prompt is not None and cfg.sampler.guidance_scale == 1.0:
         warnings.append(f"sampler.negative_prompt={cfg.sampler.negative_prompt!r} is not used: classifier-free guidance "
                         "runs only when sampler.guidance_scale != 1")
+    grouped = sorted({n for n in (*cfg.eval.scorers, *cfg.reward.weights) if n == "group_diversity"})
+    if grouped and cfg.eval.samples_per_prompt < 2:  # the eval scores every reward component too
+        warnings.append(f"{grouped[0]} is evaluated with eval.samples_per_prompt={cfg.eval.samples_per_prompt}: it "
+                        "compares samples of the same prompt, so eval/group_diversity and eval/diversity are NaN "
+                        "(not measured); diversity needs eval.samples_per_prompt >= 2")
     if cfg.reward.device != "cpu":
         warnings.append(f"reward.device={cfg.reward.device!r} is not read: scorers run on the run device "
                         "(run.device) unless a scorer takes its own device option (reward.options.<name>.device)")
