@@ -66,10 +66,10 @@ def _load_wan(path: str, task: str | None = None, **kw: Any):
 
 
 def _load_flux2(path: str, task: str = "t2i", **kw: Any):
-    from flowforge.models.flux2 import FLUX2_TASKS, load_flux2_klein
+    from flowforge.models.flux2 import FLUX2_TASKS, load_flux2
 
-    _check_task("flux2", task, FLUX2_TASKS)
-    return load_flux2_klein(path, task=task, **kw)
+    _check_task("flux2", task, FLUX2_TASKS)  # "i2i": reference images
+    return load_flux2(path, task=task, **kw)
 
 
 def _load_z_image(path: str, task: str = "t2i", **kw: Any):
@@ -104,7 +104,7 @@ ADAPTER_CLASSES: dict[str, str] = {
     "wan": "flowforge.models.wan:WanAdapter",
     "world_model": "flowforge.models.world_model.adapter:WorldModelAdapter",
     "z_image": "flowforge.models.z_image:ZImageAdapter",
-    "flux2": "flowforge.models.flux2:Flux2KleinAdapter",
+    "flux2": "flowforge.models.flux2:Flux2Adapter",
 }
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 

@@ -1,4 +1,5 @@
-"""FLUX.2 Klein adapter (diffusers ``Flux2Transformer2DModel``, ``Flux2KleinPipeline``), text-to-image.
+"""FLUX.2 adapter (diffusers ``Flux2Transformer2DModel``): FLUX.2 [klein] (``Flux2KleinPipeline``) and FLUX.2 [dev]
+(``Flux2Pipeline``), text-to-image and reference-image editing.
 
 ==================  ================================================================================================
 flowforge           FLUX.2 Klein (checked against diffusers 0.42 ``pipeline_flux2_klein.py``)
@@ -28,12 +29,37 @@ schedule            ``sigmas = linspace(1, 1/T, T)`` through the scheduler with 
                     (the pipeline's own function: depends on the number of steps as well as the token count)
 ==================  ================================================================================================
 
-Not adapted: reference-image editing (``image=`` of ``Flux2KleinPipeline``), FLUX.2 dev (``Flux2Pipeline``, Mistral
-text encoder, guidance embedding), a scheduler config with ``use_flow_sigmas``.
+FLUX.2 [dev] (checked against diffusers 0.42 ``pipeline_flux2.py``): the same transformer class, latent layout,
+timestep, VAE de-normalisation and schedule (``compute_empirical_mu``; ``Flux2Pipeline.__call__`` step 6). Differs in
+
+==================  ================================================================================================
+text                Mistral-3 hidden states of layers ``(10, 20, 30)`` stacked on channels, the pipeline's
+                    ``SYSTEM_MESSAGE`` chat (``format_input``), padded / truncated to ``max_sequence_length``
+                    (``_get_mistral_3_small_prompt_embeds``), through ``Flux2Pipeline.encode_prompt``
+                    (:func:`flux2_dev_text`); no negative prompt
+guidance            guidance-distilled (``config.guidance_embeds``): ``guidance = full([B], g)`` fp32 into the
+                    transformer in one forward (``__call__``: "handle guidance"); no CFG, so a replayed step is one
+                    network evaluation. ``guidance_scale`` is the pipeline's (default 4.0)
+==================  ================================================================================================
+
+Reference-image editing (``task="i2i"``, both pipelines' ``image=``): :meth:`Flux2Adapter.condition_on_images`
+sets ``cond.image`` ``[N, K hw, 4C]``: each image (8-bit PIL) through the pipeline's ``image_processor.preprocess``
+(``resize_mode="crop"``) at the model size and ``prepare_image_latents`` (``_encode_vae_image``: VAE mode,
+``_patchify_latents``, batch-norm normalisation; ``_pack_latents``), K images' tokens concatenated. The velocity
+appends them after the noisy tokens with ids ``_prepare_image_ids`` (``(10 + 10 k, row, col, 0)`` for image k), keeps
+``noise_pred[:, : latents.size(1)]``; the CFG negative forward (Klein) sees the same tokens (``__call__`` step 7). The
+text encoders do not read the images (``encode_prompt`` has no image argument; caption upsampling is not used).
+The pipelines default the output size to the last image's and resize an image over 1024^2 pixels to that area
+(``_resize_to_target_area``): flowforge loads condition images at ``model.height x model.width`` and refuses a model
+size over 1024^2 pixels for i2i, so the pipeline called with those images and that size is what is reproduced.
+The prompt text rows are the t2i ones (the text encoder does not see the image).
+
+Not adapted: a scheduler config with ``use_flow_sigmas``; caption upsampling (``caption_upsample_temperature``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,7 +82,9 @@ from flowforge.models.common import (
     to_unit_range,
 )
 
-FLUX2_TASKS = ("t2i",)
+FLUX2_TASKS = ("t2i", "i2i")
+REFERENCE_MAX_AREA = 1024 * 1024
+"""Both FLUX.2 pipelines resize a reference image larger than this (pixels) to this area; flowforge does not."""
 
 FLUX2_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                       "attn.add_v_proj", "attn.to_add_out")
@@ -73,6 +101,29 @@ def _klein_encode_fn(max_sequence_length: int, out_layers: tuple[int, ...]):
     return encode
 
 
+def _dev_encode_fn(max_sequence_length: int, out_layers: tuple[int, ...]):
+    def encode(pipe, prompts: list[str]) -> tuple[Tensor, None, None]:
+        embeds, _ = pipe.encode_prompt(prompt=list(prompts), device=pipe.device,
+                                       max_sequence_length=max_sequence_length, text_encoder_out_layers=out_layers)
+        return embeds, None, None
+
+    return encode
+
+
+def flux2_dev_text(*, path: str | Path | None = None, components: dict[str, Any] | None = None,
+                   max_sequence_length: int = 512, out_layers: Sequence[int] = (10, 20, 30),
+                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                   encoder_id: str | None = None,
+                   min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> PipelineText:
+    """The Mistral-3 text side of a FLUX.2 [dev] pipeline, through ``Flux2Pipeline.encode_prompt``:
+    ``(embeds [B, max_sequence_length, len(out_layers) * D], None, None)``."""
+    layers = tuple(int(i) for i in out_layers)
+    return PipelineText("Flux2Pipeline", _dev_encode_fn(int(max_sequence_length), layers), path=path,
+                        components=components, device=device, dtype=dtype,
+                        settings=f"len={int(max_sequence_length)}:layers={list(layers)}", encoder_id=encoder_id,
+                        min_tokenizer_size=min_tokenizer_size)
+
+
 def flux2_klein_text(*, path: str | Path | None = None, components: dict[str, Any] | None = None,
                      max_sequence_length: int = 512, out_layers: Sequence[int] = (9, 18, 27),
                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -87,30 +138,32 @@ def flux2_klein_text(*, path: str | Path | None = None, components: dict[str, An
                         min_tokenizer_size=min_tokenizer_size)
 
 
-class Flux2KleinAdapter(AdapterMixin):
+class Flux2Adapter(AdapterMixin):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``Flux2Transformer2DModel`` driven as
-    ``Flux2KleinPipeline`` does (module docstring).
+    ``Flux2KleinPipeline`` (no guidance embedding) or ``Flux2Pipeline`` (FLUX.2 [dev]: ``config.guidance_embeds``)
+    does (module docstring); ``task="i2i"``: reference images (``ImageConditioned``, consumed in the velocity).
 
     Args:
         transformer: the ``Flux2Transformer2DModel`` (eval mode; its dtype is the forward dtype).
-        text_encoder: :func:`flux2_klein_text` or any object with ``encode(prompts) -> (embeds, None, None)`` and
-            ``encoder_id``; ``None``: conditioning from a cache.
-        vae: the ``AutoencoderKLFlux2`` (``None``: :meth:`decode` raises).
-        negative_prompt: CFG's unconditional prompt (pipeline: ``""``); ``None``: none encoded.
+        text_encoder: :func:`flux2_klein_text` / :func:`flux2_dev_text` or any object with
+            ``encode(prompts) -> (embeds, None, None)`` and ``encoder_id``; ``None``: conditioning from a cache.
+        vae: the ``AutoencoderKLFlux2`` (``None``: :meth:`decode` and reference images raise).
+        negative_prompt: CFG's unconditional prompt (Klein: ``""``); ``None``: none encoded. ``"default"``: ``""``
+            for Klein, ``None`` for a guidance-distilled transformer (dev has no CFG).
         scheduler_config: the pipeline's scheduler config.
         is_distilled: the pipeline's ``is_distilled`` flag (step-distilled Klein: guidance is ignored).
-        task: ``"t2i"``.
+        task: ``"t2i"`` or ``"i2i"``.
 
     Raises:
         ValueError: unknown ``task``.
     """
 
-    family = "FLUX.2 Klein"
+    family = "FLUX.2"
     tasks: tuple[str, ...] = FLUX2_TASKS
     lora_targets: tuple[str, ...] = FLUX2_LORA_TARGETS
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
-                 negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,
+                 negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,
                  is_distilled: bool = False, task: str = "t2i"):
         if task not in FLUX2_TASKS:
             raise ValueError(f"task={task!r}; allowed: {list(FLUX2_TASKS)}")
@@ -118,9 +171,16 @@ class Flux2KleinAdapter(AdapterMixin):
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
         self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        if negative_prompt == "default":
+            negative_prompt = None if self.guidance_embeds else ""
         self.negative_prompt = negative_prompt
         self.scheduler_config = dict(scheduler_config or {})
         self.is_distilled = bool(is_distilled)
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """FLUX.2 [dev]: guidance-distilled (the guidance value is a transformer input; no CFG)."""
+        return bool(getattr(self.transformer.config, "guidance_embeds", False))
 
     @property
     def vae_scale_factor(self) -> int:
@@ -161,34 +221,108 @@ class Flux2KleinAdapter(AdapterMixin):
         config.setdefault("use_dynamic_shifting", False)  # FlowMatchEulerDiscreteScheduler's default
         return flow_match_pipeline_sigmas(config, num_steps, self.schedule_mu(height, width, num_steps))
 
-    def _forward(self, x: Tensor, sigma: Tensor, embeds: Tensor) -> Tensor:
+    def _forward(self, x: Tensor, sigma: Tensor, embeds: Tensor, image: Tensor | None = None,
+                 guidance: float | None = None) -> Tensor:
         from diffusers import Flux2KleinPipeline
 
         dtype, device = self.dtype, x.device
         b, c, h, w = x.shape
         tokens = x.reshape(b, c, h * w).permute(0, 2, 1).to(dtype)
         img_ids = Flux2KleinPipeline._prepare_latent_ids(x).to(device)
+        if image is not None:  # reference tokens after the noisy ones, ids (10 + 10 k, row, col, 0)
+            ref_ids = Flux2KleinPipeline._prepare_image_ids([x[:1]] * (image.shape[1] // (h * w)))
+            tokens = torch.cat([tokens, image.to(device=device, dtype=dtype)], dim=1)
+            img_ids = torch.cat([img_ids, ref_ids.to(device).expand(b, -1, -1)], dim=1)
         embeds = embeds.to(device=device, dtype=dtype)
         txt_ids = Flux2KleinPipeline._prepare_text_ids(embeds).to(device)
         timestep = (sigma * 1000.0).to(x.dtype) / 1000  # the pipeline's t.to(latents.dtype) / 1000
-        out = self.transformer(hidden_states=tokens, timestep=timestep, guidance=None, encoder_hidden_states=embeds,
+        g = None if guidance is None else torch.full([b], float(guidance), device=device, dtype=torch.float32)
+        out = self.transformer(hidden_states=tokens, timestep=timestep, guidance=g, encoder_hidden_states=embeds,
                                txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         return out[:, : h * w].float().permute(0, 2, 1).reshape(b, c, h, w)
 
+    def _reference_tokens(self, cond: Conditioning, x: Tensor) -> Tensor | None:
+        if cond.image is None:
+            if self.task == "i2i":
+                raise ValueError("task='i2i' (FLUX.2 reference images) needs cond.image: the record of "
+                                 "condition_on_images (the trainer sets it from each prompt's metadata.image)")
+            return None
+        b, c, h, w = x.shape
+        n = cond.image.shape[1] // (h * w) if cond.image.ndim == 3 else 0
+        if n < 1 or tuple(cond.image.shape) != (b, n * h * w, c):
+            raise ValueError(f"cond.image must be the packed reference latents [B, K * {h * w}, {c}] "
+                             f"(condition_on_images), got {tuple(cond.image.shape)}")
+        return cond.image
+
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
-        """Velocity at patchified ``x [B, 4C, h, w]``, ``sigma [B]``; fp32, shape of ``x``. ``g <= 1`` or a
-        distilled pipeline: the conditional forward alone; else ``v_u + g (v_c - v_u)`` (two forwards).
+        """Velocity at patchified ``x [B, 4C, h, w]``, ``sigma [B]``; fp32, shape of ``x``. Guidance-distilled
+        (dev): one forward with ``guidance = g``. Otherwise ``g <= 1`` or a distilled Klein: the conditional forward
+        alone; else ``v_u + g (v_c - v_u)`` (two forwards). ``cond.image`` (i2i): reference tokens in every forward.
 
         Raises:
-            ValueError: bad shapes; CFG without ``cond.negative``.
+            ValueError: bad shapes; CFG without ``cond.negative``; ``task="i2i"`` without ``cond.image``.
         """
         sigma = check_velocity_inputs(x, sigma, cond, 4)
+        image = self._reference_tokens(cond, x)
         g = float(guidance_scale)
-        v_c = self._forward(x, sigma, cond.prompt_embeds)
+        if self.guidance_embeds:
+            return self._forward(x, sigma, cond.prompt_embeds, image, guidance=g)
+        v_c = self._forward(x, sigma, cond.prompt_embeds, image)
         if g <= 1.0 or self.is_distilled:
             return v_c
-        v_u = self._forward(x, sigma, require_negative(cond, g).prompt_embeds)
+        v_u = self._forward(x, sigma, require_negative(cond, g).prompt_embeds, image)
         return v_u + g * (v_c - v_u)
+
+    @torch.no_grad()
+    def encode_reference_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
+        """Reference images ``[N, 3, H, W]`` / ``[N, K, 3, H, W]`` float32 in [0, 1] at the model's pixel size ->
+        packed tokens ``[N, K hw, 4C]`` fp32, as the pipelines' step 4 (``preprocess(..., resize_mode="crop")``) and
+        ``prepare_image_latents`` (module docstring).
+
+        Raises:
+            RuntimeError: no VAE. ValueError: bad shape; images not at the size of ``latent_shape``; over 1024^2 px;
+            what the pipelines' ``check_image_input`` refuses (under 64 px, aspect ratio beyond 8).
+        """
+        from diffusers import Flux2KleinPipeline
+
+        from flowforge.models.qwen_image import condition_pil_images, image_sets
+
+        if self.vae is None:
+            raise RuntimeError("this Flux2Adapter has no VAE")
+        sets = image_sets(images)
+        _, h, w = (int(v) for v in latent_shape)
+        unit = 2 * self.vae_scale_factor
+        height, width = h * unit, w * unit
+        if tuple(sets.shape[-2:]) != (height, width):
+            raise ValueError(f"reference images {tuple(sets.shape)} are not {height}x{width} (latent_shape "
+                             f"{tuple(latent_shape)}): load them at the model's height x width")
+        if height * width > REFERENCE_MAX_AREA:
+            raise ValueError(f"model size {height}x{width} is over 1024^2 pixels: the FLUX.2 pipelines shrink such a "
+                             "reference image to 1024^2 pixels, which flowforge does not replicate; use a model size "
+                             "of at most 1024^2 pixels for i2i")
+        pipe = Flux2KleinPipeline(scheduler=None, vae=self.vae, text_encoder=None, tokenizer=None, transformer=None)
+        rows = []
+        for pictures in sets:
+            pil = condition_pil_images(pictures)
+            for p in pil:
+                pipe.image_processor.check_image_input(p)  # the pipelines refuse < 64 px or extreme aspect ratios
+            pixels = [pipe.image_processor.preprocess(p, height=height, width=width, resize_mode="crop") for p in pil]
+            tokens, _ = pipe.prepare_image_latents(pixels, 1, None, self.vae.device, self.vae.dtype)
+            rows.append(tokens)
+        return torch.cat(rows).float()
+
+    def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor,
+                            latent_shape: Sequence[int]) -> Conditioning:
+        """``cond`` with ``image`` = :meth:`encode_reference_images` (``ImageConditioned``; the text rows are kept:
+        the FLUX.2 text encoders do not read the images; ``prompts`` unused).
+
+        Raises:
+            ValueError: row counts differ; see :meth:`encode_reference_images`.
+        """
+        image = self.encode_reference_images(images, latent_shape)
+        if image.shape[0] != cond.batch_size:
+            raise ValueError(f"cond has {cond.batch_size} rows but {image.shape[0]} image sets: one per row")
+        return dataclasses.replace(cond, image=image.to(cond.prompt_embeds.device))
 
     def _bn(self, like: Tensor) -> tuple[Tensor, Tensor]:
         bn = self.vae.bn
@@ -201,7 +335,7 @@ class Flux2KleinAdapter(AdapterMixin):
     def decode(self, latents: Tensor) -> Tensor:
         """Patchified latents ``[B, 4C, h, w]`` → images ``[B, 3, 2 f h, 2 f w]`` float32 in [0, 1]."""
         if self.vae is None:
-            raise RuntimeError("this Flux2KleinAdapter has no VAE; decode is unavailable")
+            raise RuntimeError("this Flux2Adapter has no VAE; decode is unavailable")
         from diffusers import Flux2KleinPipeline
 
         mean, std = self._bn(latents)
@@ -209,26 +343,36 @@ class Flux2KleinAdapter(AdapterMixin):
         return to_unit_range(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> Flux2KleinAdapter:
-        """Same as :func:`load_flux2_klein`."""
-        return load_flux2_klein(path, **kwargs)
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> Flux2Adapter:
+        """Same as :func:`load_flux2`."""
+        return load_flux2(path, **kwargs)
 
 
-def load_flux2_klein(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                     task: str = "t2i", text_encoder: Any = None, negative_prompt: str | None = "",
-                     max_sequence_length: int = 512,
-                     min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> Flux2KleinAdapter:
-    """Load FLUX.2 Klein from a local ``Flux2KleinPipeline`` directory (``is_distilled`` read from
-    ``model_index.json``); never downloads.
+Flux2KleinAdapter = Flux2Adapter
+"""The name this adapter had when it ran Klein only."""
+
+
+def load_flux2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               task: str = "t2i", text_encoder: Any = None, negative_prompt: str | None = "default",
+               max_sequence_length: int = 512,
+               min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> Flux2Adapter:
+    """Load FLUX.2 from a local ``Flux2KleinPipeline`` (``is_distilled`` read from ``model_index.json``) or
+    ``Flux2Pipeline`` (FLUX.2 [dev]) directory, the text side through that pipeline class; never downloads.
 
     Raises:
-        FileNotFoundError: ``path`` is not a pipeline directory. ValueError: ``task`` is not ``"t2i"``.
+        FileNotFoundError: ``path`` is not a pipeline directory. ValueError: ``task`` not in ``("t2i", "i2i")``; a
+        directory of another pipeline class.
     """
     if task not in FLUX2_TASKS:
         raise ValueError(f"task={task!r}; allowed: {list(FLUX2_TASKS)}")
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
-    root = pipeline_dir(path, "FLUX.2 Klein")
+    root = pipeline_dir(path, "FLUX.2")
+    index = json.loads((root / "model_index.json").read_text())
+    pipeline_class = index.get("_class_name")
+    if pipeline_class not in ("Flux2KleinPipeline", "Flux2Pipeline"):
+        raise ValueError(f"{path!s} holds a {pipeline_class}; the flux2 adapter loads a Flux2KleinPipeline or "
+                         "Flux2Pipeline directory")
     transformer = Flux2Transformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                           local_files_only=True).to(device)
     vae = None
@@ -236,9 +380,9 @@ def load_flux2_klein(path: str | Path, *, dtype: torch.dtype = torch.float32, de
         vae = AutoencoderKLFlux2.from_pretrained(str(root / "vae"), torch_dtype=dtype,
                                                  local_files_only=True).to(device)
     if text_encoder is None and has_component(root, "text_encoder"):
-        text_encoder = flux2_klein_text(path=root, max_sequence_length=max_sequence_length, device=device,
-                                        dtype=dtype, min_tokenizer_size=min_tokenizer_size)
-    index = json.loads((root / "model_index.json").read_text())
-    return Flux2KleinAdapter(transformer, text_encoder, vae, negative_prompt=negative_prompt,
+        make = flux2_dev_text if pipeline_class == "Flux2Pipeline" else flux2_klein_text
+        text_encoder = make(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
+                            min_tokenizer_size=min_tokenizer_size)
+    return Flux2Adapter(transformer, text_encoder, vae, negative_prompt=negative_prompt,
                              scheduler_config=read_json(root / "scheduler" / "scheduler_config.json"),
                              is_distilled=bool(index.get("is_distilled", False)), task=task)

@@ -38,7 +38,7 @@ def _latents(seed: int = 0) -> torch.Tensor:
 def test_registered_protocol_and_geometry(parts):
     a = parts["adapter"]
     assert "flux2" in ADAPTERS and isinstance(a, FlowModel)
-    assert a.tasks == ("t2i",) and a.latent_shape(*SIZE) == (16, 4, 4)
+    assert a.tasks == ("t2i", "i2i") and a.latent_shape(*SIZE) == (16, 4, 4)
     with pytest.raises(ValueError):
         a.latent_shape(18, 16)
     names = [n for n, _ in a.transformer.named_modules()]

@@ -104,3 +104,38 @@ def qwen_edit_plus_components(seed: int = 0, *, zero_cond_t: bool = True) -> dic
         patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
         joint_attention_dim=16, axes_dims_rope=(2, 2, 4), zero_cond_t=zero_cond_t).eval()
     return parts
+
+
+MISTRAL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == 'text' %}"
+    "{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}")
+"""A chat template over the word vocabulary for FLUX.2 [dev]'s ``format_input`` messages (content lists of parts)."""
+
+
+def flux2_dev_components(seed: int = 0) -> dict:
+    """FLUX.2 [dev] parts: a ``Mistral3ForConditionalGeneration`` with a 31-layer language model (the pipeline stacks
+    hidden states 10, 20, 30) and a 1-layer Pixtral tower, a word tokenizer with a content-list chat template in
+    place of the Pixtral processor (the pipeline only calls its ``apply_chat_template``), a guidance-embedding
+    ``Flux2Transformer2DModel`` and the Klein VAE / scheduler."""
+    from diffusers import Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    parts = flux2_klein_components(seed)
+    parts.pop("is_distilled")
+    torch.manual_seed(seed + 1)
+    tokenizer = tiny.word_tokenizer(1024, eos=False, pad="<|endoftext|>")
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    config = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16,
+                         num_hidden_layers=31, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                         max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(model_type="pixtral", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=4, image_size=16, patch_size=4),
+        image_token_index=1, spatial_merge_size=1)
+    parts["text_encoder"] = Mistral3ForConditionalGeneration(config).eval()
+    parts["tokenizer"] = tokenizer
+    parts["transformer"] = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=24, timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2),
+        guidance_embeds=True).eval()
+    return parts

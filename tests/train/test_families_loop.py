@@ -311,7 +311,7 @@ def test_adapter_class_registry_declares_tasks_without_loading_weights():
         assert adapter_class(name).__module__.startswith(f"flowforge.models.{name}")
     tasks = {n: adapter_tasks(n) for n in ADAPTER_CLASSES}
     expected = {"sd3": ("t2i",), "flux": ("t2i", "i2i"), "qwen_image": ("t2i", "i2i"), "wan": ("t2v", "i2v"),
-                "world_model": ("i2v",), "z_image": ("t2i",), "flux2": ("t2i",)}
+                "world_model": ("i2v",), "z_image": ("t2i",), "flux2": ("t2i", "i2i")}
     assert {n: tasks[n] for n in expected} == expected
     assert all(isinstance(t, tuple) and t for t in tasks.values())  # families added later declare theirs too
     assert adapter_tasks("tests.train.test_families_loop:VideoOnlyAdapter") == ("t2v",)

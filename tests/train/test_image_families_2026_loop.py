@@ -13,8 +13,11 @@ from tests.models import tiny_families as tiny
 from tests.train.test_families_loop import EXTRA_WORDS, prompt_files, train_and_check  # noqa: F401 (fixture)
 
 PIPELINES = {"z_image": ("ZImagePipeline", tiny_image.z_image_components),
-             "flux2": ("Flux2KleinPipeline", tiny_image.flux2_klein_components)}
-SIZES = {"z_image": (16, 16), "flux2": (16, 16)}
+             "flux2": ("Flux2KleinPipeline", tiny_image.flux2_klein_components),
+             "flux2_dev": ("Flux2Pipeline", tiny_image.flux2_dev_components)}
+ADAPTER = {"flux2_dev": "flux2"}
+"""Saved pipeline -> model.adapter, where the two differ (FLUX.2 [dev] loads with the flux2 adapter)."""
+SIZES = {"z_image": (16, 16), "flux2": (16, 16), "flux2_dev": (16, 16)}
 SETTINGS = {
     # Z-Image-Turbo: few-step and guidance-free; the trained SDE steps are the first two, so step 0 (sigma = 1,
     # where the transition std is eta exactly) is sampled and replayed
@@ -23,6 +26,8 @@ SETTINGS = {
     ("z_image", "base"): (4.0, ["sampler.num_steps=4", "sampler.num_sde_steps=2"]),
     # FLUX.2 Klein (step-distilled use): few-step, guidance-free, SDE from sigma = 1
     ("flux2", "klein"): (1.0, ["sampler.num_steps=4", "sampler.trained_indices=[0,1]", "sampler.noise_level=0.5"]),
+    # FLUX.2 [dev]: guidance-distilled, the pipeline's default embedded guidance 4.0 (one forward, replayed as such)
+    ("flux2_dev", "dev"): (4.0, ["sampler.num_steps=4", "sampler.num_sde_steps=2"]),
 }
 """(family, variant) -> (GRPO guidance_scale in flowforge's convention, extra overrides)."""
 
@@ -51,7 +56,8 @@ def image_family_dirs(tmp_path_factory):
 
 
 CASES = [("z_image", "turbo", "grpo"), ("z_image", "turbo", "nft"), ("z_image", "base", "grpo"),
-         ("flux2", "klein", "grpo"), ("flux2", "klein", "nft")]
+         ("flux2", "klein", "grpo"), ("flux2", "klein", "nft"), ("flux2_dev", "dev", "grpo"),
+         ("flux2_dev", "dev", "nft")]
 """NFT samples guidance-free, so one NFT run per family (on its few-step grid where it has one)."""
 
 
@@ -62,8 +68,9 @@ def test_image_family_trains_on_the_real_loop(family, variant, algorithm, image_
 
     h, w = SIZES[family]
     guidance, extra = SETTINGS[family, variant]
+    adapter = ADAPTER.get(family, family)
     cfg = load_config(None, [
-        f"model.adapter={family}", f"model.path={image_family_dirs[family]}", f"model.height={h}",
+        f"model.adapter={adapter}", f"model.path={image_family_dirs[family]}", f"model.height={h}",
         f"model.width={w}", "model.task=t2i", f"run.output_dir={tmp_path / 'runs'}",
         f"data.cache_dir={tmp_path / 'cache'}", f"data.prompts={prompt_files['t2i', 'train']}",
         f"data.eval_prompts={prompt_files['t2i', 'eval']}", "data.prompts_per_step=2", "data.group_size=4",
@@ -73,7 +80,9 @@ def test_image_family_trains_on_the_real_loop(family, variant, algorithm, image_
         f"train.algorithm={algorithm}", f"sampler.guidance_scale={guidance if algorithm == 'grpo' else 1.0}",
         "forward.sigma_mode=uniform_schedule", *extra])
     trainer = Trainer(cfg, progress=False)
-    assert type(trainer.adapter).__module__ == f"flowforge.models.{family}"
+    assert type(trainer.adapter).__module__ == f"flowforge.models.{adapter}"
+    if family == "flux2_dev":
+        assert trainer.adapter.guidance_embeds and trainer.train_cond.negative is None  # no CFG branch
     steps = cfg.sampler.num_steps
     assert torch.equal(trainer.sigmas, trainer.adapter.pipeline_sigmas(steps, h, w))  # the pipeline's own grid
     assert trainer.sigmas[0] == 1.0
@@ -127,4 +136,31 @@ def test_qwen_image_edit_plus_trains_on_the_real_loop(algorithm, edit_plus_dir, 
     sb = trainer.next_prompts()
     cond = trainer._conditioning(trainer.train_cond, trainer.train_prompts, sb.prompt_indices)
     assert cond.image.shape == (len(sb.prompt_indices), 64, 16)  # the 8x8 VAE-size grid, not the 4x4 noisy one
+    train_and_check(trainer, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "nft"])
+def test_flux2_klein_reference_image_trains_on_the_real_loop(algorithm, image_family_dirs, tmp_path):
+    """FLUX.2 Klein i2i (reference-image editing), few-step and guidance-free as the distilled model runs: each
+    record's image (loaded at 64x64, the smallest the pipeline accepts) VAE-encoded and appended as reference tokens;
+    GRPO from sigma = 1 (first ratio 1) and NFT on the 4-step grid."""
+    from flowforge.config import load_config
+    from flowforge.train.trainer import Trainer
+    from tests.train.test_families_loop import image_prompt_files
+
+    prompts = image_prompt_files(tmp_path, "i2i", seed=3)
+    cfg = load_config(None, [
+        "model.adapter=flux2", f"model.path={image_family_dirs['flux2']}", "model.height=64", "model.width=64",
+        "model.task=i2i", f"run.output_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.prompts={prompts['i2i', 'train']}", f"data.eval_prompts={prompts['i2i', 'eval']}",
+        "data.prompts_per_step=2", "data.group_size=4", "sampler.schedule=dynamic", "sampler.num_steps=4",
+        "sampler.trained_indices=[0,1]", "sampler.noise_level=0.5", "sampler.guidance_scale=1.0",
+        "train.micro_batch_size=2", "train.num_updates_per_batch=2", "train.steps=2", "train.lr=1e-2",
+        "grpo.clip_low=1e-3", "eval.max_prompts=2", "eval.every=0", "reward.weights={jpeg_compressibility: 1.0}",
+        f"run.name=klein-i2i-{algorithm}", f"train.algorithm={algorithm}", "forward.sigma_mode=uniform_schedule"])
+    trainer = Trainer(cfg, progress=False)
+    assert trainer.adapter.task == "i2i" and trainer.sigmas[0] == 1.0
+    sb = trainer.next_prompts()
+    cond = trainer._conditioning(trainer.train_cond, trainer.train_prompts, sb.prompt_indices)
+    assert cond.image.shape == (len(sb.prompt_indices), 256, 16)  # one 16x16-token reference per row
     train_and_check(trainer, algorithm)
