@@ -98,22 +98,30 @@ class ScalarHeadStudent:
 
     # ------------------------------------------------------------------------------------------------ inputs
     def embed(self, prompts: Sequence[str]) -> Tensor | None:
-        """``[B, E]`` float32 prompt embeddings (cached per prompt), or None with ``text_encoder: none``."""
+        """``[B, E]`` float32 prompt embeddings (cached per prompt), or None with ``text_encoder: none``.
+
+        Each prompt is encoded alone (a batch of one), so its embedding depends on the prompt only: MiniLM pads a
+        batch to its longest prompt, which moves the others' pooled embeddings in the last bits, and the cache would
+        then keep whichever batch a prompt was first seen in -- a resumed training run (whose first batches are a
+        later epoch's) or a server scoring other batches would see other inputs (issue 24).
+        """
         kind = self.options.text_encoder
         if kind == "none":
             return None
         missing = sorted({p for p in prompts if p not in self._text_cache})
-        if missing:
+        if missing and self._encoder is None:
             if kind == "minilm":
                 from flowforge.models.text import MiniLMEncoder
 
-                self._encoder = self._encoder or MiniLMEncoder(device=self.device)
-                vectors = self._encoder.encode(missing)[2]
+                self._encoder = MiniLMEncoder(device=self.device)
             else:
-                self._encoder = self._encoder or _import_function(kind)
-                vectors = torch.as_tensor(self._encoder(missing))
-            for prompt, vector in zip(missing, vectors.float().to(self.device), strict=True):
-                self._text_cache[prompt] = vector
+                self._encoder = _import_function(kind)
+        for prompt in missing:
+            if kind == "minilm":
+                vector = self._encoder.encode([prompt])[2]  # [1, E] pooled
+            else:
+                vector = torch.as_tensor(self._encoder([prompt]))  # [1, E]
+            self._text_cache[prompt] = vector[0].float().to(self.device)
         return torch.stack([self._text_cache[p] for p in prompts])
 
     def preprocess(self, images: Tensor) -> Tensor:

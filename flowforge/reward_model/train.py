@@ -5,8 +5,9 @@ Output directory::
     out_dir/
       run.json                   the student config, the split (group keys per split) and their fingerprints
       checkpoints/step_000002/   after epoch 2: trainable.pt (the student's trainable weights), optimizer.pt,
-                                 history.json, then COMMITTED (written last; a directory without it is discarded)
-      best.pt                    the trainable weights of the best epoch on validation so far (and its number)
+                                 history.json (every epoch's metrics so far), best.pt (the trainable weights of
+                                 the best epoch on validation so far and its number; absent while none is), then
+                                 COMMITTED (written last; a directory without it is discarded)
       student/                   the selected student (:mod:`flowforge.reward_model.students`), COMMITTED last
       metrics.json               per-epoch history, the selected epoch, its ``val`` and ``test`` agreement
 
@@ -17,10 +18,16 @@ Without validation groups the last epoch is kept (``selected_by: "last"``).
 
 Determinism: the groups are split by cluster (:func:`flowforge.reward_model.data.split_groups`); epoch ``e`` visits
 the training groups sorted by ``sha256("<seed>:<e>:<group key>")`` and seeds torch with a hash of ``(seed, e)``
-before it starts (LoRA dropout), so an epoch depends only on the weights it starts from: a run killed in epoch
-``e`` and rerun repeats epoch ``e`` from checkpoint ``e - 1`` and ends with the same weights as an uninterrupted
-run. Rerunning a finished directory returns its result without training. A rerun with another config or other
-groups is refused (``epochs`` may grow: training continues from the last epoch).
+before it starts (LoRA dropout), so an epoch depends only on the state it starts from, and a checkpoint holds all
+of that state: the weights, the optimizer's moments and step, the history (which epoch is best so far) and the
+best epoch's weights. No generator state is saved because none carries over an epoch boundary (torch is re-seeded,
+the order is a hash, numpy and ``random`` are not used, the learning rate is constant) and nothing a student
+caches depends on which epoch filled it (:meth:`ScalarHeadStudent.embed
+<flowforge.reward_model.scalar_head.ScalarHeadStudent.embed>` encodes each prompt alone). A run killed anywhere in
+epoch ``e`` and rerun repeats epoch ``e`` from checkpoint ``e - 1`` and ends with the student, history and
+metrics of an uninterrupted run, bit for bit. Rerunning a finished directory returns its result without training.
+A rerun with another config or other groups is refused (``epochs`` may grow: training continues from the last
+epoch).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from flowforge.settings.schema import to_dict
 log = logging.getLogger(__name__)
 
 COMMITTED = "COMMITTED"
-BEST_FILE = "best.pt"
+BEST_FILE = "best.pt"  # in a checkpoint: {"epoch": e, "state": trainable weights of epoch e}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +110,10 @@ def _latest_checkpoint(root: Path) -> tuple[int, Path | None]:
 
 
 def _save_checkpoint(root: Path, epoch: int, student: Any, optimizer: torch.optim.Optimizer,
-                     history: list[dict], keep: int) -> None:
+                     history: list[dict], best: dict[str, Any] | None, keep: int) -> None:
+    """Commit ``checkpoints/step_<epoch>/`` (module docstring): each file written atomically, ``COMMITTED`` last;
+    ``best`` is ``{"epoch", "state"}`` of the best epoch on validation so far (None: none yet). Only the newest
+    ``keep`` committed checkpoints are kept."""
     path = root / step_dir_name(epoch)
     if path.exists():
         shutil.rmtree(path)
@@ -111,10 +121,31 @@ def _save_checkpoint(root: Path, epoch: int, student: Any, optimizer: torch.opti
     atomic_write(path / "trainable.pt", lambda tmp: torch.save(student.trainable_state(), tmp))
     atomic_write(path / "optimizer.pt", lambda tmp: torch.save(optimizer.state_dict(), tmp))
     _write_json(path / "history.json", history)
+    if best is not None:
+        atomic_write(path / BEST_FILE, lambda tmp: torch.save(best, tmp))
     write_bytes(path / COMMITTED, b"")
     committed = [p for _, p in step_dirs(root) if (p / COMMITTED).is_file()]
     for old in committed[:-keep]:
         remove_marked_dir(old, COMMITTED)
+
+
+def _load_best(checkpoint: Path, out: Path, history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``{"epoch", "state"}`` of the best epoch so far as of ``checkpoint`` (None when no epoch is best yet).
+    A checkpoint of an older flowforge has no ``best.pt``; the run directory's ``best.pt`` is used then, if it holds
+    that epoch.
+
+    Raises:
+        RuntimeError: no saved weights of the epoch the history selects.
+    """
+    want = _best_so_far(history)
+    for path in (checkpoint / BEST_FILE, out / BEST_FILE):
+        if path.is_file():
+            best = torch.load(path, weights_only=True)
+            if best["epoch"] == want:
+                return best
+    if want:
+        raise RuntimeError(f"{checkpoint} selects epoch {want} on validation but holds no {BEST_FILE} of it")
+    return None
 
 
 def _selection_value(val: dict[str, float]) -> float:
@@ -194,30 +225,30 @@ def train_student(cfg_section: StudentConfig | dict | None, groups: Sequence[Jud
     root = out / "checkpoints"
     start, latest = _latest_checkpoint(root)
     history: list[dict[str, Any]] = []
+    best_state: dict[str, Any] | None = None  # {"epoch", "state"} of the best epoch on validation so far
     if latest is not None:
         student.load_trainable_state(torch.load(latest / "trainable.pt", weights_only=True))
         optimizer.load_state_dict(torch.load(latest / "optimizer.pt", weights_only=True))
         history = json.loads((latest / "history.json").read_text())
+        best_state = _load_best(latest, out, history)
         log.info("student: resuming after epoch %d from %s", start, latest)
     if start > cfg.epochs:
         raise ValueError(f"{out} already trained {start} epochs; student.epochs={cfg.epochs} is fewer")
-    best_file = out / BEST_FILE
     for epoch in range(start + 1, cfg.epochs + 1):
         record = {"epoch": epoch, "train": _run_epoch(student, optimizer, cfg, splits["train"], epoch)}
         record["val"] = evaluate(student, splits["val"]) if splits["val"] else {}
         history.append(record)
-        if _best_so_far(history) == epoch:  # before the checkpoint: a rerun of this epoch rewrites it identically
-            state = {"epoch": epoch, "state": student.trainable_state()}
-            atomic_write(best_file, lambda tmp, state=state: torch.save(state, tmp))
-        _save_checkpoint(root, epoch, student, optimizer, history, cfg.keep_checkpoints)
+        if _best_so_far(history) == epoch:
+            best_state = {"epoch": epoch, "state": student.trainable_state()}
+        _save_checkpoint(root, epoch, student, optimizer, history, best_state, cfg.keep_checkpoints)
         if on_epoch is not None:
             on_epoch(epoch, record)
     best = _best_so_far(history) if splits["val"] else 0
     if best and best != len(history):
-        saved = torch.load(best_file, weights_only=True)
-        if saved["epoch"] != best:
-            raise RuntimeError(f"{best_file} holds epoch {saved['epoch']}, but validation selects epoch {best}")
-        student.load_trainable_state(saved["state"])
+        if best_state is None or best_state["epoch"] != best:  # a bug, not a user error: the two are kept together
+            raise RuntimeError(f"the best student state is epoch {best_state and best_state['epoch']}, but "
+                               f"validation selects epoch {best}")
+        student.load_trainable_state(best_state["state"])
     best = best or len(history)
     student.eval()
     test = evaluate(student, splits["test"]) if splits["test"] else {}

@@ -119,3 +119,71 @@ def test_training_resumes_after_a_kill_with_the_same_weights(tmp_path):
         train_student({**cfg, "lr": 1e-2}, groups, tmp_path / "resumed")
     with pytest.raises(ValueError, match="another splits"):
         train_student(cfg, groups[:-1], tmp_path / "resumed")
+
+
+def test_a_prompt_embedding_does_not_depend_on_the_prompts_encoded_with_it(tmp_path):
+    """MiniLM pads a batch to its longest prompt, which moves a shorter prompt's pooled embedding in the last bits;
+    the student's cache then held whatever batch a prompt was first seen in, so a resumed run (first batches of a
+    later epoch) trained on other inputs than an uninterrupted one (issue 24 item 4). One prompt at a time: a
+    prompt's embedding is a function of the prompt alone."""
+    options = ScalarHeadOptions(image_size=16, channels=(4,), hidden=4)
+    short, long = "a seven", "a very long prompt about a handwritten digit seven drawn in thick black ink"
+    alone = ScalarHeadStudent(options).embed([short])
+    together = ScalarHeadStudent(options).embed([long, short])
+    assert torch.equal(together[1], alone[0])
+
+
+def test_a_minilm_student_resumes_bit_for_bit(tmp_path):
+    """A student with the MiniLM prompt embedding, killed after epoch 1 and rerun, ends with the weights, history
+    and test metrics of an uninterrupted run (prompts of different lengths, so batches pad differently)."""
+    import dataclasses
+
+    words = ["digit", "a handwritten digit", "the number written in thick strokes on paper",
+             "one digit, centred, white on black, slightly rotated to the left"]
+    groups = [dataclasses.replace(g, prompt=f"{words[i % 4]} {i}")
+              for i, g in enumerate(support.synthetic_groups(tmp_path / "g", 12, seed=4))]
+    cfg = {**FAST, "epochs": 3, "batch_size": 2, "split": [0.5, 0.25, 0.25],
+           "scalar_head": {**FAST["scalar_head"], "text_encoder": "minilm"}}
+    straight = train_student(cfg, groups, tmp_path / "straight")
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_one(epoch, record):
+        if epoch == 1:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_student(cfg, groups, tmp_path / "resumed", on_epoch=kill_after_one)
+    best = torch.load(tmp_path / "resumed" / "checkpoints" / "step_000001" / "best.pt", weights_only=True)
+    assert best["epoch"] == 1  # the checkpoint carries the best epoch's weights (validation's state) itself
+    resumed = train_student(cfg, groups, tmp_path / "resumed")
+    a, b = load_student(straight.student_dir), load_student(resumed.student_dir)
+    assert [torch.equal(x, y) for x, y in zip(a.net.state_dict().values(), b.net.state_dict().values())] == \
+        [True] * len(a.net.state_dict())
+    assert resumed.history == json.loads(json.dumps(straight.history))
+    assert (resumed.best_epoch, resumed.val, resumed.test) == (straight.best_epoch, straight.val, straight.test)
+
+
+def test_a_checkpoint_of_the_older_layout_resumes_with_the_run_directory_best_file(tmp_path):
+    """Checkpoints written before they carried ``best.pt`` kept it beside them, in the run directory: a rerun of
+    such a directory uses that file when it holds the epoch the history selects, and ends as an uninterrupted run."""
+    groups = support.synthetic_groups(tmp_path / "g", 24, seed=2)
+    cfg = {**FAST, "epochs": 3}
+    straight = train_student(cfg, groups, tmp_path / "straight")
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_two(epoch, record):
+        if epoch == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_student(cfg, groups, tmp_path / "old", on_epoch=kill_after_two)
+    for step in ("step_000001", "step_000002"):  # the older layout: one best.pt beside the checkpoints
+        (tmp_path / "old" / "checkpoints" / step / "best.pt").replace(tmp_path / "old" / "best.pt")
+    resumed = train_student(cfg, groups, tmp_path / "old")
+    a, b = load_student(straight.student_dir), load_student(resumed.student_dir)
+    assert all(torch.equal(x, y) for x, y in zip(a.net.state_dict().values(), b.net.state_dict().values()))
+    assert (resumed.best_epoch, resumed.history) == (straight.best_epoch, json.loads(json.dumps(straight.history)))
