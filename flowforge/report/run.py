@@ -58,7 +58,7 @@ from flowforge.report.plots import (figure_tag, img_tag, is_constant_zero, plot_
 from flowforge.report.page import render_page
 from flowforge.report.summary import (GROUP_KEYS, GUARD_PREFIX, RunInfo, esc, first_last_section, fmt, guard_event,
                                       guard_key, headline_key, missing_reason, note, read_run_info, summary_section)
-from flowforge.report.verdict import verdict_section
+from flowforge.report.verdict import eval_points, headline_change, verdict_section
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.run_dir import EVAL_FILE, METRICS_FILE, RUN_FILES, SAMPLES_DIR, existing_run
@@ -336,6 +336,20 @@ def write_report(run_dir: Path, *, smoothing: float = 0.0) -> Path:
     path = run_dir / REPORT_FILE
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return path
+
+
+def run_headline(run_dir: Path) -> str | None:
+    """One line of HTML for a run directory's headline eval metric -- ``key a → b (step s0 → s1): change ± SE`` as
+    the verdict writes it -- for pages that link runs (the pipeline report); None when it logged no finite eval."""
+    path = Path(run_dir) / EVAL_FILE
+    if not path.is_file():
+        return None
+    rows, _ = read_jsonl(path)
+    key = headline_key(rows, read_run_info(Path(run_dir)))
+    if key is None or not any(math.isfinite(v) for v in series(rows, key)[1]):
+        return None
+    head, facts = headline_change(key, rows, eval_points(find_grids(Path(run_dir)), key))
+    return head + (f" · {facts[0]}" if facts else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -104,8 +104,9 @@ def _change_words(delta: float, se: float) -> tuple[str, str]:
                     "not a measured change")
 
 
-def _headline(key: str, rows: Sequence[Row], points: dict[int, EvalPoint]) -> tuple[str, list[str]]:
-    """The headline sentence and its supporting facts for eval metric ``key``."""
+def headline_change(key: str, rows: Sequence[Row], points: dict[int, EvalPoint]) -> tuple[str, list[str]]:
+    """The headline sentence (HTML) and its supporting facts for eval metric ``key`` of the eval ``rows``, which
+    hold a finite value of it; ``points`` from :func:`eval_points` (may be empty: no standard error)."""
     steps, values = series(rows, key)
     finite = [(int(s), v) for s, v in zip(steps, values) if math.isfinite(v)]
     (s0, v0), (s1, v1) = finite[0], finite[-1]
@@ -153,7 +154,7 @@ def verdict_section(info: RunInfo, train_rows: list[Row] | None, eval_rows: list
                 else f"held-out <strong>{esc(headline)}</strong>: {esc(missing_reason(headline, info))}")
         facts = [] if rows else [esc("set eval.every > 0 (or keep eval at the start and end) to measure the run")]
     else:
-        head, facts = _headline(headline, rows, points)
+        head, facts = headline_change(headline, rows, points)
     if rows and headline != "eval/diversity":
         _, div = series(rows, "eval/diversity")
         finite = [v for v in div if math.isfinite(v)]
@@ -180,4 +181,5 @@ def verdict_section(info: RunInfo, train_rows: list[Row] | None, eval_rows: list
     return verdict_block(head, facts, figure)
 
 
-__all__ = ["EvalPoint", "GROUP_KEYS", "SIGNIFICANCE", "change_se", "eval_points", "verdict_section"]
+__all__ = ["EvalPoint", "GROUP_KEYS", "SIGNIFICANCE", "change_se", "eval_points", "headline_change",
+           "verdict_section"]

@@ -47,3 +47,42 @@ def write_pipeline(path: Path, model_dir: Path, out_dir: Path, cache_dir: Path, 
     data = merge(data, sections)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def read_report(directory: Path) -> tuple[str, str]:
+    """``(html, visible text)`` of a pipeline's ``report.html``, checked for what every pipeline report must hold
+    (issue 27): the verdict first, every link to a local file pointing at a file that exists, no Python dict or raw
+    JSON in the text, every image an embedded PNG."""
+    from html.parser import HTMLParser
+
+    class Page(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.hrefs, self.ids, self.srcs, self.text, self._skip = [], [], [], [], False
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            self.hrefs += [a["href"]] if tag == "a" and "href" in a else []
+            self.ids += [a["id"]] if "id" in a else []
+            self.srcs += [a["src"]] if tag == "img" else []
+            self._skip = tag == "style"
+
+        def handle_endtag(self, tag):
+            self._skip = False
+
+        def handle_data(self, data):
+            if not self._skip:
+                self.text.append(data)
+
+    page = (directory / "report.html").read_text()
+    doc = Page()
+    doc.feed(page)
+    assert doc.ids[0] == "verdict"
+    local = [h for h in doc.hrefs if not h.startswith(("#", "http://", "https://"))]
+    missing = [h for h in local if not (directory / h).is_file()]
+    assert not missing, f"links to files that do not exist: {missing}"
+    assert all(h[1:] in doc.ids for h in doc.hrefs if h.startswith("#"))
+    assert all(src.startswith("data:image/png;base64,") for src in doc.srcs)
+    text = "".join(doc.text)
+    assert "{" not in text and "}" not in text, "a dict or JSON object in the page's text"
+    return page, text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from flowforge.orchestrate.config import check_pipeline, load_pipeline
 from flowforge.orchestrate.stages import newest_step, open_ledger, run_pipeline
 from flowforge.rewards.judge.protocol import billed_per_group, read_request_log
-from tests.orchestrate.support import write_pipeline
+from tests.orchestrate.support import read_report, write_pipeline
 
 
 @pytest.fixture
@@ -52,6 +53,17 @@ def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["status"] == "gate_failed" and summary["teacher"]["train_groups"] == 6
     assert summary["teacher"]["server_log"]["duplicates"] == 0
+    # the report leads with the verdict, links only what exists (C never ran: no link to C/report.html)
+    page, text = read_report(directory)
+    assert "pipeline stopped at the quality gate: " + outcome.reason in text
+    billed = summary["teacher"]["http_requests"]
+    assert f"teacher budget spent: {billed} billed requests (no cap: teacher.max_requests is 0)" in text
+    assert 'href="A/report.html"' in page and 'href="C/report.html"' not in page
+    assert re.search(r"<tr><td>C</td><td>[^<]*</td><td>did not run</td><td>–</td></tr>", page)
+    assert [f'href="B/attempt_{i}/gate.json"' in page for i in (0, 1)] == [True, True]
+    assert "gate 0" in text and "gate 1" in text  # the agreement table: one row per gate attempt
+    assert summary["A"]["headline"] and "eval/digit_eval" in summary["A"]["headline"]
+    assert sorted(r["stage"] for r in summary["timeline"]) == ["A", "B0", "B1"]  # A, its gate, A extended, again
     # a rerun finds the same verdict without training or asking the teacher again
     before = log_keys(directory / "teacher" / "requests.log")
     assert run_pipeline(pcfg, progress=False).status == "gate_failed"
@@ -74,6 +86,11 @@ def test_audit_below_threshold_stops_stage_c_at_the_last_good_checkpoint(pipelin
     assert newest_step(directory / "C") == -1
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["status"] == "audit_stopped" and summary["teacher"]["audit_groups"] == 2
+    page, text = read_report(directory)
+    assert "pipeline stopped by a teacher audit: audit at step 2" in text
+    assert [(p["kind"], p["passed"]) for p in summary["agreement"]] == [("gate", True), ("audit", False)]
+    assert summary["agreement"][1]["position"] == 4 + 2  # A's 4 conditions, then C's first step's 2
+    assert "audit at C step 2" in text and "teacher-student agreement over the pass" in page
     again = run_pipeline(pcfg, progress=False)  # the stop is read back, nothing runs again
     assert (again.status, again.last_good) == ("audit_stopped", outcome.last_good)
     assert len((directory / "C" / "audit.jsonl").read_text().splitlines()) == 1
@@ -183,7 +200,7 @@ def test_kill_9_and_rerun_never_bill_a_group_twice(pipeline, kill_in):
     assert len(keys) <= summary["teacher"]["http_requests"] <= len(keys) + lost
     assert summary["A"]["eval"]["step"] == 3 and summary["C"]["eval"]["step"] == 6
     assert [a["step"] for a in summary["C"]["audits"]] == [3] and summary["C"]["audits"][0]["passed"]
-    page = (directory / "report.html").read_text()  # one report linking the stages' own
+    page, _ = read_report(directory)  # one report linking the stages' own
     for linked in ("A/report.html", "B/attempt_0/gate.json", "C/report.html"):
         assert f'href="{linked}"' in page and (directory / linked).is_file()
 
