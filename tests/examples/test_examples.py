@@ -73,3 +73,33 @@ def test_compare_help_documents_the_file_schema(capsys):
     out = capsys.readouterr().out
     for key in ("base:", "arms:", "budget_samples:", "target:", "seeds:", "output_dir:", "required", "optional"):
         assert key in out, key
+
+
+def is_pipeline_file(path: Path) -> bool:
+    return "stages" in (yaml.safe_load(path.read_text()) or {})
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[str(p.relative_to(EXAMPLES)) for p in YAMLS])
+def test_every_shipped_config_checkpoints_periodically(path):
+    """Issue 27 item 1: an interrupted run of any shipped config keeps its work: a run config saves every N steps,
+    N below its step count, with rotation; a pipeline's stages A and C save at least every 10 steps; an SFT config
+    saves a loadable checkpoint at every evaluation (at least 4 in a run); a compare file's arms inherit their
+    base's."""
+    data = yaml.safe_load(path.read_text()) or {}
+    if is_compare_file(path):
+        compare = load_compare(path)
+        cfg = load_config(compare.base)
+        assert cfg.checkpoint.every > 0
+    elif is_pipeline_file(path):
+        from flowforge.orchestrate.config import load_pipeline, stage_config
+
+        pcfg = load_pipeline(path)
+        for stage in ("A", "C"):
+            cfg = stage_config(pcfg, stage, steps=100, reward={"weights": {"vlm_judge": 1.0}, "options": {}})
+            assert 0 < cfg.checkpoint.every <= 10 and cfg.checkpoint.keep >= 2, stage
+    elif "sft" in data:
+        cfg = load_config(path)
+        assert cfg.sft.save_checkpoints and 0 < cfg.sft.eval_every <= cfg.sft.steps // 4
+    else:
+        cfg = load_config(path)
+        assert 0 < cfg.checkpoint.every < cfg.train.steps and cfg.checkpoint.keep >= 1  # saves before the end too
