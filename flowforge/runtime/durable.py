@@ -125,10 +125,35 @@ def demote(directory: Path, marker: str, rename_to: str | None = None) -> None:
         fsync_path(directory)
 
 
-def remove_marked_dir(directory: Path, marker: str) -> None:
-    """Delete a marked directory: :func:`demote` it first, then remove the tree and fsync the parent."""
-    demote(directory, marker)
-    shutil.rmtree(directory)
+def remove_marked_dir(directory: Path, marker: str, *, pending: str | None = None,
+                      hook: Callable[[str, str], None] | None = None) -> None:
+    """Delete a marked directory: :func:`demote` it first, then remove the tree and fsync the parent.
+
+    With ``pending`` the marker is renamed to that name instead of unlinked (created when the marker is absent) and
+    removed last, after everything else: a crash at any point leaves a directory that still says it was being
+    removed, so the next run can prove it is its own and finish (:func:`flowforge.train.checkpoint.finish_removals`).
+    ``hook("demoted", directory.name)`` is called once the directory is demoted (tests stop there).
+    """
+    directory = Path(directory)
+    if pending is not None and not (directory / marker).exists() and not (directory / pending).exists():
+        (directory / pending).touch()
+        fsync_path(directory)
+    demote(directory, marker, rename_to=pending)
+    if hook is not None:
+        hook("demoted", directory.name)
+    if pending is None:
+        shutil.rmtree(directory)
+    else:
+        for p in directory.iterdir():
+            if p.name == pending:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        fsync_path(directory)
+        (directory / pending).unlink()
+        directory.rmdir()
     fsync_path(directory.parent)
 
 

@@ -1,7 +1,18 @@
 """A run directory's lifecycle, from the trainer's side: checked before anything is written, claimed (rank 0 takes
 its lock; an existing run needs ``train.resume`` or ``--overwrite``, which moves it aside), accepted once the model
 loaded and the resume checked (``config.yaml``, provenance, the metrics logger), abandoned by a refused command (lock
-released, a directory it created removed when still empty), released at the end.
+released, a directory it created removed when still empty), released at the end. A resume's claim first finishes
+the checkpoint deletions a killed save left marked (:func:`flowforge.train.checkpoint.finish_removals`).
+
+A command that fails after it was accepted but before it completed a step (a reward server down at the first
+score) leaves every existing file as it found it: :class:`RunJournal` records, at acceptance, the existing files
+the acceptance rewrites (their bytes) and the append-only logs (their sizes); the failure puts them back and
+releases the lock (undoing a claim it made). A failure after a completed step keeps what that step wrote (its
+metrics, its checkpoint: a later ``train.resume`` continues from there) and releases the lock.
+
+``train.resume=auto`` on a directory whose ``metrics.jsonl`` logged more steps than an interrupted first checkpoint
+explains, but which holds no committed checkpoint (deleted, or all damaged), is refused: starting again at step 0
+would append a second history (:func:`refuse_lost_history`).
 
 :class:`RunDirectory` is a base of :class:`flowforge.train.trainer.Trainer`; it uses the trainer's ``cfg``,
 ``dist``, ``adapter`` and ``overwrite`` and sets ``run_dir``, ``model_source``, ``train_prompts``, ``eval_prompts``,
@@ -12,16 +23,23 @@ released, a directory it created removed when still empty), released at the end.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import yaml
 
 from flowforge import config as config_lib
 from flowforge.data.prompts import check_task, load_prompts
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
+from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
-from flowforge.runtime.run_dir import (MODEL_PROVENANCE_FILE, WRITTEN_FILES, check_artifacts_root,
-                                       check_run_dir_outside_source, existing_run, move_aside, refuse_rerun)
+from flowforge.runtime.run_dir import (CONFIG_FILE, EVAL_FILE, LOG_FILE, METRICS_FILE, MODEL_PROVENANCE_FILE,
+                                       PROVENANCE_FILE, TB_DIR, WRITTEN_FILES, check_artifacts_root,
+                                       check_run_dir_outside_source, committed_checkpoints, existing_run, move_aside,
+                                       refuse_rerun)
+from flowforge.train.checkpoint import finish_removals
 from flowforge.train.metrics import MetricsLogger, write_provenance
 
 
@@ -30,6 +48,8 @@ class RunDirectory:
 
     run_lock: RunLock | None = None
     _created_run_dir: bool = False
+    _journal: RunJournal | None = None  # rank 0, from acceptance on: what a failed command puts back
+    _accepted_at: tuple[int, int | None] | None = None  # (step, saved checkpoint step) when accepted
 
     def _prepare_run(self) -> None:
         """Checks before anything is written: the run directory (refused inside the base model's; an existing run
@@ -49,6 +69,8 @@ class RunDirectory:
             check_artifacts_root(Path(cfg.artifacts.root), self.run_dir)
         for name in WRITTEN_FILES:
             refuse_escaping_symlink(self.run_dir / name, self.run_dir)
+        if cfg.train.resume == "auto" and not committed_checkpoints(self.run_dir):
+            refuse_lost_history(self.run_dir, cfg.checkpoint.every)  # before any model loads
         if self.dist.is_main:
             self._claim_run_dir()
         dist_lib.barrier(self.dist)
@@ -67,11 +89,18 @@ class RunDirectory:
             self._created_run_dir = True
         self.run_lock = RunLock(self.run_dir)
         self.run_lock.acquire()
+        if self.cfg.train.resume:  # a save killed while deleting a checkpoint: finish what it provably started
+            finish_removals(self.run_dir)
 
     def _accept_run(self) -> None:
         """The command is accepted (model loaded, resume checked): write the resolved config and provenance
-        atomically and open the metrics logger (rank 0)."""
+        atomically and open the metrics logger (rank 0). First the journal a failure undoes (:class:`RunJournal`);
+        a resume that found no usable checkpoint (all damaged) is refused like a deleted one."""
+        if self.cfg.train.resume == "auto" and self.checkpoints.resumed_from is None:
+            refuse_lost_history(self.run_dir, self.cfg.checkpoint.every)
+        self._accepted_at = (self.state.step, self.checkpoints.saved_step)
         if self.dist.is_main:
+            self._journal = RunJournal(self.run_dir)
             write_bytes(self.run_dir / "config.yaml", config_lib.dump_config(self.cfg).encode())
             write_provenance(self.run_dir)
             record = getattr(self.adapter, "provenance_record", None)  # a world model: every loaded tensor's source
@@ -91,10 +120,101 @@ class RunDirectory:
             except OSError:  # not empty: something else wrote there meanwhile; left alone
                 pass
 
+    def _fail(self) -> None:
+        """A command failed (an exception leaves :meth:`__init__` or :meth:`train`): close the metrics sinks; when it
+        completed no step and saved no checkpoint, put the run directory back as it was (:class:`RunJournal`) and
+        undo the claim (:meth:`_abandon`); otherwise keep what its steps wrote and release the lock."""
+        logger = getattr(self, "logger", None)
+        if logger is not None:
+            logger.close()
+        progressed = (self._accepted_at is not None
+                      and self._accepted_at != (self.state.step, self.checkpoints.saved_step))
+        if progressed:
+            self.close()
+            return
+        if self._journal is not None:
+            self._journal.restore()
+            self._journal = None
+        self._abandon()
+
     def close(self) -> None:
         """Release the run directory's lock (:meth:`train` does at its end; a later :meth:`train` takes it again)."""
         if self.run_lock is not None:
             self.run_lock.release()
+
+
+class RunJournal:
+    """What accepting a command is about to change in a run directory's existing files, so that a command that then
+    fails without completing a step leaves every file that was there as it was (rank 0; the module docstring says
+    when).
+
+    Taken before :meth:`RunDirectory._accept_run` writes: the bytes of the existing files acceptance rewrites
+    (``config.yaml``, provenance files), the sizes of the existing append-only logs (``metrics.jsonl``,
+    ``eval.jsonl``, ``train.log``) and the TensorBoard event files (the metrics logger opens a new one).
+    :meth:`restore` puts the first back, cuts the second to their sizes and removes the event files added since.
+    Nothing else is touched: files of other writers (a judge's request ledger, ``audit.jsonl``) record what really
+    happened, and the files of a run directory this command created stay as they are (its lock is undone).
+    """
+
+    REWRITTEN = (CONFIG_FILE, PROVENANCE_FILE, MODEL_PROVENANCE_FILE)
+    APPENDED = (METRICS_FILE, EVAL_FILE, LOG_FILE)
+    TB_EVENTS = "events.out.tfevents."  # torch.utils.tensorboard's event file names
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.rewritten = {n: p.read_bytes() for n in self.REWRITTEN if (p := self.run_dir / n).is_file()}
+        self.appended = {n: p.stat().st_size for n in self.APPENDED if (p := self.run_dir / n).is_file()}
+        self.events = set(self._events())
+
+    def _events(self) -> list[Path]:
+        tb = self.run_dir / TB_DIR
+        return [p for p in tb.iterdir() if p.is_file() and p.name.startswith(self.TB_EVENTS)] if tb.is_dir() else []
+
+    def restore(self) -> None:
+        """Put the existing files back as they were when the journal was taken (see the class docstring)."""
+        for name, data in self.rewritten.items():
+            path = self.run_dir / name
+            if not path.is_file() or path.read_bytes() != data:
+                write_bytes(path, data)
+        for name, size in self.appended.items():
+            path = self.run_dir / name
+            if path.is_file() and path.stat().st_size > size:
+                os.truncate(path, size)
+        if self.appended or self.rewritten:  # an existing run: the event file this command's logger opened
+            for path in set(self._events()) - self.events:
+                path.unlink(missing_ok=True)
+
+
+def refuse_lost_history(run_dir: Path, every: int) -> None:
+    """Refuse ``train.resume=auto`` on a run directory without a usable committed checkpoint whose
+    ``metrics.jsonl`` logged more steps than an interrupted first checkpoint explains: more than ``checkpoint.every``
+    (the run's own ``config.yaml``'s, else ``every``; a kill between logging step ``every`` and committing its
+    checkpoint leaves that step logged, and a restart from 0 replays it exactly), or any step with
+    ``checkpoint.every`` 0. A run directory without such a history starts from step 0 as before.
+
+    Raises:
+        UserError: ``train.resume=auto: <run_dir> logged N steps but ...; <what to do>``.
+    """
+    done = None
+    try:
+        for line in (Path(run_dir) / METRICS_FILE).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                done = json.loads(line).get("step", done)
+    except (OSError, ValueError, AttributeError):  # no log, or an unreadable one: no history to protect
+        return
+    try:
+        saved = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+        every = int(saved["checkpoint"]["every"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        pass  # the run's config unreadable: judged by this command's checkpoint.every
+    if not isinstance(done, int) or done < 1 or (every > 0 and done <= every):
+        return
+    why = (f"checkpoint.every={every} committed one at step {every}: deleted or damaged" if every > 0
+           else "checkpoint.every=0 saves only at the end")
+    raise UserError("train.resume=auto", f"{run_dir} logged {done} steps in {METRICS_FILE} but holds no committed "
+                    f"checkpoint to resume from ({why}); starting again at step 0 would append a second history",
+                    "restore its checkpoints, or start it anew without train.resume and with --overwrite (the old run "
+                    f"is moved aside to {Path(run_dir).name}.old-<n>), or choose another run.name")
 
 
 def _model_source(path: str) -> Path | None:

@@ -98,7 +98,7 @@ class Trainer(RunDirectory):
         try:
             self._setup(cfg, progress=progress)
         except BaseException:
-            self._abandon()  # a refused command leaves the run directory as it found it
+            self._fail()  # a refused command leaves the run directory as it found it
             raise
 
     def _setup(self, cfg: Config, *, progress: bool) -> None:
@@ -314,10 +314,18 @@ class Trainer(RunDirectory):
         ``metrics.trackers``. Returns the run directory.
 
         ``stop_at`` ends the run early after that many steps, as an interruption would (no final eval / report;
-        the LR schedule still spans ``train.steps``); a later ``train.resume`` continues it exactly."""
-        with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), closing_engine(self.engine), \
-                self.perf.counting():
-            return self._train(stop_at)
+        the LR schedule still spans ``train.steps``); a later ``train.resume`` continues it exactly.
+
+        A failure before the first step completes leaves the run directory as it was before this command; a later
+        one keeps what the completed steps wrote; the lock is released either way
+        (:meth:`~flowforge.train.run_lifecycle.RunDirectory._fail`)."""
+        try:
+            with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), closing_engine(self.engine), \
+                    self.perf.counting():
+                return self._train(stop_at)
+        except BaseException:
+            self._fail()
+            raise
 
     def _log_progress(self, scalars: dict[str, float]) -> None:
         """Without a progress bar (``--no-progress``), on rank 0: a log line with the key metrics every

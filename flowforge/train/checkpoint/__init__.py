@@ -48,7 +48,9 @@ step below the newest committed one (debris of crashed saves) are deleted too.
 
 Only flowforge's own directories are ever deleted (rotation, debris, a replaced step): one whose every file has a
 name of the layout above (:func:`flowforge.runtime.durable.only_layout_files`); a directory holding anything else is
-left alone and named in the log.
+left alone and named in the log. A deletion renames ``COMMITTED`` to ``REMOVING`` and removes that marker last, so a
+save killed mid-deletion leaves a directory that says it was being removed; the next save, and a resume
+(:func:`finish_removals`, before anything is read), finish it.
 
 ``resume="auto"`` picks the newest committed checkpoint by step, not ``latest``: a crash between the marker and the
 pointer update leaves ``latest`` one save behind, and the marker is the only thing resume trusts. Each file's sha256
@@ -90,6 +92,7 @@ from flowforge.runtime.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, MARKER, MET
 log = logging.getLogger("flowforge")
 
 SUPERSEDED = "SUPERSEDED"
+REMOVING = "REMOVING"  # a checkpoint directory being deleted (COMMITTED renamed); removed last
 LATEST = "latest"
 WEIGHTS_DIR = "weights"
 RNG_DIR = "rng"
@@ -101,7 +104,7 @@ FORMAT_VERSION = 1
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 # every file a checkpoint directory may hold (relative path); anything else makes it not flowforge's to delete
 _LAYOUT = re.compile(r"weights/[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors|optimizer\.pt|rng/rank_\d+\.(json|safetensors)"
-                     r"|trainer_state\.json|dcp/.+|COMMITTED|SUPERSEDED")
+                     r"|trainer_state\.json|dcp/.+|COMMITTED|SUPERSEDED|REMOVING")
 
 _test_hook: Callable[[str, str], None] | None = None
 
@@ -172,7 +175,7 @@ def _prepare_step_dir(run_dir: Path, step: int, protect: Path | None) -> Path:
                             "move those files out of the checkpoints directory")
         if is_committed(step_dir):
             log.warning("replacing committed checkpoint %s (this run resumed from an earlier step)", step_dir)
-        remove_marked_dir(step_dir, MARKER)
+        _remove(step_dir)
     step_dir.mkdir()
     fsync_path(root)
     return step_dir
@@ -185,15 +188,35 @@ def _rotate(run_dir: Path, newest: Path, keep: int, protect: Path | None) -> lis
         keep_set.add(protect)
     removed = [p for p in committed if p.resolve() not in keep_set]
     newest_step = step_of(newest)
-    removed += [p for s, p in _step_dirs(run_dir) if s < newest_step and not is_committed(p)
-                and not (p / SUPERSEDED).exists()]
+    removed += [p for s, p in _step_dirs(run_dir) if not is_committed(p) and not (p / SUPERSEDED).exists()
+                and (s < newest_step or (p / REMOVING).exists())]
     foreign = [p for p in removed if not only_layout_files(p, _LAYOUT)]
     for p in foreign:
         log.warning("%s holds files flowforge did not write: not deleted", p)
     removed = [p for p in removed if p not in foreign]
     for p in removed:
-        remove_marked_dir(p, MARKER)
+        _remove(p)
     return removed
+
+
+def _remove(step_dir: Path) -> None:
+    """Delete one of flowforge's checkpoint directories, ``REMOVING`` marking it until the end (tests stop after the
+    demotion through ``_test_hook("demoted", name)``)."""
+    remove_marked_dir(step_dir, MARKER, pending=REMOVING, hook=_test_hook)
+
+
+def finish_removals(run_dir: str | Path) -> list[Path]:
+    """Finish the deletions a killed save started: every ``checkpoints/step_*`` directory marked ``REMOVING`` (never
+    committed or superseded: the marker replaced ``COMMITTED``) that holds only files of the layout. Rank 0, under
+    the run's lock, before a resume reads the checkpoints. Returns the directories removed.
+    """
+    done = []
+    for _, p in _step_dirs(Path(run_dir)):
+        if (p / REMOVING).exists() and not is_committed(p) and only_layout_files(p, _LAYOUT):
+            _remove(p)
+            log.info("finished removing %s (a save was interrupted while deleting it)", p)
+            done.append(p)
+    return done
 
 
 def _state_json(step: int, keep: int, rank: int, world_size: int, barrier: Callable[[], None] | None,
