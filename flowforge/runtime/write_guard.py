@@ -3,9 +3,10 @@
 The rule
 --------
 A target path (a file or a directory a command is about to write: ``sample --out``, ``data curate --out-dir``,
-``data prepare --output``, ``export OUT``, a run directory, a server's log) is resolved first — symlinks followed,
-``..`` folded (``os.path.realpath``, which also resolves the existing part of a path that does not exist yet) — and
-then refused, in one line and before anything is written, when it
+``data prepare --output``, ``export OUT``, a run directory, the pipeline directory of ``flowforge stages``, a judge
+server's ``--request-log``) is resolved first — symlinks followed, ``..`` folded (``os.path.realpath``, which also
+resolves the existing part of a path that does not exist yet) — and then refused, in one line and before anything
+is written, when it
 
 ======================================================  ==============================================================
 lies inside ...                                         because
