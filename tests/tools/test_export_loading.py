@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+import yaml
 
 from flowforge.tools.export import export_run, read_export_meta
 from tests.tools.test_export import fresh, lora_run, probe  # noqa: F401 - lora_run is a fixture
@@ -54,7 +55,9 @@ def test_adapter_export_loads_with_peft_and_load_lora_weights(lora_run, tiny_mod
             "config.yaml"} <= files
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and (config["r"], config["lora_alpha"]) == (4, 8)
-    assert config["base_model_name_or_path"] == str(tiny_model_dir.resolve()) and config["target_modules"]
+    # the base as the export names it: relative to the export (no path of this machine, tools.export.portable)
+    assert config["base_model_name_or_path"] == os.path.relpath(tiny_model_dir.resolve(), out.resolve())
+    assert config["target_modules"]
     torch.save(probe_inputs(fresh(tiny_model_dir).config), tmp_path / "inputs.pt")
     run_outside_flowforge("""
         import torch
@@ -134,20 +137,26 @@ def test_every_export_has_a_model_card_and_the_run_config(lora_run, tiny_model_d
     card = (out / "README.md").read_text()
     meta = read_export_meta(out)
     assert "README.md" in meta["files"] and "config.yaml" in meta["files"]
-    assert (out / "config.yaml").read_text() == (run_dir / "config.yaml").read_text()
+    exported, trained = (yaml.safe_load(p.read_text()) for p in (out / "config.yaml", run_dir / "config.yaml"))
+    assert exported["model"]["path"] == os.path.relpath(tiny_model_dir.resolve(), out.resolve())
+    assert exported["run"]["output_dir"] == os.path.relpath(trained["run"]["output_dir"], out.resolve())
+    assert {k: v for k, v in exported.items() if k not in ("model", "run", "data")} == \
+        {k: v for k, v in trained.items() if k not in ("model", "run", "data")}
     assert "| `eval/digit_eval_mean` | 0.5 (2) | 0.7 (1) |" in card
-    assert (run_dir / "config.yaml").read_text().strip() in card  # the config, in a yaml block
+    card_config = yaml.safe_load(card.split("```yaml")[1].split("```")[0])
+    assert "grpo" in card_config and not {"nft", "awm", "dpo", "crd", "dgpo", "sft"} & set(card_config)
+    assert card_config["train"] == trained["train"]
     for text in ("base model", "grpo", "`digit`", "checkpoint step 2", "## Evaluation", "```yaml", "```python"):
         assert text in card, text
     snippet = card.split("```python")[1].split("```")[0]
-    assert "flowforge" not in snippet
-    if form == "adapter":
-        assert f"PeftModel.from_pretrained(SD3Transformer2DModel.from_pretrained({str(tiny_model_dir.resolve())!r}), " \
-               f"{str(out.resolve())!r})" in snippet
-        assert "load_lora_weights" in snippet and "load_lora_adapter" in snippet
+    assert "flowforge" not in snippet and str(tmp_path) not in card
+    assert 'out = "."' in snippet
+    if form == "adapter":  # a MiniLM demo-style base: carried as a diffusers pipeline in OUT/base
+        assert 'base = os.path.join(out, \'base\')' in snippet and "PeftModel.from_pretrained(" in snippet
+        assert "load_lora_adapter(out, " in snippet
     else:
-        assert f"out = {str(out.resolve())!r}" in snippet
-        assert 'custom_pipeline=out + "/pipeline.py", trust_remote_code=True' in snippet
-    # the card's snippet runs as written, without flowforge
+        assert 'custom_pipeline=os.path.join(out, \'pipeline.py\'), trust_remote_code=True' in snippet
+    # the card's snippet runs as written from inside the export, without flowforge
     (tmp_path / "snippet.py").write_text(snippet)
-    run_outside_flowforge('exec(open("{tmp}/snippet.py").read())', tmp_path, tmp=tmp_path)
+    run_outside_flowforge('import os\nos.chdir("{out}")\nexec(open("{tmp}/snippet.py").read())', tmp_path,
+                          tmp=tmp_path, out=out)

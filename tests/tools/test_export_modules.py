@@ -3,6 +3,7 @@ as the base with that block's tensors, adapter as exactly those tensors; both ve
 adapter, and a tensor outside the trained modules is refused by the contract check."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_module_run_exports_merged_and_exactly_its_tensors(tiny_model_dir, encod
     written = load_file(str(out / "trained_modules.safetensors"))
     assert sorted(written) == sorted(tensors) and all(torch.equal(written[k], tensors[k]) for k in tensors)
     meta = json.loads((out / "trained_modules.json").read_text())
-    assert meta["modules"] == [MODULE] and meta["base_model"] == str(tiny_model_dir.resolve())
+    assert meta["modules"] == [MODULE] and meta["base_model"] == os.path.relpath(tiny_model_dir.resolve(), out.resolve())  # no machine path
     t = fresh(tiny_model_dir)
     t.load_state_dict(written, strict=False)
     assert torch.equal(probe(t), expected)

@@ -4,6 +4,7 @@ give the trained policy's velocity; the source checkpoint is never written over;
 trainer load a merged export."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -80,6 +81,21 @@ def test_module_run_exports_its_own_format_and_exactly_the_trained_tensors(world
     assert read_export_meta(tmp_path / "a")["verify"]["max_abs_diff"] == 0.0
     tensors = load_file(str(tmp_path / "a" / "trained_modules.safetensors"))
     assert set(tensors) == set(weights) and set(grads) <= set(tensors)
+    # portable (issue 27 item 8): no path of this machine in either export (source_provenance.json included), and
+    # the card's code run from inside the adapter export finds the base relative to it
+    from tests.tools.test_export_portable import machine_paths_in, source_paths
+
+    for name in ("m", "a"):
+        assert machine_paths_in(tmp_path / name, source_paths(root, run_dir, tmp_path)) == [], name
+    snippet = (tmp_path / "a" / "README.md").read_text().split("```python")[1].split("```")[0]
+    here = os.getcwd()
+    try:
+        os.chdir(tmp_path / "a")
+        scope: dict = {}
+        exec(snippet, scope)  # noqa: S102 - the card's own loading code
+    finally:
+        os.chdir(here)
+    assert torch.equal(probe(scope["model"]), trained)
     assert all(any(k.startswith(m + ".") for m in MODULES) for k in tensors)
     assert all(torch.equal(tensors[k], weights[k]) for k in tensors)
     meta = json.loads((tmp_path / "a" / "trained_modules.json").read_text())
@@ -90,7 +106,7 @@ def test_module_run_exports_its_own_format_and_exactly_the_trained_tensors(world
     assert torch.equal(probe(fresh), trained)
 
 
-def test_lora_run_exports_merged_weights_and_the_peft_adapter(world_runs, tmp_path):
+def test_lora_run_exports_merged_weights_and_the_peft_adapter(world_runs, tmp_path, caplog):
     from peft import PeftModel
 
     root, runs = world_runs
@@ -112,6 +128,14 @@ def test_lora_run_exports_merged_weights_and_the_peft_adapter(world_runs, tmp_pa
     user = load_world_model(root / "source")
     PeftModel.from_pretrained(user.transformer, str(tmp_path / "a"))  # the card's loading snippet
     assert (probe(user) - trained).abs().max() <= 1e-5 * max(1.0, float(trained.abs().max()))
+    # sampling the export logs the base's provenance as one line (issue 27 item 4: was a 14-line table)
+    from flowforge.tools.sample.load import load_for_sampling
+
+    with caplog.at_level("INFO"):
+        sampled = load_for_sampling(tmp_path / "a").adapter
+    lines = [r.getMessage() for r in caplog.records if "provenance" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert (probe(sampled) - trained).abs().max() <= 1e-5 * max(1.0, float(trained.abs().max()))
 
 
 def test_export_into_the_source_checkpoint_is_refused(world_runs, tmp_path):

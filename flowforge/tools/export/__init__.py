@@ -55,9 +55,12 @@ The pipeline class is the base directory's own (``model_index.json`` ``_class_na
     ``<Transformer>.load_lora_adapter(OUT, prefix="transformer", use_safetensors=True)`` (the model-level call
     looks for ``.bin`` unless told ``use_safetensors=True`` or ``weight_name``).
 
-Every export writes ``OUT/flowforge_export.json`` (run, checkpoint step, weights, form, LoRA contract, base path and
+Every export writes ``OUT/flowforge_export.json`` (run, checkpoint step, weights, form, LoRA contract, base and its
 sha256, the verification result, and ``files``: every file of the export), the run's ``config.yaml`` and a model
-card ``README.md`` (:mod:`flowforge.tools.export.card`). The marker makes ``OUT`` an export:
+card ``README.md`` (:mod:`flowforge.tools.export.card`). No file names a path of the machine that wrote it: the base
+as the user named it (hub id, ``demo:`` name, or a local directory relative to ``OUT``), the run relative to ``OUT``
+(:mod:`flowforge.tools.export.portable`); a demo-style base travels inside an adapter export as ``OUT/base/``.
+The marker makes ``OUT`` an export:
 ``overwrite=True`` replaces only a directory holding it and nothing it does not list, and deletes only the listed
 files. ``OUT`` may not be, contain or lie inside a run directory, the checkpoint, the base model or the working
 directory (:mod:`flowforge.tools.export.out` lists the rules). The export is assembled in a hidden sibling directory
@@ -90,6 +93,7 @@ silently dropped the training (a no-op adapter) is visible. The rule is :mod:`fl
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -100,7 +104,8 @@ from pathlib import Path
 
 import torch
 
-from flowforge.tools.export import diffusers as export_diffusers, world as export_world
+from flowforge.runtime.quiet import quiet_library_fallbacks
+from flowforge.tools.export import diffusers as export_diffusers, portable, world as export_world
 from flowforge.tools.export import wan_experts as export_wan_experts
 from flowforge.tools.export.card import write_card_and_config
 from flowforge.tools.export.contract import check_contract
@@ -183,12 +188,21 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
             fine-tune. ``out`` is left as it was.
         ExportVerificationError: ``verify`` and the difference exceeds the tolerance (``out`` is left as it was).
     """
+    with quiet_library_fallbacks():  # transformers' torchvision fallback warnings when diffusers pipelines import
+        return _export_run(run_dir, out, form=form, step=step, verify=verify, base=base, weights=weights,
+                           overwrite=overwrite)
+
+
+def _export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | None, verify: bool,
+                base: str | Path | None, weights: str, overwrite: bool) -> Path:
     if form not in FORMS:
         raise ExportError("--form", f"{form!r} is not an export form", f"allowed: {list(FORMS)}")
     if weights not in WEIGHT_GROUPS:
         raise ExportError("--weights", f"{weights!r} is not a weight group", f"allowed: {list(WEIGHT_GROUPS)}")
     run_dir, out = Path(run_dir), Path(out).expanduser()
     src = _load_checked(run_dir, out, step, base, weights, overwrite)
+    # every file names the base as the user did, a local one relative to OUT (no path of this machine: portable)
+    src = dataclasses.replace(src, base_ref=portable.base_ref(src.model_path, src.base, out))
     writer = WAN_EXPERTS_WRITER if export_wan_experts.is_two_expert_base(src.base) else \
         WRITERS.get(src.adapter, DIFFUSERS_WRITER)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -205,12 +219,13 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
                     f"{report.tolerance:.1g} x max(1, {report.max_abs_trained:.3g}); nothing written to {out}")
         snippet = writer.snippet(src, form, out.resolve(), work)
         write_card_and_config(work, out.resolve(), read_run_config(src.run_dir), run_dir=src.run_dir.resolve(),
-                              step=src.checkpoint.step, weights=weights, form=form, base_model=src.model_path,
+                              step=src.checkpoint.step, weights=weights, form=form, base_model=src.base_ref,
                               snippet=snippet)
         meta = {
-            "run_dir": str(run_dir.resolve()), "checkpoint": str(src.checkpoint.path.resolve()),
+            "run_dir": portable.relative_to(run_dir, out),
+            "checkpoint": src.checkpoint.path.resolve().relative_to(run_dir.resolve()).as_posix(),
             "step": src.checkpoint.step, "weights": weights, "form": form, "lora": src.lora,
-            "base_model": src.model_path, "base_model_sha256": src.checkpoint.trainer_state.get("base_model_sha256"),
+            "base_model": src.base_ref, "base_model_sha256": src.checkpoint.trainer_state.get("base_model_sha256"),
             "weights_sha256": _tensors_sha256(src.weights), "verify": asdict(report) if report else None,
             "files": sorted({*listed_files(work), EXPORT_META}),
         }

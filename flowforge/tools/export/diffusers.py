@@ -19,10 +19,12 @@ from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
 from flowforge.models.common import FLOWFORGE_META
 from flowforge.runtime.errors import one_line
-from flowforge.tools.export.card import (PIPELINE_FILE, is_demo_base, loading_snippet, write_demo_pipeline)
+from flowforge.tools.export.card import (CARRIED_BASE, OUT_LINE, PIPELINE_FILE, is_demo_base, loading_snippet,
+                                         write_demo_pipeline)
 from flowforge.tools.export.out import ExportError
-from flowforge.tools.export.source import (SUPPORTED_ADAPTERS, Source, base_name, layout, read_run_config,
-                                           require_base, transformer_class)
+from flowforge.tools.export.portable import drop_name_or_path
+from flowforge.tools.export.source import (SUPPORTED_ADAPTERS, Source, base_name, check_base_identity, layout,
+                                           read_run_config, require_base, transformer_class)
 from flowforge.tools.export.verify import VerifyReport, verify_report
 from flowforge.tools.export.weights import (MODULES_WEIGHT_NAME, apply_trained, lora_layers, peft_config,
                                             write_module_adapter, write_peft_adapter)
@@ -170,6 +172,7 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     out_transformer = work / "transformer" if is_pipeline or demo else work
     out_transformer.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(str(out_transformer), safe_serialization=True)
+    drop_name_or_path(out_transformer / "config.json")  # the base's directory on this machine otherwise
     if (transformer_dir / FLOWFORGE_META).is_file():  # the text encoder flowforge loads the model with
         shutil.copy2(transformer_dir / FLOWFORGE_META, out_transformer / FLOWFORGE_META)
     if is_pipeline:
@@ -236,6 +239,7 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
                                           weight_name=LORA_WEIGHT_NAME, safe_serialization=True)
     # peft's own layout, so PeftModel.from_pretrained(transformer, OUT) loads it without diffusers' loader
     write_peft_adapter(src, work, base_name(src))
+    carry_demo_base(src, work)
     if not verify:
         return None
     transformer_dir, _ = layout(require_base(src, "verifying an adapter export"))
@@ -250,19 +254,43 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     return verify_report(_velocity(fresh.eval(), inputs), v_trained, base_diff, "adapter")
 
 
+def carry_demo_base(src: Source, work: Path) -> None:
+    """A demo-style base (a bare MiniLM-conditioned SD3 transformer, :func:`~flowforge.tools.export.card.is_demo_base`:
+    ``demo:base`` and what was trained from it) has no diffusers pipeline anywhere, so an adapter export carries it as
+    one in ``work/base/`` (the untrained transformer in ``base/transformer/``, MiniLM, scheduler, ``pipeline.py``):
+    the card's loading code then needs nothing outside the export. Nothing is carried when the base is not here."""
+    if src.base is None:
+        return
+    transformer_dir, is_pipeline = layout(src.base)
+    if is_pipeline or not is_demo_base(transformer_dir, src.adapter):
+        return
+    check_base_identity(src.base, src.checkpoint.trainer_state.get("base_model_sha256"))
+    carried = work / CARRIED_BASE
+    (carried / "transformer").mkdir(parents=True)
+    for name in ("config.json", FLOWFORGE_META, *sorted(p.name for p in transformer_dir.glob("*.safetensors"))):
+        if (transformer_dir / name).is_file():
+            shutil.copy2(transformer_dir / name, carried / "transformer" / name)
+    drop_name_or_path(carried / "transformer" / "config.json")
+    write_demo_pipeline(carried, transformer_dir, read_run_config(src.run_dir))
+
+
 def card_snippet(src: Source, form: str, out: Path, work: Path) -> str:
-    """The diffusers / peft loading code of the model card (:func:`flowforge.tools.export.card.loading_snippet`)."""
+    """The diffusers / peft loading code of the model card (:func:`flowforge.tools.export.card.loading_snippet`):
+    every path relative to the export (``out`` is not written into it)."""
     if form == "adapter" and src.lora["trainable"] == "module":
-        return ("from safetensors.torch import load_file\n\n"
+        return ("import os\n\n" + OUT_LINE + "from safetensors.torch import load_file\n\n"
                 f"transformer = ...  # the base transformer {base_name(src)!r}, e.g. <Class>.from_pretrained\n"
                 "# exactly the trained submodules (every key must match: check the returned missing / unexpected)\n"
-                f"transformer.load_state_dict(load_file({str(out / MODULES_WEIGHT_NAME)!r}), "
+                f"transformer.load_state_dict(load_file(os.path.join(out, {MODULES_WEIGHT_NAME!r})), "
                 "strict=False)\n")
-    cls_name, base_transformer = "SD3Transformer2DModel", base_name(src)
-    if src.base is not None:
+    cls_name, base_layout = "SD3Transformer2DModel", "pipeline"
+    if (work / CARRIED_BASE / "model_index.json").is_file():
+        base_layout = "carried"
+    elif src.base is not None:
         try:
-            transformer_dir = layout(src.base)[0]
-            cls_name, base_transformer = transformer_class(transformer_dir).__name__, str(transformer_dir.resolve())
+            transformer_dir, is_pipeline = layout(src.base)
+            cls_name, base_layout = transformer_class(transformer_dir).__name__, \
+                "pipeline" if is_pipeline else "transformer"
         except ExportError:
             pass
     pipeline = None
@@ -276,5 +304,5 @@ def card_snippet(src: Source, form: str, out: Path, work: Path) -> str:
         pipeline = name if isinstance(name, str) else None
     kind = ("demo" if (work / PIPELINE_FILE).is_file() else "pipeline" if (work / "model_index.json").is_file()
             else "transformer")
-    return loading_snippet(form, out, transformer_class=cls_name, base_transformer=base_transformer,
-                           pipeline=pipeline, layout_kind=kind)
+    return loading_snippet(form, transformer_class=cls_name, base=base_name(src), pipeline=pipeline,
+                           layout_kind=kind, base_layout=base_layout)

@@ -46,6 +46,7 @@ class Source:
     model_path: str  # model.path of the run's config, or --base
     base: Path | None  # local base directory (None: not found locally)
     adapter: str  # model.adapter of the run's config (a registered family or "pkg.module:Class")
+    base_ref: str | None = None  # how an export's files name the base (tools.export.portable.base_ref)
 
 
 def _as_export_error(path: Path, exc: BaseException, fix: str) -> ExportError:
@@ -218,7 +219,10 @@ def resolve_base(path: str | Path) -> Path:
 
 
 def base_name(src: Source) -> str:
-    """The base as a user names it: its local directory (a ``demo:`` name resolved), else ``model.path``."""
+    """The base as the export's files name it: ``src.base_ref`` (set by the export: a ``demo:`` name, a hub id, or a
+    path relative to the export), else its local directory (a ``demo:`` name resolved), else ``model.path``."""
+    if src.base_ref is not None:
+        return src.base_ref
     return str(src.base.resolve()) if src.base is not None else src.model_path
 
 

@@ -32,8 +32,10 @@ import torch
 
 from flowforge.models import lora as lora_lib
 from flowforge.models.wan_experts import EXPERTS, WanExperts, load_wan_experts
+from flowforge.tools.export.card import OUT_LINE, base_expr
 from flowforge.tools.export.out import ExportError
-from flowforge.tools.export.source import Source, require_base
+from flowforge.tools.export.portable import drop_name_or_path
+from flowforge.tools.export.source import Source, base_name, require_base
 from flowforge.tools.export.verify import VerifyReport, verify_report
 from flowforge.tools.export.weights import apply_trained, lora_layers, peft_config
 
@@ -108,6 +110,7 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
         lora_lib.merge_lora(policy)
     for name in EXPERTS:
         getattr(policy, name).save_pretrained(str(work / name), safe_serialization=True)
+        drop_name_or_path(work / name / "config.json")  # the base's directory on this machine otherwise
     for entry in sorted(base.iterdir()):
         if entry.name in EXPERTS or entry.name.startswith("."):
             continue
@@ -165,12 +168,14 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
 
 
 def loading_snippet(src: Source, form: str, out: Path, work: Path) -> str:
-    """The model card's loading code."""
+    """The model card's loading code: every path relative to the export (``out`` is not written into it), the base
+    as the export names it (:func:`~flowforge.tools.export.card.base_expr`)."""
+    head = "import os\n\n" + OUT_LINE + "from diffusers import WanPipeline\n\n"
     if form == "merged":
-        return f"from diffusers import WanPipeline\n\npipe = WanPipeline.from_pretrained({str(out)!r})\n"
-    lines = ["from diffusers import WanPipeline\n", f"pipe = WanPipeline.from_pretrained({src.model_path!r})"]
+        return head + "pipe = WanPipeline.from_pretrained(out)\n"
+    lines = [head + f"base = {base_expr(base_name(src))}", "pipe = WanPipeline.from_pretrained(base)"]
     for name in EXPERTS:
         if (work / LORA_FILES[name]).is_file():
             extra = ", load_into_transformer_2=True" if name == "transformer_2" else ""
-            lines.append(f"pipe.load_lora_weights({str(out)!r}, weight_name={LORA_FILES[name]!r}{extra})")
+            lines.append(f"pipe.load_lora_weights(out, weight_name={LORA_FILES[name]!r}{extra})")
     return "\n".join(lines) + "\n"

@@ -37,15 +37,19 @@ for module / full runs (bit-equal expected), ``adapter`` for the peft adapter (w
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
 
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
-from flowforge.models.world_model.adapter import WorldModelAdapter, load_world_model
+from flowforge.demo.paths import is_demo_name
+from flowforge.models.world_model.adapter import PROVENANCE_NAME, WorldModelAdapter, load_world_model
 from flowforge.models.world_model.network import WorldModel
 from flowforge.runtime.errors import one_line
+from flowforge.tools.export.card import OUT_LINE
 from flowforge.tools.export.out import ExportError
 from flowforge.tools.export.source import Source, base_name, require_base
 from flowforge.tools.export.verify import VerifyReport, verify_report
@@ -105,6 +109,7 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     if lora:
         lora_lib.merge_lora(model)
     adapter.save_pretrained(work)  # refuses a directory overlapping the source checkpoint
+    _portable_provenance(work, src)
     del adapter, model
     if not verify:
         return None
@@ -150,24 +155,53 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     return verify_report(velocity(fresh, inputs), v_trained, float((v_trained - v_base).abs().max()), "adapter")
 
 
+def _portable_provenance(work: Path, src: Source) -> None:
+    """``work/source_provenance.json`` with every source path (this machine's realpath of the base's weights file)
+    named as the export names the base (``demo:world/diffusion_pytorch_model.safetensors``, or relative to the
+    export): an export carries no path of the machine that wrote it (:mod:`flowforge.tools.export.portable`)."""
+    path = work / PROVENANCE_NAME
+    if not path.is_file():
+        return
+    record = json.loads(path.read_text())
+    named: dict[str, str] = {}
+    for source in record.get("sources", []):
+        for key in ("path", "realpath"):
+            if isinstance(source.get(key), str):
+                named[source[key]] = f"{base_name(src)}/{Path(source[key]).name}"
+                source[key] = named[source[key]]
+    for row in record.get("tensors", []):
+        if isinstance(row.get("source"), str):
+            row["source"] = named.get(row["source"], f"{base_name(src)}/{Path(row['source']).name}")
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
 def loading_snippet(src: Source, form: str, out: Path, work: Path) -> str:
-    """The Python that loads this export (``work`` holds it before it is renamed to ``out``)."""
-    o, base = str(out), base_name(src)
-    head = "from flowforge.models.world_model import load_world_model\n\n"
+    """The Python that loads this export (``work`` holds it before it is renamed to ``out``), every path relative to
+    the export directory ``out`` (which the snippet does not name) and the base as the export names it."""
+    base = base_name(src)
+    head = ("import os\n\nfrom flowforge.demo.paths import resolve_demo_path\n"
+            "from flowforge.models.world_model import load_world_model\n\n" + OUT_LINE)
+    if is_demo_name(base):
+        base_line = f"base = resolve_demo_path({base!r})\n"
+    elif os.path.isabs(base) or not base.startswith(".."):
+        base_line = f"base = {base!r}\n"
+    else:
+        base_line = f"base = os.path.join(out, {base!r})  # the base world model, relative to this export\n"
+    weights = f"os.path.join(out, {MODULES_WEIGHT_NAME!r})"
     if form == "merged":
-        return head + (f"model = load_world_model({o!r})  # WorldModelAdapter: encode / velocity / decode; "
+        return head + ("model = load_world_model(out)  # WorldModelAdapter: encode / velocity / decode; "
                        ".transformer is the network\n")
     if (work / MODULES_WEIGHT_NAME).is_file() and (work / PEFT_WEIGHT_NAME).is_file():  # module+lora
-        return head + ("from peft import PeftModel\nfrom safetensors.torch import load_file\n\n"
-                       f"model = load_world_model({base!r})\n"
-                       f"model.transformer.load_state_dict(load_file({o + '/' + MODULES_WEIGHT_NAME!r}), "
-                       "strict=False)  # exactly the trained submodules\n"
-                       f"PeftModel.from_pretrained(model.transformer, {o!r})  # {PEFT_WEIGHT_NAME}: LoRA in place\n")
+        return head + ("from peft import PeftModel\nfrom safetensors.torch import load_file\n\n" + base_line
+                       + "model = load_world_model(base)\n"
+                       f"model.transformer.load_state_dict(load_file({weights}), strict=False)  # exactly the "
+                       "trained submodules\n"
+                       f"PeftModel.from_pretrained(model.transformer, out)  # {PEFT_WEIGHT_NAME}: LoRA in place\n")
     if (work / MODULES_WEIGHT_NAME).is_file():
-        return head + ("from safetensors.torch import load_file\n\n"
-                       f"model = load_world_model({base!r})\n"
-                       f"model.transformer.load_state_dict(load_file({o + '/' + MODULES_WEIGHT_NAME!r}), "
-                       "strict=False)  # exactly the trained submodules\n")
-    return head + ("from peft import PeftModel\n\n"
-                   f"model = load_world_model({base!r})\n"
-                   f"PeftModel.from_pretrained(model.transformer, {o!r})  # {PEFT_WEIGHT_NAME}: LoRA in place\n")
+        return head + ("from safetensors.torch import load_file\n\n" + base_line
+                       + "model = load_world_model(base)\n"
+                       f"model.transformer.load_state_dict(load_file({weights}), strict=False)  # exactly the "
+                       "trained submodules\n")
+    return head + ("from peft import PeftModel\n\n" + base_line
+                   + "model = load_world_model(base)\n"
+                   f"PeftModel.from_pretrained(model.transformer, out)  # {PEFT_WEIGHT_NAME}: LoRA in place\n")
