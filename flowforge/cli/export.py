@@ -20,7 +20,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument("--verify", action="store_true",
                         help="reload the export and compare velocities; exit 1 if off")
     parser.add_argument("--base", default=None, help="base model directory (default: model.path of the run's config)")
-    parser.add_argument("--weights", default="live", choices=["live", "ema", "old"])
+    parser.add_argument("--weights", default=None, choices=["live", "ema", "old"],
+                        help="which checkpoint weights (default: the ones the run's held-out evals measured: ema when "
+                        "the run kept an EMA, else live)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace OUT when it holds a previous flowforge export (and nothing else)")
     return parser

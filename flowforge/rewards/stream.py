@@ -191,13 +191,30 @@ class ScoreStream:
         return {g: f.result() for g, f in self.futures[name].items()}
 
     def _collect(self) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """Every component's scores and metrics, in the order of the processor's scorers. The per-sample
+        components are scored first, while the last groups' requests are still in flight (whatever the order:
+        ``reward.weights: {vlm_judge: ...}`` with monitor-only ``eval.scorers`` after it would otherwise wait for
+        the judge, then score); a per-sample scorer's error is raised where the sequential path would raise it
+        (after the streamed components before it in order, whose errors come first)."""
         media, p = self.media, self.processor
         components: dict[str, Tensor] = {}
         metrics: dict[str, float] = {}
         call_start = time.perf_counter()
+        local: dict[str, tuple[Any, float] | BaseException] = {}  # name -> ((scores, flags, groups), seconds)
         for name, scorer in p.scorers.items():
-            start = time.perf_counter()
             if name in self.streamed:
+                continue
+            start = time.perf_counter()
+            clear_error(scorer)
+            try:
+                local[name] = (p.score_component(name, scorer, media, self.prompts, self.metadata, self.group_ids,
+                                                 None), time.perf_counter() - start)
+            except Exception as exc:  # raised in its turn below; nothing after it is scored, as sequentially
+                local[name] = exc
+                break
+        for name in p.scorers:
+            if name in self.streamed:
+                start = self.first_send.get(name, time.perf_counter())
                 scores = torch.full((media.shape[0],), float("nan"), dtype=torch.float32, device=media.device)
                 flags: dict[str, Tensor] = {}
                 results = self._results(name)
@@ -208,12 +225,12 @@ class ScoreStream:
                     for flag, values in out_flags.items():
                         flags.setdefault(flag, torch.zeros(media.shape[0], dtype=torch.bool))[rows] = values
                 groups = len(self.groups)
-                start = self.first_send.get(name, start)
+                metrics[f"reward/{name}_time"] = time.perf_counter() - start
             else:
-                clear_error(scorer)
-                scores, flags, groups = p.score_component(name, scorer, media, self.prompts, self.metadata,
-                                                          self.group_ids, None)
-            metrics[f"reward/{name}_time"] = time.perf_counter() - start
+                done = local[name]
+                if isinstance(done, BaseException):
+                    raise done
+                (scores, flags, groups), metrics[f"reward/{name}_time"] = done
             components[name] = scores
             metrics.update(p.component_metrics(name, scores, flags, groups))
         metrics["reward/score_time"] = time.perf_counter() - call_start

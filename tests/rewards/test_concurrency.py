@@ -183,3 +183,67 @@ def test_hidden_fraction_is_the_share_of_busy_time_before_the_boundary():
     assert hidden_fraction([(0.0, 1.0), (2.0, 3.0)], 2.5) == pytest.approx(0.75)
     assert hidden_fraction([(3.0, 4.0)], 2.0) == 0.0
     assert math.isnan(hidden_fraction([], 1.0))
+
+
+class Probe:
+    """A per-sample scorer (brightness) that records how many requests the judge server had in flight when it was
+    called (once ``expect`` requests have reached the server), and raises when asked to."""
+
+    name, needs_group = "probe", False
+
+    def __init__(self, counter, fail: bool = False, expect: int = 0) -> None:
+        self.counter, self.fail, self.expect, self.in_flight = counter, fail, expect, []
+
+    def __call__(self, media, prompts, metadata):
+        import time
+
+        deadline = time.monotonic() + 10  # the stream's requests may still be on their way: wait for them to arrive
+        while self.counter.total < self.expect and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.in_flight.append(self.counter.now)
+        if self.fail:
+            raise RuntimeError("probe failed")
+        return Brightness()(media, prompts, metadata)
+
+
+@pytest.fixture()
+def slow_judge():
+    """flowforge's judge server whose every request is held 1.5 s (InFlight never reaches 99 parties)."""
+    from flowforge.serve.judge_server import build_app
+
+    counter = loopback.InFlight(build_app(loopback.FailingFor(), loopback.TOKEN), parties=99, hold_s=1.5)
+    with loopback.serve(counter) as url:
+        yield url + "/v1", counter
+
+
+def test_streamed_per_sample_components_are_scored_while_the_judge_is_in_flight(tmp_path, slow_judge):
+    """The judge first in order, a per-sample component after it: the component is scored while the last groups'
+    requests are still at the server, not after them; scores and metrics as on the sequential path."""
+    url, counter = slow_judge
+    media, prompts, metadata, ids = groups(2)
+    probe = Probe(counter, expect=2)
+    streamed = RewardProcessor({"vlm_judge": _judge(url, 2, tmp_path, "str"), "probe": probe},
+                               {"vlm_judge": 1.0, "probe": 1.0})
+    _, str_c, str_m = _stream(streamed, media, prompts, metadata, ids, chunk=8)
+    assert probe.in_flight == [2]
+    sequential = RewardProcessor({"vlm_judge": _judge(url, 1, tmp_path, "seq"), "probe": Probe(counter)},
+                                 {"vlm_judge": 1.0, "probe": 1.0})
+    seq_c, seq_m = sequential(media, prompts, metadata, ids)
+    _same(seq_c, str_c)
+    assert list(str_c) == ["vlm_judge", "probe"]
+    assert _comparable(seq_m) == {k: v for k, v in _comparable(str_m).items() if not k.startswith(("time/", "perf/"))}
+
+
+def test_streamed_errors_come_in_the_sequential_order(tmp_path, slow_judge):
+    """A failing judge group (required) before a failing per-sample component: the judge's error, as sequentially;
+    a failing per-sample component before the judge: its own error."""
+    url, counter = slow_judge
+    media, prompts, metadata, ids = groups(2, fail=(1,))
+    judge_first = RewardProcessor({"vlm_judge": _judge(url, 2, tmp_path, "a"), "probe": Probe(counter, fail=True)},
+                                  {"vlm_judge": 1.0, "probe": 1.0}, ["vlm_judge"])
+    with pytest.raises(ValueError, match="required reward component 'vlm_judge' scored NaN"):
+        _stream(judge_first, media, prompts, metadata, ids, chunk=8)
+    probe_first = RewardProcessor({"probe": Probe(counter, fail=True), "vlm_judge": _judge(url, 2, tmp_path, "b")},
+                                  {"vlm_judge": 1.0, "probe": 1.0}, ["vlm_judge"])
+    with pytest.raises(RuntimeError, match="probe failed"):
+        _stream(probe_first, media, prompts, metadata, ids, chunk=8)

@@ -121,6 +121,8 @@ def test_errors_are_one_line(run, tmp_path, capsys):
     assert cli_sample(run_dir, tmp_path / "x.jpg") == 2
     assert "not a .png" in capsys.readouterr().err
     assert cli_sample(run_dir, tmp_path / "x.png", "--num", "0") == 2
+    assert cli_sample(run_dir, tmp_path / "x.png", "--config", str(run_dir / "config.yaml")) == 2
+    assert "--config: " in capsys.readouterr().err  # a run samples with its own config
     with pytest.raises(ValueError, match="needs a condition image"):
         read_prompts(["a"], None, "i2v")
     assert not list(tmp_path.glob("x*.png"))

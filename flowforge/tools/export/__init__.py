@@ -136,7 +136,8 @@ class Writer:
 
 
 # ------------------------------------------------------------------------------------------------ entry point
-def _load_checked(run_dir: Path, out: Path, step: int | None, base, weights: str, overwrite: bool) -> Source:
+def _load_checked(run_dir: Path, out: Path, step: int | None, base, weights: str | None,
+                  overwrite: bool) -> Source:
     """The run's checkpoint and weights, after every rule for ``out`` (:func:`check_out`) and the contract
     (:func:`check_contract`) have passed; nothing is written."""
     check_location(out, {"run directory": run_dir})  # before anything is read, even a broken run's config
@@ -157,7 +158,7 @@ def _load_checked(run_dir: Path, out: Path, step: int | None, base, weights: str
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | None = None, verify: bool = False,
-               base: str | Path | None = None, weights: str = "live", overwrite: bool = False) -> Path:
+               base: str | Path | None = None, weights: str | None = None, overwrite: bool = False) -> Path:
     """Export run ``run_dir``'s checkpoint as ``form`` (``merged`` | ``adapter``) into ``out``.
 
     Args:
@@ -172,7 +173,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
         verify: reload the export as a user would (diffusers / peft / ``load_world_model``) and compare velocities
             with the trained policy (module docstring); the report is written into ``out/flowforge_export.json``.
         base: base model directory overriding the config's ``model.path`` (``demo:`` names allowed).
-        weights: which checkpoint weights: ``live`` (default), ``ema`` or ``old`` when the run kept them. An FSDP
+        weights: which checkpoint weights: ``live``, ``ema`` or ``old`` when the run kept them; ``None`` (default):
+            the ones the run's held-out evals measured, ``ema`` when the run kept an EMA (``nft.ema_decay`` /
+            ``grpo.ema_decay`` > 0; flow_grpo saves and evaluates its EMA too), else ``live``. An FSDP
             run's live weights are read from the checkpoint's sharded ``dcp/`` directory in this one process.
         overwrite: replace a previous export in ``out`` (only its own files are deleted).
 
@@ -197,10 +200,15 @@ def _export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | 
                 base: str | Path | None, weights: str, overwrite: bool) -> Path:
     if form not in FORMS:
         raise ExportError("--form", f"{form!r} is not an export form", f"allowed: {list(FORMS)}")
-    if weights not in WEIGHT_GROUPS:
+    if weights is not None and weights not in WEIGHT_GROUPS:
         raise ExportError("--weights", f"{weights!r} is not a weight group", f"allowed: {list(WEIGHT_GROUPS)}")
     run_dir, out = Path(run_dir), Path(out).expanduser()
     src = _load_checked(run_dir, out, step, base, weights, overwrite)
+    chosen, weights = weights, src.weights_group
+    log.info("exporting %s of %s: its %s weights%s", src.checkpoint.path.name, run_dir, weights.upper()
+             if weights == "ema" else weights, " (--weights)" if chosen is not None else
+             " (the ones its held-out evals measured; --weights live for the live ones)" if weights == "ema" else
+             " (the run kept no EMA)")
     # every file names the base as the user did, a local one relative to OUT (no path of this machine: portable)
     src = dataclasses.replace(src, base_ref=portable.base_ref(src.model_path, src.base, out))
     writer = WAN_EXPERTS_WRITER if export_wan_experts.is_two_expert_base(src.base) else \

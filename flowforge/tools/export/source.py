@@ -46,6 +46,7 @@ class Source:
     model_path: str  # model.path of the run's config, or --base
     base: Path | None  # local base directory (None: not found locally)
     adapter: str  # model.adapter of the run's config (a registered family or "pkg.module:Class")
+    weights_group: str = "live"  # which weights ``weights`` are: live / ema / old
     base_ref: str | None = None  # how an export's files name the base (tools.export.portable.base_ref)
 
 
@@ -107,9 +108,13 @@ def read_checkpoint(run_dir: Path, path: Path) -> ckpt.Checkpoint:
         raise ExportError(path, f"cannot be loaded ({one_line(str(exc))})", fix) from exc
 
 
-def load_source(run_dir: Path, cfg, path: Path, weights: str, model_path: str, base: Path | None) -> Source:
-    """The checkpoint ``path`` of run ``run_dir`` with its ``weights`` group (``live`` / ``ema`` / ``old``)."""
+def load_source(run_dir: Path, cfg, path: Path, weights: str | None, model_path: str, base: Path | None) -> Source:
+    """The checkpoint ``path`` of run ``run_dir`` with its ``weights`` group (``live`` / ``ema`` / ``old``);
+    ``None``: the weights the run's held-out evals measured -- ``ema`` when the checkpoint holds an EMA (the run
+    kept one: ``nft.ema_decay`` / ``grpo.ema_decay`` > 0, evaluated as flow_grpo and DiffusionNFT do), else ``live``."""
     state = read_checkpoint(run_dir, path)
+    if weights is None:
+        weights = "ema" if "ema" in state.tensors else "live"
     lora = state.trainer_state.get("lora")
     if not isinstance(lora, dict) or lora.get("trainable") not in TRAINABLE:
         raise ExportError(path / ckpt.TRAINER_STATE_FILE, "has no LoRA contract ('lora': {trainable, ...})",
@@ -129,7 +134,7 @@ def load_source(run_dir: Path, cfg, path: Path, weights: str, model_path: str, b
         raise ExportError(path, f"holds no {weights!r} weights", f"it holds {sorted(state.tensors)}; pass one "
                           "of them with --weights")
     return Source(run_dir=run_dir, checkpoint=state, weights=tensors, weights_file=weights_file, lora=lora,
-                  model_path=model_path, base=base, adapter=cfg.model.adapter)
+                  model_path=model_path, base=base, adapter=cfg.model.adapter, weights_group=weights)
 
 
 def sharded_live_weights(directory: Path, trainable: str) -> dict[str, torch.Tensor]:

@@ -6,10 +6,15 @@ What is loaded
 source                            model
 ================================  ==================================================================================
 a run directory (``config.yaml``  the base (``model.path`` of the run's config, or ``base``) with the newest
-+ ``checkpoints/``)               committed checkpoint's ``live`` weights: the LoRA injected as the trainer does
++ ``checkpoints/``)               committed checkpoint's weights that its evals measured (``ema`` when the run kept an
+                                  EMA, else ``live``, as ``export`` picks them): the LoRA injected as the trainer does
                                   (:func:`flowforge.models.lora.inject_lora`), or the full fine-tuned state dict
 a ``merged`` export               the export directory itself (a diffusers transformer or pipeline directory)
 an ``adapter`` export             the base (the export's ``base_model``, or ``base``) with the exported LoRA
+a base model: ``demo:base``,      the base as it is, untrained: a shipped base with the settings its examples train
+``demo:world``, or a model        it with (:data:`~flowforge.tools.sample.load.DEMO_BASES`); any other model
+directory / Hub id + ``config``   directory or Hub id with ``config``'s (a training config: model and sampler
+                                  sections, ``model.path`` replaced by the base)
 ================================  ==================================================================================
 
 Every model is loaded through the adapter registry (:func:`flowforge.models.build_adapter`) with the run's
@@ -22,7 +27,8 @@ How it samples
 The held-out eval's sampler (:meth:`flowforge.train.trainer.Trainer.evaluate`): the deterministic ODE (Euler)
 sampler :func:`flowforge.rollout.generate` on the run's schedule (``sampler.num_steps``, ``schedule``, ``shift``,
 ``mu``; a dynamic-shift family's own pipeline schedule), with the run's ``sampler.guidance_scale``; ``steps`` and
-``guidance`` override those two. The initial noise of image ``j`` of prompt ``p`` (``N`` images per prompt) is
+``guidance`` override those two. CFG's unconditional branch encodes ``sampler.negative_prompt`` (or
+``negative_prompt``), set on the adapter before any prompt is encoded, as the trainer does. The initial noise of image ``j`` of prompt ``p`` (``N`` images per prompt) is
 :func:`flowforge.rollout.candidate_noise` of candidate id ``p * N + j`` with ``seed`` in slot ``-1``: a function of
 ``(seed, p, j)`` only, so a seed gives the same images on every run, batch size and device order (and the eval
 prompts with ``seed = eval.seed`` and ``N = eval.samples_per_prompt`` give the eval's own noise).
@@ -47,7 +53,7 @@ import torch
 
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, PromptRecord, load_prompts
-from flowforge.demo.paths import is_demo_name
+from flowforge.demo.paths import is_demo_name, resolve_demo_path
 from flowforge.models.base import Conditioning
 from flowforge.rollout import candidate_noise, decode_media, generate, sigmas_for
 from flowforge.runtime.durable import atomic_write
@@ -187,7 +193,7 @@ def sample(model: SampleModel, records: list[PromptRecord], *, num: int = 1, see
 
 
 def check_sample_targets(out: Path, *, source: str | Path, prompt_file: str | Path | None = None,
-                         base: str | Path | None = None) -> None:
+                         base: str | Path | None = None, config: str | Path | None = None) -> None:
     """Refuse (before anything is loaded or written) a grid ``out`` whose files — the grid, ``<stem>.json`` and the
     per-image PNGs beside it — would land inside a run directory, a checkpoint, the sampled source, the base model
     or the prompt file (the shared rule, :func:`flowforge.runtime.write_guard.check_write_target`).
@@ -195,7 +201,8 @@ def check_sample_targets(out: Path, *, source: str | Path, prompt_file: str | Pa
     Raises:
         UserError: naming ``--out`` and the directory that protects it.
     """
-    protected = {"sampled run or export": source, "base model": base,
+    protected = {"sampled run, export or base model": resolve_demo_path(source) if is_demo_name(source) else source,
+                 "base model": base, "config file": config,
                  "prompt file": None if prompt_file is None or is_demo_name(str(prompt_file)) else prompt_file}
     for target in (out, out.with_suffix(".json"), out.with_name(f"{out.stem}_0.png")):
         check_write_target(target, "--out", protected=protected)
@@ -204,8 +211,11 @@ def check_sample_targets(out: Path, *, source: str | Path, prompt_file: str | Pa
 def run_sample(source: str | Path, out: str | Path, *, prompts: Sequence[str] = (),
                prompt_file: str | Path | None = None, num: int = 1, seed: int = 0, guidance: float | None = None,
                steps: int | None = None, device: str | None = None, base: str | None = None,
-               batch_size: int = 8) -> SampleResult:
-    """Load ``source`` (:func:`load_for_sampling`), sample (:func:`sample`) and write the PNGs.
+               batch_size: int = 8, config: str | Path | None = None,
+               negative_prompt: str | None = None) -> SampleResult:
+    """Load ``source`` (:func:`load_for_sampling`: a run, an export or a base model), sample (:func:`sample`) and
+    write the PNGs. ``negative_prompt`` overrides the config's ``sampler.negative_prompt`` (CFG's unconditional
+    prompt; used when the guidance scale is not 1, warned otherwise).
 
     Writes ``<out stem>_<i>.png`` per image beside ``out`` (``i = p * num + j``), the labelled grid ``out`` (one
     row per prompt, the prompt under each image) and ``<out stem>.json`` (source, settings, the file and prompt of
@@ -217,20 +227,26 @@ def run_sample(source: str | Path, out: str | Path, *, prompts: Sequence[str] = 
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise UserError("--out", f"{out} is not a .png file", "name the grid e.g. grid.png")
-    cfg = source_config(source)  # the prompts are checked before any model loads
-    check_sample_targets(out, source=source, prompt_file=prompt_file, base=base)
+    cfg = source_config(source, config=config, base=base)  # the prompts are checked before any model loads
+    check_sample_targets(out, source=source, prompt_file=prompt_file, base=base, config=config)
+    negative = cfg.sampler.negative_prompt if negative_prompt is None else negative_prompt
+    scale = cfg.sampler.guidance_scale if guidance is None else guidance
+    if negative is not None and scale == 1.0:
+        log.warning("negative prompt %r is not used: classifier-free guidance runs only when the guidance scale is "
+                    "not 1 (--guidance)", negative)
     if num < 1:
         raise UserError("--num", f"must be >= 1, got {num}")
     records = read_prompts(prompts, prompt_file, cfg.model.task, image_prompts=cfg.data.eval_prompts)
     check_budget(len(records), num, cfg.model.height, cfg.model.width, cfg.model.frames)  # before any model loads
-    model = load_for_sampling(source, device=device, base=base)
+    model = load_for_sampling(source, device=device, base=base, config=config, negative_prompt=negative_prompt)
     media = sample(model, records, num=num, seed=seed, guidance=guidance, steps=steps, batch_size=batch_size)
     tiles = [to_pil(x) for x in media]
     paths = [save_png(tile, out.with_name(f"{out.stem}_{i}.png")) for i, tile in enumerate(tiles)]
     labels = [records[i // num].prompt for i in range(len(tiles))]
     save_png(labelled_grid(tiles, labels, ncol=num if len(records) > 1 else min(num, 8)), out)
     info = {"source": model.source, "seed": seed, "num": num, "guidance_scale": model.cfg.sampler.guidance_scale
-            if guidance is None else guidance, "num_steps": int(schedule(model, steps).numel() - 1),
+            if guidance is None else guidance, "negative_prompt": model.cfg.sampler.negative_prompt,
+            "num_steps": int(schedule(model, steps).numel() - 1),
             "images": [{"file": p.name, "prompt": lab} for p, lab in zip(paths, labels)]}
     text = json.dumps(info, indent=1) + "\n"
     atomic_write(out.with_suffix(".json"), lambda tmp: tmp.write_text(text, encoding="utf-8"))
