@@ -15,8 +15,8 @@ trains ``--steps`` steps in three arms, one after the other:
 * **concurrent + overlapped**: ``C`` and ``reward.overlap: true``: each group is sent as soon as its candidates are
   rolled out and decoded, while the rollout of the next groups goes on.
 
-The first step of each arm is a warm-up; the others' stage times (``time/*`` in ``metrics.jsonl``) give, as
-medians: ``step`` (all stages) and ``roll+score`` (stages ``sample`` + ``reward``), compared with
+The first step of each arm's run is a warm-up (``--rounds N`` runs every arm N times, in turn); the others' stage
+times (``time/*`` in ``metrics.jsonl``) give, as medians: ``step`` (all stages) and ``roll+score`` (stages ``sample`` + ``reward``), compared with
 
 * the floor ``max(rollout, ceil(G / C) x latency)`` (``G`` = 4 groups, ``rollout`` = the sequential arm's
   ``sample`` stage), and for a whole step that floor plus the stages that never overlap scoring (prompts, advantage,
@@ -24,7 +24,13 @@ medians: ``step`` (all stages) and ``roll+score`` (stages ``sample`` + ``reward`
 * the bound: the least ``roll+score`` possible when a group can be sent only once its candidates exist (at
   ``rollout x (g + 1) / G`` streamed, at ``rollout`` otherwise), each request taking ``latency`` on one of ``C``
   workers. Streamed, the last group still exists only when the rollout ends, so with ``C >= G`` the bound is
-  ``rollout + latency``: above the floor by ``min(rollout, latency)``.
+  ``rollout + latency``: above the floor by ``min(rollout, latency)``, a ratio of at least
+  ``1 + min(rollout, latency) / max(rollout, latency)`` (0.9 s of rollout: 1.22 at 200 ms, 1.45 at 2 s).
+
+Also per arm: ``sample`` (its own ``sample`` stage: streamed, the rollout plus each chunk's decode and hand-off, and
+slowed by the scoring that runs beside it on the same cores) and ``judge`` (the client's mean seconds per request,
+``reward/vlm_judge_latency_s``: the server's sleep plus the HTTP round trip and the server's decoding), the two
+parts of ``roll+score`` above the bound.
 
 Prints a table with the ratios to the floors. Run it on a quiet machine (``cpu python bench/bench_overlap.py``): the
 rollout is CPU time, the latency is a sleep in another process.
@@ -113,6 +119,7 @@ def summarise(rows: list[dict]) -> dict[str, float]:
             "rollout": med(lambda r: r["time/sample"]),
             "rest": med(lambda r: sum(v for k, v in stages(r).items() if k not in ("time/sample", "time/reward"))),
             "wait": med(lambda r: r["time/reward_wait"]), "overlap": med(lambda r: r["perf/reward_overlap"]),
+            "judge": med(lambda r: r["reward/vlm_judge_latency_s"]),
             "mfu": med(lambda r: r["perf/mfu"])}
 
 
@@ -132,6 +139,8 @@ def main() -> None:
     p.add_argument("--latencies", default="0.2,2")
     p.add_argument("--steps", type=int, default=4, help="steps per arm, the first a warm-up")
     p.add_argument("--concurrency", default=str(GROUPS), help="comma-separated max_concurrency values")
+    p.add_argument("--rounds", type=int, default=1, help="run every arm this many times, in turn (a shared machine's "
+                   "drift then hits every arm alike); medians over all rounds' steps")
     p.add_argument("--serve", type=float, help=argparse.SUPPRESS)
     p.add_argument("--token-file", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -150,8 +159,11 @@ def main() -> None:
         for latency in (float(x) for x in args.latencies.split(",")):
             proc, url = start_server(latency, tmp / "token")
             try:
-                results = [(name, conc, overlap, summarise(run_arm(url, tmp, f"{name}-{conc}-{latency}", conc, overlap,
-                                                                   args.steps))) for name, conc, overlap in arms]
+                rows: dict[int, list[dict]] = {i: [] for i in range(len(arms))}
+                for k in range(args.rounds):
+                    for i, (name, conc, overlap) in enumerate(arms):
+                        rows[i] += run_arm(url, tmp, f"{name}-{conc}-{latency}-{k}", conc, overlap, args.steps)
+                results = [(name, conc, overlap, summarise(rows[i])) for i, (name, conc, overlap) in enumerate(arms)]
             finally:
                 proc.terminate()
                 proc.wait()
@@ -162,15 +174,18 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"main job (examples/digits/nft.yaml, reward digit + vlm_judge), G={GROUPS} groups x 8 per step; medians of "
-          f"{args.steps - 1} steps per arm after a warm-up; rollout and rest from the sequential arm")
+          f"{args.steps - 1} steps per arm after a warm-up, {args.rounds} round(s); rollout and rest from the "
+          "sequential arm")
     print("floor = max(rollout, ceil(G/C) x latency); bound = the least rollout+score when a group can only be sent "
           "once rolled out; step floor = floor + rest (prompts, advantage, optimize)")
     print(f"{'latency':>8} {'arm':<22} {'C':>2} {'roll+score':>10} {'floor':>6} {'ratio':>6} {'bound':>6} {'ratio':>6} "
-          f"{'step':>6} {'step floor':>10} {'ratio':>6} {'wait':>6} {'hidden':>6} {'MFU':>6}")
+          f"{'step':>6} {'step floor':>10} {'ratio':>6} {'sample':>6} {'judge':>6} {'wait':>6} {'hidden':>6} "
+          f"{'MFU':>6}")
     for latency, name, conc, r, floor, bound, rest in table:
         print(f"{latency:>7.1f}s {name:<22} {conc:>2} {r['rollout_score']:>9.2f}s {floor:>5.2f}s "
               f"{r['rollout_score'] / floor:>6.3f} {bound:>5.2f}s {r['rollout_score'] / bound:>6.3f} "
-              f"{r['step']:>5.2f}s {floor + rest:>9.2f}s {r['step'] / (floor + rest):>6.3f} {r['wait']:>5.2f}s "
+              f"{r['step']:>5.2f}s {floor + rest:>9.2f}s {r['step'] / (floor + rest):>6.3f} {r['rollout']:>5.2f}s "
+              f"{r['judge']:>5.3f}s {r['wait']:>5.2f}s "
               f"{r['overlap']:>6.2f} {r['mfu']:>6.1%}")
 
 
