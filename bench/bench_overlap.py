@@ -16,7 +16,8 @@ trains ``--steps`` steps in three arms, one after the other:
   rolled out and decoded, while the rollout of the next groups goes on.
 
 The first step of each arm's run is a warm-up (``--rounds N`` runs every arm N times, in turn); the others' stage
-times (``time/*`` in ``metrics.jsonl``) give, as medians: ``step`` (all stages) and ``roll+score`` (stages ``sample`` + ``reward``), compared with
+times (``time/*`` in ``metrics.jsonl``) give, as medians: ``step`` (all stages) and ``roll+score`` (stages
+``sample`` + ``reward``), compared with
 
 * the floor ``max(rollout, ceil(G / C) x latency)`` (``G`` = 4 groups, ``rollout`` = the sequential arm's
   ``sample`` stage), and for a whole step that floor plus the stages that never overlap scoring (prompts, advantage,
