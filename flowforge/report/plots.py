@@ -174,6 +174,7 @@ def plot_reward_vs_judge(train_rows: Sequence[Row], eval_rows: Sequence[Row], ju
     twin.plot(steps, values, marker="s", markersize=3, linewidth=1.2, linestyle="--", color="C2",
               label=f"held-out {diversity} (right)")
     twin.tick_params(labelsize=8)
+    _offset_to_label(twin)  # its offset text would sit above the top-right corner, under the title's end
     if stop_step is not None:
         ax.axvline(stop_step, color="C3", linestyle=":", linewidth=1.5, label=f"guard stop (step {stop_step})")
     handles = ax.get_legend_handles_labels()
