@@ -14,6 +14,8 @@ name            file
 ``demo:eval``   ``flowforge/demo/prompts/eval.jsonl``: 6 held-out phrasings x 10 digits
 ``demo:world``  ``flowforge/demo/weights/world/``: the Atari world model (:mod:`flowforge.demo.world`)
 ``demo:world-train`` / ``demo:world-eval``: Breakout start frames + actions (train / held-out episodes)
+``demo:digit-tower``  ``flowforge/demo/weights/student_digit_tower.safetensors``: a ``scalar_head`` student's image
+                tower pretrained as a digit classifier on the ``sft`` split (:mod:`flowforge.reward_model.pretrain`)
 ==============  =========================================================================================
 """
 
@@ -33,7 +35,10 @@ DEMO_BASE = "demo:base"
 DEMO_WORLD = "demo:world"
 """The shipped action-conditioned world model (``model.path`` with ``model.adapter: world_model``)."""
 
-DEMO_NAMES = (DEMO_BASE, DEMO_WORLD, *DEMO_PROMPT_SETS)
+DEMO_DIGIT_TOWER = "demo:digit-tower"
+"""The pretrained image tower of the digits demo's student (``student.scalar_head.init``)."""
+
+DEMO_NAMES = (DEMO_BASE, DEMO_WORLD, DEMO_DIGIT_TOWER, *DEMO_PROMPT_SETS)
 """Every name :func:`resolve_demo_path` accepts."""
 
 DEMO_DIR = Path(__file__).resolve().parent
@@ -82,6 +87,8 @@ def resolve_demo_path(source: str | Path) -> str | Path:
         return demo_base_dir()
     if source == DEMO_WORLD:
         return demo_world_dir()
+    if source == DEMO_DIGIT_TOWER:
+        return DEMO_DIR / "weights" / "student_digit_tower.safetensors"
     if source in DEMO_PROMPT_SETS:
         return demo_prompts_path(source)
     raise ValueError(f"unknown demo name {source!r}; allowed: {list(DEMO_NAMES)}")

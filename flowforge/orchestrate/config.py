@@ -280,6 +280,17 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True) -> list[str]:
                         f"is served with `flowforge serve judge --student`), got {pcfg.student.kind!r}")
     if pcfg.teacher.scorer and not pcfg.teacher.url:
         problems += [f"teacher.scorer: {p}" for p in check_scorer_spec(pcfg.teacher.scorer, {})]
+    init = pcfg.student.scalar_head.init
+    if this_machine and pcfg.student.kind == "scalar_head" and init:  # found before stage A runs, not after it
+        try:
+            found = Path(resolve_demo_path(init)).is_file()
+        except ValueError as exc:
+            problems.append(f"student.scalar_head.init: {exc}")
+        else:
+            if not found:
+                problems.append(f"student.scalar_head.init={init!r}: no such file (a .safetensors of the student "
+                                "network's tensors, e.g. from python -m flowforge.reward_model.pretrain, or "
+                                "demo:digit-tower)")
     judge = judge_options(pcfg, base_url=PLACEHOLDER_URL, model=pcfg.teacher.model, api_key_env=None)
     reward = {"weights": {JUDGE: 1.0}, "options": {JUDGE: judge}}
     for stage in ("A", "C"):

@@ -10,7 +10,8 @@ gate it must pass before it may replace the teacher.
       batch_size: 4             # groups per optimizer step
       split: [0.8, 0.1, 0.1]    # train / val / test by condition cluster (flowforge.reward_model.data)
       vlm_json: {base: /models/Qwen2.5-VL-3B-Instruct, lora_rank: 16, lora_alpha: 32, lora_dropout: 0.05}
-      scalar_head: {image_size: 32, text_encoder: minilm, pairwise_weight: 1.0, regression_weight: 1.0}
+      scalar_head: {image_size: 32, text_encoder: minilm, pairwise_weight: 1.0, regression_weight: 1.0,
+                    init: demo:digit-tower}   # pretrained start (flowforge.reward_model.pretrain); default random
       gate: {min_spearman: 0.6, min_pairwise_accuracy: 0.75, max_mae: 0.15, max_null_pass: 0.01}
 """
 
@@ -53,6 +54,7 @@ class ScalarHeadOptions:
     pairwise_weight: float = 1.0  # Bradley-Terry term
     regression_weight: float = 1.0  # squared error to the teacher score
     tie_margin: float = 0.0  # teacher pairs closer than this are not compared
+    init: str = ""  # pretrained weights (.safetensors of the net's tensors, or demo:digit-tower); "": random init
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ Loss over a batch of groups, with teacher scores ``t`` on [0, 1] and ``r = logit
 the first term is the Bradley-Terry negative log-likelihood of the teacher's within-group order (Bradley & Terry
 1952; as in reward-model training from pairwise preferences, e.g. Ouyang et al. 2022), over every ordered pair of
 each group; the second keeps the scale of the teacher's scores.
+
+The network starts from random weights, or from pretrained ones (``student.scalar_head.init``: a ``.safetensors``
+file of some or all of its tensors, :meth:`ScalarHeadStudent.load_init`), as a VLM student starts from a pretrained
+model: ``demo:digit-tower`` is the whole network pretrained as a prompt-digit matcher on real digits
+(:mod:`flowforge.reward_model.pretrain`).
 """
 
 from __future__ import annotations
@@ -58,9 +63,13 @@ class ScalarHeadNet(nn.Module):
                                   nn.Linear(hidden, 1))
 
     def forward(self, images: Tensor, text: Tensor | None = None) -> Tensor:
-        z = self.image_proj(self.backbone(images))
-        if self.text_proj is not None:
-            u = self.text_proj(text)
+        return self.combine(self.image_proj(self.backbone(images)),
+                            None if self.text_proj is None else self.text_proj(text))
+
+    def combine(self, z: Tensor, u: Tensor | None) -> Tensor:
+        """Image features ``z`` ``[..., hidden]`` and projected prompt ``u`` (same leading shape, or None without a
+        prompt embedding) -> logits ``[...]``."""
+        if u is not None:
             z = torch.cat([z, u, z * u], dim=-1)
         return self.head(z).squeeze(-1)
 
@@ -84,7 +93,7 @@ class ScalarHeadStudent:
     kind = KIND
 
     def __init__(self, options: ScalarHeadOptions, *, device: str = "cpu", seed: int = 0,
-                 text_dim: int | None = None) -> None:
+                 text_dim: int | None = None, pretrained: bool = True) -> None:
         self.options, self.device = options, torch.device(device)
         self._encoder: Any = None
         self._text_cache: dict[str, Tensor] = {}
@@ -95,6 +104,41 @@ class ScalarHeadStudent:
         self.text_dim = text_dim
         torch.manual_seed(seed)
         self.net = ScalarHeadNet(options.channels, options.hidden, text_dim).to(self.device)
+        if options.init and pretrained:
+            self.load_init(options.init)
+
+    def load_init(self, source: str | Path) -> list[str]:
+        """Start from pretrained weights (``options.init``: a ``.safetensors`` file of some or all of the network's
+        tensors, e.g. :mod:`flowforge.reward_model.pretrain`'s, or the ``demo:digit-tower`` name); tensors the file
+        does not hold keep their random initialisation. Returns the loaded keys.
+
+        Raises:
+            FileNotFoundError: no such file. ValueError: the file holds a key the network does not have, a tensor
+                of another shape, no tensor at all, or names another ``text_encoder`` in its metadata.
+        """
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        from flowforge.demo.paths import resolve_demo_path
+
+        path = Path(resolve_demo_path(str(source)))
+        if not path.is_file():
+            raise FileNotFoundError(f"student.scalar_head.init: no file {path}")
+        with safe_open(str(path), framework="pt") as handle:
+            encoder = (handle.metadata() or {}).get("text_encoder")
+        if encoder is not None and encoder != self.options.text_encoder:
+            raise ValueError(f"student.scalar_head.init={source} was trained with text_encoder={encoder!r}, not "
+                             f"{self.options.text_encoder!r}")
+        tensors = load_file(str(path), device=str(self.device))
+        own = self.net.state_dict()
+        bad = [k for k, v in tensors.items() if k not in own or own[k].shape != v.shape]
+        if not tensors:
+            raise ValueError(f"student.scalar_head.init={source} holds no tensor")
+        if bad:
+            raise ValueError(f"student.scalar_head.init={source}: {len(bad)} tensors do not fit this scalar_head "
+                             f"(channels={list(self.options.channels)}, hidden={self.options.hidden}), e.g. {bad[:3]}")
+        self.net.load_state_dict(tensors, strict=False)
+        return sorted(tensors)
 
     # ------------------------------------------------------------------------------------------------ inputs
     def embed(self, prompts: Sequence[str]) -> Tensor | None:
@@ -231,7 +275,7 @@ class ScalarHeadStudent:
             raise ValueError(f"{path} holds a {meta.get('kind')!r} student, not {KIND!r}")
         options = meta["options"]
         options = ScalarHeadOptions(**{**options, "channels": tuple(options["channels"])})
-        student = cls(options, device=device, text_dim=meta["text_dim"])
+        student = cls(options, device=device, text_dim=meta["text_dim"], pretrained=False)
         student.net.load_state_dict(load_file(str(path / WEIGHTS_FILE), device=str(student.device)))
         student.eval()
         return student

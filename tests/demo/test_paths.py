@@ -40,5 +40,6 @@ def test_unknown_demo_name_lists_the_allowed_ones():
         resolve_demo_path("demo:nope")
     with pytest.raises(ValueError, match="demo:train.*demo:eval"):
         demo_prompts_path("demo:base")
-    assert DEMO_NAMES == ("demo:base", "demo:world", "demo:train", "demo:eval", "demo:world-train",
-                          "demo:world-eval")
+    assert DEMO_NAMES == ("demo:base", "demo:world", "demo:digit-tower", "demo:train", "demo:eval",
+                          "demo:world-train", "demo:world-eval")
+    assert resolve_demo_path("demo:digit-tower").name == "student_digit_tower.safetensors"

@@ -102,3 +102,15 @@ def test_one_bad_key_of_a_pipeline_is_one_problem(tmp_path, change, must_mention
         assert_one_line_error(rc, err, ["(1 problem)", *must_mention])
         assert "n_a=0" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_missing_student_init_is_found_before_stage_a(tmp_path):
+    """``student.scalar_head.init`` names a file the student starts from in stage B: one that is not there, or an
+    unknown demo name, is a problem of the check (not an error after stage A has run); a portable check skips it."""
+    for init, message in ((str(tmp_path / "nope.safetensors"), "no such file"),
+                          ("demo:nope", "unknown demo name 'demo:nope'")):
+        pcfg = load_pipeline(EXAMPLE, [f"student.scalar_head.init={init}"])
+        with pytest.raises(ConfigError, match=message) as caught:
+            check_pipeline(pcfg)
+        assert len(caught.value.problems) == 1 and "student.scalar_head.init" in caught.value.problems[0]
+        check_pipeline(pcfg, this_machine=False)

@@ -29,3 +29,29 @@ def test_the_teacher_scores_like_the_digit_reward_given_the_metadata():
     assert torch.equal(teacher, reference) and teacher.dtype == torch.float32
     other = PromptDigitScorer()(media, ["the digit 4"] * 4, [{}] * 4)
     assert not torch.equal(other, teacher)  # the prompt, not the metadata, decides
+
+
+def test_the_legibility_teacher_grades_alike_whatever_the_group_and_prefers_clean_digits():
+    """The graded teacher (:class:`LegibilityScorer`): an image's mark depends on the image and its prompt only
+    (not on the other candidates, their number or order); a real held-out digit is marked higher for its own digit
+    than for another; a clean real digit higher than the same digit blurred and faded; marks within one class of
+    real digits differ (a scale, not a verdict)."""
+    from flowforge.demo import data
+    from flowforge.orchestrate.demo import LegibilityScorer
+
+    images, labels = data.load_split("eval_clf")
+    sevens = images[labels == 7][:8].expand(-1, 3, -1, -1)
+    teacher = LegibilityScorer(augmentations=32)
+    marks = teacher(sevens, ["a handwritten seven"] * 8, [{}] * 8)
+    order = torch.tensor([5, 2, 7, 0, 1, 6, 3, 4])
+    shuffled = teacher(sevens[order], ["a handwritten seven"] * 8, [{}] * 8)
+    alone = teacher(sevens[3:4], ["a handwritten seven"], [{}])
+    assert torch.equal(shuffled, marks[order]) and torch.equal(alone, marks[3:4])
+    assert marks.dtype == torch.float32 and float(marks.min()) >= 0 and float(marks.max()) <= 1
+    assert float(marks.std()) > 0.01
+    other = teacher(sevens, ["a handwritten one"] * 8, [{}] * 8)
+    assert bool((marks > other).all())
+    blurred = torch.nn.functional.avg_pool2d(sevens, 5, stride=1, padding=2) * 0.5
+    assert bool((teacher(blurred, ["a handwritten seven"] * 8, [{}] * 8) < marks).float().mean() >= 0.75)
+    with pytest.raises(ValueError, match="augmentations must be an int >= 1"):
+        LegibilityScorer(augmentations=0)
