@@ -70,7 +70,7 @@ class RunDirectory:
         for name in WRITTEN_FILES:
             refuse_escaping_symlink(self.run_dir / name, self.run_dir)
         if cfg.train.resume == "auto" and not committed_checkpoints(self.run_dir):
-            refuse_lost_history(self.run_dir, cfg.checkpoint.every)  # before any model loads
+            refuse_lost_history(self.run_dir, cfg.checkpoint.every, cfg.train.steps)  # before any model loads
         if self.dist.is_main:
             self._claim_run_dir()
         dist_lib.barrier(self.dist)
@@ -97,7 +97,7 @@ class RunDirectory:
         atomically and open the metrics logger (rank 0). First the journal a failure undoes (:class:`RunJournal`);
         a resume that found no usable checkpoint (all damaged) is refused like a deleted one."""
         if self.cfg.train.resume == "auto" and self.checkpoints.resumed_from is None:
-            refuse_lost_history(self.run_dir, self.cfg.checkpoint.every)
+            refuse_lost_history(self.run_dir, self.cfg.checkpoint.every, self.cfg.train.steps)
         self._accepted_at = (self.state.step, self.checkpoints.saved_step)
         if self.dist.is_main:
             self._journal = RunJournal(self.run_dir)
@@ -185,31 +185,43 @@ class RunJournal:
                 path.unlink(missing_ok=True)
 
 
-def refuse_lost_history(run_dir: Path, every: int) -> None:
+def refuse_lost_history(run_dir: Path, every: int, steps: int | None = None) -> None:
     """Refuse ``train.resume=auto`` on a run directory without a usable committed checkpoint whose
-    ``metrics.jsonl`` logged more steps than an interrupted first checkpoint explains: more than ``checkpoint.every``
-    (the run's own ``config.yaml``'s, else ``every``; a kill between logging step ``every`` and committing its
-    checkpoint leaves that step logged, and a restart from 0 replays it exactly), or any step with
-    ``checkpoint.every`` 0. A run directory without such a history starts from step 0 as before.
+    ``metrics.jsonl`` logged more steps than an interrupted first checkpoint explains: past the step of the first
+    save, ``min(checkpoint.every, train.steps)`` (the run's own ``config.yaml``'s values, else ``every`` and
+    ``steps``; a kill between logging that step and committing its checkpoint leaves it logged, and a restart from 0
+    replays it exactly), or any step with ``checkpoint.every`` 0 (nothing was ever saved: a restart would silently
+    begin the run again). A run directory without such a history starts from step 0 as before.
 
     Raises:
         UserError: ``train.resume=auto: <run_dir> logged N steps but ...; <what to do>``.
     """
     done = None
     try:
-        for line in (Path(run_dir) / METRICS_FILE).read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                done = json.loads(line).get("step", done)
-    except (OSError, ValueError, AttributeError):  # no log, or an unreadable one: no history to protect
+        lines = (Path(run_dir) / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):  # no log (a new run), or not text: no history to protect
         return
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):  # a torn last line after a kill, or not a metrics row
+            continue
+        if isinstance(step, int):
+            done = step
     try:
         saved = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
-        every = int(saved["checkpoint"]["every"])
-    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
-        pass  # the run's config unreadable: judged by this command's checkpoint.every
-    if not isinstance(done, int) or done < 1 or (every > 0 and done <= every):
+    except (OSError, ValueError, yaml.YAMLError):
+        saved = None
+    for section, key in (("checkpoint", "every"), ("train", "steps")):
+        try:  # the run's own value; unreadable: judged by this command's
+            value = int(saved[section][key])
+        except (ValueError, TypeError, KeyError):
+            continue
+        every, steps = (value, steps) if key == "every" else (every, value)
+    first = min(every, steps) if every > 0 and steps else every
+    if done is None or done < 1 or (every > 0 and done <= first):
         return
-    why = (f"checkpoint.every={every} committed one at step {every}: deleted or damaged" if every > 0
+    why = (f"its first save was at step {first} (checkpoint.every={every}): deleted or damaged" if every > 0
            else "checkpoint.every=0 saves only at the end")
     raise UserError("train.resume=auto", f"{run_dir} logged {done} steps in {METRICS_FILE} but holds no committed "
                     f"checkpoint to resume from ({why}); starting again at step 0 would append a second history",

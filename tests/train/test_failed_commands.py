@@ -83,10 +83,12 @@ def test_a_history_an_interrupted_first_checkpoint_explains_still_restarts(tmp_p
     a restart from 0 replays it, so that is not refused; more steps than that, or any with every=0, are."""
     from flowforge.train.run_lifecycle import refuse_lost_history
 
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')  # a torn last line
     refuse_lost_history(tmp_path, 2)
     with pytest.raises(UserError, match="logged 2 steps.*checkpoint.every=1"):
         refuse_lost_history(tmp_path, 1)
+    with pytest.raises(UserError, match="first save was at step 1 .checkpoint.every=5"):  # train.steps=1 saves at 1
+        refuse_lost_history(tmp_path, 5, steps=1)
     with pytest.raises(UserError, match="checkpoint.every=0 saves only at the end"):
         refuse_lost_history(tmp_path, 0)
     (tmp_path / "config.yaml").write_text("checkpoint: {every: 0}\n")  # the run's own cadence wins
