@@ -197,7 +197,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | N
 
 
 def _export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | None, verify: bool,
-                base: str | Path | None, weights: str, overwrite: bool) -> Path:
+                base: str | Path | None, weights: str | None, overwrite: bool) -> Path:
     if form not in FORMS:
         raise ExportError("--form", f"{form!r} is not an export form", f"allowed: {list(FORMS)}")
     if weights is not None and weights not in WEIGHT_GROUPS:

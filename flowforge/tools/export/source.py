@@ -46,8 +46,8 @@ class Source:
     model_path: str  # model.path of the run's config, or --base
     base: Path | None  # local base directory (None: not found locally)
     adapter: str  # model.adapter of the run's config (a registered family or "pkg.module:Class")
-    weights_group: str = "live"  # which weights ``weights`` are: live / ema / old
     base_ref: str | None = None  # how an export's files name the base (tools.export.portable.base_ref)
+    weights_group: str = "live"  # which weights ``weights`` are: live / ema / old
 
 
 def _as_export_error(path: Path, exc: BaseException, fix: str) -> ExportError:

@@ -21,6 +21,7 @@ from flowforge.runtime.errors import UserError, file_error
 from flowforge.tools.export.contract import check_contract
 from flowforge.tools.export.diffusers import LORA_WEIGHT_NAME
 from flowforge.tools.export.out import EXPORT_META
+from flowforge.tools.export.portable import resolve_base_ref
 from flowforge.tools.export.source import (check_base_identity, layout, load_source, pick_checkpoint,
                                            read_run_config)
 from flowforge.tools.export.weights import PEFT_WEIGHT_NAME, apply_trained, overlay, read_trained_modules
@@ -118,9 +119,9 @@ def _export_config(out: Path, meta: dict) -> Config:
     """The config of the run an export came from (module docstring)."""
     own = out / "config.yaml"
     candidates = [own] if own.is_file() else []
-    run_dir = meta.get("run_dir")
-    if isinstance(run_dir, str) and (Path(run_dir) / "config.yaml").is_file():
-        candidates.append(Path(run_dir) / "config.yaml")
+    run_dir = meta.get("run_dir")  # relative to the export (absolute in exports before issue 27)
+    if isinstance(run_dir, str) and (out / run_dir / "config.yaml").is_file():
+        candidates.append(out / run_dir / "config.yaml")
     if not candidates:
         raise UserError(out, f"has no config.yaml and the run it came from ({run_dir}) has none either, so the "
                         "model family and sampler settings are unknown", "copy the run's config.yaml into it")
@@ -161,7 +162,8 @@ def _load_export(out: Path, device: str | None, base: str | None, cfg: Config) -
     if lora.get("trainable") not in ("lora", "module", "module+lora"):
         raise UserError(out / EXPORT_META, f"form {meta.get('form')!r} with LoRA contract {lora} is not an adapter "
                         "export", "export the run again")
-    base_path = base if base is not None else meta.get("base_model") or cfg.model.path
+    # the export names a local base relative to itself (tools.export.portable): found wherever the two were moved
+    base_path = base if base is not None else resolve_base_ref(str(meta.get("base_model") or cfg.model.path), out)
     base_dir = Path(resolve_demo_path(str(base_path)))
     if base_dir.exists():  # a hub id cannot be hashed here; a local base must be the one the run trained from
         check_base_identity(base_dir, meta.get("base_model_sha256"))
