@@ -66,7 +66,8 @@ def test_overwrite_replaces_a_previous_export_and_refuses_a_foreign_file(cli_run
                                  in_process=True)
     assert rc == 0, stderr
     owned = json.loads((out / "flowforge_export.json").read_text())["files"]
-    assert sorted(p.name for p in out.iterdir()) == owned and "pytorch_lora_weights.safetensors" in owned
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == owned
+    assert "pytorch_lora_weights.safetensors" in owned
     (out / "my_notes.txt").write_text("mine")
     before = tree_digest(tmp_path)
     rc, _, stderr = run_cli(["export", cli_run, out, "--form", "adapter", "--overwrite"], tmp_path, in_process=True)

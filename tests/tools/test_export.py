@@ -344,9 +344,10 @@ def test_overwrite_replaces_only_a_previous_export(lora_crafted, tmp_path):
         export_run(lora_crafted, out, form="adapter")
     # an adapter export replaces the merged one: the merged files are gone, the adapter's are there
     export_run(lora_crafted, out, form="adapter", overwrite=True)
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert names == sorted(read_export_meta(out)["files"]) and "pytorch_lora_weights.safetensors" in names
-    assert "diffusion_pytorch_model.safetensors" not in names
+    assert "transformer/diffusion_pytorch_model.safetensors" not in names  # the merged export's (a demo-style base
+    # travels as base/transformer/ in the adapter export)
     assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["m"]  # no temp or aside directory left
 
 
