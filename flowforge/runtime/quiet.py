@@ -8,6 +8,10 @@ message                                        why it is noise
 requires torchvision (not installed); ...``    pipeline module is imported without torchvision and falls back to the
 (logger ``transformers.utils.import_utils``)   PIL processor; flowforge never uses those processors (its text encoders
                                                and VAEs load without them), so nothing is degraded
+``Loading weights``, ``Writing model shards``  transformers / diffusers / huggingface_hub progress bars while an
+(progress bars of the three libraries)         export loads or copies a base: one bar per internal save or load of a
+                                               command that logs its own progress in one line (a stderr full of
+                                               bars also hid the one-line refusals a user must read)
 =============================================  ========================================================================
 """
 
@@ -24,10 +28,26 @@ TRANSFORMERS_IMPORT_LOGGER = "transformers.utils.import_utils"
 def quiet_library_fallbacks() -> Iterator[None]:
     """Within the block, the loggers of the module table log ERROR and above only; their levels are restored after
     (also on an exception). Thread-unsafe in the way ``logging`` levels are: meant for a command's main thread."""
+    import diffusers.utils.logging as diffusers_logging
+    import huggingface_hub.utils as hub_utils
+    import transformers.utils.logging as transformers_logging
+
     logger = logging.getLogger(TRANSFORMERS_IMPORT_LOGGER)
     before = logger.level
+    bars = (transformers_logging.is_progress_bar_enabled(), diffusers_logging.is_progress_bar_enabled(),
+            hub_utils.are_progress_bars_disabled())
     logger.setLevel(logging.ERROR)
+    transformers_logging.disable_progress_bar()
+    diffusers_logging.disable_progress_bar()
+    hub_utils.disable_progress_bars()
     try:
         yield
     finally:
         logger.setLevel(before)
+        # each library's bar switch put back as it was (a user's own setting survives the export)
+        if bars[0]:
+            transformers_logging.enable_progress_bar()
+        if bars[1]:
+            diffusers_logging.enable_progress_bar()
+        if not bars[2]:
+            hub_utils.enable_progress_bars()
