@@ -37,6 +37,7 @@ anything else (a bug)                               1     one line ``error: inte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import pickle
@@ -45,6 +46,7 @@ import sys
 from flowforge import __version__
 from flowforge.cli import check, compare, data, export, report, sample, serve, sft, stages, train
 from flowforge.runtime.errors import one_line
+from flowforge.runtime.quiet import library_progress_bars_off
 
 VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
          "sample": sample, "serve": serve, "data": data, "stages": stages}
@@ -101,8 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     # openai SDK releases ship (the judge client's requests log under that name)
     for noisy in ("httpx", "httpcore", "httpx2", "httpcore2"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # --no-progress also means the libraries' own bars (MiniLM's "Loading weights" in every stage's log)
+    bars_off = library_progress_bars_off() if getattr(args, "no_progress", False) else contextlib.nullcontext()
     try:
-        return VERBS[args.command].run(args)
+        with bars_off:
+            return VERBS[args.command].run(args)
     except Exception as exc:  # noqa: BLE001 - every failure ends in one line unless --debug asks for the traceback
         if args.debug:
             raise

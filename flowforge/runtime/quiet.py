@@ -25,29 +25,40 @@ TRANSFORMERS_IMPORT_LOGGER = "transformers.utils.import_utils"
 
 
 @contextlib.contextmanager
-def quiet_library_fallbacks() -> Iterator[None]:
-    """Within the block, the loggers of the module table log ERROR and above only; their levels are restored after
-    (also on an exception). Thread-unsafe in the way ``logging`` levels are: meant for a command's main thread."""
+def library_progress_bars_off() -> Iterator[None]:
+    """Within the block, transformers', diffusers' and huggingface_hub's progress bars are off; each library's switch
+    is put back as it was after (also on an exception), so a user's own setting survives. Used by export (its base
+    copy's save bars) and by every command run with ``--no-progress`` (MiniLM's "Loading weights" bars)."""
     import diffusers.utils.logging as diffusers_logging
     import huggingface_hub.utils as hub_utils
     import transformers.utils.logging as transformers_logging
 
-    logger = logging.getLogger(TRANSFORMERS_IMPORT_LOGGER)
-    before = logger.level
     bars = (transformers_logging.is_progress_bar_enabled(), diffusers_logging.is_progress_bar_enabled(),
             hub_utils.are_progress_bars_disabled())
-    logger.setLevel(logging.ERROR)
     transformers_logging.disable_progress_bar()
     diffusers_logging.disable_progress_bar()
     hub_utils.disable_progress_bars()
     try:
         yield
     finally:
-        logger.setLevel(before)
-        # each library's bar switch put back as it was (a user's own setting survives the export)
         if bars[0]:
             transformers_logging.enable_progress_bar()
         if bars[1]:
             diffusers_logging.enable_progress_bar()
         if not bars[2]:
             hub_utils.enable_progress_bars()
+
+
+@contextlib.contextmanager
+def quiet_library_fallbacks() -> Iterator[None]:
+    """Within the block, the loggers of the module table log ERROR and above only and the libraries' progress bars
+    are off; both are restored after (also on an exception). Thread-unsafe in the way ``logging`` levels are: meant
+    for a command's main thread."""
+    logger = logging.getLogger(TRANSFORMERS_IMPORT_LOGGER)
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with library_progress_bars_off():
+            yield
+    finally:
+        logger.setLevel(before)
