@@ -120,8 +120,9 @@ def test_refused_requests_raise_with_the_servers_message(server, remote, monkeyp
     media, prompts, meta = _batch(2)
     with pytest.raises(RemoteScorerError, match="422: unknown components \\['pickscore'\\]"):
         remote(["pickscore"])(media, prompts, meta)
-    with pytest.raises(RemoteScorerError, match="422: component 'digit' rejected the request: metadata\\[0\\]"):
-        remote(["digit"])(media, prompts, [{}, {}])
+    # no metadata.digit and prompts that name no digit: the digit reward has nothing to score against
+    with pytest.raises(RemoteScorerError, match="422: component 'digit' rejected the request: .*a cat"):
+        remote(["digit"])(media, ["a cat", "a dog"], [{}, {}])
     monkeypatch.setenv("FF_WRONG_TOKEN", "wrong")
     with pytest.raises(RemoteScorerError, match="401: missing or wrong bearer token"):
         RemoteScorer(server[0], ["digit"], token_env="FF_WRONG_TOKEN")(media, prompts, meta)
