@@ -61,6 +61,38 @@ def is_committed(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
+def last_logged_step(run_dir: str | Path) -> int | None:
+    """The last integer ``step`` of ``<run_dir>/metrics.jsonl``; ``None`` when the file is missing or unreadable or
+    logs no step. Lines that are not a metrics row (a torn last line after a kill) are skipped. Never raises."""
+    import json
+
+    try:
+        lines = (Path(run_dir) / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        return None
+    done = None
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int) and not isinstance(step, bool):
+            done = step
+    return done
+
+
+def saved_setting(run_dir: str | Path, section: str, key: str) -> Any:
+    """``<section>.<key>`` of the run's own ``config.yaml``; ``None`` when the file, the section or the key is
+    missing or unreadable. Never raises."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+        return saved[section][key]
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return None
+
+
 def committed_checkpoints(run_dir: str | Path) -> list[Path]:
     """Committed ``<run_dir>/checkpoints/step_*`` directories, sorted by step (oldest first)."""
     return [p for _, p in step_dirs(Path(run_dir) / CHECKPOINTS_DIR) if is_committed(p)]

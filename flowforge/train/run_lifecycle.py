@@ -26,8 +26,6 @@ import json
 import os
 from pathlib import Path
 
-import yaml
-
 from flowforge import config as config_lib
 from flowforge.data.prompts import check_task, load_prompts
 from flowforge.demo.paths import resolve_demo_path
@@ -37,8 +35,8 @@ from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
 from flowforge.runtime.run_dir import (CONFIG_FILE, EVAL_FILE, LOG_FILE, METRICS_FILE, MODEL_PROVENANCE_FILE,
                                        PROVENANCE_FILE, TB_DIR, WRITTEN_FILES, check_artifacts_root,
-                                       check_run_dir_outside_source, committed_checkpoints, existing_run, move_aside,
-                                       refuse_rerun)
+                                       check_run_dir_outside_source, committed_checkpoints, existing_run,
+                                       last_logged_step, move_aside, refuse_rerun, saved_setting)
 from flowforge.train.checkpoint import finish_removals
 from flowforge.train.metrics import MetricsLogger, write_provenance
 
@@ -196,26 +194,11 @@ def refuse_lost_history(run_dir: Path, every: int, steps: int | None = None) -> 
     Raises:
         UserError: ``train.resume=auto: <run_dir> logged N steps but ...; <what to do>``.
     """
-    done = None
-    try:
-        lines = (Path(run_dir) / METRICS_FILE).read_text(encoding="utf-8").splitlines()
-    except (OSError, ValueError):  # no log (a new run), or not text: no history to protect
-        return
-    for line in lines:
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):  # a torn last line after a kill, or not a metrics row
-            continue
-        if isinstance(step, int):
-            done = step
-    try:
-        saved = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        saved = None
+    done = last_logged_step(run_dir)
     for section, key in (("checkpoint", "every"), ("train", "steps")):
         try:  # the run's own value; unreadable: judged by this command's
-            value = int(saved[section][key])
-        except (ValueError, TypeError, KeyError):
+            value = int(saved_setting(run_dir, section, key))
+        except (ValueError, TypeError):
             continue
         every, steps = (value, steps) if key == "every" else (every, value)
     first = min(every, steps) if every > 0 and steps else every

@@ -86,8 +86,8 @@ from flowforge.runtime.durable import (atomic_write, demote, fsync_path, only_la
                                        sha256_file, step_dir_name, step_dirs, step_of, write_bytes)
 from flowforge.runtime.errors import UserError, file_error
 from flowforge.runtime.rng import capture_rng
-from flowforge.runtime.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, MARKER, METRICS_FILE, committed_checkpoints,
-                                       is_committed)
+from flowforge.runtime.run_dir import (CHECKPOINTS_DIR, MARKER, committed_checkpoints, is_committed, last_logged_step,
+                                       saved_setting)
 
 log = logging.getLogger("flowforge")
 
@@ -351,25 +351,14 @@ def lost_progress(run_dir: str | Path) -> str | None:
     e.g. ``"the run was interrupted at step 5 of 20 before any checkpoint (checkpoint.every=0)"``, read from its
     ``metrics.jsonl`` (the last logged step) and ``config.yaml`` (``train.steps``, ``checkpoint.every``). ``None``
     when the directory has a committed checkpoint or logged no step. Never raises: an unreadable file gives ``?``."""
-    import yaml
-
     run_dir = Path(run_dir)
     if committed_checkpoints(run_dir):
         return None
-    done = None
-    try:
-        for line in (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                done = json.loads(line).get("step", done)
-    except (OSError, ValueError):
-        pass
+    done = last_logged_step(run_dir)
     if done is None:
         return None
-    try:
-        cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8")) or {}
-        total, every = cfg.get("train", {}).get("steps", "?"), cfg.get("checkpoint", {}).get("every", 0)
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        total, every = "?", "?"
+    total, every = (saved_setting(run_dir, *key) for key in (("train", "steps"), ("checkpoint", "every")))
+    total, every = ("?" if v is None else v for v in (total, every))
     return f"the run was interrupted at step {done} of {total} before any checkpoint (checkpoint.every={every})"
 
 
