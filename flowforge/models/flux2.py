@@ -285,7 +285,7 @@ class Flux2Adapter(AdapterMixin):
         """
         from diffusers import Flux2KleinPipeline
 
-        from flowforge.models.qwen_image import condition_pil_images, image_sets
+        from flowforge.models.qwen_text import condition_pil_images, image_sets
 
         if self.vae is None:
             raise RuntimeError("this Flux2Adapter has no VAE")
