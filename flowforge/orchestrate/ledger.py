@@ -155,15 +155,20 @@ class ConditionLedger:
         n_a: stage A's initial budget (conditions), ``0 <= n_a <= N``.
         extend_delta: conditions one :meth:`extend_a` adds to A (0: no extension).
         extend_cap: the most A may ever get (default: ``N``); ``n_a <= extend_cap <= N``.
+        writer: False for a read-only mirror (the ranks other than 0 under ``torchrun``): it loads the file the
+            writer made and applies every record in memory only, so the same calls in the same order keep it equal
+            to the writer's ledger while the file keeps one writer.
 
     Raises:
         ValueError: bad budgets; an existing file made for another condition set, seed or budgets; a corrupt file
-            (a bad line before the last, records that do not fit the pass).
+            (a bad line before the last, records that do not fit the pass); a mirror of a missing file or of one
+            with a torn last line (the writer opens it first and repairs it).
     """
 
     def __init__(self, path: str | Path, conditions: Sequence[Condition], *, seed: int, n_a: int,
-                 extend_delta: int = 0, extend_cap: int | None = None) -> None:
+                 extend_delta: int = 0, extend_cap: int | None = None, writer: bool = True) -> None:
         self.path = Path(path)
+        self.writer = writer
         self.order = pass_order(conditions, seed)
         total = len(self.order)
         cap = total if extend_cap is None else extend_cap
@@ -185,9 +190,12 @@ class ConditionLedger:
         self._stage: dict[str, str] = {}
         self._states: dict[str, dict[str, Event]] = {}
         self.torn: str | None = None
+        self._records = 1  # records held, the header included (a mirror's place in the writer's file)
         """Set when the last line of the file was torn and dropped on open (what was dropped)."""
         if self.path.exists() and self.path.stat().st_size > 0:
             self._load()
+        elif not writer:
+            raise ValueError(f"{self.path}: a read-only mirror needs the ledger its writer created")
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._append(self.header)
@@ -324,8 +332,26 @@ class ConditionLedger:
         """Append ``record`` durably, then apply it (a failed write changes nothing in memory)."""
         self._append(record)
         self._apply(record)
+        self._records += 1
+
+    def refresh(self) -> int:
+        """A mirror (``writer=False``) applies the records its writer appended beyond those it holds (after work
+        only the writer did, e.g. stage B on rank 0). Returns how many; 0 for the writer.
+
+        Raises:
+            ValueError: a record that does not fit the pass.
+        """
+        if self.writer:
+            return 0
+        records = [json.loads(raw) for raw in self.path.read_bytes().split(b"\n") if raw.strip()]
+        for record in records[self._records:]:
+            self._apply(record)
+        new, self._records = len(records) - self._records, len(records)
+        return new
 
     def _append(self, record: dict[str, Any]) -> None:
+        if not self.writer:  # a mirror: the writer appends the same record
+            return
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
         with open(self.path, "ab") as handle:
             handle.write(line)
@@ -379,6 +405,8 @@ class ConditionLedger:
                 tail = raw + b"\n"  # the last line parses not: torn even though its newline made it out
                 break
             good_bytes += len(raw) + 1
+        if tail and not self.writer:
+            raise ValueError(f"{self.path}: torn last record; the writer must open (and repair) the ledger first")
         if tail:
             self.torn = f"dropped a torn last record of {len(tail)} bytes: {tail[:80]!r}"
             log.warning("condition ledger %s: %s", self.path, self.torn)
@@ -396,3 +424,4 @@ class ConditionLedger:
                              f"{self.header} (a different prompt file, seed or budget)")
         for record in records[1:]:
             self._apply(record)
+        self._records = len(records)

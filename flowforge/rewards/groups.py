@@ -11,6 +11,10 @@ two ranks. :func:`score_groups_across_ranks` then:
    members ordered by (rank, local index);
 3. all-gathers the scores of moved members back to their ranks.
 
+A scorer that keeps a request ledger of its own (the ``vlm_judge``: a paid teacher must be billed once, and its
+ledger has one writer) declares ``single_client = True``: rank 0 then owns every group, so it alone sends requests
+and writes the ledger, and the other ranks' members travel to it and their scores back.
+
 Every rank must call it for the same scorers in the same order (it runs collectives). The number of groups scored
 is the same on every rank (all of the step's groups), so averaging the metric over ranks keeps it.
 
@@ -122,9 +126,12 @@ def call_many(name: str, scorer: RewardScorer, count: int, make: Callable[[int],
             raise
 
 
-def _owners(counts: list[dict[int, int]]) -> dict[int, int]:
-    """group -> owning rank: the rank holding most members, ties to the lowest rank."""
+def _owners(counts: list[dict[int, int]], single_client: bool = False) -> dict[int, int]:
+    """group -> owning rank: the rank holding most members, ties to the lowest rank; rank 0 for every group with
+    ``single_client``."""
     groups = sorted(set().union(*counts))
+    if single_client:
+        return dict.fromkeys(groups, 0)
     return {g: max(range(len(counts)), key=lambda r: (counts[r].get(g, 0), -r)) for g in groups}
 
 
@@ -149,7 +156,7 @@ def score_groups_across_ranks(name: str, scorer: RewardScorer, media: Tensor, pr
     local = group_ids.tolist()
     counts: list[Any] = [None] * world
     tdist.all_gather_object(counts, dict(Counter(local)))
-    owner = _owners(counts)
+    owner = _owners(counts, bool(getattr(scorer, "single_client", False)))
     outgoing = [(i, g, media[i].cpu(), prompts[i], metadata[i]) for i, g in enumerate(local) if owner[g] != rank]
     incoming: list[Any] = [None] * world
     tdist.all_gather_object(incoming, outgoing)

@@ -164,13 +164,18 @@ class RewardProcessor:
             _sync(media.device)
             metrics[f"reward/{name}_time"] = time.perf_counter() - start
             components[name] = scores
-            metrics.update(self.component_metrics(name, scores, flags, groups))
+            # a single-client scorer under torchrun (the judge) did every rank's work on rank 0: the other ranks'
+            # counters are NaN, so the mean over ranks that have a value is rank 0's count, not a share of it
+            own = not (dist is not None and dist.enabled and not dist.is_main and group_cpu is not None
+                       and getattr(scorer, "needs_group", False) and getattr(scorer, "single_client", False))
+            metrics.update(self.component_metrics(name, scores, flags, groups, own_counters=own))
         metrics["reward/score_time"] = time.perf_counter() - call_start
         return components, metrics
 
     def component_metrics(self, name: str, scores: Tensor, flags: dict[str, Tensor],
-                          groups: int | None) -> dict[str, float]:
-        """The metrics of one scored component (module docstring), the scorer's own counters popped.
+                          groups: int | None, *, own_counters: bool = True) -> dict[str, float]:
+        """The metrics of one scored component (module docstring), the scorer's own counters popped (NaN with
+        ``own_counters=False``: another rank did this scorer's work).
 
         Raises:
             ValueError: a required component scored NaN (the message names the component and the first offending
@@ -195,7 +200,7 @@ class RewardProcessor:
             metrics[f"reward/{name}_{flag}_fraction"] = values.float().mean().item() if batch else 0.0
         pop = getattr(scorer, "pop_metrics", None)  # counters of a scorer's own work, e.g. the judge's requests
         for key, value in (pop() if callable(pop) else {}).items():
-            metrics[f"reward/{name}_{key}"] = float(value)
+            metrics[f"reward/{name}_{key}"] = float(value) if own_counters else math.nan
         return metrics
 
     def stream(self, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], group_ids: Tensor):

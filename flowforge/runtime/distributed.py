@@ -50,14 +50,19 @@ class DistInfo:
         return self.rank == 0
 
 
-def init(device: str = "cpu") -> DistInfo:
-    """Join the process group torchrun describes (no-op for a single process). Returns this rank's info."""
+def init(device: str = "cpu", *, timeout_s: float | None = None) -> DistInfo:
+    """Join the process group torchrun describes (no-op for a single process; an already joined group is kept,
+    whatever its timeout). ``timeout_s``: how long a collective waits for the other ranks (torch's default when
+    None). Returns this rank's info."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
     if not dist.is_initialized():
+        import datetime
+
         backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend=backend)
+        extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend=backend, **extra)
     info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if device.startswith("cuda"):
@@ -119,6 +124,26 @@ def all_reduce_processes(tensor: torch.Tensor, op: str) -> torch.Tensor:
     out = tensor.clone()
     dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return out
+
+
+def all_gather_objects(item: object) -> list[object]:
+    """``item`` of every process of the default group, in rank order (picklable objects; ``[item]`` when no
+    process group is initialised). A collective: every process must call it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [item]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, item)
+    return out
+
+
+def broadcast_from_main(item: object) -> object:
+    """Rank 0's ``item`` on every process of the default group (picklable; ``item`` itself when no process group is
+    initialised). A collective: every process must call it (the others' ``item`` is ignored)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return item
+    box = [item]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shutdown() -> None:

@@ -182,3 +182,30 @@ def test_random_interleavings_never_reuse_a_condition(tmp_path):
         assert len(handed) == len(set(handed)) == led.cursor
         assert handed == [c.id for c in led.order[:led.cursor]]
         assert led.used["A"] <= led.budget("A") and led.used["C"] <= led.budget("C")
+
+
+def test_a_mirror_follows_its_writer_and_never_writes(tmp_path):
+    """The ranks other than 0 under torchrun hold a mirror: the same calls keep it equal to the writer's ledger, the
+    file keeps one writer, and refresh() catches up with records only the writer made (stage B)."""
+    path = tmp_path / "c.jsonl"
+    with pytest.raises(ValueError, match="needs the ledger its writer created"):
+        _ledger(path, writer=False)
+    assert not path.exists()
+    led = _ledger(path, extend_delta=4)
+    mirror = _ledger(path, extend_delta=4, writer=False)
+    for step in range(2):
+        for book in (led, mirror):
+            ids = [c.id for c in book.take("A", 3, step=step, policy_version=step)]
+            book.mark("judged", ids, stage="A", step=step, policy_version=step)
+    written = path.read_bytes()
+    assert mirror.summary() == led.summary() and written.count(b"\n") == 1 + 2 * 2  # header + 2 x (take, mark)
+    led.mark("used_for_rm", led.with_state("judged"), stage="B", step=0, policy_version=2)  # the writer alone
+    assert mirror.summary() != led.summary()
+    assert mirror.refresh() == 1 and mirror.summary() == led.summary() and mirror.refresh() == 0
+    for book in (led, mirror):
+        assert book.extend_a("gate-0") == 4
+    assert mirror.summary() == led.summary() == _ledger(path, extend_delta=4).summary()
+    assert path.read_bytes().count(b"\n") == 1 + 4 + 1 + 1  # the mirror's calls appended nothing
+    path.write_bytes(path.read_bytes() + b'{"kind":"ma')  # torn: the writer repairs it, a mirror refuses
+    with pytest.raises(ValueError, match="torn last record"):
+        _ledger(path, extend_delta=4, writer=False)

@@ -2,7 +2,8 @@
 
 Usage: python tests/rewards/group_worker.py OUT_FILE. For each layout in :data:`LAYOUTS` this rank scores its share
 of the candidates (shuffled) with a group scorer and a per-sample scorer, and saves the scores, the metrics and the
-groups its scorer was called with to ``OUT_FILE.rank<R>``.
+groups its scorer was called with to ``OUT_FILE.rank<R>``; then again with a ``single_client`` group scorer
+(every group scored on rank 0).
 """
 
 import sys
@@ -46,6 +47,12 @@ def main() -> None:
         record[name] = {"share": share, "components": components, "calls": scorer.calls,
                         "groups_scored": metrics["reward/rank_groups_scored"],
                         "first_fraction": metrics["reward/rank_first_fraction"]}
+        single = build_scorer("tests.rewards.byo_scorers:GroupRank")
+        single.single_client = True  # as the vlm_judge declares: rank 0 alone calls it
+        components, _ = RewardProcessor({"rank": single}, {"rank": 1.0})(
+            media[share], [prompts[i] for i in rows], [meta[i] for i in rows], torch.tensor(group_ids)[share],
+            dist=info)
+        record[name]["single"] = {"components": components, "calls": single.calls}
     torch.save(record, f"{out}.rank{info.rank}")
     dist_lib.shutdown()  # a group left to interpreter teardown can abort the rank after its work is done
     dist_lib.exit_now(0)

@@ -45,6 +45,12 @@ def test_group_scorer_sees_groups_split_across_ranks_whole(tmp_path):
             assert r[name]["groups_scored"] == 3.0
             firsts = sum(1 for i in share.tolist() if meta[i]["member"] == 0)
             assert r[name]["first_fraction"] == pytest.approx(firsts / len(share))
+            assert torch.equal(r[name]["single"]["components"]["rank"], expected["rank"][share]), name
+        # a single_client scorer (the vlm_judge: one writer of its ledger) is called on rank 0 only, every group
+        # whole and once
+        single = ranks[0][name]["single"]["calls"]
+        assert ranks[1][name]["single"]["calls"] == [] and len(single) == 3
+        assert sorted(map(sorted, single)) == sorted(list(range(s)) for s in torch.bincount(gids).tolist())
 
 
 @pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set

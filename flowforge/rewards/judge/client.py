@@ -126,6 +126,7 @@ class VLMJudge:
     name = "vlm_judge"
     needs_group: ClassVar[bool] = True
     takes_video: ClassVar[bool] = True
+    single_client: ClassVar[bool] = True  # under torchrun rank 0 judges every group: one writer of the ledger
 
     def __init__(self, *, model: str, base_url: str, api_key_env: str | None = "OPENAI_API_KEY",
                  timeout_s: float = 120.0, max_concurrency: int = 4, template: str | Path | None = None,
