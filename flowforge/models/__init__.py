@@ -79,6 +79,13 @@ def _load_z_image(path: str, task: str = "t2i", **kw: Any):
     return load_z_image(path, task=task, **kw)
 
 
+def _load_ltx2(path: str, task: str = "t2v", **kw: Any):
+    from flowforge.models.ltx2 import LTX2_TASKS, load_ltx2
+
+    _check_task("ltx2", task, LTX2_TASKS)  # video with its audio
+    return load_ltx2(path, task=task, **kw)
+
+
 def _load_world_model(path: str, task: str = "i2v", **kw: Any):
     from flowforge.models.world_model.adapter import load_world_model
 
@@ -93,6 +100,7 @@ ADAPTERS: dict[str, Callable[..., FlowModel]] = {
     "world_model": _load_world_model,
     "z_image": _load_z_image,
     "flux2": _load_flux2,
+    "ltx2": _load_ltx2,
 }
 """Registered model families: name → loader ``(path, *, task, dtype, device, ...) -> FlowModel``."""
 
@@ -105,6 +113,7 @@ ADAPTER_CLASSES: dict[str, str] = {
     "world_model": "flowforge.models.world_model.adapter:WorldModelAdapter",
     "z_image": "flowforge.models.z_image:ZImageAdapter",
     "flux2": "flowforge.models.flux2:Flux2Adapter",
+    "ltx2": "flowforge.models.ltx2:LTX2Adapter",
 }
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 
