@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
 from flowforge.models.common import FLOWFORGE_META
 from flowforge.runtime.errors import one_line
@@ -25,7 +24,7 @@ from flowforge.tools.export.out import ExportError
 from flowforge.tools.export.portable import drop_name_or_path
 from flowforge.tools.export.source import (SUPPORTED_ADAPTERS, Source, base_name, check_base_identity, layout,
                                            read_run_config, require_base, transformer_class)
-from flowforge.tools.export.verify import VerifyReport, verify_report
+from flowforge.tools.export.verify import VerifyReport, trained_velocity, verify_report
 from flowforge.tools.export.weights import (MODULES_WEIGHT_NAME, apply_trained, lora_layers, peft_config,
                                             write_module_adapter, write_peft_adapter)
 
@@ -160,12 +159,10 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     transformer_dir, is_pipeline = layout(base)
     policy = _trained_policy(src, transformer_dir)
     inputs = _probe_inputs(src.adapter, policy.config) if verify else None
-    v_trained = _velocity(policy, inputs) if verify else None
-    base_diff = None
-    if src.lora["trainable"] == "lora":
-        if verify:
-            with lora_lib.adapters_disabled(policy):
-                base_diff = float((_velocity(policy, inputs) - v_trained).abs().max())
+    is_lora = src.lora["trainable"] == "lora"
+    v_trained, base_diff = (trained_velocity(policy, lambda p: _velocity(p, inputs), is_lora) if verify
+                            else (None, None))
+    if is_lora:
         policy.fuse_lora(lora_scale=1.0, safe_fusing=True, adapter_names=["default"])
         policy.unload_lora()
     demo = not is_pipeline and is_demo_base(transformer_dir, src.adapter)  # becomes a custom diffusers pipeline
@@ -245,9 +242,7 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     transformer_dir, _ = layout(require_base(src, "verifying an adapter export"))
     policy = _trained_policy(src, transformer_dir)
     inputs = _probe_inputs(src.adapter, policy.config)
-    v_trained = _velocity(policy, inputs)
-    with lora_lib.adapters_disabled(policy):
-        base_diff = float((_velocity(policy, inputs) - v_trained).abs().max())
+    v_trained, base_diff = trained_velocity(policy, lambda p: _velocity(p, inputs), lora=True)
     del policy
     fresh = _load_transformer(transformer_dir)
     fresh.load_lora_adapter(str(work), prefix="transformer", weight_name=LORA_WEIGHT_NAME, adapter_name="export")

@@ -13,9 +13,13 @@ weights saved and reloaded: full fine-tunes and ``module`` runs, expected bit-eq
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from flowforge.models import lora as lora_lib
 
 TOLERANCES = {"adapter": 1e-5, "merged": 1e-4, "full": 1e-5}
 """Verification tolerance relative to ``max(1, max |v_trained|)`` (see :mod:`flowforge.tools.export` for the
@@ -49,3 +53,15 @@ def verify_report(v_export: torch.Tensor, v_trained: torch.Tensor, base_diff: fl
     scale = float(v_trained.abs().max())
     return VerifyReport(max_abs_diff=diff, max_abs_trained=scale, base_diff=base_diff, tolerance=tol,
                         passed=bool(diff <= tol * max(1.0, scale)))
+
+
+def trained_velocity(policy: nn.Module, velocity: Callable[[nn.Module], torch.Tensor],
+                     lora: bool) -> tuple[torch.Tensor, float | None]:
+    """``(v_trained, base_diff)`` of the trained ``policy`` before a writer merges or reloads it: ``velocity(policy)``
+    on the writer's probe inputs, and, for a LoRA run (``lora``), ``max |v_trained - v_base|`` with the adapters
+    disabled (``None`` otherwise: a full or module run has no base left in memory to compare with)."""
+    v_trained = velocity(policy)
+    if not lora:
+        return v_trained, None
+    with lora_lib.adapters_disabled(policy):
+        return v_trained, float((velocity(policy) - v_trained).abs().max())

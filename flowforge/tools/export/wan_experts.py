@@ -36,7 +36,7 @@ from flowforge.tools.export.card import OUT_LINE, base_expr
 from flowforge.tools.export.out import ExportError
 from flowforge.tools.export.portable import drop_name_or_path
 from flowforge.tools.export.source import Source, base_name, require_base
-from flowforge.tools.export.verify import VerifyReport, verify_report
+from flowforge.tools.export.verify import VerifyReport, trained_velocity, verify_report
 from flowforge.tools.export.weights import apply_trained, lora_layers, peft_config
 
 LORA_FILES = {"transformer": "pytorch_lora_weights.safetensors",
@@ -101,12 +101,10 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     policy = _load(base)
     apply_trained(src, policy)
     inputs = _probe(policy) if verify else None
-    v_trained = _velocity(policy, inputs) if verify else None
-    base_diff = None
-    if src.lora["trainable"] == "lora":
-        if verify:
-            with lora_lib.adapters_disabled(policy):
-                base_diff = float((_velocity(policy, inputs) - v_trained).abs().max())
+    is_lora = src.lora["trainable"] == "lora"
+    v_trained, base_diff = (trained_velocity(policy, lambda p: _velocity(p, inputs), is_lora) if verify
+                            else (None, None))
+    if is_lora:
         lora_lib.merge_lora(policy)
     for name in EXPERTS:
         getattr(policy, name).save_pretrained(str(work / name), safe_serialization=True)
@@ -156,9 +154,7 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     policy = _load(base)
     apply_trained(src, policy)
     inputs = _probe(policy)
-    v_trained = _velocity(policy, inputs)
-    with lora_lib.adapters_disabled(policy):
-        base_diff = float((_velocity(policy, inputs) - v_trained).abs().max())
+    v_trained, base_diff = trained_velocity(policy, lambda p: _velocity(p, inputs), lora=True)
     fresh = _load(base)
     for name in EXPERTS:
         if (work / LORA_FILES[name]).is_file():
