@@ -12,16 +12,20 @@ gradients of the weighted terms to the RL gradients already accumulated.
 **Gradient reach, by size.** Which trained parameters each term can change depends on the parameter mode (with LoRA
 on the coupling attention only, the transition cross-entropy has no gradient path to any trained parameter: the
 predictor reads the state, which no coupling layer touches), and a path can exist yet carry almost nothing: with
-the coupling gates near 0, the flow-matching term's gradient on B is ~1e-5 of what it is with open gates. On the
-first call every term's gradient is measured over *every* parameter of the network (frozen ones included, for that
-one measurement): :attr:`AnchorLosses.reach` counts the trained tensors with a non-zero gradient and
-:attr:`AnchorLosses.leverage` is the share ``||grad on trained|| / ||grad on all||`` (not defined while the term's
-gradient is exactly 0 everywhere, as the reference penalty's is at the start); both are logged once. A weighted term
-with no gradient path to any trained tensor is never computed or applied (``anchor_<term>_reach``, logged every
-step, counts the trained tensors with a path); one whose leverage is under :data:`MIN_LEVERAGE` is applied with a
-warning that it can barely change the trained parameters. The per-step size is ``grad_norm_<term>_<group>`` below
-(the first-call numbers depend on the weights of that call, so they stay out of the per-step rows a resumed run
-must reproduce).
+the coupling gates near 0, the flow-matching term's gradient on B is ~1e-5 of what it is with open gates, yet not
+``None``. On the first call every term's gradient is measured over *every* parameter of the network (frozen ones
+included, for that one measurement). A group of trained tensors (:func:`trained_group`) is **reached** by a term
+when the term's gradient norm on the group is at least :data:`REACH_FLOOR` of its gradient norm on the whole
+network (:attr:`AnchorLosses.shares`); :attr:`AnchorLosses.reach` counts the trained tensors of reached groups with
+a non-zero gradient (``anchor_<term>_reach``, in every step's row), :attr:`AnchorLosses.paths` those with any
+gradient path, :attr:`AnchorLosses.leverage` the share on all trained tensors together (not defined while the
+term's gradient is exactly 0 everywhere, as the reference penalty's is at the start). A weighted term with no
+gradient path to any trained tensor is never computed or applied; one that reaches no group is applied with a
+warning that it can barely change the trained parameters. demo:world's shipped gates (~1e-4): the flow-matching
+term reaches neither B nor the coupling LoRA (shares 6e-5 / 3e-5); with the gates at 0.5 it reaches both (0.50 /
+0.09); the transition term's share on B is 0.03 whatever the gates. The check runs on the weights of the process's
+first optimizer step (a resumed run measures again on the weights it resumes from); the per-step size is
+``grad_norm_<term>_<group>`` below.
 
 **Leverage, every step** (world models, even with every anchor weight 0): ``coupling_gate_<i>`` (the gate of block
 ``i``'s coupling attention) and ``grad_norm_<term>_<group>``, the gradient norm each loss term puts on each group
@@ -54,10 +58,10 @@ log = logging.getLogger(__name__)
 ANCHOR_CLIPS = ("atari",)
 """``anchor.clips`` values: the real clips of :mod:`flowforge.data.atari` (Breakout, the demo world model's game)."""
 TERMS = ("fm", "trans", "ref")
-MIN_LEVERAGE = 1e-3
-"""A term whose gradient on the trained tensors is under this share of its gradient on the whole network is said to
-have no leverage (warned once): at the shipped demo:world's gates (~1e-4) the flow-matching term's share on B is
-far below it, at open gates (0.5) far above."""
+REACH_FLOOR = 1e-3
+"""A group of trained tensors is reached by a term when the term's gradient norm on the group is at least this share
+of its gradient norm on the whole network (module docstring): at the shipped demo:world's gates (~1e-4) the
+flow-matching term's share on B is 6e-5, at open gates (0.5) 0.50."""
 
 
 @dataclass(frozen=True)
@@ -141,9 +145,10 @@ class AnchorLosses:
             raise ValueError("anchor.ref_weight > 0 needs the reference policy in the bank (anchor_policy_bank)")
         self.section, self.adapter, self.policy, self.seed = section, adapter, policy, seed
         self.video, self.actions = video, actions
-        self.reach: dict[str, int] | None = None  # term -> trained tensors with a non-zero gradient (first call)
+        self.reach: dict[str, int] | None = None  # term -> non-zero trained tensors of reached groups (first call)
         self.paths: dict[str, int] = {}  # term -> trained tensors with a gradient path (first call)
         self.leverage: dict[str, float] = {}  # term -> share of its gradient on the trained tensors (first call)
+        self.shares: dict[str, dict[str, float]] = {}  # term -> group -> share of its gradient (first call)
         names = [n for n, p in adapter.transformer.named_parameters() if p.requires_grad]
         self.groups = {n: trained_group(n) for n in names}
 
@@ -186,8 +191,8 @@ class AnchorLosses:
 
     def measure_reach(self, step: int) -> dict[str, int]:
         """On the terms of step ``step`` computed with every parameter of the network requiring a gradient (for this
-        measurement only): per term the trained tensors with a non-zero gradient (returned) and
-        :attr:`leverage`, the share of its gradient norm on the trained tensors (module docstring)."""
+        measurement only): per term the trained tensors it reaches by size (returned; module docstring),
+        :attr:`paths`, :attr:`shares` (group -> share of the term's gradient norm) and :attr:`leverage`."""
         model = self.adapter.transformer
         frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
         for p in frozen:
@@ -202,26 +207,36 @@ class AnchorLosses:
                     continue
                 grads = torch.autograd.grad(term, [p for _, p in named], allow_unused=True, retain_graph=True)
                 sq = {n: float(g.detach().float().pow(2).sum()) for (n, _), g in zip(named, grads) if g is not None}
-                trained = [v for n, v in sq.items() if n in self.groups]
-                reach[name], self.paths[name] = sum(v > 0 for v in trained), len(trained)
-                if sum(sq.values()) > 0:
-                    self.leverage[name] = (sum(trained) / sum(sq.values())) ** 0.5
+                trained = {n: v for n, v in sq.items() if n in self.groups}
+                self.paths[name] = len(trained)
+                total = sum(sq.values())
+                if total <= 0:  # exactly 0 everywhere (the reference penalty at the start): nothing to measure
+                    continue
+                self.leverage[name] = (sum(trained.values()) / total) ** 0.5
+                by_group: dict[str, float] = {}
+                for n, v in trained.items():
+                    by_group[self.groups[n]] = by_group.get(self.groups[n], 0.0) + v
+                self.shares[name] = {g: (v / total) ** 0.5 for g, v in sorted(by_group.items())}
+                reached = {g for g, share in self.shares[name].items() if share >= REACH_FLOOR}
+                reach[name] = sum(v > 0 and self.groups[n] in reached for n, v in trained.items())
         finally:
             for p in frozen:
                 p.requires_grad_(False)
         for name, term in terms.items():
             weight = self.section.weights[name]
             if term is not None:
-                log.info("anchor %s: a non-zero gradient on %d of %d trained tensors (a path to %d), leverage %s",
-                         name, reach[name], len(self.groups), self.paths[name],
+                shares = ", ".join(f"{g} {v:.1e}" for g, v in self.shares.get(name, {}).items()) or "none"
+                log.info("anchor %s: reaches %d of %d trained tensors (a group is reached when its share of the "
+                         "term's gradient norm is >= %.0e; shares: %s), a gradient path to %d, leverage %s",
+                         name, reach[name], len(self.groups), REACH_FLOOR, shares, self.paths[name],
                          f"{self.leverage[name]:.2e}" if name in self.leverage else "undefined (zero gradient)")
             if term is not None and self.paths[name] == 0:
                 log.warning("anchor.%s_weight=%s but the %s term has no gradient path to any trained parameter in "
                             "this parameter mode: it is not applied", name, weight, name)
-            elif term is not None and self.leverage.get(name, 1.0) < MIN_LEVERAGE:
-                log.warning("anchor.%s_weight=%s: only %.1e of the %s term's gradient reaches the trained parameters "
-                            "(the coupling gates may be ~0): it can barely change them", name, weight,
-                            self.leverage[name], name)
+            elif term is not None and name in self.leverage and reach[name] == 0:
+                log.warning("anchor.%s_weight=%s: the %s term reaches no trained group (leverage %.1e, under the "
+                            "floor %.0e; the coupling gates may be ~0): it can barely change them", name, weight,
+                            name, self.leverage[name], REACH_FLOOR)
         return reach
 
     def group_norms(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
@@ -268,7 +283,7 @@ class AnchorLosses:
         out.update({f"anchor_{k}": v.detach() for term, m in metrics.items() if term in values for k, v in m.items()})
         if any(w > 0 for w in self.section.weights.values()):
             out["anchor_loss"] = loss.detach()
-        for k, n in self.paths.items():
+        for k, n in self.reach.items():
             if self.section.weights[k] > 0:
                 out[f"anchor_{k}_reach"] = torch.tensor(float(n))
         return out

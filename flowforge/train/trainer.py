@@ -124,7 +124,8 @@ class Trainer(RunDirectory):
         started = time.perf_counter()
         self.adapter = build_adapter(m.adapter, resolve_demo_path(m.path), task=m.task,
                                      dtype=resolve_dtype(m.dtype, key="model.dtype"), device=self.device)
-        check_loaded_model(cfg, self.adapter, world_size=self.dist.world_size)  # what only the model can tell
+        check_loaded_model(cfg, self.adapter, world_size=self.dist.world_size,  # what only the model can tell
+                           already=report.warnings)
         if cfg.sampler.negative_prompt is not None:  # before encoding: it is part of the encodings (and encoder_id)
             self.adapter.negative_prompt = cfg.sampler.negative_prompt
         self.latent_shape = tuple(self.adapter.latent_shape(m.height, m.width, m.frames))

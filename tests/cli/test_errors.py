@@ -26,6 +26,7 @@ from tests.tools.test_export import _refresh_manifest, tree_digest
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "digits" / "grpo.yaml")
 PIPELINE = str(REPO / "examples" / "stages" / "digits.yaml")
+WORLD_EXAMPLE = str(REPO / "examples" / "worldmodel" / "nft.yaml")
 
 
 def run_cli(args, cwd, env=None, in_process=False):
@@ -216,13 +217,16 @@ def places(cli_run, tiny_model_dir, tmp_path_factory):
         "task": "t2i", "sample_id": f"g{i}"}}) + "\n" for i in range(6)))
     _bad_prompt_files(tmp)
     _damaged_runs(cli_run, tmp)
+    from flowforge.demo.paths import resolve_demo_path
+
+    shutil.copytree(resolve_demo_path("demo:world"), tmp / "world")  # a world-model source checkpoint (4.6 MB)
     broken = Path(shutil.copytree(tiny_model_dir, tmp / "broken_model"))
     weights = broken / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(b"\x07" * weights.stat().st_size)
     return {"run": str(cli_run), "run_parent": str(cli_run.parent), "base": str(tiny_model_dir), "tmp": str(tmp),
             "cwd": str(tmp / "cwd"), "example": EXAMPLE, "run_config": str(cli_run / "config.yaml"),
             "ckpt": str(cli_run / "checkpoints" / "step_000001"), "run_name": cli_run.name,
-            "base_name": Path(tiny_model_dir).name}
+            "base_name": Path(tiny_model_dir).name, "tmp_name": tmp.name, "world_example": WORLD_EXAMPLE}
 
 
 def train(*overrides):
@@ -400,6 +404,18 @@ CASES = [
                  ["pipeline directory", "lies inside the checkpoint"], id="write-stages-into-a-checkpoint-by-symlink"),
     pytest.param(["stages", PIPELINE, "model.path={base}", "run.output_dir={base}/../{base_name}", "--no-progress"],
                  ["pipeline directory", "lies inside the base model"], id="write-stages-into-the-base-model"),
+    # issue 22: a run directory that overlaps the source checkpoint (model.path), refused before anything loads or
+    # is written (the scratch directory holding the checkpoint copies is compared before / after)
+    *[pytest.param(["train", config, f"model.path={{tmp}}/{src}", *where, "--no-progress"],
+                   ["source model directory", f"{{tmp}}/{src}"], id=f"write-run-{ident}")
+      for config, src, where, ident in [
+          ("{world_example}", "world", ["run.output_dir={tmp}/world", "run.name=refused"], "inside-the-world-model"),
+          ("{world_example}", "world", ["run.output_dir={tmp}", "run.name=world"], "onto-the-world-model"),
+          ("{world_example}", "world", ["run.output_dir={tmp}/..", "run.name={tmp_name}"], "around-the-world-model"),
+          ("{world_example}", "world", ["run.output_dir={tmp}/foreign/../world", "run.name=r"],
+           "inside-the-world-model-by-dotdot"),
+          ("{run_config}", "broken_model", ["run.output_dir={tmp}/broken_model", "run.name=refused"],
+           "inside-the-base-model")]],
     *[pytest.param(["serve", "judge", "--scorer", "digit", "--options", "{tmp}/options.yaml", "--request-log", log,
                     "--host", "0.0.0.0", "--no-auth"], ["--request-log", why], id=f"write-serve-log-{ident}")
       for log, why, ident in [("{run}/requests.log", "lies inside the run directory", "into-a-run"),

@@ -1,6 +1,8 @@
 """World-model anchor losses on real Breakout clips: gradient reach per parameter mode and term, determinism, the
 optimizer-step hook, inactive for other families."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from tests.models.world_model.wm_helpers import make_adapter
@@ -8,7 +10,7 @@ from tests.models.world_model.wm_helpers import make_adapter
 from flowforge.config import LoraConfig, TrainConfig
 from flowforge.data import atari
 from flowforge.data.atari import AtariDataConfig
-from flowforge.objectives.anchors import (MIN_LEVERAGE, AnchorConfig, AnchorLosses, anchor_policy_bank,
+from flowforge.objectives.anchors import (REACH_FLOOR, AnchorConfig, AnchorLosses, anchor_policy_bank,
                                          build_anchor)
 from flowforge.objectives.base import Objective, ObjectiveContext
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
@@ -113,6 +115,29 @@ def test_clip_stream_depends_only_on_seed_and_step(clips):
     assert bool(((sa > 0) & (sa < 1)).all())  # logit-normal, as the world SFT draws them (its own generator)
 
 
+def test_sigmas_are_drawn_as_the_world_sft_drew_them(clips):
+    """The FM anchor's sigma stream has the distribution the world SFT trained demo:world on (logit-normal, mean 0,
+    std 1, no shift, every clip weight 1: sft.sigma_sampling of examples/worldmodel/sft.yaml, which keeps the default),
+    from the anchor's own generator whatever the rollout's sampler shift; a uniform stream is told apart by the same
+    test."""
+    import yaml
+    from scipy.stats import ks_2samp
+
+    from flowforge.algorithms.schedules import sample_sigmas
+    from flowforge.settings.sections import SFTConfig
+
+    sft_yaml = Path(__file__).resolve().parents[2] / "examples" / "worldmodel" / "sft.yaml"
+    assert "sigma_sampling" not in yaml.safe_load(sft_yaml.read_text())["sft"]  # demo:world: SFTConfig's default
+    assert AnchorConfig().sigma_sampling == SFTConfig().sigma_sampling == "logit_normal"
+    sft_sigmas = sample_sigmas(2000, torch.Generator().manual_seed(123), kind=SFTConfig().sigma_sampling)
+    streams = {}
+    for kind in ("logit_normal", "uniform"):
+        anchor, _, _ = _anchor("module", clips, AnchorConfig(batch_size=8, sigma_sampling=kind))
+        streams[kind] = torch.cat([anchor.clip_batch(step)[2] for step in range(150)])
+    assert ks_2samp(streams["logit_normal"].numpy(), sft_sigmas.numpy()).pvalue > 0.05
+    assert ks_2samp(streams["uniform"].numpy(), sft_sigmas.numpy()).pvalue < 1e-6
+
+
 def test_reference_penalty_uses_the_immutable_reference(clips):
     section = AnchorConfig(batch_size=2, fm_weight=0.0, trans_weight=0.0, ref_weight=1.0)
     assert anchor_policy_bank(section, {"keep_old": True}) == {"keep_old": True, "keep_ref": True}
@@ -164,16 +189,16 @@ def shipped():
 
 
 @pytest.mark.parametrize("mode", ["module", "lora"])
-def test_leverage_is_measured_by_size_with_the_shipped_gates(clips, shipped, mode, caplog):
-    """demo:world's coupling gates stayed ~0 in SFT: B-only and coupling-LoRA reach their tensors (non-zero
-    gradients) with almost no leverage, which is warned; the same weights with the gates opened to 0.5 have it."""
+def test_reach_is_measured_by_size_with_the_shipped_gates(clips, shipped, mode, caplog):
+    """demo:world's coupling gates stayed ~0 in SFT: B-only and coupling-LoRA have a gradient path to their tensors
+    (non-zero gradients) but the reach check reports the path as not reached, and warns; the same weights with the
+    gates opened to 0.5 are reached. The per-step rows carry the gates and the size of the term's gradient."""
     import copy
 
-    from flowforge.data.atari import AtariDataConfig, load_atari_clips
-
-    shipped_clips = atari.record_clips(AtariDataConfig(episodes=2, heldout_every=2, max_steps=24, seed=1))
-    video, actions = shipped_clips.clips(torch.arange(len(shipped_clips.clip_starts)))
-    shares = {}
+    gates = [float(b.coupling.gate.detach()) for b in shipped.transformer.blocks]
+    assert max(abs(g) for g in gates) < 1e-3  # the shipped base: the latent-state path is closed
+    group = "transition" if mode == "module" else "coupling_lora"
+    reach, norms = {}, {}
     for gate in (None, 0.5):
         adapter = copy.deepcopy(shipped)
         if gate is not None:
@@ -182,15 +207,23 @@ def test_leverage_is_measured_by_size_with_the_shipped_gates(clips, shipped, mod
                     block.coupling.gate.fill_(gate)
         policy = Policy(adapter, TrainableWeights.from_section(MODES[mode]),
                         OptimizerSettings.from_section(TrainConfig(lr=1e-2)), 10)
-        anchor = AnchorLosses(AnchorConfig(batch_size=2, trans_weight=0.0), adapter, policy, video, actions, seed=0)
+        anchor = AnchorLosses(AnchorConfig(batch_size=2), adapter, policy, *clips, seed=0)
         with caplog.at_level("WARNING"):
             caplog.clear()
             metrics = anchor.backward()
-        shares[gate] = anchor.leverage["fm"]
-        assert float(metrics["anchor_fm_reach"]) > 0 and anchor.reach["fm"] > 0  # a non-zero gradient either way
-        group = "transition" if mode == "module" else "coupling_lora"
-        assert float(metrics[f"grad_norm_fm_{group}"]) > 0 and f"grad_norm_rl_{group}" in metrics
-        assert ("barely change" in caplog.text) == (shares[gate] < MIN_LEVERAGE)
-    gates = [float(b.coupling.gate) for b in shipped.transformer.blocks]
-    assert max(abs(g) for g in gates) < 1e-3  # the shipped base: the latent-state path is closed
-    assert shares[None] < MIN_LEVERAGE <= shares[0.5]
+        trained = [n for n, p in adapter.transformer.named_parameters() if p.requires_grad]
+        assert anchor.paths["fm"] == len(trained)  # a gradient path to every trained tensor, open gates or not
+        reach[gate], norms[gate] = anchor.reach["fm"], float(metrics[f"grad_norm_fm_{group}"])
+        assert float(metrics["anchor_fm_reach"]) == reach[gate]
+        assert ("fm term reaches no trained group" in caplog.text) == (reach[gate] == 0)
+        assert [float(metrics[f"coupling_gate_{i}"]) for i in range(len(gates))] == pytest.approx(
+            gates if gate is None else [gate] * len(gates))
+        assert norms[gate] > 0 and f"grad_norm_rl_{group}" in metrics
+        if mode == "module":  # the transition term reads B's state directly: reached whatever the gates
+            assert anchor.reach["trans"] == len(trained) and anchor.shares["trans"]["transition"] >= REACH_FLOOR
+        else:
+            assert anchor.paths["trans"] == 0 and float(metrics["anchor_trans_reach"]) == 0.0
+    assert reach[None] == 0  # not reached with the shipped gates ...
+    # ... reached with open gates: every B tensor, or lora_B of q / k / v / out (lora_A's gradient is 0 at init)
+    assert reach[0.5] == (len(trained) if mode == "module" else len(trained) // 2)
+    assert norms[None] < REACH_FLOOR * norms[0.5]  # the per-step size says the same

@@ -51,8 +51,10 @@ def test_one_step_changes_exactly_b_and_the_coupling_lora(tmp_path, encode_cache
     assert any(_is_b(n) for n in changed)
     assert {_lora_layer(n) for n in changed if ".lora_B.default." in n} == COUPLING  # B = 0 at init: moved now
     n_b_params = len(list(t.get_submodule(B).parameters()))
-    assert row["train/anchor_fm_reach"] == n_b_params + 2 * len(COUPLING)  # the fm anchor reaches both kinds
-    assert row["train/anchor_trans_reach"] == n_b_params  # the predictor reads the state: B only
+    anchor = trainer.objective.anchor
+    assert anchor.paths["fm"] == n_b_params + 2 * len(COUPLING)  # the fm anchor has a path to both kinds ...
+    assert row["train/anchor_fm_reach"] == 0  # ... but reaches neither by size: demo:world's gates are ~0
+    assert row["train/anchor_trans_reach"] == n_b_params  # the predictor reads the state: B only, by size too
     if algorithm == "grpo":
         assert row["train/first_update_ratio_dev"] == 0.0
     assert trainer.state.contract["lora"] == {"trainable": "module+lora", "dropout": 0.0, "rank": 8, "alpha": 16.0,

@@ -68,6 +68,55 @@ PROVENANCE_NAME = "source_provenance.json"
 CLASS_NAME = "FlowforgeWorldModel"
 
 
+GATE_FLOOR = 1e-2
+"""A coupling gate under this size adds at most 1% of its attention output to the residual stream (demo:world's
+ended at ~1e-4 in SFT): :func:`gate_leverage_warnings` calls such a gate closed."""
+
+
+def gate_leverage_warnings(trainable: str, modules: Sequence[str] | None, gates: Sequence[float], *,
+                           threshold: float = GATE_FLOOR) -> list[str]:
+    """Warnings when what ``lora.trainable`` / ``lora.modules`` train can barely change the video: a trained set
+    that reaches the video only through the coupling attention (B or anything else in ``latent_state_rollout``,
+    or LoRA on the coupling's q / k / v / out) while no coupling gate is trained and every gate of ``gates`` (one
+    per block, any sign) is under ``threshold`` in size. Empty when a gate is trained or open, or nothing behind
+    the gates is trained."""
+    modules = tuple(modules or ())
+    through_state = [m for m in modules if m == "latent_state_rollout" or m.startswith("latent_state_rollout.")]
+    lora = "lora" in trainable and trainable != "full"
+    gates_trained = any(m == "blocks" or (m.startswith("blocks.") and (m.endswith(".coupling") or m.count(".") < 2))
+                        for m in modules)
+    if trainable == "full" or gates_trained or not (through_state or lora) or not gates:
+        return []
+    largest = max(abs(g) for g in gates)
+    if largest >= threshold:
+        return []
+    what = " and ".join([f"{through_state}"] * bool(through_state) + ["LoRA on the coupling attention"] * lora)
+    return [f"lora.trainable={trainable!r} trains {what}, which reach the video only through the coupling "
+            f"attention, but every coupling gate of this model is ~0 (max |gate| {largest:.1e} < {threshold}) "
+            "and none is trained: this run can barely change the video. Train the gates too (lora.modules "
+            "with blocks.<i>.coupling) or start from a model whose gates opened in SFT"]
+
+
+def read_coupling_gates(path: str | Path) -> list[float] | None:
+    """The coupling gate of every block (block order) read from the weights file of the world-model directory
+    ``path`` without building the network (``flowforge check``), or None when ``path`` holds no such file.
+
+    Raises:
+        OSError / safetensors errors: an unreadable weights file (loading would fail on it too).
+    """
+    import re
+
+    from safetensors import safe_open
+
+    weights = Path(path) / WEIGHTS_NAME
+    if not weights.is_file():
+        return None
+    pattern = re.compile(r"blocks\.(\d+)\.coupling\.gate")
+    with safe_open(str(weights), framework="pt") as f:
+        found = {int(m.group(1)): k for k in f.keys() if (m := pattern.fullmatch(k))}
+        return [float(f.get_tensor(found[i]).abs().max()) for i in sorted(found)]
+
+
 class WorldModelAdapter(AdapterMixin):
     """:class:`~flowforge.models.base.FlowModel` + ``ImageConditioned`` around a :class:`WorldModel`.
 
@@ -258,27 +307,11 @@ class WorldModelAdapter(AdapterMixin):
                 p.requires_grad_(True)
         return {n: p for n, p in self.transformer.named_parameters() if p.requires_grad}
 
-    def leverage_warnings(self, trainable: str, modules: Sequence[str] | None, *, threshold: float = 1e-2) -> list[str]:
-        """Warnings when what ``lora.trainable`` / ``lora.modules`` train can barely change the video: a trained set
-        that reaches the video only through the coupling attention (B or anything else in ``latent_state_rollout``,
-        or LoRA on the coupling's q / k / v / out) while no coupling gate is trained and every gate is under
-        ``threshold`` in size (then the coupling adds at most 1% of its attention output to the residual stream:
-        demo:world's gates ended at ~1e-4 in SFT)."""
-        modules = tuple(modules or ())
-        through_state = [m for m in modules if m == "latent_state_rollout" or m.startswith("latent_state_rollout.")]
-        lora = "lora" in trainable and trainable != "full"
-        gates_trained = any(m == "blocks" or (m.startswith("blocks.") and (m.endswith(".coupling") or m.count(".") < 2))
-                            for m in modules)
-        if trainable == "full" or gates_trained or not (through_state or lora):
-            return []
+    def leverage_warnings(self, trainable: str, modules: Sequence[str] | None, *,
+                          threshold: float = GATE_FLOOR) -> list[str]:
+        """:func:`gate_leverage_warnings` of this model's coupling gates."""
         gates = [float(b.coupling.gate.detach().abs().max()) for b in self.transformer.blocks]
-        if max(gates) >= threshold:
-            return []
-        what = " and ".join([f"{through_state}"] * bool(through_state) + ["LoRA on the coupling attention"] * lora)
-        return [f"lora.trainable={trainable!r} trains {what}, which reach the video only through the coupling "
-                f"attention, but every coupling gate of this model is ~0 (max |gate| {max(gates):.1e} < {threshold}) "
-                "and none is trained: this run can barely change the video. Train the gates too (lora.modules "
-                "with blocks.<i>.coupling) or start from a model whose gates opened in SFT"]
+        return gate_leverage_warnings(trainable, modules, gates, threshold=threshold)
 
     # ------------------------------------------------------------------ files
 

@@ -13,7 +13,8 @@ reward-hacking guard and the rollout chunking (:func:`flowforge.train.preflight.
 With ``this_machine=True`` (the default; ``flowforge check`` and ``train``) it also checks the config against this
 machine: ``run.device`` exists, ``model.path`` is a model directory (a Hub id not in the local cache is a warning, a
 problem offline), output and cache directories are directories, an explicit ``train.resume`` is committed, and one
-step's decoded media (a lower bound) fit in memory: a huge ``data.group_size`` is refused with an estimate.
+step's decoded media (a lower bound) fit in memory: a huge ``data.group_size`` is refused with an estimate. A world
+model's trained set behind closed coupling gates is a warning (the gates read from its weights file).
 
 What needs the loaded model -- the latent shape (``model.height`` / ``width`` / ``frames`` divisibility), LoRA
 targets that match no module, LoRA layers inside trained submodules (``module+lora``) when the targets are only
@@ -347,6 +348,24 @@ def _memory_problems(cfg: Config, world: int, counts: dict[str, int], problems: 
                             "eval.samples_per_prompt")
 
 
+def _leverage_warnings(cfg: Config, warnings: list[str]) -> None:
+    """A world model whose trained set sits behind closed coupling gates (B-only or coupling-LoRA on demo:world):
+    :func:`~flowforge.models.world_model.adapter.gate_leverage_warnings` of the gates read from its weights file, no
+    network built. Other adapters, and a path with no local weights file, are left to the loaded-model check."""
+    if cfg.model.adapter != "world_model":
+        return
+    from flowforge.demo.paths import is_demo_name, resolve_demo_path
+    from flowforge.models.world_model.adapter import gate_leverage_warnings, read_coupling_gates
+
+    try:
+        path = resolve_demo_path(cfg.model.path) if is_demo_name(cfg.model.path) else cfg.model.path
+        gates = read_coupling_gates(path)
+    except Exception:  # noqa: BLE001 - an unknown demo name or unreadable weights: named by the model checks / load
+        return
+    if gates is not None:
+        warnings.extend(gate_leverage_warnings(cfg.lora.trainable, cfg.lora.modules, gates))
+
+
 def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool = True) -> PreflightReport:
     """Check ``cfg`` as a whole (each section has checked its own values when it was built). Returns warnings;
     raises :class:`PreflightError` listing every error.
@@ -372,6 +391,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
         for check in (_device_problems, _directory_problems, _resume_problems, module_path_problems):
             check(cfg, problems)
         _memory_problems(cfg, world, counts, problems)
+        _leverage_warnings(cfg, warnings)
     objective = OBJECTIVES.get(cfg.train.algorithm)
     problems += objective.preflight_problems(cfg, world_size=world) if objective is not None else []
     problems += cfg.rollout.cross_problems(cfg.lora.trainable)  # engine vs lora.trainable, Ray installed

@@ -103,14 +103,15 @@ def loaded_memory_bytes(cfg: Config, latent_shape, lora_layers, world: int) -> i
     return step + evaluation + lora
 
 
-def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1) -> list[str]:
+def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tuple[str, ...] = ()) -> list[str]:
     """What only the loaded model can tell, checked right after it loads and before the run directory is written:
     ``model.height`` / ``width`` / ``frames`` fit the model (:meth:`FlowModel.latent_shape`: VAE factor x patch
     size), every ``lora.targets`` entry matches a layer LoRA can adapt, under ``module+lora`` no LoRA layer is at,
     inside or around a trained submodule (:func:`flowforge.models.trained_parts.check_disjoint`), and the memory a
     step needs (:func:`loaded_memory_bytes`) fits what is available now on ``run.device``. Returns (and logs) the
     warnings of an adapter's ``leverage_warnings`` hook: a trained set that can barely change the output (a world
-    model's B or coupling LoRA behind closed coupling gates).
+    model's B or coupling LoRA behind closed coupling gates); one already in ``already`` (what :func:`preflight`
+    warned, from the weights file) is returned but not logged again.
 
     Raises:
         UserError: naming every such problem at once (``"after loading model.path=...: <problems>"``).
@@ -140,5 +141,6 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1) -> list[str
     hook = getattr(adapter, "leverage_warnings", None)
     warnings = hook(cfg.lora.trainable, cfg.lora.modules) if hook is not None else []
     for warning in warnings:
-        logging.getLogger("flowforge").warning(warning)
+        if warning not in already:
+            logging.getLogger("flowforge").warning(warning)
     return warnings

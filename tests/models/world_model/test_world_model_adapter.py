@@ -186,3 +186,32 @@ def test_leverage_warnings_with_the_shipped_gates():
         for block in shipped.transformer.blocks:
             block.coupling.gate.fill_(0.5)
     assert shipped.leverage_warnings("module", b_only) == []
+
+
+@pytest.mark.parametrize(("overrides", "warned"), [
+    (["lora.modules=[latent_state_rollout.transition]"], "['latent_state_rollout.transition']"),  # B-only
+    (["lora.trainable=lora", "lora.modules=null", "lora.rank=8", "lora.alpha=16"], "LoRA on the coupling"),
+    ([], None)])  # the example trains the gates
+def test_flowforge_check_warns_from_the_shipped_weights(tmp_path, caplog, overrides, warned):
+    """`flowforge check` (no model built) reads demo:world's gates from its weights file and warns as the loaded
+    model does; at train start the loaded check does not log the same warning a second time."""
+    from flowforge.config import load_config
+    from flowforge.demo.paths import resolve_demo_path
+    from flowforge.models.world_model.adapter import read_coupling_gates
+    from flowforge.train.preflight import preflight
+    from flowforge.train.preflight.loaded import check_loaded_model
+    from tests.cli.test_errors import run_cli
+
+    example = pathlib.Path(__file__).resolve().parents[3] / "examples" / "worldmodel" / "nft.yaml"
+    rc, stdout, stderr = run_cli(["check", example, *overrides], tmp_path)
+    assert rc == 0 and stdout == f"OK: {example}\n", stderr
+    assert ("barely change the video" in stderr) == (warned is not None) and (warned or "") in stderr
+    shipped = build_adapter("world_model", str(resolve_demo_path("demo:world")), task="i2v")
+    gates = read_coupling_gates(resolve_demo_path("demo:world"))
+    assert gates == [float(b.coupling.gate.detach().abs()) for b in shipped.transformer.blocks] and max(gates) < 1e-3
+    cfg = load_config(example, overrides)
+    static = preflight(cfg).warnings
+    with caplog.at_level("WARNING"):
+        loaded = check_loaded_model(cfg, shipped, already=static)
+    assert [w for w in static if "barely change" in w] == loaded  # the same words from the file and the model
+    assert "barely change" not in caplog.text
