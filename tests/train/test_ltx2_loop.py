@@ -1,0 +1,57 @@
+"""LTX-2 audio-video on the real training loop (``flowforge.train.trainer.Trainer``): a tiny random ``LTX2Pipeline``
+saved with ``save_pretrained``, loaded through ``model.adapter=ltx2``; 2 steps of LoRA GRPO (with CFG: the first
+update ratio exactly 1) and NFT over the joint video | audio latent (tests/train/test_families_loop.py's checks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowforge.config import load_config
+from tests.models import tiny_av_families
+from tests.models import tiny_families as tiny
+from tests.train.test_families_loop import EXTRA_WORDS, prompt_files, read_jsonl, train_and_check  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ltx2_dir(tmp_path_factory):
+    from diffusers import LTX2Pipeline
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tiny, "WORDS", list(tiny.WORDS) + EXTRA_WORDS)  # > 1000 tokens: passes the loader's guard
+    try:
+        components = tiny_av_families.ltx2_components()
+    finally:
+        mp.undo()
+    path = tmp_path_factory.mktemp("tiny_ltx2")
+    LTX2Pipeline(**components).save_pretrained(str(path))
+    return path
+
+
+def ltx2_cfg(model_dir, tmp_path, prompts, *extra):
+    return load_config(None, [
+        "model.adapter=ltx2", f"model.path={model_dir}", "model.height=32", "model.width=32", "model.frames=5",
+        "model.task=t2v", f"run.output_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.prompts={prompts['t2v', 'train']}", f"data.eval_prompts={prompts['t2v', 'eval']}",
+        "data.prompts_per_step=2", "data.group_size=4", "sampler.num_steps=4", "sampler.num_sde_steps=2",
+        "sampler.schedule=dynamic", "train.micro_batch_size=2", "train.num_updates_per_batch=2", "train.steps=2",
+        "train.lr=1e-2", "grpo.clip_low=1e-3", "eval.max_prompts=2", "eval.every=0",
+        "reward.weights={jpeg_compressibility: 1.0}", *extra])
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "nft"])
+def test_ltx2_trains_on_the_real_loop(algorithm, ltx2_dir, prompt_files, tmp_path):
+    from flowforge.train.trainer import Trainer
+
+    guidance = 3.0 if algorithm == "grpo" else 1.0
+    cfg = ltx2_cfg(ltx2_dir, tmp_path, prompt_files, f"run.name=ltx2-{algorithm}", f"train.algorithm={algorithm}",
+                   f"sampler.guidance_scale={guidance}")
+    trainer = Trainer(cfg, progress=False)
+    assert type(trainer.adapter).__module__ == "flowforge.models.ltx2"
+    assert trainer.latent_shape == (3 * 16 * 16 + 5, 4)  # video tokens | audio tokens
+    torch.testing.assert_close(trainer.sigmas, trainer.adapter.pipeline_sigmas(4, 32, 32))
+    train_and_check(trainer, algorithm)
