@@ -146,6 +146,15 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
 
 
 # ------------------------------------------------------------------------------------------------ the page
+def _saved(savings: dict) -> str:
+    """The savings in words: a C stopped early can have audited more groups than it trained on, which is a cost,
+    not a negative saving."""
+    saved, audits = savings["teacher_requests_saved"], savings["audit_groups"]
+    if saved >= 0:
+        return f"{saved} teacher requests saved after {audits} audit groups"
+    return f"none: its {audits} audit groups cost {-saved} teacher requests more than judging C's groups would have"
+
+
 _STATUS = {"done": ("good", "finished"), "gate_failed": ("bad", "stopped at the quality gate"),
            "audit_stopped": ("bad", "stopped by a teacher audit"),
            "budget_exhausted": ("bad", "stopped: the teacher budget would be exceeded")}
@@ -339,8 +348,7 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
                          f"pairwise accuracy {_num(last['pairwise_accuracy'])} on {_num(last['groups'])} groups "
                          f"({'passed' if last['passed'] else 'failed'})"))
     sv = summary["savings"]
-    facts.append(esc(f"C trained on {sv['c_groups']} groups with the student's reward: "
-                     f"{sv['teacher_requests_saved']} teacher requests saved after {sv['audit_groups']} audit groups"))
+    facts.append(esc(f"C trained on {sv['c_groups']} groups with the student's reward: {_saved(sv)}"))
     if summary["last_good_checkpoint"]:
         facts.append(esc(f"last good checkpoint: {summary['last_good_checkpoint']}"))
     figure = figure_tag(_plot_agreement(points, pcfg), "teacher-student agreement over the pass") if points else ""
@@ -380,7 +388,7 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
                    ("groups judged in C's audits", esc(t["audit_groups"])),
                    ("groups dropped without scores", esc(t["failed_groups"])),
                    ("groups C trained on with the student", esc(sv["c_groups"])),
-                   ("teacher requests saved", esc(sv["teacher_requests_saved"]))]
+                   ("teacher requests saved (C's groups minus its audits)", esc(_saved(sv)))]
     if log_:
         budget_rows.append(("teacher server's own log", esc(
             f"{log_['requests']} requests received for {log_['groups']} groups; most billed for one group: "

@@ -12,8 +12,9 @@ probe             what changes / when the gate fails
                   difference (one-sided, p < 0.01), i.e. the student ranks as well without seeing the candidates.
 ``position``      the candidates presented in another order (rotated by one place; labels stay in place), scores
                   mapped back to the candidates; ``order_consistency`` = mean Spearman between the student's scores
-                  of the same candidates in both orders. Fails the gate when the re-ordered agreement does not pass
-                  the Spearman and pairwise thresholds itself (a student that scores positions drops to chance).
+                  of the same candidates in both orders. Fails the gate when the student passes the Spearman and
+                  pairwise thresholds in the presented order but not re-ordered (a student that scores positions
+                  drops to chance); one below them in both orders is failed by the gate's agreement alone.
 ``no_reference``  the reference removed (groups that have one; NaN otherwise). Reported, never failing: a student
                   may rank well without the reference.
 ================  ===================================================================================================
@@ -98,7 +99,13 @@ def shortcut_probes(student: Any, groups: Sequence[JudgedGroup], thresholds: Any
                    if not (torch.isnan(b).any() or torch.isnan(o).any())]
     position["order_consistency"] = sum(consistency) / len(consistency) if consistency else math.nan
     rho, pairs = position["spearman"], position["pairwise_accuracy"]
-    if not (rho >= thresholds.min_spearman and pairs >= thresholds.min_pairwise_accuracy):
+
+    def passes(a: dict) -> bool:
+        return a["spearman"] >= thresholds.min_spearman and a["pairwise_accuracy"] >= thresholds.min_pairwise_accuracy
+
+    # a shortcut only when the order is what made it pass: a student below the thresholds in the presented order
+    # is failed by the gate's own agreement check, and re-ordering it proves nothing more
+    if passes(agreement(base, teacher)) and not passes(position):
         reasons.append(f"with the candidates re-ordered the student's agreement falls to Spearman {rho:.3g} / pairwise "
                        f"{pairs:.3g} (position shortcut; thresholds {thresholds.min_spearman:g} / "
                        f"{thresholds.min_pairwise_accuracy:g})")

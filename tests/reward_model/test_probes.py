@@ -60,6 +60,10 @@ def test_shortcut_students_are_failed_by_their_probe(tmp_path):
     assert verdict["test"]["spearman"] > 0.99 and not verdict["passed"]
     assert any("position shortcut" in r for r in verdict["reasons"])
     assert verdict["probes"]["position"]["order_consistency"] < 0.5
+    # scoring positions on groups in the teacher's random order: below the thresholds in either order, so the gate's
+    # own agreement fails it and no position shortcut is claimed
+    verdict = gate_on_test(PositionStudent(), groups, THRESHOLDS)
+    assert not verdict["passed"] and not any("position shortcut" in r for r in verdict["reasons"])
     verdict = gate_on_test(BlindStudent(), groups, THRESHOLDS)
     assert verdict["test"]["spearman"] > 0.99 and not verdict["passed"]
     assert any("prompt-only baseline" in r for r in verdict["reasons"])
