@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from flowforge.rewards.base import RewardScorer
-from flowforge.runtime.distributed import DistInfo
+from flowforge.runtime.distributed import DistInfo, portable_error
 
 Flags = dict[str, Tensor]  # flag name -> [n] bool on the CPU
 Call = tuple[Tensor, list[str], list[dict[str, Any]]]  # (media [n, ...], n prompts, n metadata): one scorer call
@@ -148,7 +148,9 @@ def score_groups_across_ranks(name: str, scorer: RewardScorer, media: Tensor, pr
         ``(scores [B] float32 on media's device, flags (name -> [B] bool), number of groups over all ranks)``.
 
     Raises:
-        ValueError: as :func:`call_scorer` (on the owning rank).
+        ValueError: as :func:`call_scorer`. Whatever an owning rank's scorer raised (a spent judge budget, say) is
+            raised on every rank (on the others as the same exception when it pickles, else a RuntimeError quoting
+            it), so the ranks stop together instead of waiting for each other.
     """
     import torch.distributed as tdist
 
@@ -171,9 +173,13 @@ def score_groups_across_ranks(name: str, scorer: RewardScorer, media: Tensor, pr
                     for i, gi, m, p, md in incoming[r] if gi == g]
         members.sort(key=lambda member: (member[0], member[1]))
         owned.append(members)
-    results = call_many(name, scorer, len(owned), lambda k: (torch.stack([m[2] for m in owned[k]]),
-                                                             [m[3] for m in owned[k]], [m[4] for m in owned[k]]))
-    for members, (out, out_flags) in zip(owned, results, strict=True):
+    try:
+        results = call_many(name, scorer, len(owned), lambda k: (torch.stack([m[2] for m in owned[k]]),
+                                                                 [m[3] for m in owned[k]], [m[4] for m in owned[k]]))
+        error = None
+    except Exception as exc:  # the other ranks still wait for this rank's scores: tell them, then raise everywhere
+        results, error = [], exc
+    for members, (out, out_flags) in zip(owned if error is None else [], results, strict=True):
         for j, (r, i, *_) in enumerate(members):
             member_flags = {f: bool(v[j]) for f, v in out_flags.items()}
             if r == rank:
@@ -183,8 +189,13 @@ def score_groups_across_ranks(name: str, scorer: RewardScorer, media: Tensor, pr
             else:
                 returned.append((r, i, float(out[j]), member_flags))
     back: list[Any] = [None] * world
-    tdist.all_gather_object(back, returned)
-    for r, i, value, member_flags in (item for part in back for item in part):
+    tdist.all_gather_object(back, (returned, None if error is None else portable_error(error)))
+    if error is not None:
+        raise error
+    failed = next((e for _, e in back if e is not None), None)
+    if failed is not None:  # the owner's error (e.g. a spent judge budget) on every rank, so every rank stops alike
+        raise failed
+    for r, i, value, member_flags in (item for part, _ in back for item in part):
         if r == rank:
             scores[i] = value
             for f, v in member_flags.items():

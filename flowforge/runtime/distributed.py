@@ -136,6 +136,17 @@ def all_gather_objects(item: object) -> list[object]:
     return out
 
 
+def portable_error(error: Exception) -> Exception:
+    """``error`` when it survives pickling (to be raised on the other ranks too), else a RuntimeError quoting it."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 def broadcast_from_main(item: object) -> object:
     """Rank 0's ``item`` on every process of the default group (picklable; ``item`` itself when no process group is
     initialised). A collective: every process must call it (the others' ``item`` is ignored)."""

@@ -3,7 +3,7 @@
 Usage: python tests/rewards/group_worker.py OUT_FILE. For each layout in :data:`LAYOUTS` this rank scores its share
 of the candidates (shuffled) with a group scorer and a per-sample scorer, and saves the scores, the metrics and the
 groups its scorer was called with to ``OUT_FILE.rank<R>``; then again with a ``single_client`` group scorer
-(every group scored on rank 0).
+(every group scored on rank 0), and with one that raises (every rank must raise it).
 """
 
 import sys
@@ -19,6 +19,19 @@ LAYOUTS = {
     "unequal": ([0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [slice(0, 4), slice(4, 10)]),  # group 1: 1 member on rank 0, 3 on 1
     "trainer": ([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], [slice(0, 6), slice(6, 12)]),  # M=3 x K=4: group 1 split 2 / 2
 }
+
+
+class Spent:
+    """A single-client group scorer whose every call fails as a judge with a spent budget does."""
+
+    name = "spent"
+    needs_group = True
+    single_client = True
+
+    def __call__(self, media, prompts, metadata):
+        from flowforge.rewards.judge.ledger import BudgetExhausted
+
+        raise BudgetExhausted("teacher budget spent")
 
 
 def canonical_batch(group_ids):
@@ -53,6 +66,13 @@ def main() -> None:
             media[share], [prompts[i] for i in rows], [meta[i] for i in rows], torch.tensor(group_ids)[share],
             dist=info)
         record[name]["single"] = {"components": components, "calls": single.calls}
+        try:  # rank 0's scorer fails (a spent judge budget): every rank raises it, none waits for the scores
+            RewardProcessor({"spent": Spent()}, {"spent": 1.0})(
+                media[share], [prompts[i] for i in rows], [meta[i] for i in rows], torch.tensor(group_ids)[share],
+                dist=info)
+            record[name]["raised"] = None
+        except Exception as exc:
+            record[name]["raised"] = f"{type(exc).__name__}: {exc}"
     torch.save(record, f"{out}.rank{info.rank}")
     dist_lib.shutdown()  # a group left to interpreter teardown can abort the rank after its work is done
     dist_lib.exit_now(0)

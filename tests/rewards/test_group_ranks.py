@@ -50,6 +50,7 @@ def test_group_scorer_sees_groups_split_across_ranks_whole(tmp_path):
         # whole and once
         single = ranks[0][name]["single"]["calls"]
         assert ranks[1][name]["single"]["calls"] == [] and len(single) == 3
+        assert [r[name]["raised"] for r in ranks] == ["BudgetExhausted: teacher budget spent"] * 2
         assert sorted(map(sorted, single)) == sorted(list(range(s)) for s in torch.bincount(gids).tolist())
 
 
