@@ -86,6 +86,14 @@ def _load_ltx2(path: str, task: str = "t2v", **kw: Any):
     return load_ltx2(path, task=task, **kw)
 
 
+def _load_hunyuan_video15(path: str, task: str | None = None, **kw: Any):
+    from flowforge.models.hunyuan_video15 import HUNYUAN_VIDEO15_TASKS, load_hunyuan_video15
+
+    if task is not None:
+        _check_task("hunyuan_video15", task, HUNYUAN_VIDEO15_TASKS)
+    return load_hunyuan_video15(path, task=task, **kw)
+
+
 def _load_world_model(path: str, task: str = "i2v", **kw: Any):
     from flowforge.models.world_model.adapter import load_world_model
 
@@ -101,6 +109,7 @@ ADAPTERS: dict[str, Callable[..., FlowModel]] = {
     "z_image": _load_z_image,
     "flux2": _load_flux2,
     "ltx2": _load_ltx2,
+    "hunyuan_video15": _load_hunyuan_video15,
 }
 """Registered model families: name → loader ``(path, *, task, dtype, device, ...) -> FlowModel``."""
 
@@ -114,6 +123,7 @@ ADAPTER_CLASSES: dict[str, str] = {
     "z_image": "flowforge.models.z_image:ZImageAdapter",
     "flux2": "flowforge.models.flux2:Flux2Adapter",
     "ltx2": "flowforge.models.ltx2:LTX2Adapter",
+    "hunyuan_video15": "flowforge.models.hunyuan_video15:HunyuanVideo15Adapter",
 }
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 
