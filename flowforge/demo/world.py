@@ -105,6 +105,37 @@ def inverse_dynamics_accuracy(model: InverseDynamicsNet, video: Tensor, actions:
     return (pred == actions[:, 1:-1].to(pred.device)).float().mean(1)
 
 
+def command_lift(probs: Tensor, actions: Tensor) -> Tensor:
+    """``[B]`` float32 in [-1, 1]: the agreement of per-transition action probabilities ``probs [B, F - 2, 3]``
+    (transitions ``1..F-2``; one-hot predictions give accuracy) with the commands ``actions [B, F]``, minus its
+    mean over every reordering of each clip's own commands: ``mean_t q_t(a_t) - mean_t sum_a f(a) q_t(a)`` with
+    ``f`` the clip's command histogram over those transitions (a permutation null).
+
+    Chance is 0: a video whose predictions do not change over time (still, parked) scores exactly 0 on every clip,
+    one whose motion does not depend on the commands 0 in expectation; a clip whose commands are all one action
+    scores 0 whatever the video.
+
+    Raises:
+        ValueError: shapes that do not match.
+    """
+    if probs.ndim != 3 or actions.ndim != 2 or probs.shape[:2] != (actions.shape[0], actions.shape[1] - 2):
+        raise ValueError(f"probs must be [B, F - 2, {len(ACTIONS)}] for actions [B, F], got {tuple(probs.shape)} and "
+                         f"{tuple(actions.shape)}")
+    cmd = nn.functional.one_hot(actions[:, 1:-1].long().to(probs.device), len(ACTIONS)).float()  # [B, T, 3]
+    agree = (probs.float() * cmd).sum(-1).mean(1)
+    null = (probs.float() * cmd.mean(1, keepdim=True)).sum(-1).mean(1)
+    return agree - null
+
+
+@torch.no_grad()
+def inverse_dynamics_lift(model: InverseDynamicsNet, video: Tensor, actions: Tensor) -> Tensor:
+    """``[B]`` float32: :func:`inverse_dynamics_accuracy` minus its mean over reorderings of each clip's commands
+    (:func:`command_lift` of the one-hot predictions; chance 0)."""
+    b, f = video.shape[:2]
+    pred = model(triplets(video.float()).flatten(0, 1)).argmax(-1).view(b, f - 2)
+    return command_lift(nn.functional.one_hot(pred, len(ACTIONS)).float(), actions)
+
+
 def save_inverse_dynamics(model: InverseDynamicsNet, path: str | pathlib.Path = IDM_PATH) -> None:
     """Write the judge's weights (safetensors, metadata: its seed and training data)."""
     from safetensors.torch import save_file

@@ -18,8 +18,9 @@ from typing import Any
 from flowforge.rewards.base import RewardScorer
 from flowforge.rewards.byo import build_imported, check_import_spec, is_import_spec, load_factory
 from flowforge.rewards.judge.client import VLMJudge
-from flowforge.rewards.scorers.action_following import ActionFollowingScorer
+from flowforge.rewards.scorers.action_following import ActionFollowingScorer, InverseDynamicsReward
 from flowforge.rewards.scorers.aesthetic import AestheticScorer
+from flowforge.rewards.scorers.av_sync import AVOnsetSync
 from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
@@ -28,7 +29,7 @@ from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressib
 from flowforge.rewards.scorers.ocr import OcrScorer
 from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
-from flowforge.rewards.scorers.world_eval import InverseDynamicsScorer, WorldPSNR, WorldSSIM
+from flowforge.rewards.scorers.world_eval import InverseDynamicsLift, InverseDynamicsScorer, WorldPSNR, WorldSSIM
 
 SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "digit": DigitScorer,
@@ -44,9 +45,12 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "remote": RemoteScorer,
     "vlm_judge": VLMJudge,
     "action_following": ActionFollowingScorer,
+    "action_idm": InverseDynamicsReward,
     "inverse_dynamics": InverseDynamicsScorer,
+    "inverse_dynamics_lift": InverseDynamicsLift,
     "world_psnr": WorldPSNR,
     "world_ssim": WorldSSIM,
+    "av_onset_sync": AVOnsetSync,
 }
 """Built-in scorer names and their factories."""
 

@@ -13,6 +13,12 @@ Inputs: ``media [B, 3, F, H, W]`` (whole videos) or the trainer's frame-flattene
 frames consecutive and every frame carrying its video's metadata; then each frame row returns its video's score, so
 the per-frame mean the trainer takes is the video's score). Actions come from ``metadata[i]["actions"]`` (names or
 ids, one per frame) or, without that key, from the prompt (space-separated names, the world model's prompt format).
+
+``action_idm`` (:class:`InverseDynamicsReward`) is the learned alternative with the same inputs: an inverse-dynamics
+model of the paddle band trained on real clips of another recording (:mod:`flowforge.demo.world_reward`), scored
+against a within-clip shuffle of the commands (chance 0; a video whose predicted actions never change scores 0).
+The eval judge ``inverse_dynamics`` (:mod:`flowforge.rewards.scorers.world_eval`) is a model of another
+architecture, seed and recording.
 """
 
 from __future__ import annotations
@@ -44,16 +50,18 @@ def commanded_actions(prompt: str, metadata: dict[str, Any]) -> list[int]:
     return action_ids([str(a) for a in raw])
 
 
-class ActionFollowingScorer:
-    """Reward = fraction of transitions whose paddle motion agrees with the commanded action (module docstring)."""
+class VideoActionScorer:
+    """Base of the scorers that judge a whole clip's action following: takes whole videos or the trainer's
+    frame-flattened rows (module docstring) and hands :meth:`score_clips` grey clips with their commanded action
+    ids."""
 
-    name = "action_following"
+    name = "video_action"
     needs_group: ClassVar[bool] = False
     takes_video: ClassVar[bool] = True  # scores whole clips: give it [B, 3, F, H, W] when the caller can
 
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         """``media [B, 3, F, H, W]`` (or frame-flattened ``[B * F, 3, H, W]``) in [0, 1] -> ``[B]`` (``[B * F]``)
-        float32 in [0, 1] on ``media``'s device.
+        float32 on ``media``'s device.
 
         Raises:
             ValueError: bad shapes; prompts / metadata not one per row; actions not one per frame; flattened rows
@@ -79,7 +87,7 @@ class ActionFollowingScorer:
 
     @torch.no_grad()
     def score_videos(self, video: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
-        """``video [B, 3, F, H, W]`` in [0, 1] -> ``[B]`` float32: the mean agreement of transitions ``1..F-2``.
+        """``video [B, 3, F, H, W]`` in [0, 1] -> ``[B]`` float32 (:meth:`score_clips` of its grey frames).
 
         Raises:
             ValueError: not ``[B, 3, F >= 3, H, W]``; lengths; a video whose actions are not ``F``.
@@ -93,6 +101,39 @@ class ActionFollowingScorer:
         if any(len(a) != f for a in actions):
             raise ValueError(f"every video needs one action per frame ({f}); got {sorted({len(a) for a in actions})}")
         grey = video.float().mean(dim=1).cpu()  # [B, F, H, W]
-        positions = paddle_position(grey)
-        agree = paddle_agreement(positions, torch.tensor(actions, dtype=torch.long), size=video.shape[-1])
-        return agree.mean(dim=1).to(video.device)
+        return self.score_clips(grey, torch.tensor(actions, dtype=torch.long)).to(video.device)
+
+    def score_clips(self, grey: Tensor, actions: Tensor) -> Tensor:
+        """Grey clips ``[B, F, H, W]`` in [0, 1] (CPU) and action ids ``[B, F]`` -> ``[B]`` float32."""
+        raise NotImplementedError
+
+
+class ActionFollowingScorer(VideoActionScorer):
+    """Reward = fraction of transitions whose paddle motion agrees with the commanded action (module docstring)."""
+
+    name = "action_following"
+
+    def score_clips(self, grey: Tensor, actions: Tensor) -> Tensor:
+        """The mean paddle-rule agreement of transitions ``1..F-2``, in [0, 1]."""
+        agree = paddle_agreement(paddle_position(grey), actions, size=grey.shape[-1])
+        return agree.mean(dim=1)
+
+
+class InverseDynamicsReward(VideoActionScorer):
+    """``action_idm``: the inverse-dynamics training reward (:mod:`flowforge.demo.world_reward`): the paddle-band
+    model's probability of each commanded action minus its mean over the clip's commands reordered, in [-1, 1];
+    chance is 0 and a video whose predicted actions do not change over time scores exactly 0. ``weights``: its
+    safetensors file (default the shipped ``flowforge/demo/weights/world_reward_idm.safetensors``)."""
+
+    name = "action_idm"
+
+    def __init__(self, weights: str | None = None):
+        from flowforge.demo.world_reward import REWARD_IDM_PATH, load_band_idm
+
+        self.model = load_band_idm(weights or REWARD_IDM_PATH)
+
+    def score_clips(self, grey: Tensor, actions: Tensor) -> Tensor:
+        """:func:`flowforge.demo.world_reward.idm_reward` of the model's action probabilities."""
+        from flowforge.demo.world_reward import action_probabilities, idm_reward
+
+        return idm_reward(action_probabilities(self.model, grey), actions)

@@ -1,11 +1,16 @@
 """Evaluation scorers of the world-model demo: a second action-following judge and realism against the real future.
 
 =========================  ===========================================================================================
-name                       score of a generated clip ``[3, F, H, W]`` in [0, 1]
+name                       score of a generated clip ``[3, F, H, W]`` (in [0, 1]; the lift in [-1, 1])
 =========================  ===========================================================================================
 ``inverse_dynamics``       fraction of transitions ``1..F-2`` whose action, as predicted by the inverse-dynamics
                            judge trained on real clips (:class:`flowforge.demo.world.InverseDynamicsNet`), is the
                            commanded one: an action-following judge independent of the paddle rule
+``inverse_dynamics_lift``  the same judge's accuracy minus its mean over every reordering of the clip's own
+                           commands (:func:`flowforge.demo.world.inverse_dynamics_lift`): chance 0, and a video whose
+                           predicted actions never change (still, parked at a wall) scores exactly 0, where its
+                           accuracy can exceed the shuffled-action null (parked at the right wall the judge reads
+                           LEFT, the most frequent command)
 ``world_psnr``             PSNR (dB) against the real clip, the mean over frames ``1..F-1`` (frame 0 is the given
                            condition) -- :func:`flowforge.algorithms.video_metrics.psnr`
 ``world_ssim``             SSIM against the real clip, the mean over frames ``1..F-1``
@@ -112,19 +117,38 @@ class InverseDynamicsScorer:
 
         self.model = load_inverse_dynamics(weights or IDM_PATH)
 
+    @staticmethod
+    def judge(model, grey: Tensor, actions: Tensor) -> Tensor:
+        """Grey clips ``[B, F, H, W]`` and action ids ``[B, F]`` -> ``[B]``: the judge's accuracy."""
+        from flowforge.demo.world import inverse_dynamics_accuracy
+
+        return inverse_dynamics_accuracy(model, grey, actions)
+
     @torch.no_grad()
     def __call__(self, video: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
-        """``video [B, 3, F, H, W]`` in [0, 1] -> ``[B]`` float32 in [0, 1].
+        """``video [B, 3, F, H, W]`` in [0, 1] -> ``[B]`` float32 (accuracy in [0, 1], lift in [-1, 1]).
 
         Raises:
             ValueError: bad shapes; actions not one per frame.
         """
-        from flowforge.demo.world import inverse_dynamics_accuracy
-
         _check_video(video, prompts, metadata)
         f = video.shape[2]
         actions = [commanded_actions(p, m) for p, m in zip(prompts, metadata)]
         if any(len(a) != f for a in actions):
             raise ValueError(f"every video needs one action per frame ({f})")
         grey = video.float().mean(1).cpu()
-        return inverse_dynamics_accuracy(self.model, grey, torch.tensor(actions, dtype=torch.long)).to(video.device)
+        return self.judge(self.model, grey, torch.tensor(actions, dtype=torch.long)).to(video.device)
+
+
+class InverseDynamicsLift(InverseDynamicsScorer):
+    """The inverse-dynamics judge's accuracy over the within-clip shuffle of the commands, in [-1, 1], chance 0
+    (module table)."""
+
+    name = "inverse_dynamics_lift"
+
+    @staticmethod
+    def judge(model, grey: Tensor, actions: Tensor) -> Tensor:
+        """Grey clips ``[B, F, H, W]`` and action ids ``[B, F]`` -> ``[B]``: the judge's lift over the null."""
+        from flowforge.demo.world import inverse_dynamics_lift
+
+        return inverse_dynamics_lift(model, grey, actions)

@@ -1,6 +1,6 @@
 """World-model eval scorers on real Breakout clips: the inverse-dynamics judge (true actions high, another clip's
-lower), both action judges (the training rule and the inverse-dynamics model) at or below chance on command-blind
-videos, PSNR / SSIM against the real clip strips written with the prompts."""
+lower), every action judge (the rule, the inverse-dynamics reward action_idm, the judge and its lift) at or below
+chance on command-blind videos, PSNR / SSIM against the real clip strips written with the prompts."""
 
 import pytest
 import torch
@@ -46,6 +46,39 @@ def test_command_blind_videos_score_at_or_below_chance_under_both_judges(real):
         for name, fake in degenerate_videos(video).items():
             score = float(scorer(fake[:, None].expand(-1, 3, -1, -1, -1), prompts, meta).mean())
             assert score <= level, (scorer.name, name, score, level)
+
+
+def shuffled_null(scorer, media, names, rolls=4):
+    """The scorer's mean over the real clips judged against another clip's actions (``rolls`` different shifts)."""
+    out = []
+    for k in range(1, rolls + 1):
+        other = names[k:] + names[:k]
+        out.append(scorer(media, [" ".join(n) for n in other], [{"actions": n} for n in other]))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", ["action_idm", "inverse_dynamics_lift"])
+def test_command_blind_videos_score_at_or_below_the_shuffled_null_under_the_lifts(real, name):
+    """The training reward (action_idm) and the judge's lift: chance is 0 by construction, the shuffled-action null
+    measures it (within its sampling error), the true actions are far above it, and a parked paddle, a still video, a
+    random one and a bright bar score at or below it (within 3 standard errors of their own per-clip scores; the
+    still and parked videos, whose predictions never change, exactly 0)."""
+    from tests.data.test_paddle import degenerate_videos
+
+    media, names, _ = real
+    scorer = build_scorer(name)
+    prompts, meta = [" ".join(n) for n in names], [{"actions": n} for n in names]
+    null = shuffled_null(scorer, media, names)
+    se = float(null.std() / null.numel() ** 0.5)
+    assert abs(float(null.mean())) <= 3 * se, (float(null.mean()), se)  # the null measures chance 0
+    true = scorer(media, prompts, meta)
+    assert float(true.mean()) > float(null.mean()) + 0.25
+    for fake_name, fake in degenerate_videos(media[:, :1]).items():
+        score = scorer(fake[:, None].expand(-1, 3, -1, -1, -1), prompts, meta)
+        bound = 3 * float(score.std() / score.numel() ** 0.5) + 1e-6  # + float32 rounding of an exact 0
+        assert float(score.mean()) <= max(0.0, float(null.mean())) + bound, (name, fake_name, float(score.mean()))
+        if fake_name in ("still", "parked_left", "parked_right"):
+            assert float(score.abs().max()) < 1e-5  # time-constant predictions: exactly chance
 
 
 def test_psnr_ssim_against_the_real_clip(real):

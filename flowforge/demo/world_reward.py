@@ -1,0 +1,253 @@
+"""The world-model demo's training reward: an inverse-dynamics model of the paddle band, scored against a
+within-clip shuffle of the commands, so that a video that ignores its commands earns nothing.
+
+=======================================  ===========================================================================
+name / file                              what
+=======================================  ===========================================================================
+``weights/world_reward_idm.safetensors``  :class:`BandInverseDynamicsNet` (73 k parameters, 293 KB), written by
+                                         ``python -m flowforge.demo.world_reward`` (:func:`train_band_idm` on the
+                                         recording :data:`REWARD_DATA`, one thread, seed :data:`REWARD_SEED`)
+scorer ``action_idm``                    :func:`idm_reward` of a generated clip, the training reward
+                                         (:class:`flowforge.rewards.scorers.action_following.InverseDynamicsReward`)
+=======================================  ===========================================================================
+
+**Model.** :class:`BandInverseDynamicsNet` reads only the bottom :data:`BAND_ROWS` rows of three consecutive frames
+``(t - 1, t, t + 1)`` (where the paddle and the ball near it are) as ``3 x BAND_ROWS`` channels of a 1-D
+convolution along the columns, then a linear head over every column (position matters: at a wall a held action
+leaves the paddle still), and predicts the action held at frame ``t`` (NOOP / LEFT / RIGHT). Its receptive field
+in time is exactly ``t - 1 .. t + 1``: a wider one would learn the recording policy's habit of holding an action
+for several steps rather than the game.
+
+**Independent of the eval judge** (:class:`flowforge.demo.world.InverseDynamicsNet`, ``inverse_dynamics``): another
+architecture (band-only 1-D convolution vs a strided 2-D CNN over whole frames), another seed (:data:`REWARD_SEED`
+= 2 vs 1), another recording (:data:`REWARD_DATA`: ``AtariDataConfig(seed=1)``, all 64 episodes, whose emulator and
+policy seeds differ from the demo recording's; the judge trains on the demo recording's train episodes and both
+are measured on its held-out episodes, the ``demo:world-eval`` prompts), and brightness augmentation (each training
+triplet scaled by a gain drawn from :data:`GAIN_RANGE` and given Gaussian noise of std :data:`NOISE_STD`: the
+world model draws its paddle fainter than the game; the judge sees clean frames only).
+
+**Score** (:func:`idm_reward`). With ``q_t`` the model's probabilities for transition ``t = 1..F-2`` and ``f`` the
+clip's own histogram of commands over those transitions, a clip scores
+
+    ``mean_t q_t(a_t) - mean_t sum_a f(a) q_t(a)``
+
+the agreement with the commands minus its mean over every reordering of the clip's commands (a permutation
+null). So a video whose predicted actions do not change over time (a still video, a paddle parked anywhere)
+scores exactly 0 on every clip, and any video whose motion does not depend on the commands (noise included) scores
+0 in expectation; a clip whose commands are all one action scores 0 whatever the video (nothing to tell apart;
+~9 % of the demo's clips). The score lies in ``[-1, 1]``; on real held-out clips the true actions score ~0.6.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from flowforge.data.atari import ACTIONS, AtariClips, AtariDataConfig, load_atari_clips
+from flowforge.demo.world import command_lift
+
+REWARD_IDM_PATH = pathlib.Path(__file__).resolve().parent / "weights" / "world_reward_idm.safetensors"
+REWARD_SEED = 2
+REWARD_DATA = AtariDataConfig(seed=1)
+"""The reward model's recording: the demo's settings with seed 1 (other episodes, other emulator and policy seeds)."""
+BAND_ROWS = 4  # the bottom rows read: at 32 x 32 the paddle's row plus three above it (the ball near the paddle)
+GAIN_RANGE = (0.3, 1.0)  # brightness gain of a training triplet (the base world model's paddle is faint)
+NOISE_STD = 0.03  # Gaussian pixel noise added to a training triplet
+
+
+class BandInverseDynamicsNet(nn.Module):
+    """Paddle bands ``[N, 3, BAND_ROWS, W]`` (grey frames ``t - 1, t, t + 1``, in [0, 1]) -> action logits ``[N, 3]``.
+
+    ``width`` is the frame width ``W`` (32 for the demo)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.width = width
+        self.features = nn.Sequential(
+            nn.Conv1d(3 * BAND_ROWS, 32, 5, padding=2), nn.ReLU(), nn.Conv1d(32, 32, 5, padding=2), nn.ReLU())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * width, 64), nn.ReLU(), nn.Linear(64, len(ACTIONS)))
+
+    def forward(self, bands: Tensor) -> Tensor:
+        return self.head(self.features(bands.flatten(1, 2)))
+
+
+def band_triplets(video: Tensor) -> Tensor:
+    """Grey video ``[B, F, H, W]`` -> ``[B, F - 2, 3, BAND_ROWS, W]``: the bottom rows of frames ``(t - 1, t, t + 1)``
+    for ``t = 1..F-2``.
+
+    Raises:
+        ValueError: not ``[B, F >= 3, H >= BAND_ROWS, W]``.
+    """
+    if video.ndim != 4 or video.shape[1] < 3 or video.shape[2] < BAND_ROWS:
+        raise ValueError(f"video must be grey [B, F >= 3, H >= {BAND_ROWS}, W], got {tuple(video.shape)}")
+    band = video[:, :, -BAND_ROWS:, :]
+    return torch.stack([band[:, :-2], band[:, 1:-1], band[:, 2:]], dim=2)
+
+
+def train_band_idm(clips: AtariClips, *, steps: int = 2000, batch_size: int = 128, lr: float = 2e-3,
+                   seed: int = REWARD_SEED) -> BandInverseDynamicsNet:
+    """Train :class:`BandInverseDynamicsNet` on every clip of ``clips`` (transitions ``1..F-2`` with their recorded
+    actions; the whole recording: it is not the demo's), AdamW, ``steps`` steps of ``batch_size`` triplets drawn
+    with ``seed``, each scaled by a gain in :data:`GAIN_RANGE` and given noise of std :data:`NOISE_STD`
+    (module docstring)."""
+    video, actions = clips.clips(torch.arange(len(clips.clip_starts)))
+    x = band_triplets(video[:, 0]).flatten(0, 1)  # [N (F-2), 3, R, W]
+    y = actions[:, 1:-1].flatten()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BandInverseDynamicsNet(x.shape[-1])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    lo, hi = GAIN_RANGE
+    for _ in range(steps):
+        rows = torch.randint(0, x.shape[0], (batch_size,), generator=gen)
+        gain = lo + (hi - lo) * torch.rand(batch_size, 1, 1, 1, generator=gen)
+        noise = NOISE_STD * torch.randn(x[rows].shape, generator=gen)
+        loss = nn.functional.cross_entropy(model((x[rows] * gain + noise).clamp(0, 1)), y[rows])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@torch.no_grad()
+def action_probabilities(model: BandInverseDynamicsNet, video: Tensor) -> Tensor:
+    """``[B, F - 2, 3]`` float32: the model's action probabilities for transitions ``1..F-2`` of grey ``video [B, F,
+    H, W]`` in [0, 1]."""
+    b, f = video.shape[:2]
+    return model(band_triplets(video.float()).flatten(0, 1)).softmax(-1).view(b, f - 2, len(ACTIONS))
+
+
+def idm_reward(probs: Tensor, actions: Tensor) -> Tensor:
+    """``[B]`` float32 in [-1, 1]: :func:`flowforge.demo.world.command_lift` of the reward model's probabilities
+    ``probs [B, F - 2, 3]`` (transitions ``1..F-2``) for the commands ``actions [B, F]`` (module docstring)."""
+    return command_lift(probs, actions)
+
+
+def save_band_idm(model: BandInverseDynamicsNet, path: str | pathlib.Path = REWARD_IDM_PATH, *,
+                  steps: int = 2000) -> None:
+    """Write the reward model's weights (safetensors; one metadata key, so the bytes are fixed: seed, recording,
+    steps, augmentation)."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    meta = {"flowforge": json.dumps({"seed": REWARD_SEED, "data": dataclasses.asdict(REWARD_DATA), "split": "all",
+                                     "steps": steps, "band_rows": BAND_ROWS, "gain_range": list(GAIN_RANGE),
+                                     "noise_std": NOISE_STD, "width": model.width}, sort_keys=True)}
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata=meta)
+
+
+def load_band_idm(path: str | pathlib.Path = REWARD_IDM_PATH) -> BandInverseDynamicsNet:
+    """The shipped reward model (eval mode).
+
+    Raises:
+        FileNotFoundError: no weights at ``path`` (``python -m flowforge.demo.world_reward`` writes them).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not pathlib.Path(path).is_file():
+        raise FileNotFoundError(f"{path}: inverse-dynamics reward weights missing; run "
+                                "`python -m flowforge.demo.world_reward`")
+    with safe_open(str(path), framework="pt") as f:
+        width = int(json.loads(f.metadata()["flowforge"])["width"])
+    model = BandInverseDynamicsNet(width)
+    model.load_state_dict(load_file(str(path)))
+    return model.eval()
+
+
+def _shuffled(actions: Tensor) -> Tensor:
+    """Another clip's actions for every clip (the next one's): the shuffled-action null."""
+    return actions.roll(1, dims=0)
+
+
+@torch.no_grad()
+def generate_world(path: str, video: Tensor, actions: Tensor, *, seed: int, num_steps: int = 10,
+                   shift: float = 3.0, batch_size: int = 32) -> Tensor:
+    """Generations ``[N, 3, F, H, W]`` in [0, 1] of the world model at ``path`` from the first frames of ``video [N, 1,
+    F, H, W]`` and ``actions [N, F]``: fixed noise (``seed``), ``num_steps`` Euler ODE steps at static shift
+    ``shift`` (the world SFT's evaluation)."""
+    import dataclasses
+
+    from flowforge.algorithms.schedules import flow_match_sigmas
+    from flowforge.models import build_adapter
+    from flowforge.rollout import generate
+
+    adapter = build_adapter("world_model", path, task="i2v")
+    adapter.transformer.eval()
+    sigmas = flow_match_sigmas(num_steps, shift)
+    x_T = torch.randn(video.shape, generator=torch.Generator().manual_seed(seed))
+    names = [" ".join(ACTIONS[a] for a in row) for row in actions.tolist()]
+    outs = []
+    for s in range(0, video.shape[0], batch_size):
+        cond = adapter.encode(names[s:s + batch_size])
+        x0 = adapter.encode_video(video[s:s + batch_size])
+        cond = dataclasses.replace(cond, image=x0[:, :, :1])
+        outs.append(adapter.decode(generate(adapter, cond, x_T[s:s + batch_size], sigmas)))
+    return torch.cat(outs)
+
+
+def measure(reward: BandInverseDynamicsNet, video: Tensor, actions: Tensor) -> dict[str, float]:
+    """Mean (and standard error) of every action judge on grey ``video [N, F, H, W]`` with ``actions [N, F]`` and
+    with another clip's: ``reward`` (:func:`idm_reward`, chance 0), the eval judge (:mod:`flowforge.demo.world`:
+    ``judge`` its accuracy, ``judge_lift`` its accuracy over the within-clip shuffle, chance 0), the game rule
+    (:mod:`flowforge.data.paddle`); ``reward_argmax_accuracy``: how often the reward model's likeliest action is the
+    commanded one."""
+    from flowforge.data.paddle import paddle_agreement, paddle_position
+    from flowforge.demo.world import inverse_dynamics_accuracy, inverse_dynamics_lift, load_inverse_dynamics
+
+    judge = load_inverse_dynamics()
+    probs = action_probabilities(reward, video)
+    x = paddle_position(video)
+    out = {}
+    for tag, acts in (("", actions), ("_other", _shuffled(actions))):
+        for name, s in (("reward", idm_reward(probs, acts)), ("judge", inverse_dynamics_accuracy(judge, video, acts)),
+                        ("judge_lift", inverse_dynamics_lift(judge, video, acts)),
+                        ("rule", paddle_agreement(x, acts, size=video.shape[-1]).mean(1))):
+            out[name + tag] = float(s.mean())
+            out[name + tag + "_se"] = float(s.std() / s.numel() ** 0.5)
+    out["reward_argmax_accuracy"] = float((probs.argmax(-1) == actions[:, 1:-1]).float().mean())
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m flowforge.demo.world_reward``: train + save the reward model on :data:`REWARD_DATA`, then print
+    every action judge on the demo recording's held-out clips (real, and ``demo:world``'s generations with
+    ``--measure-seeds`` noise seeds), each with the true actions and another clip's."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--cache-dir", default=".cache/flowforge")
+    p.add_argument("--out", default=str(REWARD_IDM_PATH))
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--skip-train", action="store_true", help="measure the weights at --out without training")
+    p.add_argument("--clips", type=int, default=64, help="held-out clips measured (evenly spaced)")
+    p.add_argument("--measure-seeds", default="0,1", help="noise seeds of demo:world's generations ('' = none)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # one thread: the same bytes on every machine of the same torch build
+    if not args.skip_train:
+        model = train_band_idm(load_atari_clips(REWARD_DATA, args.cache_dir), steps=args.steps)
+        save_band_idm(model, args.out, steps=args.steps)
+        print(f"wrote {args.out}")
+    model = load_band_idm(args.out)
+    demo = load_atari_clips(AtariDataConfig(), args.cache_dir)
+    held = demo.split("heldout")
+    held = held[torch.linspace(0, len(held) - 1, min(args.clips, len(held))).long()]
+    video, actions = demo.clips(held)
+    rows = {"real": measure(model, video[:, 0], actions)}
+    from flowforge.demo.paths import demo_world_dir
+
+    for seed in [int(s) for s in args.measure_seeds.split(",") if s.strip()]:
+        fake = generate_world(str(demo_world_dir()), video, actions, seed=seed)
+        rows[f"demo:world seed {seed}"] = measure(model, fake.mean(1), actions)
+    for name, r in rows.items():
+        print(json.dumps({"videos": name, **{k: round(v, 4) for k, v in r.items()}}))
+
+
+if __name__ == "__main__":
+    main()
