@@ -239,6 +239,18 @@ class ImageConditioned(Protocol):
         ...
 
 
+@runtime_checkable
+class AudioDecoding(Protocol):
+    """Optional extension of :class:`FlowModel` for audio-video families (LTX-2), whose latent also holds the sound:
+    :meth:`FlowModel.decode` gives the video, :meth:`decode_audio` the waveform. The trainer decodes both at the
+    rollout boundary (:func:`flowforge.rollout.media.decode_audio`) and hands the waveform to the scorers that take
+    audio, and the eval report plays it."""
+
+    def decode_audio(self, latents: Tensor) -> tuple[Tensor, int]:
+        """Clean latents ``[B, *latent]`` -> ``(waveform [B, C, T] float32, sample_rate in Hz)``."""
+        ...
+
+
 class AdapterMixin:
     """The defaults of :class:`FlowModel`'s optional hooks, and what every diffusers-backed adapter shares (the
     transformer's ``config`` / ``dtype`` / ``device``).

@@ -20,6 +20,10 @@ can give the eval mean its standard error (:func:`read_eval_scores`)::
     "eval_scores": {"samples_per_prompt": K, "scores": {"digit_eval": [N*K floats or null], ...}}
 
 prompt-major: prompt ``i``'s samples are entries ``i*K .. i*K+K-1``, prompts in the order of ``cells``.
+
+An audio-video model's eval sample also has its sound: cell ``i``'s waveform is written beside the grid as
+``step_<n>_audio_<i>.wav`` (16-bit PCM, :func:`write_wav`) and named in the cell as ``"audio": "<file name>"``; the
+report plays it in an ``<audio>`` element.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from flowforge.rewards.base import AudioBatch
 from flowforge.rollout import video_frames
 from flowforge.runtime.durable import atomic_write
 
@@ -107,10 +112,36 @@ def _score(value: float) -> float | None:
     return value if math.isfinite(value) else None  # strict JSON: NaN / inf as null
 
 
+def write_wav(path: Path, waveform: Tensor, sample_rate: int) -> Path:
+    """Write ``waveform [C, T]`` (float, clipped to [-1, 1]) as a 16-bit PCM WAV file at ``sample_rate`` Hz
+    (stdlib ``wave``), atomically.
+
+    Raises:
+        ValueError: ``waveform`` is not ``[C, T]``.
+    """
+    import wave
+
+    if waveform.ndim != 2:
+        raise ValueError(f"waveform must be [C, T], got shape {tuple(waveform.shape)}")
+    pcm = (waveform.detach().float().cpu().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
+    frames = pcm.t().contiguous().numpy().tobytes()  # interleaved channels, little-endian on every host we run
+
+    def write(tmp: Path) -> None:
+        with wave.open(str(tmp), "wb") as out:
+            out.setnchannels(int(pcm.shape[0]))
+            out.setsampwidth(2)
+            out.setframerate(int(sample_rate))
+            out.writeframes(frames)
+
+    atomic_write(Path(path), write)
+    return Path(path)
+
+
 def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
                    scores: Mapping[str, torch.Tensor], step: int,
                    frame_labels: Sequence[Sequence[str] | None] | None = None, *,
-                   all_scores: Mapping[str, torch.Tensor] | None = None, samples_per_prompt: int = 1) -> Path:
+                   all_scores: Mapping[str, torch.Tensor] | None = None, samples_per_prompt: int = 1,
+                   audio: AudioBatch | None = None) -> Path:
     """Write the eval grid ``path`` (PNG) and its caption sidecar ``path.with_suffix(".json")``.
 
     Args:
@@ -126,6 +157,7 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
         all_scores: optional, scorer name -> ``[N * samples_per_prompt]`` float score of every eval sample,
             prompt-major (the ``N`` media are the first sample of each prompt); kept as ``eval_scores``.
         samples_per_prompt: ``K``, the eval samples of each prompt in ``all_scores``.
+        audio: optional, the ``N`` samples' sound (an audio-video model): one WAV per cell (module docstring).
 
     Returns:
         ``path``.
@@ -161,6 +193,12 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
     values = {k: v.detach().float().cpu().reshape(-1).tolist() for k, v in scores.items()}
     cells = [{"prompt": p, "scores": {k: _score(v[i]) for k, v in values.items()}, "box": boxes[i],
               **({"frames": per_frame[i]} if per_frame[i] is not None else {})} for i, p in enumerate(prompts)]
+    if audio is not None:
+        if len(audio) != n:
+            raise ValueError(f"audio has {len(audio)} clips for {n} cells")
+        for i, cell in enumerate(cells):
+            wav = Path(path).with_name(f"{Path(path).stem}_audio_{i}.wav")
+            cell["audio"] = write_wav(wav, audio.waveform[i], audio.sample_rate).name
     data: dict[str, Any] = {"step": step, "image": Path(path).name, "cells": cells}
     if all_scores is not None:
         data["eval_scores"] = {"samples_per_prompt": samples_per_prompt, "scores": {

@@ -44,6 +44,7 @@ HTML-escaped. The page's style is :mod:`flowforge.report.page`'s, shared with th
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import math
 import re
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from flowforge.report.config import config_section, provenance_section
+from flowforge.report.grids import read_grid_cells
 from flowforge.report.plots import (figure_tag, img_tag, is_constant_zero, plot_panels, plot_reward_vs_judge,
                                     series)
 from flowforge.report.page import render_page
@@ -268,6 +270,22 @@ def _eval_section(rows: list[Row] | None, problems: list[str], headline: str | N
     return "".join(parts)
 
 
+def _audio_tags(grid: Path) -> str:
+    """An ``<audio>`` player (the WAV embedded as a data URI) per cell of ``grid`` that has a sound file (an
+    audio-video model's eval samples, :func:`flowforge.report.grids.save_eval_grid`), labelled with its prompt;
+    "" when none has one."""
+    players = []
+    for cell in read_grid_cells(grid) or []:
+        name = cell.get("audio")
+        wav = grid.with_name(name) if isinstance(name, str) and "/" not in name else None
+        if wav is None or not wav.is_file():
+            continue
+        data = base64.b64encode(wav.read_bytes()).decode("ascii")
+        players.append(f'<div class="audio"><span>{esc(cell["prompt"])}</span> '
+                       f'<audio controls preload="none" src="data:audio/wav;base64,{data}"></audio></div>')
+    return "".join(players)
+
+
 def _samples_section(grids: list[tuple[int, Path]], eval_rows: list[Row] | None) -> str:
     parts = ['<h2 id="samples">Samples</h2>']
     if not grids:
@@ -283,7 +301,7 @@ def _samples_section(grids: list[tuple[int, Path]], eval_rows: list[Row] | None)
             values = " · ".join(f"{k} {fmt(v)}" for k, v in row.items() if k != "step")
             caption = f"step {step} — {values}"
         parts.append(f'<figure>{img_tag(path.read_bytes(), f"samples at step {step}", "grid")}'
-                     f"<figcaption>{esc(caption)}</figcaption></figure>")
+                     f"<figcaption>{esc(caption)}</figcaption>{_audio_tags(path)}</figure>")
     parts.append("</div></details>")
     return "".join(parts)
 

@@ -45,8 +45,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import RewardScorer, check_batch_size, check_media_batch, takes_video
-from flowforge.rewards.groups import clear_error, local_chunks, score_groups_across_ranks, score_local
+from flowforge.rewards.base import (AudioBatch, RewardScorer, check_batch_size, check_media_batch, takes_audio,
+                                    takes_video)
+from flowforge.rewards.groups import (call_scorer, clear_error, local_chunks, score_groups_across_ranks,
+                                      score_local)
 from flowforge.runtime.distributed import DistInfo
 
 
@@ -102,9 +104,13 @@ class RewardProcessor:
         self.batch_size = batch_size
 
     def score_component(self, name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
-               metadata: list[dict[str, Any]], group_ids: Tensor | None, dist: DistInfo | None):
+               metadata: list[dict[str, Any]], group_ids: Tensor | None, dist: DistInfo | None,
+               audio: AudioBatch | None = None):
         """One component: ``([B] float32, flags, groups scored or None for a per-sample scorer)``. A video batch
-        goes whole to a ``takes_video`` scorer; any other scores its frames, averaged per video (a flag: any frame)."""
+        goes whole to a ``takes_video`` scorer; any other scores its frames, averaged per video (a flag: any frame).
+        A ``takes_audio`` scorer gets the whole media and ``audio=`` the rows of ``audio`` it scores."""
+        if takes_audio(scorer):
+            return self._score_with_audio(name, scorer, media, prompts, metadata, group_ids, audio)
         if media.ndim == 5 and not takes_video(scorer):
             from flowforge.rollout.media import video_frames
 
@@ -121,6 +127,34 @@ class RewardProcessor:
         scores, flags = score_local(name, scorer, media, prompts, metadata, chunks)
         return scores, flags, (len(chunks) if needs_group else None)
 
+    def _score_with_audio(self, name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
+                          metadata: list[dict[str, Any]], group_ids: Tensor | None, audio: AudioBatch | None):
+        """A ``takes_audio`` component, in this process: chunk by chunk (per group for a group scorer), each call
+        ``scorer(media[rows], prompts, metadata, audio=audio.index(rows))``.
+
+        Raises:
+            ValueError: no ``audio`` (the model produced none) or not one row per sample.
+        """
+        if audio is None:
+            raise ValueError(f"reward component {name!r} scores audio (takes_audio) but this model produced none; "
+                             "use an audio-video family (model.adapter=ltx2) or drop the component")
+        if len(audio) != media.shape[0]:
+            raise ValueError(f"audio has {len(audio)} rows for {media.shape[0]} samples")
+        needs_group = bool(getattr(scorer, "needs_group", False))
+        chunks = [c for c in local_chunks(needs_group, media.shape[0], self.batch_size, group_ids) if c.numel()]
+        scores = torch.full((media.shape[0],), float("nan"), dtype=torch.float32, device=media.device)
+        flags: dict[str, Tensor] = {}
+        for index in chunks:
+            rows = index.tolist()
+            part = audio.index(index)
+            out, _ = call_scorer(name, lambda m, p, md, part=part: scorer(m, p, md, audio=part),
+                                         media[index.to(media.device)], [prompts[i] for i in rows],
+                                         [metadata[i] for i in rows], flags=False)
+            scores[index.to(media.device)] = out
+            for flag, values in (getattr(scorer, "sample_flags", None) or {}).items():
+                flags.setdefault(flag, torch.zeros(media.shape[0], dtype=torch.bool))[index] = values.bool().cpu()
+        return scores, flags, (len(chunks) if needs_group else None)
+
     def __call__(
         self,
         media: Tensor,
@@ -129,6 +163,7 @@ class RewardProcessor:
         group_ids: Tensor | None = None,
         *,
         dist: DistInfo | None = None,
+        audio: AudioBatch | None = None,
     ) -> tuple[dict[str, Tensor], dict[str, float]]:
         """Score ``media`` with every component.
 
@@ -139,6 +174,8 @@ class RewardProcessor:
             group_ids: optional ``[B]`` int group id per sample, used only to call group scorers per group.
             dist: this rank's :class:`DistInfo` when every rank scores its share of one step together (a collective
                 for group scorers: every rank must call); ``None`` scores this process's batch alone.
+            audio: the sound of each sample (an audio-video model), for ``takes_audio`` components (scored in this
+                process, group scorers per local group).
 
         Returns:
             ``(components, metrics)``: ``components[name]`` is ``[B]`` float32 on ``media``'s device (NaN = not
@@ -160,7 +197,8 @@ class RewardProcessor:
         for name, scorer in self.scorers.items():
             start = time.perf_counter()
             clear_error(scorer)
-            scores, flags, groups = self.score_component(name, scorer, media, prompts, metadata, group_cpu, dist)
+            scores, flags, groups = self.score_component(name, scorer, media, prompts, metadata, group_cpu, dist,
+                                                         audio)
             _sync(media.device)
             metrics[f"reward/{name}_time"] = time.perf_counter() - start
             components[name] = scores

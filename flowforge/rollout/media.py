@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from flowforge.models.base import FlowModel
+from flowforge.models.base import AudioDecoding, FlowModel
+from flowforge.rewards.base import AudioBatch
 
 
 @torch.no_grad()
@@ -31,6 +32,23 @@ def decode_media(adapter: FlowModel, latents: torch.Tensor, batch_size: int) -> 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     return torch.cat([adapter.decode(latents[i:i + batch_size]) for i in range(0, latents.shape[0], batch_size)])
+
+
+@torch.no_grad()
+def decode_audio(adapter: FlowModel, latents: torch.Tensor, batch_size: int) -> AudioBatch | None:
+    """The sound of clean latents for an audio-video adapter (:class:`~flowforge.models.base.AudioDecoding`:
+    ``adapter.decode_audio``), decoded ``batch_size`` rows at a time as :func:`decode_media`; ``None`` for a model
+    that produces no audio.
+
+    Raises:
+        ValueError: ``batch_size < 1``; chunks decoded at different sample rates.
+    """
+    if not isinstance(adapter, AudioDecoding):
+        return None
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return AudioBatch.cat([AudioBatch(*adapter.decode_audio(latents[i:i + batch_size]))
+                           for i in range(0, latents.shape[0], batch_size)])
 
 
 def video_frames(video: torch.Tensor) -> torch.Tensor:

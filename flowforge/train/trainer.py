@@ -52,7 +52,7 @@ from flowforge.settings import resume_fingerprint
 from flowforge.train.preflight import check_loaded_model, preflight
 from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
-from flowforge.rollout import (Trajectory, candidate_noise, decode_media, generate, rollout_chunked,
+from flowforge.rollout import (Trajectory, candidate_noise, decode_audio, decode_media, generate, rollout_chunked,
                               rollout_grouped, sigmas_for)
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, training_contract
@@ -261,17 +261,20 @@ class Trainer(RunDirectory):
         if stream is not None:  # reward.overlap: the groups were sent during the rollout
             return stream.finish()
         media = decode_media(self.adapter, traj.final, self.cfg.reward.batch_size)
-        components, metrics = self.score_media(media, batch.records, batch.group_ids, self.dist)
+        audio = decode_audio(self.adapter, traj.final, self.cfg.reward.batch_size)  # audio-video models only
+        components, metrics = self.score_media(media, batch.records, batch.group_ids, self.dist, audio=audio)
         metrics.update({"time/reward_wait": metrics["reward/score_time"], "perf/reward_overlap": 0.0})
         return media, components, metrics
 
     def score_media(self, media: torch.Tensor, records: list[PromptRecord], group_ids: torch.Tensor,
-                    dist: dist_lib.DistInfo | None = None):
+                    dist: dist_lib.DistInfo | None = None, audio=None):
         """Every reward component ``[B]`` of decoded media and the reward metrics. Video ``[B, 3, F, H, W]`` goes
         whole to scorers that take video (``takes_video``, e.g. ``action_following``), frame by frame (averaged per
         video) to the others. With ``dist`` (training: every rank scores its share together) group scorers see groups
-        that straddle ranks whole."""
-        return self.rewards(media, [r.prompt for r in records], [r.metadata for r in records], group_ids, dist=dist)
+        that straddle ranks whole. ``audio`` (an audio-video model's :class:`~flowforge.rewards.base.AudioBatch`)
+        goes to the scorers that take audio."""
+        return self.rewards(media, [r.prompt for r in records], [r.metadata for r in records], group_ids, dist=dist,
+                            audio=audio)
 
     def advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
         """Stage 4: group-relative advantages (combined over components, clipped) and the weighted total reward,
@@ -431,10 +434,11 @@ class Trainer(RunDirectory):
                 finals.append(generate(self.adapter, cond, x_T[start:start + e.batch_size], self.sigmas,
                                        self.cfg.sampler.guidance_scale))
         images = decode_media(self.adapter, torch.cat(finals), self.cfg.reward.batch_size)
+        audio = decode_audio(self.adapter, torch.cat(finals), self.cfg.reward.batch_size)
         if not self.dist.is_main:
             return {}
         records = [self.eval_prompts[i] for i in prompt_idx.tolist()]
-        components, _ = self.score_media(images, records, prompt_idx)
+        components, _ = self.score_media(images, records, prompt_idx, audio=audio)
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
         scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
         scalars.update(self.guard.observe_eval(step, scalars))  # eval/guard_* when the guard stops the run
@@ -445,7 +449,8 @@ class Trainer(RunDirectory):
         save_eval_grid(images[::k], sample_grid_path(self.run_dir, step), shown,
                        {name: v[::k] for name, v in components.items()}, step,
                        [labeller(p) for p in shown] if labeller is not None else None,
-                       all_scores=components, samples_per_prompt=k)  # every sample: the report's standard error
+                       all_scores=components, samples_per_prompt=k,  # every sample: the report's standard error
+                       audio=None if audio is None else audio.index(list(range(0, len(audio), k))))
         self.logger.log_grid(step, sample_grid_path(self.run_dir, step))  # to TensorBoard / W&B, captioned
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars

@@ -1,6 +1,9 @@
 """LTX-2 audio-video on the real training loop (``flowforge.train.trainer.Trainer``): a tiny random ``LTX2Pipeline``
 saved with ``save_pretrained``, loaded through ``model.adapter=ltx2``; 2 steps of LoRA GRPO (with CFG: the first
-update ratio exactly 1) and NFT over the joint video | audio latent (tests/train/test_families_loop.py's checks)."""
+update ratio exactly 1) and NFT over the joint video | audio latent (tests/train/test_families_loop.py's checks).
+The generated sound reaches the reward: the built-in ``av_onset_sync`` is weighted, and :class:`AudioProbe` (a
+``takes_audio`` scorer named by import path) records the waveform shape and sample rate it is handed; the eval grid
+keeps each shown sample's WAV and the report plays it."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +13,21 @@ from flowforge.config import load_config
 from tests.models import tiny_av_families
 from tests.models import tiny_families as tiny
 from tests.train.test_families_loop import EXTRA_WORDS, prompt_files, read_jsonl, train_and_check  # noqa: F401
+
+
+class AudioProbe:
+    """Records what a ``takes_audio`` scorer is given; scores 0."""
+
+    name = "audio_probe"
+    needs_group = False
+    takes_video = True
+    takes_audio = True
+    seen: list = []
+
+    def __call__(self, media, prompts, metadata, *, audio):
+        AudioProbe.seen.append((tuple(media.shape), tuple(audio.waveform.shape), audio.sample_rate,
+                                audio.waveform.dtype))
+        return torch.zeros(media.shape[0])
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +58,8 @@ def ltx2_cfg(model_dir, tmp_path, prompts, *extra):
         "data.prompts_per_step=2", "data.group_size=4", "sampler.num_steps=4", "sampler.num_sde_steps=2",
         "sampler.schedule=dynamic", "train.micro_batch_size=2", "train.num_updates_per_batch=2", "train.steps=2",
         "train.lr=1e-2", "grpo.clip_low=1e-3", "eval.max_prompts=2", "eval.every=0",
-        "reward.weights={jpeg_compressibility: 1.0}", *extra])
+        "reward.weights={jpeg_compressibility: 1.0, av_onset_sync: 0.5, 'tests.train.test_ltx2_loop:AudioProbe': 0.0}",
+        *extra])
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
@@ -54,4 +73,17 @@ def test_ltx2_trains_on_the_real_loop(algorithm, ltx2_dir, prompt_files, tmp_pat
     assert type(trainer.adapter).__module__ == "flowforge.models.ltx2"
     assert trainer.latent_shape == (3 * 16 * 16 + 5, 4)  # video tokens | audio tokens
     torch.testing.assert_close(trainer.sigmas, trainer.adapter.pipeline_sigmas(4, 32, 32))
-    train_and_check(trainer, algorithm)
+    AudioProbe.seen.clear()
+    run_dir = train_and_check(trainer, algorithm)
+    # 2 training steps x 8 samples and 2 evals x 2 prompts x 2 samples; 68 samples of stereo at 16 kHz = the pipeline's
+    # waveform for 5 frames at 24 fps (5 audio latent frames through the tiny audio VAE and vocoder)
+    assert sum(m[0] for m, *_ in AudioProbe.seen) == 2 * 8 + 2 * 2 * 2
+    for media, wave, rate, dtype in AudioProbe.seen:
+        assert media[1:] == (3, 5, 32, 32) and wave == (media[0], 2, 68) and rate == 16000
+        assert dtype == torch.float32
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert all(-1.0 <= r["reward/av_onset_sync_mean"] <= 1.0 for r in rows)
+    wavs = sorted((run_dir / "samples").glob("step_000002_audio_*.wav"))
+    assert [w.name for w in wavs] == ["step_000002_audio_0.wav", "step_000002_audio_1.wav"]
+    report = (run_dir / "report.html").read_text()
+    assert report.count("<audio controls") >= 4 and "data:audio/wav;base64," in report
