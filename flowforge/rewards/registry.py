@@ -21,7 +21,6 @@ from flowforge.rewards.judge.client import VLMJudge
 from flowforge.rewards.scorers.action_following import ActionFollowingScorer, InverseDynamicsReward
 from flowforge.rewards.scorers.aesthetic import AestheticScorer
 from flowforge.rewards.scorers.av_sync import AVOnsetSync
-from flowforge.rewards.scorers.av_sync import AVOnsetSync
 from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
