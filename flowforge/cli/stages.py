@@ -2,7 +2,9 @@
 (:mod:`flowforge.orchestrate.stages`): teacher-judge RL (A) -> student reward model (B) -> student-reward RL (C).
 
 Every stage is checked as a whole before anything loads (:func:`flowforge.orchestrate.config.check_pipeline`).
-Rerunning the same command continues where a killed run stopped. Exit status: 0 when the stages asked for are done;
+Rerunning the same command continues where a killed run stopped. Under ``torchrun --nproc_per_node N -m
+flowforge.cli stages CONFIG`` stages A and C train on N ranks; rank 0 alone talks to the judges and writes the
+ledgers and reports (:mod:`flowforge.orchestrate.stages`). Exit status: 0 when the stages asked for are done;
 3 when the pipeline stopped early (the quality gate failed, or an audit stopped stage C: the reason and the last good
 checkpoint are printed and written to ``<pipeline>/summary.json``); 2 for bad input.
 """
@@ -10,6 +12,7 @@ checkpoint are printed and written to ``<pipeline>/summary.json``); 2 for bad in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from flowforge.cli.common import add_config_args
@@ -37,16 +40,24 @@ def run(args: argparse.Namespace) -> int:
         pcfg = load_pipeline(args.config, args.overrides)
     except (UnicodeDecodeError, OSError) as exc:
         raise file_error(args.config, exc, "give a YAML pipeline config") from exc
-    for warning in check_pipeline(pcfg):
+    warnings = check_pipeline(pcfg)  # on every rank under torchrun (each must refuse a bad config), said once
+    for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
         print(f"warning: {warning}", file=sys.stderr)
-    from flowforge.orchestrate.stages import run_pipeline
+    from flowforge.orchestrate.stages import is_main, run_pipeline
+    from flowforge.runtime.distributed import exit_now, shutdown
 
-    outcome = run_pipeline(pcfg, stage=args.stage, progress=not args.no_progress, inputs={"config": args.config})
-    directory = pipeline_dir(pcfg)
-    print(f"pipeline directory: {directory}\nreport: {directory / 'report.html'}")
-    if outcome.status == "done":
-        return 0
-    print(f"pipeline stopped: {outcome.reason}", file=sys.stderr)
-    if outcome.last_good:
-        print(f"last good checkpoint: {outcome.last_good}", file=sys.stderr)
-    return STOPPED_EARLY
+    try:
+        outcome = run_pipeline(pcfg, stage=args.stage, progress=not args.no_progress, inputs={"config": args.config})
+        main = is_main()
+    finally:
+        shutdown()  # under torchrun: leaving the group to interpreter teardown can abort a finished rank
+    rc = 0 if outcome.status == "done" else STOPPED_EARLY
+    if main:  # under torchrun one summary, not one per rank
+        directory = pipeline_dir(pcfg)
+        print(f"pipeline directory: {directory}\nreport: {directory / 'report.html'}")
+        if rc:
+            print(f"pipeline stopped: {outcome.reason}", file=sys.stderr)
+            if outcome.last_good:
+                print(f"last good checkpoint: {outcome.last_good}", file=sys.stderr)
+    exit_now(rc)  # under torchrun: a finished rank ends here, before C++ teardown can abort it
+    return rc

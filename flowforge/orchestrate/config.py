@@ -30,7 +30,6 @@ then ``stages.a_overrides`` / ``stages.c_overrides`` (``section.key=value`` stri
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,9 +253,6 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True) -> list[str]:
     from flowforge.train.preflight import preflight
 
     problems, warnings = [], []
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        problems.append("the pipeline runs in one process (one writer of the condition ledger); start it without "
-                        "torchrun")
     total = 0
     try:
         total = len(conditions_from_records(load_prompts(resolve_demo_path(pcfg.data.prompts))))

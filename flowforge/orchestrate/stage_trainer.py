@@ -42,7 +42,8 @@ import torch
 from flowforge.orchestrate.ledger import ConditionLedger
 from flowforge.reward_model.evaluate import agreement
 from flowforge.rewards.processor import RewardProcessor
-from flowforge.runtime.distributed import all_reduce_processes
+from flowforge.runtime.distributed import (all_gather_objects, all_reduce_processes, broadcast_from_main,
+                                            portable_error)
 from flowforge.runtime.durable import fsync_path
 from flowforge.train.trainer import StepBatch, Trainer
 
@@ -99,16 +100,48 @@ class Auditor:
         """Audit step ``step``: teacher scores of its groups vs the ``[B]`` student scores ``student`` (rows as
         ``media``). Returns the ``audit/*`` metrics.
 
+        Under ``torchrun`` (a collective: every rank calls it) each rank's rows, in the canonical order of the step,
+        are gathered to rank 0, which alone asks the teacher and writes ``audit.jsonl``; its verdict is broadcast,
+        so every rank returns the same metrics or raises the same :class:`AuditStop`.
+
         Raises:
             AuditStop: the agreement is below a threshold (or nothing could be compared).
         """
-        groups = torch.unique(batch.group_ids).tolist()
-        rows = [torch.nonzero(batch.group_ids == g).view(-1) for g in groups]
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return self._audit(step, policy_version, media, batch.records, batch.group_ids, student)
+        canonical = torch.argsort(batch.order)  # this rank's rows in the step's canonical order
+        mine = (media[canonical.to(media.device)].cpu(), [batch.records[i] for i in canonical.tolist()],
+                batch.group_ids[canonical].cpu(), student[canonical.to(student.device)].detach().float().cpu())
+        parts = all_gather_objects(mine)  # every rank's share; rank 0 uses them (small: the step's media)
+        verdict, error = None, None
+        if torch.distributed.get_rank() == 0:
+            try:
+                verdict = ("passed", self._audit(step, policy_version, torch.cat([p[0] for p in parts]),
+                                                 [r for p in parts for r in p[1]], torch.cat([p[2] for p in parts]),
+                                                 torch.cat([p[3] for p in parts])))
+            except AuditStop as stop:
+                verdict = ("stopped", stop.record)
+            except Exception as exc:  # e.g. a spent teacher budget: every rank stops alike, none left waiting
+                verdict, error = ("error", portable_error(exc)), exc
+        kind, value = broadcast_from_main(verdict)
+        if error is not None:
+            raise error
+        if kind == "error":
+            raise value
+        if kind == "stopped":
+            raise AuditStop(step, value)
+        return value
+
+    def _audit(self, step: int, policy_version: int, media: torch.Tensor, records: list[Any],
+               group_ids: torch.Tensor, student: torch.Tensor) -> dict[str, float]:
+        """:meth:`audit` in one process: ``records`` / ``group_ids`` / ``student`` row by row with ``media``."""
+        groups = torch.unique(group_ids).tolist()
+        rows = [torch.nonzero(group_ids == g).view(-1) for g in groups]
         bind = getattr(self.judge, "bind", None)
         if callable(bind):
             bind(stage="C", purpose="audit", step=step, policy_version=policy_version)
-        requests = [(media[r], [batch.records[i].prompt for i in r.tolist()],
-                     [batch.records[i].metadata for i in r.tolist()]) for r in rows]
+        requests = [(media[r], [records[i].prompt for i in r.tolist()],
+                     [records[i].metadata for i in r.tolist()]) for r in rows]
         teacher = [t.detach().float().cpu() for t in self.judge.score_groups(requests)]
         sent = self.judge.pop_metrics()
         kept = [(student[r].detach().float().cpu(), t) for r, t in zip(rows, teacher, strict=True)
@@ -125,7 +158,7 @@ class Auditor:
                   "teacher_served_from_ledger": sent["served_from_ledger"],
                   **{k: result.get(k, math.nan) for k in ("spearman", "pairwise_accuracy", "mae")},
                   "passed": not reasons, "reasons": reasons,
-                  "conditions": sorted({r.metadata["sample_id"] for r in batch.records})}
+                  "conditions": sorted({r.metadata["sample_id"] for r in records})}
         self._append(record)
         if reasons:
             raise AuditStop(step, record)
@@ -140,6 +173,22 @@ class Auditor:
             os.fsync(handle.fileno())
         if new:
             fsync_path(self.path.parent)
+
+
+def _pads(objective: Any) -> bool:
+    """Whether ``objective`` runs data-parallel padding for rows its ``prepare`` dropped (it implements
+    ``padding``: ``nft``, ``dpo``)."""
+    from flowforge.objectives.forward import ForwardProcessObjective
+
+    own = getattr(type(objective), "padding", None)
+    return own is not None and own is not ForwardProcessObjective.padding
+
+
+def every_rank(ids: Any) -> list[str]:
+    """``ids`` of every process (rank order, each once, in order of first appearance): under ``torchrun`` every
+    rank marks the whole step's conditions in its ledger (rank 0 writes, the others' mirrors apply the same record).
+    A collective; ``ids`` deduplicated on one process."""
+    return list(dict.fromkeys(i for part in all_gather_objects(list(ids)) for i in part))
 
 
 class StageTrainer(Trainer):
@@ -174,13 +223,18 @@ class StageTrainer(Trainer):
 
     @staticmethod
     def condition_ids(batch: StepBatch) -> list[str]:
-        """The step's condition ids, each once, in order of first appearance."""
-        return list(dict.fromkeys(r.metadata["sample_id"] for r in batch.records))
+        """The step's condition ids, each once, in order of first appearance (under ``torchrun``: of every rank's
+        share, rank by rank; a collective)."""
+        return every_rank(r.metadata["sample_id"] for r in batch.records)
 
     def next_prompts(self) -> StepBatch:
         batch = super().next_prompts()
         m = self.cfg.data.prompts_per_step
         taken = self.ledger.take(self.stage, m, step=self.step, policy_version=self.policy_version)
+        ids = [c.id for c in taken]
+        if broadcast_from_main(ids) != ids:  # rank 0 wrote the take; a mirror that disagrees must not train
+            raise RuntimeError(f"stage {self.stage} step {self.step}: this rank's condition ledger took {ids[:3]}..., "
+                               "rank 0's another (the ledger file changed under the run)")
         if len(taken) != m:
             raise RuntimeError(f"stage {self.stage} step {self.step}: the condition ledger had {len(taken)} of the "
                                f"{m} conditions a step needs (budget or pass used up)")
@@ -202,8 +256,8 @@ class StageTrainer(Trainer):
     def score(self, traj, batch: StepBatch):
         media, components, metrics = super().score(traj, batch)
         scores = components[self.reward_name].detach().cpu()
-        judged = [r.metadata["sample_id"] for r, s in zip(batch.records, scores.tolist(), strict=True)
-                  if not math.isnan(s)]
+        judged = every_rank(r.metadata["sample_id"] for r, s in zip(batch.records, scores.tolist(), strict=True)
+                            if not math.isnan(s))
         if judged:
             self.ledger.mark("judged", dict.fromkeys(judged), stage=self.stage, step=self.step,
                              policy_version=self.policy_version)
@@ -235,11 +289,24 @@ class StageTrainer(Trainer):
 
     def optimize(self, batch):
         """Stage 5 on the rows of the groups that were not dropped (zero weight for the others); a step whose groups
-        were all dropped is skipped (its advantages are all 0)."""
+        were all dropped is skipped (its advantages are all 0).
+
+        Under torchrun a rank can lose all of its rows (its groups failed) while another trains: for the
+        objectives with data-parallel padding (``nft``, ``dpo``) the rows then leave inside the objective's ``prepare``, so
+        its data-parallel padding (zero-weight forwards drawn from the whole batch) keeps the ranks in lockstep."""
         drop = getattr(self, "_dropped", None)
-        if drop is not None and bool(drop.any()):
-            batch = batch.select(torch.nonzero(~drop).view(-1))
-        return super().optimize(batch)
+        if drop is None or not bool(drop.any()):
+            return super().optimize(batch)
+        keep = torch.nonzero(~drop).view(-1)
+        objective = self.objective
+        if not self.dist.enabled or not _pads(objective):
+            return super().optimize(batch.select(keep))
+        prepare = objective.prepare
+        objective.prepare = lambda b: prepare(b.select(keep))  # this step only: the class's method comes back after
+        try:
+            return super().optimize(batch)
+        finally:
+            del objective.prepare
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:

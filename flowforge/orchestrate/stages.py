@@ -31,6 +31,19 @@ resumed step's conditions, the judges' request ledgers answer every request alre
 same command after ``kill -9`` continues without handing out a condition or sending a teacher request twice.
 Whether a stage is done is read from its files (checkpoints, ``gate.json``, ``audit.jsonl``), never from a state
 file that could disagree with them.
+
+Under ``torchrun --nproc_per_node N -m flowforge.cli stages CONFIG`` stages A and C train data-parallel on N ranks
+(each rolls out and trains its share of every step, as ``flowforge train`` does) and everything with one writer
+stays on rank 0: the pipeline directory's lock, the judge servers (started once, their address and token shared
+with the other ranks), every teacher and student request and its request ledger (``vlm_judge`` is a
+``single_client`` group scorer: the other ranks' candidates travel to rank 0 and their scores back, so each group is
+judged once), the audits, the condition ledger (the other ranks hold a read-only mirror that applies the same
+records in memory: :class:`~flowforge.orchestrate.ledger.ConditionLedger` with ``writer=False``), the reports and
+stage B (the student trains on rank 0 while the other ranks wait for its gate record, up to
+:data:`RANK_WAIT_S`). Every decision read from files (is a stage done, where C resumes, the audit stop) is taken on
+rank 0 and broadcast, so every rank takes the same path through the collectives. A kill of any rank ends the job
+(torchrun stops the others); rerunning the same command resumes as above, from the committed checkpoints and the
+ledgers' recorded answers.
 """
 
 from __future__ import annotations
@@ -49,6 +62,8 @@ from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, judge_option
 from flowforge.orchestrate.ledger import ConditionLedger, conditions_from_records
 from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
 from flowforge.rewards.judge.ledger import BudgetExhausted
+from flowforge.runtime import distributed as dist_lib
+from flowforge.runtime.distributed import broadcast_from_main
 from flowforge.runtime.durable import step_dir_name, write_bytes
 from flowforge.runtime.lock import RunLock
 from flowforge.runtime.write_guard import check_write_target
@@ -59,6 +74,41 @@ log = logging.getLogger("flowforge")
 LEDGER_FILE = "conditions.jsonl"
 GATE_FILE = "gate.json"
 STAGES = ("A", "B", "C")
+RANK_WAIT_S = 6 * 3600.0
+"""Under torchrun: how long a rank waits in a collective for the others (stage B trains on rank 0 meanwhile)."""
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_main() -> bool:
+    """Whether this process is rank 0 (or the only process)."""
+    import torch.distributed as dist
+
+    return not _distributed() or dist.get_rank() == 0
+
+
+def on_main(fn: Any) -> Any:
+    """``fn()`` run on rank 0 only and its result broadcast to every rank (``fn()`` itself on one process): file
+    reads that steer the collectives, and work with one writer. An exception on rank 0 is raised there and as a
+    RuntimeError quoting it on the other ranks, so no rank is left waiting in a collective. A collective."""
+    if not _distributed():
+        return fn()
+    result, error = None, None
+    if is_main():
+        try:
+            result = ("ok", fn())
+        except BaseException as exc:
+            error, result = exc, ("error", f"{type(exc).__name__}: {exc}")
+    kind, value = broadcast_from_main(result)
+    if error is not None:
+        raise error
+    if kind == "error":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
 
 
 @dataclasses.dataclass
@@ -72,8 +122,9 @@ class Outcome:
     last_good: str | None = None
 
 
-def open_ledger(pcfg: Any) -> ConditionLedger:
-    """The pipeline's condition ledger over the rows of ``data.prompts`` (created on the first run).
+def open_ledger(pcfg: Any, *, writer: bool = True) -> ConditionLedger:
+    """The pipeline's condition ledger over the rows of ``data.prompts`` (created on the first run); ``writer=False``:
+    a read-only mirror of it (the ranks other than 0 under torchrun).
 
     Raises:
         ValueError: the ledger was made for another prompt file, seed or budget; rows without unique sample ids.
@@ -81,7 +132,7 @@ def open_ledger(pcfg: Any) -> ConditionLedger:
     records = load_prompts(resolve_demo_path(pcfg.data.prompts))
     s = pcfg.stages
     return ConditionLedger(pipeline_dir(pcfg) / LEDGER_FILE, conditions_from_records(records), seed=s.seed,
-                           n_a=s.n_a, extend_delta=s.extend_delta, extend_cap=s.extend_cap or None)
+                           n_a=s.n_a, extend_delta=s.extend_delta, extend_cap=s.extend_cap or None, writer=writer)
 
 
 def a_steps(pcfg: Any, ledger: ConditionLedger) -> int:
@@ -112,7 +163,8 @@ class Endpoints:
         self.token_file = pipeline_token(directory)
 
     def teacher(self) -> dict[str, Any]:
-        """``reward.options.vlm_judge`` for the teacher."""
+        """``reward.options.vlm_judge`` for the teacher (under torchrun a collective: rank 0 starts the server,
+        every rank gets its address)."""
         if self._teacher is None:
             t = self.pcfg.teacher
             if t.url:
@@ -121,16 +173,16 @@ class Endpoints:
             else:
                 backend = ["--scorer", t.scorer] if t.scorer else ["--model", t.model_dir]
                 backend += ["--score-range", str(t.score_range[0]), str(t.score_range[1])]
-                server = self._start(backend, t.model, "teacher", request_log=True)
-                self._teacher = judge_options(self.pcfg, base_url=server.api_root, model=t.model,
-                                              api_key_env=TOKEN_ENV)
+                api_root = on_main(lambda: self._start(backend, t.model, "teacher", request_log=True).api_root)
+                self._teacher = judge_options(self.pcfg, base_url=api_root, model=t.model, api_key_env=TOKEN_ENV)
         return self._teacher
 
     def student(self, student_dir: Path) -> dict[str, Any]:
-        """``reward.options.vlm_judge`` for a ``flowforge serve judge --student`` server of ``student_dir``."""
-        server = self._start(["--student", str(student_dir)], "student", "student", request_log=True)
-        return {**judge_options(self.pcfg, base_url=server.api_root, model="student", api_key_env=TOKEN_ENV),
-                "paid": False}
+        """``reward.options.vlm_judge`` for a ``flowforge serve judge --student`` server of ``student_dir`` (under
+        torchrun a collective, as :meth:`teacher`)."""
+        api_root = on_main(lambda: self._start(["--student", str(student_dir)], "student", "student",
+                                               request_log=True).api_root)
+        return {**judge_options(self.pcfg, base_url=api_root, model="student", api_key_env=TOKEN_ENV), "paid": False}
 
     def _start(self, backend: list[str], model: str, name: str, *, request_log: bool) -> JudgeServer:
         where = self.directory / name
@@ -154,8 +206,8 @@ def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, pro
 
     steps = a_steps(pcfg, ledger)
     run_dir = pipeline_dir(pcfg) / "A"
-    if newest_step(run_dir) == steps:
-        if not (run_dir / "report.html").is_file():
+    if on_main(lambda: newest_step(run_dir) == steps):
+        if is_main() and not (run_dir / "report.html").is_file():
             write_report(run_dir)
         return run_dir
     teacher = {**endpoints.teacher(), "max_billed": pcfg.teacher.max_requests}  # A spends first: the whole budget
@@ -272,22 +324,23 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
     from flowforge.orchestrate.stage_trainer import AuditStop, Auditor, StageTrainer
     from flowforge.rewards.registry import build_scorer
 
-    stopped = audit_outcome(pcfg, ledger)
+    stopped = on_main(lambda: audit_outcome(pcfg, ledger))
     if stopped is not None:
         return stopped
     start, steps = a_steps(pcfg, ledger), c_steps(pcfg, ledger)
     directory = pipeline_dir(pcfg)
     run_dir = directory / "C"
-    if steps == 0 or newest_step(run_dir) == start + steps:
+    newest = on_main(lambda: newest_step(run_dir))
+    if steps == 0 or newest == start + steps:
         return Outcome("done", "" if steps else "the pass has no conditions left for stage C")
     a_last = directory / "A" / "checkpoints" / step_dir_name(start)
-    resume = "auto" if newest_step(run_dir) > start else str(a_last)
+    resume = "auto" if newest > start else str(a_last)
     reward, name = _student_reward(pcfg, endpoints, student_dir)
     cfg = stage_config(pcfg, "C", steps=start + steps, reward=reward, resume=resume)
     auditor = None
     if pcfg.audit.first_groups > 0 or pcfg.audit.every > 0:
         budget = pcfg.teacher.max_requests
-        left = budget - teacher_billed(pcfg)  # the audits spend what A left of teacher.max_requests
+        left = budget - on_main(lambda: teacher_billed(pcfg))  # the audits spend what A left of max_requests
         if budget and left <= 0:
             return Outcome("budget_exhausted", f"teacher.max_requests={budget} was spent by stage A; stage C's "
                                                "audits cannot be paid")
@@ -302,7 +355,7 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
         _train(trainer)
     except AuditStop as stop:
         log.warning("stage C stopped: %s", stop)
-        return audit_outcome(pcfg, ledger) or Outcome("audit_stopped", str(stop))
+        return on_main(lambda: audit_outcome(pcfg, ledger)) or Outcome("audit_stopped", str(stop))
     return Outcome("done")
 
 
@@ -315,10 +368,11 @@ def _a_and_b(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, stage: st
             run_stage_a(pcfg, ledger, endpoints, progress=progress)
             if stage == "A":
                 return None, Outcome("done")
-        elif newest_step(pipeline_dir(pcfg) / "A") != a_steps(pcfg, ledger):
+        elif on_main(lambda: newest_step(pipeline_dir(pcfg) / "A")) != a_steps(pcfg, ledger):
             raise ValueError(f"stage {stage} needs stage A finished ({a_steps(pcfg, ledger)} steps); run "
                              "`flowforge stages CONFIG --stage A` (or without --stage) first")
-        record = run_stage_b(pcfg, ledger)
+        record = on_main(lambda: run_stage_b(pcfg, ledger))  # the student trains on rank 0 (one writer)
+        ledger.refresh()  # a mirror takes up what stage B recorded on rank 0
         if record["passed"]:
             return record, None
         reason = "quality gate failed: " + "; ".join(record["reasons"])
@@ -353,7 +407,8 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
                  inputs: Mapping[str, str | Path] | None = None) -> Outcome:
     """Run the pipeline (every stage, or only ``stage``), then write its report. Holds the pipeline directory's
     lock throughout (a second process is refused). ``inputs`` (label -> path, e.g. the config file) may not hold
-    the pipeline directory (:func:`check_pipeline_dir`).
+    the pipeline directory (:func:`check_pipeline_dir`). Under torchrun every rank calls it (module docstring:
+    rank 0 holds the lock, the servers, the ledgers and the reports).
 
     Raises:
         ValueError: an unknown stage; a stage whose predecessor has not finished; ledger mismatches.
@@ -363,31 +418,42 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
 
     if stage is not None and stage not in STAGES:
         raise ValueError(f"--stage must be one of {list(STAGES)}, got {stage!r}")
-    check_pipeline_dir(pcfg, inputs)
+    dist_lib.init(pcfg.run.device, timeout_s=RANK_WAIT_S)  # torchrun: the group A and C train in (no-op alone)
     directory = pipeline_dir(pcfg)
-    directory.mkdir(parents=True, exist_ok=True)
     lock = RunLock(directory)
-    lock.acquire()
-    endpoints = Endpoints(pcfg, directory)
+
+    def claim() -> None:  # rank 0: the write rule, the lock, the token and the ledger's file, before any mirror
+        check_pipeline_dir(pcfg, inputs)
+        directory.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+        pipeline_token(directory)
+        open_ledger(pcfg)
+
+    endpoints = None
     try:
-        ledger = open_ledger(pcfg)
+        on_main(claim)
+        endpoints = Endpoints(pcfg, directory)
+        ledger = open_ledger(pcfg, writer=is_main())
         record, outcome = (None, None)
         try:
             if stage != "C":
                 record, outcome = _a_and_b(pcfg, ledger, endpoints, stage, progress)
             else:
-                record = _passed_gate(pcfg, ledger)
+                record = on_main(lambda: _passed_gate(pcfg, ledger))
             if outcome is None and stage in (None, "C"):
                 outcome = run_stage_c(pcfg, ledger, endpoints, Path(record["student"]), progress=progress)
         except BudgetExhausted as exc:  # stopped before the budget was exceeded; a rerun with more continues
             log.warning("pipeline stopped: %s", exc)
             outcome = Outcome("budget_exhausted", str(exc))
         outcome = outcome or Outcome("done")
-        write_pipeline_report(pcfg, ledger, outcome)
+        if is_main():
+            write_pipeline_report(pcfg, ledger, outcome)
         return outcome
     finally:
-        endpoints.close()
-        lock.release()
+        if endpoints is not None:
+            endpoints.close()
+        if is_main():
+            lock.release()
 
 
 def _passed_gate(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
