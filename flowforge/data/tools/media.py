@@ -9,6 +9,9 @@ video: a directory of frames        every file in it with an image suffix (:data
 video: a ``.gif`` file              PIL decodes every frame
 video: any other file (``.mp4``)    not decodable here: flowforge has no video-file reader; reported as
                                     unsupported, never as passing
+audio: a ``.wav`` file              the standard library's ``wave`` reads the header and every frame, and
+                                    there is at least one
+audio: any other file (``.mp3``)    not decodable here; reported as unsupported, never as passing
 ==================================  ============================================================================
 """
 
@@ -50,11 +53,31 @@ def _frames_problem(directory: Path) -> str | None:
     return None
 
 
+def audio_problem(path: Path) -> str | None:
+    """None when ``path`` is a WAV file whose every frame reads (and has at least one), else why not."""
+    import wave
+
+    if path.suffix.lower() != ".wav":
+        return (f"is an audio file of a kind flowforge cannot decode ({path.suffix or 'no suffix'}; it reads WAV), "
+                "so it was not checked")
+    try:
+        with wave.open(str(path), "rb") as sound:
+            count = sound.getnframes()
+            data = sound.readframes(count)
+    except Exception as exc:  # wave raises wave.Error, EOFError, OSError
+        return f"does not decode as WAV audio ({_error_text(exc)})"
+    if count == 0 or not data:
+        return "is a WAV file with no audio frames"
+    return None
+
+
 def decode_problem(kind: str, path: Path) -> str | None:
-    """None when the media file ``path`` of ``kind`` (``image`` / ``video``) decodes (module docstring table),
-    else a phrase saying why not (it follows the path in a message). ``path`` must exist."""
+    """None when the media file ``path`` of ``kind`` (``image`` / ``video`` / ``audio``) decodes (module docstring
+    table), else a phrase saying why not (it follows the path in a message). ``path`` must exist."""
     if kind == "image":
         return image_problem(path)
+    if kind == "audio":
+        return audio_problem(path)
     if path.is_dir():
         return _frames_problem(path)
     if path.suffix.lower() == ".gif":

@@ -4,12 +4,15 @@ the content hash used for dedup and leakage, the split key, and the safe JSONL w
 The schema is :mod:`flowforge.data.prompts`'s (``{"prompt": str, "metadata": {"task", "sample_id", ...}}``); the
 data tools add two things to it:
 
-**Media.** ``metadata.image`` and ``metadata.video`` name media files, each a path or a list of paths, relative to
-the JSONL file's directory or absolute (as :func:`flowforge.data.prompts.load_prompts` resolves ``image``). An
-image-conditioned task (``i2i``, ``i2v``) needs exactly one ``image`` path (the training loader takes one). A video
-is a file or a directory of frame images.
+**Media.** ``metadata.image``, ``metadata.video`` and ``metadata.audio`` name media files, each a path or a list of
+paths, relative to the JSONL file's directory or absolute (as :func:`flowforge.data.prompts.load_prompts` resolves
+``image``). An image-conditioned task (``i2i``, ``i2v``) needs exactly one ``image`` path (the training loader takes
+one). A video is a file or a directory of frame images; an audio entry a sound file (a WAV decodes in ``inspect
+--decode-media``). ``audio`` is carried for audio-conditioned tasks: it is validated, checked, deduplicated and kept
+like the other media, but no built-in adapter consumes it yet (``LTX2Pipeline``, the one audio-video family, has no
+audio-conditioned mode: the ``ltx2`` adapter generates the sound itself).
 
-**Placeholders.** A prompt may mark where its media go with ``<image>`` / ``<video>``. For each kind the prompt holds
+**Placeholders.** A prompt may mark where its media go with ``<image>`` / ``<video>`` / ``<audio>``. For each kind the prompt holds
 either no placeholder (the media are conditioning inputs, as ``i2i`` / ``i2v`` use ``metadata.image``) or exactly one
 per listed file of that kind; any other count is a problem.
 
@@ -39,10 +42,10 @@ from flowforge.data.prompts import IMAGE_TASKS, TASKS
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError, file_error
 
-MEDIA_KEYS = ("image", "video")
+MEDIA_KEYS = ("image", "video", "audio")
 """Metadata keys that name media files (a path or a list of paths)."""
 
-PLACEHOLDERS = {"image": "<image>", "video": "<video>"}
+PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 """The prompt placeholder of each media kind."""
 
 TOP_LEVEL_KEYS = ("prompt", "metadata")
@@ -54,7 +57,7 @@ def normalize_prompt(prompt: str) -> str:
 
 
 def count_words(prompt: str) -> int:
-    """Whitespace-separated words of ``prompt``, ``<image>`` / ``<video>`` placeholders not counted."""
+    """Whitespace-separated words of ``prompt``, ``<image>`` / ``<video>`` / ``<audio>`` placeholders not counted."""
     for tag in PLACEHOLDERS.values():
         prompt = prompt.replace(tag, " ")
     return len(prompt.split())
@@ -139,8 +142,8 @@ def row_problems(row: Any) -> list[str]:
 
 
 def media_missing(kind: str, path: str) -> bool:
-    """Whether the media file at absolute ``path`` is absent: an image must be a file, a video a file or a
-    directory (of frames)."""
+    """Whether the media file at absolute ``path`` is absent: an image or audio must be a file, a video a file or
+    a directory (of frames)."""
     return not (os.path.isfile(path) or (kind == "video" and os.path.isdir(path)))
 
 
