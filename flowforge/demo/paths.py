@@ -14,8 +14,9 @@ name            file
 ``demo:eval``   ``flowforge/demo/prompts/eval.jsonl``: 6 held-out phrasings x 10 digits
 ``demo:world``  ``flowforge/demo/weights/world/``: the Atari world model (:mod:`flowforge.demo.world`)
 ``demo:world-train`` / ``demo:world-eval``: Breakout start frames + actions (train / held-out episodes)
-``demo:digit-tower``  ``flowforge/demo/weights/student_digit_tower.safetensors``: a ``scalar_head`` student's image
-                tower pretrained as a digit classifier on the ``sft`` split (:mod:`flowforge.reward_model.pretrain`)
+``demo:digit-tower``  ``flowforge/demo/weights/student_digit_tower.safetensors``: a whole ``scalar_head`` student
+                (channels 32/64/128, hidden 128) pretrained as a prompt-digit matcher on the ``sft`` split
+                (:mod:`flowforge.reward_model.pretrain`)
 ==============  =========================================================================================
 """
 

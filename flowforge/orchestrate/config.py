@@ -119,7 +119,9 @@ class TeacherConfig(Section):
 class AuditConfig(Section):
     """``audit``: stage C's teacher audits. The teacher re-judges every group of C's steps until ``first_groups``
     groups were audited, then the groups of every step that is a multiple of ``every`` (0: no periodic audit).
-    An audit whose agreement falls below a threshold stops stage C at the last good checkpoint."""
+    An audit whose agreement falls below a threshold stops stage C at the last good checkpoint. ``pool_groups: N``
+    takes each verdict on the last N audited groups (this step's and earlier audits'; pending until N were
+    audited), its thresholds checked against the null at N groups (0: one step's groups alone)."""
 
     section_name = "audit"
 
@@ -127,11 +129,12 @@ class AuditConfig(Section):
     every: int = 5
     min_spearman: float = 0.45  # mean within-group Spearman of student vs teacher on the audited groups
     min_pairwise_accuracy: float = 0.67  # teacher-ordered pairs the student orders the same way
-    max_null_pass: float = 0.01  # a random student passes one audit (M groups of K) with p < this (check_pipeline)
+    max_null_pass: float = 0.01  # a random student passes one verdict's groups with p < this (check_pipeline)
+    pool_groups: int = 0  # > 0: each verdict on the last pool_groups audited groups (>= M); 0: the step's M alone
 
     def problems(self) -> list[str]:
         c = Checks(self)
-        c.positive("first_groups", "every", allow_zero=True)
+        c.positive("first_groups", "every", "pool_groups", allow_zero=True)
         c.require(-1.0 <= self.min_spearman <= 1.0, f"audit.min_spearman={self.min_spearman} must be in [-1, 1]")
         c.require(0.0 <= self.min_pairwise_accuracy <= 1.0,
                   f"audit.min_pairwise_accuracy={self.min_pairwise_accuracy} must be in [0, 1]")

@@ -242,7 +242,7 @@ def _plot_agreement(points: list[dict[str, Any]], pcfg: Any) -> Figure:
             pts = [p for p in points if p["kind"] == kind and p["position"] is not None
                    and isinstance(p[metric], (int, float)) and math.isfinite(p[metric])]
             ax.scatter([p["position"] for p in pts], [p[metric] for p in pts], marker=marker, s=36, zorder=3,
-                       c=["C2" if p["passed"] else "C3" for p in pts])
+                       c=["C7" if p["passed"] is None else "C2" if p["passed"] else "C3" for p in pts])
         ax.axhline(gate_min, color="C0", linestyle="--", linewidth=1)
         ax.axhline(audit_min, color="C1", linestyle=":", linewidth=1.2)
         # the legend names shapes in grey: the colour of a point is its verdict, not its kind

@@ -24,7 +24,12 @@ Audits (:class:`Auditor`): the teacher scores every group of an audited step; ag
 the same candidates (:func:`flowforge.reward_model.evaluate.agreement`: within-group Spearman, pairwise accuracy,
 MAE) is logged as ``audit/<metric>`` in ``metrics.jsonl`` and appended to ``audit.jsonl`` in the run directory. An
 audit below ``audit.min_spearman`` or ``audit.min_pairwise_accuracy`` raises :class:`AuditStop` before the step's
-update, so the stage ends without training on the student's verdict.
+update, so the stage ends without training on the student's verdict. With ``audit.pool_groups: N`` the verdict is
+taken on the last ``N`` audited groups (this step's and the newest of earlier audits', read back from
+``audit.jsonl``, which keeps each group's two score vectors) at thresholds a random student fails at ``N`` groups:
+one step's ``M`` groups measure a student's agreement with a standard error of ~0.15 in Spearman, too noisy to tell
+a good student from a degraded one at a threshold the null allows. Until ``N`` groups were audited the record is
+``pending`` (``passed: null``): no verdict, no stop, and not a passed audit for the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -146,24 +151,48 @@ class Auditor:
         sent = self.judge.pop_metrics()
         kept = [(student[r].detach().float().cpu(), t) for r, t in zip(rows, teacher, strict=True)
                 if not torch.isnan(t).any() and not torch.isnan(student[r]).any()]  # a dropped group: no verdict
-        result = agreement([s for s, _ in kept], [t for _, t in kept]) if kept else {}
+        scores = [[s.tolist(), t.tolist()] for s, t in kept]  # per kept group: [student, teacher]
+        own = agreement([s for s, _ in kept], [t for _, t in kept]) if kept else {}
+        pooled, steps = self._pool(step, scores)
+        result = agreement([torch.tensor(s) for s, _ in pooled],
+                           [torch.tensor(t) for _, t in pooled]) if kept else {}
+        pending = bool(kept) and len(pooled) < self.cfg.pool_groups  # too few groups for a verdict yet
         reasons = []
         for metric, bound in (("spearman", self.cfg.min_spearman),
                               ("pairwise_accuracy", self.cfg.min_pairwise_accuracy)):
             value = result.get(metric, math.nan)
-            if not value >= bound:  # NaN fails: nothing to compare is not agreement
-                reasons.append(f"{metric}={value:.4g} < audit.min_{metric}={bound:g}")
+            if not pending and not value >= bound:  # NaN fails: nothing to compare is not agreement
+                reasons.append(f"{metric}={value:.4g} < audit.min_{metric}={bound:g}"
+                               + (f" (pooled over {len(pooled)} groups)" if self.cfg.pool_groups else ""))
         record = {"step": step, "policy_version": policy_version, "groups": len(groups),
                   "teacher_failures": len(groups) - len(kept), "teacher_requests_sent": sent["requests_sent"],
                   "teacher_served_from_ledger": sent["served_from_ledger"],
                   **{k: result.get(k, math.nan) for k in ("spearman", "pairwise_accuracy", "mae")},
-                  "passed": not reasons, "reasons": reasons,
-                  "conditions": sorted({r.metadata["sample_id"] for r in records})}
+                  **{f"step_{k}": own.get(k, math.nan) for k in ("spearman", "pairwise_accuracy", "mae")},
+                  "pooled_groups": len(pooled), "pooled_steps": steps,
+                  "passed": None if pending else not reasons, "pending": pending, "reasons": reasons,
+                  "conditions": sorted({r.metadata["sample_id"] for r in records}), "scores": scores}
         self._append(record)
         if reasons:
             raise AuditStop(step, record)
         return {f"audit/{k}": float(record[k]) for k in ("spearman", "pairwise_accuracy", "mae", "groups",
                                                            "teacher_requests_sent")}
+
+    def _pool(self, step: int, scores: list[list[list[float]]]) -> tuple[list[list[list[float]]], list[int]]:
+        """The groups the verdict of step ``step`` is taken on and their steps: ``scores`` alone without pooling,
+        else ``scores`` plus the newest groups of earlier audits (``audit.jsonl``) up to ``audit.pool_groups``."""
+        if self.cfg.pool_groups <= 0 or not scores:
+            return scores, [step] if scores else []
+        pooled, steps = list(scores), [step]
+        for record in reversed([a for a in read_audits(self.path.parent) if a["step"] < step]):
+            if len(pooled) >= self.cfg.pool_groups:
+                break
+            earlier = record.get("scores") or []
+            take = earlier[max(0, len(earlier) - (self.cfg.pool_groups - len(pooled))):]
+            if take:
+                pooled.extend(take)
+                steps.append(record["step"])
+        return pooled, sorted(steps)
 
     def _append(self, record: dict[str, Any]) -> None:
         new = not self.path.exists()

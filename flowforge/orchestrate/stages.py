@@ -304,7 +304,7 @@ def audit_outcome(pcfg: Any, ledger: ConditionLedger) -> Outcome | None:
     from flowforge.orchestrate.stage_trainer import read_audits
 
     audits = read_audits(pipeline_dir(pcfg) / "C")
-    failed = [a for a in audits if not a["passed"]]
+    failed = [a for a in audits if a["passed"] is False]  # None: a pooled audit still pending, no verdict
     if not failed:
         return None
     return Outcome("audit_stopped", f"audit at step {failed[0]['step']}: {'; '.join(failed[0]['reasons'])}",

@@ -8,9 +8,10 @@ gate        the test groups stage B gets at ``stages.n_a`` (the first ``n_a`` co
             the exact 80/10/10 cluster split puts in ``test``): a random student must pass ``student.gate``'s
             Spearman and pairwise thresholds with probability < ``student.gate.max_null_pass``; below the floors
             Spearman 0.5 / pairwise 0.7 a warning
-audit       ``data.prompts_per_step`` groups (one audited step) of ``data.group_size`` candidates: a random student
-            must pass ``audit.min_spearman`` and ``audit.min_pairwise_accuracy`` with probability <
-            ``audit.max_null_pass``; below the floors Spearman 0.2 / pairwise 0.6 a warning
+audit       ``audit.pool_groups`` groups when audits are pooled, else ``data.prompts_per_step`` (one audited step),
+            of ``data.group_size`` candidates: a random student must pass ``audit.min_spearman`` and
+            ``audit.min_pairwise_accuracy`` with probability < ``audit.max_null_pass``; below the floors Spearman
+            0.2 / pairwise 0.6 a warning; a pool of fewer groups than one step's is a problem
 ==========  =======================================================================================================
 """
 
@@ -49,8 +50,11 @@ def threshold_problems(pcfg: Any, test_groups: int | None = None) -> tuple[list[
     n_test = test_groups_at_budget(pcfg) if test_groups is None else test_groups
     checks = (("student.gate", n_test, g.min_spearman, g.min_pairwise_accuracy, g.max_null_pass, GATE_FLOORS,
                "test groups at stages.n_a"),
-              ("audit", pcfg.data.prompts_per_step, a.min_spearman, a.min_pairwise_accuracy, a.max_null_pass,
-               AUDIT_FLOORS, "groups per audited step"))
+              ("audit", a.pool_groups or pcfg.data.prompts_per_step, a.min_spearman, a.min_pairwise_accuracy,
+               a.max_null_pass, AUDIT_FLOORS, "groups per audit verdict"))
+    if 0 < a.pool_groups < pcfg.data.prompts_per_step:
+        problems.append(f"audit.pool_groups={a.pool_groups} must be 0 or at least data.prompts_per_step="
+                        f"{pcfg.data.prompts_per_step} (one audited step's groups)")
     for name, groups, rho, pairs, alpha, floors, what in checks:
         if k < 2 or groups < 1:
             problems.append(f"{name}: {groups} {what} of {k} candidates cannot be judged against a random student")

@@ -22,7 +22,11 @@ The file holds every tensor of the network and, in its metadata, the options it 
 (:meth:`~flowforge.reward_model.scalar_head.ScalarHeadStudent.load_init`). The shipped one is
 ``demo:digit-tower``::
 
-    python -m flowforge.reward_model.pretrain --out flowforge/demo/weights/student_digit_tower.safetensors
+    python -m flowforge.reward_model.pretrain --channels 32 64 128 --hidden 128 \
+        --out flowforge/demo/weights/student_digit_tower.safetensors
+
+(the shape ``examples/stages/digits.yaml`` sets; held-out zero-shot accuracy 0.945 on ``reward``, 0.956 on
+``eval_clf``; the default ``16 32 64`` / ``64`` reaches lower student-teacher agreement on the demo).
 
 Deterministic on CPU for a fixed thread count (the command sets 1 thread). The held-out zero-shot accuracy (argmax
 over the ten prompts) is printed.

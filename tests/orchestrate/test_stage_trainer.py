@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 from flowforge.orchestrate.config import AuditConfig
-from flowforge.orchestrate.stage_trainer import AUDIT_FILE, Auditor, read_audits
+from flowforge.orchestrate.stage_trainer import AUDIT_FILE, Auditor, AuditStop, read_audits
 
 
 def test_audits_cover_the_first_groups_then_every_kth_step(tmp_path):
@@ -25,3 +29,48 @@ def test_a_step_audited_again_after_a_resume_keeps_its_first_record(tmp_path):
     (tmp_path / AUDIT_FILE).write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 7, "pas')
     assert [(a["step"], a["spearman"]) for a in read_audits(tmp_path)] == [(3, 0.1), (5, 0.5)]
     assert read_audits(tmp_path / "missing") == []
+
+
+class _RankJudge:
+    """A teacher that ranks every group's candidates 0..K-1 in presented order (one request per group)."""
+
+    def score_groups(self, requests):
+        return [torch.arange(len(r[1]), dtype=torch.float32) / (len(r[1]) - 1) for r in requests]
+
+    def pop_metrics(self):
+        return {"requests_sent": 4.0, "served_from_ledger": 0.0}
+
+
+def _step(auditor, step, student):
+    """Audit one step of 4 groups x 8 candidates (rows group by group) with ``[32]`` student scores."""
+    records = [SimpleNamespace(prompt="p", metadata={"sample_id": f"c{step}-{i // 8}"}) for i in range(32)]
+    batch = SimpleNamespace(records=records, group_ids=torch.arange(4).repeat_interleave(8))
+    return auditor.audit(step, step, torch.zeros(32, 3, 4, 4), batch, student)
+
+
+def test_pooled_audits_pend_until_the_pool_fills_then_judge_the_last_n_groups(tmp_path):
+    cfg = AuditConfig(first_groups=8, every=7, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63)
+    auditor = Auditor(_RankJudge(), cfg, first_step=24, prompts_per_step=4, run_dir=tmp_path)
+    teacher_order = torch.arange(8.0).repeat(4)
+    _step(auditor, 24, teacher_order)  # 4 of 8 groups: pending, whatever the agreement
+    _step(auditor, 25, teacher_order)
+    reverse = -teacher_order  # a student that ranks every group backwards: Spearman -1 on this step alone
+    _step(auditor, 28, torch.cat([teacher_order[:24], reverse[24:]]))  # 3 good + 1 reversed, pooled with 25's 4
+    with pytest.raises(AuditStop, match=r"spearman=-0.25 < audit.min_spearman=0.35 \(pooled over 8 groups\)"):
+        _step(auditor, 35, reverse)  # 4 reversed + the 4 of step 28 (one reversed): pooled 8 of which 5 reversed
+    audits = read_audits(tmp_path)
+    assert [(a["step"], a["passed"], a["pooled_groups"], a["pooled_steps"]) for a in audits] == [
+        (24, None, 4, [24]), (25, True, 8, [24, 25]), (28, True, 8, [25, 28]), (35, False, 8, [28, 35])]
+    assert audits[0]["pending"] and audits[0]["reasons"] == [] and audits[0]["spearman"] == 1.0
+    assert audits[2]["step_spearman"] == pytest.approx(0.5) and audits[2]["spearman"] == pytest.approx(0.75)
+    assert audits[3]["spearman"] == pytest.approx(-1 * 5 / 8 + 3 / 8)
+    assert all(len(a["scores"]) == 4 and len(a["scores"][0][0]) == 8 for a in audits)  # per group [student, teacher]
+
+
+def test_without_pooling_each_step_is_judged_alone(tmp_path):
+    auditor = Auditor(_RankJudge(), AuditConfig(first_groups=4, every=0), first_step=0, prompts_per_step=4,
+                      run_dir=tmp_path)
+    with pytest.raises(AuditStop, match=r"spearman=-1 < audit.min_spearman=0.45;"):
+        _step(auditor, 0, -torch.arange(8.0).repeat(4))
+    (record,) = read_audits(tmp_path)
+    assert (record["passed"], record["pending"], record["pooled_groups"]) == (False, False, 4)

@@ -1,6 +1,7 @@
 """The pretrained ``scalar_head`` start (``student.scalar_head.init``): the shipped ``demo:digit-tower`` file loads
-into the default student and already matches real held-out digits to their prompts; a file that does not fit the
-configured network is refused in one line; the pretraining phrasings are none of the demo's prompts."""
+into the demo's student (channels 32/64/128, hidden 128) and already matches real held-out digits to their
+prompts; a file that does not fit the configured network is refused in one line; the pretraining phrasings are none
+of the demo's prompts."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_the_shipped_init_loads_and_matches_held_out_digits_to_their_prompts():
     def margin_wins(student):
         return float((student.score_images(media, right) > student.score_images(media, wrong)).float().mean())
 
-    options = student_config({"scalar_head": {"init": "demo:digit-tower"}}).scalar_head
+    options = student_config({"scalar_head": {"init": "demo:digit-tower", "channels": [32, 64, 128],
+                                              "hidden": 128}}).scalar_head  # the shape the file was trained in
     pretrained = ScalarHeadStudent(options)
     assert margin_wins(pretrained) > 0.85
     assert margin_wins(ScalarHeadStudent(ScalarHeadOptions())) < 0.75
