@@ -87,3 +87,27 @@ def test_ltx2_trains_on_the_real_loop(algorithm, ltx2_dir, prompt_files, tmp_pat
     assert [w.name for w in wavs] == ["step_000002_audio_0.wav", "step_000002_audio_1.wav"]
     report = (run_dir / "report.html").read_text()
     assert report.count("<audio controls") >= 4 and "data:audio/wav;base64," in report
+
+
+def test_audio_scorers_need_an_audio_model_and_no_overlap():
+    """A takes_audio component is refused when the trainer starts on a model that makes no sound, or with
+    reward.overlap (its score stream carries no audio); scorers that take no audio are unaffected."""
+    from flowforge.rewards.scorers.av_sync import AVOnsetSync
+    from flowforge.rewards.scorers.jpeg import JpegCompressibility
+    from flowforge.runtime.errors import UserError
+    from flowforge.train.trainer import check_audio_scorers
+
+    class Silent:
+        pass
+
+    class Sounding:
+        def decode_audio(self, latents):
+            return latents, 16000
+
+    scorers = {"av_onset_sync": AVOnsetSync(), "jpeg_compressibility": JpegCompressibility()}
+    with pytest.raises(UserError, match=r"model.adapter: Silent produces no audio.*\['av_onset_sync'\]"):
+        check_audio_scorers(scorers, Silent(), False)
+    with pytest.raises(UserError, match="reward.overlap"):
+        check_audio_scorers(scorers, Sounding(), True)
+    check_audio_scorers(scorers, Sounding(), False)
+    check_audio_scorers({"jpeg_compressibility": JpegCompressibility()}, Silent(), True)

@@ -140,11 +140,13 @@ def schedule(model: SampleModel, steps: int | None) -> torch.Tensor:
     s, m = model.cfg.sampler, model.cfg.model
     if steps is not None:
         s = dataclasses.replace(s, num_steps=int(steps))
+    shape = tuple(model.adapter.latent_shape(m.height, m.width, m.frames))  # first, as the trainer: it may fix the
+    # geometry a pipeline schedule reads (LTX-2's mu counts the video tokens of m.frames)
     if s.schedule == "dynamic" and s.mu is None:
         pipeline = model.adapter.pipeline_sigmas(s.num_steps, m.height, m.width)
         if pipeline is not None:
             return pipeline.float().cpu()
-    return sigmas_for(s, tuple(model.adapter.latent_shape(m.height, m.width, m.frames)))
+    return sigmas_for(s, shape)
 
 
 def _conditioning(model: SampleModel, records: list[PromptRecord], device: torch.device) -> Conditioning:
