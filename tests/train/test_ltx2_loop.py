@@ -111,3 +111,21 @@ def test_audio_scorers_need_an_audio_model_and_no_overlap():
         check_audio_scorers(scorers, Sounding(), True)
     check_audio_scorers(scorers, Sounding(), False)
     check_audio_scorers({"jpeg_compressibility": JpegCompressibility()}, Silent(), True)
+
+
+def test_preflight_refuses_audio_rewards_without_sound(prompt_files, tmp_path):
+    """flowforge check / train's preflight: av_onset_sync on a model without sound, or with reward.overlap, is an
+    error naming the component; on ltx2 without overlap it passes."""
+    from flowforge.train.preflight import PreflightError, preflight
+
+    def cfg(*extra):
+        return load_config(None, [
+            f"data.prompts={prompt_files['t2v', 'train']}", f"data.eval_prompts={prompt_files['t2v', 'eval']}",
+            "model.height=32", "model.width=32", "model.frames=5", "model.task=t2v", "model.path=/nowhere",
+            "reward.weights={jpeg_compressibility: 1.0, av_onset_sync: 0.5}", *extra])
+
+    with pytest.raises(PreflightError, match=r"\['av_onset_sync'\] score audio, but model.adapter='wan'"):
+        preflight(cfg("model.adapter=wan"), this_machine=False)
+    with pytest.raises(PreflightError, match="reward.overlap: true"):
+        preflight(cfg("model.adapter=ltx2", "reward.overlap=true"), this_machine=False)
+    preflight(cfg("model.adapter=ltx2"), this_machine=False)

@@ -172,6 +172,29 @@ def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str]) -> d
     return counts
 
 
+def _audio_problems(cfg: Config, problems: list[str]) -> None:
+    """Built-in reward components that score audio (``takes_audio``, e.g. ``av_onset_sync``) need a model that
+    makes sound (its adapter class has ``decode_audio``: ``ltx2``) and ``reward.overlap`` off (the overlapped score
+    stream carries no audio); the trainer checks the same on the built objects (bring-your-own scorers too)."""
+    from flowforge.models import adapter_class
+    from flowforge.rewards.registry import SCORERS
+
+    audio = sorted(n for n in dict.fromkeys([*cfg.reward.weights, *cfg.eval.scorers])
+                   if n in SCORERS and getattr(SCORERS[n], "takes_audio", False))
+    if not audio:
+        return
+    try:
+        sounding = hasattr(adapter_class(cfg.model.adapter), "decode_audio")
+    except ValueError:
+        return  # the unknown adapter is reported by _task_problems
+    if not sounding:
+        problems.append(f"reward.weights: {audio} score audio, but model.adapter={cfg.model.adapter!r} produces "
+                        "none; use an audio-video family (ltx2) or drop them")
+    if cfg.reward.overlap:
+        problems.append(f"reward.overlap: true, but {audio} score audio, which the overlapped score stream does not "
+                        "carry; set reward.overlap=false")
+
+
 def _scorer_problems(name: str, options: dict) -> list[str]:
     """:func:`flowforge.rewards.registry.check_scorer_spec` of one reward component, each problem naming its key
     (``reward.options.<name>`` with the allowed option names, or ``reward.weights``); no scorer is built."""
@@ -383,6 +406,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     _name_problems(cfg, problems)
     _task_problems(cfg, problems, warnings)
+    _audio_problems(cfg, problems)
     counts = _prompt_problems(cfg, problems, warnings)
     _model_path_problems(cfg, problems, warnings, this_machine)
     _trained_step_problems(cfg, problems)
