@@ -9,6 +9,8 @@ name / file                       what
                                   the clip's real actions), evenly spaced over the train split
 ``demo:world-eval``               ``prompts/world-eval.jsonl``: :data:`EVAL_STARTS` held-out clips (other episodes)
 ``weights/world_idm.safetensors``  the inverse-dynamics judge (:class:`InverseDynamicsNet`)
+``weights/world_reward_idm...``    the training reward's inverse-dynamics model, another architecture, seed and
+                                  recording (:mod:`flowforge.demo.world_reward`, scorer ``action_idm``)
 ================================  ==================================================================================
 
 Every prompt row also names ``real_clip``: a PNG strip of the real clip's ``F`` frames side by side, in the

@@ -218,7 +218,8 @@ def measure(reward: BandInverseDynamicsNet, video: Tensor, actions: Tensor) -> d
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m flowforge.demo.world_reward``: train + save the reward model on :data:`REWARD_DATA`, then print
     every action judge on the demo recording's held-out clips (real, and ``demo:world``'s generations with
-    ``--measure-seeds`` noise seeds), each with the true actions and another clip's."""
+    ``--measure-seeds`` noise seeds, with their PSNR in dB against the real future), each with the true actions and
+    another clip's."""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
@@ -240,11 +241,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     held = held[torch.linspace(0, len(held) - 1, min(args.clips, len(held))).long()]
     video, actions = demo.clips(held)
     rows = {"real": measure(model, video[:, 0], actions)}
+    from flowforge.algorithms.video_metrics import psnr
     from flowforge.demo.paths import demo_world_dir
 
     for seed in [int(s) for s in args.measure_seeds.split(",") if s.strip()]:
         fake = generate_world(str(demo_world_dir()), video, actions, seed=seed)
         rows[f"demo:world seed {seed}"] = measure(model, fake.mean(1), actions)
+        rows[f"demo:world seed {seed}"]["psnr"] = float(psnr(fake.mean(1), video[:, 0])[:, 1:].mean())
     for name, r in rows.items():
         print(json.dumps({"videos": name, **{k: round(v, 4) for k, v in r.items()}}))
 
