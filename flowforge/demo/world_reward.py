@@ -215,9 +215,52 @@ def measure(reward: BandInverseDynamicsNet, video: Tensor, actions: Tensor) -> d
     return out
 
 
+def command_blind_videos(video: Tensor) -> dict[str, Tensor]:
+    """``{name: [n, F, H, W]}`` videos that ignore the commands, built from grey real clips ``video [n, F, H, W]``:
+    the first frame held (``still``), the paddle row cleared and a paddle drawn at either wall in every frame
+    (``parked_left`` / ``parked_right``), uniform noise (``random``, generator seed 0), the real clip with a bright
+    bar across the paddle row (``bar``)."""
+    first = video[:, :1].expand_as(video).clone()
+    out = {"still": first}
+    for name, cols in (("parked_left", slice(0, 4)), ("parked_right", slice(-4, None))):
+        parked = first.clone()
+        parked[..., -1, :] = 0.0
+        parked[..., -1, cols] = 0.69
+        out[name] = parked
+    out["random"] = torch.rand(video.shape, generator=torch.Generator().manual_seed(0))
+    bar = video.clone()
+    bar[..., -1, :] = 0.8
+    out["bar"] = bar
+    return out
+
+
+def blind_table(reward: BandInverseDynamicsNet, video: Tensor, actions: Tensor, shifts: int = 10) -> dict[str, dict]:
+    """``reward`` (:func:`idm_reward`), the judge's accuracy and its lift on grey real clips ``video [n, F, H, W]``
+    with ``actions [n, F]``, with another clip's (mean of ``shifts`` shifts: the shuffled-action null) and on each
+    of :func:`command_blind_videos` (plus ``max_share``: the most frequent command's share of transitions 1..F-2,
+    the most a command-blind video's accuracy reaches in expectation)."""
+    from flowforge.demo.world import inverse_dynamics_accuracy, inverse_dynamics_lift, load_inverse_dynamics
+
+    judge = load_inverse_dynamics()
+
+    def row(v: Tensor, a: Tensor) -> dict[str, float]:
+        return {"reward": float(idm_reward(action_probabilities(reward, v), a).mean()),
+                "judge": float(inverse_dynamics_accuracy(judge, v, a).mean()),
+                "judge_lift": float(inverse_dynamics_lift(judge, v, a).mean())}
+
+    nulls = [row(video, actions.roll(k, dims=0)) for k in range(1, shifts + 1)]
+    out = {"true actions": row(video, actions), "shuffled null": {k: sum(n[k] for n in nulls) / shifts
+                                                                   for k in nulls[0]}}
+    out.update({name: row(fake, actions) for name, fake in command_blind_videos(video).items()})
+    counts = torch.bincount(actions[:, 1:-1].flatten(), minlength=len(ACTIONS)).float()
+    out["max_share"] = {"judge": float(counts.max() / counts.sum())}
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m flowforge.demo.world_reward``: train + save the reward model on :data:`REWARD_DATA`, then print
-    every action judge on the demo recording's held-out clips (real, and ``demo:world``'s generations with
+    the command-blind table (:func:`blind_table`) on every held-out clip of the demo recording and every action
+    judge on 64 of them (real, and ``demo:world``'s generations with
     ``--measure-seeds`` noise seeds, with their PSNR in dB against the real future), each with the true actions and
     another clip's."""
     import argparse
@@ -240,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     held = demo.split("heldout")
     held = held[torch.linspace(0, len(held) - 1, min(args.clips, len(held))).long()]
     video, actions = demo.clips(held)
+    every_video, every_action = demo.clips(demo.split("heldout"))
+    for name, r in blind_table(model, every_video[:, 0], every_action).items():
+        print(json.dumps({"held-out clips": len(every_action), "videos": name, **{k: round(v, 4) for k, v in r.items()}}))
     rows = {"real": measure(model, video[:, 0], actions)}
     from flowforge.algorithms.video_metrics import psnr
     from flowforge.demo.paths import demo_world_dir
