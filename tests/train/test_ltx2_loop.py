@@ -129,3 +129,20 @@ def test_preflight_refuses_audio_rewards_without_sound(prompt_files, tmp_path):
     with pytest.raises(PreflightError, match="reward.overlap: true"):
         preflight(cfg("model.adapter=ltx2", "reward.overlap=true"), this_machine=False)
     preflight(cfg("model.adapter=ltx2"), this_machine=False)
+
+
+def test_ltx2_run_exports_and_verifies(ltx2_dir, prompt_files, tmp_path):
+    """A 2-step LoRA NFT run exports as a diffusers LoRA (LTX2Pipeline.save_lora_weights) and as a merged
+    transformer; both reload and match the trained policy's joint velocity (flowforge export --verify)."""
+    import json
+
+    from flowforge.tools.export import export_run
+    from flowforge.train.trainer import Trainer
+
+    cfg = ltx2_cfg(ltx2_dir, tmp_path, prompt_files, "run.name=ltx2-export", "train.algorithm=nft",
+                   "checkpoint.every=2", "reward.weights={jpeg_compressibility: 1.0}")
+    run_dir = Trainer(cfg, progress=False).train()
+    for form, tolerance in (("adapter", 1e-5), ("merged", 1e-4)):
+        out = export_run(run_dir, tmp_path / f"out_{form}", form=form, verify=True)
+        report = json.loads((out / "flowforge_export.json").read_text())["verify"]
+        assert report["passed"] and report["max_abs_diff"] <= tolerance and report["base_diff"] > 1e-3

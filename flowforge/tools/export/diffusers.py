@@ -29,7 +29,7 @@ from flowforge.tools.export.weights import (MODULES_WEIGHT_NAME, apply_trained, 
                                             write_module_adapter, write_peft_adapter)
 
 LORA_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
-                  "wan": "WanPipeline"}
+                  "wan": "WanPipeline", "ltx2": "LTX2Pipeline"}
 """Registered family -> the diffusers pipeline whose ``save_lora_weights`` writes its adapter export (default when the
 base directory names no pipeline class of its own); its keys are ``SUPPORTED_ADAPTERS``."""
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -95,6 +95,14 @@ def _probe_inputs(adapter: str, config) -> tuple[str, torch.Tensor, torch.Tensor
         x = randn(2, int(config.in_channels) // 4, 4, 4)
         cond = Conditioning(prompt_embeds=randn(2, 8, int(config.joint_attention_dim)),
                             mask=torch.ones(2, 8, dtype=torch.long))
+    elif adapter == "ltx2":  # the joint latent of a 9-frame 32x32 clip: 2 video tokens + 9 audio tokens (24 fps)
+        x = randn(2, 2 + 9, int(config.in_channels))
+        if config.use_prompt_embeddings:  # LTX-2.0: both streams read caption_channels-wide connector features
+            width = 2 * int(config.caption_channels)
+        else:
+            width = (int(config.num_attention_heads) * int(config.attention_head_dim)
+                     + int(config.audio_num_attention_heads) * int(config.audio_attention_head_dim))
+        cond = Conditioning(prompt_embeds=randn(2, 8, width), mask=torch.ones(2, 8, dtype=torch.long))
     else:  # wan: [B, C, F, H, W], H / W multiples of the spatial patch
         _, ph, pw = config.patch_size
         x = randn(2, int(config.in_channels), 2, 2 * ph, 2 * pw)
@@ -121,6 +129,12 @@ def _family_adapter(adapter: str, transformer: nn.Module):
         from flowforge.models.qwen_image import QwenImageAdapter
 
         return QwenImageAdapter(transformer)
+    if adapter == "ltx2":
+        from flowforge.models.ltx2 import LTX2Adapter
+
+        ltx2 = LTX2Adapter(transformer)
+        ltx2.latent_shape(32, 32, 9)  # the probe's geometry (no VAE: LTX-2's compression 32 / 8, 16 kHz audio)
+        return ltx2
     from flowforge.models.wan import WanAdapter
 
     cfg = transformer.config

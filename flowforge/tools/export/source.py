@@ -27,7 +27,7 @@ from flowforge.runtime.run_dir import sha256_of_path
 from flowforge.tools.export.out import ExportError
 from flowforge.train import checkpoint as ckpt
 
-SUPPORTED_ADAPTERS = ("sd3", "flux", "qwen_image", "wan")
+SUPPORTED_ADAPTERS = ("sd3", "flux", "qwen_image", "wan", "ltx2")
 """Registered diffusers families: export writes diffusers files for them and can verify them."""
 TRAINABLE = ("lora", "module", "full", "module+lora")
 
