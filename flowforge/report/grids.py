@@ -141,7 +141,8 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
                    scores: Mapping[str, torch.Tensor], step: int,
                    frame_labels: Sequence[Sequence[str] | None] | None = None, *,
                    all_scores: Mapping[str, torch.Tensor] | None = None, samples_per_prompt: int = 1,
-                   audio: AudioBatch | None = None) -> Path:
+                   audio: AudioBatch | None = None,
+                   cell_extras: Sequence[Mapping[str, Any] | None] | None = None) -> Path:
     """Write the eval grid ``path`` (PNG) and its caption sidecar ``path.with_suffix(".json")``.
 
     Args:
@@ -158,13 +159,16 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
             prompt-major (the ``N`` media are the first sample of each prompt); kept as ``eval_scores``.
         samples_per_prompt: ``K``, the eval samples of each prompt in ``all_scores``.
         audio: optional, the ``N`` samples' sound (an audio-video model): one WAV per cell (module docstring).
+        cell_extras: optional, ``[N]`` entries of further keys (JSON-able) merged into each cell, or None: e.g. a
+            world model's real clip (:func:`flowforge.report.world_strips.write_real_strips`).
 
     Returns:
         ``path``.
 
     Raises:
-        ValueError: ``prompts``, a score or ``frame_labels`` does not have ``N`` entries; a label list that is not
-            ``F`` long; an ``all_scores`` entry that is not ``N * samples_per_prompt`` long (and as ``save_grid``).
+        ValueError: ``prompts``, a score, ``frame_labels`` or ``cell_extras`` does not have ``N`` entries; a label
+            list that is not ``F`` long; an ``all_scores`` entry that is not ``N * samples_per_prompt`` long (and
+            as ``save_grid``).
     """
     n = media.shape[0]
     if len(prompts) != n or any(v.numel() != n for v in scores.values()):
@@ -199,6 +203,11 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
         for i, cell in enumerate(cells):
             wav = Path(path).with_name(f"{Path(path).stem}_audio_{i}.wav")
             cell["audio"] = write_wav(wav, audio.waveform[i], audio.sample_rate).name
+    if cell_extras is not None:
+        if len(cell_extras) != n:
+            raise ValueError(f"cell_extras has {len(cell_extras)} entries for {n} cells")
+        for cell, extra in zip(cells, cell_extras):
+            cell.update(extra or {})
     data: dict[str, Any] = {"step": step, "image": Path(path).name, "cells": cells}
     if all_scores is not None:
         data["eval_scores"] = {"samples_per_prompt": samples_per_prompt, "scores": {

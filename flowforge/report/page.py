@@ -36,6 +36,8 @@ img.grid, img.compare { image-rendering: pixelated; max-width: 100%; border: 1px
 .frame { text-align: center; }
 img.frame { image-rendering: pixelated; border: 1px solid #ccc; display: block; }
 .act { font-size: 0.75em; line-height: 1.1; overflow-wrap: anywhere; }
+.fhead, .rows { font-size: 0.7em; color: #666; } .arrow { font-weight: 700; font-size: 1.3em; }
+img.frame.real { margin-top: 2px; border-color: #9ab; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
 table { border-collapse: collapse; font-size: 0.9em; margin: 0.5em 0; }
 td, th { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }

@@ -13,7 +13,6 @@ higher-is-better (the scorer protocol, :class:`flowforge.rewards.base.RewardScor
 from __future__ import annotations
 
 import datetime as _dt
-import io
 import json
 import math
 import shlex
@@ -30,6 +29,7 @@ from flowforge.data.prompts import IMAGE_TASKS
 from flowforge.report.grids import read_grid_cells
 from flowforge.report.page import esc, note  # noqa: F401  (re-exported: config.py, run.py)
 from flowforge.report.plots import img_tag, series
+from flowforge.report.world_strips import crop_png, strip_html
 from flowforge.runtime.durable import step_dir_name
 from flowforge.runtime.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, EVAL_FILE, METRICS_FILE, PROVENANCE_FILE,
                                        committed_checkpoints)
@@ -245,35 +245,6 @@ def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, 
             f"<p>Export the trained model and generate with it:</p>{_commands(run_dir, name, prompt, prompt_file)}")
 
 
-FRAME_MIN_WIDTH = 128
-"""A video frame in the report is upscaled (nearest neighbour, an integer factor) to at least this many pixels wide:
-a 32 px world-model frame shows its 1-2 px paddle only when enlarged."""
-
-
-def _cell_png(grid: Image.Image, box: Sequence[int], min_width: int = 0) -> bytes:
-    """The ``box`` of ``grid`` as PNG bytes, upscaled by the smallest integer factor that makes it ``min_width``
-    wide (nearest neighbour: pixels stay sharp squares)."""
-    crop = grid.crop(tuple(box))
-    factor = max(1, math.ceil(min_width / max(crop.width, 1)))
-    if factor > 1:
-        crop = crop.resize((crop.width * factor, crop.height * factor), resample=Image.Resampling.NEAREST)
-    buffer = io.BytesIO()
-    crop.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _frames_cell(grid: Image.Image, step: int, cell: dict, scores: str) -> str:
-    """A video cell as a strip of its frames, each frame's label (a world model's action) under that frame, then
-    the scores."""
-    frames = []
-    for i, frame in enumerate(cell["frames"]):
-        label = frame["label"]
-        image = img_tag(_cell_png(grid, frame["box"], FRAME_MIN_WIDTH), f"step {step}: frame {i} {label}", "frame")
-        frames.append(f'<div class="frame">{image}<div class="act">{esc(label)}</div></div>')
-    return (f'<div class="cell video"><div class="strip">{"".join(frames)}</div>'
-            f'<div class="cap">{esc(scores)}</div></div>')
-
-
 def _scores_text(scores: dict, first: str | None) -> str:
     names = sorted(scores, key=lambda n: (n != first, n))
     return " · ".join(f"{n} {fmt(v) if isinstance(v, (int, float)) else 'nan'}" for n, v in
@@ -296,11 +267,11 @@ def _grid_column(step: int, path: Path, eval_rows: list[Row] | None, headline: s
         grid.load()
         parts.append('<div class="cells">')
         for cell in cells:
-            if "frames" in cell:  # a video labelled per frame: each frame with its label (action) under it
-                parts.append(_frames_cell(grid, step, cell, _scores_text(cell["scores"], first)))
+            if "frames" in cell:  # a video labelled per frame: generated frame, action, real frame per column
+                parts.append(strip_html(grid, path, step, cell, _scores_text(cell["scores"], first)))
                 continue
             caption = f"{cell['prompt']} — {_scores_text(cell['scores'], first)}"
-            image = img_tag(_cell_png(grid, cell["box"]), f"step {step}: {cell['prompt']}", "cell")
+            image = img_tag(crop_png(grid, cell["box"]), f"step {step}: {cell['prompt']}", "cell")
             parts.append(f'<div class="cell">{image}<div class="cap">{esc(caption)}</div></div>')
         parts.append("</div>")
     return "".join(parts) + "</div>"

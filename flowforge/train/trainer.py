@@ -43,6 +43,7 @@ from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord
 from flowforge.train.metrics import StageTimer, to_scalars, within_group_diversity
 from flowforge.runtime.run_dir import sample_grid_path, sha256_of_path
 from flowforge.report.grids import save_eval_grid
+from flowforge.report.world_strips import real_clips, write_real_strips
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter
 from flowforge.models.base import AudioDecoding, Conditioning
@@ -464,12 +465,17 @@ class Trainer(RunDirectory):
         # the first sample of each prompt; its prompt and scores go to a sidecar that captions the report's cells
         shown = [r.prompt for r in records[::k]]
         labeller = getattr(self.adapter, "frame_labels", None)  # e.g. a world model: each frame's action
-        save_eval_grid(images[::k], sample_grid_path(self.run_dir, step), shown,
+        grid = sample_grid_path(self.run_dir, step)
+        # a world model's eval rows name their real clip: the report shows it frame by frame beside the generated one
+        real = (real_clips([r.metadata for r in records[::k]], images.shape[2])
+                if labeller is not None and images.ndim == 5 else None)
+        save_eval_grid(images[::k], grid, shown,
                        {name: v[::k] for name, v in components.items()}, step,
                        [labeller(p) for p in shown] if labeller is not None else None,
                        all_scores=components, samples_per_prompt=k,  # every sample: the report's standard error
-                       audio=None if audio is None else audio.index(list(range(0, len(audio), k))))
-        self.logger.log_grid(step, sample_grid_path(self.run_dir, step))  # to TensorBoard / W&B, captioned
+                       audio=None if audio is None else audio.index(list(range(0, len(audio), k))),
+                       cell_extras=write_real_strips(grid, real) if real is not None else None)
+        self.logger.log_grid(step, grid)  # to TensorBoard / W&B, captioned
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars
 

@@ -74,17 +74,19 @@ def test_report_writes_each_action_under_its_frame(tmp_path):
     body = page.split('id="first-last"')[1].split('id="training"')[0]
     doc = parse(body)
     frames = [img for img in doc.imgs if img["class"] == "frame"]
-    assert [img["alt"] for img in frames] == [f"step 1: frame {f} {a}" for actions in ACTIONS
+    assert [img["alt"] for img in frames] == [f"step 1: frame {f} generated, commanded {a}" for actions in ACTIONS
                                                for f, a in enumerate(actions.split())]
     # each frame's <img> is followed by its label, in frame order, inside the frame's own box
     strips = body.split('<div class="strip">')[1:]
     assert len(strips) == len(ACTIONS)
     for i, strip in enumerate(strips):
-        units = strip.split('<div class="frame">')[1:]
+        units = strip.split('<div class="frame" ')[1:]
         assert len(units) == 5
         for f, unit in enumerate(units):
             label = unit.split('<div class="act">')[1].split("</div>")[0]
-            assert label == ACTIONS[i].split()[f]
+            arrow = {"LEFT": "\u2190", "RIGHT": "\u2192", "NOOP": "\u00b7"}[ACTIONS[i].split()[f]]
+            assert label == f'<span class="arrow">{arrow}</span> {ACTIONS[i].split()[f]}'
+            assert unit.startswith(f'data-frame="{f}" data-action="{ACTIONS[i].split()[f]}"')
             src = unit.split('src="')[1].split('"')[0]
             crop = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
             assert _colours(crop) == {(25 * (5 * i + f),) * 3}
