@@ -16,9 +16,10 @@ Summary                    final / best / first held-out eval, training reward, 
                            (:mod:`flowforge.report.summary`)
 First and last samples     the first and the last ``samples/step_*.png`` side by side, each image cropped out and
                            captioned with its prompt and scores from the grid's sidecar
-                           (:mod:`flowforge.report.grids`); a video whose prompt has one word per frame (a
-                           world model's actions) as its frames side by side, each frame's action under it,
-                           upscaled (nearest neighbour) to at least 128 px wide
+                           (:mod:`flowforge.report.grids`); a video labelled per frame (a world model's actions)
+                           as one column per frame: the generated frame upscaled (nearest neighbour) to at least
+                           128 px wide, the commanded action under it, the real frame of the recorded clip under
+                           that (:mod:`flowforge.report.world_strips`)
 Evaluation                 training reward vs held-out judge vs diversity on one panel (with where and why the
                            reward-hacking guard stopped the run, :mod:`flowforge.train.guard`); ``eval.jsonl``: the
                            headline eval metric beside ``eval/diversity``, every other ``eval/*`` (the guard's
