@@ -9,7 +9,8 @@ gate it must pass before it may replace the teacher.
       lr: 1.0e-4
       batch_size: 4             # groups per optimizer step
       split: [0.8, 0.1, 0.1]    # train / val / test by condition cluster (flowforge.reward_model.data)
-      vlm_json: {base: /models/Qwen2.5-VL-3B-Instruct, lora_rank: 16, lora_alpha: 32, lora_dropout: 0.05}
+      vlm_json: {base: /models/Qwen2.5-VL-3B-Instruct, lora_rank: 16, lora_alpha: 32, lora_dropout: 0.05,
+                 chat_template_kwargs: {enable_thinking: false}}   # e.g. a Qwen3 / Qwen3.5 template, non-thinking
       scalar_head: {image_size: 32, text_encoder: minilm, pairwise_weight: 1.0, regression_weight: 1.0,
                     init: demo:digit-tower}   # pretrained start (flowforge.reward_model.pretrain); default random
       gate: {min_spearman: 0.6, min_pairwise_accuracy: 0.75, max_mae: 0.15, max_null_pass: 0.01}
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from flowforge.runtime.dtypes import DTYPE_NAMES as DTYPES
 from flowforge.settings.schema import Checks, Section
@@ -27,6 +29,11 @@ KINDS = ("vlm_json", "scalar_head")
 LANGUAGE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Default LoRA targets of ``vlm_json``: the attention and MLP projections of the language model's decoder layers
 (module-name suffixes, resolved to exact names under the language model only)."""
+GATED_DELTA_NET_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+"""The linear projections of a Qwen3.5 language model's linear-attention (gated DeltaNet) layers, as transformers
+names them (``Qwen3_5GatedDeltaNet``): three of every four decoder layers have these in place of ``q/k/v/o_proj``.
+A LoRA on such a model lists them beside :data:`LANGUAGE_PROJECTIONS` (``examples/gpu/qwen35_9b_vlm_json_stages.yaml``);
+the default targets would leave those layers' token mixing frozen."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,9 @@ class VLMJsonOptions:
     dtype: str = "float32"  # weights of the frozen base; LoRA weights train in float32
     score_decimals: int = 0  # decimals of the 0-100 scores in the answer
     max_new_tokens: int = 128  # generation cap when the student answers
+    # extra arguments of the processor's chat template, for training and serving alike: {enable_thinking: false}
+    # puts a Qwen3 / Qwen3.5 template in its non-thinking mode (the answer follows an empty think block)
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,9 @@ class StudentConfig(Section):
         c.require(0 <= v.lora_dropout < 1, f"student.vlm_json.lora_dropout={v.lora_dropout} must be in [0, 1)")
         c.require(len(v.lora_targets) > 0, "student.vlm_json.lora_targets must name at least one module")
         c.require(v.dtype in DTYPES, f"student.vlm_json.dtype={v.dtype!r} is not one of {list(DTYPES)}")
+        c.require(not ({"tokenize", "add_generation_prompt", "messages", "conversation"} & set(v.chat_template_kwargs)),
+                  f"student.vlm_json.chat_template_kwargs={dict(v.chat_template_kwargs)} may not set tokenize, "
+                  "add_generation_prompt, messages or conversation (the student sets them)")
         c.require(0 <= v.score_decimals <= 3 and v.max_new_tokens >= 1,
                   "student.vlm_json.score_decimals must be in [0, 3] and max_new_tokens >= 1")
         c.require(s.image_size >= 8 and len(s.channels) >= 1 and min(s.channels) >= 1 and s.hidden >= 1,

@@ -22,7 +22,11 @@ tokenized separately and concatenated, so training and generation see the same t
 LoRA (peft) goes on the language model only: the requested module-name suffixes (default ``q/k/v/o`` and
 ``gate/up/down`` projections) are resolved to exact module names under the model's decoder
 (``get_decoder()``), each suffix must exist there, and nothing under the vision tower is adapted; every base weight
-(the vision tower included) is frozen, and the vision tower stays in eval mode. A saved student is
+(the vision tower included) is frozen, and the vision tower stays in eval mode. A language model with linear-attention
+layers (Qwen3.5's gated DeltaNet) lists their projections too
+(:data:`~flowforge.reward_model.config.GATED_DELTA_NET_PROJECTIONS`). ``chat_template_kwargs`` reach every rendering
+of the chat template -- training, the gate, serving -- so ``{enable_thinking: false}`` trains and serves a Qwen3-style
+model in its non-thinking mode (the answer right after the template's empty think block). A saved student is
 ``adapter/`` (peft), ``processor/`` (the base model's processor files) and ``meta.json``.
 """
 
@@ -94,22 +98,26 @@ def resolve_lora_targets(vlm: nn.Module, suffixes: Sequence[str]) -> list[str]:
     return targets
 
 
-def _end_of_turn(processor: Any) -> str:
-    """What the chat template writes after an assistant answer (e.g. ``<|im_end|>\\n``).
+def _end_of_turn(processor: Any, template_kwargs: dict[str, Any] | None = None) -> str:
+    """What the chat template (with ``template_kwargs``, e.g. ``enable_thinking=False``) writes after an assistant
+    answer (e.g. ``<|im_end|>\\n``): the text after the answer's last occurrence in a rendered exchange. The training
+    sequence is the generation prompt + the answer + this, so a template that renders a past answer differently
+    from the generation prompt (a Qwen3 template's think block) still trains what generation continues.
 
     Raises:
-        ValueError: the template does not render the assistant turn as the generation prompt + the answer.
+        ValueError: the template does not render the assistant's answer.
     """
+    kwargs = dict(template_kwargs or {})
     chat = [{"role": "user", "content": [{"type": "text", "text": "probe"}]}]
     answer = '{"A":50}'
-    prefix = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     full = ""
     for content in (answer, [{"type": "text", "text": answer}]):  # templates take a string or a list of parts
-        full = processor.apply_chat_template([*chat, {"role": "assistant", "content": content}], tokenize=False)
-        if full.startswith(prefix + answer):
-            return full[len(prefix) + len(answer):]
-    raise ValueError("the chat template does not write an assistant answer right after its generation prompt; "
-                     f"got {full[max(0, len(prefix) - 20):len(prefix) + 40]!r}")
+        full = processor.apply_chat_template([*chat, {"role": "assistant", "content": content}], tokenize=False,
+                                             **kwargs)
+        at = full.rfind(answer)
+        if at >= 0 and "probe" in full[:at]:
+            return full[at + len(answer):]
+    raise ValueError(f"the chat template does not write an assistant answer after the user turn; got {full[-80:]!r}")
 
 
 def _config_sha256(base: Path) -> str:
@@ -181,7 +189,7 @@ class VLMJsonStudent:
         meta = {"kind": KIND, "version": 1, "base": str(base), "base_config_sha256": _config_sha256(base),
                 "options": dataclasses.asdict(options), "targets": targets,
                 "language_model": language_model_prefix(vlm), "vision": vision_prefixes(vlm),
-                "end_of_turn": _end_of_turn(processor)}
+                "end_of_turn": _end_of_turn(processor, options.chat_template_kwargs)}
         student = cls(model, processor, meta, device)
         student.check_trainable()
         return student
@@ -229,9 +237,11 @@ class VLMJsonStudent:
 
     # ------------------------------------------------------------------------------------------------ examples
     def encode_prompt(self, messages: Sequence[dict]) -> dict[str, Tensor]:
-        """The processor's tensors (batch 1) for ``messages`` + the generation prompt."""
+        """The processor's tensors (batch 1) for ``messages`` + the generation prompt, rendered with
+        ``options.chat_template_kwargs`` (training, gate and serving alike)."""
         chat, images = P.chat_from_messages(messages)
-        text = self.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        kwargs = self.meta["options"].get("chat_template_kwargs") or {}  # e.g. enable_thinking=False
+        text = self.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **kwargs)
         return dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
 
     def build_example(self, group: JudgedGroup) -> SFTExample:

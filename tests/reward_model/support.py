@@ -55,9 +55,18 @@ def json_tokenizer():
     return fast
 
 
-def save_tiny_json_qwen2_vl(path: Path) -> Path:
-    """The tiny random Qwen2-VL of the judge-server tests with :func:`json_tokenizer`, saved as a checkpoint
-    directory (``processor_class: Qwen2VLProcessor``)."""
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|im_start|>{{ m['role'] }}\n", "<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "<think>\n\n</think>\n\n{% endif %}").replace(
+    "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+"""A Qwen3-style template: a past answer is written after an empty think block; the generation prompt holds that
+block only with ``enable_thinking=False`` (non-thinking mode); thinking mode leaves the model to open it."""
+
+
+def save_tiny_json_qwen2_vl(path: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """The tiny random Qwen2-VL of the judge-server tests with :func:`json_tokenizer` and ``chat_template``, saved as
+    a checkpoint directory (``processor_class: Qwen2VLProcessor``)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -78,7 +87,7 @@ def save_tiny_json_qwen2_vl(path: Path) -> Path:
     Qwen2VLForConditionalGeneration(config).eval().save_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 16, "longest_edge": 64 * 64}, patch_size=4,
                                                temporal_patch_size=1, merge_size=1)
-    processor = TinyQwen2VLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
+    processor = TinyQwen2VLProcessor(image_processor=image_processor, tokenizer=tok, chat_template=chat_template)
     processor.save_pretrained(path)
     config_file = path / "processor_config.json"
     config_file.write_text(config_file.read_text().replace('"TinyQwen2VLProcessor"', '"Qwen2VLProcessor"'))

@@ -166,3 +166,72 @@ def test_options_are_checked():
     with pytest.raises(ConfigError, match="lora_dropout"):
         student_config({"kind": "vlm_json", "vlm_json": {"base": "x", "lora_dropout": 1.5}})
     assert VLMJsonOptions().lora_targets == LANGUAGE_PROJECTIONS
+
+
+THINK_BLOCK = "<think>\n\n</think>\n\n"
+
+
+def test_chat_template_kwargs_train_and_serve_the_non_thinking_template(judged, tmp_path):
+    """A Qwen3-style template (:data:`support.THINKING_CHAT_TEMPLATE`): with ``enable_thinking: false`` every prompt
+    the student renders -- training, generation, the saved student a server loads -- ends in the empty think block,
+    the answer + end of turn follow it, and a student overfit that way answers in the judge's format after it."""
+    _, groups = judged
+    base = support.save_tiny_json_qwen2_vl(tmp_path / "thinking-base", support.THINKING_CHAT_TEMPLATE)
+    thinking = _student(base)  # template default: thinking mode, the generation prompt stops at "assistant\n"
+    plain = _student(base, chat_template_kwargs={"enable_thinking": False})
+    block = plain.tokenizer(THINK_BLOCK, add_special_tokens=False)["input_ids"]
+    message = group_message(groups[0])
+    with_block = plain.encode_prompt(message)["input_ids"][0].tolist()
+    without = thinking.encode_prompt(message)["input_ids"][0].tolist()
+    assert with_block == without + block  # the kwargs reached the template
+    # the end of turn is read after the answer, whichever way the template writes a past answer's think block
+    assert plain.meta["end_of_turn"] == thinking.meta["end_of_turn"] == "<|im_end|>\n"
+    example = plain.build_example(groups[0])
+    assert example.sequence()[:example.prefix_len].tolist() == with_block
+    assert plain.tokenizer.decode(example.target_ids) == score_answer(groups[0]) + "<|im_end|>"
+
+    losses = _overfit(plain, groups[:1], steps=120)
+    text, prompt_tokens, _ = plain.reply(message)
+    assert losses[-1] < 0.05 * losses[0], (losses[-1], text)
+    assert prompt_tokens == len(with_block)
+    assert P.parse_scores(text, groups[0].labels) == P.parse_scores(score_answer(groups[0]), groups[0].labels)
+    plain.save(tmp_path / "student")
+    again = load_student(tmp_path / "student")  # what `serve judge --student` loads: the same kwargs, same prompt
+    assert again.meta["options"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert again.encode_prompt(message)["input_ids"][0].tolist() == with_block
+    assert again.reply(message)[0] == text
+
+
+def test_lora_reaches_the_linear_attention_layers_of_a_qwen35_language_model():
+    """A tiny random Qwen3.5 (3 gated-DeltaNet layers + 1 full-attention layer): with
+    :data:`GATED_DELTA_NET_PROJECTIONS` beside the default targets, LoRA lands on every projection of every
+    language layer and nothing of the vision tower, and the answer loss's gradient reaches each LoRA, the
+    linear-attention ones included."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from flowforge.reward_model.config import GATED_DELTA_NET_PROJECTIONS
+
+    torch.manual_seed(0)
+    config = Qwen3_5Config(
+        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_key_head_dim=4,
+                         linear_value_head_dim=4, linear_num_key_heads=2, linear_num_value_heads=2),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                           spatial_merge_size=1, temporal_patch_size=1, out_hidden_size=16))
+    vlm = Qwen3_5ForConditionalGeneration(config)
+    assert config.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    with pytest.raises(ValueError, match="match no linear layer of the language model"):
+        resolve_lora_targets(vlm, ["in_proj_qkvz"])  # Qwen3-Next's fused name is not Qwen3.5's
+    targets = resolve_lora_targets(vlm, LANGUAGE_PROJECTIONS + GATED_DELTA_NET_PROJECTIONS)
+    assert len(targets) == 3 * (5 + 3) + (4 + 3) and not any(".visual." in t for t in targets)
+    assert {t.rsplit(".", 1)[-1] for t in targets if ".layers.0." in t} == set(GATED_DELTA_NET_PROJECTIONS) | set(
+        LANGUAGE_PROJECTIONS[4:])
+    model = get_peft_model(vlm, LoraConfig(r=2, lora_alpha=4, target_modules=targets))
+    ids = torch.randint(0, 60, (1, 12))
+    hidden = model.get_base_model().model(input_ids=ids, use_cache=False).last_hidden_state  # [1, 12, 16]
+    logits = model.get_base_model().lm_head(hidden[:, -4:])  # the answer suffix only, as the student's loss
+    torch.nn.functional.cross_entropy(logits[0], ids[0, -4:]).backward()
+    lora_b = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n}
+    assert len(lora_b) == len(targets) and all(g is not None and g.abs().sum() > 0 for g in lora_b.values())
+    assert all(not p.requires_grad for n, p in model.named_parameters() if ".visual." in n)
