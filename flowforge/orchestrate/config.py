@@ -257,11 +257,16 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True) -> list[str]:
 
     problems, warnings = [], []
     total = 0
-    try:
-        total = len(conditions_from_records(load_prompts(resolve_demo_path(pcfg.data.prompts))))
-    except (ValueError, OSError, KeyError) as exc:
-        problems.append(f"data.prompts={pcfg.data.prompts!r}: {exc} (every row needs a unique metadata.sample_id: "
-                        "it is the condition id)")
+    prompts = resolve_demo_path(pcfg.data.prompts)
+    if not this_machine and not Path(prompts).exists():  # --portable: the GPU machine's data, counted there
+        warnings.append(f"data.prompts={pcfg.data.prompts!r} is not on this machine: the budgets and the gate's "
+                        "permutation null are checked where it is (flowforge check without --portable)")
+    else:
+        try:
+            total = len(conditions_from_records(load_prompts(prompts)))
+        except (ValueError, OSError, KeyError) as exc:
+            problems.append(f"data.prompts={pcfg.data.prompts!r}: {exc} (every row needs a unique "
+                            "metadata.sample_id: it is the condition id)")
     if total:
         problems += _budget_problems(pcfg, total)
         if not _budget_problems(pcfg, total):
