@@ -346,19 +346,21 @@ class StageTrainer(Trainer):
         finally:
             self._eval_step = None
 
-    def score_media(self, media, records, group_ids, dist=None):
+    def score_media(self, media, records, group_ids, dist=None, audio=None):
         """Training: every component. Evaluation (:meth:`evaluate`): the free components and ``eval.scorers`` on
         every held-out group, a paid judge (``paid = True``: the teacher) on the groups of the first
         ``eval.teacher_groups`` prompts only (bound as ``eval``: its requests are billed against the budget), NaN
-        elsewhere -- so ``eval/<judge>`` is its mean over those groups, absent when there are none."""
+        elsewhere -- so ``eval/<judge>`` is its mean over those groups, absent when there are none. ``audio`` (an
+        audio-video model's :class:`~flowforge.rewards.base.AudioBatch`, rows as ``media``) goes with its rows."""
         step = getattr(self, "_eval_step", None)
         if step is None:
-            return super().score_media(media, records, group_ids, dist)
+            return super().score_media(media, records, group_ids, dist, audio=audio)
         scorers = self.rewards.scorers
         free = {n: s for n, s in scorers.items() if not getattr(s, "paid", False)}
         paid = {n: s for n, s in scorers.items() if n not in free}
         components, metrics = (RewardProcessor(free, {}, batch_size=self.cfg.reward.batch_size)(
-            media, [r.prompt for r in records], [r.metadata for r in records], group_ids) if free else ({}, {}))
+            media, [r.prompt for r in records], [r.metadata for r in records], group_ids, audio=audio)
+            if free else ({}, {}))
         rows = torch.nonzero(group_ids < self.cfg.eval.teacher_groups).view(-1)
         if paid and rows.numel():
             for scorer in paid.values():
@@ -367,7 +369,7 @@ class StageTrainer(Trainer):
                     bind(stage=self.stage, purpose="eval", step=step, policy_version=self.policy_version)
             sub, _ = RewardProcessor(paid, {}, batch_size=self.cfg.reward.batch_size)(
                 media[rows], [records[i].prompt for i in rows.tolist()], [records[i].metadata for i in rows.tolist()],
-                group_ids[rows])
+                group_ids[rows], audio=None if audio is None else audio.index(rows.tolist()))
             for name, values in sub.items():
                 full = torch.full((len(records),), math.nan, device=values.device)
                 full[rows.to(values.device)] = values

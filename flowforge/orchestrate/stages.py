@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -180,8 +181,8 @@ class Endpoints:
     def student(self, student_dir: Path) -> dict[str, Any]:
         """``reward.options.vlm_judge`` for a ``flowforge serve judge --student`` server of ``student_dir`` (under
         torchrun a collective, as :meth:`teacher`)."""
-        backend = ["--student", str(student_dir), "--device", self.pcfg.student.device]  # a GPU student on the GPU
-        api_root = on_main(lambda: self._start(backend, "student", "student", request_log=True).api_root)
+        api_root = on_main(lambda: self._start(["--student", str(student_dir)], "student", "student",
+                                               request_log=True).api_root)
         return {**judge_options(self.pcfg, base_url=api_root, model="student", api_key_env=TOKEN_ENV), "paid": False}
 
     def _start(self, backend: list[str], model: str, name: str, *, request_log: bool) -> JudgeServer:
@@ -290,8 +291,13 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ stage C
 def last_good_checkpoint(pcfg: Any, ledger: ConditionLedger, audits: list[dict[str, Any]]) -> str:
-    """The newest committed checkpoint (of C, else A's last) at or before the last passed audit's step."""
-    passed = [a["step"] for a in audits if a["passed"]]
+    """The newest committed checkpoint (of C, else A's last) at or before the last passed audit's step. After a
+    failed pooled verdict (``audit.pool_groups``) only audits before the earliest step it pooled count: those steps'
+    groups failed it together, so a verdict that passed on some of them (the step where the student went bad and
+    a good step's groups) is not trusted."""
+    failed = [a for a in audits if a["passed"] is False]
+    suspect = min(failed[0].get("pooled_steps") or [failed[0]["step"]]) if failed else math.inf
+    passed = [a["step"] for a in audits if a["passed"] and a["step"] < suspect]
     start = a_steps(pcfg, ledger)
     bound = max(passed) if passed else start
     directory = pipeline_dir(pcfg)
