@@ -181,8 +181,8 @@ class Endpoints:
     def student(self, student_dir: Path) -> dict[str, Any]:
         """``reward.options.vlm_judge`` for a ``flowforge serve judge --student`` server of ``student_dir`` (under
         torchrun a collective, as :meth:`teacher`)."""
-        api_root = on_main(lambda: self._start(["--student", str(student_dir)], "student", "student",
-                                               request_log=True).api_root)
+        backend = ["--student", str(student_dir), "--device", self.pcfg.student.device]  # a GPU student on the GPU
+        api_root = on_main(lambda: self._start(backend, "student", "student", request_log=True).api_root)
         return {**judge_options(self.pcfg, base_url=api_root, model="student", api_key_env=TOKEN_ENV), "paid": False}
 
     def _start(self, backend: list[str], model: str, name: str, *, request_log: bool) -> JudgeServer:
