@@ -85,7 +85,9 @@ VISION_TOKENS = 729
 HUNYUAN_VIDEO15_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
                                 "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 """Image- and text-stream attention projections of every ``HunyuanVideo15TransformerBlock`` (``transformer_blocks.N.
-attn.*``; the token refiner's ``self_attn`` is not matched)."""
+attn.*``). As peft matches suffixes, ``attn.to_q`` / ``to_k`` / ``to_v`` / ``to_out.0`` also wrap the text token
+refiner's self-attention (``context_embedder.token_refiner.refiner_blocks.N.attn``): LoRA there adapts the text
+stream before the dual-stream blocks."""
 
 PIPELINE_CLASSES = {"t2v": "HunyuanVideo15Pipeline", "i2v": "HunyuanVideo15ImageToVideoPipeline"}
 

@@ -67,8 +67,12 @@ def test_registered_protocol_and_geometry(t2v):
         with pytest.raises(ValueError):
             a.latent_shape(*bad)
     names = [n for n, _ in a.transformer.named_modules()]
-    for target in a.lora_targets:  # each matches the one dual-stream block's attention, not the token refiner
-        assert [n for n in names if n.endswith(target)] == [f"transformer_blocks.0.{target}"]
+    refiner = "context_embedder.token_refiner.refiner_blocks.0."
+    for target in a.lora_targets:  # the dual-stream block's attention (+ the token refiner's for to_q/k/v/out)
+        expected = [f"transformer_blocks.0.{target}"]
+        if "add" not in target:
+            expected.insert(0, refiner + target)
+        assert [n for n in names if n.endswith(target)] == expected
     assert len(a.blocks()) == 1 and type(a.blocks()[0]).__name__ == "HunyuanVideo15TransformerBlock"
 
 
@@ -83,6 +87,7 @@ def test_encoding_is_the_pipelines(t2v):
     for mine, theirs in zip(got, (e1, m1, e2, m2)):
         assert torch.equal(mine.to(theirs.dtype), theirs)
     assert m2[0].sum() == 0 and m2[1].sum() > 0 and e2[0].abs().max() == 0
+    assert (m1.sum(1) > 5).all()  # the crop keeps the prompt's words and the 5 template tokens after them
     assert cond.prompt_embeds.shape == (2, SEQ_LEN + GLYPH, 32)  # features padded to ByT5's 32 (Qwen: 16)
     for mine, theirs in zip(a.split_text(cond.negative), (n1, nm1, n2, nm2)):
         assert torch.equal(mine.to(theirs.dtype), theirs)
@@ -121,8 +126,8 @@ def test_velocity_is_the_pipeline_transformer_call(t2v):
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
 def test_whole_generation_matches_the_pipeline(guidance):
     """3 Euler steps of flowforge's transition("ode") over the adapter's pipeline_sigmas (linspace(1, 0, T+1)[:-1]
-    shifted by the scheduler's shift 7) == HunyuanVideo15Pipeline's final latents (batch 2) and decoded video
-    (batch 1: the pipeline's VAE decode fails for batch > 1 in diffusers 0.42), bitwise in fp32."""
+    shifted by the scheduler's shift 7) == HunyuanVideo15Pipeline's final latents (batch 2) and, for one prompt, its
+    decoded video (the pipeline's VAE decode fails for batch > 1 in diffusers 0.42), bitwise in fp32."""
     parts = tiny.components(guidance_scale=guidance)
     a, pipe = _adapter(parts), _pipe("HunyuanVideo15Pipeline", parts)
     x = _latents(3)
@@ -134,16 +139,21 @@ def test_whole_generation_matches_the_pipeline(guidance):
     sigmas = a.pipeline_sigmas(STEPS, *SIZE)
     assert torch.equal(sigmas, pipe.scheduler.sigmas) and sigmas[0] == 1 and sigmas[-1] == 0
     cond = a.encode(PROMPTS)
-    y = x.clone()
-    with torch.no_grad():
+
+    def generate(y: torch.Tensor, c) -> torch.Tensor:
         for i in range(STEPS):
-            v = a.velocity(y, sigmas[i].expand(2), cond, guidance)
+            v = a.velocity(y, sigmas[i].expand(y.shape[0]), c, guidance)
             y = transition("ode", y, v, sigmas[i], sigmas[i + 1], 0.0).x_next
-        decoded = a.decode(y)
+        return y
+
+    with torch.no_grad():
+        y = generate(x.clone(), cond)
+        y1 = generate(x[1:].clone(), cond.index([1]))
+        decoded = a.decode(y1)
     assert (y - x).abs().max() > 0.5
     assert torch.equal(y, latents)
-    assert decoded.shape == (2, 3, FRAMES, *SIZE)
-    assert torch.equal(decoded[1:], video.permute(0, 2, 1, 3, 4).float())  # pipeline frames are [B, F, 3, H, W]
+    assert decoded.shape == (1, 3, FRAMES, *SIZE)
+    assert torch.equal(decoded, video.permute(0, 2, 1, 3, 4).float())  # pipeline frames are [B, F, 3, H, W]
 
 
 def test_i2v_whole_generation_matches_the_image_to_video_pipeline():
@@ -224,11 +234,14 @@ def test_save_pretrained_loads_through_registry(i2v, tmp_path):
     cond, expected = loaded.encode(PROMPTS), ref.encode(PROMPTS)
     assert torch.equal(cond.prompt_embeds, expected.prompt_embeds) and torch.equal(cond.mask, expected.mask)
     x = _latents(6, channels=9 if i2v else 4)
-    if i2v:
-        cond.pooled = expected.pooled = torch.randn(2, 16 * 12)
+    if i2v:  # the loaded SigLIP encoder / processor and VAE give the same condition as the in-memory ones
+        image = torch.rand(2, 3, *SIZE, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            cond = loaded.condition_on_images(cond, PROMPTS, image, x.shape[1:])
+            expected = ref.condition_on_images(expected, PROMPTS, image, x.shape[1:])
+        assert torch.equal(cond.pooled, expected.pooled) and torch.equal(cond.image, expected.image)
+        x[:, 4:] = cond.image
     with torch.no_grad():
         for g in (1.0, 5.0):
-            if i2v:
-                cond.negative.pooled = expected.negative.pooled = cond.pooled
             assert torch.equal(loaded.velocity(x, torch.tensor([0.2, 0.9]), cond, g),
                                ref.velocity(x, torch.tensor([0.2, 0.9]), expected, g))

@@ -1,12 +1,25 @@
 """Tiny random-init components of the HunyuanVideo 1.5 pipelines (t2v and i2v), built from configs (never
 downloaded). The sizes follow diffusers' own fast test of ``HunyuanVideo15Pipeline`` (VAE 4x spatial / 2x temporal,
 4 latent channels); the Qwen2.5-VL text model has 3 layers (the pipeline reads ``hidden_states[-3]``), the Qwen
-tokenizer is :func:`tests.models.tiny_image_families.chat_tokenizer`, ByT5's tokenizer is the real byte-level one."""
+tokenizer is the word-level :func:`chat_tokenizer`, ByT5's tokenizer is the real byte-level one."""
 from __future__ import annotations
 
 import torch
 
 from tests.models import tiny_image_families as tiny_image
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "{% if m['role'] == 'system' %}" + " the" * 10 + "{% endif %}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""tiny_image_families' Qwen-style template with 10 words after the system message, so that the pipeline's system
+message and user header are 108 word tokens, the real ``prompt_template_encode_start_idx``: the pipeline's crop
+then keeps exactly the user prompt and what follows it, as with the real Qwen2.5 tokenizer."""
+
+
+def chat_tokenizer():
+    tok = tiny_image.chat_tokenizer(2048)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def components(seed: int = 0, *, i2v: bool = False, guidance_scale: float = 1.0, shift: float = 7.0) -> dict:
@@ -26,7 +39,7 @@ def components(seed: int = 0, *, i2v: bool = False, guidance_scale: float = 1.0,
         in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 16), layers_per_block=1,
         spatial_compression_ratio=4, temporal_compression_ratio=2, downsample_match_channel=False,
         upsample_match_channel=False).eval()
-    tokenizer = tiny_image.chat_tokenizer(2048)
+    tokenizer = chat_tokenizer()
     text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=2, rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
