@@ -32,7 +32,8 @@ LANGUAGE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 GATED_DELTA_NET_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 """The linear projections of a Qwen3.5 language model's linear-attention (gated DeltaNet) layers, as transformers
 names them (``Qwen3_5GatedDeltaNet``): three of every four decoder layers have these in place of ``q/k/v/o_proj``.
-A LoRA on such a model lists them beside :data:`LANGUAGE_PROJECTIONS` (``examples/gpu/qwen35_9b_vlm_json_stages.yaml``);
+A LoRA on such a model lists them beside :data:`LANGUAGE_PROJECTIONS`
+(``examples/gpu/wan21_t2v_qwen35_9b_student_stages.yaml``);
 the default targets would leave those layers' token mixing frozen."""
 
 
