@@ -358,6 +358,10 @@ class StageTrainer(Trainer):
         scorers = self.rewards.scorers
         free = {n: s for n, s in scorers.items() if not getattr(s, "paid", False)}
         paid = {n: s for n, s in scorers.items() if n not in free}
+        for scorer in free.values():  # a free judge (C's student) is asked for the eval too: its ledger says so
+            bind = getattr(scorer, "bind", None)
+            if callable(bind):
+                bind(stage=self.stage, purpose="eval", step=step, policy_version=self.policy_version)
         components, metrics = (RewardProcessor(free, {}, batch_size=self.cfg.reward.batch_size)(
             media, [r.prompt for r in records], [r.metadata for r in records], group_ids, audio=audio)
             if free else ({}, {}))

@@ -52,6 +52,10 @@ class VLMJsonOptions:
     # extra arguments of the processor's chat template, for training and serving alike: {enable_thinking: false}
     # puts a Qwen3 / Qwen3.5 template in its non-thinking mode (the answer follows an empty think block)
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # answer a judge request by guided decoding: only tokens that keep the reply a prefix of the strict answer
+    # {"A":<0-100>,...} for the request's labels (vLLM's guided_json / OpenAI structured outputs do the same); the
+    # gate, audits and stage C then read the student's ranking, never a malformed reply. false: free generation
+    guided: bool = True
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,19 @@ from flowforge.reward_model.data import JudgedGroup, group_message, score_answer
 from flowforge.rewards.judge import protocol as P
 
 KIND = "vlm_json"
+
+
+def answer_pattern(labels: Sequence[str], decimals: int) -> Any:
+    """The strict answers for ``labels`` as a compiled ``regex`` pattern: compact JSON ``{"A":s,"B":s,...}`` in
+    label order (:func:`flowforge.reward_model.data.score_answer`'s layout), each ``s`` a number in [0, 100] with at
+    most ``decimals`` decimals; every match parses (:func:`flowforge.rewards.judge.protocol.parse_scores`). The
+    ``regex`` module's partial matching tells whether a text can still become an answer."""
+    import regex
+
+    frac = rf"(?:\.[0-9]{{1,{decimals}}})?" if decimals else ""
+    hundred = rf"100(?:\.0{{1,{decimals}}})?" if decimals else "100"
+    number = rf"(?:{hundred}|[1-9]?[0-9]{frac})"
+    return regex.compile(r"\{" + ",".join(f'"{regex.escape(label)}":{number}' for label in labels) + r"\}")
 META_FILE = "meta.json"
 VISION_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
 """Attribute names under which transformers VLMs keep their vision tower."""
@@ -160,6 +173,7 @@ class VLMJsonStudent:
         stop = self.tokenizer(end, add_special_tokens=False)["input_ids"] if end.strip() else []
         # the first token the template writes after an answer ends the turn (the tokenizer's EOS without one)
         self.stop_id = int(stop[0]) if stop else int(self.tokenizer.eos_token_id)
+        self._pieces: dict[int, str] | None = None  # guided decoding's vocabulary (built on first use)
 
     # ------------------------------------------------------------------------------------------------ build
     @classmethod
@@ -316,12 +330,46 @@ class VLMJsonStudent:
         self.model.eval()
 
     # ------------------------------------------------------------------------------------------------ inference
+    def _guide(self, messages: Sequence[dict], prompt_len: int) -> Any:
+        """``prefix_allowed_tokens_fn`` for ``generate`` (or ``None``): when ``options.guided`` and ``messages`` is a
+        judge group request, each step allows only the tokens after which the answer is still a prefix of
+        :func:`answer_pattern` for its labels, and the end of turn once the answer is complete."""
+        if not self.meta["options"].get("guided", True):
+            return None
+        user = [m for m in messages if m.get("role") == "user"]
+        content = user[0].get("content") if user else None
+        try:
+            labels = list(P.read_group_request(content).candidates) if isinstance(content, list) else []
+        except ValueError:
+            labels = []
+        if not labels:
+            return None
+        pattern = answer_pattern(labels, self.meta["options"]["score_decimals"])
+        if self._pieces is None:  # every vocabulary entry that can appear in such an answer, decoded once
+            alphabet = set('{}":,.0123456789') | set("".join(P.candidate_labels(26)))
+            pieces = {}
+            for token in range(len(self.tokenizer)):
+                text = self.tokenizer.decode([token])
+                if text and set(text) <= alphabet:
+                    pieces[token] = text
+            self._pieces = pieces
+
+        def allowed(_batch: int, ids: Tensor) -> list[int]:
+            text = self.tokenizer.decode(ids[prompt_len:].tolist(), skip_special_tokens=True)
+            if pattern.fullmatch(text):
+                return [self.stop_id]
+            ok = [t for t, piece in self._pieces.items() if pattern.fullmatch(text + piece, partial=True)]
+            return ok or [self.stop_id]
+
+        return allowed
+
     @torch.no_grad()
     def reply(self, messages: Sequence[dict], *, max_new_tokens: int | None = None, temperature: float = 0.0,
               seed: int | None = None) -> tuple[str, int, int]:
         """Answer chat ``messages`` (OpenAI layout): ``(text, prompt tokens, generated tokens)``. Greedy at
         temperature 0, sampled otherwise (seeded by ``seed``); generation stops at the end-of-turn token and is
-        capped at ``options.max_new_tokens``."""
+        capped at ``options.max_new_tokens``. A judge group request is answered by guided decoding
+        (``options.guided``, :meth:`_guide`): the reply parses whenever it is not cut by the cap."""
         inputs = {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in self.encode_prompt(messages).items()}
         cap = self.meta["options"]["max_new_tokens"]
         budget = min(max_new_tokens or cap, cap)
@@ -329,9 +377,9 @@ class VLMJsonStudent:
         if seed is not None:
             torch.manual_seed(seed)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_id
-        out = self.model.generate(**inputs, max_new_tokens=budget, eos_token_id=[self.stop_id], pad_token_id=pad,
-                                  **sampling)
         length = inputs["input_ids"].shape[1]
+        out = self.model.generate(**inputs, max_new_tokens=budget, eos_token_id=[self.stop_id], pad_token_id=pad,
+                                  prefix_allowed_tokens_fn=self._guide(messages, length), **sampling)
         new = out[0, length:].tolist()
         answer = new[:new.index(self.stop_id)] if self.stop_id in new else new
         text = self.tokenizer.decode(answer, skip_special_tokens=True)

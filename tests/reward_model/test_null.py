@@ -51,7 +51,10 @@ def test_more_groups_narrow_the_null():
     assert q[0] > q[1] > q[2] > 0
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLES if "stages:" in p.read_text()], ids=lambda p: p.name)
+# the GPU examples' prompt files are not on this machine: tests/examples/test_vlm_student_example.py checks their
+# thresholds at the test-group count the example states
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if "stages:" in p.read_text() and p.parent.name != "gpu"],
+                         ids=lambda p: p.name)
 def test_shipped_pipeline_thresholds_fail_a_random_student(path):
     pcfg = load_pipeline(path)
     problems, warnings = thresholds.threshold_problems(pcfg)

@@ -235,3 +235,24 @@ def test_lora_reaches_the_linear_attention_layers_of_a_qwen35_language_model():
     lora_b = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n}
     assert len(lora_b) == len(targets) and all(g is not None and g.abs().sum() > 0 for g in lora_b.values())
     assert all(not p.requires_grad for n, p in model.named_parameters() if ".visual." in n)
+
+
+def test_guided_decoding_answers_every_group_with_a_strict_reply(base, judged):
+    """An untrained student (random LoRA-free tiny VLM) answers by guided decoding: every reply matches the strict
+    answer for the group's own labels and parses; unguided, the same model writes no such reply."""
+    from flowforge.reward_model.vlm_json import answer_pattern
+    from flowforge.rewards.judge.protocol import parse_scores
+
+    _, groups = judged
+    guided, free = _student(base), _student(base, guided=False)
+    for group in groups:
+        text, _, _ = guided.reply(group_message(group))
+        assert answer_pattern(group.labels, 0).fullmatch(text), text
+        assert len(parse_scores(text, group.labels)) == len(group.labels)
+        loose, _, _ = free.reply(group_message(group))
+        assert not answer_pattern(group.labels, 0).fullmatch(loose), loose  # the guidance is what makes it parse
+    with pytest.raises(P.MalformedReply):
+        parse_scores('{"A":10,"B":1110}', ["A", "B"])
+    assert not answer_pattern(["A", "B"], 0).fullmatch('{"A":10,"B":1110}')
+    assert answer_pattern(["A", "B"], 1).fullmatch('{"A":10.5,"B":100.0}')
+    assert not answer_pattern(["A", "B"], 1).fullmatch('{"A":100.5,"B":1}')
