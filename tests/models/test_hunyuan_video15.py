@@ -36,7 +36,8 @@ def _pipe(cls_name: str, parts: dict):
 
 
 def _adapter(parts: dict, task: str = "t2v"):
-    from flowforge.models.hunyuan_video15 import TEXT_COMPONENTS, HunyuanVideo15Adapter, hunyuan_video15_text
+    from flowforge.models.hunyuan_video15 import HunyuanVideo15Adapter
+    from flowforge.models.hunyuan_video15_text import TEXT_COMPONENTS, hunyuan_video15_text
 
     text = hunyuan_video15_text(components={k: parts[k] for k in TEXT_COMPONENTS}, max_sequence_length=SEQ_LEN,
                                 glyph_length=GLYPH, min_tokenizer_size=MIN_TOK)
