@@ -21,7 +21,9 @@ SCORERS = "digit,jpeg_compressibility,tests.serve.scorers:NotApplicable"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with reward_server(SCORERS, "--max-batch", "8", "--max-body-mb", "0.25",
+    # one torch thread in the server and in the in-process comparison: a conv's float sums depend on the thread
+    # count, and the test worker's count depends on which test files ran before it in that process
+    with reward_server(SCORERS, "--max-batch", "8", "--max-body-mb", "0.25", "--num-threads", "1",
                        token_dir=tmp_path_factory.mktemp("token")) as (url, token):
         yield url, {"Authorization": f"Bearer {token}"}
 
@@ -64,9 +66,32 @@ def test_requests_without_the_token_get_401(server, headers):
         assert response.headers["www-authenticate"] == "Bearer"
 
 
-def test_scores_equal_in_process_scores_bit_for_bit(server):
+_IN_PROCESS = """
+import sys, torch
+from flowforge.rewards.registry import build_scorer
+torch.set_num_threads(1)
+data = torch.load(sys.argv[1])
+out = {name: build_scorer(name)(data["media"], data["prompts"], data["metadata"])
+       for name in ("digit", "jpeg_compressibility")}
+torch.save(out, sys.argv[2])
+"""
+
+
+def _in_process_scores(media, body, tmp_path):
+    """The scorers called in-process, in a fresh interpreter: the test worker's own floating-point state depends on
+    which test files ran in it before (a library loaded earlier may set the CPU's denormal flags), the server's and a
+    fresh process's do not."""
+    import subprocess
+    import sys
+
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"media": media, "prompts": body["prompts"], "metadata": body["metadata"]}, src)
+    subprocess.run([sys.executable, "-c", _IN_PROCESS, str(src), str(dst)], check=True, timeout=300)
+    return torch.load(dst)
+
+
+def test_scores_equal_in_process_scores_bit_for_bit(server, tmp_path):
     url, auth = server
-    digit, jpeg = build_scorer("digit"), build_scorer("jpeg_compressibility")
     floats = _media(6, seed=1)  # off the byte grid: sent as float32
     on_grid = (floats * 255).round() / 255  # exactly representable: sent as PNG
     assert [i["format"] for i in encode_images(floats)] == ["float32"] * 6
@@ -74,10 +99,9 @@ def test_scores_equal_in_process_scores_bit_for_bit(server):
     for media in (floats, on_grid):
         body = _body(media, components=["digit", "jpeg_compressibility"])
         scores = httpx.post(f"{url}/score", json=body, headers=auth).json()["scores"]
-        meta = body["metadata"]
-        assert torch.equal(torch.tensor(scores["digit"], dtype=torch.float32), digit(media, body["prompts"], meta))
-        assert torch.equal(torch.tensor(scores["jpeg_compressibility"], dtype=torch.float32),
-                           jpeg(media, body["prompts"], meta))
+        expected = _in_process_scores(media, body, tmp_path)
+        for name in ("digit", "jpeg_compressibility"):
+            assert torch.equal(torch.tensor(scores[name], dtype=torch.float32), expected[name]), name
 
 
 def test_jpeg_media_and_videos_as_frame_lists(server):
