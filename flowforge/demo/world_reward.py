@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -167,29 +168,39 @@ def _shuffled(actions: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def generate_world(path: str, video: Tensor, actions: Tensor, *, seed: int, num_steps: int = 10,
-                   shift: float = 3.0, batch_size: int = 32) -> Tensor:
-    """Generations ``[N, 3, F, H, W]`` in [0, 1] of the world model at ``path`` from the first frames of ``video [N, 1,
-    F, H, W]`` and ``actions [N, F]``: fixed noise (``seed``), ``num_steps`` Euler ODE steps at static shift
-    ``shift`` (the world SFT's evaluation)."""
+def generate_clips(adapter: Any, video: Tensor, actions: Tensor, *, seed: int, num_steps: int, shift: float,
+                   batch_size: int = 32) -> tuple[Tensor, list[str]]:
+    """``(generations [N, 3, F, H, W] in [0, 1], prompts)`` of a world-model ``adapter`` from the first frames of
+    ``video [N, 1, F, H, W]`` and ``actions [N, F]`` (prompts: the action names, ``adapter.action_names``): fixed
+    noise ``torch.randn`` seeded ``seed``, ``num_steps`` Euler ODE steps at static shift ``shift`` (the world SFT's
+    evaluation, :func:`flowforge.train.sft.world.evaluate_world`, and :func:`generate_world`)."""
     import dataclasses
 
     from flowforge.algorithms.schedules import flow_match_sigmas
-    from flowforge.models import build_adapter
     from flowforge.rollout import generate
 
-    adapter = build_adapter("world_model", path, task="i2v")
-    adapter.transformer.eval()
     sigmas = flow_match_sigmas(num_steps, shift)
     x_T = torch.randn(video.shape, generator=torch.Generator().manual_seed(seed))
-    names = [" ".join(ACTIONS[a] for a in row) for row in actions.tolist()]
+    names = [" ".join(adapter.action_names[a] for a in row) for row in actions.tolist()]
     outs = []
     for s in range(0, video.shape[0], batch_size):
         cond = adapter.encode(names[s:s + batch_size])
         x0 = adapter.encode_video(video[s:s + batch_size])
         cond = dataclasses.replace(cond, image=x0[:, :, :1])
         outs.append(adapter.decode(generate(adapter, cond, x_T[s:s + batch_size], sigmas)))
-    return torch.cat(outs)
+    return torch.cat(outs), names
+
+
+@torch.no_grad()
+def generate_world(path: str, video: Tensor, actions: Tensor, *, seed: int, num_steps: int = 10,
+                   shift: float = 3.0, batch_size: int = 32) -> Tensor:
+    """:func:`generate_clips` of the world model at ``path`` (loaded as ``model.adapter: world_model``, i2v)."""
+    from flowforge.models import build_adapter
+
+    adapter = build_adapter("world_model", path, task="i2v")
+    adapter.transformer.eval()
+    return generate_clips(adapter, video, actions, seed=seed, num_steps=num_steps, shift=shift,
+                          batch_size=batch_size)[0]
 
 
 def measure(reward: BandInverseDynamicsNet, video: Tensor, actions: Tensor) -> dict[str, float]:

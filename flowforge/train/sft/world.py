@@ -31,7 +31,6 @@ static shift ``sampler.shift``), scored by the game rule ``action_following`` an
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -72,22 +71,12 @@ def evaluate_world(adapter, video: torch.Tensor, actions: torch.Tensor, *, seed:
     """Generate every clip of ``video [N, 1, F, H, W]`` (in [0, 1]) from its first frame and ``actions [N, F]`` with
     fixed noise (``seed``) and the ODE sampler; returns the mean ``action_following`` (the game rule) and ``psnr``
     (dB, generated frames 1..F-1 against the real ones)."""
-    from flowforge.algorithms.schedules import flow_match_sigmas
-    from flowforge.rewards.scorers.action_following import ActionFollowingScorer
     from flowforge.algorithms.video_metrics import psnr
-    from flowforge.rollout import generate
+    from flowforge.demo.world_reward import generate_clips
+    from flowforge.rewards.scorers.action_following import ActionFollowingScorer
 
-    sigmas = flow_match_sigmas(num_steps, shift)
-    gen = torch.Generator().manual_seed(seed)
-    x_T = torch.randn(video.shape, generator=gen)
-    names = [" ".join(adapter.action_names[a] for a in row) for row in actions.tolist()]
-    outs = []
-    for s in range(0, video.shape[0], batch_size):
-        cond = adapter.encode(names[s:s + batch_size])
-        x0 = adapter.encode_video(video[s:s + batch_size])
-        cond = dataclasses.replace(cond, image=x0[:, :, :1])
-        outs.append(adapter.decode(generate(adapter, cond, x_T[s:s + batch_size], sigmas)))
-    fake = torch.cat(outs)
+    fake, names = generate_clips(adapter, video, actions, seed=seed, num_steps=num_steps, shift=shift,
+                                 batch_size=batch_size)
     rule = ActionFollowingScorer()(fake, names, [{} for _ in names])
     other = names[1:] + names[:1]  # the same generations against another clip's actions: the rule's null
     rule_other = ActionFollowingScorer()(fake, other, [{} for _ in other])
