@@ -84,19 +84,11 @@ def test_motion_table():
 
 def degenerate_videos(video):
     """``{name: [n, F, H, W]}`` command-blind videos built from real clips ``video [n, 1, F, H, W]``: the first frame
-    held (still), the paddle parked at either wall, uniform noise, a bright bar in the paddle row."""
-    first = video[:, 0, :1].expand(-1, video.shape[2], -1, -1).clone()
-    out = {"still": first}
-    for name, cols in (("parked_left", slice(0, 4)), ("parked_right", slice(-4, None))):
-        parked = first.clone()
-        parked[..., -1, :] = 0.0
-        parked[..., -1, cols] = 0.69
-        out[name] = parked
-    out["random"] = torch.rand(first.shape, generator=torch.Generator().manual_seed(0))
-    bar = video[:, 0].clone()
-    bar[..., -1, :] = 0.8
-    out["bar"] = bar
-    return out
+    held (still), the paddle parked at either wall, uniform noise, a bright bar in the paddle row
+    (:func:`flowforge.demo.world_reward.command_blind_videos`)."""
+    from flowforge.demo.world_reward import command_blind_videos
+
+    return command_blind_videos(video[:, 0])
 
 
 def test_true_actions_agree_and_command_blind_videos_score_at_most_chance(clips):
