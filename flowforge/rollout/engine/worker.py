@@ -26,6 +26,7 @@ from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
 from flowforge.rollout.engine.weight_sync import SyncManifest, SyncReceiver, WeightSyncError
 from flowforge.rollout.loop import RolloutSpec, Trajectory, rollout_chunked
+from flowforge.runtime.distributed import portable_error
 from flowforge.runtime.dtypes import resolve_dtype
 
 
@@ -180,7 +181,7 @@ def serve(conn, recipe: WorkerRecipe) -> None:
     try:
         worker = RolloutWorker(recipe)
     except Exception as exc:  # reported to the trainer, which raises it
-        conn.send(("error", 0, _portable(exc)))
+        conn.send(("error", 0, portable_error(exc)))
         return
     conn.send(("ready", 0, worker.info()))
     while True:
@@ -195,21 +196,10 @@ def serve(conn, recipe: WorkerRecipe) -> None:
             result = getattr(worker, method)(*args)
         except Exception as exc:
             if kind == "call":
-                conn.send(("error", seq, _portable(exc)))
+                conn.send(("error", seq, portable_error(exc)))
             continue
         if kind == "call":
             conn.send(("ok", seq, result))
-
-
-def _portable(exc: Exception) -> Exception:
-    """``exc`` if it survives pickling, else a RuntimeError with its type and message."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def split_rows(num_rows: int, batch_size: int, num_workers: int) -> list[slice]:
