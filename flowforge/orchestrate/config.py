@@ -121,7 +121,9 @@ class AuditConfig(Section):
     groups were audited, then the groups of every step that is a multiple of ``every`` (0: no periodic audit).
     An audit whose agreement falls below a threshold stops stage C at the last good checkpoint. ``pool_groups: N``
     takes each verdict on the last N audited groups (this step's and earlier audits'; pending until N were
-    audited), its thresholds checked against the null at N groups (0: one step's groups alone)."""
+    audited), its thresholds checked against the null at N groups (0: one step's groups alone). ``tie_margin``: teacher
+    marks this close tie (:func:`flowforge.reward_model.evaluate.tie_blocks`); a group the teacher cannot order at
+    all is recorded but counts toward no verdict."""
 
     section_name = "audit"
 
@@ -131,6 +133,7 @@ class AuditConfig(Section):
     min_pairwise_accuracy: float = 0.67  # teacher-ordered pairs the student orders the same way
     max_null_pass: float = 0.01  # a random student passes one verdict's groups with p < this (check_pipeline)
     pool_groups: int = 0  # > 0: each verdict on the last pool_groups audited groups (>= M); 0: the step's M alone
+    tie_margin: float = 0.0  # teacher marks this close are a tie (its retest noise); 0: exact ties only
 
     def problems(self) -> list[str]:
         c = Checks(self)
@@ -139,6 +142,7 @@ class AuditConfig(Section):
         c.require(0.0 <= self.min_pairwise_accuracy <= 1.0,
                   f"audit.min_pairwise_accuracy={self.min_pairwise_accuracy} must be in [0, 1]")
         c.require(0.0 < self.max_null_pass <= 1.0, f"audit.max_null_pass={self.max_null_pass} must be in (0, 1]")
+        c.require(0.0 <= self.tie_margin < 1.0, f"audit.tie_margin={self.tie_margin} must be in [0, 1)")
         return c.problems
 
 

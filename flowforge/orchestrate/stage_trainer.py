@@ -29,7 +29,9 @@ taken on the last ``N`` audited groups (this step's and the newest of earlier au
 ``audit.jsonl``, which keeps each group's two score vectors) at thresholds a random student fails at ``N`` groups:
 one step's ``M`` groups measure a student's agreement with a standard error of ~0.15 in Spearman, too noisy to tell
 a good student from a degraded one at a threshold the null allows. Until ``N`` groups were audited the record is
-``pending`` (``passed: null``): no verdict, no stop, and not a passed audit for the last good checkpoint.
+``pending`` (``passed: null``): no verdict, no stop, and not a passed audit for the last good checkpoint. With
+``audit.tie_margin`` teacher marks that close are ties (its retest noise): only groups the teacher can order at all
+count toward the ``N`` (a group whose marks all tie is kept in ``audit.jsonl`` but judges nothing).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 import torch
 
 from flowforge.orchestrate.ledger import ConditionLedger
-from flowforge.reward_model.evaluate import agreement
+from flowforge.reward_model.evaluate import agreement, tie_blocks
 from flowforge.rewards.processor import RewardProcessor
 from flowforge.runtime.distributed import (all_gather_objects, all_reduce_processes, broadcast_from_main,
                                             portable_error)
@@ -152,11 +154,15 @@ class Auditor:
         kept = [(student[r].detach().float().cpu(), t) for r, t in zip(rows, teacher, strict=True)
                 if not torch.isnan(t).any() and not torch.isnan(student[r]).any()]  # a dropped group: no verdict
         scores = [[s.tolist(), t.tolist()] for s, t in kept]  # per kept group: [student, teacher]
-        own = agreement([s for s, _ in kept], [t for _, t in kept]) if kept else {}
+        margin = self.cfg.tie_margin
+        own = agreement([s for s, _ in kept], [t for _, t in kept], margin) if kept else {}
         pooled, steps = self._pool(step, scores)
         result = agreement([torch.tensor(s) for s, _ in pooled],
-                           [torch.tensor(t) for _, t in pooled]) if kept else {}
-        pending = bool(kept) and len(pooled) < self.cfg.pool_groups  # too few groups for a verdict yet
+                           [torch.tensor(t) for _, t in pooled], margin) if kept else {}
+        # no verdict while too few groups the teacher can order were audited, nor on a step with none of its own: a
+        # teacher that cannot tell the candidates apart cannot tell a good student from a bad one either (and an
+        # earlier step's groups say nothing of this step's checkpoint)
+        pending = bool(kept) and (step not in steps or len(pooled) < max(self.cfg.pool_groups, 1))
         reasons = []
         for metric, bound in (("spearman", self.cfg.min_spearman),
                               ("pairwise_accuracy", self.cfg.min_pairwise_accuracy)):
@@ -178,16 +184,22 @@ class Auditor:
         return {f"audit/{k}": float(record[k]) for k in ("spearman", "pairwise_accuracy", "mae", "groups",
                                                            "teacher_requests_sent")}
 
+    def _orderable(self, scores: list[list[list[float]]]) -> list[list[list[float]]]:
+        """The ``[student, teacher]`` groups whose teacher marks form more than one tie block (``audit.tie_margin``)."""
+        return [g for g in scores if tie_blocks(torch.tensor(g[1]), self.cfg.tie_margin).max() > 0]
+
     def _pool(self, step: int, scores: list[list[list[float]]]) -> tuple[list[list[list[float]]], list[int]]:
-        """The groups the verdict of step ``step`` is taken on and their steps: ``scores`` alone without pooling,
-        else ``scores`` plus the newest groups of earlier audits (``audit.jsonl``) up to ``audit.pool_groups``."""
-        if self.cfg.pool_groups <= 0 or not scores:
-            return scores, [step] if scores else []
-        pooled, steps = list(scores), [step]
+        """The groups the verdict of step ``step`` is taken on and their steps, counting only groups the teacher
+        can order (:meth:`_orderable`): ``scores``' alone without pooling, else those plus the newest ones of earlier
+        audits (``audit.jsonl``) up to ``audit.pool_groups``."""
+        pooled = self._orderable(scores)
+        steps = [step] if pooled else []
+        if self.cfg.pool_groups <= 0:
+            return pooled, steps
         for record in reversed([a for a in read_audits(self.path.parent) if a["step"] < step]):
             if len(pooled) >= self.cfg.pool_groups:
                 break
-            earlier = record.get("scores") or []
+            earlier = self._orderable(record.get("scores") or [])
             take = earlier[max(0, len(earlier) - (self.cfg.pool_groups - len(pooled))):]
             if take:
                 pooled.extend(take)

@@ -69,6 +69,12 @@ class ScalarHeadOptions:
     pairwise_weight: float = 1.0  # Bradley-Terry term
     regression_weight: float = 1.0  # squared error to the teacher score
     tie_margin: float = 0.0  # teacher pairs closer than this are not compared
+    # training-time random affine of each frame, for a teacher whose marks do not change under small distortions
+    # (0 = off): rotation up to +-augment_rotate degrees, scale by 1 +- augment_scale, shift up to +-augment_shift of
+    # the side; never at inference
+    augment_rotate: float = 0.0
+    augment_scale: float = 0.0
+    augment_shift: float = 0.0
     init: str = ""  # pretrained weights (.safetensors of the net's tensors, or demo:digit-tower); "": random init
 
 
@@ -86,6 +92,9 @@ class GateThresholds:
     max_null_pass: float = 0.01  # a random student may pass these thresholds on the test groups with p < this (1: off)
     null_trials: int = 2000  # random students drawn for that probability (flowforge.reward_model.null)
     fail_on_shortcuts: bool = True  # a student that does not beat its shortcut probes fails (false: reported only)
+    # teacher marks this close are a tie in every agreement measure (epoch selection on val, gate, probes, null):
+    # the teacher's own retest noise (flowforge.reward_model.evaluate.tie_blocks); 0: exact ties only
+    tie_margin: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,9 +144,13 @@ class StudentConfig(Section):
         c.require(s.pairwise_weight >= 0 and s.regression_weight >= 0 and s.pairwise_weight + s.regression_weight > 0,
                   "student.scalar_head.pairwise_weight and regression_weight must be >= 0, not both 0")
         c.require(s.tie_margin >= 0, f"student.scalar_head.tie_margin={s.tie_margin} must be >= 0")
+        c.require(0 <= s.augment_rotate <= 180 and 0 <= s.augment_scale < 1 and 0 <= s.augment_shift <= 0.5,
+                  f"student.scalar_head.augment_rotate={s.augment_rotate} / augment_scale={s.augment_scale} / "
+                  f"augment_shift={s.augment_shift} must be in [0, 180] / [0, 1) / [0, 0.5]")
         g = self.gate
         c.require(g.min_groups >= 1 and 0 <= g.max_failure_rate <= 1 and g.max_mae >= 0,
                   "student.gate needs min_groups >= 1, max_failure_rate in [0, 1] and max_mae >= 0")
+        c.require(0 <= g.tie_margin < 1, f"student.gate.tie_margin={g.tie_margin} must be in [0, 1)")
         c.require(0 < g.max_null_pass <= 1 and g.null_trials >= 100,
                   f"student.gate.max_null_pass={g.max_null_pass} must be in (0, 1] and null_trials={g.null_trials} "
                   ">= 100")

@@ -11,10 +11,15 @@ metric                      definition
                             scores 0 there.
 ``pairwise_accuracy``       over all pairs ``i < j`` with ``t_i != t_j`` pooled across groups: the fraction with
                             ``sign(s_i - s_j) == sign(t_i - t_j)``; a student tie counts one half
-``mae``                     mean ``|s - t|`` over every candidate of the scored groups
+``mae``                     mean ``|s - t|`` over every candidate of the scored groups (raw marks)
 ``failure_rate``            fraction of groups the student could not score (any NaN, e.g. an unparseable answer);
                             those groups are left out of the three metrics above
 ==========================  =========================================================================================
+
+With ``tie_margin`` > 0 (``student.gate.tie_margin``, ``audit.tie_margin``) a teacher's marks that differ by no more
+than its own retest noise count as ties: before Spearman and pairwise accuracy, each group's teacher marks are
+replaced by their tie block (:func:`tie_blocks`), so "``t_i != t_j``" and "all tie" above read "in different blocks"
+and "one block". ``tie_margin`` 0 gives exact ties only (the table as written).
 
 :func:`gate` compares these with :class:`flowforge.reward_model.config.GateThresholds`.
 """
@@ -43,6 +48,27 @@ def average_ranks(values: Tensor) -> Tensor:
     return ranks
 
 
+def tie_blocks(values: Tensor, margin: float = 0.0) -> Tensor:
+    """``[K]`` teacher marks -> ``[K]`` float64 tie-block index (0 = lowest block): sorted ascending, a block takes
+    every mark within ``margin`` of the block's lowest mark, the next mark starts a new block. ``margin`` 0: one
+    block per distinct value (exact ties only), so ranks and pair signs equal those of ``values``.
+
+    Raises:
+        ValueError: a negative ``margin``.
+    """
+    if margin < 0:
+        raise ValueError(f"tie_margin must be >= 0, got {margin}")
+    values = values.double().view(-1)
+    order = torch.argsort(values, stable=True)
+    blocks = torch.empty_like(values)
+    block, low = -1, math.inf
+    for i in order.tolist():
+        if block < 0 or values[i] - low > margin:
+            block, low = block + 1, float(values[i])
+        blocks[i] = block
+    return blocks
+
+
 def spearman(student: Tensor, teacher: Tensor) -> float:
     """Spearman's rank correlation of two ``[K]`` score vectors (module table); NaN when ``teacher`` has no order,
     0 when only ``student`` ties everything."""
@@ -67,12 +93,13 @@ def pair_agreement(student: Tensor, teacher: Tensor) -> tuple[float, int]:
     return float(same.sum() + 0.5 * ties.sum()), int(upper.sum())
 
 
-def agreement(student: Sequence[Tensor], teacher: Sequence[Tensor]) -> dict[str, float]:
+def agreement(student: Sequence[Tensor], teacher: Sequence[Tensor], tie_margin: float = 0.0) -> dict[str, float]:
     """The module table's metrics over groups (``student[g]``, ``teacher[g]``: ``[K_g]`` scores on [0, 1]), plus
-    ``groups`` (scored), ``groups_tied`` and ``pairs``. Metrics with nothing to average are NaN.
+    ``groups`` (scored), ``groups_tied`` and ``pairs``; teacher marks within ``tie_margin`` tie (:func:`tie_blocks`).
+    Metrics with nothing to average are NaN.
 
     Raises:
-        ValueError: different numbers of groups, or a group whose two vectors differ in length.
+        ValueError: different numbers of groups, a group whose two vectors differ in length, a negative margin.
     """
     if len(student) != len(teacher):
         raise ValueError(f"{len(student)} student groups vs {len(teacher)} teacher groups")
@@ -85,12 +112,13 @@ def agreement(student: Sequence[Tensor], teacher: Sequence[Tensor]) -> dict[str,
             failed += 1
             continue
         errors.append((s - t).abs())
-        rho = spearman(s, t)
+        blocks = tie_blocks(t, tie_margin)
+        rho = spearman(s, blocks)
         if math.isnan(rho):
             tied += 1
         else:
             rhos.append(rho)
-        a, n = pair_agreement(s, t)
+        a, n = pair_agreement(s, blocks)
         agree, pairs = agree + a, pairs + n
     total = len(student)
     return {"groups": float(total - failed), "groups_tied": float(tied), "pairs": float(pairs),
@@ -124,8 +152,8 @@ def gate(metrics: Mapping[str, float], thresholds: Any) -> tuple[bool, list[str]
     return not reasons, reasons
 
 
-def evaluate(student: Any, groups: Sequence[Any]) -> dict[str, float]:
+def evaluate(student: Any, groups: Sequence[Any], tie_margin: float = 0.0) -> dict[str, float]:
     """:func:`agreement` of ``student.predict(groups)`` (one ``[K]`` tensor per group, presented order) with the
     groups' teacher scores."""
     predictions = student.predict(groups) if groups else []
-    return agreement(predictions, [torch.tensor(g.scores, dtype=torch.float64) for g in groups])
+    return agreement(predictions, [torch.tensor(g.scores, dtype=torch.float64) for g in groups], tie_margin)

@@ -34,13 +34,13 @@ def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThres
                  seed: int = 0) -> dict[str, Any]:
     """``{"test": agreement, "null": null summary, "probes": shortcut probes, "passed": bool, "reasons": [...]}`` for
     ``student`` on ``test_groups`` (module docstring)."""
-    metrics = evaluate(student, test_groups)
+    metrics = evaluate(student, test_groups, thresholds.tie_margin)
     passed, reasons = gate(metrics, thresholds)
     teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in test_groups]
     null: dict[str, float] = {}
     if teacher:
         null = null_summary(teacher, thresholds.min_spearman, thresholds.min_pairwise_accuracy, metrics,
-                            trials=thresholds.null_trials, seed=seed)
+                            trials=thresholds.null_trials, seed=seed, tie_margin=thresholds.tie_margin)
         if thresholds.max_null_pass < 1 and not null["pass_probability"] < thresholds.max_null_pass:
             reasons.append(f"a random student passes min_spearman={thresholds.min_spearman:g} and "
                            f"min_pairwise_accuracy={thresholds.min_pairwise_accuracy:g} on these "

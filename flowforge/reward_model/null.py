@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from flowforge.reward_model.evaluate import average_ranks
+from flowforge.reward_model.evaluate import average_ranks, tie_blocks
 
 DEFAULT_TRIALS = 2000
 DEFAULT_ALPHA = 0.01
@@ -46,12 +46,13 @@ def untied_groups(k: int, groups: int) -> list[Tensor]:
     return [torch.arange(k, dtype=torch.float64) / (k - 1) for _ in range(groups)]
 
 
-def null_draws(teacher: Sequence[Tensor], *, trials: int = DEFAULT_TRIALS, seed: int = 0) -> dict[str, Tensor]:
+def null_draws(teacher: Sequence[Tensor], *, trials: int = DEFAULT_TRIALS, seed: int = 0,
+               tie_margin: float = 0.0) -> dict[str, Tensor]:
     """``{"spearman": [trials], "pairwise_accuracy": [trials]}`` float64: the agreement of ``trials`` random
     students with ``teacher`` (one ``[K_g]`` tensor per group), computed for all trials at once with the definitions
     of :func:`~flowforge.reward_model.evaluate.agreement` (teacher ties get average ranks; a group whose teacher
-    scores all tie is left out of the Spearman mean and has no pairs); equal to calling ``agreement`` per draw (a
-    test checks it).
+    scores all tie is left out of the Spearman mean and has no pairs; marks within ``tie_margin`` tie, as there);
+    equal to calling ``agreement`` per draw (a test checks it).
 
     Raises:
         ValueError: no groups, or ``trials < 1``.
@@ -63,7 +64,7 @@ def null_draws(teacher: Sequence[Tensor], *, trials: int = DEFAULT_TRIALS, seed:
     agree = torch.zeros(trials, dtype=torch.float64)
     ordered_groups, pairs = 0, 0
     for t in teacher:
-        t = torch.as_tensor(t, dtype=torch.float64).view(-1)
+        t = tie_blocks(torch.as_tensor(t, dtype=torch.float64).view(-1), tie_margin)  # agreement's tie rule
         k = t.numel()
         student = torch.argsort(torch.rand(trials, k, generator=gen), dim=1).double()  # [trials, k] ranks
         rt = average_ranks(t)
@@ -104,11 +105,11 @@ def quantile(draws: Tensor, alpha: float = DEFAULT_ALPHA) -> float:
 
 def null_summary(teacher: Sequence[Tensor], min_spearman: float, min_pairwise_accuracy: float,
                  observed: dict[str, float] | None = None, *, trials: int = DEFAULT_TRIALS,
-                 seed: int = 0) -> dict[str, float]:
+                 seed: int = 0, tie_margin: float = 0.0) -> dict[str, float]:
     """What the gate and the audits record: ``pass_probability`` of the thresholds on ``teacher``'s groups, its
     Monte Carlo standard error, the null's 99th percentiles (``spearman_q99``, ``pairwise_q99``), and, for
     ``observed`` metrics (``agreement``), their permutation p-values (``spearman_p``, ``pairwise_p``)."""
-    draws = null_draws(teacher, trials=trials, seed=seed)
+    draws = null_draws(teacher, trials=trials, seed=seed, tie_margin=tie_margin)
     p = pass_probability(draws, min_spearman, min_pairwise_accuracy)
     out = {"groups": float(len(teacher)), "trials": float(trials), "pass_probability": p,
            "pass_probability_se": math.sqrt(p * (1 - p) / trials),

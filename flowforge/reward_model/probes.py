@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from flowforge.reward_model.data import JudgedGroup, decode_frame, read_frame
-from flowforge.reward_model.evaluate import agreement, spearman
+from flowforge.reward_model.evaluate import agreement, spearman, tie_blocks
 from flowforge.rewards.judge import protocol as P
 
 Z_99 = 2.326
@@ -63,9 +63,10 @@ def _rotated(group: JudgedGroup) -> tuple[JudgedGroup, list[int]]:
                                hashes=take(group.hashes)), order
 
 
-def _per_group_spearman(predictions: Sequence[torch.Tensor], groups: Sequence[JudgedGroup]) -> torch.Tensor:
-    values = [spearman(p.double(), torch.tensor(g.scores, dtype=torch.float64)) if not torch.isnan(p).any()
-              else math.nan for p, g in zip(predictions, groups, strict=True)]
+def _per_group_spearman(predictions: Sequence[torch.Tensor], groups: Sequence[JudgedGroup],
+                        tie_margin: float) -> torch.Tensor:
+    values = [spearman(p.double(), tie_blocks(torch.tensor(g.scores, dtype=torch.float64), tie_margin))
+              if not torch.isnan(p).any() else math.nan for p, g in zip(predictions, groups, strict=True)]
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -73,13 +74,13 @@ def shortcut_probes(student: Any, groups: Sequence[JudgedGroup], thresholds: Any
     """``(probe records, reasons the gate fails)`` for ``student`` on the test ``groups`` (module table)."""
     teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in groups]
     base = student.predict(groups)
-    base_rho = _per_group_spearman(base, groups)
+    base_rho = _per_group_spearman(base, groups, thresholds.tie_margin)
     reasons: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         blank_groups = [_blank(g, Path(tmp)) for g in groups]
         blank = student.predict(blank_groups)
-    prompt_only = agreement(blank, teacher)
-    diff = base_rho - _per_group_spearman(blank, groups)
+    prompt_only = agreement(blank, teacher, thresholds.tie_margin)
+    diff = base_rho - _per_group_spearman(blank, groups, thresholds.tie_margin)
     diff = diff[~torch.isnan(diff)]
     mean = float(diff.mean()) if diff.numel() else math.nan
     se = float(diff.std() / math.sqrt(diff.numel())) if diff.numel() > 1 else math.nan
@@ -94,7 +95,7 @@ def shortcut_probes(student: Any, groups: Sequence[JudgedGroup], thresholds: Any
         out = torch.empty_like(scores)
         out[torch.tensor(order)] = scores
         back.append(out)
-    position = agreement(back, teacher)
+    position = agreement(back, teacher, thresholds.tie_margin)
     consistency = [spearman(b.double(), o.double()) for b, o in zip(back, base, strict=True)
                    if not (torch.isnan(b).any() or torch.isnan(o).any())]
     position["order_consistency"] = sum(consistency) / len(consistency) if consistency else math.nan
@@ -105,7 +106,7 @@ def shortcut_probes(student: Any, groups: Sequence[JudgedGroup], thresholds: Any
 
     # a shortcut only when the order is what made it pass: a student below the thresholds in the presented order
     # is failed by the gate's own agreement check, and re-ordering it proves nothing more
-    if passes(agreement(base, teacher)) and not passes(position):
+    if passes(agreement(base, teacher, thresholds.tie_margin)) and not passes(position):
         reasons.append(f"with the candidates re-ordered the student's agreement falls to Spearman {rho:.3g} / pairwise "
                        f"{pairs:.3g} (position shortcut; thresholds {thresholds.min_spearman:g} / "
                        f"{thresholds.min_pairwise_accuracy:g})")
@@ -114,5 +115,6 @@ def shortcut_probes(student: Any, groups: Sequence[JudgedGroup], thresholds: Any
     if with_reference:
         stripped = [dataclasses.replace(groups[i], key=groups[i].key + ":noref", reference=None,
                                         reference_hashes=()) for i in with_reference]
-        no_reference = agreement(student.predict(stripped), [teacher[i] for i in with_reference])
+        no_reference = agreement(student.predict(stripped), [teacher[i] for i in with_reference],
+                                 thresholds.tie_margin)
     return {"prompt_only": prompt_only, "position": position, "no_reference": no_reference}, reasons

@@ -184,11 +184,36 @@ class ScalarHeadStudent:
                                        for frames in candidates]
         return self._frames[group.key]
 
+    def augment(self, frames: Tensor, counts: Sequence[int]) -> Tensor:
+        """Training-time random affine of preprocessed ``frames`` ``[N, 3, S, S]`` (one draw per candidate, its
+        ``counts[i]`` frames alike, so a video stays one motion): rotation, scale and shift drawn uniformly within
+        ``options.augment_*`` from torch's global generator (seeded per epoch by the trainer), bilinear with border
+        padding. The identity when every ``augment_*`` is 0.
+
+        Label-preserving only for a teacher whose marks are stable under such distortions (the demo's
+        :class:`~flowforge.orchestrate.demo.LegibilityScorer` averages its classifier over them by construction).
+        """
+        o = self.options
+        if not (o.augment_rotate or o.augment_scale or o.augment_shift):
+            return frames
+        n = len(counts)
+        u = torch.rand(n, 4) * 2 - 1  # [n, 4] in [-1, 1): angle, scale, shift x, shift y
+        angle = torch.deg2rad(u[:, 0] * o.augment_rotate)
+        scale = 1 + u[:, 1] * o.augment_scale
+        cos, sin = torch.cos(angle) * scale, torch.sin(angle) * scale
+        shift = u[:, 2:] * (2 * o.augment_shift)  # affine_grid's coordinates span 2 per side
+        theta = torch.stack([torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1)
+        theta = theta.repeat_interleave(torch.tensor(list(counts)), dim=0).to(frames)
+        grid = F.affine_grid(theta, list(frames.shape), align_corners=False)
+        return F.grid_sample(frames, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
     def candidate_scores(self, groups: Sequence[JudgedGroup]) -> list[Tensor]:
         """One ``[K]`` float32 tensor of candidate scores in (0, 1) per group (presented order), with gradients."""
         frames = [self._group_frames(g) for g in groups]
         flat = torch.cat([f for per_group in frames for f in per_group])
         counts = [f.shape[0] for per_group in frames for f in per_group]
+        if self.net.training:
+            flat = self.augment(flat, counts)
         text = None
         if self.text_dim:
             prompts = [g.prompt for g, per_group in zip(groups, frames) for f in per_group for _ in range(len(f))]

@@ -236,7 +236,7 @@ def train_student(cfg_section: StudentConfig | dict | None, groups: Sequence[Jud
         raise ValueError(f"{out} already trained {start} epochs; student.epochs={cfg.epochs} is fewer")
     for epoch in range(start + 1, cfg.epochs + 1):
         record = {"epoch": epoch, "train": _run_epoch(student, optimizer, cfg, splits["train"], epoch)}
-        record["val"] = evaluate(student, splits["val"]) if splits["val"] else {}
+        record["val"] = evaluate(student, splits["val"], cfg.gate.tie_margin) if splits["val"] else {}
         history.append(record)
         if _best_so_far(history) == epoch:
             best_state = {"epoch": epoch, "state": student.trainable_state()}
@@ -251,7 +251,7 @@ def train_student(cfg_section: StudentConfig | dict | None, groups: Sequence[Jud
         student.load_trainable_state(best_state["state"])
     best = best or len(history)
     student.eval()
-    test = evaluate(student, splits["test"]) if splits["test"] else {}
+    test = evaluate(student, splits["test"], cfg.gate.tie_margin) if splits["test"] else {}
     val = history[best - 1]["val"] if history else {}
     if final.exists():  # an earlier, shorter run's student (or a half-written one): replaced
         remove_marked_dir(final, COMMITTED)

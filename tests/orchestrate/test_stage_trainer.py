@@ -74,3 +74,49 @@ def test_without_pooling_each_step_is_judged_alone(tmp_path):
         _step(auditor, 0, -torch.arange(8.0).repeat(4))
     (record,) = read_audits(tmp_path)
     assert (record["passed"], record["pending"], record["pooled_groups"]) == (False, False, 4)
+
+
+class _NearTieJudge(_RankJudge):
+    """A teacher whose marks of the groups of steps in ``flat`` all lie within 0.005 (its retest noise), ordered
+    0..K-1 otherwise."""
+
+    def __init__(self, flat):
+        self.flat, self.step = set(flat), None
+
+    def score_groups(self, requests):
+        ordered = super().score_groups(requests)
+        return [0.9 + 0.005 * o if self.step in self.flat else o for o in ordered]
+
+
+def test_groups_the_teacher_cannot_order_count_toward_no_verdict(tmp_path):
+    judge = _NearTieJudge(flat={25, 35})
+    cfg = AuditConfig(first_groups=8, every=7, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63,
+                      tie_margin=0.01)
+    auditor = Auditor(judge, cfg, first_step=24, prompts_per_step=4, run_dir=tmp_path)
+    good, reverse = torch.arange(8.0).repeat(4), -torch.arange(8.0).repeat(4)
+
+    def step(n, student):
+        judge.step = n
+        return _step(auditor, n, student)
+
+    step(24, good)
+    step(25, reverse)  # near-tied marks: reversed or not, nothing to judge; no verdict
+    step(28, good)  # with step 24's 4: the first verdict
+    step(35, reverse)  # near-tied again: no verdict (not a passed audit for the last good checkpoint)
+    with pytest.raises(AuditStop, match=r"spearman=0 < audit.min_spearman=0.35 \(pooled over 8 groups\)"):
+        step(42, reverse)  # 4 reversed + step 28's 4 good
+    audits = read_audits(tmp_path)
+    assert [(a["step"], a["passed"], a["pooled_groups"], a["pooled_steps"]) for a in audits] == [
+        (24, None, 4, [24]), (25, None, 4, [24]), (28, True, 8, [24, 28]), (35, None, 8, [24, 28]),
+        (42, False, 8, [28, 42])]
+    assert all(len(a["scores"]) == 4 for a in audits)  # every group is kept in the file, orderable or not
+    # without the margin the same near-tied marks are an order, and the reversed step 25 would count
+    (tmp_path / "exact").mkdir()
+    exact = Auditor(_NearTieJudge(flat={25}), AuditConfig(first_groups=8, every=7, pool_groups=8,
+                    min_spearman=0.35, min_pairwise_accuracy=0.63), first_step=24, prompts_per_step=4,
+                    run_dir=tmp_path / "exact")
+    exact.judge.step = 24
+    _step(exact, 24, good)
+    exact.judge.step = 25
+    with pytest.raises(AuditStop):
+        _step(exact, 25, reverse)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowforge.reward_model.config import GateThresholds, student_config
-from flowforge.reward_model.evaluate import agreement, average_ranks, gate, pair_agreement, spearman
+from flowforge.reward_model.evaluate import agreement, average_ranks, gate, pair_agreement, spearman, tie_blocks
 
 
 def t(*values):
@@ -42,6 +42,27 @@ def test_agreement_over_groups():
     assert empty["groups"] == 0 and math.isnan(empty["spearman"]) and math.isnan(empty["failure_rate"])
     with pytest.raises(ValueError, match="teacher scores"):
         agreement([t(1, 2)], [t(1, 2, 3)])
+
+
+def test_tie_blocks_and_agreement_with_a_tie_margin_by_hand():
+    # sorted 0.10, 0.105, 0.11, 0.13, 0.50: a block takes every mark within 0.01 of its lowest
+    assert tie_blocks(t(0.5, 0.105, 0.1, 0.13, 0.11), 0.01).tolist() == [2.0, 0.0, 0.0, 1.0, 0.0]
+    values = t(0.3, 0.1, 0.3, 0.9)
+    assert average_ranks(tie_blocks(values)).tolist() == average_ranks(values).tolist()  # margin 0: exact ties
+    with pytest.raises(ValueError, match="tie_margin"):
+        tie_blocks(values, -0.1)
+    # teacher [0.50, 0.505, 0.80]: at margin 0.01 the first two tie, pairs (0,2) (1,2) only; the student orders
+    # the near-tied pair against the teacher and the two real pairs with it
+    student, teacher = [t(0.9, 0.1, 1.0)], [t(0.50, 0.505, 0.80)]
+    exact, margin = agreement(student, teacher), agreement(student, teacher, 0.01)
+    assert exact["pairs"] == 3 and exact["pairwise_accuracy"] == pytest.approx(2 / 3)
+    assert margin["pairs"] == 2 and margin["pairwise_accuracy"] == 1.0
+    # ranks s = [1, 0, 2], blocks [0, 0, 1] -> [0.5, 0.5, 2]: centred [0, -1, 1] . [-0.5, -0.5, 1] = 1.5
+    assert margin["spearman"] == pytest.approx(1.5 / (math.sqrt(2) * math.sqrt(1.5)))
+    assert margin["mae"] == exact["mae"]  # raw marks
+    # a group whose marks all lie within the margin has no order: left out like an exactly tied one
+    near = agreement([t(0.1, 0.9)], [t(0.95, 0.955)], 0.01)
+    assert near["groups_tied"] == 1 and near["pairs"] == 0 and math.isnan(near["spearman"])
 
 
 def test_the_gate_passes_or_says_why():

@@ -18,14 +18,15 @@ from flowforge.reward_model.null import null_draws, null_summary, p_value, pass_
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").rglob("*.yaml"))
 
 
-def test_batched_draws_equal_agreement_of_the_same_random_students():
+@pytest.mark.parametrize("margin", [0.0, 0.15])
+def test_batched_draws_equal_agreement_of_the_same_random_students(margin):
     teacher = [torch.tensor([0.1, 0.5, 0.5, 0.9]), torch.tensor([0.3, 0.3, 0.3]),  # a tie, and a fully tied group
-               torch.tensor([0.9, 0.2, 0.4, 0.6, 0.0])]
-    draws = null_draws(teacher, trials=50, seed=7)
+               torch.tensor([0.9, 0.2, 0.4, 0.6, 0.0]), torch.tensor([0.40, 0.45, 0.52])]  # one block at 0.15
+    draws = null_draws(teacher, trials=50, seed=7, tie_margin=margin)
     gen = torch.Generator().manual_seed(7)  # the same random students as null_draws: a [trials, K] draw per group
     ranks = [torch.argsort(torch.rand(50, len(t), generator=gen), dim=1).double() for t in teacher]
     for i in range(50):  # scored one draw at a time by agreement()
-        ref = agreement([r[i] for r in ranks], teacher)
+        ref = agreement([r[i] for r in ranks], teacher, margin)
         assert draws["spearman"][i].item() == pytest.approx(ref["spearman"], abs=1e-12)
         assert draws["pairwise_accuracy"][i].item() == pytest.approx(ref["pairwise_accuracy"], abs=1e-12)
 

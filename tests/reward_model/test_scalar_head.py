@@ -187,3 +187,30 @@ def test_a_checkpoint_of_the_older_layout_resumes_with_the_run_directory_best_fi
     a, b = load_student(straight.student_dir), load_student(resumed.student_dir)
     assert all(torch.equal(x, y) for x, y in zip(a.net.state_dict().values(), b.net.state_dict().values()))
     assert (resumed.best_epoch, resumed.history) == (straight.best_epoch, json.loads(json.dumps(straight.history)))
+
+
+def test_training_augmentation_moves_each_candidate_alike_and_never_touches_inference(tmp_path):
+    groups = support.synthetic_groups(tmp_path, 2, k=3)
+    off = ScalarHeadStudent(ScalarHeadOptions(image_size=16, channels=(4,), hidden=4, text_encoder="none"))
+    frames = torch.rand(5, 3, 16, 16) * 2 - 1
+    assert off.augment(frames, [2, 3]) is frames  # every augment_* 0: the identity
+    on = ScalarHeadStudent(ScalarHeadOptions(image_size=16, channels=(4,), hidden=4, text_encoder="none",
+                                             augment_rotate=10, augment_scale=0.1, augment_shift=0.06))
+    torch.manual_seed(3)
+    first = on.augment(frames, [2, 3])
+    torch.manual_seed(3)
+    assert torch.equal(on.augment(frames, [2, 3]), first)  # drawn from the (per-epoch seeded) global generator
+    assert not torch.allclose(first, frames, atol=1e-3)
+    # the two frames of candidate 0 (and the three of candidate 1) share one draw: a frame copied within a
+    # candidate comes out equal, across candidates not
+    same = frames[[0, 0, 2, 2, 2]]
+    moved = on.augment(same, [2, 3])
+    assert torch.equal(moved[0], moved[1]) and torch.equal(moved[2], moved[4])
+    assert not torch.allclose(moved[1], on.augment(frames[[0, 0, 0, 0, 0]], [1, 4])[1], atol=1e-3)
+    on.net.load_state_dict(off.net.state_dict())
+    on.eval()  # inference: the same scores as the unaugmented student, every call
+    assert torch.equal(on.predict(groups)[0], off.predict(groups)[0])
+    on.train()  # training: other inputs, so other scores
+    assert not torch.allclose(on.candidate_scores(groups)[0].detach(), off.predict(groups)[0], atol=1e-6)
+    with pytest.raises(ValueError, match="augment_rotate"):
+        student_config({"scalar_head": {"augment_shift": 0.7}})
