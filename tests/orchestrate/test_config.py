@@ -27,13 +27,13 @@ def test_the_example_is_a_valid_pipeline():
 
 
 def test_stage_configs_replace_the_reward_and_set_the_pipeline_keys():
-    pcfg = load_pipeline(EXAMPLE, ["stages.c_overrides=[train.lr=1.0e-4]", "audit.every=4"])
+    pcfg = load_pipeline(EXAMPLE, ["stages.c_overrides=[train.lr=3.0e-5]", "audit.every=4"])
     a = stage_config(pcfg, "A", steps=24, reward=REWARD)
     c = stage_config(pcfg, "C", steps=45, reward=REWARD, resume="/x/step_000024")
     assert a.reward.weights == {JUDGE: 1.0} and a.reward.required == ()  # the default {digit: 1.0} is gone
     assert (a.run.output_dir, a.run.name, c.run.name) == ("runs/digits-stages", "A", "C")
     assert (a.train.steps, a.train.resume, c.train.steps, c.train.resume) == (24, "auto", 45, "/x/step_000024")
-    assert (a.train.lr, c.train.lr) == (3e-4, 1e-4)
+    assert (a.train.lr, c.train.lr) == (1e-4, 3e-5)  # the example's lr for A, the override for C only
     assert c.checkpoint.every == 4 and a.checkpoint.every == (pcfg.checkpoint.every or 1)  # A resumes near a crash
     every_3 = load_pipeline(EXAMPLE, ["checkpoint.every=3"])
     assert stage_config(every_3, "A", steps=24, reward=REWARD).checkpoint.every == 3
