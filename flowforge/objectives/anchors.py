@@ -36,7 +36,9 @@ weights, ``coupling_lora`` = LoRA on it, else the top-level module's name).
 **Sigmas as the SFT drew them.** The flow-matching and reference terms draw ``sigma`` with
 :func:`flowforge.algorithms.schedules.sample_sigmas` (``anchor.sigma_sampling``: ``logit_normal`` with mean 0 and
 std 1, as the world SFT draws them by default, or ``uniform``) from the anchor's own generator, and weigh every clip
-1, as the SFT's loss does; the rollout's ``T``-step sampling schedule is not involved.
+1, as the SFT's loss does; the rollout's ``T``-step sampling schedule is not involved. The FM term weighs pixel rows
+as the SFT did (``anchor.paddle_rows`` / ``paddle_weight``, :func:`flowforge.algorithms.losses.anchors.row_weights`;
+the world examples set the 2 / 10 that made ``demo:world``).
 """
 
 from __future__ import annotations
@@ -75,13 +77,16 @@ class AnchorConfig(Section):
     ref_weight: float = 0.0  # velocity MSE to the reference (SFT) policy on real clips
     batch_size: int = 4  # real clips per optimizer step
     sigma_sampling: str = "logit_normal"  # how the FM / ref terms draw sigma: as the world SFT (sft.sigma_sampling)
+    paddle_rows: int = 2  # the FM term weighs the last paddle_rows pixel rows by paddle_weight: as the world SFT
+    paddle_weight: float = 1.0  # (sft.paddle_rows / sft.paddle_weight; demo:world was made with 2 / 10)
     clips: str = "atari"  # where the real clips come from
     episodes: int = 64  # real episodes recorded for the stream (the demo's recording; its train split is used)
 
     def problems(self) -> list[str]:
         c = Checks(self)
         c.positive("fm_weight", "trans_weight", "ref_weight", allow_zero=True)
-        c.positive("batch_size")
+        c.positive("batch_size", "paddle_weight")
+        c.positive("paddle_rows", allow_zero=True)
         c.choice("sigma_sampling", SIGMA_SAMPLINGS)
         c.require(self.episodes >= 8, f"anchor.episodes={self.episodes} must be >= 8 (every 8th episode is held out)")
         c.choice("clips", ANCHOR_CLIPS)
@@ -180,7 +185,9 @@ class AnchorLosses:
         if (w["fm"] > 0 and "fm" not in skip) or (w["ref"] > 0 and "ref" not in skip):
             v = self.adapter.velocity(x_sigma, sigma, cond, 1.0)[gen]
             if w["fm"] > 0 and "fm" not in skip:
-                out["fm"], metrics["fm"] = anchor_math.anchor_fm_loss(v, x0[gen], noise[gen])
+                rows = anchor_math.row_weights(x0.shape[-1], self.section.paddle_rows, self.section.paddle_weight)
+                weight = None if self.section.paddle_weight == 1.0 else rows.view(1, 1, 1, -1, 1)
+                out["fm"], metrics["fm"] = anchor_math.anchor_fm_loss(v, x0[gen], noise[gen], weight)
             if w["ref"] > 0 and "ref" not in skip:
                 out["ref"] = (v - v_ref).pow(2).mean()
         if w["trans"] > 0 and "trans" not in skip:

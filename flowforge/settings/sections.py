@@ -29,6 +29,7 @@ root.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -401,10 +402,18 @@ class SFTConfig(Section):
     eval_samples_per_prompt: int = 1
     eval_seed: int = 1234  # fixed eval noise
     save_checkpoints: bool = True  # a loadable transformer under output/checkpoints/ at every evaluation
+    # world models only: the flow-matching loss weighs the frame's last paddle_rows rows (Breakout's paddle) by
+    # paddle_weight, the others by 1 (normalised to mean 1; algorithms.losses.anchors.row_weights)
+    paddle_rows: int = 2
+    paddle_weight: float = 1.0
+    coupling_gate_init: float = 0.0  # world models only: every coupling gate's value before the first step
 
     def problems(self) -> list[str]:
         c = Checks(self)
-        c.positive("batch_size", "lr", "eval_samples_per_prompt")
+        c.positive("batch_size", "lr", "eval_samples_per_prompt", "paddle_weight")
+        c.positive("paddle_rows", allow_zero=True)
+        c.require(math.isfinite(self.coupling_gate_init),
+                  f"sft.coupling_gate_init={self.coupling_gate_init!r} must be a finite number")
         c.positive("steps", "warmup_steps", "eval_every", "weight_decay", "grad_clip", allow_zero=True)
         c.require(0.0 <= self.cond_dropout < 1.0, f"sft.cond_dropout={self.cond_dropout} must be in [0, 1)")
         c.choice("sigma_sampling", SIGMA_SAMPLINGS)

@@ -3,6 +3,8 @@ i2v records split by episode, and the world-model SFT writes a model that loads 
 
 import json
 
+import pytest
+
 import torch
 
 from flowforge.data.atari import AtariDataConfig
@@ -49,3 +51,27 @@ def test_world_sft_writes_a_model_that_loads_like_demo_world(tmp_path):
     assert all(abs(g) < 0.01 for g in gates)  # the coupling gates start at 0 and 2 steps barely move them
     assert {r.status for r in loaded.provenance} == {"loaded"}
     assert torch.isfinite(next(loaded.transformer.parameters())).all()
+
+
+def test_world_sft_gate_init_paddle_weight_and_checkpoints(tmp_path):
+    from flowforge.train.sft.world import run_world_sft
+
+    out = tmp_path / "world"
+    sft = SFTConfig(steps=2, batch_size=2, eval_every=1, output=str(out), warmup_steps=1, lr=1e-4,
+                    coupling_gate_init=0.25, paddle_weight=10.0)
+    small = AtariDataConfig(episodes=2, heldout_every=2, max_steps=24, seed=2)
+    history = run_world_sft(sft, run=RunConfig(seed=0), data=DataConfig(cache_dir=str(tmp_path / "cache")),
+                            sampler=SamplerConfig(num_steps=2), eval_clips=2, clips_config=small)
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    final = build_adapter("world_model", str(out), task="i2v").transformer.state_dict()
+    last = build_adapter("world_model", str(out / "checkpoints" / "step_000002"), task="i2v").transformer.state_dict()
+    assert all(torch.equal(v, last[k]) for k, v in final.items())  # the last checkpoint is the saved model
+    gates = [float(v) for k, v in final.items() if k.endswith("coupling.gate")]
+    assert len(gates) == 4 and all(abs(g - 0.25) < 0.01 for g in gates)  # started at 0.25, 2 small steps
+    from flowforge.settings.schema import ConfigError
+
+    for bad in ({"paddle_weight": 0.0}, {"coupling_gate_init": float("nan")}, {"paddle_rows": -1}):
+        with pytest.raises(ConfigError, match="paddle|coupling_gate_init"):
+            SFTConfig(**bad)
+    assert not SFTConfig(paddle_rows=0).problems()

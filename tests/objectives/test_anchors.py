@@ -105,6 +105,26 @@ def test_fm_term_excludes_the_condition_slot(clips):
     assert torch.equal(anchor_fm_loss(v[gen], shifted[gen], noise[gen])[0], expected)
 
 
+def test_fm_term_weighs_the_paddle_rows_as_the_sft(clips):
+    from flowforge.algorithms.losses import anchor_fm_loss, anchors as math
+    from flowforge.rollout import with_condition
+
+    section = AnchorConfig(batch_size=2, trans_weight=0.0, paddle_rows=2, paddle_weight=10.0)
+    anchor, adapter, _ = _anchor("module", clips, section)
+    x0, noise, sigma, cond = anchor.clip_batch(3)
+    terms, _ = anchor.terms(3)
+    v = adapter.velocity(with_condition(adapter, math.noised(x0, noise, sigma), cond), sigma, cond, 1.0)
+    gen = adapter.generated_index
+    weight = math.row_weights(x0.shape[-1], 2, 10.0).view(1, 1, 1, -1, 1)
+    assert torch.equal(terms["fm"], anchor_fm_loss(v[gen], x0[gen], noise[gen], weight)[0])
+    assert not torch.equal(terms["fm"], anchor_fm_loss(v[gen], x0[gen], noise[gen])[0])
+    from flowforge.settings.schema import ConfigError
+
+    for bad in ({"paddle_weight": 0.0}, {"paddle_rows": -2}):
+        with pytest.raises(ConfigError, match="paddle"):
+            AnchorConfig(**bad)
+
+
 def test_clip_stream_depends_only_on_seed_and_step(clips):
     a, _, _ = _anchor("module", clips)
     b, _, _ = _anchor("module", clips)

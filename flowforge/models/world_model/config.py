@@ -29,6 +29,10 @@ field                      meaning
                            context (the reference design); False: the only path from the actions to the video is
                            the latent state (transition B, read through the gated coupling attention), so the
                            coupling gates must open in training for the actions to matter
+``action_history``         True (with ``direct_actions``): every frame's conditioning also carries the actions
+                           taken before it, ``history_embed(sum_{i<j} a_i / f)`` (the integrated command, as
+                           camera-controlled video models condition on the integrated pose rather than per-frame
+                           motion); False: only the frame's own bin
 =========================  ====================================================================================
 """
 
@@ -61,13 +65,18 @@ class WorldModelConfig:
     fsq_levels: tuple[int, ...] = (3, 3, 3)
     freq_dim: int = 256
     direct_actions: bool = True
+    action_history: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsq_levels", tuple(int(v) for v in self.fsq_levels))
-        if not isinstance(self.direct_actions, bool):
-            raise ValueError(f"world model config: direct_actions must be true or false, got {self.direct_actions!r}")
+        for flag in ("direct_actions", "action_history"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"world model config: {flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.action_history and not self.direct_actions:
+            raise ValueError("world model config: action_history needs direct_actions (it is part of the direct "
+                             "action path)")
         positive = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                    if f.name not in ("fsq_levels", "direct_actions")}
+                    if f.name not in ("fsq_levels", "direct_actions", "action_history")}
         bad = [k for k, v in positive.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
         if bad:
             raise ValueError(f"world model config: {bad} must be positive ints")

@@ -11,7 +11,8 @@ action bins                 ``bins [B, f, A]``: bin 0 = frame 0; bin ``j >= 1`` 
 latent state                ``states [B, f, M, Ds]`` = :class:`~.state.LatentStateRollout` (first ``f - 1`` bins)
 tokens                      ``patch_embed(patches) + pos_embed[n] + frame_embed[j]``, ``[B, f, N, D]``
 per-frame conditioning      ``c_j = time_embed(sin(1000 sigma_j)) + action_embed(bins_j)`` with ``sigma_0 = 0``
-                            (without ``direct_actions``: the timestep term only)
+                            (without ``direct_actions``: the timestep term only); with ``action_history`` plus
+                            ``history_embed(sum_{i<j} bins_i / f)``, the commands before frame ``j``
                             (the condition slot is clean, as Wan2.2's per-token timestep gives the first frame 0);
                             ``mod_j = time_proj(silu(c_j))`` -> 6 modulation vectors per frame: every bin ``j``
                             (all ``f``) is injected into latent frame ``j``
@@ -64,6 +65,8 @@ class WorldModel(nn.Module):
         self.latent_state_rollout = LatentStateRollout(config)
         self.transition_tokenizer = TransitionTokenizer(config)
         self.transition_predictor = TransitionPredictor(config)
+        # created last, so every other parameter's seeded initialisation is the same with and without it
+        self.history_embed = nn.Linear(config.num_actions, dim) if config.action_history else None
         self.gradient_checkpointing = False
 
     def bin_actions(self, actions: Tensor, latent_frames: int) -> Tensor:
@@ -84,11 +87,18 @@ class WorldModel(nn.Module):
         return torch.cat([actions[:, :1], rest], dim=1)
 
     def frame_conditioning(self, sigma: Tensor, bins: Tensor) -> Tensor:
-        """``c [B, f, D]``: the timestep embedding of each latent frame (0 for the condition slot) plus its action bin."""
+        """``c [B, f, D]``: the timestep embedding of each latent frame (0 for the condition slot) plus its action bin
+        (and, with ``action_history``, the mean of the bins before it over ``f``)."""
         b, f = bins.shape[:2]
         frame_sigma = torch.cat([sigma.new_zeros(b, 1), sigma.float()[:, None].expand(b, f - 1)], dim=1)
         temb = self.time_embed(timestep_embedding(TIMESTEP_SCALE * frame_sigma, self.config.freq_dim))
-        return temb if self.action_embed is None else temb + self.action_embed(bins)
+        if self.action_embed is None:
+            return temb
+        cond = temb + self.action_embed(bins)
+        if self.history_embed is not None:
+            before = torch.cat([bins.new_zeros(b, 1, bins.shape[2]), bins[:, :-1].cumsum(1)], dim=1) / f
+            cond = cond + self.history_embed(before)
+        return cond
 
     def forward(self, x: Tensor, sigma: Tensor, actions: Tensor, first_frame: Tensor) -> Tensor:
         """Velocity ``[B, C, f, H, W]`` fp32 (0 on latent frame 0) at ``x [B, C, f, H, W]``, ``sigma [B]`` in [0, 1],

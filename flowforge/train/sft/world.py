@@ -46,9 +46,10 @@ logger = logging.getLogger(__name__)
 
 
 def world_sft_loss(adapter, x0: torch.Tensor, actions: torch.Tensor, noise: torch.Tensor,
-                   sigma: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+                   sigma: torch.Tensor, row_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """``L_FM + L_tok + L_pred`` (module table) of clean clips ``x0 [B, C, F, H, W]`` in [-1, 1] with per-frame
-    actions ``[B, F, A]`` (one-hot, or zeros for dropped conditions), ``noise`` like ``x0`` and ``sigma [B]``."""
+    actions ``[B, F, A]`` (one-hot, or zeros for dropped conditions), ``noise`` like ``x0`` and ``sigma [B]``;
+    ``row_weight [H]`` (:func:`~flowforge.algorithms.losses.anchors.row_weights`) weighs ``L_FM`` per pixel row."""
     from flowforge.models.base import Conditioning
     from flowforge.rollout import generated_index, with_condition
 
@@ -57,7 +58,8 @@ def world_sft_loss(adapter, x0: torch.Tensor, actions: torch.Tensor, noise: torc
     cond = Conditioning(prompt_embeds=actions, mask=torch.ones(actions.shape[:2], dtype=torch.long), image=first)
     x_sigma = with_condition(adapter, anchor_math.noised(x0, noise, sigma), cond)
     gen = generated_index(adapter)
-    fm, _ = anchor_fm_loss(adapter.velocity(x_sigma, sigma, cond, 1.0)[gen], x0[gen], noise[gen])
+    weight = None if row_weight is None else row_weight.view(1, 1, 1, -1, 1)
+    fm, _ = anchor_fm_loss(adapter.velocity(x_sigma, sigma, cond, 1.0)[gen], x0[gen], noise[gen], weight)
     tok = model.transition_tokenizer.reconstruction_loss(x0)
     pred, m = transition_ce_loss(model.transition_logits(first, actions, x0.shape[2]), model.transition_labels(x0))
     loss = fm + tok + pred
@@ -112,6 +114,10 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
     held = held[torch.linspace(0, len(held) - 1, min(eval_clips, len(held))).long()]
     eval_video, eval_acts = clips.clips(held)
     adapter = WorldModelAdapter(build_world_model(world_config, seed=run.seed).train(), action_names=ACTIONS)
+    with torch.no_grad():
+        for block in adapter.transformer.blocks:
+            block.coupling.gate.fill_(sft.coupling_gate_init)
+    row_weight = anchor_math.row_weights(video.shape[-1], sft.paddle_rows, sft.paddle_weight)
     params = list(adapter.transformer.parameters())
     optimizer = torch.optim.AdamW(params, lr=sft.lr, weight_decay=sft.weight_decay)
     warmup = sft.warmup_steps
@@ -129,6 +135,8 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
         entry["elapsed_s"] = time.perf_counter() - start
         losses.clear()
         history.append(entry)
+        if sft.save_checkpoints and step:
+            adapter.save_pretrained(out / "checkpoints" / f"step_{step:06d}")
         adapter.transformer.train()
         logger.info("world sft step %d: %s", step, {k: round(v, 4) for k, v in entry.items()})
         (out / "sft_history.json").write_text(json.dumps(history, indent=1) + "\n")
@@ -143,7 +151,7 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
 
         sigma = sample_sigmas(rows.numel(), gen, kind=sft.sigma_sampling)
         noise = torch.randn(x0.shape, generator=gen)
-        loss, metrics = world_sft_loss(adapter, x0, onehot * keep[:, None, None], noise, sigma)
+        loss, metrics = world_sft_loss(adapter, x0, onehot * keep[:, None, None], noise, sigma, row_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if sft.grad_clip:

@@ -30,6 +30,27 @@ def test_fm_loss_by_hand_and_noised():
         anchors.anchor_fm_loss(v, x0[:1], noise)
 
 
+def test_row_weights_and_the_weighted_fm_loss_by_hand():
+    w = anchors.row_weights(4, 1, 5.0)  # [1, 1, 1, 5] / 2
+    assert w.tolist() == [0.5, 0.5, 0.5, 2.5] and float(w.mean()) == 1.0
+    assert torch.equal(anchors.row_weights(4, 0, 5.0), torch.ones(4))
+    assert torch.equal(anchors.row_weights(4, 2, 1.0), torch.ones(4))
+    for rows, weight in ((5, 2.0), (-1, 2.0), (1, 0.0)):
+        with pytest.raises(ValueError, match="rows"):
+            anchors.row_weights(4, rows, weight)
+    # clip 0: errors 1 on row 0 and 4 on row 1 (2 columns each); clip 1: 0 everywhere
+    x0, noise = torch.zeros(2, 2, 2), torch.zeros(2, 2, 2)
+    v = torch.zeros(2, 2, 2)
+    v[0, 0], v[0, 1] = 1.0, 2.0
+    weight = anchors.row_weights(2, 1, 3.0).view(1, 2, 1)  # [0.5, 1.5]
+    loss, m = anchors.anchor_fm_loss(v, x0, noise, weight)
+    assert float(m["fm_loss_max"]) == pytest.approx((0.5 * 1 + 1.5 * 4) / 2)  # per-clip mean over 4 elements
+    assert float(loss) == pytest.approx((0.5 * 1 + 1.5 * 4) / 4)
+    assert torch.equal(anchors.anchor_fm_loss(v, x0, noise, torch.ones(1, 2, 1))[0], anchors.anchor_fm_loss(v, x0, noise)[0])
+    with pytest.raises(ValueError, match="broadcast"):
+        anchors.anchor_fm_loss(v, x0, noise, torch.ones(3, 1, 1))
+
+
 def test_transition_ce_by_hand():
     logits = torch.zeros(1, 1, 2, 3)
     logits[0, 0, 0] = torch.tensor([2.0, 0.0, 0.0])

@@ -119,3 +119,26 @@ def test_without_direct_actions_the_actions_reach_the_video_only_through_the_ope
         assert not torch.allclose(model(x, sigma, actions, first), model(x, sigma, other, first))
     with pytest.raises(ValueError, match="direct_actions"):
         test_config(direct_actions=1)
+
+
+def test_action_history_conditions_each_frame_on_the_commands_before_it():
+    bins = torch.nn.functional.one_hot(torch.tensor([[0, 1, 2, 1, 1, 2, 0, 0]]), 3).float()
+    later = bins.clone()
+    later[0, 5] = torch.tensor([0.0, 1.0, 0.0])  # only frame 5's command changes
+    sigma = torch.tensor([0.5])
+    for history in (True, False):
+        model = build_world_model(test_config(action_history=history), seed=0)
+        assert (model.history_embed is not None) == history
+        with torch.no_grad():
+            a, b = model.frame_conditioning(sigma, bins), model.frame_conditioning(sigma, later)
+        same = [bool(torch.equal(a[0, j], b[0, j])) for j in range(8)]
+        # frames 0-4 never see frame 5's command; frame 5 sees it as its own bin; 6-7 only through the history
+        assert same == [True] * 5 + [False] + [not history] * 2
+    plain = build_world_model(test_config(action_history=False), seed=0).state_dict()
+    with_history = build_world_model(test_config(action_history=True), seed=0).state_dict()
+    assert all(torch.equal(v, with_history[k]) for k, v in plain.items())  # the history is initialised last
+    assert not tiny_config().action_history  # demo:world was made without it
+    with pytest.raises(ValueError, match="needs direct_actions"):
+        test_config(direct_actions=False, action_history=True)
+    with pytest.raises(ValueError, match="action_history must be"):
+        test_config(action_history="yes")
