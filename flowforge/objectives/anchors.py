@@ -37,8 +37,9 @@ weights, ``coupling_lora`` = LoRA on it, else the top-level module's name).
 :func:`flowforge.algorithms.schedules.sample_sigmas` (``anchor.sigma_sampling``: ``logit_normal`` with mean 0 and
 std 1, as the world SFT draws them by default, or ``uniform``) from the anchor's own generator, and weigh every clip
 1, as the SFT's loss does; the rollout's ``T``-step sampling schedule is not involved. The FM term weighs pixel rows
-as the SFT did (``anchor.paddle_rows`` / ``paddle_weight``, :func:`flowforge.algorithms.losses.anchors.row_weights`;
-the world examples set the 2 / 10 that made ``demo:world``).
+as the SFT did when ``anchor.paddle_rows`` / ``paddle_weight`` are set to the SFT's values
+(:func:`flowforge.algorithms.losses.anchors.row_weights`; default weight 1: unweighted, as ``demo:world`` was made;
+``examples/worldmodel/sft_action.yaml`` uses 2 / 10).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class AnchorConfig(Section):
     batch_size: int = 4  # real clips per optimizer step
     sigma_sampling: str = "logit_normal"  # how the FM / ref terms draw sigma: as the world SFT (sft.sigma_sampling)
     paddle_rows: int = 2  # the FM term weighs the last paddle_rows pixel rows by paddle_weight: as the world SFT
-    paddle_weight: float = 1.0  # (sft.paddle_rows / sft.paddle_weight; demo:world was made with 2 / 10)
+    paddle_weight: float = 1.0  # (sft.paddle_rows / sft.paddle_weight; demo:world: 1, sft_action.yaml: 2 / 10)
     clips: str = "atari"  # where the real clips come from
     episodes: int = 64  # real episodes recorded for the stream (the demo's recording; its train split is used)
 

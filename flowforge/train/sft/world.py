@@ -8,8 +8,9 @@
 ==========  ==========================================================================================================
 term        definition
 ==========  ==========================================================================================================
-``L_FM``    flow-matching MSE ``mean_el((v(x_sigma, sigma, a) - (noise - x0))^2)`` over latent frames ``1..f-1``
-            (:func:`flowforge.algorithms.losses.anchor_fm_loss`); slot 0 of ``x_sigma`` is the clean first frame
+``L_FM``    flow-matching MSE ``mean_el(w (v(x_sigma, sigma, a) - (noise - x0))^2)`` over latent frames ``1..f-1``
+            (``w``: per-row weights, ``sft.paddle_rows`` / ``paddle_weight``, default 1 everywhere;
+            :func:`flowforge.algorithms.losses.anchor_fm_loss`); slot 0 of ``x_sigma`` is the clean first frame
             and never enters the loss. ``sigma`` is logit-normal (``sft.sigma_sampling``); with probability
             ``sft.cond_dropout`` a clip's actions are replaced by the null (all-zero) actions, the unconditional
             branch of guidance
@@ -18,7 +19,7 @@ term        definition
             tokenizer through the labels) -- :func:`flowforge.algorithms.losses.transition_ce_loss`
 ==========  ==========================================================================================================
 
-The coupling gates start at 0 (the network's init), so the video path starts as a plain action-conditioned DiT and
+The coupling gates start at ``sft.coupling_gate_init`` (default 0, the network's init), so the video path starts as a plain action-conditioned DiT and
 learns how much to read the latent state. AdamW, linear warmup then constant LR, gradient clipping, all from the
 ``sft`` section; model init, clip order, sigma, noise and dropout come from generators seeded by ``run.seed``.
 
