@@ -151,6 +151,9 @@ class AnchorLosses:
             raise ValueError("anchor.ref_weight > 0 needs the reference policy in the bank (anchor_policy_bank)")
         self.section, self.adapter, self.policy, self.seed = section, adapter, policy, seed
         self.video, self.actions = video, actions
+        # the FM term's per-row weights [1, 1, 1, H, 1] (all 1 by default: multiplying by 1 is exact); no clips, no term
+        self.fm_rows = None if video is None else anchor_math.row_weights(
+            video.shape[-1], section.paddle_rows, section.paddle_weight).view(1, 1, 1, -1, 1)
         self.reach: dict[str, int] | None = None  # term -> non-zero trained tensors of reached groups (first call)
         self.paths: dict[str, int] = {}  # term -> trained tensors with a gradient path (first call)
         self.leverage: dict[str, float] = {}  # term -> share of its gradient on the trained tensors (first call)
@@ -186,9 +189,7 @@ class AnchorLosses:
         if (w["fm"] > 0 and "fm" not in skip) or (w["ref"] > 0 and "ref" not in skip):
             v = self.adapter.velocity(x_sigma, sigma, cond, 1.0)[gen]
             if w["fm"] > 0 and "fm" not in skip:
-                rows = anchor_math.row_weights(x0.shape[-1], self.section.paddle_rows, self.section.paddle_weight)
-                weight = None if self.section.paddle_weight == 1.0 else rows.view(1, 1, 1, -1, 1)
-                out["fm"], metrics["fm"] = anchor_math.anchor_fm_loss(v, x0[gen], noise[gen], weight)
+                out["fm"], metrics["fm"] = anchor_math.anchor_fm_loss(v, x0[gen], noise[gen], self.fm_rows)
             if w["ref"] > 0 and "ref" not in skip:
                 out["ref"] = (v - v_ref).pow(2).mean()
         if w["trans"] > 0 and "trans" not in skip:

@@ -19,9 +19,10 @@ term        definition
             tokenizer through the labels) -- :func:`flowforge.algorithms.losses.transition_ce_loss`
 ==========  ==========================================================================================================
 
-The coupling gates start at ``sft.coupling_gate_init`` (default 0, the network's init), so the video path starts as a plain action-conditioned DiT and
-learns how much to read the latent state. AdamW, linear warmup then constant LR, gradient clipping, all from the
-``sft`` section; model init, clip order, sigma, noise and dropout come from generators seeded by ``run.seed``.
+The coupling gates start at ``sft.coupling_gate_init`` (default 0, the network's init), so by default the video path
+starts as a plain action-conditioned DiT and learns how much to read the latent state. AdamW, linear warmup then
+constant LR, gradient clipping, all from the ``sft`` section; model init, clip order, sigma, noise and dropout come
+from generators seeded by ``run.seed``.
 
 Evaluation (step 0, every ``sft.eval_every`` steps, the end; its own generator): the held-out clips' first frames
 and actions, fixed noise (``sft.eval_seed``), the deterministic ODE sampler (``sampler.num_steps`` Euler steps,
@@ -46,8 +47,8 @@ from flowforge.settings.sections import DataConfig, RunConfig, SamplerConfig, SF
 logger = logging.getLogger(__name__)
 
 
-def world_sft_loss(adapter, x0: torch.Tensor, actions: torch.Tensor, noise: torch.Tensor,
-                   sigma: torch.Tensor, row_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def world_sft_loss(adapter, x0: torch.Tensor, actions: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
+                   row_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """``L_FM + L_tok + L_pred`` (module table) of clean clips ``x0 [B, C, F, H, W]`` in [-1, 1] with per-frame
     actions ``[B, F, A]`` (one-hot, or zeros for dropped conditions), ``noise`` like ``x0`` and ``sigma [B]``;
     ``row_weight [H]`` (:func:`~flowforge.algorithms.losses.anchors.row_weights`) weighs ``L_FM`` per pixel row."""
