@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from filelock import FileLock
 import torch
 
 from flowforge.models.base import Conditioning
@@ -89,7 +90,13 @@ def _quiet_datasets():
 
 def save_conditioning(cond: Conditioning, directory: str | Path, *, encoder_id: str,
                       prompts: Sequence[str] | None = None) -> Path:
-    """Write ``cond`` (and its ``negative``) to ``directory`` atomically; returns ``directory``."""
+    """Write ``cond`` (and its ``negative``) to ``directory`` atomically; returns ``directory``.
+
+    An entry that another process completed meanwhile is kept (entries are content-addressed) and this copy dropped.
+
+    Raises:
+        FileExistsError: ``directory`` exists without ``meta.json`` (not an entry this cache wrote; left as it is).
+    """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
@@ -112,9 +119,17 @@ def save_conditioning(cond: Conditioning, directory: str | Path, *, encoder_id: 
             "negative_broadcast": negative_broadcast,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        # Two runs that start together may both miss and both write the same content-addressed entry. The lock
+        # makes the check and the rename one step: whoever comes second finds a complete entry (the same bytes'
+        # meaning: same encoder, same prompts) and drops its own copy. Nothing already there is ever deleted.
+        with FileLock(str(directory.parent / f".{directory.name}.lock")):
+            if (directory / "meta.json").is_file():
+                shutil.rmtree(tmp)
+                return directory
+            if directory.exists():
+                raise FileExistsError(f"{directory} exists but is not a complete encoding cache entry (no meta.json);"
+                                      f" move it away or use another cache_dir")
+            os.replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

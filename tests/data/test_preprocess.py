@@ -60,3 +60,51 @@ def test_errors(tmp_path):
         encode_cached(CountingEncoder(), "e", [], tmp_path)
     with pytest.raises(ValueError, match="rows"):
         encode_cached(lambda ps: CountingEncoder()(ps[:1]), "e", ["a", "b"], tmp_path)
+
+
+def test_concurrent_misses_keep_one_entry_and_delete_nothing(tmp_path):
+    """Two runs that start together both miss: the first rename wins, the second drops its copy (it used to delete
+    the first's entry while that run could be reading it)."""
+    import threading
+
+    barrier = threading.Barrier(2)
+
+    def encoder(prompts):
+        barrier.wait(timeout=30)  # both have missed before either writes
+        return CountingEncoder()(prompts)
+
+    prompts = ["a", "b", "c"]
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(encode_cached(encoder, "enc-v1", prompts, tmp_path))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 2
+    _equal(results[0], results[1])
+    entry = tmp_path / prompts_fingerprint("enc-v1", prompts)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [entry.name]
+    meta = (entry / "meta.json").stat()
+    from flowforge.data.preprocess import save_conditioning
+
+    save_conditioning(CountingEncoder()(prompts), entry, encoder_id="enc-v1", prompts=prompts)
+    assert (entry / "meta.json").stat().st_ino == meta.st_ino  # the existing entry is kept, not rewritten
+
+
+def test_foreign_directory_is_left_alone(tmp_path):
+    from flowforge.data.preprocess import save_conditioning
+
+    entry = tmp_path / prompts_fingerprint("enc-v1", ["a"])
+    entry.mkdir()
+    (entry / "mine.txt").write_text("user data")
+    with pytest.raises(FileExistsError, match="meta.json"):
+        save_conditioning(CountingEncoder()(["a"]), entry, encoder_id="enc-v1", prompts=["a"])
+    assert [p.name for p in entry.iterdir()] == ["mine.txt"] and (entry / "mine.txt").read_text() == "user data"
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [entry.name]  # no tmp left
