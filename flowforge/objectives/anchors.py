@@ -17,15 +17,16 @@ the coupling gates near 0, the flow-matching term's gradient on B is ~1e-5 of wh
 included, for that one measurement). A group of trained tensors (:func:`trained_group`) is **reached** by a term
 when the term's gradient norm on the group is at least :data:`REACH_FLOOR` of its gradient norm on the whole
 network (:attr:`AnchorLosses.shares`); :attr:`AnchorLosses.reach` counts the trained tensors of reached groups with
-a non-zero gradient (``anchor_<term>_reach``, in every step's row), :attr:`AnchorLosses.paths` those with any
+a non-zero gradient (``anchor_<term>_reach``, in the run's first row), :attr:`AnchorLosses.paths` those with any
 gradient path, :attr:`AnchorLosses.leverage` the share on all trained tensors together (not defined while the
 term's gradient is exactly 0 everywhere, as the reference penalty's is at the start). A weighted term with no
 gradient path to any trained tensor is never computed or applied; one that reaches no group is applied with a
-warning that it can barely change the trained parameters. demo:world's shipped gates (~1e-4): the flow-matching
-term reaches neither B nor the coupling LoRA (shares 6e-5 / 3e-5); with the gates at 0.5 it reaches both (0.50 /
-0.09); the transition term's share on B is 0.03 whatever the gates. The check runs on the weights of the process's
-first optimizer step (a resumed run measures again on the weights it resumes from); the per-step size is
-``grad_norm_<term>_<group>`` below.
+warning that it can barely change the trained parameters. With every coupling gate at 0 the flow-matching term
+reaches neither B nor the coupling LoRA; demo:world's gates (0.019 at most) let it reach both, by gradient norms
+~300x smaller than with every gate at 0.5; the transition term reaches B whatever the gates. The check runs on the weights of the process's
+first optimizer step (a resumed run measures again on the weights it resumes from, to decide which terms run);
+``anchor_<term>_reach`` is logged in the run's first step only, so a resumed run's rows equal the uninterrupted
+run's. The per-step size is ``grad_norm_<term>_<group>`` below.
 
 **Leverage, every step** (world models, even with every anchor weight 0): ``coupling_gate_<i>`` (the gate of block
 ``i``'s coupling attention) and ``grad_norm_<term>_<group>``, the gradient norm each loss term puts on each group
@@ -38,8 +39,8 @@ weights, ``coupling_lora`` = LoRA on it, else the top-level module's name).
 std 1, as the world SFT draws them by default, or ``uniform``) from the anchor's own generator, and weigh every clip
 1, as the SFT's loss does; the rollout's ``T``-step sampling schedule is not involved. The FM term weighs pixel rows
 as the SFT did when ``anchor.paddle_rows`` / ``paddle_weight`` are set to the SFT's values
-(:func:`flowforge.algorithms.losses.anchors.row_weights`; default weight 1: unweighted, as ``demo:world`` was made;
-``examples/worldmodel/sft_action.yaml`` uses 2 / 10).
+(:func:`flowforge.algorithms.losses.anchors.row_weights`; default weight 1: unweighted, as the SFT's default;
+``demo:world`` was made with 2 / 10, ``examples/worldmodel/sft.yaml``, and the world RL examples set the same).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ ANCHOR_CLIPS = ("atari",)
 TERMS = ("fm", "trans", "ref")
 REACH_FLOOR = 1e-3
 """A group of trained tensors is reached by a term when the term's gradient norm on the group is at least this share
-of its gradient norm on the whole network (module docstring): at the shipped demo:world's gates (~1e-4) the
-flow-matching term's share on B is 6e-5, at open gates (0.5) 0.50."""
+of its gradient norm on the whole network (module docstring): with gates of ~1e-4 (the world base made before
+demo:world) the flow-matching term's share on B was 6e-5, at open gates (0.5) 0.50."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class AnchorConfig(Section):
     batch_size: int = 4  # real clips per optimizer step
     sigma_sampling: str = "logit_normal"  # how the FM / ref terms draw sigma: as the world SFT (sft.sigma_sampling)
     paddle_rows: int = 2  # the FM term weighs the last paddle_rows pixel rows by paddle_weight: as the world SFT
-    paddle_weight: float = 1.0  # (sft.paddle_rows / sft.paddle_weight; demo:world: 1, sft_action.yaml: 2 / 10)
+    paddle_weight: float = 1.0  # (sft.paddle_rows / sft.paddle_weight; demo:world was made with 2 / 10)
     clips: str = "atari"  # where the real clips come from
     episodes: int = 64  # real episodes recorded for the stream (the demo's recording; its train split is used)
 
@@ -292,8 +293,11 @@ class AnchorLosses:
         out.update({f"anchor_{k}": v.detach() for term, m in metrics.items() if term in values for k, v in m.items()})
         if any(w > 0 for w in self.section.weights.values()):
             out["anchor_loss"] = loss.detach()
+        # Only the run's first optimizer step logs the reach: a resumed process measures again (paths decide which
+        # terms run) on weights that have moved, and a row that differed from the uninterrupted run's would break
+        # resume's bit-for-bit metrics.
         for k, n in self.reach.items():
-            if self.section.weights[k] > 0:
+            if self.section.weights[k] > 0 and step == 0:
                 out[f"anchor_{k}_reach"] = torch.tensor(float(n))
         return out
 

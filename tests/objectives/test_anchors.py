@@ -210,16 +210,17 @@ def shipped():
 
 @pytest.mark.parametrize("mode", ["module", "lora"])
 def test_reach_is_measured_by_size_with_the_shipped_gates(clips, shipped, mode, caplog):
-    """demo:world's coupling gates stayed ~0 in SFT: B-only and coupling-LoRA have a gradient path to their tensors
-    (non-zero gradients) but the reach check reports the path as not reached, and warns; the same weights with the
-    gates opened to 0.5 are reached. The per-step rows carry the gates and the size of the term's gradient."""
+    """With every coupling gate at 0 (the base made before, whose gates stayed ~0 in SFT), B-only and coupling-LoRA
+    have a gradient path to their tensors (non-zero gradients) but the reach check reports the path as not reached,
+    and warns; the same weights with the gates opened to 0.5 are reached, and so are demo:world's own gates (0.019
+    and 0.013 in blocks 0 and 1, ~1e-4 in 2 and 3). The per-step rows carry the gates and the term's gradient."""
     import copy
 
     gates = [float(b.coupling.gate.detach()) for b in shipped.transformer.blocks]
-    assert max(abs(g) for g in gates) < 1e-3  # the shipped base: the latent-state path is closed
+    assert 1e-2 < max(abs(g) for g in gates) < 0.05  # the shipped base: the latent-state path is open a little
     group = "transition" if mode == "module" else "coupling_lora"
     reach, norms = {}, {}
-    for gate in (None, 0.5):
+    for gate in (0.0, None, 0.5):  # None: the shipped gates
         adapter = copy.deepcopy(shipped)
         if gate is not None:
             with torch.no_grad():
@@ -232,18 +233,21 @@ def test_reach_is_measured_by_size_with_the_shipped_gates(clips, shipped, mode, 
             caplog.clear()
             metrics = anchor.backward()
         trained = [n for n, p in adapter.transformer.named_parameters() if p.requires_grad]
-        assert anchor.paths["fm"] == len(trained)  # a gradient path to every trained tensor, open gates or not
         reach[gate], norms[gate] = anchor.reach["fm"], float(metrics[f"grad_norm_fm_{group}"])
+        if gate != 0.0 or mode == "module":  # B's path runs through the gates (a zero gate still passes a gradient
+            assert anchor.paths["fm"] == len(trained)  # to the gate's input); LoRA B at 0 gets exactly 0 then
         assert float(metrics["anchor_fm_reach"]) == reach[gate]
         assert ("fm term reaches no trained group" in caplog.text) == (reach[gate] == 0)
         assert [float(metrics[f"coupling_gate_{i}"]) for i in range(len(gates))] == pytest.approx(
             gates if gate is None else [gate] * len(gates))
-        assert norms[gate] > 0 and f"grad_norm_rl_{group}" in metrics
+        assert f"grad_norm_rl_{group}" in metrics
         if mode == "module":  # the transition term reads B's state directly: reached whatever the gates
             assert anchor.reach["trans"] == len(trained) and anchor.shares["trans"]["transition"] >= REACH_FLOOR
         else:
             assert anchor.paths["trans"] == 0 and float(metrics["anchor_trans_reach"]) == 0.0
-    assert reach[None] == 0  # not reached with the shipped gates ...
+    print(reach, norms)
+    assert reach[0.0] == 0  # not reached with closed gates ...
     # ... reached with open gates: every B tensor, or lora_B of q / k / v / out (lora_A's gradient is 0 at init)
-    assert reach[0.5] == (len(trained) if mode == "module" else len(trained) // 2)
-    assert norms[None] < REACH_FLOOR * norms[0.5]  # the per-step size says the same
+    full = len(trained) if mode == "module" else len(trained) // 2
+    assert reach[0.5] == full and reach[None] == full
+    assert norms[0.0] < REACH_FLOOR * norms[0.5] < norms[None] < norms[0.5]  # the per-step size says the same

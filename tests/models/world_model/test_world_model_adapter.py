@@ -161,40 +161,61 @@ def test_provenance_refuses_a_checkpoint_missing_a_module(adapter, tmp_path):
         load_world_model(src, allow_init=["latent_state_rollout.transition"])
 
 
-def test_leverage_warnings_with_the_shipped_gates():
-    """demo:world's coupling gates are ~0: B-only and coupling-LoRA are warned, training the gates or opening them
-    is not; check_loaded_model logs and returns the warning before anything is written."""
+def _closed_copy(tmp_path):
+    """demo:world's files with every coupling gate set to 0: the base made before, whose gates stayed ~0 in SFT."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from flowforge.demo.paths import resolve_demo_path
+
+    src, dst = resolve_demo_path("demo:world"), tmp_path / "closed"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / WEIGHTS_NAME))
+    for name in [n for n in tensors if n.endswith("coupling.gate")]:
+        tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, str(dst / WEIGHTS_NAME))
+    return dst
+
+
+def test_leverage_warnings_with_the_shipped_gates(tmp_path):
+    """demo:world's gates (0.019 and 0.013 in blocks 0 and 1) are above the warning floor: nothing is warned. With
+    every gate at 0, B-only and coupling-LoRA are warned, training the gates or opening them is not;
+    check_loaded_model logs and returns the warning before anything is written."""
     from flowforge.config import load_config
     from flowforge.demo.paths import resolve_demo_path
     from flowforge.models import build_adapter
     from flowforge.train.preflight.loaded import check_loaded_model
 
-    shipped = build_adapter("world_model", str(resolve_demo_path("demo:world")), task="i2v")
     b_only = ["latent_state_rollout.transition"]
-    assert "barely change the video" in shipped.leverage_warnings("module", b_only)[0]
-    assert "LoRA on the coupling" in shipped.leverage_warnings("lora", None)[0]
-    assert shipped.leverage_warnings("module+lora", b_only)
-    assert shipped.leverage_warnings("module", [*b_only, "blocks.0.coupling"]) == []  # a gate is trained
-    assert shipped.leverage_warnings("module", ["blocks.1"]) == []
-    assert shipped.leverage_warnings("module", [*b_only, "blocks.0.coupling.q"])  # q alone leaves the gate shut
-    assert shipped.leverage_warnings("full", None) == []
+    shipped = build_adapter("world_model", str(resolve_demo_path("demo:world")), task="i2v")
+    assert shipped.leverage_warnings("module", b_only) == [] and shipped.leverage_warnings("lora", None) == []
+    closed = build_adapter("world_model", str(_closed_copy(tmp_path)), task="i2v")
+    assert "barely change the video" in closed.leverage_warnings("module", b_only)[0]
+    assert "LoRA on the coupling" in closed.leverage_warnings("lora", None)[0]
+    assert closed.leverage_warnings("module+lora", b_only)
+    assert closed.leverage_warnings("module", [*b_only, "blocks.0.coupling"]) == []  # a gate is trained
+    assert closed.leverage_warnings("module", ["blocks.1"]) == []
+    assert closed.leverage_warnings("module", [*b_only, "blocks.0.coupling.q"])  # q alone leaves the gate shut
+    assert closed.leverage_warnings("full", None) == []
     example = pathlib.Path(__file__).resolve().parents[3] / "examples" / "worldmodel" / "nft.yaml"
     cfg = load_config(example, ["lora.modules=[latent_state_rollout.transition]"])
-    assert len(check_loaded_model(cfg, shipped)) == 1
-    assert check_loaded_model(load_config(example, []), shipped) == []  # the example trains the gates
+    assert len(check_loaded_model(cfg, closed)) == 1 and check_loaded_model(cfg, shipped) == []
+    assert check_loaded_model(load_config(example, []), closed) == []  # the example trains the gates
     with torch.no_grad():
-        for block in shipped.transformer.blocks:
+        for block in closed.transformer.blocks:
             block.coupling.gate.fill_(0.5)
-    assert shipped.leverage_warnings("module", b_only) == []
+    assert closed.leverage_warnings("module", b_only) == []
 
 
 @pytest.mark.parametrize(("overrides", "warned"), [
     (["lora.modules=[latent_state_rollout.transition]"], "['latent_state_rollout.transition']"),  # B-only
     (["lora.trainable=lora", "lora.modules=null", "lora.rank=8", "lora.alpha=16"], "LoRA on the coupling"),
     ([], None)])  # the example trains the gates
-def test_flowforge_check_warns_from_the_shipped_weights(tmp_path, caplog, overrides, warned):
-    """`flowforge check` (no model built) reads demo:world's gates from its weights file and warns as the loaded
-    model does; at train start the loaded check does not log the same warning a second time."""
+def test_flowforge_check_warns_from_the_weights_file(tmp_path, caplog, overrides, warned):
+    """`flowforge check` (no model built) reads the gates from the weights file and warns as the loaded model does
+    (a closed-gate copy of demo:world; demo:world itself is not warned); at train start the loaded check does not
+    log the same warning a second time."""
     from flowforge.config import load_config
     from flowforge.demo.paths import resolve_demo_path
     from flowforge.models.world_model.adapter import read_coupling_gates
@@ -203,15 +224,18 @@ def test_flowforge_check_warns_from_the_shipped_weights(tmp_path, caplog, overri
     from tests.cli.test_errors import run_cli
 
     example = pathlib.Path(__file__).resolve().parents[3] / "examples" / "worldmodel" / "nft.yaml"
-    rc, stdout, stderr = run_cli(["check", example, *overrides], tmp_path)
-    assert rc == 0 and stdout == f"OK: {example}\n", stderr
-    assert ("barely change the video" in stderr) == (warned is not None) and (warned or "") in stderr
-    shipped = build_adapter("world_model", str(resolve_demo_path("demo:world")), task="i2v")
-    gates = read_coupling_gates(resolve_demo_path("demo:world"))
-    assert gates == [float(b.coupling.gate.detach().abs()) for b in shipped.transformer.blocks] and max(gates) < 1e-3
-    cfg = load_config(example, overrides)
+    closed = _closed_copy(tmp_path)
+    for path, expect in ((closed, warned), (resolve_demo_path("demo:world"), None)):
+        rc, stdout, stderr = run_cli(["check", example, f"model.path={path}", *overrides], tmp_path)
+        assert rc == 0 and stdout == f"OK: {example}\n", stderr
+        assert ("barely change the video" in stderr) == (expect is not None) and (expect or "") in stderr
+    model = build_adapter("world_model", str(closed), task="i2v")
+    gates = read_coupling_gates(closed)
+    assert gates == [float(b.coupling.gate.detach().abs()) for b in model.transformer.blocks] == [0.0] * 4
+    assert max(read_coupling_gates(resolve_demo_path("demo:world"))) > 1e-2
+    cfg = load_config(example, [f"model.path={closed}", *overrides])
     static = preflight(cfg).warnings
     with caplog.at_level("WARNING"):
-        loaded = check_loaded_model(cfg, shipped, already=static)
+        loaded = check_loaded_model(cfg, model, already=static)
     assert [w for w in static if "barely change" in w] == loaded  # the same words from the file and the model
     assert "barely change" not in caplog.text
