@@ -26,8 +26,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from filelock import FileLock
 import torch
+from filelock import FileLock
 
 from flowforge.models.base import Conditioning
 
@@ -124,7 +124,7 @@ def save_conditioning(cond: Conditioning, directory: str | Path, *, encoder_id: 
         # meaning: same encoder, same prompts) and drops its own copy. Nothing already there is ever deleted.
         with FileLock(str(directory.parent / f".{directory.name}.lock")):
             if (directory / "meta.json").is_file():
-                shutil.rmtree(tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
                 return directory
             if directory.exists():
                 raise FileExistsError(f"{directory} exists but is not a complete encoding cache entry (no meta.json);"

@@ -24,7 +24,7 @@ architecture (band-only 1-D convolution vs a strided 2-D CNN over whole frames),
 policy seeds differ from the demo recording's; the judge trains on the demo recording's train episodes and both
 are measured on its held-out episodes, the ``demo:world-eval`` prompts), and brightness augmentation (each training
 triplet scaled by a gain drawn from :data:`GAIN_RANGE` and given Gaussian noise of std :data:`NOISE_STD`: the
-world model draws its paddle fainter than the game; the judge sees clean frames only).
+world base this reward was built against drew its paddle fainter than the game; the judge sees clean frames only).
 
 **Score** (:func:`idm_reward`). With ``q_t`` the model's probabilities for transition ``t = 1..F-2`` and ``f`` the
 clip's own histogram of commands over those transitions, a clip scores
@@ -56,7 +56,7 @@ REWARD_SEED = 2
 REWARD_DATA = AtariDataConfig(seed=1)
 """The reward model's recording: the demo's settings with seed 1 (other episodes, other emulator and policy seeds)."""
 BAND_ROWS = 4  # the bottom rows read: at 32 x 32 the paddle's row plus three above it (the ball near the paddle)
-GAIN_RANGE = (0.3, 1.0)  # brightness gain of a training triplet (the base world model's paddle is faint)
+GAIN_RANGE = (0.3, 1.0)  # brightness gain of a training triplet (the world base it was built for drew a faint paddle)
 NOISE_STD = 0.03  # Gaussian pixel noise added to a training triplet
 
 

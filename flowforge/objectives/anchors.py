@@ -11,22 +11,22 @@ gradients of the weighted terms to the RL gradients already accumulated.
 
 **Gradient reach, by size.** Which trained parameters each term can change depends on the parameter mode (with LoRA
 on the coupling attention only, the transition cross-entropy has no gradient path to any trained parameter: the
-predictor reads the state, which no coupling layer touches), and a path can exist yet carry almost nothing: with
-the coupling gates near 0, the flow-matching term's gradient on B is ~1e-5 of what it is with open gates, yet not
-``None``. On the first call every term's gradient is measured over *every* parameter of the network (frozen ones
-included, for that one measurement). A group of trained tensors (:func:`trained_group`) is **reached** by a term
-when the term's gradient norm on the group is at least :data:`REACH_FLOOR` of its gradient norm on the whole
-network (:attr:`AnchorLosses.shares`); :attr:`AnchorLosses.reach` counts the trained tensors of reached groups with
-a non-zero gradient (``anchor_<term>_reach``, in the run's first row), :attr:`AnchorLosses.paths` those with any
-gradient path, :attr:`AnchorLosses.leverage` the share on all trained tensors together (not defined while the
+predictor reads the state, which no coupling layer touches), and a path can exist yet carry almost nothing: with the
+coupling gates near 0, the flow-matching term's gradient on B is ~1e-4 of what it is with open gates (exactly 0 at
+gate 0), yet not ``None``. On the first call every term's gradient is measured over *every* parameter of the network
+(frozen ones included, for that one measurement). A group of trained tensors (:func:`trained_group`) is **reached**
+by a term when the term's gradient norm on the group is at least :data:`REACH_FLOOR` of its gradient norm on the
+whole network (:attr:`AnchorLosses.shares`); :attr:`AnchorLosses.reach` counts the trained tensors of reached groups
+with a non-zero gradient (``anchor_<term>_reach``, in the run's first row), :attr:`AnchorLosses.paths` those with
+any gradient path, :attr:`AnchorLosses.leverage` the share on all trained tensors together (not defined while the
 term's gradient is exactly 0 everywhere, as the reference penalty's is at the start). A weighted term with no
 gradient path to any trained tensor is never computed or applied; one that reaches no group is applied with a
 warning that it can barely change the trained parameters. With every coupling gate at 0 the flow-matching term
 reaches neither B nor the coupling LoRA; demo:world's gates (0.019 at most) let it reach both, by gradient norms
-~300x smaller than with every gate at 0.5; the transition term reaches B whatever the gates. The check runs on the weights of the process's
-first optimizer step (a resumed run measures again on the weights it resumes from, to decide which terms run);
-``anchor_<term>_reach`` is logged in the run's first step only, so a resumed run's rows equal the uninterrupted
-run's. The per-step size is ``grad_norm_<term>_<group>`` below.
+~300x smaller than with every gate at 0.5; the transition term reaches B whatever the gates. The check runs on the
+weights of the process's first optimizer step (a resumed run measures again on the weights it resumes from, to
+decide which terms run); ``anchor_<term>_reach`` is logged in the run's first step only, so a resumed run's rows
+equal the uninterrupted run's. The per-step size is ``grad_norm_<term>_<group>`` below.
 
 **Leverage, every step** (world models, even with every anchor weight 0): ``coupling_gate_<i>`` (the gate of block
 ``i``'s coupling attention) and ``grad_norm_<term>_<group>``, the gradient norm each loss term puts on each group

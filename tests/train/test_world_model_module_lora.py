@@ -73,6 +73,8 @@ def test_module_lora_resume_equals_uninterrupted_run(tmp_path, encode_cache_dir)
     assert any(_is_b(k) for k in a[0]["old"]) and any(".lora_A." in k for k in a[0]["old"])
     _assert_same(a, b)
     assert _rows(full.run_dir) == _rows(resumed.run_dir)
+    rows = _rows(full.run_dir)  # the reach is logged once, in the first step's row (a resumed process measures again)
+    assert "train/anchor_fm_reach" in rows[0] and not any("train/anchor_fm_reach" in r for r in rows[1:])
     # a module-mode run cannot resume it: the contract names the mode
     with pytest.raises(ValueError, match=r"resume refused[\s\S]*lora.trainable: checkpoint module\+lora"):
         _trainer(tmp_path / "p", encode_cache_dir, "nft", "lora.trainable=module", f"lora.modules=[{B}]",

@@ -25,8 +25,8 @@ def _trainer(tmp_path, cache, algorithm, *extra):
         "sampler.noise_level=0.7", "sampler.num_sde_steps=2", "train.micro_batch_size=2", "train.steps=1",
         "train.allow_unit_ratio=true", "forward.sigma_mode=uniform_schedule", "anchor.episodes=8",
         "anchor.batch_size=2", "eval.max_prompts=2", "eval.every=0", "eval.scorers=[world_psnr]",
-        # realism as the training reward: it varies within every group, so every step updates (demo:world's faint
-        # paddle fails the paddle rule's shape test: action_following is 0 for a whole group and NFT takes no step)
+        # realism as the training reward: it varies within every group, so every step updates (the paddle rule can
+        # give a whole group one value, and NFT then takes no step)
         "reward.weights={world_psnr: 1.0, action_following: 0.5}", "reward.required=[world_psnr]", *extra])
     return Trainer(cfg, progress=False)
 

@@ -69,8 +69,9 @@ CLASS_NAME = "FlowforgeWorldModel"
 
 
 GATE_FLOOR = 1e-2
-"""A coupling gate under this size adds at most 1% of its attention output to the residual stream (the
-world base made before demo:world ended at ~1e-4 in SFT; demo:world, its gates started at 0.1, at 0.019): :func:`gate_leverage_warnings` calls such a gate closed."""
+"""A coupling gate under this size adds at most 1% of its attention output to the residual stream (the world base made
+before demo:world ended at ~1e-4 in SFT; demo:world, whose gates started at 0.1, ended at 0.019):
+:func:`gate_leverage_warnings` calls such a gate closed."""
 
 
 def gate_leverage_warnings(trainable: str, modules: Sequence[str] | None, gates: Sequence[float], *,

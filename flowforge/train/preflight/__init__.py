@@ -372,9 +372,10 @@ def _memory_problems(cfg: Config, world: int, counts: dict[str, int], problems: 
 
 
 def _leverage_warnings(cfg: Config, warnings: list[str]) -> None:
-    """A world model whose trained set sits behind closed coupling gates (B-only or coupling-LoRA on a base whose gates stayed ~0 in SFT):
-    :func:`~flowforge.models.world_model.adapter.gate_leverage_warnings` of the gates read from its weights file, no
-    network built. Other adapters, and a path with no local weights file, are left to the loaded-model check."""
+    """A world model whose trained set sits behind closed coupling gates (B-only or coupling-LoRA on a base whose gates
+    stayed ~0 in SFT): :func:`~flowforge.models.world_model.adapter.gate_leverage_warnings` of the gates read from
+    its weights file, no network built. Other adapters, and a path with no local weights file, are left to the
+    loaded-model check."""
     if cfg.model.adapter != "world_model":
         return
     from flowforge.demo.paths import is_demo_name, resolve_demo_path

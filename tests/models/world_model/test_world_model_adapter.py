@@ -179,9 +179,9 @@ def _closed_copy(tmp_path):
 
 
 def test_leverage_warnings_with_the_shipped_gates(tmp_path):
-    """demo:world's gates (0.019 and 0.013 in blocks 0 and 1) are above the warning floor: nothing is warned. With
-    every gate at 0, B-only and coupling-LoRA are warned, training the gates or opening them is not;
-    check_loaded_model logs and returns the warning before anything is written."""
+    """demo:world's gates (0.019 and 0.013 in blocks 0 and 1, 1e-4 and 4e-4 in 2 and 3) are above the warning
+    floor: nothing is warned. With every gate at 0, B-only and coupling-LoRA are warned, training the gates or
+    opening them is not; check_loaded_model logs and returns the warning before anything is written."""
     from flowforge.config import load_config
     from flowforge.demo.paths import resolve_demo_path
     from flowforge.models import build_adapter
