@@ -38,6 +38,7 @@ EVAL_FILE = "eval.jsonl"  # one JSON object per held-out evaluation
 EVAL_PREFIX = "eval/"  # the namespace of eval.jsonl's metrics
 TB_DIR = "tb"  # TensorBoard events
 SAMPLES_DIR = "samples"  # eval grids, samples/step_000010.png (+ .json captions)
+START_SAMPLES_FILE = "start_samples.safetensors"  # in SAMPLES_DIR: the step-0 eval's samples, small
 PROVENANCE_FILE = "provenance.json"  # versions, git commit, host
 MODEL_PROVENANCE_FILE = "model_provenance.json"  # every loaded tensor's source (models that record it: world models)
 LOG_FILE = "train.log"

@@ -40,8 +40,10 @@ from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord
-from flowforge.train.metrics import StageTimer, to_scalars, within_group_diversity
-from flowforge.runtime.run_dir import sample_grid_path, sha256_of_path
+from flowforge.train.metrics import (StageTimer, change_thumbnail, sample_change, to_scalars,
+                                     within_group_diversity)
+from flowforge.runtime.durable import atomic_write
+from flowforge.runtime.run_dir import SAMPLES_DIR, START_SAMPLES_FILE, sample_grid_path, sha256_of_path
 from flowforge.report.grids import save_eval_grid
 from flowforge.report.world_strips import real_clips, write_real_strips
 from flowforge.demo.paths import resolve_demo_path
@@ -434,10 +436,33 @@ class Trainer(RunDirectory):
             self.checkpoints.save()
         return scalars
 
+    def _sample_change(self, step: int, images: torch.Tensor) -> float | None:
+        """Rank 0: ``eval/sample_change`` (:func:`~flowforge.train.metrics.sample_change`) of this eval's ``images``
+        against the step-0 eval's, which that eval keeps in ``samples/start_samples.safetensors`` (so a resumed run
+        reads the same start); None when the file is missing (a run begun before flowforge kept it) or holds other
+        shapes (the eval set changed on resume: logged)."""
+        from safetensors.torch import load_file, save_file
+
+        thumbs = change_thumbnail(images)
+        path = self.run_dir / SAMPLES_DIR / START_SAMPLES_FILE
+        if step == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, lambda tmp: save_file({"samples": thumbs.contiguous()}, str(tmp)))
+            return 0.0
+        if not path.is_file():
+            return None
+        start = load_file(str(path))["samples"]
+        if start.shape != thumbs.shape:
+            log.warning("eval/sample_change not logged: the step-0 eval's samples %s differ in shape from this "
+                        "eval's %s (the eval set changed)", list(start.shape), list(thumbs.shape))
+            return None
+        return sample_change(thumbs, start)
+
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out eval with fixed noise (eval seed, prompt index, sample index) and the ODE sampler: the mean of
-        every reward component and eval scorer, within-prompt diversity, and a sample grid ``samples/step_N.png``.
+        every reward component and eval scorer, within-prompt diversity, the change since the step-0 eval
+        (``eval/sample_change``), and a sample grid ``samples/step_N.png``.
         Every rank generates (sharded forwards run in lockstep); rank 0 scores and logs."""
         e = self.cfg.eval
         k = e.samples_per_prompt
@@ -460,6 +485,9 @@ class Trainer(RunDirectory):
         components, _ = self.score_media(images, records, prompt_idx, audio=audio)
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
         scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
+        change = self._sample_change(step, images)
+        if change is not None:
+            scalars["eval/sample_change"] = change
         scalars.update(self.guard.observe_eval(step, scalars))  # eval/guard_* when the guard stops the run
         self.logger.log_eval(step, scalars)
         # the first sample of each prompt; its prompt and scores go to a sidecar that captions the report's cells

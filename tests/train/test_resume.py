@@ -60,6 +60,10 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, encode_cache_
     resumed.train()
     _assert_same(_state(full), _state(resumed))
     assert _rows(full.run_dir) == _rows(resumed.run_dir)
+    # the end eval's change from the start is measured against the step-0 samples the first process kept
+    evals = [json.loads(line) for line in (full.run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evals == [json.loads(line) for line in (resumed.run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evals[0]["eval/sample_change"] == 0.0 and evals[-1]["eval/sample_change"] > 0.0
 
 
 def test_resume_refuses_a_different_lora_alpha(tiny_model_dir, tmp_path, encode_cache_dir):
