@@ -106,7 +106,8 @@ def headline_key(eval_rows: Sequence[Row] | None, info: RunInfo) -> str | None:
     for name in (*info.eval_scorers, *info.reward_names):
         if f"eval/{name}" in keys:
             return f"eval/{name}"
-    rest = sorted(k for k in keys if k != "eval/diversity" and not k.startswith(GUARD_PREFIX))
+    rest = sorted(k for k in keys if k not in ("eval/diversity", "eval/sample_change")
+                  and not k.startswith(GUARD_PREFIX))
     return rest[0] if rest else None
 
 

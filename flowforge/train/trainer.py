@@ -436,25 +436,46 @@ class Trainer(RunDirectory):
             self.checkpoints.save()
         return scalars
 
+    def _eval_fingerprint(self) -> str:
+        """sha256 of what fixes the eval's samples apart from the weights: its prompts (text and metadata), noise
+        seed, samples per prompt, sigma schedule and guidance scale."""
+        import hashlib
+        import json
+
+        what = {"prompts": [[r.prompt, r.metadata] for r in self.eval_prompts], "seed": self.cfg.eval.seed,
+                "k": self.cfg.eval.samples_per_prompt, "sigmas": [float(s) for s in self.sigmas],
+                "guidance": self.cfg.sampler.guidance_scale}
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
     def _sample_change(self, step: int, images: torch.Tensor) -> float | None:
         """Rank 0: ``eval/sample_change`` (:func:`~flowforge.train.metrics.sample_change`) of this eval's ``images``
-        against the step-0 eval's, which that eval keeps in ``samples/start_samples.safetensors`` (so a resumed run
-        reads the same start); None when the file is missing (a run begun before flowforge kept it) or holds other
-        shapes (the eval set changed on resume: logged)."""
+        against the step-0 eval's, which that eval keeps in ``samples/start_samples.safetensors`` with the eval's
+        fingerprint (:meth:`_eval_fingerprint`), so a resumed run reads the same start. None, with a warning, when
+        the file is missing (a run begun before flowforge kept it), unreadable, or made by another eval set (the eval
+        changed on resume)."""
         from safetensors.torch import load_file, save_file
+        from safetensors import SafetensorError, safe_open
 
         thumbs = change_thumbnail(images)
         path = self.run_dir / SAMPLES_DIR / START_SAMPLES_FILE
+        fingerprint = self._eval_fingerprint()
         if step == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, lambda tmp: save_file({"samples": thumbs.contiguous()}, str(tmp)))
+            atomic_write(path, lambda tmp: save_file({"samples": thumbs.contiguous()}, str(tmp),
+                                                     metadata={"eval": fingerprint}))
             return 0.0
         if not path.is_file():
             return None
-        start = load_file(str(path))["samples"]
-        if start.shape != thumbs.shape:
-            log.warning("eval/sample_change not logged: the step-0 eval's samples %s differ in shape from this "
-                        "eval's %s (the eval set changed)", list(start.shape), list(thumbs.shape))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                kept = (f.metadata() or {}).get("eval")
+            start = load_file(str(path))["samples"]
+        except (OSError, KeyError, SafetensorError) as exc:
+            log.warning("eval/sample_change not logged: %s is unreadable (%s)", path, exc)
+            return None
+        if kept != fingerprint or start.shape != thumbs.shape:
+            log.warning("eval/sample_change not logged: %s was kept by another eval set (prompts, noise seed, "
+                        "schedule or guidance changed since step 0)", path)
             return None
         return sample_change(thumbs, start)
 

@@ -162,3 +162,21 @@ def test_sidecars_written_per_rollout_and_retained(make_trainer, tmp_path):
     assert len(groups) == 2  # one file per prompt group
     g = read_group(groups[0])
     assert g["final"].shape[0] == 4 and g["log_probs"].shape == (4, 2)
+
+
+def test_eval_sample_change_is_zero_for_unchanged_weights_and_skipped_for_another_start(make_trainer, caplog):
+    from safetensors.torch import load_file, save_file
+
+    t = make_trainer()
+    assert t.evaluate(0)["eval/sample_change"] == 0.0
+    kept = t.run_dir / "samples" / "start_samples.safetensors"
+    assert t.evaluate(1)["eval/sample_change"] == 0.0  # the same weights and noise draw the same samples
+    save_file(load_file(str(kept)), str(kept), metadata={"eval": "another eval set"})
+    with caplog.at_level("WARNING", logger="flowforge"):
+        assert "eval/sample_change" not in t.evaluate(2)
+        assert "kept by another eval set" in caplog.text
+        kept.write_bytes(b"not a safetensors file")
+        assert "eval/sample_change" not in t.evaluate(3)
+        assert "unreadable" in caplog.text
+    kept.unlink()
+    assert "eval/sample_change" not in t.evaluate(4)  # a run begun before the start was kept
