@@ -450,12 +450,15 @@ class Trainer(RunDirectory):
     def _sample_change(self, step: int, images: torch.Tensor) -> float | None:
         """Rank 0: ``eval/sample_change`` (:func:`~flowforge.train.metrics.sample_change`) of this eval's ``images``
         against the step-0 eval's, which that eval keeps in ``samples/start_samples.safetensors`` with the eval's
-        fingerprint (:meth:`_eval_fingerprint`), so a resumed run reads the same start. None, with a warning, when
-        the file is missing (a run begun before flowforge kept it), unreadable, or made by another eval set (the eval
-        changed on resume)."""
+        fingerprint (:meth:`_eval_fingerprint`), so a resumed run reads the same start. None when the media are not
+        images or video (``[B, C, H, W]`` / ``[B, C, F, H, W]``) or the file is missing (a run begun before flowforge
+        kept it); None with a warning when it is unreadable or was kept by another eval set (the eval changed on
+        resume)."""
         from safetensors.torch import load_file, save_file
         from safetensors import SafetensorError, safe_open
 
+        if images.dim() not in (4, 5):
+            return None
         thumbs = change_thumbnail(images)
         path = self.run_dir / SAMPLES_DIR / START_SAMPLES_FILE
         fingerprint = self._eval_fingerprint()
