@@ -30,15 +30,6 @@ made visible by the mean pairwise RMS distance inside groups:
 Dividing by ``sqrt(D)`` makes it a root-mean-square per-element difference in pixel units: 0 for identical images,
 ``c`` for two images that differ by the constant ``c`` everywhere, at most 1; it does not depend on resolution.
 
-Change from the start
----------------------
-Whether a run moved its outputs at all -- a parameter mode or LoRA that cannot reach the output trains without
-changing what the model draws -- is read off the held-out eval, whose noise is fixed: ``eval/sample_change`` is the
-mean over eval samples ``i`` of ``||t(x_i) - t(x_i^0)||_2 / sqrt(d)``, where ``x_i^0`` is sample ``i`` at the step-0
-eval (same prompt, same noise), ``t`` the :func:`change_thumbnail` (every frame average-pooled to at most
-:data:`CHANGE_SIDE` pixels a side) and ``d`` its element count: the RMS per-element change in pixel units,
-comparable to the diversity above; exactly 0 while the weights that sample are unchanged.
-
 Run-directory files (docs/architecture.md, "The run directory") are named once, in :mod:`flowforge.runtime.run_dir`,
 so the writers here and the readers (:mod:`flowforge.report`) agree.
 """
@@ -352,63 +343,6 @@ def within_group_diversity(images: Tensor, group_ids: Tensor) -> Tensor:
         count = pairs.sum()
         # count == 0 gives 0/0 = NaN without a host sync: "no pairs" must not read as "collapsed".
         return (total / count.to(total.dtype) / math.sqrt(d)).to(torch.float32)
-
-
-CHANGE_SIDE = 64
-"""The longest side (pixels) of the frames :func:`sample_change` compares: larger frames are average-pooled down, so
-the step-0 samples a run keeps stay small (float32: 64 eval images of 1024 px keep 3 MB per frame, not 800)."""
-
-
-def change_thumbnail(images: Tensor) -> Tensor:
-    """The samples :func:`sample_change` compares: every frame average-pooled to at most :data:`CHANGE_SIDE` pixels
-    on its longer side (``adaptive_avg_pool2d``: exact block means when the sides divide, overlapping windows
-    otherwise; aspect kept; smaller frames unchanged), as float32 on the CPU.
-
-    Args:
-        images: ``[B, C, H, W]`` images or ``[B, C, F, H, W]`` video, pixels in [0, 1], any float dtype and device.
-
-    Returns:
-        ``[B, C, h, w]`` / ``[B, C, F, h, w]`` float32 on the CPU, ``max(h, w) <= CHANGE_SIDE``.
-
-    Raises:
-        ValueError: ``images`` is not 4-d or 5-d float.
-    """
-    if images.dim() not in (4, 5) or not images.is_floating_point():
-        raise ValueError(f"images must be [B, C, H, W] or [B, C, F, H, W] float, got {images.dtype} "
-                         f"{list(images.shape)}")
-    x = images.detach().float()
-    h, w = x.shape[-2:]
-    if max(h, w) > CHANGE_SIDE:
-        scale = CHANGE_SIDE / max(h, w)
-        size = (max(1, round(h * scale)), max(1, round(w * scale)))
-        x = torch.nn.functional.adaptive_avg_pool2d(x.reshape(-1, 1, h, w), size).reshape(*x.shape[:-2], *size)
-    return x.cpu()
-
-
-def sample_change(current: Tensor, start: Tensor) -> float:
-    """``eval/sample_change`` (module docstring): the mean over samples of the RMS per-element difference between
-    the thumbnails (:func:`change_thumbnail`) of the same eval samples at two evals. A sample with a non-finite
-    element in either is left out of the mean.
-
-    Args:
-        current: ``[B, ...]`` float, this eval's thumbnails.
-        start: ``[B, ...]`` float, the step-0 eval's thumbnails, same shape.
-
-    Returns:
-        A float in pixel units: 0 when every thumbnail is identical, at most 1 for pixels in [0, 1]; NaN when no
-        sample is finite in both.
-
-    Raises:
-        ValueError: the shapes differ or ``B`` is 0.
-    """
-    if current.shape != start.shape or current.shape[0] == 0:
-        raise ValueError(f"sample_change compares equal non-empty shapes, got {list(current.shape)} and "
-                         f"{list(start.shape)}")
-    a, b = current.float().reshape(current.shape[0], -1), start.float().reshape(start.shape[0], -1)
-    finite = torch.isfinite(a).all(dim=1) & torch.isfinite(b).all(dim=1)
-    if not bool(finite.any()):
-        return math.nan
-    return float((a[finite] - b[finite]).pow(2).mean(dim=1).sqrt().mean())
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -40,9 +40,8 @@ from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord
-from flowforge.train.metrics import (StageTimer, change_thumbnail, sample_change, to_scalars,
-                                     within_group_diversity)
-from flowforge.runtime.durable import atomic_write
+from flowforge.train.metrics import StageTimer, to_scalars, within_group_diversity
+from flowforge.train.sample_change import StartSamples, eval_fingerprint
 from flowforge.runtime.run_dir import SAMPLES_DIR, START_SAMPLES_FILE, sample_grid_path, sha256_of_path
 from flowforge.report.grids import save_eval_grid
 from flowforge.report.world_strips import real_clips, write_real_strips
@@ -436,51 +435,13 @@ class Trainer(RunDirectory):
             self.checkpoints.save()
         return scalars
 
-    def _eval_fingerprint(self) -> str:
-        """sha256 of what fixes the eval's samples apart from the weights: its prompts (text and metadata), noise
-        seed, samples per prompt, sigma schedule and guidance scale."""
-        import hashlib
-        import json
-
-        what = {"prompts": [[r.prompt, r.metadata] for r in self.eval_prompts], "seed": self.cfg.eval.seed,
-                "k": self.cfg.eval.samples_per_prompt, "sigmas": [float(s) for s in self.sigmas],
-                "guidance": self.cfg.sampler.guidance_scale}
-        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
-
-    def _sample_change(self, step: int, images: torch.Tensor) -> float | None:
-        """Rank 0: ``eval/sample_change`` (:func:`~flowforge.train.metrics.sample_change`) of this eval's ``images``
-        against the step-0 eval's, which that eval keeps in ``samples/start_samples.safetensors`` with the eval's
-        fingerprint (:meth:`_eval_fingerprint`), so a resumed run reads the same start. None when the media are not
-        images or video (``[B, C, H, W]`` / ``[B, C, F, H, W]``) or the file is missing (a run begun before flowforge
-        kept it); None with a warning when it is unreadable or was kept by another eval set (the eval changed on
-        resume)."""
-        from safetensors.torch import load_file, save_file
-        from safetensors import SafetensorError, safe_open
-
-        if images.dim() not in (4, 5):
-            return None
-        thumbs = change_thumbnail(images)
-        path = self.run_dir / SAMPLES_DIR / START_SAMPLES_FILE
-        fingerprint = self._eval_fingerprint()
-        if step == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, lambda tmp: save_file({"samples": thumbs.contiguous()}, str(tmp),
-                                                     metadata={"eval": fingerprint}))
-            return 0.0
-        if not path.is_file():
-            return None
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                kept = (f.metadata() or {}).get("eval")
-            start = load_file(str(path))["samples"]
-        except (OSError, KeyError, SafetensorError) as exc:
-            log.warning("eval/sample_change not logged: %s is unreadable (%s)", path, exc)
-            return None
-        if kept != fingerprint or start.shape != thumbs.shape:
-            log.warning("eval/sample_change not logged: %s was kept by another eval set (prompts, noise seed, "
-                        "schedule or guidance changed since step 0)", path)
-            return None
-        return sample_change(thumbs, start)
+    @functools.cached_property
+    def start_samples(self) -> StartSamples:
+        """The step-0 eval's samples of this run (:mod:`flowforge.train.sample_change`), for ``eval/sample_change``."""
+        e = self.cfg.eval
+        return StartSamples(self.run_dir / SAMPLES_DIR / START_SAMPLES_FILE,
+                            eval_fingerprint(self.eval_prompts, e.seed, e.samples_per_prompt, self.sigmas.tolist(),
+                                             self.cfg.sampler.guidance_scale))
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
@@ -509,7 +470,7 @@ class Trainer(RunDirectory):
         components, _ = self.score_media(images, records, prompt_idx, audio=audio)
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
         scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
-        change = self._sample_change(step, images)
+        change = self.start_samples.measure(step, images)
         if change is not None:
             scalars["eval/sample_change"] = change
         scalars.update(self.guard.observe_eval(step, scalars))  # eval/guard_* when the guard stops the run
