@@ -101,12 +101,18 @@ class StartSamples:
     def __init__(self, path: Path, fingerprint: str):
         self.path = Path(path)
         self.fingerprint = fingerprint
+        self._warned: set[str] = set()  # each reason is warned once per run, not at every eval
+
+    def _skip(self, reason: str, message: str, *args) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning(message + " (warned once per run)", *args)
 
     def measure(self, step: int, images: Tensor) -> float | None:
         """``eval/sample_change`` of this eval's ``images`` (``[B, C, H, W]`` / ``[B, C, F, H, W]`` in [0, 1]).
         Step 0 keeps its thumbnails (atomic write) and returns 0. None when the media are not images or video or the
-        file is missing (a run begun before flowforge kept it); None with a warning when the file is unreadable or
-        was kept by another eval set (the eval changed on resume)."""
+        file is missing (a run begun before flowforge kept it); None with a warning (once per run and reason) when the
+        file is unreadable or was kept by another eval set (the eval changed on resume)."""
         from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file, save_file
 
@@ -125,10 +131,10 @@ class StartSamples:
                 kept = (f.metadata() or {}).get("eval")
             start = load_file(str(self.path))["samples"]
         except (OSError, KeyError, SafetensorError) as exc:
-            log.warning("eval/sample_change not logged: %s is unreadable (%s)", self.path, exc)
+            self._skip("unreadable", "eval/sample_change not logged: %s is unreadable (%s)", self.path, exc)
             return None
         if kept != self.fingerprint or start.shape != thumbs.shape:
-            log.warning("eval/sample_change not logged: %s was kept by another eval set (prompts, noise seed, "
-                        "schedule or guidance changed since step 0)", self.path)
+            self._skip("foreign", "eval/sample_change not logged: %s was kept by another eval set (prompts, noise "
+                       "seed, schedule or guidance changed since step 0)", self.path)
             return None
         return sample_change(thumbs, start)

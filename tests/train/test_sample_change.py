@@ -1,11 +1,11 @@
-"""eval/sample_change math: thumbnails and the mean per-sample RMS change (the trainer's use: test_trainer.py)."""
+"""eval/sample_change: thumbnails, the mean per-sample RMS change, the kept start (trainer use: test_trainer.py)."""
 
 import math
 
 import pytest
 import torch
 
-from flowforge.train.sample_change import CHANGE_SIDE, change_thumbnail, sample_change
+from flowforge.train.sample_change import CHANGE_SIDE, StartSamples, change_thumbnail, sample_change
 
 
 def test_sample_change_is_zero_for_the_same_samples_and_the_rms_difference_otherwise():
@@ -45,3 +45,14 @@ def test_sample_change_and_thumbnail_reject_bad_input():
         change_thumbnail(torch.zeros(2, 3, 4, 4, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"\[B, C, H, W\]"):
         change_thumbnail(torch.zeros(3, 4, 4))
+
+
+def test_start_samples_warns_once_per_reason(tmp_path, caplog):
+    images = torch.rand(2, 3, 4, 4)
+    StartSamples(tmp_path / "start.safetensors", "eval set A").measure(0, images)
+    other = StartSamples(tmp_path / "start.safetensors", "eval set B")  # the eval changed on resume
+    with caplog.at_level("WARNING", logger="flowforge"):
+        assert other.measure(1, images) is None
+        assert other.measure(2, images) is None
+    assert caplog.text.count("kept by another eval set") == 1
+    assert StartSamples(tmp_path / "start.safetensors", "eval set A").measure(3, images) == 0.0
