@@ -49,7 +49,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR, GUARD_BEST_FILE)
 """Any of these marks a directory as holding a run."""
 WRITTEN_FILES = (CONFIG_FILE, METRICS_FILE, EVAL_FILE, LOG_FILE, PROVENANCE_FILE, MODEL_PROVENANCE_FILE,
-                 GUARD_BEST_FILE)
+                 GUARD_BEST_FILE, SAMPLES_DIR)
+"""What a run writes under fixed names; each refused when it is a link leading out of the run directory (writing or
+renaming over a name there would replace a file elsewhere). ``samples/`` is here because its files have fixed names
+(``step_N.png``, ``start_samples.safetensors``); ``tb/`` (event files named by host, time and pid, never replaced)
+and ``checkpoints/`` (a link to a larger disk is a common, deliberate set-up) are not."""
 
 
 def sample_grid_path(run_dir: Path, step: int) -> Path:

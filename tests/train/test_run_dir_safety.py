@@ -149,6 +149,19 @@ def test_symlinks_leading_out_of_the_run_dir_are_refused(trained, tmp_path):
             if saved.exists():
                 os.replace(saved, target)
     assert outside.read_text() == "precious"
+    outside_dir = tmp_path / "elsewhere"  # samples/: a directory whose files have fixed names
+    outside_dir.mkdir()
+    (outside_dir / "step_000000.png").write_text("precious")
+    link = run_dir.parent / "fresh" / "samples"
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(outside_dir, target_is_directory=True)
+    try:
+        with pytest.raises(UserError, match="samples: is a symlink to .* outside the run directory"):
+            Trainer(cfg("train.resume=auto", name="fresh"), progress=False)
+    finally:
+        link.unlink()
+    assert [p.name for p in outside_dir.iterdir()] == ["step_000000.png"]
+    assert (outside_dir / "step_000000.png").read_text() == "precious"
 
 
 def test_concurrent_second_trainer_is_refused_naming_pid_and_host(trained):
