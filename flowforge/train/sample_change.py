@@ -114,7 +114,7 @@ class StartSamples:
         file is missing (a run begun before flowforge kept it); None with a warning (once per run and reason) when the
         file is unreadable or was kept by another eval set (the eval changed on resume)."""
         from safetensors import SafetensorError, safe_open
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
 
         if images.dim() not in (4, 5):
             return None
@@ -127,9 +127,9 @@ class StartSamples:
         if not self.path.is_file():
             return None
         try:
-            with safe_open(str(self.path), framework="pt") as f:
+            with safe_open(str(self.path), framework="pt") as f:  # one read: the fingerprint and the samples
                 kept = (f.metadata() or {}).get("eval")
-            start = load_file(str(self.path))["samples"]
+                start = f.get_tensor("samples")
         except (OSError, KeyError, SafetensorError) as exc:
             self._skip("unreadable", "eval/sample_change not logged: %s is unreadable (%s)", self.path, exc)
             return None
