@@ -391,8 +391,9 @@ class SFTConfig(Section):
 
     steps: int = 1000
     batch_size: int = 64
-    lr: float = 1e-3  # AdamW, linear warmup then constant
+    lr: float = 1e-3  # AdamW, linear warmup, then lr_schedule
     warmup_steps: int = 50
+    lr_schedule: str = "constant"  # after warmup: "constant" | "linear" | "cosine" to 0 at `steps` (as train's)
     eval_every: int = 100  # DigitEval at step 0, every eval_every steps and at the end (0: start and end)
     cond_dropout: float = 0.1  # drop the text condition this often (keeps guidance > 1 usable)
     output: str = "runs/sft-base"
@@ -417,6 +418,7 @@ class SFTConfig(Section):
         c.positive("steps", "warmup_steps", "eval_every", "weight_decay", "grad_clip", allow_zero=True)
         c.require(0.0 <= self.cond_dropout < 1.0, f"sft.cond_dropout={self.cond_dropout} must be in [0, 1)")
         c.choice("sigma_sampling", SIGMA_SAMPLINGS)
+        c.choice("lr_schedule", LR_SCHEDULES)
         return c.problems
 
 

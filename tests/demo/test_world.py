@@ -75,3 +75,26 @@ def test_world_sft_gate_init_paddle_weight_and_checkpoints(tmp_path):
         with pytest.raises(ConfigError, match="paddle|coupling_gate_init"):
             SFTConfig(**bad)
     assert not SFTConfig(paddle_rows=0).problems()
+
+
+def test_world_sft_lr_schedule_decays_after_the_first_step(tmp_path):
+    """``sft.lr_schedule`` is the RL trainer's ``lr_lambda``: without warmup, linear decay leaves step 1 at the
+    full LR (the same weights as a constant run) and scales step 2 by 2/3 (other weights)."""
+    from flowforge.train.sft.world import run_world_sft
+
+    small = AtariDataConfig(episodes=2, heldout_every=2, max_steps=24, seed=2)
+    weights = {}
+    for schedule in ("constant", "linear"):
+        out = tmp_path / schedule
+        sft = SFTConfig(steps=3, batch_size=2, eval_every=1, output=str(out), warmup_steps=0, lr_schedule=schedule)
+        run_world_sft(sft, run=RunConfig(seed=0), data=DataConfig(cache_dir=str(tmp_path / "cache")),
+                      sampler=SamplerConfig(num_steps=2), eval_clips=1, clips_config=small)
+        weights[schedule] = [build_adapter("world_model", str(out / "checkpoints" / f"step_00000{k}"),
+                                           task="i2v").transformer.state_dict() for k in (1, 2)]
+    (c1, c2), (l1, l2) = weights["constant"], weights["linear"]
+    assert all(torch.equal(v, l1[k]) for k, v in c1.items())
+    assert any(not torch.equal(v, l2[k]) for k, v in c2.items())
+    from flowforge.settings.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"sft.lr_schedule='step' is not one of \['constant', 'linear', 'cosine'\]"):
+        SFTConfig(lr_schedule="step")

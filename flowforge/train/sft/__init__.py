@@ -17,8 +17,9 @@ also learns the unconditional velocity that classifier-free guidance needs.
 
 Determinism: the model init, the data order, prompt choice, ``sigma``, noise and condition dropout all come from
 generators seeded by ``run.seed``; evaluation uses its own generator (``sft.eval_seed``) and never touches the
-training stream. The LR is linear warmup then constant, so a run of ``N`` steps is exactly the first ``N`` steps of
-a longer run: the shipped base is identified by ``(seed, steps)`` alone.
+training stream. The LR is linear warmup then ``sft.lr_schedule`` (:func:`flowforge.policy.lr_lambda`, the RL
+trainer's); with the default ``constant`` a run of ``N`` steps is exactly the first ``N`` steps of a longer run, so
+the shipped base is identified by ``(seed, steps)`` alone (``linear`` / ``cosine`` decay to 0 at ``sft.steps``).
 
 DigitEval during SFT: the eval prompts are generated with the deterministic ODE sampler
 (:func:`flowforge.rollout.generate`, ``sampler.num_steps`` Euler steps on the shift-``sampler.shift`` schedule) from
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from flowforge.algorithms.schedules import sample_sigmas
+from flowforge.policy import lr_lambda
 from flowforge.settings.sections import SIGMA_SAMPLINGS, DataConfig, RunConfig, SamplerConfig, SFTConfig
 
 logger = logging.getLogger(__name__)
@@ -207,7 +209,7 @@ def run_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataConfig = 
     """Train the demo policy (tiny pixel-space SD3 + MiniLM) from scratch on the ``sft`` digit split.
 
     Args:
-        sft: steps, batch size, AdamW (lr, weight decay; linear warmup over ``warmup_steps`` then constant), max
+        sft: steps, batch size, AdamW (lr, weight decay; linear warmup over ``warmup_steps`` then ``lr_schedule``), max
             grad norm, sigma sampling, condition dropout, eval cadence / seed / samples per prompt, and ``output``:
             the directory receiving the final transformer (``config.json``,
             ``diffusion_pytorch_model.safetensors``, ``flowforge.json``), ``sft_history.json``,
@@ -237,9 +239,7 @@ def run_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataConfig = 
     gen = torch.Generator().manual_seed(run.seed)
     params = [p for p in setup.adapter.transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=sft.lr, betas=(0.9, 0.999), weight_decay=sft.weight_decay)
-    warmup = sft.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup) if warmup > 0
-                                                  else 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(sft.lr_schedule, sft.warmup_steps, sft.steps))
     evaluate = _Evaluations(setup, sft, sampler, text_max_length, on_eval)
     bar = None
     if progress:

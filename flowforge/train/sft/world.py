@@ -21,7 +21,7 @@ term        definition
 
 The coupling gates start at ``sft.coupling_gate_init`` (default 0, the network's init), so by default the video path
 starts as a plain action-conditioned DiT and learns how much to read the latent state. AdamW, linear warmup then
-constant LR, gradient clipping, all from the ``sft`` section; model init, clip order, sigma, noise and dropout come
+``sft.lr_schedule`` (constant, or linear / cosine decay to 0 at ``sft.steps``), gradient clipping, all from the ``sft`` section; model init, clip order, sigma, noise and dropout come
 from generators seeded by ``run.seed``.
 
 Evaluation (step 0, every ``sft.eval_every`` steps, the end; its own generator): the held-out clips' first frames
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from flowforge.algorithms.losses import anchor_fm_loss, anchors as anchor_math, transition_ce_loss
+from flowforge.policy import lr_lambda
 from flowforge.settings.sections import DataConfig, RunConfig, SamplerConfig, SFTConfig
 
 logger = logging.getLogger(__name__)
@@ -122,8 +123,7 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
     row_weight = anchor_math.row_weights(video.shape[-1], sft.paddle_rows, sft.paddle_weight)
     params = list(adapter.transformer.parameters())
     optimizer = torch.optim.AdamW(params, lr=sft.lr, weight_decay=sft.weight_decay)
-    warmup = sft.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / warmup) if warmup else 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(sft.lr_schedule, sft.warmup_steps, sft.steps))
     gen = torch.Generator().manual_seed(run.seed)
     history: list[dict[str, Any]] = []
     losses: list[dict[str, float]] = []
