@@ -271,7 +271,7 @@ def blind_table(reward: BandInverseDynamicsNet, video: Tensor, actions: Tensor, 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m flowforge.demo.world_reward``: train + save the reward model on :data:`REWARD_DATA`, then print
     the command-blind table (:func:`blind_table`) on every held-out clip of the demo recording and every action
-    judge on 64 of them (real, and ``demo:world``'s generations with
+    judge on 64 of them (real, and the generations of ``--world``, default ``demo:world``, with
     ``--measure-seeds`` noise seeds, with their PSNR in dB against the real future), each with the true actions and
     another clip's."""
     import argparse
@@ -282,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--skip-train", action="store_true", help="measure the weights at --out without training")
     p.add_argument("--clips", type=int, default=64, help="held-out clips measured (evenly spaced)")
-    p.add_argument("--measure-seeds", default="0,1", help="noise seeds of demo:world's generations ('' = none)")
+    p.add_argument("--measure-seeds", default="0,1", help="noise seeds of --world's generations ('' = none)")
+    p.add_argument("--world", default="demo:world", help="the world model measured: demo:world or a directory")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # one thread: the same bytes on every machine of the same torch build
     if not args.skip_train:
@@ -299,12 +300,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps({"held-out clips": len(every_action), "videos": name, **{k: round(v, 4) for k, v in r.items()}}))
     rows = {"real": measure(model, video[:, 0], actions)}
     from flowforge.algorithms.video_metrics import psnr
-    from flowforge.demo.paths import demo_world_dir
+    from flowforge.demo.paths import resolve_demo_path
 
     for seed in [int(s) for s in args.measure_seeds.split(",") if s.strip()]:
-        fake = generate_world(str(demo_world_dir()), video, actions, seed=seed)
-        rows[f"demo:world seed {seed}"] = measure(model, fake.mean(1), actions)
-        rows[f"demo:world seed {seed}"]["psnr"] = float(psnr(fake.mean(1), video[:, 0])[:, 1:].mean())
+        fake = generate_world(str(resolve_demo_path(args.world)), video, actions, seed=seed)
+        rows[f"{args.world} seed {seed}"] = measure(model, fake.mean(1), actions)
+        rows[f"{args.world} seed {seed}"]["psnr"] = float(psnr(fake.mean(1), video[:, 0])[:, 1:].mean())
     for name, r in rows.items():
         print(json.dumps({"videos": name, **{k: round(v, 4) for k, v in r.items()}}))
 
