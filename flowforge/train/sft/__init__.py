@@ -209,9 +209,9 @@ def run_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataConfig = 
     """Train the demo policy (tiny pixel-space SD3 + MiniLM) from scratch on the ``sft`` digit split.
 
     Args:
-        sft: steps, batch size, AdamW (lr, weight decay; linear warmup over ``warmup_steps`` then ``lr_schedule``), max
-            grad norm, sigma sampling, condition dropout, eval cadence / seed / samples per prompt, and ``output``:
-            the directory receiving the final transformer (``config.json``,
+        sft: steps, batch size, AdamW (lr, weight decay; linear warmup over ``warmup_steps`` then
+            ``lr_schedule``), max grad norm, sigma sampling, condition dropout, eval cadence / seed / samples per
+            prompt, and ``output``: the directory receiving the final transformer (``config.json``,
             ``diffusion_pytorch_model.safetensors``, ``flowforge.json``), ``sft_history.json``,
             ``samples/step_XXXXXX.png`` grids and, with ``save_checkpoints``, ``checkpoints/step_XXXXXX/`` at
             every evaluation (each loadable by ``load_sd3``).

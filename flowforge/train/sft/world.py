@@ -21,8 +21,8 @@ term        definition
 
 The coupling gates start at ``sft.coupling_gate_init`` (default 0, the network's init), so by default the video path
 starts as a plain action-conditioned DiT and learns how much to read the latent state. AdamW, linear warmup then
-``sft.lr_schedule`` (constant, or linear / cosine decay to 0 at ``sft.steps``), gradient clipping, all from the ``sft`` section; model init, clip order, sigma, noise and dropout come
-from generators seeded by ``run.seed``.
+``sft.lr_schedule`` (constant, or linear / cosine decay to 0 at ``sft.steps``), gradient clipping, all from the
+``sft`` section; model init, clip order, sigma, noise and dropout come from generators seeded by ``run.seed``.
 
 Evaluation (step 0, every ``sft.eval_every`` steps, the end; its own generator): the held-out clips' first frames
 and actions, fixed noise (``sft.eval_seed``), the deterministic ODE sampler (``sampler.num_steps`` Euler steps,
