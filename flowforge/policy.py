@@ -78,7 +78,7 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
             return 1.0 - progress
         if schedule == "cosine":
             return 0.5 * (1.0 + math.cos(math.pi * progress))
-        raise ValueError(f"train.lr_schedule={schedule!r} is not one of {list(LR_SCHEDULES)}")
+        raise ValueError(f"lr_schedule={schedule!r} is not one of {list(LR_SCHEDULES)}")
 
     return f
 
