@@ -303,9 +303,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from flowforge.demo.paths import resolve_demo_path
 
     for seed in [int(s) for s in args.measure_seeds.split(",") if s.strip()]:
-        fake = generate_world(str(resolve_demo_path(args.world)), video, actions, seed=seed)
-        rows[f"{args.world} seed {seed}"] = measure(model, fake.mean(1), actions)
-        rows[f"{args.world} seed {seed}"]["psnr"] = float(psnr(fake.mean(1), video[:, 0])[:, 1:].mean())
+        grey = generate_world(str(resolve_demo_path(args.world)), video, actions, seed=seed).mean(1)
+        rows[f"{args.world} seed {seed}"] = {**measure(model, grey, actions),
+                                             "psnr": float(psnr(grey, video[:, 0])[:, 1:].mean())}
     for name, r in rows.items():
         print(json.dumps({"videos": name, **{k: round(v, 4) for k, v in r.items()}}))
 
