@@ -9,8 +9,9 @@
                           [--model-name ID]
 
 Each server prints ``serving <name> at http://HOST:PORT`` when it listens (``--port 0`` picks a free port). Auth
-rules (:mod:`flowforge.serve.common`): loopback by default; a bearer token from ``--token-file`` (or generated and
-printed on stderr); ``--no-auth`` only on a loopback host.
+rules (:mod:`flowforge.serve.common`): loopback by default; a bearer token from ``--token-file`` (a file that does not
+exist yet is created with a fresh token, mode 0600), or generated and printed on stderr; ``--no-auth`` only on a
+loopback host.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback 127.0.0.1)")
     parser.add_argument("--port", type=int, default=default_port, help=f"port (default {default_port}; 0 = a free one)")
     parser.add_argument("--token-file", type=Path, default=None,
-                        help="file holding the bearer token (default: generate one and print it on stderr)")
+                        help="file holding the bearer token; created with a fresh token (mode 0600) when it does "
+                        "not exist, never overwritten (default: generate a token and print it on stderr)")
     parser.add_argument("--no-auth", action="store_true", help="no token (refused unless --host is loopback)")
 
 
@@ -156,10 +158,10 @@ def check_request_log(args: argparse.Namespace) -> None:
     """
     from flowforge.runtime.write_guard import check_write_target
 
-    inputs = {"--student directory": args.student, "--model directory": args.model, "--options file": args.options,
-              "--token-file": args.token_file}
-    check_write_target(args.request_log, "--request-log", protected={
-        label: path for label, path in inputs.items() if path is not None and Path(path).exists()})
+    inputs = {"--student directory": args.student, "--model directory": args.model, "--options file": args.options}
+    protected = {label: path for label, path in inputs.items() if path is not None and Path(path).exists()}
+    # the token file even before it exists: resolve_token creates it next
+    check_write_target(args.request_log, "--request-log", protected={**protected, "--token-file": args.token_file})
 
 
 SERVERS = {"reward": (_add_reward, _run_reward), "judge": (_add_judge, _run_judge)}

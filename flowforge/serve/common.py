@@ -4,7 +4,8 @@ Rules (the same for the reward service and the judge server):
 
 * a server binds loopback (``127.0.0.1``) unless told otherwise;
 * it wants ``Authorization: Bearer <token>`` on every route except ``GET /health``; the token is read from a file
-  (``--token-file``), or generated and printed on stderr when no file is given;
+  (``--token-file``; a file that does not exist yet is created with a fresh token, mode 0600), or generated and
+  printed on stderr when no file is given;
 * it runs without a token only when asked (``--no-auth``) **and** bound to a loopback address: anyone who can reach
   a non-loopback port could otherwise score or judge with this machine's models;
 * request bodies over a byte limit are refused with 413 before they are read whole (:func:`limit_body`), and a JSON
@@ -25,6 +26,7 @@ import hmac
 import io
 import ipaddress
 import json
+import os
 import re
 import secrets
 import socket
@@ -112,14 +114,16 @@ def resolve_token(token_file: str | Path | None, no_auth: bool, host: str) -> st
     """The bearer token a server requires, or ``None`` when it runs without auth.
 
     Args:
-        token_file: a file whose content (stripped) is the token; ``None`` generates a random token
-            (``secrets.token_urlsafe``, 32 bytes) and prints it on stderr.
+        token_file: a file whose content (stripped) is the token. A file that does not exist yet is created with a
+            fresh random token (``secrets.token_urlsafe``, 32 bytes), mode 0600, exclusively (an existing file is
+            never overwritten: one that appears meanwhile is read instead), and its path printed on stderr, so the
+            clients read the same file. ``None`` generates a token and prints it on stderr.
         no_auth: run without a token; allowed only on a loopback ``host`` and without ``token_file``.
         host: the address the server binds.
 
     Raises:
         ValueError: ``no_auth`` with a non-loopback host or with a token file; an empty token file.
-        OSError: the token file cannot be read.
+        OSError: the token file cannot be read or created (e.g. its directory does not exist).
     """
     if no_auth:
         if token_file is not None:
@@ -132,9 +136,27 @@ def resolve_token(token_file: str | Path | None, no_auth: bool, host: str) -> st
         token = secrets.token_urlsafe(TOKEN_BYTES)
         print(f"bearer token (pass --token-file to choose one): {token}", file=sys.stderr, flush=True)
         return token
+    token = _create_token_file(Path(token_file))
+    if token is not None:
+        return token
     token = Path(token_file).read_text().strip()
     if not token:
         raise ValueError(f"token file {str(token_file)!r} is empty; write the bearer token into it")
+    return token
+
+
+def _create_token_file(path: Path) -> str | None:
+    """Write a fresh token into ``path`` if no file is there (``O_CREAT | O_EXCL``, mode 0600: only the owner reads
+    it) and return it; ``None`` when ``path`` already exists (a symlink included: its target is read, never
+    written)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return None
+    token = secrets.token_urlsafe(TOKEN_BYTES)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    print(f"bearer token written to {path} (mode 0600); clients read it from there", file=sys.stderr, flush=True)
     return token
 
 

@@ -1,11 +1,13 @@
 """``flowforge serve reward``: reward scorers behind HTTP, for rewards whose dependencies or devices clash with the
 training process. The client is the ``remote`` scorer (:class:`flowforge.rewards.scorers.remote.RemoteScorer`).
 
-Routes (every one wants ``Authorization: Bearer <token>`` unless the server runs ``--no-auth`` on loopback;
-:mod:`flowforge.serve.common`):
+Routes (``POST /score`` wants ``Authorization: Bearer <token>`` unless the server runs ``--no-auth`` on loopback;
+``GET /health`` is open, as the judge server's: :mod:`flowforge.serve.common`):
 
 ``GET /health`` -> ``{"status": "ok", "scorers": {name: {"needs_group": false, "class": "pkg.mod:Cls"}},
-"versions": {"flowforge", "torch", "python"}, "limits": {"max_batch", "max_bytes", "max_pixels", "max_frames"}}``
+"versions": {"flowforge", "torch", "python"}, "limits": {"max_batch", "max_bytes", "max_pixels", "max_frames",
+"max_request_pixels"}}``: what a client needs to pick components and size its requests, nothing secret (no token,
+no path, no option values, no scores).
 
 ``POST /score`` with a JSON body (:class:`ScoreRequest`)::
 
@@ -151,7 +153,7 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
     """The ASGI app serving ``scorers`` (name -> scorer; the name is the component name clients ask for).
 
     Args:
-        token: the bearer token every route requires; ``None`` = no auth (the CLI allows it on loopback only).
+        token: the bearer token ``/score`` requires (``/health`` is open); ``None`` = no auth (the CLI allows it on loopback only).
         max_batch: most media items per request. max_bytes: largest request body. max_pixels: largest image
             (``H * W``). max_frames: most frames per video. max_request_pixels: decoded pixels per request, all
             images and frames together (read from the headers before anything is decoded; 413 over it).
@@ -169,7 +171,8 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
     scorers = dict(scorers)
     versions = _versions()
     lock = threading.Lock()  # scorers hold models that are not safe to call from two request threads at once
-    app = FastAPI(title="flowforge reward service", dependencies=[Depends(require_token(token))], **NO_DOCS)
+    auth = [Depends(require_token(token))]
+    app = FastAPI(title="flowforge reward service", **NO_DOCS)
 
     @app.exception_handler(RequestValidationError)
     async def readable_422(request: Request, exc: RequestValidationError):
@@ -182,7 +185,7 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
                          "class": f"{type(s).__module__}:{type(s).__qualname__}"} for name, s in scorers.items()}
         return {"status": "ok", "scorers": hosted, "versions": versions, "limits": limits}
 
-    @app.post("/score", response_model=ScoreResponse)
+    @app.post("/score", response_model=ScoreResponse, dependencies=auth)
     def score(request: ScoreRequest) -> ScoreResponse:
         batch = len(request.media)
         if batch > max_batch:

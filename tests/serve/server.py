@@ -14,14 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def reward_server(scorers: str, *extra: str, token_dir: Path, no_auth: bool = False, timeout: float = 120.0):
+def reward_server(scorers: str, *extra: str, token_dir: Path, no_auth: bool = False, timeout: float = 120.0,
+                  token_file: Path | None = None):
     """Yield ``(url, token)`` of a running server (token None with ``no_auth``); stop it afterwards.
+
+    ``token_file``: pass this ``--token-file`` as it is (the server may create it) and yield the token read from it
+    once the server listens; by default a fresh token is written into a new file under ``token_dir``.
 
     The server is started as ``python -m flowforge.cli serve reward --scorers SCORERS --port 0 ...`` and its URL read
     from the ``serving reward at URL`` line it prints when it listens.
     """
-    token = None if no_auth else secrets.token_urlsafe(16)
-    auth = ["--no-auth"]
+    token = None if no_auth or token_file is not None else secrets.token_urlsafe(16)
+    auth = ["--no-auth"] if token_file is None else ["--token-file", str(token_file)]
     if token is not None:
         token_file = token_dir / f"token_{secrets.token_hex(4)}"
         token_file.write_text(token + "\n")
@@ -40,6 +44,8 @@ def reward_server(scorers: str, *extra: str, token_dir: Path, no_auth: bool = Fa
             proc.kill()
             raise RuntimeError(f"reward server did not start: {line!r}\n{proc.stderr.read()[-3000:]}")
         assert line[0].startswith("serving reward at http://127.0.0.1:"), line[0]
+        if token_file is not None:
+            token = token_file.read_text().strip()
         yield line[0].split(" at ", 1)[1].strip(), token
     finally:
         proc.terminate()

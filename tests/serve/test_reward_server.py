@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import stat
 
 import httpx
 import numpy as np
@@ -44,9 +45,14 @@ def _jpeg_item(image):
     return {"format": "jpeg", "data": base64.b64encode(buffer.getvalue()).decode()}
 
 
-def test_health_lists_scorers_versions_and_limits(server):
+def test_health_lists_scorers_versions_and_limits_without_the_token(server):
+    """Issue 43 item 8: /health answers without the token, like the judge's, and holds nothing secret."""
     url, auth = server
-    health = httpx.get(f"{url}/health", headers=auth).json()
+    response = httpx.get(f"{url}/health")
+    assert response.status_code == 200
+    health = response.json()
+    assert auth["Authorization"].split()[1] not in response.text
+    assert set(health) == {"status", "scorers", "versions", "limits"}
     assert health["status"] == "ok"
     assert sorted(health["scorers"]) == sorted(SCORERS.split(","))
     assert health["scorers"]["digit"] == {"needs_group": False,
@@ -59,11 +65,10 @@ def test_health_lists_scorers_versions_and_limits(server):
                                      {"Authorization": "Bearer"}])
 def test_requests_without_the_token_get_401(server, headers):
     url, _ = server
-    for response in (httpx.get(f"{url}/health", headers=headers),
-                     httpx.post(f"{url}/score", json=_body(_media(2)), headers=headers)):
-        assert response.status_code == 401
-        assert "bearer token" in response.json()["detail"]
-        assert response.headers["www-authenticate"] == "Bearer"
+    response = httpx.post(f"{url}/score", json=_body(_media(2)), headers=headers)
+    assert response.status_code == 401
+    assert "bearer token" in response.json()["detail"]
+    assert response.headers["www-authenticate"] == "Bearer"
 
 
 _IN_PROCESS = """
@@ -214,6 +219,47 @@ def test_common_loopback_url_and_token_rules(tmp_path, capsys):
         resolve_token(tmp_path / "t", True, "127.0.0.1")
     with pytest.raises(ValueError, match="non-loopback"):
         resolve_token(None, True, "10.0.0.1")
+
+
+def test_a_missing_token_file_is_created_and_an_existing_one_read(tmp_path):
+    """Issue 43 item 8: ``--token-file F`` with no F creates it (a fresh token, mode 0600) and says where; the judge
+    server started on the now existing F reads the same token and leaves the file as it was."""
+    from tests.serve import judge_support as S
+
+    token_file = tmp_path / "token"
+    with reward_server("jpeg_compressibility", token_dir=tmp_path, token_file=token_file) as (url, token):
+        assert len(token) >= 32 and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        media = (_media(2) * 255).round() / 255
+        body = {"prompts": ["a", "b"], "media": encode_images(media)}
+        assert httpx.post(f"{url}/score", json=body).status_code == 401
+        assert httpx.post(f"{url}/score", json=body, headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    before = token_file.read_bytes()
+    proc, url = S.start(["-m", "flowforge.cli", "serve", "judge", "--scorer", "jpeg_compressibility", "--port", "0",
+                         "--token-file", str(token_file), "--num-threads", "1"])
+    try:
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer other"}).status_code == 401
+    finally:
+        S.stop(proc)
+    assert token_file.read_bytes() == before
+
+
+def test_token_file_creation_rules(tmp_path, capsys):
+    created = resolve_token(tmp_path / "new", False, "127.0.0.1")
+    err = capsys.readouterr().err
+    assert f"bearer token written to {tmp_path / 'new'}" in err and created not in err  # the path, not the token
+    assert (tmp_path / "new").read_text() == created + "\n"
+    # a dangling symlink is never written through: its missing target is an error naming the path (exit 2)
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileNotFoundError):
+        resolve_token(tmp_path / "link", False, "127.0.0.1")
+    assert not (tmp_path / "elsewhere").exists()
+    with pytest.raises(FileNotFoundError):  # its directory is not made either
+        resolve_token(tmp_path / "no_dir" / "token", False, "127.0.0.1")
+    # the judge's request log may not be the token file it is about to create
+    same = str(tmp_path / "same")
+    assert cli_main(["serve", "judge", "--scorer", "digit", "--token-file", same, "--request-log", same]) == 2
+    assert "--request-log" in capsys.readouterr().err and not (tmp_path / "same").exists()
 
 
 def _big_png_b64(side):
