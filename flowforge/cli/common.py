@@ -1,4 +1,5 @@
-"""Arguments and config loading shared by the config-driven verbs (``train``, ``sft``, ``check``, ``compare``)."""
+"""Arguments and config loading shared by the config-driven verbs (``train``, ``sft``, ``check``, ``compare``), and
+the argument checks several verbs share (:func:`finite_float`, :func:`check_device`)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,31 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def check_device(text: str | None, flag: str = "--device") -> str | None:
+    """The device a ``--device`` flag names, checked before anything loads: ``None`` (the verb's default) passes
+    through; ``cuda`` and ``cuda:N`` must exist on this machine (other device types pass to torch unchecked).
+
+    Raises:
+        UserError: ``<flag>: CUDA is not available on this machine; use --device cpu`` (no CUDA device, or torch
+            built without CUDA), an index past the device count, or a string torch does not read as a device.
+    """
+    if text is None:
+        return None
+    import torch
+
+    from flowforge.runtime.errors import UserError
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UserError(flag, f"{text!r} is not a device", "give cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(flag, "CUDA is not available on this machine", f"use {flag} cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UserError(flag, f"{text!r} but this machine has {count} CUDA device(s)",
+                            f"give cuda:0 ... cuda:{count - 1} or cpu")
+    return text

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flowforge.cli.common import finite_float
+from flowforge.cli.common import check_device, finite_float
 
 HELP = "generate images with a run's, an export's or a base model; writes each PNG and a labelled grid"
 
@@ -44,6 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_device(args.device)  # before any model loads
     from flowforge.tools.sample import run_sample
 
     result = run_sample(args.source, args.out, prompts=args.prompt, prompt_file=args.prompt_file, num=args.num,

@@ -20,7 +20,7 @@ import argparse
 import math
 from pathlib import Path
 
-from flowforge.cli.common import finite_float
+from flowforge.cli.common import check_device, finite_float
 from flowforge.runtime.errors import UserError
 
 HELP = "run a flowforge HTTP service (reward scorers, judge)"
@@ -69,6 +69,7 @@ def _run_reward(args: argparse.Namespace) -> int:
 
     from flowforge.serve.common import resolve_token, serve_app
 
+    check_device(args.device)  # before any model loads or a token file is written
     names = [n.strip() for n in args.scorers.split(",") if n.strip()]
     options = yaml.safe_load(args.options.read_text()) if args.options is not None else {}
     if not isinstance(options, dict) or any(not isinstance(v, dict) for v in options.values()):
@@ -120,6 +121,7 @@ def _run_judge(args: argparse.Namespace) -> int:
 
     from flowforge.serve.common import resolve_token, serve_app
 
+    check_device(args.device)  # before any model loads or a token file is written
     options = yaml.safe_load(args.options.read_text()) if args.options is not None else {}
     if not isinstance(options, dict):
         raise ValueError(f"--options {args.options}: expected a mapping of keyword options")
