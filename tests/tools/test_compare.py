@@ -8,7 +8,7 @@ import pytest
 
 from flowforge.cli import main
 from flowforge.config import ConfigError
-from flowforge.tools.compare import aggregate, load_compare, summarize
+from flowforge.tools.compare import aggregate, arm_table, load_compare, summarize
 
 
 def test_compare_two_arms_two_seeds_end_to_end(tiny_model_dir, tmp_path, encode_cache_dir):
@@ -29,7 +29,7 @@ def test_compare_two_arms_two_seeds_end_to_end(tiny_model_dir, tmp_path, encode_
     assert all(r["samples"] == "16" for r in rows)  # budget 16 = 2 steps x 2 prompts x 4 candidates
     assert all(r["samples_to_0"] == "0" and r["samples_to_2"] == "" for r in rows)  # 0 met by the base; 2 never
     md = (out / "compare.md").read_text()
-    assert "| grpo | 2 | 0 (0-0), 2/2 | not reached | - | - | 0 ± 0 |" in md  # no ratio to a median of 0
+    assert "| grpo | 2 | 0 (0-0), 2/2 | not reached | - | - | 0 ± 0 (n=2) | baseline |" in md  # no ratio to 0
     assert "| nft-s1 | nft |" in md
     s = summarize(out / "nft-s0", "eval/digit_eval", (2.0,))
     assert s["samples_to"] == {2.0: None} and [c[0] for c in s["curve"]] == [0, 8, 16] and s["arm"] == "nft"
@@ -50,7 +50,42 @@ def test_aggregate_median_range_and_ratio_across_seeds():
     assert (g[0.9]["median"], g[0.9]["n_reached"]) == (4480, 1) and g[0.9]["ratio"] == 1.0
     assert n[0.8]["median"] == 720 and n[0.8]["ratio"] == pytest.approx(720 / 1120)
     assert n[0.9]["ratio"] == pytest.approx(1840 / 4480) and n[0.9]["median_seconds"] == pytest.approx(184.0)
-    assert arms["nft"]["final_std"] == 0.0 and not math.isnan(arms["nft"]["final_mean"])
+    assert arms["nft"]["final_se"] == 0.0 and not math.isnan(arms["nft"]["final_mean"])
+
+
+def _final(arm, seed, metric):
+    return {**_run(arm, seed, {0.8: 100}), "final_metric": metric}
+
+
+def test_final_metric_standard_errors_and_the_difference_to_the_first_arm():
+    """Issue 43 item 8: SE of the mean over seeds; each arm against the first by Welch's SE; one seed says so."""
+    runs = [_final("grpo", 0, 0.80), _final("grpo", 1, 0.82), _final("grpo", 2, 0.84),
+            _final("nft", 0, 0.90), _final("nft", 1, 0.91), _final("nft", 2, 0.92),
+            _final("awm", 0, 0.81), _final("awm", 1, 0.85),
+            _final("dpo", 0, 0.95)]
+    arms = aggregate(runs, (0.8,))
+    se_grpo, se_nft = 0.02 / math.sqrt(3), 0.01 / math.sqrt(3)  # sample stdev 0.02 / 0.01 over 3 seeds
+    assert arms["grpo"]["final_se"] == pytest.approx(se_grpo) and arms["grpo"]["vs_first"] is None
+    nft = arms["nft"]["vs_first"]
+    assert nft["diff"] == pytest.approx(0.09) and nft["se"] == pytest.approx(math.hypot(se_grpo, se_nft))
+    assert nft["significant"] is True  # 0.09 > 2 * 0.0129
+    awm = arms["awm"]["vs_first"]  # 0.83 vs 0.82, SE sqrt(0.02^2 + 0.0115^2) = 0.023
+    assert awm["diff"] == pytest.approx(0.01) and awm["significant"] is False
+    assert arms["dpo"]["final_se"] is None and arms["dpo"]["vs_first"]["se"] is None
+    table = "\n".join(arm_table(arms, "eval/x", (0.8,)))
+    assert "| final metric | vs grpo |" in table and "Welch" in table
+    assert "| 0.82 ± 0.012 (n=3) | baseline |" in table
+    assert "| 0.91 ± 0.0058 (n=3) | +0.09 ± 0.013 (> 2 SE) |" in table
+    assert "| 0.83 ± 0.02 (n=2) | +0.01 ± 0.023 (< 2 SE, not significant) |" in table
+    assert "| 0.95 (n=1, no SE) | +0.13 (no SE: needs 2+ seeds per arm) |" in table
+    assert "± 0 " not in table
+
+
+def test_one_seed_per_arm_prints_no_se():
+    arms = aggregate([_final("grpo", 0, 0.8), _final("nft", 0, 0.9)], (0.8,))
+    rows = arm_table(arms, "eval/x", (0.8,))[-2:]
+    assert rows[0].endswith("| 0.8 (n=1, no SE) | baseline |") and "±" not in rows[0]
+    assert rows[1].endswith("| 0.9 (n=1, no SE) | +0.1 (no SE: needs 2+ seeds per arm) |")
 
 
 def test_compare_file_problems_reported_together(tmp_path):

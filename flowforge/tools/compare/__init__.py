@@ -8,7 +8,9 @@ wall time is measured alone). The budget is counted in generated training sample
 
 Sample efficiency is the number of training samples generated before the held-out metric first reaches each target
 value (``target.values``); across seeds each arm reports the median, the range (min-max) and how many seeds got
-there, and every arm's median relative to the first arm's (a ratio < 1 = fewer samples).
+there, and every arm's median relative to the first arm's (a ratio < 1 = fewer samples). The final metric is the
+mean over seeds ± its standard error, and each arm's difference to the first arm's with Welch's SE and whether it
+exceeds 2 SE (one seed: no SE, said so).
 
 Outputs in ``<output_dir>/``: ``compare.png`` (the target metric against samples generated: the main panel; the same
 against wall time; the training reward against samples; samples-to-target per arm with its range across seeds),
@@ -166,8 +168,13 @@ def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...
 def aggregate(summaries: list[dict[str, Any]], target_values: tuple[float, ...]) -> dict[str, dict[str, Any]]:
     """Per arm (in first-seen order), across its seeds: for each target value ``n_reached`` / ``n_seeds`` and the
     ``median``, ``min``, ``max`` samples (and ``median_seconds``) over the seeds that reached it (None if none did),
-    ``final_mean`` / ``final_std`` of the final metric, and ``ratio``: the arm's median samples over the first
-    arm's (None when either is missing)."""
+    and ``ratio``: the arm's median samples over the first arm's (None when either is missing).
+
+    The final metric: ``finals`` (one per seed, finite ones), ``final_mean``, ``final_se`` (the standard error of
+    the mean, ``stdev / sqrt(n)``; None with fewer than 2 seeds: one seed says nothing about the spread) and
+    ``vs_first``, the difference to the first arm's mean: ``{"diff", "se", "significant"}``, ``se`` Welch's
+    ``sqrt(se_arm^2 + se_first^2)`` from the per-seed values and ``significant`` ``|diff| > 2 se`` (``se`` and
+    ``significant`` None when either arm has fewer than 2 seeds); None for the first arm itself."""
     arms: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
         arms.setdefault(s["arm"], []).append(s)
@@ -175,8 +182,9 @@ def aggregate(summaries: list[dict[str, Any]], target_values: tuple[float, ...])
     for arm, runs in arms.items():
         entry: dict[str, Any] = {"n_seeds": len(runs), "targets": {}}
         finals = [r["final_metric"] for r in runs if math.isfinite(r["final_metric"])]
+        entry["finals"] = finals
         entry["final_mean"] = statistics.fmean(finals) if finals else math.nan
-        entry["final_std"] = statistics.pstdev(finals) if len(finals) > 1 else 0.0 if finals else math.nan
+        entry["final_se"] = statistics.stdev(finals) / math.sqrt(len(finals)) if len(finals) > 1 else None
         for v in target_values:
             got = [r["samples_to"][v] for r in runs if r["samples_to"][v] is not None]
             secs = [r["seconds_to"][v] for r in runs if r["seconds_to"][v] is not None]
@@ -189,7 +197,39 @@ def aggregate(summaries: list[dict[str, Any]], target_values: tuple[float, ...])
         for v, t in entry["targets"].items():
             ref = first["targets"][v]["median"]
             t["ratio"] = t["median"] / ref if t["median"] is not None and ref else None
+        entry["vs_first"] = None if entry is first else _difference(entry, first)
     return out
+
+
+def _difference(arm: dict[str, Any], first: dict[str, Any]) -> dict[str, Any]:
+    """``arm``'s final mean minus ``first``'s, with Welch's standard error of the difference (unequal variances:
+    each arm's own SE) and whether it exceeds 2 SE."""
+    diff = arm["final_mean"] - first["final_mean"]
+    if arm["final_se"] is None or first["final_se"] is None:
+        return {"diff": diff, "se": None, "significant": None}
+    se = math.hypot(arm["final_se"], first["final_se"])
+    return {"diff": diff, "se": se, "significant": abs(diff) > 2 * se if math.isfinite(diff) else None}
+
+
+def final_cell(arm: dict[str, Any]) -> str:
+    """The final metric of an :func:`aggregate` arm: ``mean ± SE (n=N)``, or ``mean (n=1, no SE)`` for one seed."""
+    n = len(arm["finals"])
+    if n == 0:
+        return "no eval"
+    if arm["final_se"] is None:
+        return f"{arm['final_mean']:.4g} (n=1, no SE)"
+    return f"{arm['final_mean']:.4g} ± {arm['final_se']:.2g} (n={n})"
+
+
+def vs_first_cell(arm: dict[str, Any]) -> str:
+    """The significance column of an :func:`aggregate` arm: ``baseline`` for the first arm; else the difference of
+    the final means ``± SE`` and ``> 2 SE`` / ``< 2 SE``, or ``no SE`` when an arm has one seed."""
+    d = arm["vs_first"]
+    if d is None:
+        return "baseline"
+    if d["se"] is None:
+        return f"{d['diff']:+.3g} (no SE: needs 2+ seeds per arm)"
+    return f"{d['diff']:+.3g} ± {d['se']:.2g} ({'> 2 SE' if d['significant'] else '< 2 SE, not significant'})"
 
 
 def _fmt(v: Any) -> str:
@@ -198,10 +238,34 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def arm_table(arms: dict[str, dict[str, Any]], target_metric: str, target_values: tuple[float, ...]) -> list[str]:
+    """The per-arm markdown table of :func:`aggregate`'s ``arms`` (a caption line, a blank line, the table)."""
+    first = next(iter(arms), "")
+    lines = [f"Samples generated until {target_metric} first reaches each target: median over seeds (min-max), "
+             f"seeds that reached it; ratio = the arm's median / {first}'s. Final metric: mean over seeds ± its "
+             f"standard error; vs {first}: the difference of the means ± Welch's SE (from the per-seed values), "
+             "significant when over 2 SE.", "",
+             "| arm | seeds | " + " | ".join(f"samples to {v:g}" for v in target_values)
+             + " | " + " | ".join(f"ratio at {v:g}" for v in target_values) + f" | final metric | vs {first} |",
+             "|" + "---|" * (4 + 2 * len(target_values))]
+    for arm, a in arms.items():
+        cells = []
+        for v in target_values:
+            t = a["targets"][v]
+            cells.append("not reached" if t["median"] is None else
+                         f"{t['median']:g} ({t['min']}-{t['max']}), {t['n_reached']}/{a['n_seeds']}")
+        ratios = [_fmt(a["targets"][v]["ratio"]) if a["targets"][v]["ratio"] is not None else "-"
+                  for v in target_values]
+        lines.append(f"| {arm} | {a['n_seeds']} | " + " | ".join(cells) + " | " + " | ".join(ratios)
+                     + f" | {final_cell(a)} | {vs_first_cell(a)} |")
+    return lines
+
+
 def write_tables(summaries: list[dict[str, Any]], arms: dict[str, dict[str, Any]], out_dir: Path,
                  target_metric: str, target_values: tuple[float, ...]) -> None:
     """``compare.csv`` (one row per run) and ``compare.md`` (per arm: samples to each target, median with the
-    range across seeds, seeds that reached it, ratio to the first arm; then per run)."""
+    range across seeds, seeds that reached it, ratio to the first arm, the final metric ± SE and its difference to
+    the first arm's (:func:`arm_table`); then per run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     per_target = [f"{kind}_to_{v:g}" for v in target_values for kind in ("samples", "seconds")]
     header = ["run", "arm", "algorithm", "seed", "samples", *per_target, "final_metric", "final_reward"]
@@ -214,22 +278,7 @@ def write_tables(summaries: list[dict[str, Any]], arms: dict[str, dict[str, Any]
         w.writerow(header)
         for row in rows:
             w.writerow(["" if row[h] is None else row[h] for h in header])
-    first = next(iter(arms), "")
-    lines = [f"Samples generated until {target_metric} first reaches each target: median over seeds (min-max), "
-             f"seeds that reached it; ratio = the arm's median / {first}'s.", "",
-             "| arm | seeds | " + " | ".join(f"samples to {v:g}" for v in target_values)
-             + " | " + " | ".join(f"ratio at {v:g}" for v in target_values) + " | final metric |",
-             "|" + "---|" * (3 + 2 * len(target_values))]
-    for arm, a in arms.items():
-        cells = []
-        for v in target_values:
-            t = a["targets"][v]
-            cells.append("not reached" if t["median"] is None else
-                         f"{t['median']:g} ({t['min']}-{t['max']}), {t['n_reached']}/{a['n_seeds']}")
-        ratios = [_fmt(a["targets"][v]["ratio"]) if a["targets"][v]["ratio"] is not None else "-"
-                  for v in target_values]
-        lines.append(f"| {arm} | {a['n_seeds']} | " + " | ".join(cells) + " | " + " | ".join(ratios)
-                     + f" | {a['final_mean']:.4g} ± {a['final_std']:.2g} |")
+    lines = arm_table(arms, target_metric, target_values)
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_fmt(r[h]) for h in header) + " |" for r in rows]
     (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
