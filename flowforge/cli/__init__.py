@@ -1,35 +1,16 @@
 """``flowforge`` command line: parse, dispatch to one module per verb, and report failures in one line.
 
-::
+``flowforge --help`` shows :data:`DESCRIPTION` (what flowforge is, the verbs) and :data:`EPILOG` (how failures are
+reported), plain text both, so the terminal shows them as written. Each verb's module has ``add_parser(subparsers)``
+and ``run(args) -> exit status`` (:data:`VERBS`).
 
-    flowforge train CONFIG [section.key=value ...]   online RL post-training (the main job)
-    flowforge sft CONFIG [section.key=value ...]     flow-matching supervised fine-tuning (makes the demo base)
-    flowforge check CONFIG [CONFIG ...] [section.key=value ...] [--portable] [--print]
-                                                     load + preflight only; OK or the problems (exit 2)
-    flowforge compare FILE [section.key=value ...]   several algorithms / seeds, one budget, one plot + table
-    flowforge report RUN_DIR                         (re)write RUN_DIR/report.html
-    flowforge export RUN_DIR OUT --form merged|adapter [--step N] [--verify] [--base PATH] [--overwrite]
-                                                     a diffusers transformer / LoRA from a run's checkpoint
-    flowforge sample RUN_OR_EXPORT --prompt "..." [--num N] [--seed S] --out grid.png
-                                                     images (PNG each + a labelled grid) from a run or an export
-    flowforge serve reward --scorers A,B [--port N] [--token-file F | --no-auth]
-                                                     reward scorers over HTTP (prints its URL when ready)
-    flowforge stages CONFIG [--stage A|B|C]          teacher-judge RL -> student reward model -> student RL
+Failures, by exit status:
 
-Failures
---------
-==================================================  ====  =========================================================
-what went wrong                                     exit  stderr
-==================================================  ====  =========================================================
-misuse of the command line (argparse)               2     usage + ``flowforge: error: ...``
-bad input: ``UserError``, ``ConfigError``,          2     one line ``error: <what>: <why>; <fix>`` (a config's
-``PreflightError``, ``ExportError``, other                several problems joined by ``; ``)
-``ValueError`` / ``OSError``, a safetensors or
-pickle error from reading a file
-``export --verify`` found a wrong export            1     one line ``error: export verification failed: ...``
-anything else (a bug)                               1     one line ``error: internal error: <type>: <message> (rerun
-                                                          with --debug for the traceback)``
-==================================================  ====  =========================================================
+* 2: misuse of the command line (argparse: usage + ``flowforge: error: ...``), or bad input: ``UserError``,
+  ``ConfigError``, ``PreflightError``, ``ExportError``, other ``ValueError`` / ``OSError``, a safetensors or pickle
+  error from reading a file (one line ``error: <what>: <why>; <fix>``; a config's several problems joined by ``; ``);
+* 1: ``export --verify`` found a wrong export (``error: export verification failed: ...``), or anything else, a bug
+  (``error: internal error: <type>: <message> (rerun with --debug for the traceback)``).
 
 ``--debug`` (before or after the verb) or ``FLOWFORGE_DEBUG=1`` re-raises instead, so the traceback is shown.
 """
@@ -52,13 +33,30 @@ VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report
          "sample": sample, "serve": serve, "data": data, "stages": stages}
 """Verb -> its module (``add_parser(subparsers)``, ``run(args) -> exit status``), in ``--help`` order."""
 DEBUG_ENV = "FLOWFORGE_DEBUG"
+DESCRIPTION = """\
+flowforge post-trains diffusion / flow-matching image and video generators with online
+reinforcement learning (FlowGRPO, GRPO-Guard, DiffusionNFT, AWM, DGPO, Diffusion-DPO, CRD):
+a stochastic sampler rolls out samples, reward models score them, the policy is updated.
+It runs on a CPU with an embedded tiny text-to-digit model, and on GPUs with SD3.5, FLUX,
+Qwen-Image, Wan and other diffusers models.
+
+First run:  flowforge train examples/digits/nft.yaml
+Then:       flowforge export runs/digits-nft exports/digits-nft --form merged --verify
+            flowforge sample exports/digits-nft --prompt "a handwritten seven" --out seven.png
+
+Each command below has its own help: flowforge <command> --help."""
+"""``flowforge --help``'s text above the option list (plain text: the terminal shows it as written)."""
+EPILOG = f"""\
+Bad input is one line on stderr, "error: <what>: <why>; <fix>", exit 2; a failed
+export --verify and internal errors exit 1. --debug (or {DEBUG_ENV}=1) shows the traceback."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowforge", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="flowforge", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help=f"show tracebacks (also: {DEBUG_ENV}=1)")
     p.add_argument("--version", action="version", version=f"flowforge {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="command")
     for module in VERBS.values():
         # SUPPRESS: a verb's parser leaves the attribute alone unless the flag follows the verb, so
         # `flowforge --debug VERB` is not reset to False by the sub-parser's default

@@ -13,9 +13,13 @@ HELP = "export a run's checkpoint as a merged model (diffusers / world model) or
 
 def add_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser("export", help=HELP)
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path, help="the training run directory (runs/<run.name>)")
     parser.add_argument("out", type=Path, help="export directory (new or empty)")
-    parser.add_argument("--form", required=True, choices=["merged", "adapter"])
+    parser.add_argument("--form", required=True, choices=["merged", "adapter"],
+                        help="merged: the whole model with the trained weights folded in (a diffusers transformer "
+                        "directory; a world-model directory for world-model runs); adapter: only what was trained "
+                        "(a diffusers / peft LoRA, or a module run's trained tensors), loaded on top of the base "
+                        "model")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest committed)")
     parser.add_argument("--verify", action="store_true",
                         help="reload the export and compare velocities; exit 1 if off")

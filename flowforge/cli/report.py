@@ -12,7 +12,9 @@ HELP = "write RUN_DIR/report.html from its logs"
 
 def add_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser("report", help=HELP)
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path,
+                        help="a training run directory (runs/<run.name>, finished or not); its report.html is "
+                        "rewritten from metrics.jsonl, the eval sidecars and the sample grids")
     parser.add_argument("--smooth", type=finite_float, default=0.0, metavar="A",
                         help="moving-average weight in [0, 1) drawn over the training curves (default 0: raw)")
     return parser

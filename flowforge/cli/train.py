@@ -7,10 +7,27 @@ import argparse
 from flowforge.cli.common import add_config_args, load_config_file
 
 HELP = "online RL post-training"
+DESCRIPTION = """\
+Online RL post-training: each step samples prompts x candidates with the policy, scores them
+with the config's reward models, forms group-relative advantages and updates the policy
+(train.algorithm: grpo, nft, awm, ...). The run directory runs/<run.name>/ gets the resolved
+config, metrics.jsonl, held-out evals, sample grids, checkpoints and report.html."""
+EPILOG = """\
+examples:
+  flowforge train examples/digits/nft.yaml
+  flowforge train examples/digits/grpo.yaml train.steps=20 train.lr=1e-4 run.name=try1
+
+resuming (train.resume):
+  train.resume=auto        continue from the run's newest committed checkpoint (a run with no
+                           checkpoint yet starts at step 0)
+  train.resume=PATH        continue from that checkpoint directory (refused if not committed)
+  A run directory that already holds a run is refused without train.resume; --overwrite moves
+  it aside instead."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    parser = sub.add_parser("train", help=HELP)
+    parser = sub.add_parser("train", help=HELP, description=DESCRIPTION, epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
     parser.add_argument("--overwrite", action="store_true",
                         help="move an existing run in the run directory aside to <name>.old-<n>, then start anew")
