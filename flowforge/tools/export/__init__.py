@@ -87,8 +87,10 @@ merged      1e-4        ~4e-7 abs at max |v| ~2 (``(W + s B A) x`` rounds differ
 full        1e-5        0 (the same weights, saved and reloaded)
 ==========  ==========  =========================================================================================
 
-The report also gives ``max |v_trained - v_base|`` for LoRA runs (and the world model's every run), so an export that
-silently dropped the training (a no-op adapter) is visible. The rule is :mod:`flowforge.tools.export.verify`'s.
+The report also gives ``max |v_trained - v_base|`` for LoRA runs (and the world model's every run, and module
+adapters), so an export that silently dropped the training (a no-op adapter) is visible; for a merged ``full`` or
+``module`` fine-tune the log line says ``n/a`` and why (:func:`~flowforge.tools.export.verify.describe`). The rule
+is :mod:`flowforge.tools.export.verify`'s.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ from flowforge.tools.export.out import (EXPORT_META, ExportError, check_location
                                         work_dir)
 from flowforge.tools.export.source import Source, layout, load_source, pick_checkpoint, read_run_config, resolve_base
 from flowforge.tools.export.verify import TOLERANCES, ExportVerificationError, VerifyReport
+from flowforge.tools.export.verify import describe as describe_verify
 from flowforge.tools.export.weights import PEFT_PREFIX, PEFT_WEIGHT_NAME
 
 log = logging.getLogger("flowforge")
@@ -218,9 +221,7 @@ def _export_run(run_dir: str | Path, out: str | Path, *, form: str, step: int | 
     try:
         report = (writer.merged if form == "merged" else writer.adapter)(src, work, verify)
         if report is not None:
-            log.info("export verify: max |v_export - v_trained| = %.3g (tolerance %.1g x max(1, %.3g)); "
-                     "max |v_trained - v_base| = %s", report.max_abs_diff, report.tolerance,
-                     report.max_abs_trained, "n/a" if report.base_diff is None else f"{report.base_diff:.3g}")
+            log.info("export verify: %s", describe_verify(report, src.lora["trainable"]))
             if not report.passed:
                 raise ExportVerificationError(
                     f"export verification failed: max |v_export - v_trained| = {report.max_abs_diff:.3g} > "

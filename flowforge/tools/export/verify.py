@@ -55,6 +55,19 @@ def verify_report(v_export: torch.Tensor, v_trained: torch.Tensor, base_diff: fl
                         passed=bool(diff <= tol * max(1.0, scale)))
 
 
+def describe(report: VerifyReport, trainable: str) -> str:
+    """The one-line verdict the export logs: the export's difference against its tolerance, and how far training moved
+    the model from the base (``max |v_trained - v_base|``; for a ``trainable`` mode whose writer does not measure
+    it, the line says ``n/a`` and why)."""
+    if report.base_diff is not None:
+        moved = f"{report.base_diff:.3g}"
+    else:  # a full / module fine-tune's weights replace the base's in memory: no base velocity to compare with
+        moved = (f"n/a (not measured for lora.trainable={trainable!r}: the trained weights replace the base's, which "
+                 "is not loaded a second time; the export is checked against the trained weights above)")
+    return (f"max |v_export - v_trained| = {report.max_abs_diff:.3g} (tolerance {report.tolerance:.1g} x max(1, "
+            f"{report.max_abs_trained:.3g})); max |v_trained - v_base| = {moved}")
+
+
 def trained_velocity(policy: nn.Module, velocity: Callable[[nn.Module], torch.Tensor],
                      lora: bool) -> tuple[torch.Tensor, float | None]:
     """``(v_trained, base_diff)`` of the trained ``policy`` before a writer merges or reloads it: ``velocity(policy)``
