@@ -19,7 +19,11 @@ can give the eval mean its standard error (:func:`read_eval_scores`)::
 
     "eval_scores": {"samples_per_prompt": K, "scores": {"digit_eval": [N*K floats or null], ...}}
 
-prompt-major: prompt ``i``'s samples are entries ``i*K .. i*K+K-1``, prompts in the order of ``cells``.
+prompt-major: prompt ``i``'s samples are entries ``i*K .. i*K+K-1``, prompts in the order of ``cells``. The
+within-prompt diversity of each prompt's ``K`` samples is kept too, for the diversity curve's standard error
+(:func:`read_eval_diversity`)::
+
+    "eval_diversity": [N floats or null]
 
 An audio-video model's eval sample also has its sound: cell ``i``'s waveform is written beside the grid as
 ``step_<n>_audio_<i>.wav`` (16-bit PCM, :func:`write_wav`) and named in the cell as ``"audio": "<file name>"``; the
@@ -142,7 +146,8 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
                    frame_labels: Sequence[Sequence[str] | None] | None = None, *,
                    all_scores: Mapping[str, torch.Tensor] | None = None, samples_per_prompt: int = 1,
                    audio: AudioBatch | None = None,
-                   cell_extras: Sequence[Mapping[str, Any] | None] | None = None) -> Path:
+                   cell_extras: Sequence[Mapping[str, Any] | None] | None = None,
+                   diversity: torch.Tensor | None = None) -> Path:
     """Write the eval grid ``path`` (PNG) and its caption sidecar ``path.with_suffix(".json")``.
 
     Args:
@@ -161,14 +166,16 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
         audio: optional, the ``N`` samples' sound (an audio-video model): one WAV per cell (module docstring).
         cell_extras: optional, ``[N]`` entries of further keys (JSON-able) merged into each cell, or None: e.g. a
             world model's real clip (:func:`flowforge.report.world_strips.write_real_strips`).
+        diversity: optional, ``[N]`` float within-prompt diversity of each prompt's samples (NaN with one sample);
+            kept as ``eval_diversity``.
 
     Returns:
         ``path``.
 
     Raises:
         ValueError: ``prompts``, a score, ``frame_labels`` or ``cell_extras`` does not have ``N`` entries; a label
-            list that is not ``F`` long; an ``all_scores`` entry that is not ``N * samples_per_prompt`` long (and
-            as ``save_grid``).
+            list that is not ``F`` long; an ``all_scores`` entry that is not ``N * samples_per_prompt`` long; a
+            ``diversity`` that is not ``N`` long (and as ``save_grid``).
     """
     n = media.shape[0]
     if len(prompts) != n or any(v.numel() != n for v in scores.values()):
@@ -177,6 +184,8 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
     if all_scores is not None and any(v.numel() != n * samples_per_prompt for v in all_scores.values()):
         raise ValueError(f"all_scores need {n} x {samples_per_prompt} entries per scorer, got "
                          f"{ {k: v.numel() for k, v in all_scores.items()} }")
+    if diversity is not None and diversity.numel() != n:
+        raise ValueError(f"diversity needs {n} entries (one per prompt), got {diversity.numel()}")
     per_frame: list[list[dict[str, Any]] | None] = [None] * n
     if media.ndim == 5:
         frames, (h, w) = media.shape[2], media.shape[-2:]
@@ -212,6 +221,8 @@ def save_eval_grid(media: torch.Tensor, path: Path, prompts: Sequence[str],
     if all_scores is not None:
         data["eval_scores"] = {"samples_per_prompt": samples_per_prompt, "scores": {
             k: [_score(x) for x in v.detach().float().cpu().reshape(-1).tolist()] for k, v in all_scores.items()}}
+    if diversity is not None:
+        data["eval_diversity"] = [_score(x) for x in diversity.detach().float().cpu().reshape(-1).tolist()]
     text = json.dumps(data, indent=1, allow_nan=False) + "\n"
     atomic_write(Path(path).with_suffix(".json"), lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return Path(path)
@@ -238,6 +249,18 @@ def read_grid_cells(png: Path) -> list[dict[str, Any]] | None:
                 del cell["frames"]
         return cells
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def read_eval_diversity(png: Path) -> list[float] | None:
+    """``[N]`` within-prompt diversity of each eval prompt of grid ``png`` (NaN for null); ``None`` when its sidecar
+    has none (a grid written before it was kept) or cannot be read (never raises)."""
+    try:
+        values = json.loads(Path(png).with_suffix(".json").read_text(encoding="utf-8"))["eval_diversity"]
+        if not isinstance(values, list):
+            return None
+        return [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan for v in values]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -22,7 +22,7 @@ import base64
 import html
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from matplotlib.figure import Figure
@@ -174,6 +174,8 @@ def plot_reward_vs_judge(train_rows: Sequence[Row], eval_rows: Sequence[Row], ju
     twin.plot(steps, values, marker="s", markersize=3, linewidth=1.2, linestyle="--", color="C2",
               label=f"held-out {diversity} (right)")
     twin.tick_params(labelsize=8)
+    if any(math.isfinite(v) for v in values):
+        twin.set_ylim(bottom=0.0)  # diversity from 0: a small drop must not look like a collapse
     _offset_to_label(twin)  # its offset text would sit above the top-right corner, under the title's end
     if stop_step is not None:
         ax.axvline(stop_step, color="C3", linestyle=":", linewidth=1.5, label=f"guard stop (step {stop_step})")
@@ -185,10 +187,12 @@ def plot_reward_vs_judge(train_rows: Sequence[Row], eval_rows: Sequence[Row], ju
 
 
 def plot_eval_curves(curves: Sequence[tuple[str, Sequence[float], Sequence[float], Mapping[int, float], str | None]],
-                     *, per_step: int | None = None) -> Figure:
+                     *, per_step: int | None = None, from_zero: Collection[str] = ()) -> Figure:
     """Held-out curves side by side, one panel each, for the top of the report: ``(key, steps, values, se, empty)``
     with ``se`` = ``{step: standard error}`` drawn as ± 1 SE error bars where known, and ``empty`` the text of a
-    panel without a finite value (None: "no finite values")."""
+    panel without a finite value (None: "no finite values"). The y axis of a key in ``from_zero`` starts at 0 (its
+    top stays automatic): a metric such as diversity, whose size matters relative to 0, then shows a small drop as
+    small instead of filling the panel."""
     fig, axes = _figure(len(curves), len(curves))
     for ax, (key, steps, values, se, empty) in zip(axes, curves):
         errors = [se.get(int(s), math.nan) for s in steps]
@@ -201,5 +205,7 @@ def plot_eval_curves(curves: Sequence[tuple[str, Sequence[float], Sequence[float
         if not any(math.isfinite(v) for v in values):
             ax.text(0.5, 0.5, empty or "no finite values", transform=ax.transAxes, ha="center", va="center",
                     fontsize=9)
+        elif key in from_zero:
+            ax.set_ylim(bottom=0.0)
         _style(ax, key, per_step)
     return fig

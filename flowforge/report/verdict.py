@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowforge.report.grids import read_eval_scores, read_grid_cells
+from flowforge.report.grids import read_eval_diversity, read_eval_scores, read_grid_cells
 from flowforge.report.page import esc, verdict_block
 from flowforge.report.plots import figure_tag, plot_eval_curves, series
 from flowforge.report.summary import GROUP_KEYS, RunInfo, fmt, guard_event, guard_key, missing_reason
@@ -72,6 +72,17 @@ def eval_points(grids: Sequence[tuple[int, Path]], key: str) -> dict[int, EvalPo
         cells = read_grid_cells(png) or []
         prompts = tuple(c["prompt"] for c in cells) if len(cells) == len(means) else ()
         out[step] = EvalPoint(step, _mean(values), _se(means), tuple(means), prompts, k)
+    return out
+
+
+def diversity_se(grids: Sequence[tuple[int, Path]]) -> dict[int, float]:
+    """``{step: standard error of eval/diversity over prompts}`` from the grid sidecars that keep each prompt's
+    within-prompt diversity (``sd / sqrt(N)``, as the headline metric's; steps whose sidecar lacks it are left out)."""
+    out = {}
+    for step, png in grids:
+        per_prompt = read_eval_diversity(png)
+        if per_prompt is not None:
+            out[step] = _se(per_prompt)
     return out
 
 
@@ -175,11 +186,15 @@ def verdict_section(info: RunInfo, train_rows: list[Row] | None, eval_rows: list
     if has_finite:
         curves = [(headline, *series(rows, headline), {s: p.se for s, p in points.items()}, None)]
         if headline != "eval/diversity" and any("eval/diversity" in r for r in rows):
-            curves.append(("eval/diversity", *series(rows, "eval/diversity"), {},
+            curves.append(("eval/diversity", *series(rows, "eval/diversity"), diversity_se(grids),
                            "not measured:\nneeds eval.samples_per_prompt >= 2" if _single_sample(info) else None))
-        figure = figure_tag(plot_eval_curves(curves, per_step=info.per_step), f"held-out {headline} over steps")
+        elif headline == "eval/diversity":
+            curves[0] = (*curves[0][:3], diversity_se(grids), None)
+        # diversity's axis from 0: auto-scaled, a 9 % drop would fill the panel and read as a collapse
+        figure = figure_tag(plot_eval_curves(curves, per_step=info.per_step, from_zero=("eval/diversity",)),
+                            f"held-out {headline} over steps")
     return verdict_block(head, facts, figure)
 
 
-__all__ = ["EvalPoint", "GROUP_KEYS", "SIGNIFICANCE", "change_se", "eval_points", "headline_change",
+__all__ = ["EvalPoint", "GROUP_KEYS", "SIGNIFICANCE", "change_se", "diversity_se", "eval_points", "headline_change",
            "verdict_section"]

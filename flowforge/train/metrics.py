@@ -345,6 +345,21 @@ def within_group_diversity(images: Tensor, group_ids: Tensor) -> Tensor:
         return (total / count.to(total.dtype) / math.sqrt(d)).to(torch.float32)
 
 
+def group_diversities(images: Tensor, group_ids: Tensor) -> Tensor:
+    """:func:`within_group_diversity` of each group alone: ``[G]`` float32 on the CPU, groups in order of their
+    first image; NaN for a group of one image. With equal group sizes their mean is the pooled
+    :func:`within_group_diversity`; the report takes their standard error over groups (prompts) for its error bars.
+
+    Raises:
+        ValueError: as :func:`within_group_diversity`.
+    """
+    if group_ids.dim() != 1 or group_ids.shape[0] != images.shape[0]:
+        raise ValueError(f"group_ids must be [B] = [{images.shape[0]}], got shape {list(group_ids.shape)}")
+    order = dict.fromkeys(group_ids.tolist())  # first-seen order, as the eval's prompt-major layout
+    return torch.stack([within_group_diversity(images[group_ids == g], group_ids[group_ids == g]).cpu()
+                        for g in order]) if order else torch.zeros(0)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # provenance
 

@@ -40,7 +40,7 @@ from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord
-from flowforge.train.metrics import StageTimer, to_scalars, within_group_diversity
+from flowforge.train.metrics import StageTimer, group_diversities, to_scalars, within_group_diversity
 from flowforge.train.sample_change import StartSamples, eval_fingerprint
 from flowforge.runtime.run_dir import SAMPLES_DIR, START_SAMPLES_FILE, sample_grid_path, sha256_of_path
 from flowforge.report.grids import save_eval_grid
@@ -487,7 +487,8 @@ class Trainer(RunDirectory):
                        [labeller(p) for p in shown] if labeller is not None else None,
                        all_scores=components, samples_per_prompt=k,  # every sample: the report's standard error
                        audio=None if audio is None else audio.index(list(range(0, len(audio), k))),
-                       cell_extras=write_real_strips(grid, real) if real is not None else None)
+                       cell_extras=write_real_strips(grid, real) if real is not None else None,
+                       diversity=group_diversities(images, prompt_idx))  # per prompt: the curve's SE
         self.logger.log_grid(step, grid)  # to TensorBoard / W&B, captioned
         log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
         return scalars

@@ -22,7 +22,7 @@ from flowforge.train.metrics import MetricsLogger, write_provenance
 from flowforge.report.grids import save_grid
 from flowforge.runtime.run_dir import sample_grid_path
 from flowforge.report.run import main, read_jsonl, write_report
-from flowforge.report.grids import read_eval_scores, read_grid_cells, save_eval_grid
+from flowforge.report.grids import read_eval_diversity, read_eval_scores, read_grid_cells, save_eval_grid
 
 CONFIG_TEXT = "run:\n  name: digits <script>alert(1)</script> & co\ntrain:\n  lr: 0.0001\n"
 
@@ -480,6 +480,9 @@ def test_trainer_eval_writes_captioned_grids(tiny_model_dir, encode_cache_dir, t
         point = points[record["step"]]
         assert point.samples_per_prompt == 2 and len(point.prompt_means) == 3
         assert point.mean == pytest.approx(record["eval/digit"], rel=1e-6)
+        # and each prompt's diversity (the diversity curve's SE bars): their mean is eval.jsonl's eval/diversity
+        per_prompt = read_eval_diversity(sample_grid_path(run, record["step"]))
+        assert len(per_prompt) == 3 and statistics.fmean(per_prompt) == pytest.approx(record["eval/diversity"])
     assert "held-out eval/digit_eval" in "".join(parse((run / "report.html").read_text().split("</section>")[0]).text)
 
 
