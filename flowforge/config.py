@@ -57,7 +57,9 @@ def from_dict(data: Mapping[str, Any]) -> Config:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults < YAML file at ``path`` < ``section.key=value`` overrides.
+    """Defaults < YAML file at ``path`` < ``section.key=value`` overrides. An override's mapping value merges into
+    the file's mapping (``reward.weights={remote: 1.0}`` keeps the file's other weights); ``key=!{...}`` replaces
+    it (:func:`flowforge.settings.schema.parse_overrides`).
 
     Raises:
         ConfigError: unreadable YAML, unknown keys (with the allowed names), wrong types or values a section

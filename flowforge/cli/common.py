@@ -9,7 +9,8 @@ from pathlib import Path
 def add_config_args(parser: argparse.ArgumentParser, what: str = "YAML config") -> None:
     """``CONFIG [section.key=value ...] [--no-progress]`` on ``parser``."""
     parser.add_argument("config", type=Path, help=what)
-    parser.add_argument("overrides", nargs="*", help="section.key=value (values are YAML literals)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value (values are YAML literals; a "
+                        "{...} mapping merges into the config's, !{...} replaces it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
