@@ -164,6 +164,15 @@ _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")
           (stat.S_ISSOCK, "a socket"))
 
 
+def missing_file_message(path: pathlib.Path, what: str) -> str:
+    """``"<what> PATH does not exist"``, plus the absolute path tried and where a relative path starts (the working
+    directory, not the config file's folder) when ``path`` is relative."""
+    if path.is_absolute():
+        return f"{what} {path} does not exist"
+    return (f"{what} {path} does not exist (tried {path.absolute()}: relative paths are resolved against the working "
+            "directory)")
+
+
 def check_prompt_file(path: pathlib.Path) -> None:
     """``path`` (symlinks followed) is a regular file that can be opened.
 
@@ -175,7 +184,7 @@ def check_prompt_file(path: pathlib.Path) -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise FileNotFoundError(f"prompt file {path} does not exist") from None
+        raise FileNotFoundError(missing_file_message(path, "prompt file")) from None
     except OSError as exc:
         raise file_error(path, exc, _FIX) from None
     if stat.S_ISDIR(mode):
