@@ -177,8 +177,8 @@ def _prompt_file(tmp_path, name, rows):
 
 
 def test_unreadable_prompt_files_are_problems_not_absent(tmp_path):
-    """Only a file that is not there is "absent" (a warning under this_machine=False): /dev/null, a FIFO, a symlink loop, a directory or a
-    non-UTF-8 file is a problem naming the key and the file (the line, for a decoding error)."""
+    """Only a file that is not there is "absent" (a warning under this_machine=False): /dev/null, a FIFO, a symlink
+    loop, a directory or a non-UTF-8 file is a problem naming the key and the file (the line, for a decoding error)."""
     import os
 
     loop = tmp_path / "loop.jsonl"
