@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flowforge.objectives.registry import objective_sections
+from flowforge.runtime.imports import add_import_dirs
 from flowforge.settings import schema
 from flowforge.settings.rollout import RolloutConfig
 from flowforge.settings.schema import ConfigError, Section, fingerprint, parse_overrides, to_dict
@@ -57,13 +58,21 @@ def from_dict(data: Mapping[str, Any]) -> Config:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults < YAML file at ``path`` < ``section.key=value`` overrides.
+    """Defaults < YAML file at ``path`` < ``section.key=value`` overrides. Loading a file makes its folder and the
+    working directory importable (appended to ``sys.path``: :mod:`flowforge.runtime.imports`), so ``pkg.module:name``
+    references find modules next to the config. An override's mapping value merges into
+    the file's mapping (``reward.weights={remote: 1.0}`` keeps the file's other weights); ``key=!{...}`` replaces
+    it (:func:`flowforge.settings.schema.parse_overrides`).
 
     Raises:
         ConfigError: unreadable YAML, unknown keys (with the allowed names), wrong types or values a section
             refuses (with the allowed values) — all at once.
     """
     data = schema.read_yaml(path) if path is not None else {}
+    if path is not None:
+        # `pkg.module:name` references (reward components, model.adapter) may live next to the config or in the
+        # working directory: both stay importable for the process (why: flowforge.runtime.imports)
+        add_import_dirs(Path(path).parent, Path.cwd())
     nested, problems = parse_overrides(overrides)
     try:
         cfg = from_dict(schema.merge(data, nested))

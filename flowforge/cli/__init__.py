@@ -26,6 +26,7 @@ import sys
 
 from flowforge import __version__
 from flowforge.cli import check, compare, data, export, report, sample, serve, sft, stages, train
+from flowforge.cli.common import TRAILING
 from flowforge.runtime.errors import one_line
 from flowforge.runtime.quiet import library_progress_bars_off
 
@@ -87,14 +88,27 @@ def error_message(exc: BaseException) -> str:
     return one_line(str(exc)) or type(exc).__name__
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (table above)."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``argv`` parsed; exits 2 with usage on misuse (argparse).
+
+    Overrides may come anywhere after the config, before or after options (``check CFG --portable x=y``,
+    ``train CFG --overwrite x=y``): argparse ends a ``*`` / ``+`` positional at the first option, so the words it
+    leaves over are appended to the list the verb names as its trailing positionals
+    (:data:`flowforge.cli.common.TRAILING`); a verb without one, or a left-over word that looks like an option,
+    is refused as argparse would."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # overrides after an option (``stages CFG --no-progress run.name=x``): argparse ends a "*" positional
-        if not isinstance(getattr(args, "overrides", None), list) or any(a.startswith("-") for a in extra):
+    if extra:
+        dest = getattr(args, TRAILING, None)
+        if dest is None or any(a.startswith("-") for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides += extra
+        getattr(args, dest).extend(extra)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status (table above)."""
+    args = parse_args(argv)
     args.debug = bool(getattr(args, "debug", False)) or _debug_from_env()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # one INFO line per HTTP request (judge, reward server) otherwise; httpx2 / httpcore2: the renamed httpx some

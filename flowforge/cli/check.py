@@ -14,11 +14,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from flowforge.cli.common import TRAILING
+
 HELP = "validate configs (load + preflight) without loading a model; prints OK or the problems"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser("check", help=HELP)
+    parser.set_defaults(**{TRAILING: "paths"})  # `check CFG --portable x=y`: x=y joins the configs and overrides
     parser.add_argument("paths", nargs="+", metavar="config",
                         help="YAML configs (one or more), and section.key=value overrides applied to each")
     parser.add_argument("--portable", action="store_true",

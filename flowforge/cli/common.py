@@ -7,10 +7,17 @@ import argparse
 from pathlib import Path
 
 
+TRAILING = "trailing_positionals"
+"""Namespace attribute naming the list (``"overrides"``, check's ``"paths"``) that takes the words argparse leaves
+over after an option (:func:`flowforge.cli.parse_args`): overrides are accepted anywhere after the config."""
+
+
 def add_config_args(parser: argparse.ArgumentParser, what: str = "YAML config") -> None:
-    """``CONFIG [section.key=value ...] [--no-progress]`` on ``parser``."""
+    """``CONFIG [section.key=value ...] [--no-progress]`` on ``parser``; overrides may also follow options."""
+    parser.set_defaults(**{TRAILING: "overrides"})
     parser.add_argument("config", type=Path, help=what)
-    parser.add_argument("overrides", nargs="*", help="section.key=value (values are YAML literals)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value (values are YAML literals; a "
+                        "{...} mapping merges into the config's, !{...} replaces it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

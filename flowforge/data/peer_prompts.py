@@ -16,6 +16,7 @@ repeated line still gets a unique id. Rows in flowforge's own schema (with ``met
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 from typing import Any
 
@@ -46,3 +47,21 @@ def peer_row(path: pathlib.Path, index: int, text: str, row: dict[str, Any]) -> 
     task = "i2i" if extra.get("image") else "t2i"
     return {"prompt": row.get("prompt"), "metadata": {**extra, "task": task,
                                                       "sample_id": derived_id(path, index, text.strip())}}
+
+
+def unified_row(path: pathlib.Path, index: int, text: str) -> Any:
+    """Non-blank line ``text`` (row ``index``, 0-based among non-blank rows) of prompt file ``path`` as every reader
+    sees it (training's :func:`flowforge.data.prompts.load_prompts` and the data tools' ``inspect`` / ``curate``):
+    a ``.txt`` line is :func:`txt_row`; otherwise the line is JSON, and an object without ``metadata`` is
+    :func:`peer_row`. Anything else (a unified-schema row, a list, a number) is returned as parsed, for the caller's
+    schema checks.
+
+    Raises:
+        json.JSONDecodeError: a line of a non-``.txt`` file is not JSON.
+    """
+    if path.suffix == ".txt":
+        return txt_row(path, index, text)
+    row = json.loads(text)
+    if isinstance(row, dict) and "metadata" not in row:
+        return peer_row(path, index, text, row)
+    return row

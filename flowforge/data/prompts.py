@@ -106,6 +106,19 @@ def resolve_prompt_path(source: str | pathlib.Path) -> pathlib.Path:
     return pathlib.Path(source)
 
 
+def prompt_file(source: str | pathlib.Path) -> pathlib.Path:
+    """The file a prompt source reads: :func:`resolve_prompt_path`, and a dataset directory's train split
+    (:data:`flowforge.data.peer_prompts.TRAIN_FILES`) for a directory holding one (not checked for existence).
+
+    Raises:
+        ValueError: as :func:`resolve_prompt_path`.
+    """
+    path = resolve_prompt_path(source)
+    if path.is_dir() and (train := peer.dataset_file(path)) is not None:
+        return train
+    return path
+
+
 _PREPARE = "flowforge data prepare SOURCE OUT.jsonl converts other formats"
 
 
@@ -114,17 +127,12 @@ def _row_error(path: pathlib.Path, line: int, field: str, problem: str) -> Value
 
 
 def _parse_row(path: pathlib.Path, line: int, text: str, index: int) -> PromptRecord:
-    if path.suffix == ".txt":
-        row = peer.txt_row(path, index, text)
-    else:
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{line}: not valid JSON ({err.msg} at column {err.colno}); {_PREPARE}") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{line}: each line must be a JSON object, got {type(row).__name__}; {_PREPARE}")
-        if "metadata" not in row:
-            row = peer.peer_row(path, index, text, row)
+    try:
+        row = peer.unified_row(path, index, text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{line}: not valid JSON ({err.msg} at column {err.colno}); {_PREPARE}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{line}: each line must be a JSON object, got {type(row).__name__}; {_PREPARE}")
     unknown = sorted(set(row) - set(_TOP_LEVEL_KEYS))
     if unknown:
         raise _row_error(path, line, unknown[0], f"is not allowed; top-level keys are {list(_TOP_LEVEL_KEYS)}")
@@ -164,6 +172,15 @@ _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")
           (stat.S_ISSOCK, "a socket"))
 
 
+def missing_file_message(path: pathlib.Path, what: str) -> str:
+    """``"<what> PATH does not exist"``, plus the absolute path tried and where a relative path starts (the working
+    directory, not the config file's folder) when ``path`` is relative."""
+    if path.is_absolute():
+        return f"{what} {path} does not exist"
+    return (f"{what} {path} does not exist (tried {path.absolute()}: relative paths are resolved against the working "
+            "directory)")
+
+
 def check_prompt_file(path: pathlib.Path) -> None:
     """``path`` (symlinks followed) is a regular file that can be opened.
 
@@ -175,7 +192,7 @@ def check_prompt_file(path: pathlib.Path) -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise FileNotFoundError(f"prompt file {path} does not exist") from None
+        raise FileNotFoundError(missing_file_message(path, "prompt file")) from None
     except OSError as exc:
         raise file_error(path, exc, _FIX) from None
     if stat.S_ISDIR(mode):
@@ -205,9 +222,7 @@ def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
         ValueError: a row is invalid or not UTF-8 text (the message names the file, the 1-based line number and
             the field), a ``sample_id`` repeats (naming both lines), or the file holds no rows.
     """
-    path = resolve_prompt_path(source)
-    if path.is_dir() and (train := peer.dataset_file(path)) is not None:
-        path = train
+    path = prompt_file(source)
     check_prompt_file(path)
     if (marker := incomplete_set(path)) is not None:
         raise UserError(path, f"belongs to a file set whose writing was interrupted ({marker.name} is still there), "

@@ -17,7 +17,6 @@ against the class — e.g. which tasks it runs (:func:`adapter_tasks`) — by im
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import re
@@ -27,6 +26,7 @@ from typing import Any, Callable
 from flowforge.models.base import (HOOK_MEMBERS, AdapterMixin, Conditioning, FlowModel, ImageConditioned,
                                    check_condition_slot, missing_members)
 from flowforge.runtime.errors import UserError, one_line
+from flowforge.runtime.imports import import_object
 
 
 def _check_task(family: str, task: str, allowed: tuple[str, ...]) -> None:
@@ -142,14 +142,7 @@ def _import_object(spec: str):
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"adapter {spec!r}: expected 'pkg.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"adapter {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    try:
-        obj = getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"adapter {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    obj = import_object(spec, f"adapter {spec!r}")  # the working directory and the config's folder importable
     if not (isinstance(obj, type) or inspect.isfunction(obj)):  # os:getcwd: called with the adapter's arguments
         raise ValueError(f"adapter {spec!r}: {attr!r} is a {type(obj).__name__}, not an adapter class or factory "
                          "function; name one as 'pkg.module:Class'")

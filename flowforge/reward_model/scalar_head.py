@@ -75,10 +75,9 @@ class ScalarHeadNet(nn.Module):
 
 
 def _import_function(spec: str):
-    import importlib
+    from flowforge.runtime.imports import import_object
 
-    module, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return import_object(spec, f"student.scalar_head {spec!r}")
 
 
 class ScalarHeadStudent:

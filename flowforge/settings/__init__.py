@@ -7,7 +7,7 @@ by the registered objectives, is assembled in :mod:`flowforge.config`.
 
 from flowforge.settings.schema import (ALLOW_INF, Checks, ConfigError, Section, build, config_diff, dump,
                                        fingerprint, flatten, make_root, merge, nonfinite_problems, parse_overrides,
-                                       read_yaml, to_dict, without)
+                                       read_yaml, Replace, to_dict, without)
 from flowforge.settings.sections import (HEAD_SECTIONS, LORA_MODES, LR_SCHEDULES, MAX_SAMPLER_STEPS, MODULE_MODES,
                                          RESUME_NEUTRAL_KEYS, SEED_LIMIT, SIGMA_SAMPLINGS, TAIL_SECTIONS,
                                          TRAINABLE_MODES,
@@ -18,7 +18,7 @@ from flowforge.settings.sections import (HEAD_SECTIONS, LORA_MODES, LR_SCHEDULES
 
 __all__ = [
     "ALLOW_INF", "Checks", "ConfigError", "Section", "build", "config_diff", "dump", "fingerprint", "flatten",
-    "make_root", "merge", "nonfinite_problems", "parse_overrides", "read_yaml", "to_dict", "without",
+    "make_root", "merge", "nonfinite_problems", "parse_overrides", "read_yaml", "Replace", "to_dict", "without",
     "HEAD_SECTIONS", "LORA_MODES", "LR_SCHEDULES", "MODULE_MODES", "MAX_SAMPLER_STEPS", "RESUME_NEUTRAL_KEYS",
     "SEED_LIMIT", "SIGMA_SAMPLINGS", "TAIL_SECTIONS", "TRAINABLE_MODES", "resume_fingerprint", "resume_neutral_keys",
     "AdvantageConfig", "ArtifactsConfig", "CheckpointConfig", "DataConfig", "DistributedConfig", "EvalConfig",

@@ -275,19 +275,39 @@ def build(cls: type, data: Mapping[str, Any]) -> Any:
     return out
 
 
+class Replace(dict):
+    """A mapping override that replaces the value it lands on instead of merging into it (``key=!{...}``,
+    :func:`parse_overrides`); :func:`merge` stores it as a plain dict."""
+
+
 def merge(base: Mapping, override: Mapping) -> dict:
-    """``base`` with ``override`` applied recursively (mappings merged key by key, other values replaced)."""
+    """``base`` with ``override`` applied recursively: mappings are merged key by key (a key ``override`` does not
+    name keeps ``base``'s value), a :class:`Replace` mapping and every other value replace ``base``'s."""
     out = dict(base)
     for k, v in override.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+        if isinstance(v, Replace):
+            out[k] = dict(v)
+        elif isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
             out[k] = merge(out[k], v)
         else:
             out[k] = v
     return out
 
 
+REPLACE_PREFIX = "!"
+"""Leading character of an override value that replaces a mapping instead of merging into it."""
+
+
 def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[str]]:
-    """``["train.lr=1e-4", "sampler.trained_indices=[1,2]"]`` -> (nested dict, problems); values are YAML literals."""
+    """``["train.lr=1e-4", "sampler.trained_indices=[1,2]"]`` -> (nested dict, problems); values are YAML literals.
+
+    A mapping value is *merged* into the mapping it lands on (the YAML file's, or the defaults): with
+    ``reward.weights: {digit: 1.0}`` in the file, ``reward.weights={remote: 1.0}`` gives ``{digit: 1.0, remote: 1.0}``.
+    A leading ``!`` *replaces* it instead: ``reward.weights=!{remote: 1.0}`` gives ``{remote: 1.0}`` (a
+    :class:`Replace` in the nested dict; on a whole section, ``reward=!{...}``, the keys not given take their
+    defaults, not the file's values). ``!`` before anything but a mapping is a problem (lists and scalars always
+    replace). A value starting with ``!!`` is a YAML tag (``!!str 1``), not this marker.
+    """
     nested: dict = {}
     problems = []
     for item in overrides:
@@ -295,11 +315,20 @@ def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[str]]:
         if not sep or not key or any(not part for part in key.split(".")):
             problems.append(f"override '{item}': expected section.key=value")
             continue
+        replace = raw.startswith(REPLACE_PREFIX) and not raw.startswith(REPLACE_PREFIX * 2)
+        if replace:
+            raw = raw[len(REPLACE_PREFIX):]
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as exc:
             problems.append(f"override '{item}': value is not a YAML literal ({exc.__class__.__name__})")
             continue
+        if replace:
+            if not isinstance(value, dict):
+                problems.append(f"override '{item}': '!' (replace instead of merge) goes only before a mapping "
+                                f"'{{...}}', not a {type(value).__name__}; other values always replace")
+                continue
+            value = Replace(value)
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:

@@ -339,16 +339,32 @@ class ArtifactsConfig(Section):
 
 
 @dataclass(frozen=True)
+class WandbSettings:
+    """``metrics.wandb``: the W&B run's ``wandb.init`` arguments. A key left unset falls back to W&B's environment
+    variable (``WANDB_PROJECT`` -- then ``flowforge`` --, ``WANDB_NAME`` -- then ``run.name`` --, ``WANDB_ENTITY``,
+    ``WANDB_RUN_GROUP``, ``WANDB_TAGS``, ``WANDB_NOTES``); ``WANDB_MODE`` / ``WANDB_DIR`` stay environment-only."""
+
+    project: str | None = None
+    entity: str | None = None  # team or user; None: the logged-in default
+    name: str | None = None  # the run's display name
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    notes: str | None = None
+
+
+@dataclass(frozen=True)
 class MetricsConfig(Section):
     """Where the rank-0 process logs: ``trackers`` beside the always-written JSONL files (``tensorboard`` under
-    ``<run>/tb/``, ``wandb`` through the ``wandb`` library, ``pip install flowforge[wandb]``; its own environment
-    variables such as ``WANDB_MODE=offline`` / ``WANDB_PROJECT`` apply), and ``log_every``: a log line with the key
-    metrics every that many steps when the progress bar is off (``--no-progress``; 0 = never)."""
+    ``<run>/tb/``, ``wandb`` through the ``wandb`` library, ``pip install flowforge[wandb]``, configured by
+    ``wandb`` (:class:`WandbSettings`: project, name, tags, ...; W&B's own environment variables such as
+    ``WANDB_MODE=offline`` apply), and ``log_every``: a log line with the key metrics every that many steps when
+    the progress bar is off (``--no-progress``; 0 = never)."""
 
     section_name = "metrics"
 
     trackers: tuple[str, ...] = ("jsonl", "tensorboard")
     log_every: int = 10
+    wandb: WandbSettings = field(default_factory=WandbSettings)
 
     def problems(self) -> list[str]:
         c = Checks(self)

@@ -57,6 +57,7 @@ from flowforge import __version__
 from flowforge.report.grids import read_grid_cells
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.run_dir import EVAL_FILE, EVAL_PREFIX, METRICS_FILE, PROVENANCE_FILE
+from flowforge.settings.sections import WandbSettings
 from flowforge.train.trackers import build_trackers
 
 
@@ -145,6 +146,7 @@ class MetricsLogger:
         trackers: ``metrics.trackers`` names (``jsonl``, ``tensorboard``, ``wandb``); ``None`` = TensorBoard as
             ``tensorboard`` says. JSONL is written either way.
         run_name: the run's name at the trackers that show one (W&B); default the run directory's name.
+        wandb: ``metrics.wandb`` (project, name, tags, ... of the W&B run; None: W&B's environment variables).
 
     Raises:
         ValueError / ImportError: as :func:`flowforge.train.trackers.build_trackers`.
@@ -157,14 +159,14 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, trackers: Sequence[str] | None = None,
-                 run_name: str | None = None):
+                 run_name: str | None = None, wandb: WandbSettings | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
         self.eval_path = self.run_dir / EVAL_FILE
         self._files: dict[Path, Any] = {}
         names = (("tensorboard",) if tensorboard else ()) if trackers is None else tuple(trackers)
-        self._trackers = build_trackers(names, self.run_dir, run_name=run_name or self.run_dir.name)
+        self._trackers = build_trackers(names, self.run_dir, run_name=run_name or self.run_dir.name, wandb=wandb)
         self._closed = False
 
     def log_grid(self, step: int, png: Path) -> None:

@@ -104,7 +104,8 @@ class RunDirectory:
             record = getattr(self.adapter, "provenance_record", None)  # a world model: every loaded tensor's source
             if record is not None:
                 write_bytes(self.run_dir / MODEL_PROVENANCE_FILE, (json.dumps(record(), indent=1) + "\n").encode())
-            self.logger = MetricsLogger(self.run_dir, trackers=self.cfg.metrics.trackers, run_name=self.cfg.run.name)
+            self.logger = MetricsLogger(self.run_dir, trackers=self.cfg.metrics.trackers, run_name=self.cfg.run.name,
+                                        wandb=self.cfg.metrics.wandb)
             self.logger.log_config(config_lib.to_dict(self.cfg), config_lib.dump_config(self.cfg))
         dist_lib.barrier(self.dist)
 

@@ -10,9 +10,12 @@ listed or not: the report, ``flowforge compare`` and resume read it. The others 
                    config as the text ``config`` (YAML)
 ``wandb``          the ``wandb`` library (``pip install flowforge[wandb]``): every scalar (``run.log``), each eval grid
                    as one ``wandb.Image`` per cell under ``eval/samples``, captioned with its prompt and scores, and the
-                   resolved config as ``run.config``. W&B's own environment applies (``WANDB_MODE=offline``,
-                   ``WANDB_PROJECT`` -- default ``flowforge`` --, ``WANDB_DIR`` -- default the run directory). The
-                   run id is kept in ``<run>/wandb_run_id.txt`` so a resumed run continues the same W&B run.
+                   resolved config as ``run.config``. Project, entity, name, group, tags and notes come from
+                   ``metrics.wandb`` (:class:`~flowforge.settings.sections.WandbSettings`), each unset key from W&B's
+                   environment variable (``WANDB_PROJECT`` -- default ``flowforge`` --, ``WANDB_NAME`` -- default
+                   ``run.name`` --, ``WANDB_TAGS``, ...); ``WANDB_MODE=offline`` and ``WANDB_DIR`` -- default the
+                   run directory -- apply. The run id is kept in ``<run>/wandb_run_id.txt`` so a resumed run
+                   continues the same W&B run.
 =================  ==================================================================================================
 
 Only the rank-0 process builds trackers (the trainer gives other ranks no logger).
@@ -37,7 +40,7 @@ import numpy as np
 from PIL import Image
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from flowforge.settings.sections import TRACKERS
+from flowforge.settings.sections import TRACKERS, WandbSettings
 from flowforge.runtime.run_dir import TB_DIR
 
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -96,7 +99,7 @@ class WandbTracker:
         ImportError: ``wandb`` is not installed (with the install command).
     """
 
-    def __init__(self, run_dir: Path, name: str):
+    def __init__(self, run_dir: Path, name: str, settings: WandbSettings | None = None):
         try:
             import wandb
         except ImportError as exc:
@@ -109,8 +112,13 @@ class WandbTracker:
         else:
             run_id = secrets.token_hex(4)  # 8 hex characters, the length W&B's own ids have
             id_file.write_text(run_id + "\n", encoding="utf-8")
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "flowforge"), name=name, id=run_id,
-                               resume="allow", dir=os.environ.get("WANDB_DIR") or str(run_dir))
+        s = settings or WandbSettings()
+        # project and name have flowforge defaults after the environment; the other keys left None are read from
+        # W&B's own environment variables by wandb.init itself
+        self._run = wandb.init(project=s.project or os.environ.get("WANDB_PROJECT") or "flowforge",
+                               name=s.name or os.environ.get("WANDB_NAME") or name, entity=s.entity, group=s.group,
+                               tags=list(s.tags) or None, notes=s.notes, id=run_id, resume="allow",
+                               dir=os.environ.get("WANDB_DIR") or str(run_dir))
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log(dict(scalars), step=step)
@@ -130,9 +138,10 @@ class WandbTracker:
         self._run.finish()
 
 
-def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str) -> list[Any]:
+def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str,
+                   wandb: WandbSettings | None = None) -> list[Any]:
     """The trackers named in ``names`` (``metrics.trackers`` values; ``jsonl`` is written by the caller and skipped
-    here), each at most once, in order.
+    here), each at most once, in order; ``wandb`` is ``metrics.wandb`` (None: every key from the environment).
 
     Raises:
         ValueError: a name outside :data:`~flowforge.settings.sections.TRACKERS`.
@@ -145,7 +154,7 @@ def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str) -> lis
         if name == "tensorboard":
             out.append(TensorBoardTracker(Path(run_dir) / TB_DIR))
         elif name == "wandb":
-            out.append(WandbTracker(Path(run_dir), run_name))
+            out.append(WandbTracker(Path(run_dir), run_name, wandb))
     return out
 
 

@@ -41,3 +41,19 @@ def test_print_shows_the_resolved_config_with_the_overrides(capsys):
     out = capsys.readouterr().out
     assert "steps: 3" in out and out.rstrip().endswith("grpo.yaml")
 
+
+
+def test_a_missing_prompt_file_fails_naming_the_absolute_path(tmp_path, monkeypatch, capsys):
+    """A relative data.prompts that is not there: exit 2, one line naming the path tried and where relative paths
+    start; under --portable (a config for another machine) only a warning."""
+    config = REPO / "examples" / "digits" / "grpo.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", str(config), "data.prompts=prompts/train.jsonl"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "data.prompts='prompts/train.jsonl'" in err[0]
+    assert f"tried {tmp_path / 'prompts' / 'train.jsonl'}: relative paths are resolved against the working " \
+           "directory" in err[0]
+    assert main(["check", str(config), "--portable", "data.eval_prompts=nowhere.txt"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: data.eval_prompts='nowhere.txt': no such file on this machine" in captured.err
+    assert captured.out.splitlines() == [f"OK: {config}"]

@@ -39,3 +39,34 @@ def test_http_request_lines_are_not_logged_at_info(caplog, client):
         server.shutdown()
         server.server_close()
     assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))], httpx.__name__
+
+
+@pytest.mark.parametrize("argv, dest, expected", [
+    (["check", "c.yaml", "--portable", "train.steps=3"], "paths", ["c.yaml", "train.steps=3"]),
+    (["check", "c.yaml", "a=1", "--print", "b=2", "--portable", "c=3"], "paths", ["c.yaml", "a=1", "b=2", "c=3"]),
+    (["train", "c.yaml", "--overwrite", "train.steps=3", "--no-progress", "run.seed=1"], "overrides",
+     ["train.steps=3", "run.seed=1"]),
+    (["sft", "c.yaml", "--no-progress", "sft.steps=2"], "overrides", ["sft.steps=2"]),
+    (["stages", "c.yaml", "--stage", "A", "run.name=x"], "overrides", ["run.name=x"]),
+    (["compare", "c.yaml", "--no-progress", "train.steps=2", "run.seed=0"], "overrides",
+     ["train.steps=2", "run.seed=0"]),
+])
+def test_overrides_are_accepted_anywhere_after_the_config(argv, dest, expected):
+    from flowforge.cli import parse_args
+
+    assert getattr(parse_args(argv), dest) == expected
+
+
+def test_a_left_over_option_or_a_verb_without_overrides_is_refused(capsys):
+    from flowforge.cli import parse_args
+
+    for argv in (["train", "c.yaml", "--overwrite", "--nope"], ["report", "runs/x", "train.steps=1"]):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_check_takes_overrides_after_its_options(capsys):
+    assert main(["check", "examples/digits/grpo.yaml", "--portable", "train.steps=3", "--print"]) == 0
+    out = capsys.readouterr().out
+    assert "  steps: 3\n" in out and out.rstrip().endswith("OK: examples/digits/grpo.yaml")

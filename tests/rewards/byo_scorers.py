@@ -74,3 +74,26 @@ class PromptGroupRank:
         if len(set(prompts)) != 1 or len(prompts) != self.group_size:
             raise ValueError(f"not one whole group: {len(prompts)} candidates of prompts {sorted(set(prompts))}")
         return media.float().mean(dim=(1, 2, 3)).argsort().argsort().float()
+
+
+def mean_above(media, prompts, metadata, threshold=0.5):
+    """A scoring function (TRL style): the fraction of pixel values above ``threshold`` per image, as a list."""
+    return [float((m > threshold).float().mean()) for m in media]
+
+
+def make_from_three(scale, offset, power):
+    """A factory whose three required arguments come from the options."""
+    assert offset == 0.0 and power == 1.0
+    return Brightness(scale)
+
+
+def two_args(media, prompts):
+    return [0.0] * len(prompts)
+
+
+def wrong_shape(media, prompts, metadata):
+    return torch.zeros(media.shape[0], 1)
+
+
+def explodes_when_called(media, prompts, metadata):
+    raise RuntimeError("preflight must not call a scoring function")

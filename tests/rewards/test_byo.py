@@ -41,7 +41,8 @@ def test_an_import_path_builds_a_scorer_like_a_builtin():
     ("jpeg_compressibility", {"qualty": 80}, "reward.options.jpeg_compressibility: got an unexpected keyword"),
     ("sharpness", {}, "unknown component 'sharpness'; allowed: .*'digit'.*or an import path"),
     (f"{MOD}:Brightness", {"colour": 1}, "options \\['colour'\\] do not fit Brightness"),
-    ("tests.rewards.no_such_module:X", {}, "cannot import 'tests.rewards.no_such_module': ModuleNotFoundError"),
+    ("tests.rewards.no_such_module:X", {}, "no module 'tests.rewards.no_such_module' in the working directory "
+                                          ".*put tests/rewards/no_such_module.py in one of them"),
     (f"{MOD}:Missing", {}, "has no attribute 'Missing'"),
     (f"{MOD}:NOT_CALLABLE", {}, "is a int, not a factory"),
     (f"{MOD}:not_a_scorer", {}, "no string attribute 'name'"),
@@ -102,8 +103,36 @@ def test_a_dotted_path_to_a_builtin_function_is_refused():
     from flowforge.rewards.byo import build_imported, check_import_spec, load_factory
 
     for spec in ("os:getcwd", "os:sep"):
-        with pytest.raises(ValueError, match="not a factory \\(a scorer class or factory function\\)"):
+        with pytest.raises(ValueError, match="not a factory \\(a scorer class, a factory function .* or a scoring "
+                                             "function f\\(media, prompts, metadata\\)\\)"):
             load_factory(spec)
         assert check_import_spec(spec, {}) and "not a factory" in check_import_spec(spec, {})[0]
     with pytest.raises(ValueError, match="do not fit"):
         build_imported("tests.rewards.byo_scorers:make_brightness", {"no_such_option": 1})
+
+
+def test_a_plain_scoring_function_is_told_from_a_factory_by_its_signature():
+    """``f(media, prompts, metadata, **options)`` is called per batch (its list of floats made a [B] float32 tensor),
+    never as a factory; a function whose required arguments the options fill is a factory; one that leaves one or
+    two required arguments is refused naming both forms. Preflight never calls a scoring function."""
+    from flowforge.rewards.byo import FunctionScorer, is_scoring_function, load_factory
+
+    media = _media(4)
+    scorer = build_scorer(f"{MOD}:mean_above", threshold=0.25)
+    assert isinstance(scorer, FunctionScorer) and scorer.needs_group is False and scorer.name == "mean_above"
+    out = scorer(media, ["p"] * 4, [{}] * 4)
+    assert out.dtype == torch.float32 and out.shape == (4,)
+    assert torch.equal(out, (media > 0.25).float().mean(dim=(1, 2, 3)))
+    assert check_scorer_spec(f"{MOD}:mean_above", {"threshold": 0.25}) == []
+    assert "do not fit mean_above" in check_scorer_spec(f"{MOD}:mean_above", {"thresh": 0.25})[0]
+    assert is_scoring_function(load_factory(f"{MOD}:make_from_three"), {}) is True  # three required, none given
+    three = build_scorer(f"{MOD}:make_from_three", scale=2.0, offset=0.0, power=1.0)  # options fill them: factory
+    assert three.name == "brightness" and torch.equal(three(media, ["p"] * 4, [{}] * 4), 2 * media.mean((1, 2, 3)))
+    problems = check_scorer_spec(f"{MOD}:two_args", {})
+    assert problems == [f"reward component '{MOD}:two_args': two_args(media, prompts) leaves 2 required arguments "
+                        "(media, prompts) besides the options []: give a scorer class, a factory function (no "
+                        "required arguments besides the options) or a scoring function f(media, prompts, metadata)"]
+    with pytest.raises(ValueError, match="returned shape \\(4, 1\\); a scoring function returns one score per "
+                                         "sample: \\[4\\]"):
+        build_scorer(f"{MOD}:wrong_shape")(media, ["p"] * 4, [{}] * 4)
+    assert check_scorer_spec(f"{MOD}:explodes_when_called", {}) == []  # checked by signature, never called

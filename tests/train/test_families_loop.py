@@ -286,13 +286,14 @@ class ImageTaskWithoutEncoder:
 
 
 ELSEWHERE = ("data.prompts=/elsewhere/train.jsonl", "data.eval_prompts=/elsewhere/eval.jsonl")
-"""Prompt files of another machine: preflight only warns (the demo prompts are t2i records, refused for i2i / i2v)."""
+"""Prompt files of another machine: a portable preflight only warns (the demo prompts are t2i records, refused for
+i2i / i2v)."""
 
 
 def _preflight(*overrides):
     from flowforge.train.preflight import preflight
 
-    return preflight(load_config(None, [*ELSEWHERE, *overrides]), world_size=1)
+    return preflight(load_config(None, [*ELSEWHERE, *overrides]), world_size=1, this_machine=False)
 
 
 def _task_problems(*overrides):
@@ -355,6 +356,7 @@ def test_preflight_task_check_edges():
     assert _task_problems("model.adapter=sd3", "model.task=t2i", "model.frames=5")[0].startswith("model.frames=5")
     # unknown / unimportable adapters are reported, a class without `tasks` only warned about
     assert "unknown model adapter 'nope'" in _task_problems("model.adapter=nope")[0]
-    assert "cannot import module" in _task_problems("model.adapter=no_such_pkg.mod:Cls")[0]
+    assert "adapter 'no_such_pkg.mod:Cls': no module 'no_such_pkg.mod' in the working directory" in \
+        _task_problems("model.adapter=no_such_pkg.mod:Cls")[0]
     report = _preflight("model.adapter=tests.train.test_families_loop:UndeclaredAdapter")
     assert any("declares no class-level `tasks`" in w for w in report.warnings)

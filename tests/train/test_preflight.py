@@ -144,7 +144,8 @@ def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
     with pytest.raises(PreflightError, match="is a directory with no train split; give a .txt .* or a dataset directory with train.jsonl .*"
                        "flowforge data prepare"):
         preflight(load_config(None, [f"data.prompts={tmp_path}"]), world_size=1)
-    report = preflight(load_config(None, [f"data.prompts={tmp_path / 'elsewhere.jsonl'}"]), world_size=1)
+    report = preflight(load_config(None, [f"data.prompts={tmp_path / 'elsewhere.jsonl'}"]), world_size=1,
+                       this_machine=False)
     assert any(w.startswith("data.prompts=") and "no such file on this machine" in w for w in report.warnings)
 
 
@@ -176,8 +177,8 @@ def _prompt_file(tmp_path, name, rows):
 
 
 def test_unreadable_prompt_files_are_problems_not_absent(tmp_path):
-    """Only a file that is not there is "absent" (a warning): /dev/null, a FIFO, a symlink loop, a directory or a
-    non-UTF-8 file is a problem naming the key and the file (the line, for a decoding error)."""
+    """Only a file that is not there is "absent" (a warning under this_machine=False): /dev/null, a FIFO, a symlink
+    loop, a directory or a non-UTF-8 file is a problem naming the key and the file (the line, for a decoding error)."""
     import os
 
     loop = tmp_path / "loop.jsonl"
@@ -195,7 +196,8 @@ def test_unreadable_prompt_files_are_problems_not_absent(tmp_path):
         assert problem.startswith("data.prompts: ") and str(source) in problem and text in problem, problem
     (problem,) = _problems("data.eval_prompts=/dev/null")
     assert problem.startswith("data.eval_prompts: /dev/null: is not a regular file")
-    report = preflight(load_config(None, [f"data.prompts={tmp_path / 'absent.jsonl'}"]), world_size=1)
+    report = preflight(load_config(None, [f"data.prompts={tmp_path / 'absent.jsonl'}"]), world_size=1,
+                       this_machine=False)
     assert [w for w in report.warnings if "no such file on this machine" in w]
     (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "absent.jsonl")
     (problem,) = _problems(f"data.prompts={tmp_path / 'dangling.jsonl'}")

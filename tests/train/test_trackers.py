@@ -84,6 +84,24 @@ def _wandb_config(records):
     return cfg
 
 
+def _wandb_run(records):
+    """(project, display name, tags) of the run record."""
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"][:1]
+    return run.project, run.display_name, list(run.tags)
+
+
+def test_wandb_settings_come_from_the_config_and_unset_ones_from_the_environment(tmp_path, wandb_offline,
+                                                                                  monkeypatch):
+    from flowforge.config import load_config
+
+    monkeypatch.setenv("WANDB_PROJECT", "env-project")
+    monkeypatch.setenv("WANDB_NAME", "env-name")
+    cfg = load_config(None, ["metrics.wandb={project: cfg-project, tags: [a, b]}"])
+    with MetricsLogger(tmp_path / "run", trackers=["wandb"], run_name="r", wandb=cfg.metrics.wandb) as logger:
+        logger.log(1, {"train/loss": 0.5})
+    assert _wandb_run(_wandb_records(wandb_offline)[1]) == ("cfg-project", "env-name", ["a", "b"])
+
+
 def _tb(run_dir: Path):
     from tensorboard.backend.event_processing import event_accumulator as ea
 
@@ -176,7 +194,7 @@ def test_tiny_run_logs_to_every_tracker_and_train_log(tiny_model_dir, tmp_path, 
     from tests.train.test_trainer import tiny_cfg
 
     cfg = tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, "metrics.trackers=[jsonl,tensorboard,wandb]",
-                   "metrics.log_every=1")
+                   "metrics.log_every=1", "metrics.wandb={project: ff-tiny, name: tiny-run, tags: [rl, digits]}")
     trainer = Trainer(cfg, progress=False)
     run = trainer.train()
     assert not any(isinstance(h, logging.FileHandler) for h in logging.getLogger("flowforge").handlers)
@@ -193,6 +211,7 @@ def test_tiny_run_logs_to_every_tracker_and_train_log(tiny_model_dir, tmp_path, 
     _, records = _wandb_records(wandb_offline)
     config = _wandb_config(records)
     assert config["metrics"]["trackers"] == ["jsonl", "tensorboard", "wandb"] and config["train"]["steps"] == 2
+    assert _wandb_run(records) == ("ff-tiny", "tiny-run", ["rl", "digits"])  # metrics.wandb reached wandb.init
     history = _wandb_history(records)
     prompts = [c["prompt"] for c in json.loads(sample_grid_path(run, 2).with_suffix(".json").read_text())["cells"]]
     for step in (0, 2):

@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from flowforge.data.tools.records import (
-    absolute_media, check_output, content_hash, count_words, dumps_row, media_missing, media_paths, parse_line,
-    read_lines, rebase_media, row_problems, split_key,
+    absolute_media, check_output, content_hash, count_words, dumps_row, input_file, media_missing, media_paths,
+    read_rows, rebase_media, row_problems, split_key,
 )
 from flowforge.runtime.durable import StageHook, write_file_set
 from flowforge.runtime.errors import UserError
@@ -139,8 +139,7 @@ def read_entries(path: Path) -> list[Entry]:
             one sample_id names two different rows.
     """
     entries, by_id = [], {}
-    for number, text, problem in read_lines(path):
-        row, problem = (None, problem) if problem else parse_line(text)
+    for number, row, problem in read_rows(path):
         problems = [problem] if problem else row_problems(row)
         if problems:
             raise UserError(f"{path}:{number}", problems[0], "fix the row (flowforge data inspect lists every "
@@ -230,14 +229,12 @@ def curate(input_path: str | Path, out_dir: str | Path, settings: CurateSettings
     ``hook`` is :func:`~flowforge.runtime.durable.write_file_set`'s test hook.
     """
     settings.validate()
-    input_path, out_dir = Path(input_path), Path(out_dir)
+    input_path, out_dir = input_file(input_path, "--input"), Path(out_dir)
     names = output_names(settings)
     paths = {role: out_dir / name for role, name in names.items()}
     for path in paths.values():
         check_write_target(path, "--out-dir / --prefix", protected={"input": input_path})
         check_output(path, overwrite)
-    if not input_path.is_file():
-        raise UserError(input_path, "is not a file", "give the JSONL file to curate")
     entries = read_entries(input_path)
     kept, dropped = _filter(entries, settings)
     if not kept:

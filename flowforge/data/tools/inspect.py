@@ -2,6 +2,9 @@
 
 Checks per row (see :mod:`flowforge.data.tools.records` for the rules):
 
+- the file is any prompt source training reads (:func:`flowforge.data.prompts.load_prompts`): a ``.txt`` file (one
+  prompt a line), JSONL rows without ``metadata`` (read as training reads them, with derived ids), unified-schema
+  JSONL, a dataset directory's train split, ``demo:train`` / ``demo:eval``;
 - the row is UTF-8 and valid JSON, with only ``prompt`` / ``metadata`` at the top level;
 - ``prompt`` is a non-empty string; ``metadata.task`` is one of the tasks; ``metadata.sample_id`` is a non-empty
   string, unique within its file;
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from flowforge.data.tools.media import decode_problem
 from flowforge.data.tools.records import (
-    absolute_media, content_hash, media_missing, media_paths, parse_line, read_lines, row_problems,
+    absolute_media, content_hash, input_file, media_missing, media_paths, read_rows, row_problems,
 )
 from flowforge.runtime.errors import UserError
 
@@ -80,9 +83,8 @@ def _inspect_file(path: Path, decode: bool, cache: dict[str, str | None]) -> tup
     seen: list[_Seen] = []
     first_line: dict[str, int] = {}
     rows = 0
-    for number, text, problem in read_lines(path):
+    for number, row, problem in read_rows(path):
         rows += 1
-        row, problem = (None, problem) if problem else parse_line(text)
         messages = [problem] if problem else row_problems(row)
         metadata = row.get("metadata") if isinstance(row, dict) else None
         if isinstance(metadata, dict):
@@ -126,12 +128,9 @@ def inspect_files(train: str | Path | None = None, evaluation: str | Path | None
     Raises:
         UserError: neither file given, a file that is missing or unreadable, or the same file given twice.
     """
-    files = [Path(p) for p in (train, evaluation) if p is not None]
-    if not files:
+    if train is None and evaluation is None:
         raise UserError("--train / --eval", "neither was given", "give the prompt files to inspect")
-    for path in files:
-        if not path.is_file():
-            raise UserError(path, "is not a file", "give a JSONL prompt file")
+    files = [input_file(p, what) for p, what in ((train, "--train"), (evaluation, "--eval")) if p is not None]
     if len(files) == 2 and files[0].resolve() == files[1].resolve():
         raise UserError("--eval", f"is the same file as --train ({files[0]})", "give the held-out file")
     cache: dict[str, str | None] = {}

@@ -38,7 +38,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from flowforge.data.prompts import IMAGE_TASKS, TASKS
+from flowforge.data.peer_prompts import TRAIN_FILES, unified_row
+from flowforge.data.prompts import IMAGE_TASKS, TASKS, prompt_file
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError, file_error
 
@@ -174,6 +175,45 @@ def parse_line(text: str) -> tuple[Any, str | None]:
         return json.loads(text), None
     except json.JSONDecodeError as exc:
         return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+
+
+def parse_row(path: Path, index: int, text: str) -> tuple[Any, str | None]:
+    """``(row, None)`` for non-blank line ``text`` (row ``index``, 0-based) of prompt file ``path`` read as training
+    reads it (:func:`flowforge.data.peer_prompts.unified_row`: a ``.txt`` line, a JSONL row without ``metadata``,
+    a unified-schema row), ``(None, problem)`` for a line that is not JSON."""
+    try:
+        return unified_row(path, index, text), None
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+
+
+def read_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """``(line number, row, problem)`` of every non-blank line of prompt file ``path`` (:func:`read_lines` +
+    :func:`parse_row`): ``row`` is None and ``problem`` says why for a line that is not UTF-8 or not JSON.
+
+    Raises:
+        UserError: the file cannot be opened or read.
+    """
+    for index, (number, text, problem) in enumerate(read_lines(path)):
+        row, problem = (None, problem) if problem else parse_row(path, index, text)
+        yield number, row, problem
+
+
+def input_file(source: str | Path, what: str) -> Path:
+    """The prompt file ``source`` names, as training resolves it (:func:`flowforge.data.prompts.prompt_file`:
+    ``demo:train``, a dataset directory's train split).
+
+    Raises:
+        UserError: it is not a file (``what`` names the option, e.g. ``--train``), or not a known demo set.
+    """
+    try:
+        path = prompt_file(source)
+    except ValueError as exc:
+        raise UserError(what, str(exc), "give a prompt file") from None
+    if not path.is_file():
+        raise UserError(path, "is not a file", "give a .txt (one prompt a line) or JSONL prompt file, or a dataset "
+                                               "directory with " + " / ".join(TRAIN_FILES))
+    return path
 
 
 def rebase_media(metadata: dict[str, Any], src_dir: Path, dst_dir: Path) -> dict[str, Any]:

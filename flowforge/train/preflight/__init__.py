@@ -11,7 +11,8 @@ files against the task, each algorithm's own rules (:meth:`flowforge.objectives.
 reward-hacking guard and the rollout chunking (:func:`flowforge.train.preflight.rules.run_rules`).
 
 With ``this_machine=True`` (the default; ``flowforge check`` and ``train``) it also checks the config against this
-machine: ``run.device`` exists, ``model.path`` is a model directory (a Hub id not in the local cache is a warning, a
+machine: ``run.device`` exists, the prompt files are there (absent ones are only warnings without it),
+``model.path`` is a model directory (a Hub id not in the local cache is a warning, a
 problem offline), output and cache directories are directories, an explicit ``train.resume`` is committed, and one
 step's decoded media (a lower bound) fit in memory: a huge ``data.group_size`` is refused with an estimate. A world
 model's trained set behind closed coupling gates is a warning (the gates read from its weights file).
@@ -133,11 +134,12 @@ def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> Non
                         f"{list(VIDEO_TASKS)}; remove model.frames")
 
 
-def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str]) -> dict[str, int]:
+def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str], this_machine: bool) -> dict[str, int]:
     """The prompt files, when present on this machine: every row valid (images included), fitting ``model.task``,
-    and at least ``data.prompts_per_step`` training prompts. A file absent here is a warning (a config written for
-    another machine); the trainer loads it again and fails there if it is still missing. A path that is there but
-    is a directory, not a regular file (``/dev/null``) or unreadable (a symlink loop) is a problem.
+    and at least ``data.prompts_per_step`` training prompts. A file absent here is a problem naming the absolute
+    path tried (relative paths start at the working directory), or with ``this_machine=False`` (``check
+    --portable``: a config written for another machine) a warning. A path that is there but is a directory, not a
+    regular file (``/dev/null``) or unreadable (a symlink loop) is a problem either way.
 
     Returns:
         The number of prompts of each file that loaded, by key (``data.prompts`` / ``data.eval_prompts``).
@@ -147,12 +149,13 @@ def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str]) -> d
         try:
             path = resolve_prompt_path(source)
             records = load_prompts(path)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
             if os.path.islink(path):  # a link to nothing is a broken input, not a file of another machine
                 problems.append(f"{name}={source!r} is a symlink to {os.readlink(path)!r}, which does not exist")
+            elif this_machine:
+                problems.append(f"{name}={source!r}: {exc}")
             else:
-                warnings.append(f"{name}={source!r}: no such file on this machine (checked again when training "
-                                "starts)")
+                warnings.append(f"{name}={source!r}: no such file on this machine ({exc})")
             continue
         except ValueError as exc:  # a bad row or image (file, line, field), or not a readable regular file
             problems.append(f"{name}: {one_line(str(exc))}")
@@ -408,7 +411,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     _name_problems(cfg, problems)
     _task_problems(cfg, problems, warnings)
     _audio_problems(cfg, problems)
-    counts = _prompt_problems(cfg, problems, warnings)
+    counts = _prompt_problems(cfg, problems, warnings, this_machine)
     _model_path_problems(cfg, problems, warnings, this_machine)
     _trained_step_problems(cfg, problems)
     _batch_problems(cfg, world, problems)

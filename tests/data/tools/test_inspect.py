@@ -111,3 +111,35 @@ def test_bad_invocations_exit_2(tmp_path, cli, write_rows, make_row):
     assert rc == 2 and "same file" in err
     with pytest.raises(ValueError, match="neither"):
         inspect_files()
+
+
+def test_every_prompt_source_train_reads_is_inspected_as_train_reads_it(tmp_path, cli, png):
+    """A .txt file (one prompt a line, a repeated line included), JSONL rows without metadata (an image row is i2i)
+    and a dataset directory: clean, with as many records as load_prompts reads; curate takes the .txt as well."""
+    from flowforge.data.prompts import load_prompts
+
+    png(tmp_path / "cond.png")
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("a handwritten seven\n\nthe number 3, written neatly\na handwritten seven\n")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "a red cube", "tag": "color"}\n{"prompt": "make it blue", "image": "cond.png"}\n')
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "train.txt").write_text("a cat\na dog\n")
+    rc, out, _ = cli("inspect", "--train", txt, "--eval", plain, "--decode-media")
+    assert rc == 0, out
+    assert out == f"clean: {txt} (3 records), {plain} (2 records); 1 media file decoded\n"
+    assert [len(load_prompts(p)) for p in (txt, plain)] == [3, 2]
+    rc, out, _ = cli("inspect", "--train", dataset)
+    assert (rc, out) == (0, f"clean: {dataset / 'train.txt'} (2 records)\n")
+    rc, out, _ = cli("curate", "--input", txt, "--out-dir", tmp_path / "out", "--min-prompt-words", "0",
+                     "--eval-size", "1", "--eval-subset-sizes")
+    assert rc == 0 and out.startswith("read 3, kept 2"), out  # the repeated line is one content
+
+
+def test_a_txt_line_is_not_json_and_a_missing_source_names_it(tmp_path, cli):
+    txt = tmp_path / "p.txt"
+    txt.write_text('{"prompt": "not parsed as JSON in a .txt file"}\n')
+    assert cli("inspect", "--train", txt)[0] == 0
+    rc, _, err = cli("inspect", "--train", tmp_path / "nope.txt")
+    assert rc == 2 and err.startswith(f"error: {tmp_path / 'nope.txt'}: is not a file")

@@ -1,0 +1,58 @@
+"""Command-line overrides: a mapping merges into the file's, ``!{...}`` replaces it (the README's remote example)."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from flowforge.config import ConfigError, load_config
+from flowforge.train.preflight import preflight
+
+REPO = Path(__file__).resolve().parents[2]
+GRPO = REPO / "examples" / "digits" / "grpo.yaml"
+
+
+def readme_remote_example() -> list[str]:
+    """The README's remote-reward ``flowforge train`` command line, continuation lines joined, as argv."""
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"^flowforge train examples/digits/grpo\.yaml ['\"]reward\.weights=.*?(?<!\\)\n", text,
+                      flags=re.M | re.S)
+    assert match, "README's remote-reward example not found"
+    return shlex.split(match.group(0).replace("\\\n", " "))
+
+
+def test_readme_remote_example_trains_on_the_remote_reward_alone():
+    argv = readme_remote_example()
+    assert argv[:3] == ["flowforge", "train", "examples/digits/grpo.yaml"]
+    cfg = load_config(REPO / argv[2], argv[3:])
+    assert cfg.reward.weights == {"remote": 1.0}  # the file's digit: 1.0 is gone
+    assert cfg.reward.options["remote"]["components"] == ["digit"]
+    preflight(cfg, this_machine=False)  # required components all have weights
+
+
+def test_a_plain_mapping_merges_into_the_files():
+    cfg = load_config(GRPO, ["reward.weights={remote: 1.0}"])
+    assert cfg.reward.weights == {"digit": 1.0, "remote": 1.0}
+    assert load_config(GRPO, ["reward.weights={digit: 0.5}"]).reward.weights == {"digit": 0.5}
+
+
+def test_replace_a_whole_section_falls_back_to_the_defaults():
+    cfg = load_config(GRPO, ["reward=!{weights: {jpeg_compressibility: 1.0}}"])
+    assert cfg.reward.weights == {"jpeg_compressibility": 1.0} and cfg.reward.required == ()
+    # a later key lands inside the replacement
+    cfg = load_config(GRPO, ["reward.weights=!{remote: 1.0}", "reward.weights.jpeg_compressibility=0.5",
+                             "reward.required=[]"])
+    assert cfg.reward.weights == {"remote": 1.0, "jpeg_compressibility": 0.5}
+
+
+@pytest.mark.parametrize("value, kind", [("![digit]", "list"), ("!1.0", "float"), ("!digit", "str"), ("!", "str")])
+def test_replace_marker_before_a_non_mapping_is_one_problem(value, kind):
+    with pytest.raises(ConfigError) as err:
+        load_config(GRPO, [f"reward.weights={value}"])
+    assert err.value.problems == [f"override 'reward.weights={value}': '!' (replace instead of merge) goes only "
+                                  f"before a mapping '{{...}}', not a {kind}; other values always replace"]
+
+
+def test_a_yaml_tag_is_not_the_replace_marker():
+    assert load_config(None, ["run.name=!!str 123"]).run.name == "123"
