@@ -103,3 +103,18 @@ def test_an_unreachable_judge_ends_train_saying_so_not_blaming_nan_rewards(tiny_
     assert "check vlm_judge base_url" in last
     # before it: progress lines and the judge's own line for each group it could not score
     assert all(PROGRESS_LINE.match(line) or "vlm_judge: request" in line for line in lines[:-1]), err
+
+
+def test_a_paid_scorer_only_in_eval_scorers_needs_eval_teacher_groups():
+    """Evaluation would never ask it: refused, naming eval.scorers and eval.teacher_groups."""
+    from flowforge.config import load_config
+    from flowforge.runtime.errors import UserError
+    from flowforge.train.scorer_checks import check_paid_scorers
+
+    paid = type("Paid", (), {"paid": True})()
+    cfg = load_config(None, ["eval.scorers=[judge]"])
+    with pytest.raises(UserError, match=r"eval.scorers: \['judge'\] are paid scorers .* eval.teacher_groups=0"):
+        check_paid_scorers({"judge": paid}, cfg.eval, {"digit": 1.0})
+    check_paid_scorers({"judge": paid}, load_config(None, ["eval.scorers=[judge]", "eval.teacher_groups=1"]).eval,
+                       {"digit": 1.0})
+    check_paid_scorers({"judge": paid}, cfg.eval, {"judge": 1.0})  # a training reward: scored in training
