@@ -17,8 +17,10 @@ from the condition ledger and, in stage C, teacher audits of the student.
 6. **finish** -- the conditions are marked ``trained_on`` with the policy version after the update (the optimizer
    steps so far), unless the step was skipped.
 
-Evaluation never calls a paid judge (a scorer with ``paid = True``: the teacher) unless ``eval.teacher_groups`` asks
-for it: then it scores the groups of the first that many held-out prompts, billed against the budget.
+Evaluation, as in every run, never calls a paid judge (a scorer with ``paid = True``: the teacher) unless
+``eval.teacher_groups`` asks for it: then it scores the groups of the first that many held-out prompts, billed against
+the budget (:class:`~flowforge.rewards.processor.RewardProcessor`, ``paid_groups``); here its requests are bound as
+the stage's ``eval``.
 
 Audits (:class:`Auditor`): the teacher scores every group of an audited step; agreement with the student's scores of
 the same candidates (:func:`flowforge.reward_model.evaluate.agreement`: within-group Spearman, pairwise accuracy,
@@ -48,7 +50,6 @@ import torch
 
 from flowforge.orchestrate.ledger import ConditionLedger
 from flowforge.reward_model.evaluate import agreement, tie_blocks
-from flowforge.rewards.processor import RewardProcessor
 from flowforge.runtime.distributed import (all_gather_objects, all_reduce_processes, broadcast_from_main,
                                             portable_error)
 from flowforge.runtime.durable import fsync_path
@@ -351,46 +352,15 @@ class StageTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        """The held-out eval, paid judges only on its first ``eval.teacher_groups`` groups (module docstring)."""
-        self._eval_step = step
-        try:
-            return super().evaluate(step)
-        finally:
-            self._eval_step = None
-
-    def score_media(self, media, records, group_ids, dist=None, audio=None):
-        """Training: every component. Evaluation (:meth:`evaluate`): the free components and ``eval.scorers`` on
-        every held-out group, a paid judge (``paid = True``: the teacher) on the groups of the first
-        ``eval.teacher_groups`` prompts only (bound as ``eval``: its requests are billed against the budget), NaN
-        elsewhere -- so ``eval/<judge>`` is its mean over those groups, absent when there are none. ``audio`` (an
-        audio-video model's :class:`~flowforge.rewards.base.AudioBatch`, rows as ``media``) goes with its rows."""
-        step = getattr(self, "_eval_step", None)
-        if step is None:
-            return super().score_media(media, records, group_ids, dist, audio=audio)
-        scorers = self.rewards.scorers
-        free = {n: s for n, s in scorers.items() if not getattr(s, "paid", False)}
-        paid = {n: s for n, s in scorers.items() if n not in free}
-        for scorer in free.values():  # a free judge (C's student) is asked for the eval too: its ledger says so
+        """The held-out eval of every run (paid judges on the first ``eval.teacher_groups`` groups only:
+        :meth:`Trainer.evaluate <flowforge.train.trainer.Trainer.evaluate>`), its judge requests bound as ``eval``
+        of this stage and step: a paid judge's are billed against the budget, a free judge's (C's student) are
+        recorded in its ledger as well."""
+        for scorer in self.rewards.scorers.values():
             bind = getattr(scorer, "bind", None)
             if callable(bind):
                 bind(stage=self.stage, purpose="eval", step=step, policy_version=self.policy_version)
-        components, metrics = (RewardProcessor(free, {}, batch_size=self.cfg.reward.batch_size)(
-            media, [r.prompt for r in records], [r.metadata for r in records], group_ids, audio=audio)
-            if free else ({}, {}))
-        rows = torch.nonzero(group_ids < self.cfg.eval.teacher_groups).view(-1)
-        if paid and rows.numel():
-            for scorer in paid.values():
-                bind = getattr(scorer, "bind", None)
-                if callable(bind):
-                    bind(stage=self.stage, purpose="eval", step=step, policy_version=self.policy_version)
-            sub, _ = RewardProcessor(paid, {}, batch_size=self.cfg.reward.batch_size)(
-                media[rows], [records[i].prompt for i in rows.tolist()], [records[i].metadata for i in rows.tolist()],
-                group_ids[rows], audio=None if audio is None else audio.index(rows.tolist()))
-            for name, values in sub.items():
-                full = torch.full((len(records),), math.nan, device=values.device)
-                full[rows.to(values.device)] = values
-                components[name] = full
-        return components, metrics
+        return super().evaluate(step)
 
     def finish_step(self, step, batch, media, local, adv_metrics, times):
         if not local.get("train/skipped", 0.0):

@@ -74,6 +74,8 @@ def read_run_info(run_dir: Path) -> RunInfo:
 
 GUARD_PREFIX = "eval/guard_"
 """Keys the reward-hacking guard logs with the evaluation that stopped a run (:mod:`flowforge.train.guard`)."""
+BILLED_PREFIX = "eval/billed/"
+"""``eval/billed/<name>``: requests a paid scorer billed in one evaluation (a count, never a headline score)."""
 
 
 def guard_key(eval_rows: Sequence[Row] | None, info: RunInfo) -> str | None:
@@ -107,7 +109,7 @@ def headline_key(eval_rows: Sequence[Row] | None, info: RunInfo) -> str | None:
         if f"eval/{name}" in keys:
             return f"eval/{name}"
     rest = sorted(k for k in keys if k not in ("eval/diversity", "eval/sample_change")
-                  and not k.startswith(GUARD_PREFIX))
+                  and not k.startswith((GUARD_PREFIX, BILLED_PREFIX)))
     return rest[0] if rest else None
 
 
@@ -151,6 +153,28 @@ def _mfu_line(train_rows: Sequence[Row]) -> str:
     return (f"MFU {median('perf/mfu'):.2%} (rollout {median('perf/mfu_rollout'):.2%}, update "
             f"{median('perf/mfu_update'):.2%}), {median('perf/tflops'):.4g} TFLOP/s, median over steps, of a peak "
             f"of {median('perf/peak_tflops'):.4g} TFLOP/s (train.log says whether measured or from the datasheet)")
+
+
+def billed_line(train_rows: Sequence[Row] | None, eval_rows: Sequence[Row] | None, info: RunInfo) -> str | None:
+    """Every billed request of the run per scorer: the training steps' ``reward/<name>_billed`` plus the
+    evaluations' ``eval/billed/<name>`` (each a count of its own step or evaluation), beside the scorer's
+    ``max_billed`` and ``eval.teacher_groups``; None when no scorer counts billed requests."""
+    def total(rows: Sequence[Row] | None, key: str) -> int:
+        return int(sum(v for r in rows or [] if math.isfinite(v := r.get(key, math.nan))))
+
+    names = dict.fromkeys([k[len("reward/"):-len("_billed")] for r in train_rows or [] for k in r
+                           if k.startswith("reward/") and k.endswith("_billed")]
+                          + [k[len(BILLED_PREFIX):] for r in eval_rows or [] for k in r if k.startswith(BILLED_PREFIX)])
+    if not names:
+        return None
+    cfg, parts = info.cfg, []
+    for name in names:
+        train, evals = total(train_rows, f"reward/{name}_billed"), total(eval_rows, BILLED_PREFIX + name)
+        cap = cfg.reward.options.get(name, {}).get("max_billed") if cfg is not None else None
+        parts.append(f"{name}: {train + evals} billed requests ({train} in training, {evals} in evaluation)"
+                     + (f" of max_billed {cap}" if cap else " (no max_billed cap)" if cap == 0 else ""))
+    groups = f"; eval.teacher_groups={cfg.eval.teacher_groups}" if cfg is not None else ""
+    return "; ".join(parts) + groups
 
 
 def _checkpoints(run_dir: Path) -> str:
@@ -232,6 +256,9 @@ def summary_section(run_dir: Path, info: RunInfo, train_rows: list[Row] | None, 
     if train_rows and any("perf/mfu" in r for r in train_rows):
         rows.append(("compute (perf/mfu)", esc(_mfu_line(train_rows))))
     rows.append(("checkpoints", esc(_checkpoints(run_dir))))
+    billed = billed_line(train_rows, eval_rows, info)
+    if billed is not None:
+        rows.append(("budget: billed requests", esc(billed)))
     if info.cfg is not None:
         c = info.cfg
         reward = " + ".join(f"{w:g} {name}" for name, w in c.reward.weights.items())

@@ -14,7 +14,10 @@ Scorers set ``needs_group = True`` when they must see a whole group of candidate
 VLM judges comparing candidates); the reward processor then gathers the group before calling them. A scorer that
 cannot score without some metadata entries (nothing in the prompt or the pixels stands in for them) lists their keys
 in ``metadata_keys`` (optional, default none): ``flowforge serve judge``, whose requests carry only the prompt and
-the frames, refuses such a scorer at start-up, naming them. Advantages are
+the frames, refuses such a scorer at start-up, naming them. A scorer whose calls cost money sets ``paid = True``
+(``vlm_judge`` does unless its option ``paid: false`` says otherwise, e.g. the pipeline's own student): evaluation
+asks it only for the first ``eval.teacher_groups`` held-out groups (default 0: never), in every run
+(:class:`~flowforge.rewards.processor.RewardProcessor`, ``paid_groups``). Advantages are
 not computed here (see ``flowforge.algorithms.advantages``). Where scoring sits in the training loop:
 ``docs/architecture.md``, section "Rewards".
 """
@@ -72,6 +75,12 @@ def takes_video(scorer: Any) -> bool:
     """Whether ``scorer`` declares ``takes_video = True``: it scores whole videos ``[B, 3, F, H, W]`` (e.g. motion
     across frames); every other scorer sees a video batch as its frames and its scores are averaged per video."""
     return bool(getattr(scorer, "takes_video", False))
+
+
+def is_paid(scorer: Any) -> bool:
+    """Whether ``scorer`` declares ``paid = True``: each call costs money (a hosted VLM judge), so evaluation asks it
+    only for the groups ``eval.teacher_groups`` allows (module docstring)."""
+    return bool(getattr(scorer, "paid", False))
 
 
 def takes_audio(scorer: Any) -> bool:

@@ -33,6 +33,11 @@ further (``reward.overlap``): a group is sent while the media of later groups ar
 
 Group scorers see whole groups: one call per group id; with ``dist`` (under ``torchrun``) groups that straddle ranks
 are gathered to one rank, scored and the scores sent back (:mod:`flowforge.rewards.groups`).
+
+Paid scorers (``paid = True``, :func:`~flowforge.rewards.base.is_paid`: ``vlm_judge``): a call with ``paid_groups=N``
+(the trainer's evaluation passes ``eval.teacher_groups``, in every run) asks them only for the rows of the ``N``
+smallest group ids -- NaN elsewhere, and no component at all with ``N = 0`` (nothing is sent); their metrics are
+then over the rows they scored. ``paid_groups=None`` (training) asks every scorer for every row.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import (AudioBatch, RewardScorer, check_batch_size, check_media_batch, takes_audio,
-                                    takes_video)
+from flowforge.rewards.base import (AudioBatch, RewardScorer, check_batch_size, check_media_batch, is_paid,
+                                    takes_audio, takes_video)
 from flowforge.rewards.groups import (call_scorer, clear_error, local_chunks, score_groups_across_ranks,
                                       score_local)
 from flowforge.runtime.distributed import DistInfo
@@ -164,6 +169,7 @@ class RewardProcessor:
         *,
         dist: DistInfo | None = None,
         audio: AudioBatch | None = None,
+        paid_groups: int | None = None,
     ) -> tuple[dict[str, Tensor], dict[str, float]]:
         """Score ``media`` with every component.
 
@@ -176,6 +182,9 @@ class RewardProcessor:
                 for group scorers: every rank must call); ``None`` scores this process's batch alone.
             audio: the sound of each sample (an audio-video model), for ``takes_audio`` components (scored in this
                 process, group scorers per local group).
+            paid_groups: ``None``: every scorer scores every row. An int ``N >= 0``: paid scorers score only the rows
+                of the ``N`` smallest group ids (NaN elsewhere; left out of ``components`` when that is no row) --
+                evaluation (module docstring). Needs ``group_ids``; one process (not with an enabled ``dist``).
 
         Returns:
             ``(components, metrics)``: ``components[name]`` is ``[B]`` float32 on ``media``'s device (NaN = not
@@ -183,11 +192,14 @@ class RewardProcessor:
 
         Raises:
             ValueError: bad inputs; a scorer returned the wrong shape; a required component scored NaN (the message
-                names the component and the first offending sample index).
+                names the component and the first offending sample index); ``paid_groups`` without ``group_ids``,
+                negative, or with an enabled ``dist``.
         """
         batch = check_media_batch(media, prompts, metadata)
         if group_ids is not None and (group_ids.dim() != 1 or group_ids.shape[0] != batch):
             raise ValueError(f"group_ids must have shape [{batch}], got {tuple(group_ids.shape)}")
+        if paid_groups is not None and (group_ids is None or paid_groups < 0 or (dist is not None and dist.enabled)):
+            raise ValueError(f"paid_groups={paid_groups!r} needs group_ids, a value >= 0 and one process")
         prompts, metadata = list(prompts), list(metadata)
         group_cpu = None if group_ids is None else group_ids.detach().cpu()
         components: dict[str, Tensor] = {}
@@ -195,13 +207,26 @@ class RewardProcessor:
         _sync(media.device)
         call_start = time.perf_counter()
         for name, scorer in self.scorers.items():
+            rows = None
+            if paid_groups is not None and is_paid(scorer):  # evaluation: a paid scorer on the groups allowed only
+                rows = torch.nonzero(torch.isin(group_cpu, torch.unique(group_cpu)[:paid_groups])).view(-1)
+                if not rows.numel():
+                    continue
             start = time.perf_counter()
             clear_error(scorer)
-            scores, flags, groups = self.score_component(name, scorer, media, prompts, metadata, group_cpu, dist,
-                                                         audio)
+            if rows is None:
+                scores, flags, groups = self.score_component(name, scorer, media, prompts, metadata, group_cpu, dist,
+                                                             audio)
+                components[name] = scores
+            else:
+                kept = rows.tolist()
+                scores, flags, groups = self.score_component(
+                    name, scorer, media[rows.to(media.device)], [prompts[i] for i in kept],
+                    [metadata[i] for i in kept], group_cpu[rows], None, None if audio is None else audio.index(rows))
+                components[name] = torch.full((batch,), math.nan, dtype=scores.dtype, device=scores.device)
+                components[name][rows.to(scores.device)] = scores
             _sync(media.device)
             metrics[f"reward/{name}_time"] = time.perf_counter() - start
-            components[name] = scores
             # a single-client scorer under torchrun (the judge) did every rank's work on rank 0: the other ranks'
             # counters are NaN, so the mean over ranks that have a value is rank 0's count, not a share of it
             own = not (dist is not None and dist.enabled and not dist.is_main and group_cpu is not None
@@ -240,6 +265,21 @@ class RewardProcessor:
         for key, value in (pop() if callable(pop) else {}).items():
             metrics[f"reward/{name}_{key}"] = float(value) if own_counters else math.nan
         return metrics
+
+    def check_finite(self, components: Mapping[str, Tensor], names: Sequence[str]) -> None:
+        """Refuse NaN / inf scores in the components ``names`` (the weighted ones of a run that cannot drop a group),
+        naming the component, how many samples, and why when its scorer knows (``last_error``: e.g. an unreachable
+        judge), instead of a bare non-finite reward.
+
+        Raises:
+            ValueError: a component in ``names`` holds a non-finite score.
+        """
+        for name in names:
+            bad = ~torch.isfinite(components[name])
+            if bool(bad.any()):
+                cause = getattr(self.scorers.get(name), "last_error", None)
+                raise ValueError(f"reward component {name!r} scored NaN/inf for {int(bad.sum())} of {bad.numel()} "
+                                 "samples" + (f": {cause}" if cause else "; rewards must be finite"))
 
     def stream(self, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], group_ids: Tensor):
         """A :class:`~flowforge.rewards.stream.ScoreStream` for one batch of ``B`` samples whose media arrive in

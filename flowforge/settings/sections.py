@@ -291,7 +291,9 @@ class EvalConfig(Section):
     scorers: tuple[str, ...] = ()  # eval-only scorers beside the reward components (e.g. digit_eval)
     max_prompts: int | None = None
     batch_size: int = 32
-    teacher_groups: int = 0  # pipeline stages: held-out groups (first prompts) a paid judge scores per eval; 0: none
+    # every run: held-out groups (first prompts) a paid scorer (vlm_judge, paid=True) scores per eval, billed;
+    # 0: evaluation uses the free scorers only
+    teacher_groups: int = 0
 
     def problems(self) -> list[str]:
         c = Checks(self)

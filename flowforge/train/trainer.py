@@ -34,7 +34,6 @@ from tqdm import tqdm
 from flowforge import config as config_lib
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.dtypes import resolve_dtype
-from flowforge.runtime.errors import UserError
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
@@ -47,13 +46,12 @@ from flowforge.report.grids import save_eval_grid
 from flowforge.report.world_strips import real_clips, write_real_strips
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter
-from flowforge.models.base import AudioDecoding, Conditioning
+from flowforge.models.base import Conditioning
 from flowforge.objectives import OBJECTIVES, TrainBatch
 from flowforge.objectives.anchors import anchor_policy_bank, build_anchor
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
 from flowforge.settings import resume_fingerprint
 from flowforge.train.preflight import check_loaded_model, preflight
-from flowforge.rewards.base import takes_audio
 from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
 from flowforge.rollout import (Trajectory, candidate_noise, decode_audio, decode_media, generate, rollout_chunked,
@@ -66,6 +64,7 @@ from flowforge.train.sidecars import SidecarWriter
 from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
 from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
 from flowforge.train.run_lifecycle import RunDirectory
+from flowforge.train.scorer_checks import check_audio_scorers, check_paid_scorers
 
 log = logging.getLogger("flowforge")
 
@@ -86,21 +85,6 @@ class StepBatch:
 def _encode(adapter, records: list[PromptRecord], cache_dir: str):
     prompts = [r.prompt for r in records]
     return encode_cached(adapter.encode, adapter.encoder_id, prompts, Path(cache_dir), batch_size=64)
-
-
-def check_audio_scorers(scorers: dict, adapter, overlap: bool) -> None:
-    """Refuse scorers that take audio (``takes_audio``) when the model makes none or ``reward.overlap`` is on.
-
-    Raises:
-        UserError: naming the scorers and ``model.adapter`` / ``reward.overlap``.
-    """
-    audio = sorted(n for n, s in scorers.items() if takes_audio(s))
-    if audio and not isinstance(adapter, AudioDecoding):
-        raise UserError("model.adapter", f"{type(adapter).__name__} produces no audio, but reward components "
-                        f"{audio} score audio (takes_audio)", "use an audio-video family (ltx2) or drop them")
-    if audio and overlap:
-        raise UserError("reward.overlap", f"true, but reward components {audio} score audio, which the overlapped "
-                        "score stream does not carry", "set reward.overlap=false")
 
 
 class Trainer(RunDirectory):
@@ -201,6 +185,7 @@ class Trainer(RunDirectory):
         names = list(dict.fromkeys([*r.weights, *cfg.eval.scorers]))
         scorers = {n: build_scorer(n, run_dir=self.run_dir, **r.options.get(n, {})) for n in names}
         check_audio_scorers(scorers, self.adapter, r.overlap)
+        check_paid_scorers(scorers, cfg.eval, r.weights)
         self.rewards = RewardProcessor(scorers, r.weights, r.required, batch_size=r.batch_size)
         self.guard = RewardHackingGuard.from_config(cfg, self.run_dir, is_main=self.dist.is_main)  # guard.patience
         self.logger = None  # opened by _accept_run: nothing is written before the command is accepted
@@ -287,14 +272,15 @@ class Trainer(RunDirectory):
         return media, components, metrics
 
     def score_media(self, media: torch.Tensor, records: list[PromptRecord], group_ids: torch.Tensor,
-                    dist: dist_lib.DistInfo | None = None, audio=None):
+                    dist: dist_lib.DistInfo | None = None, audio=None, paid_groups: int | None = None):
         """Every reward component ``[B]`` of decoded media and the reward metrics. Video ``[B, 3, F, H, W]`` goes
         whole to scorers that take video (``takes_video``, e.g. ``action_following``), frame by frame (averaged per
         video) to the others. With ``dist`` (training: every rank scores its share together) group scorers see groups
         that straddle ranks whole. ``audio`` (an audio-video model's :class:`~flowforge.rewards.base.AudioBatch`)
-        goes to the scorers that take audio."""
+        goes to the scorers that take audio. ``paid_groups``: paid scorers only on that many groups (evaluation,
+        :class:`~flowforge.rewards.processor.RewardProcessor`)."""
         return self.rewards(media, [r.prompt for r in records], [r.metadata for r in records], group_ids, dist=dist,
-                            audio=audio)
+                            audio=audio, paid_groups=paid_groups)
 
     def advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
         """Stage 4: group-relative advantages (combined over components, clipped) and the weighted total reward,
@@ -304,6 +290,7 @@ class Trainer(RunDirectory):
         and every rank computes the same advantages; each keeps its own share."""
         a = self.cfg.advantage
         weights = self.cfg.reward.weights
+        self.rewards.check_finite(components, [k for k, w in weights.items() if w])  # names why (a judge down)
         canonical = torch.argsort(batch.order)
         every = {k: dist_lib.all_gather_cat(components[k][canonical], self.dist) for k in weights}
         gids = batch.global_group_ids
@@ -446,7 +433,8 @@ class Trainer(RunDirectory):
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out eval with fixed noise (eval seed, prompt index, sample index) and the ODE sampler: the mean of
-        every reward component and eval scorer, within-prompt diversity, the change since the step-0 eval
+        every reward component and eval scorer (paid ones on the first ``eval.teacher_groups`` prompts only, their
+        billed requests as ``eval/billed/<name>``), within-prompt diversity, the change since the step-0 eval
         (``eval/sample_change``), and a sample grid ``samples/step_N.png``.
         Every rank generates (sharded forwards run in lockstep); rank 0 scores and logs."""
         e = self.cfg.eval
@@ -467,8 +455,10 @@ class Trainer(RunDirectory):
         if not self.dist.is_main:
             return {}
         records = [self.eval_prompts[i] for i in prompt_idx.tolist()]
-        components, _ = self.score_media(images, records, prompt_idx, audio=audio)
+        components, metrics = self.score_media(images, records, prompt_idx, audio=audio, paid_groups=e.teacher_groups)
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
+        scalars.update({f"eval/billed/{n}": metrics[f"reward/{n}_billed"] for n in components
+                        if f"reward/{n}_billed" in metrics})
         scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
         change = self.start_samples.measure(step, images)
         if change is not None:

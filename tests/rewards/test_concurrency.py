@@ -104,7 +104,8 @@ def test_a_failing_judge_group_is_nan_and_counted_or_an_error_when_required(tmp_
     nan = torch.isnan(components["vlm_judge"])
     assert nan.tolist() == (ids == 2).tolist()
     assert metrics["reward/vlm_judge_failures"] == 1 and metrics["reward/vlm_judge_nan_fraction"] == 0.25
-    assert str(error.value) == "required reward component 'vlm_judge' scored NaN for sample 2 (4 of 16 samples are NaN)"
+    assert str(error.value).startswith("required reward component 'vlm_judge' scored NaN for sample 2 (4 of 16 samples "
+                                       f"are NaN): the judge at {url}/ gave a group no scores (failed: HTTP 500: ")
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])

@@ -63,6 +63,28 @@ def test_processor_nan_in_required_component_names_component_and_sample():
         processor(*_batch(4))
 
 
+def test_paid_scorers_score_only_the_first_paid_groups_and_none_with_zero():
+    """Evaluation (``paid_groups``): a ``paid = True`` scorer is asked only for the rows of the N smallest group ids,
+    NaN elsewhere, and not at all with 0; a free scorer scores every row either way."""
+    paid = _Constant("judge", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    paid.needs_group, paid.paid = True, True
+    free = _Constant("free", [1.0] * 6)
+    processor = RewardProcessor({"free": free, "judge": paid}, {"judge": 1.0})
+    ids = torch.tensor([2, 2, 0, 0, 1, 1])
+    components, metrics = processor(*_batch(6), group_ids=ids, paid_groups=2)
+    assert paid.calls == [[2, 3], [4, 5]] and free.calls == [[0, 1, 2, 3, 4, 5]]
+    torch.testing.assert_close(components["judge"], torch.tensor([math.nan, math.nan, 0.3, 0.4, 0.5, 0.6]),
+                               equal_nan=True)
+    assert metrics["reward/judge_groups_scored"] == 2 and metrics["reward/judge_nan_fraction"] == 0.0
+    paid.calls.clear()
+    components, metrics = processor(*_batch(6), group_ids=ids, paid_groups=0)
+    assert paid.calls == [] and list(components) == ["free"] and "reward/judge_mean" not in metrics
+    components, _ = processor(*_batch(6), group_ids=ids)  # training: every row
+    assert paid.calls == [[2, 3], [4, 5], [0, 1]] and not torch.isnan(components["judge"]).any()
+    with pytest.raises(ValueError, match="paid_groups=1 needs group_ids"):
+        processor(*_batch(6), paid_groups=1)
+
+
 def test_processor_calls_group_scorers_once_per_group():
     scorer = _Constant("rank", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
     scorer.needs_group = True

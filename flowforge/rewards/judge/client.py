@@ -27,6 +27,8 @@ Per group, in order:
    lost) scores NaN for all its candidates and is counted in ``failures``: the trainer drops it with zero weight.
    A wrong URL, key or model (401 / 403 / 404) raises :class:`JudgeError`; a spent budget
    (``max_billed``) raises :class:`~flowforge.rewards.judge.ledger.BudgetExhausted` before the step sends anything.
+   Why the last group without scores has none is kept in ``last_error`` (e.g. the judge is unreachable: every
+   attempt's connection failed), which a run that cannot drop the group quotes in its error.
 
 Metrics since the last :meth:`VLMJudge.pop_metrics` (the reward processor logs them as ``reward/<name>_<metric>``):
 ``requests_sent`` (HTTP attempts started), ``billed`` (of them, billed), ``served_from_ledger`` (groups),
@@ -53,6 +55,7 @@ from torch import Tensor
 
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.ledger import BudgetExhausted, LedgerEntry, RequestLedger, Slot
+from flowforge.runtime.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +64,13 @@ LEDGER_FILE = Path("judge") / "ledger.sqlite"
 MEDIA_DIR = Path("judge") / "media"
 """Where the sent frames are kept (``<sha256[:2]>/<sha256>.jpg``), next to the ledger that names them."""
 RETRY_STATUS = frozenset({408, 409, 429})
-FATAL_STATUS = frozenset({401, 403, 404})
+FATAL_WHAT = {401: "refused the token", 403: "refused the token's access", 404: "has no such model or route"}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
-class JudgeError(RuntimeError):
-    """The judge cannot work at all (bad credentials, URL or model name): an error, never a reward."""
+class JudgeError(ValueError):
+    """The judge cannot work at all (bad credentials, URL or model name): an error, never a reward. A ``ValueError``:
+    the judge's options are at fault, reported by the command line in one line (exit 2)."""
 
 
 class _Unanswered(Exception):
@@ -154,6 +158,7 @@ class VLMJudge:
                 raise ValueError(f"vlm_judge: environment variable {api_key_env} (api_key_env) is not set")
         self.model, self.frames, self.max_side, self.quality = model, frames, max_side, jpeg_quality
         self.max_attempts, self.backoff, self.paid = max_attempts, retry_backoff_s, bool(paid)
+        self.api_key_env, self.last_error = api_key_env, None  # last_error: why the last group without scores has none
         self.max_concurrency, self.seed, self.max_billed = max_concurrency, seed, max_billed
         self.settings = dict(temperature=float(temperature), max_tokens=max_tokens, seed=seed, frames=frames,
                              max_side=max_side, jpeg_quality=jpeg_quality)
@@ -230,9 +235,9 @@ class VLMJudge:
             else:
                 todo[group.key] = (group, self.max_attempts - billed)
         if self.max_billed and len(todo) > self.max_billed - ledger.billed():
-            raise BudgetExhausted(f"the judge's budget of {self.max_billed} billed requests cannot pay for "
-                                  f"{len(todo)} more groups ({ledger.billed()} spent, in {ledger.path}); nothing "
-                                  "was sent")
+            raise BudgetExhausted(f"vlm_judge max_billed={self.max_billed}: the judge's budget of {self.max_billed} "
+                                  f"billed requests cannot pay for {len(todo)} more groups ({ledger.billed()} spent, "
+                                  f"in {ledger.path}); nothing was sent; raise max_billed to continue")
         decided.update(zip(todo, self._map(lambda item: self._ask(*item), list(todo.values())), strict=True))
         out = []
         for (media, _, _), group in zip(groups, prepared, strict=True):
@@ -365,6 +370,7 @@ class VLMJudge:
                      slot=group.slot)
         messages: list[dict] = [{"role": "user", "content": group.content}]
         answers: list[dict] = []
+        outcomes: list[str] = []  # each attempt's: all connection errors = the judge is unreachable
         usage, latency, scores, kind, error = [0, 0], 0.0, None, "first", ""
         for attempt in range(attempts_left):
             try:
@@ -376,6 +382,7 @@ class VLMJudge:
             try:
                 text, body, used, seconds = self._send(messages)
             except _Unanswered as exc:
+                outcomes.append(exc.outcome)
                 ledger.finish_attempt(row, exc.outcome, billed=exc.billed, http_status=exc.status, error=str(exc),
                                       latency_s=exc.seconds)
                 self._count(billed=int(exc.billed), latency_total=exc.seconds)
@@ -404,8 +411,12 @@ class VLMJudge:
                 kind = "repair"
         status = "ok" if scores is not None else "malformed" if answers else "failed"
         if scores is None:
-            log.warning("vlm_judge: request %s has no scores (%s) after its attempts: %s", group.key[:12], status,
-                        error or answers[-1]["verdict"])
+            why = error or answers[-1]["verdict"]
+            log.warning("vlm_judge: request %s has no scores (%s) after its attempts: %s", group.key[:12], status, why)
+            self.last_error = (f"the judge at {self.client.base_url} is unreachable ({why}) after {len(outcomes)} "
+                               "attempts; check vlm_judge base_url and that the server is up"
+                               if outcomes and set(outcomes) == {"connection_error"} and not answers else
+                               f"the judge at {self.client.base_url} gave a group no scores ({status}: {why})")
         ledger.finish(group.key, status, scores=None if scores is None else dict(zip(group.labels, scores,
                                                                                         strict=True)),
                       response=answers, tokens=(usage[0], usage[1]), latency_s=latency,
@@ -446,9 +457,10 @@ class VLMJudge:
                               billed=not refused, retry=True, seconds=time.perf_counter() - start) from exc
         except oa.APIStatusError as exc:
             status, body = exc.status_code, exc.response.text[:500]
-            if status in FATAL_STATUS:
-                raise JudgeError(f"judge at {self.client.base_url} refused the request (HTTP {status}): "
-                                 f"{body}") from exc
+            if status in FATAL_WHAT:
+                token = f" from api_key_env={self.api_key_env}" if status in (401, 403) and self.api_key_env else ""
+                raise JudgeError(f"vlm_judge: the judge at {self.client.base_url} {FATAL_WHAT[status]}{token} "
+                                 f"(HTTP {status}; model {self.model!r}): {one_line(body)}") from exc
             raise _Unanswered(f"HTTP {status}: {body}", "http_error", billed=True, status=status,
                               retry=status >= 500 or status in RETRY_STATUS,
                               seconds=time.perf_counter() - start) from exc

@@ -92,8 +92,10 @@ _COLUMNS = ("key, model, template_sha256, status, scores_json, request_json, res
             "completion_tokens, latency_s, created_unix, stage, purpose, step, policy_version, slot, owner")
 
 
-class BudgetExhausted(RuntimeError):
-    """The ledger's billed attempts reached its budget: nothing more is sent (the message says how many)."""
+class BudgetExhausted(ValueError):
+    """The ledger's billed attempts reached its budget: nothing more is sent (the message says how many). A
+    ``ValueError``: a limit the user set (``max_billed``, ``teacher.max_requests``), reported by the command line in
+    one line (exit 2), not as an internal error."""
 
 
 @dataclasses.dataclass(frozen=True)

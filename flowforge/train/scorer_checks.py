@@ -1,0 +1,39 @@
+"""Checks of a run's reward scorers against the model and the config, once they are built (before any step)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flowforge.models.base import AudioDecoding
+from flowforge.rewards.base import is_paid, takes_audio
+from flowforge.runtime.errors import UserError
+
+
+def check_audio_scorers(scorers: dict, adapter, overlap: bool) -> None:
+    """Refuse scorers that take audio (``takes_audio``) when the model makes none or ``reward.overlap`` is on.
+
+    Raises:
+        UserError: naming the scorers and ``model.adapter`` / ``reward.overlap``.
+    """
+    audio = sorted(n for n, s in scorers.items() if takes_audio(s))
+    if audio and not isinstance(adapter, AudioDecoding):
+        raise UserError("model.adapter", f"{type(adapter).__name__} produces no audio, but reward components "
+                        f"{audio} score audio (takes_audio)", "use an audio-video family (ltx2) or drop them")
+    if audio and overlap:
+        raise UserError("reward.overlap", f"true, but reward components {audio} score audio, which the overlapped "
+                        "score stream does not carry", "set reward.overlap=false")
+
+
+def check_paid_scorers(scorers: Mapping[str, Any], eval_cfg: Any, weights: Mapping[str, float]) -> None:
+    """Refuse paid scorers (``paid = True``) named only in ``eval.scorers`` while ``eval.teacher_groups`` is 0:
+    evaluation asks a paid scorer only for that many held-out groups, so it would never be used there.
+
+    Raises:
+        UserError: naming ``eval.scorers``, the scorers and ``eval.teacher_groups``.
+    """
+    idle = sorted(n for n in eval_cfg.scorers if n not in weights and is_paid(scorers[n]))
+    if idle and not eval_cfg.teacher_groups:
+        raise UserError("eval.scorers", f"{idle} are paid scorers (each request billed), which evaluation asks only "
+                        "for the first eval.teacher_groups held-out groups, and eval.teacher_groups=0",
+                        "set eval.teacher_groups=N or drop them")
