@@ -37,7 +37,8 @@ are gathered to one rank, scored and the scores sent back (:mod:`flowforge.rewar
 Paid scorers (``paid = True``, :func:`~flowforge.rewards.base.is_paid`: ``vlm_judge``): a call with ``paid_groups=N``
 (the trainer's evaluation passes ``eval.teacher_groups``, in every run) asks them only for the rows of the ``N``
 smallest group ids -- NaN elsewhere, and no component at all with ``N = 0`` (nothing is sent); their metrics are
-then over the rows they scored. ``paid_groups=None`` (training) asks every scorer for every row.
+then over the rows they scored. ``paid_groups=None`` (training) asks every scorer of :meth:`training_scorers` for
+every row: a paid scorer without a weight is never called on a training step.
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ class RewardProcessor:
         self.weights = {name: float(weight) for name, weight in weights.items()}
         self.required = tuple(dict.fromkeys(required))
         self.batch_size = batch_size
+
+    def training_scorers(self) -> dict[str, RewardScorer]:
+        """The scorers a training step calls, in order: every weighted one and every free monitor-only one. A paid
+        scorer without a weight (a judge named only in ``eval.scorers``) is evaluation-only: on a training step it
+        would be billed for a score that trains nothing."""
+        return {n: s for n, s in self.scorers.items() if n in self.weights or not is_paid(s)}
 
     def score_component(self, name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
                metadata: list[dict[str, Any]], group_ids: Tensor | None, dist: DistInfo | None,
@@ -182,7 +189,8 @@ class RewardProcessor:
                 for group scorers: every rank must call); ``None`` scores this process's batch alone.
             audio: the sound of each sample (an audio-video model), for ``takes_audio`` components (scored in this
                 process, group scorers per local group).
-            paid_groups: ``None``: every scorer scores every row. An int ``N >= 0``: paid scorers score only the rows
+            paid_groups: ``None`` (training): every scorer of :meth:`training_scorers` scores every row. An int
+                ``N >= 0``: paid scorers score only the rows
                 of the ``N`` smallest group ids (NaN elsewhere; left out of ``components`` when that is no row) --
                 evaluation (module docstring). Needs ``group_ids``; one process (not with an enabled ``dist``).
 
@@ -206,7 +214,7 @@ class RewardProcessor:
         metrics: dict[str, float] = {}
         _sync(media.device)
         call_start = time.perf_counter()
-        for name, scorer in self.scorers.items():
+        for name, scorer in (self.training_scorers() if paid_groups is None else self.scorers).items():
             rows = None
             if paid_groups is not None and is_paid(scorer):  # evaluation: a paid scorer on the groups allowed only
                 rows = torch.nonzero(torch.isin(group_cpu, torch.unique(group_cpu)[:paid_groups])).view(-1)

@@ -84,7 +84,7 @@ class ScoreStream:
         self.missing = {g: rows.numel() for g, rows in self.groups.items()}
         self.arrived = torch.zeros(batch, dtype=torch.bool)
         self.media: Tensor | None = None
-        self.streamed = {n: s for n, s in processor.scorers.items() if getattr(s, "needs_group", False)}
+        self.streamed = {n: s for n, s in processor.training_scorers().items() if getattr(s, "needs_group", False)}
         self.pools = {n: ThreadPoolExecutor(max_workers=concurrency(n, s), thread_name_prefix=f"stream-{n}")
                       for n, s in self.streamed.items()}
         self.futures: dict[str, dict[int, Future]] = {n: {} for n in self.streamed}
@@ -201,7 +201,8 @@ class ScoreStream:
         metrics: dict[str, float] = {}
         call_start = time.perf_counter()
         local: dict[str, tuple[Any, float] | BaseException] = {}  # name -> ((scores, flags, groups), seconds)
-        for name, scorer in p.scorers.items():
+        scorers = p.training_scorers()
+        for name, scorer in scorers.items():
             if name in self.streamed:
                 continue
             start = time.perf_counter()
@@ -212,7 +213,7 @@ class ScoreStream:
             except Exception as exc:  # raised in its turn below; nothing after it is scored, as sequentially
                 local[name] = exc
                 break
-        for name in p.scorers:
+        for name in scorers:
             if name in self.streamed:
                 start = self.first_send.get(name, time.perf_counter())
                 scores = torch.full((media.shape[0],), float("nan"), dtype=torch.float32, device=media.device)

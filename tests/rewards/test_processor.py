@@ -85,6 +85,27 @@ def test_paid_scorers_score_only_the_first_paid_groups_and_none_with_zero():
         processor(*_batch(6), paid_groups=1)
 
 
+def test_a_paid_scorer_without_a_weight_is_never_called_on_a_training_step():
+    """A paid monitor-only scorer (a judge in ``eval.scorers`` only) trains nothing, and each call is billed: a
+    training call (``paid_groups=None``), sequential or streamed, leaves it out; evaluation still asks it. Was: called
+    (and billed) on every training step."""
+    paid = _Constant("judge", [0.1, 0.2, 0.3, 0.4])
+    paid.needs_group, paid.paid = True, True
+    free = _Constant("free", [1.0] * 4)
+    processor = RewardProcessor({"free": free, "judge": paid}, {"free": 1.0})
+    assert list(processor.training_scorers()) == ["free"]
+    ids = torch.tensor([0, 0, 1, 1])
+    components, metrics = processor(*_batch(4), group_ids=ids)
+    assert paid.calls == [] and list(components) == ["free"] and "reward/judge_mean" not in metrics
+    media, prompts, metadata = _batch(4)
+    stream = processor.stream(prompts, metadata, ids)
+    stream.add(torch.arange(4), media)
+    _, components, _ = stream.finish()
+    assert paid.calls == [] and list(components) == ["free"]
+    components, _ = processor(*_batch(4), group_ids=ids, paid_groups=1)  # evaluation: the first group
+    assert paid.calls == [[0, 1]] and components["judge"][:2].tolist() == pytest.approx([0.1, 0.2])
+
+
 def test_processor_calls_group_scorers_once_per_group():
     scorer = _Constant("rank", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
     scorer.needs_group = True
