@@ -61,7 +61,7 @@ from flowforge.rollout import (Trajectory, candidate_noise, decode_audio, decode
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, training_contract
 from flowforge.train.guard import RewardHackingGuard
-from flowforge.train.perf import PerfMeter, compute_dtype
+from flowforge.train.perf import PerfMeter, compute_dtype, set_cpu_threads
 from flowforge.train.sidecars import SidecarWriter
 from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
 from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
@@ -129,13 +129,12 @@ class Trainer(RunDirectory):
             log.warning(warning)
         self.cfg = cfg
         self.progress = progress and self.dist.is_main
-        if cfg.run.num_threads > 0:
-            torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
         device = cfg.run.device
         if device == "cuda" and self.dist.enabled:
             device = f"cuda:{self.dist.local_rank}"
         self.device = torch.device(device)
+        self.threads = set_cpu_threads(cfg.run.num_threads, self.device)  # for provenance.json
         self._prepare_run()
 
         m = cfg.model
