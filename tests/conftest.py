@@ -4,6 +4,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# child processes (the CLI run as a user runs it) on one thread like this one: on a busy machine a run on more threads
+# warns that they measured slower than one (flowforge.train.perf.set_cpu_threads), which depends on the load
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import json
 import pathlib

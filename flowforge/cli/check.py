@@ -1,6 +1,8 @@
-"""``flowforge check CONFIG [CONFIG ...] [section.key=value ...] [--portable] [--print]``: load + preflight without
-loading a model; ends with ``OK`` or the problems. A pipeline config (a ``stages`` section) is checked as a whole:
-both stage run configs and the pipeline's own rules (:func:`flowforge.orchestrate.config.check_pipeline`).
+"""``flowforge check CONFIG [CONFIG ...] [section.key=value ...] [--portable] [--print] [--stage X] [--quick]``: load
++ preflight without loading a model; ends with ``OK`` or the problems. A pipeline config (a ``stages`` section) is
+checked as a whole: both stage run configs and the pipeline's own rules
+(:func:`flowforge.orchestrate.config.check_pipeline`), as ``flowforge stages`` would with the same ``--stage`` /
+``--quick``.
 
 Arguments that name an existing file, or end in ``.yaml`` / ``.yml``, are configs; the others (``section.key=value``)
 are overrides applied to every config. One config that fails is one ``error:`` line (exit 2), as for every verb;
@@ -28,6 +30,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         help="check the config only, not against this machine (device, model.path on disk, "
                              "memory): e.g. a GPU config on a laptop")
     parser.add_argument("--print", action="store_true", dest="print_config", help="print each resolved config")
+    parser.add_argument("--stage", choices=["A", "B", "C"], default=None,
+                        help="pipeline configs: check for `flowforge stages --stage X` (a later stage's gate or "
+                             "audit thresholds are warnings)")
+    parser.add_argument("--quick", action="store_true", help="pipeline configs: with their stages.quick overrides")
     return parser
 
 
@@ -79,9 +85,12 @@ def _check_one(path: Path, overrides: list[str], args: argparse.Namespace, *, na
         from flowforge.orchestrate.config import check_pipeline, load_pipeline
         from flowforge.settings.schema import dump
 
-        pcfg = load_pipeline(path, overrides)
-        warnings, text = check_pipeline(pcfg, this_machine=not args.portable), dump(pcfg)
+        pcfg = load_pipeline(path, overrides, quick=args.quick)
+        warnings, text = check_pipeline(pcfg, this_machine=not args.portable, stage=args.stage), dump(pcfg)
     else:
+        if args.stage or args.quick:
+            raise ValueError(f"check: --stage / --quick apply to pipeline configs (a 'stages' section); {path} is a "
+                             "run config")
         from flowforge.config import dump_config
         from flowforge.train.preflight import preflight
 

@@ -19,8 +19,11 @@ What it counts (every number read from the pipeline's own files):
 ``savings.teacher_requests_saved``  ``c_groups - audit_groups``: what running A for C's steps would have cost in
                                   teacher requests, minus what the audits spent
 ``teacher.max_requests``          the pipeline's teacher budget (0: no cap)
+``status`` / ``stages_run``      ``done`` (stage C finished), ``partial`` (``--stage A`` / ``B`` finished: the
+                                  later stages have not run) or why it stopped; the stages this invocation ran
 ``A.headline`` / ``C.headline``   the stage's headline eval metric start → end with its standard error, as its own
-                                  report's verdict writes it (:func:`flowforge.report.run.run_headline`)
+                                  report's verdict writes it (:func:`flowforge.report.run.run_headline`), as plain
+                                  text (the HTML is in ``report.html`` only)
 ``timeline``                      the stages in the order they ran with their start and end (:func:`timeline`)
 ``agreement``                     student vs teacher at every gate attempt and audit (:func:`agreement_points`)
 ================================  ====================================================================================
@@ -44,7 +47,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from flowforge.orchestrate.config import pipeline_dir
-from flowforge.report.page import esc, kv_table, note, render_page, verdict_block
+from flowforge.report.page import esc, kv_table, note, plain_text, render_page, verdict_block
 from flowforge.report.plots import figure_tag
 from flowforge.report.run import run_headline
 from flowforge.orchestrate.ledger import ConditionLedger
@@ -113,6 +116,13 @@ def _attempts(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in paths]
 
 
+def _plain_headline(run_dir: Path) -> str | None:
+    """:func:`~flowforge.report.run.run_headline` as plain text (``summary.json`` is read by programs; the HTML
+    stays in the report)."""
+    head = run_headline(run_dir)
+    return None if head is None else plain_text(head)
+
+
 def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any]:
     """The pipeline summary (module table) as a JSON-ready dict."""
     from flowforge.orchestrate.stage_trainer import read_audits
@@ -132,11 +142,12 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
     teacher["max_requests"] = pcfg.teacher.max_requests
     return {
         "status": outcome.status, "reason": outcome.reason, "last_good_checkpoint": outcome.last_good,
+        "stages_run": list(outcome.stages_run),
         "ledger": ledger.summary(),
-        "A": {"run_dir": "A", "eval": last_eval(directory / "A"), "headline": run_headline(directory / "A")},
+        "A": {"run_dir": "A", "eval": last_eval(directory / "A"), "headline": _plain_headline(directory / "A")},
         "B": {"attempts": attempts},
         "C": {"run_dir": "C", "eval": last_eval(directory / "C"), "audits": audits,
-              "headline": run_headline(directory / "C")},
+              "headline": _plain_headline(directory / "C")},
         "timeline": timeline(directory, attempts),
         "agreement": agreement_points(ledger, attempts, audits),
         "teacher": teacher,
@@ -155,7 +166,8 @@ def _saved(savings: dict) -> str:
     return f"none: its {audits} audit groups cost {-saved} teacher requests more than judging C's groups would have"
 
 
-_STATUS = {"done": ("good", "finished"), "gate_failed": ("bad", "stopped at the quality gate"),
+_STATUS = {"done": ("good", "finished"), "partial": ("flat", "partly run"),
+           "gate_failed": ("bad", "stopped at the quality gate"),
            "audit_stopped": ("bad", "stopped by a teacher audit"),
            "budget_exhausted": ("bad", "stopped: the teacher budget would be exceeded")}
 
@@ -302,7 +314,7 @@ def _stage_rows(summary: dict[str, Any], directory: Path) -> list[str]:
     def run_row(stage: str, what: str) -> str:
         ran = (directory / stage).is_dir()
         used = f"{ledger['used'][stage]} of {ledger['budget'][stage]} conditions"
-        head = summary[stage].get("headline") or ("no held-out evaluation logged" if ran else "did not run")
+        head = run_headline(directory / stage) or ("no held-out evaluation logged" if ran else "did not run")
         link = _link(directory, f"{stage}/report.html", f"{stage}/report.html") if ran else "–"
         return f"<tr><td>{stage}</td><td>{esc(what)}; {esc(used)}</td><td>{head}</td><td>{link}</td></tr>"
 
@@ -338,9 +350,11 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
     facts = [esc(f"teacher budget spent: {spent}; {t['total_groups']} groups judged "
                  f"({t['train_groups']} for A's training, {t['eval_groups']} for evaluations, {t['audit_groups']} "
                  f"in C's audits), {t['failed_groups']} dropped without scores")]
+    ran = summary.get("stages_run") or []
+    facts.append(esc(f"this run: stage{'s' * (len(ran) != 1)} {', '.join(ran)}" if ran else "this run: no stage"))
     for stage in ("A", "C"):
         if summary[stage].get("headline"):
-            facts.append(f"stage {stage}: {summary[stage]['headline']}")
+            facts.append(f"stage {stage}: {run_headline(directory / stage)}")
     points = summary.get("agreement") or []
     if points:
         last = points[-1]

@@ -114,13 +114,16 @@ def on_main(fn: Any) -> Any:
 
 @dataclasses.dataclass
 class Outcome:
-    """How a pipeline invocation ended: ``status`` is ``done`` (every stage asked for finished), ``gate_failed``,
-    ``audit_stopped`` or ``budget_exhausted`` (``teacher.max_requests`` would have been exceeded); ``reason``
-    says why it stopped; ``last_good`` is the checkpoint to use after an audit stop."""
+    """How a pipeline invocation ended: ``status`` is ``done`` (stage C finished: the pipeline is), ``partial``
+    (``--stage A`` / ``--stage B`` finished; the later stages have not run), ``gate_failed``, ``audit_stopped`` or
+    ``budget_exhausted`` (``teacher.max_requests`` would have been exceeded); ``reason`` says why it stopped;
+    ``last_good`` is the checkpoint to use after an audit stop; ``stages_run`` the stages this invocation ran (in
+    order; a stage B attempt counts once)."""
 
     status: str
     reason: str = ""
     last_good: str | None = None
+    stages_run: list[str] = dataclasses.field(default_factory=list)
 
 
 def open_ledger(pcfg: Any, *, writer: bool = True) -> ConditionLedger:
@@ -367,20 +370,23 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
 
 # ------------------------------------------------------------------------------------------------ the pipeline
 def _a_and_b(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, stage: str | None,
-             progress: bool) -> tuple[dict[str, Any] | None, Outcome | None]:
-    """Stages A and B with the gate's extension loop: ``(passed gate record or None, outcome when stopped)``."""
+             progress: bool, ran: list[str]) -> tuple[dict[str, Any] | None, Outcome | None]:
+    """Stages A and B with the gate's extension loop: ``(passed gate record or None, outcome when stopped or when
+    ``stage`` is done)``; appends each stage it runs to ``ran``."""
     while True:
         if stage in (None, "A"):
             run_stage_a(pcfg, ledger, endpoints, progress=progress)
+            ran.append("A")
             if stage == "A":
-                return None, Outcome("done")
+                return None, Outcome("partial", "ran stage A only: run --stage B, then --stage C")
         elif on_main(lambda: newest_step(pipeline_dir(pcfg) / "A")) != a_steps(pcfg, ledger):
             raise ValueError(f"stage {stage} needs stage A finished ({a_steps(pcfg, ledger)} steps); run "
                              "`flowforge stages CONFIG --stage A` (or without --stage) first")
         record = on_main(lambda: run_stage_b(pcfg, ledger))  # the student trains on rank 0 (one writer)
+        ran.append("B")
         ledger.refresh()  # a mirror takes up what stage B recorded on rank 0
         if record["passed"]:
-            return record, None
+            return record, Outcome("partial", "ran stage B only: run --stage C") if stage == "B" else None
         reason = "quality gate failed: " + "; ".join(record["reasons"])
         if stage is None and pcfg.stages.on_gate_fail == "extend":
             moved = ledger.extend_a(f"gate-{record['attempt']}")
@@ -440,18 +446,20 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
         on_main(claim)
         endpoints = Endpoints(pcfg, directory)
         ledger = open_ledger(pcfg, writer=is_main())
-        record, outcome = (None, None)
+        record, outcome, ran = None, None, []
         try:
             if stage != "C":
-                record, outcome = _a_and_b(pcfg, ledger, endpoints, stage, progress)
+                record, outcome = _a_and_b(pcfg, ledger, endpoints, stage, progress, ran)
             else:
                 record = on_main(lambda: _passed_gate(pcfg, ledger))
             if outcome is None and stage in (None, "C"):
+                ran.append("C")
                 outcome = run_stage_c(pcfg, ledger, endpoints, Path(record["student"]), progress=progress)
         except BudgetExhausted as exc:  # stopped before the budget was exceeded; a rerun with more continues
             log.warning("pipeline stopped: %s", exc)
             outcome = Outcome("budget_exhausted", str(exc))
         outcome = outcome or Outcome("done")
+        outcome.stages_run = list(dict.fromkeys(ran))  # A and B repeat when the gate extends A
         if is_main():
             write_pipeline_report(pcfg, ledger, outcome)
         return outcome

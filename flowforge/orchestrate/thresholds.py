@@ -5,9 +5,10 @@ are judged on (:mod:`flowforge.reward_model.null`), run by :func:`flowforge.orch
 check       groups judged / rule
 ==========  =======================================================================================================
 gate        the test groups stage B gets at ``stages.n_a`` (the first ``n_a`` conditions of the pass whose cluster
-            the exact 80/10/10 cluster split puts in ``test``): a random student must pass ``student.gate``'s
-            Spearman and pairwise thresholds with probability < ``student.gate.max_null_pass``; below the floors
-            Spearman 0.5 / pairwise 0.7 a warning
+            the exact 80/10/10 cluster split puts in ``test``): at least ``student.gate.min_groups``, and a random
+            student must pass ``student.gate``'s Spearman and pairwise thresholds with probability <
+            ``student.gate.max_null_pass``; the problem names the smallest ``stages.n_a`` that passes
+            (:func:`smallest_passing_n_a`); below the floors Spearman 0.5 / pairwise 0.7 a warning
 audit       ``audit.pool_groups`` groups when audits are pooled, else ``data.prompts_per_step`` (one audited step),
             of ``data.group_size`` candidates: a random student must pass ``audit.min_spearman`` and
             ``audit.min_pairwise_accuracy`` with probability < ``audit.max_null_pass``; below the floors Spearman
@@ -25,9 +26,11 @@ AUDIT_FLOORS = (0.2, 0.6)
 """The same for audits."""
 
 
-def test_groups_at_budget(pcfg: Any, n_a: int | None = None) -> int:
-    """How many of the first ``n_a`` (default ``stages.n_a``) conditions of the pass fall in the student's test
-    split (:func:`flowforge.reward_model.data.split_clusters` over the pass's clusters)."""
+def test_groups_by_budget(pcfg: Any) -> list[int]:
+    """``counts[n]``: how many of the first ``n`` conditions of the pass (``n`` = 0 .. all of them) fall in the
+    student's test split (:func:`flowforge.reward_model.data.split_clusters` over the pass's clusters)."""
+    from itertools import accumulate
+
     from flowforge.data.prompts import load_prompts
     from flowforge.demo.paths import resolve_demo_path
     from flowforge.orchestrate.ledger import conditions_from_records, pass_order
@@ -35,35 +38,95 @@ def test_groups_at_budget(pcfg: Any, n_a: int | None = None) -> int:
 
     conditions = conditions_from_records(load_prompts(resolve_demo_path(pcfg.data.prompts)))
     split = split_clusters([c.cluster for c in conditions], pcfg.student.split_seed, pcfg.student.split)
-    first = pass_order(conditions, pcfg.stages.seed)[:pcfg.stages.n_a if n_a is None else n_a]
-    return sum(split[c.cluster] == "test" for c in first)
+    return [0, *accumulate(split[c.cluster] == "test" for c in pass_order(conditions, pcfg.stages.seed))]
+
+
+def test_groups_at_budget(pcfg: Any, n_a: int | None = None) -> int:
+    """How many of the first ``n_a`` (default ``stages.n_a``) conditions of the pass fall in the student's test
+    split (:func:`test_groups_by_budget`)."""
+    counts = test_groups_by_budget(pcfg)
+    return counts[min(pcfg.stages.n_a if n_a is None else n_a, len(counts) - 1)]
+
+
+def null_pass(k: int, groups: int, min_spearman: float, min_pairwise_accuracy: float) -> float:
+    """The probability that a random student passes both thresholds on ``groups`` untied groups of ``k``
+    (:mod:`flowforge.reward_model.null`, seed 0: the same number every call); 1.0 when nothing can be judged
+    (``k < 2`` or no group)."""
+    from flowforge.reward_model.null import null_draws, pass_probability, untied_groups
+
+    if k < 2 or groups < 1:
+        return 1.0
+    return pass_probability(null_draws(untied_groups(k, groups), seed=0), min_spearman, min_pairwise_accuracy)
+
+
+def gate_reachable(pcfg: Any, groups: int) -> bool:
+    """Whether ``groups`` test groups can pass ``student.gate``: at least ``min_groups`` of them, and a random
+    student passes its thresholds with probability < ``max_null_pass`` (always, with ``max_null_pass`` 1)."""
+    g = pcfg.student.gate
+    if groups < max(g.min_groups, 1) or pcfg.data.group_size < 2:
+        return False
+    return g.max_null_pass >= 1 or null_pass(pcfg.data.group_size, groups, g.min_spearman,
+                                             g.min_pairwise_accuracy) < g.max_null_pass
+
+
+def smallest_passing_n_a(pcfg: Any, counts: list[int] | None = None) -> tuple[int, int] | None:
+    """``(n_a, test groups)``: the smallest ``stages.n_a`` (a multiple of ``data.prompts_per_step``, at most all
+    conditions) whose test groups pass :func:`gate_reachable`, found by bisection over the test-group counts
+    (more groups never make the null easier to pass); None when no ``n_a`` does. ``counts``: from
+    :func:`test_groups_by_budget` (computed when not given)."""
+    counts = test_groups_by_budget(pcfg) if counts is None else counts
+    m = pcfg.data.prompts_per_step
+    budgets = list(range(m, len(counts), m))
+    lo, hi = 0, len(budgets)  # invariant: budgets[hi:] pass (hi == len: none known to)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if gate_reachable(pcfg, counts[budgets[mid]]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return (budgets[lo], counts[budgets[lo]]) if lo < len(budgets) else None
+
+
+def _gate_hint(pcfg: Any) -> str:
+    """What ``stages.n_a`` would give a reachable gate, in words."""
+    counts = test_groups_by_budget(pcfg)
+    found = smallest_passing_n_a(pcfg, counts)
+    if found is None:
+        return (f"; no stages.n_a up to all {len(counts) - 1} conditions passes (min_groups and the null check): "
+                "change student.gate")
+    return f"; the smallest stages.n_a that passes is {found[0]} ({found[1]} test groups)"
 
 
 def threshold_problems(pcfg: Any, test_groups: int | None = None) -> tuple[list[str], list[str]]:
     """``(problems, warnings)`` of the module table. ``test_groups``: the gate's group count (default:
-    :func:`test_groups_at_budget`)."""
-    from flowforge.reward_model.null import null_draws, pass_probability, untied_groups
-
+    :func:`test_groups_at_budget`; then a gate problem names the smallest ``stages.n_a`` that passes,
+    :func:`smallest_passing_n_a`)."""
     problems, warnings = [], []
     k = pcfg.data.group_size
     g, a = pcfg.student.gate, pcfg.audit
     n_test = test_groups_at_budget(pcfg) if test_groups is None else test_groups
-    checks = (("student.gate", n_test, g.min_spearman, g.min_pairwise_accuracy, g.max_null_pass, GATE_FLOORS,
-               "test groups at stages.n_a"),
-              ("audit", a.pool_groups or pcfg.data.prompts_per_step, a.min_spearman, a.min_pairwise_accuracy,
-               a.max_null_pass, AUDIT_FLOORS, "groups per audit verdict"))
     if 0 < a.pool_groups < pcfg.data.prompts_per_step:
         problems.append(f"audit.pool_groups={a.pool_groups} must be 0 or at least data.prompts_per_step="
                         f"{pcfg.data.prompts_per_step} (one audited step's groups)")
-    for name, groups, rho, pairs, alpha, floors, what in checks:
+    gate_where = f"{n_test} test groups at stages.n_a={pcfg.stages.n_a} (K={k} candidates each)"
+    checks = (("student.gate", n_test, g.min_spearman, g.min_pairwise_accuracy, g.max_null_pass, GATE_FLOORS,
+               gate_where),
+              ("audit", a.pool_groups or pcfg.data.prompts_per_step, a.min_spearman, a.min_pairwise_accuracy,
+               a.max_null_pass, AUDIT_FLOORS, f"{a.pool_groups or pcfg.data.prompts_per_step} groups per audit "
+                                              f"verdict (K={k})"))
+    for name, groups, rho, pairs, alpha, floors, where in checks:
+        hint = _gate_hint(pcfg) if name == "student.gate" and test_groups is None else ""
         if k < 2 or groups < 1:
-            problems.append(f"{name}: {groups} {what} of {k} candidates cannot be judged against a random student")
+            problems.append(f"{name}: {where} cannot be judged against a random student{hint}")
             continue
-        p = pass_probability(null_draws(untied_groups(k, groups), seed=0), rho, pairs)
+        if name == "student.gate" and groups < g.min_groups:
+            problems.append(f"{name}: {where} are fewer than student.gate.min_groups={g.min_groups}{hint}")
+            continue
+        p = null_pass(k, groups, rho, pairs)
         if alpha < 1 and not p < alpha:  # max_null_pass 1: no null check (a test of the mechanics)
             problems.append(f"{name}: a random student passes min_spearman={rho:g} and min_pairwise_accuracy="
-                            f"{pairs:g} on {groups} {what} (K={k}) with probability {p:.3g} >= max_null_pass="
-                            f"{alpha:g}; raise the thresholds or judge more groups")
+                            f"{pairs:g} on {where} with probability {p:.3g} >= max_null_pass={alpha:g}; raise the "
+                            f"thresholds or judge more groups{hint}")
         if rho < floors[0] or pairs < floors[1]:
             warnings.append(f"{name}: min_spearman={rho:g} / min_pairwise_accuracy={pairs:g} are below the floors "
                             f"{floors[0]:g} / {floors[1]:g}")

@@ -51,6 +51,18 @@ def esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
+def plain_text(fragment: str) -> str:
+    """The visible text of an HTML ``fragment`` (tags dropped, entities decoded): for files that programs read."""
+    from html.parser import HTMLParser
+
+    parts: list[str] = []
+    parser = HTMLParser()  # convert_charrefs: handle_data gets decoded text
+    parser.handle_data = parts.append
+    parser.feed(fragment)
+    parser.close()
+    return "".join(parts)
+
+
 def note(text: str) -> str:
     """A grey italic remark (``text`` is escaped)."""
     return f'<p class="note">{esc(text)}</p>'

@@ -212,6 +212,14 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return _coerce(value, inner[0], where, problems)
+        for option in inner:  # e.g. int | str: the first type the value fits, in the order written
+            scratch: list[str] = []
+            coerced = _coerce(value, option, where, scratch)
+            if not scratch:
+                return coerced
+        problems.append(f"{where}: expected {' or '.join(_type_name(a) for a in inner)}, got "
+                        f"{type(value).__name__} {value!r}")
+        return None
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):

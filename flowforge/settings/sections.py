@@ -67,7 +67,7 @@ class RunConfig(Section):
     name: str = "run"
     output_dir: str = "runs"
     seed: int = 0
-    num_threads: int = 0  # 0 = leave torch's default
+    num_threads: int | str = 0  # 0 = leave torch's default; "auto": the faster of it and 1, measured at start-up
     device: str = "cpu"
 
     def problems(self) -> list[str]:
@@ -79,7 +79,9 @@ class RunConfig(Section):
                   "parent directories in run.output_dir")
         c.require(self.output_dir != "", "run.output_dir='' is empty; give a directory (e.g. runs)")
         c.require(0 <= self.seed < SEED_LIMIT, f"run.seed={self.seed} must be in [0, 2**32)")
-        c.positive("num_threads", allow_zero=True)
+        c.require(self.num_threads == "auto" or (isinstance(self.num_threads, int) and self.num_threads >= 0),
+                  f"run.num_threads={self.num_threads!r} must be >= 0 (0: torch's default) or 'auto' (the faster of "
+                  "torch's default and 1 thread, measured at start-up)")
         c.require(bool(self.device.strip()), "run.device='' is empty; give cpu, cuda, cuda:N or mps")
         return c.problems
 

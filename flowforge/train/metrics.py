@@ -416,10 +416,11 @@ def run_provenance() -> dict[str, Any]:
     }
 
 
-def write_provenance(run_dir: Path) -> Path:
-    """Write :func:`run_provenance` to ``<run_dir>/provenance.json`` (atomically) and return the path."""
+def write_provenance(run_dir: Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write :func:`run_provenance` plus ``extra`` (JSON-ready, e.g. ``cpu_threads``: the thread count used and the
+    peaks it was chosen from) to ``<run_dir>/provenance.json`` (atomically) and return the path."""
     path = Path(run_dir) / PROVENANCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(run_provenance(), indent=2, sort_keys=True) + "\n"
+    text = json.dumps(run_provenance() | (extra or {}), indent=2, sort_keys=True) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return path

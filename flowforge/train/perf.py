@@ -14,7 +14,9 @@ are counted apart.
 
 Peak: a table of known GPUs' dense bf16 / fp32 peaks (:data:`PEAK_TFLOPS`, vendor datasheets, no sparsity) for the
 run's compute dtype; on the CPU, or on a GPU not in the table, a peak measured at start-up by a short matrix product
-(:func:`measured_peak`), and the log says so. Metrics per step:
+(:func:`measured_peak`), and the log says so. On the CPU the run's thread count is measured against one thread at
+start-up (:func:`set_cpu_threads`: on a busy machine more threads can be many times slower; a warning with both
+numbers, or with ``run.num_threads: auto`` the faster count). Metrics per step:
 
 =======================  ============================================================================================
 ``perf/tflops``          model TFLOP/s over the step's stages (rollout + update FLOPs / the stages' wall time)
@@ -105,6 +107,75 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     return Peak(flops, f"{what}: measured by a {str(dtype).removeprefix('torch.')} matrix product at start-up, "
                        "not a datasheet number")
+
+
+SLOWER_THAN_ONE = 0.8
+"""More CPU threads whose measured peak is below this fraction of one thread's are reported: on a busy machine
+threads wait on each other (measured: 0.015 TFLOP/s at 2 threads against 0.10 at 1, steps ~10x slower)."""
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """What :func:`choose_threads` decided: run on ``threads`` CPU threads; ``message`` (or None) is one log line,
+    a warning when ``warn``."""
+
+    threads: int
+    message: str | None = None
+    warn: bool = False
+
+
+def choose_threads(rates: dict[int, float], current: int, *, auto: bool) -> ThreadChoice:
+    """The thread count to run with, from measured peaks (pure: no measuring, no torch state).
+
+    Args:
+        rates: CPU thread count -> measured FLOP/s; holds ``current`` and ``1``.
+        current: the thread count configured (``run.num_threads``, or torch's default for 0).
+        auto: ``run.num_threads: auto``: pick the faster measured count (a tie keeps fewer threads) and say which.
+            Otherwise keep ``current`` and warn when it measured below :data:`SLOWER_THAN_ONE` x one thread's rate.
+
+    Raises:
+        KeyError: ``rates`` lacks ``current`` or ``1``.
+    """
+    many, one = rates[current], rates[1]
+    measured = f"measured {one / 1e12:.3g} TFLOP/s at 1 thread, {many / 1e12:.3g} at {current}"
+    if auto:
+        best = current if many > one else 1
+        return ThreadChoice(best, f"run.num_threads=auto: {best} CPU thread{'s' * (best != 1)} ({measured})")
+    if many < SLOWER_THAN_ONE * one:
+        return ThreadChoice(current, f"{current} CPU threads measured slower than 1 ({measured}): the machine is "
+                                     "busy and the threads wait on each other; steps may take many times longer. "
+                                     "Set run.num_threads=1 (or run.num_threads=auto to pick the faster)", warn=True)
+    return ThreadChoice(current)
+
+
+def set_cpu_threads(configured: int | str, device: torch.device | str = "cpu") -> dict[str, object]:
+    """Apply ``run.num_threads`` (``n`` > 0: ``torch.set_num_threads(n)``; 0: torch's default; ``"auto"``), and on
+    the CPU with more than one thread compare the measured fp32 peak (:func:`measured_peak`, ~0.1 s each) against
+    one thread's: log :func:`choose_threads`'s line (a warning, or the auto choice, applied here).
+
+    Returns:
+        JSON-ready record for the run's provenance: ``configured``, ``threads`` (used) and, when measured,
+        ``peak_tflops`` (thread count as a string -> TFLOP/s).
+    """
+    auto = configured == "auto"
+    if not auto and int(configured) > 0:
+        torch.set_num_threads(int(configured))
+    current = torch.get_num_threads()
+    record: dict[str, object] = {"configured": configured, "threads": current}
+    if torch.device(device).type != "cpu" or current == 1:
+        return record
+    rates = {current: measured_peak(torch.device("cpu"), torch.float32)}
+    torch.set_num_threads(1)
+    try:
+        rates[1] = measured_peak(torch.device("cpu"), torch.float32)
+    finally:
+        torch.set_num_threads(current)
+    choice = choose_threads(rates, current, auto=auto)
+    if choice.message:
+        (log.warning if choice.warn else log.info)(choice.message)
+    torch.set_num_threads(choice.threads)
+    record.update(threads=choice.threads, peak_tflops={str(n): r / 1e12 for n, r in sorted(rates.items())})
+    return record
 
 
 def compute_dtype(adapter, distributed, dist) -> torch.dtype:

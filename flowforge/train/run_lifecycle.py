@@ -15,8 +15,8 @@ explains, but which holds no committed checkpoint (deleted, or all damaged), is 
 would append a second history (:func:`refuse_lost_history`).
 
 :class:`RunDirectory` is a base of :class:`flowforge.train.trainer.Trainer`; it uses the trainer's ``cfg``,
-``dist``, ``adapter`` and ``overwrite`` and sets ``run_dir``, ``model_source``, ``train_prompts``, ``eval_prompts``,
-``run_lock`` and ``logger``. The rules themselves live in :mod:`flowforge.runtime.run_dir` and
+``dist``, ``adapter``, ``threads`` (what :func:`~flowforge.train.perf.set_cpu_threads` returned) and ``overwrite``
+and sets ``run_dir``, ``model_source``, ``train_prompts``, ``eval_prompts``, ``run_lock`` and ``logger``. The rules themselves live in :mod:`flowforge.runtime.run_dir` and
 :mod:`flowforge.runtime.lock`.
 """
 
@@ -100,7 +100,7 @@ class RunDirectory:
         if self.dist.is_main:
             self._journal = RunJournal(self.run_dir)
             write_bytes(self.run_dir / "config.yaml", config_lib.dump_config(self.cfg).encode())
-            write_provenance(self.run_dir)
+            write_provenance(self.run_dir, {"cpu_threads": self.threads})  # set_cpu_threads: the peaks measured
             record = getattr(self.adapter, "provenance_record", None)  # a world model: every loaded tensor's source
             if record is not None:
                 write_bytes(self.run_dir / MODEL_PROVENANCE_FILE, (json.dumps(record(), indent=1) + "\n").encode())

@@ -59,7 +59,7 @@ from flowforge.rollout import (Trajectory, candidate_noise, decode_audio, decode
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, training_contract
 from flowforge.train.guard import RewardHackingGuard
-from flowforge.train.perf import PerfMeter, compute_dtype
+from flowforge.train.perf import PerfMeter, compute_dtype, set_cpu_threads
 from flowforge.train.sidecars import SidecarWriter
 from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
 from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
@@ -113,7 +113,7 @@ class Trainer(RunDirectory):
             log.warning(warning)
         self.cfg = cfg
         self.progress = progress and self.dist.is_main
-        if cfg.run.num_threads > 0:
+        if cfg.run.num_threads != "auto" and cfg.run.num_threads > 0:  # loading and encoding run on them too
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
         device = cfg.run.device
@@ -158,6 +158,9 @@ class Trainer(RunDirectory):
         self.objective.anchor = build_anchor(cfg.anchor, self.adapter, self.policy, seed=cfg.run.seed,
                                              cache_dir=cfg.data.cache_dir)  # world models: real-clip anchor losses
         self.engine = build_rollout_engine(cfg, self.policy, self.objective.sampling_policy, self.device)  # or None
+        # measured once the run directory and the model are accepted (a refused command says nothing of threads);
+        # before the peak the MFU is counted against, at the thread count the steps run on
+        self.threads = set_cpu_threads(cfg.run.num_threads, self.device)  # for provenance.json
         self.perf = PerfMeter(lambda: self.adapter.transformer, self.device, compute_dtype(self.adapter, d, self.dist),
                               rollout_elsewhere=self.engine is not None)  # perf/mfu; the peak is logged here
         self._stream = None  # reward.overlap: the step's score stream, from sample() to score()

@@ -53,7 +53,8 @@ def _run_in_process(args, cwd, env):
     """:func:`flowforge.cli.main` in this process, seen as a fresh process would see it: no logging handlers on the
     root logger (pytest's are set aside, so ``main``'s own ``basicConfig`` writes to the captured stderr, as it would
     to the real one), Python's default warning filters printing to that stderr, no Hugging Face progress bars (as
-    ``HF_HUB_DISABLE_PROGRESS_BARS=1`` gives the child), cwd and environment as given; all restored afterwards."""
+    ``HF_HUB_DISABLE_PROGRESS_BARS=1`` gives the child), cwd and environment as given; all restored afterwards (the
+    torch thread count too)."""
     import contextlib
     import io
     import logging
@@ -65,8 +66,10 @@ def _run_in_process(args, cwd, env):
 
     from flowforge.cli import main
 
+    import torch
+
     out, err = io.StringIO(), io.StringIO()
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
     root = logging.getLogger()
     saved_handlers, saved_level = root.handlers[:], root.level
     bars_were_off = are_progress_bars_disabled()
@@ -93,6 +96,7 @@ def _run_in_process(args, cwd, env):
                 traceback.print_exc()
                 rc = 1
     finally:
+        torch.set_num_threads(saved_threads)  # a config's run.num_threads must not carry over to the next call
         for handler in root.handlers[:]:  # what main's basicConfig added
             root.removeHandler(handler)
         root.handlers[:] = saved_handlers

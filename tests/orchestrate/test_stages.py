@@ -222,11 +222,18 @@ def test_one_stage_at_a_time_with_a_teacher_the_user_started(pipeline, tmp_path,
         for early in ("B", "C"):
             with pytest.raises(ValueError, match="run `flowforge stages CONFIG --stage A`|run stage B first"):
                 run_pipeline(pcfg, stage=early, progress=False)
-        assert run_pipeline(pcfg, stage="A", progress=False).status == "done"
+        outcome = run_pipeline(pcfg, stage="A", progress=False)
+        assert (outcome.status, outcome.stages_run) == ("partial", ["A"])
         assert newest_step(directory / "A") == 2 and not (directory / "B").exists()
+        summary = json.loads((directory / "summary.json").read_text())  # says what ran, in plain text
+        assert (summary["status"], summary["stages_run"]) == ("partial", ["A"])
+        assert "digit_eval" in summary["A"]["headline"] and "<" not in summary["A"]["headline"]
+        page, text = read_report(directory)
+        assert "pipeline partly run: ran stage A only" in " ".join(text.split())
+        assert "finished" not in text and 'class="good">finished' not in page
         assert not (directory / "teacher").exists()  # the user's server, not one the pipeline started
         assert len(log_keys(tmp_path / "teacher.log")) == 4  # 2 steps x 2 groups; evaluation never asks the teacher
-        assert run_pipeline(pcfg, stage="B", progress=False).status == "done"
+        assert run_pipeline(pcfg, stage="B", progress=False).stages_run == ["B"]
         assert json.loads((directory / "B" / "attempt_0" / "gate.json").read_text())["passed"]
         assert main(["stages", str(path), "--stage", "C", "--no-progress"]) == 3  # the audit stops C
         err = capsys.readouterr().err
@@ -251,7 +258,7 @@ def test_a_group_without_marks_is_dropped_and_the_stage_goes_on(pipeline, tmp_pa
         _, pcfg, directory = pipeline(stages={"n_a": 4}, teacher={
             "url": url + "/v1", "api_key_env": TOKEN_ENV, "scorer": "", "model": "scripted",
             "judge": {"frames": 1, "max_side": 32, "max_concurrency": 1, "max_attempts": 3, "retry_backoff_s": 0.01}})
-        assert run_pipeline(pcfg, stage="A", progress=False).status == "done"
+        assert run_pipeline(pcfg, stage="A", progress=False).status == "partial"
     finally:
         stop(server)
     rows = [json.loads(line) for line in (directory / "A" / "metrics.jsonl").read_text().splitlines()]
@@ -275,7 +282,7 @@ def test_the_teacher_budget_stops_the_pipeline_before_it_is_exceeded(pipeline):
     first = log_keys(directory / "teacher" / "requests.log")
     assert len(first) == 2 and newest_step(directory / "A") == 1
     _, more, _ = pipeline(stages={"n_a": 4}, teacher={"max_requests": 4})
-    assert run_pipeline(more, stage="A", progress=False).status == "done"
+    assert run_pipeline(more, stage="A", progress=False).status == "partial"
     keys = log_keys(directory / "teacher" / "requests.log")
     assert len(keys) == 4 and keys[:2] == first
     assert set(billed_per_group(read_request_log(directory / "teacher" / "requests.log")).values()) == {1}
@@ -285,7 +292,7 @@ def test_evaluation_asks_the_teacher_only_for_eval_teacher_groups(pipeline):
     """Evaluation never calls the teacher unless eval.teacher_groups asks: then the first N held-out groups of each
     eval (2 evals in A: at the start and the end), bound as 'eval' and billed like the rest."""
     _, pcfg, directory = pipeline(stages={"n_a": 4}, eval={"teacher_groups": 1})
-    assert run_pipeline(pcfg, stage="A", progress=False).status == "done"
+    assert run_pipeline(pcfg, stage="A", progress=False).status == "partial"
     records = read_request_log(directory / "teacher" / "requests.log")
     assert len(records) == 4 + 2 and set(billed_per_group(records).values()) == {1}
     from flowforge.rewards.judge.ledger import RequestLedger

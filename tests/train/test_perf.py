@@ -78,3 +78,18 @@ def test_known_gpus_use_the_table_and_the_cpu_peak_is_measured_without_drawing_r
     state = torch.get_rng_state()
     assert perf.measured_peak(torch.device("cpu"), torch.float32) > 1e8
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("rates, current, auto, threads, warn, says", [
+    ({2: 0.015e12, 1: 0.10e12}, 2, False, 2, True, "measured 0.1 TFLOP/s at 1 thread, 0.015 at 2"),  # issue 43
+    ({2: 0.079e12, 1: 0.10e12}, 2, False, 2, True, "run.num_threads=1"),  # below 0.8x one thread's
+    ({2: 0.081e12, 1: 0.10e12}, 2, False, 2, False, None),  # slower, but within 0.8x: nothing said
+    ({4: 0.35e12, 1: 0.10e12}, 4, False, 4, False, None),  # an idle machine: threads scale
+    ({2: 0.015e12, 1: 0.10e12}, 2, True, 1, False, "run.num_threads=auto: 1 CPU thread (measured 0.1"),
+    ({4: 0.35e12, 1: 0.10e12}, 4, True, 4, False, "run.num_threads=auto: 4 CPU threads"),
+    ({2: 0.10e12, 1: 0.10e12}, 2, True, 1, False, "auto: 1 CPU thread"),  # a tie keeps fewer threads
+])
+def test_choose_threads_warns_or_picks_from_the_measured_peaks(rates, current, auto, threads, warn, says):
+    choice = perf.choose_threads(rates, current, auto=auto)
+    assert (choice.threads, choice.warn) == (threads, warn)
+    assert choice.message is None if says is None else says in choice.message

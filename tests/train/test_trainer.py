@@ -180,3 +180,28 @@ def test_eval_sample_change_is_zero_for_unchanged_weights_and_skipped_for_anothe
         assert "unreadable" in caplog.text
     kept.unlink()
     assert "eval/sample_change" not in t.evaluate(4)  # a run begun before the start was kept
+
+
+@pytest.mark.parametrize("threads, used", [("2", 2), ("auto", 1)])
+def test_more_threads_measured_slower_than_one_are_reported_and_recorded(make_trainer, monkeypatch, caplog,
+                                                                         threads, used):
+    """Issue 43: the start-up peaks (injected: 0.015 TFLOP/s at 2 threads, 0.10 at 1, as measured on a busy machine)
+    give one warning line with both numbers and the fix, or with run.num_threads=auto the faster count; both peaks
+    land in provenance.json."""
+    from flowforge.train import perf
+
+    for n, rate in ((2, 0.015e12), (1, 0.10e12)):
+        monkeypatch.setitem(perf._MEASURED, ("cpu", torch.float32, n), rate)
+    torch.set_num_threads(2)  # "auto" starts from torch's default: 2 here
+    try:
+        with caplog.at_level("INFO", logger="flowforge"):
+            trainer = make_trainer(f"run.num_threads={threads}")
+        assert torch.get_num_threads() == used
+    finally:
+        torch.set_num_threads(1)
+    lines = [r.getMessage() for r in caplog.records if "measured 0.1 TFLOP/s at 1 thread, 0.015 at 2" in r.getMessage()]
+    assert len(lines) == 1
+    assert ("Set run.num_threads=1" in lines[0]) == (threads == "2")
+    provenance = json.loads((trainer.run_dir / "provenance.json").read_text())["cpu_threads"]
+    assert provenance == {"configured": 2 if threads == "2" else "auto", "threads": used,
+                          "peak_tflops": {"1": 0.1, "2": 0.015}}

@@ -43,6 +43,7 @@ import torch
 from flowforge.algorithms.schedules import sample_sigmas
 from flowforge.policy import lr_lambda
 from flowforge.settings.sections import SIGMA_SAMPLINGS, DataConfig, RunConfig, SamplerConfig, SFTConfig
+from flowforge.train.perf import set_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +232,7 @@ def run_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataConfig = 
         ValueError: prompts that do not cover every digit equally often (bad section values were refused when the
             sections were built).
     """
-    if run.num_threads:
-        torch.set_num_threads(run.num_threads)
+    set_cpu_threads(run.num_threads)  # "auto" or a busy machine: measured against one thread
     Path(sft.output).mkdir(parents=True, exist_ok=True)
     setup = _setup(sft, run.seed, data, model_config, text_max_length)
     n = setup.x0_all.shape[0]

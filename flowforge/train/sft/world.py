@@ -44,6 +44,7 @@ import torch
 from flowforge.algorithms.losses import anchor_fm_loss, anchors as anchor_math, transition_ce_loss
 from flowforge.policy import lr_lambda
 from flowforge.settings.sections import DataConfig, RunConfig, SamplerConfig, SFTConfig
+from flowforge.train.perf import set_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,7 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
     from flowforge.models.world_model.adapter import WorldModelAdapter
     from flowforge.models.world_model.tiny import build_world_model
 
-    if run.num_threads:
-        torch.set_num_threads(run.num_threads)
+    set_cpu_threads(run.num_threads)  # "auto" or a busy machine: measured against one thread
     out = Path(sft.output)
     out.mkdir(parents=True, exist_ok=True)
     clips = load_atari_clips(clips_config or AtariDataConfig(), data.cache_dir)
