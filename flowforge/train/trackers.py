@@ -58,13 +58,15 @@ def cell_caption(cell: Mapping[str, Any]) -> str:
 
 
 class TensorBoardTracker:
-    """TensorBoard event files under ``log_dir`` (``torch.utils.tensorboard.SummaryWriter``), flushed per call."""
+    """TensorBoard event files under ``log_dir`` (``torch.utils.tensorboard.SummaryWriter``), flushed per call.
+    ``purge_step`` (a resumed run): TensorBoard hides the earlier files' events of steps ``>= purge_step``, which
+    this run logs again, so no step shows twice."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         # Imported here: TensorBoard takes seconds to import and many users of this module never log.
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         for key, value in scalars.items():
@@ -130,9 +132,9 @@ class WandbTracker:
         self._run.finish()
 
 
-def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str) -> list[Any]:
+def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str, purge_step: int | None = None) -> list[Any]:
     """The trackers named in ``names`` (``metrics.trackers`` values; ``jsonl`` is written by the caller and skipped
-    here), each at most once, in order.
+    here), each at most once, in order; ``purge_step`` as :class:`TensorBoardTracker`'s.
 
     Raises:
         ValueError: a name outside :data:`~flowforge.settings.sections.TRACKERS`.
@@ -143,7 +145,7 @@ def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str) -> lis
         if name not in TRACKERS:
             raise ValueError(f"unknown tracker {name!r}; allowed: {list(TRACKERS)}")
         if name == "tensorboard":
-            out.append(TensorBoardTracker(Path(run_dir) / TB_DIR))
+            out.append(TensorBoardTracker(Path(run_dir) / TB_DIR, purge_step))
         elif name == "wandb":
             out.append(WandbTracker(Path(run_dir), run_name))
     return out

@@ -35,6 +35,7 @@ from flowforge import config as config_lib
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.dtypes import resolve_dtype
 from flowforge.runtime.errors import UserError
+from flowforge.runtime.interrupt import Interrupted, StopSignals
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
@@ -332,7 +333,7 @@ class Trainer(RunDirectory):
         return out
 
     # ------------------------------------------------------------------------------------------------ loop
-    def train(self, stop_at: int | None = None) -> Path:
+    def train(self, stop_at: int | None = None, signals: StopSignals | None = None) -> Path:
         """Run to ``train.steps`` steps (evaluating before the first, every ``eval.every`` and after the last);
         writes ``metrics.jsonl``, ``eval.jsonl``, ``samples/``, ``train.log``, ``report.html`` and the
         ``metrics.trackers``. Returns the run directory.
@@ -340,16 +341,29 @@ class Trainer(RunDirectory):
         ``stop_at`` ends the run early after that many steps, as an interruption would (no final eval / report;
         the LR schedule still spans ``train.steps``); a later ``train.resume`` continues it exactly.
 
+        SIGINT / SIGTERM (``signals``, the caller's handlers; else installed for this call,
+        :mod:`flowforge.runtime.interrupt`): the current step finishes, its checkpoint is committed and
+        :class:`~flowforge.runtime.interrupt.Interrupted` is raised (``graceful``); a second signal, or one before
+        the first step, raises it at once.
+
         A failure before the first step completes leaves the run directory as it was before this command; a later
         one keeps what the completed steps wrote; the lock is released either way
-        (:meth:`~flowforge.train.run_lifecycle.RunDirectory._fail`)."""
+        (:meth:`~flowforge.train.run_lifecycle.RunDirectory._fail`).
+
+        Raises:
+            Interrupted: a signal stopped the run (see above).
+        """
+        signals = signals or StopSignals()
         try:
-            with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), closing_engine(self.engine), \
-                    self.perf.counting():
-                return self._train(stop_at)
+            with signals, run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), \
+                    closing_engine(self.engine), self.perf.counting():
+                run_dir, stopped = self._train(stop_at, signals)
         except BaseException:
             self._fail()
             raise
+        if stopped is not None:
+            raise Interrupted(stopped, graceful=True, step=self.step)
+        return run_dir
 
     def _log_progress(self, scalars: dict[str, float]) -> None:
         """Without a progress bar (``--no-progress``), on rank 0: a log line with the key metrics every
@@ -359,7 +373,8 @@ class Trainer(RunDirectory):
                                                                   or self.step == self.cfg.train.steps):
             log.info("%s", progress_line(self.step, self.cfg.train.steps, scalars))
 
-    def _train(self, stop_at: int | None) -> Path:
+    def _train(self, stop_at: int | None, signals: StopSignals) -> tuple[Path, int | None]:
+        """The loop of :meth:`train`; returns the run directory and the signal that stopped it (None: not one)."""
         cfg = self.cfg
         if self.run_lock is not None:
             self.run_lock.acquire()  # released at the end of an earlier train()
@@ -369,6 +384,8 @@ class Trainer(RunDirectory):
         end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
         bar = tqdm(range(self.step, end), desc=cfg.run.name, disable=not self.progress,
                    initial=self.step, total=cfg.train.steps)
+        stopped = None
+        signals.armed = True  # from here a first signal lets the step finish and commits it
         for step in bar:
             timer = StageTimer()
             self.perf.begin_step()
@@ -398,18 +415,21 @@ class Trainer(RunDirectory):
             self._log_progress(scalars)
             if self.guard.stopped:
                 break  # reward hacking: the guard stopped the run (after a rollback with guard.action=rollback)
+            stopped = signals.agreed(self.dist.enabled)  # every rank: one decision at the step boundary
+            if stopped is not None:
+                break
         ended = self.step == cfg.train.steps or self.guard.stopped
-        if ended and self.checkpoints.saved_step != self.step:
+        if (ended or stopped is not None) and self.checkpoints.saved_step != self.step:
             self.checkpoints.save()  # the trained model is never lost, also with checkpoint.every=0
         if self.logger is not None:
             self.logger.close()
         self.close()
         if not ended or not self.dist.is_main:
-            return self.run_dir
+            return self.run_dir, None if ended else stopped
         from flowforge.report.run import write_report
 
         write_report(self.run_dir)
-        return self.run_dir
+        return self.run_dir, None
 
     def finish_step(self, step: int, batch: StepBatch, media: torch.Tensor, local: dict[str, float],
                     adv_metrics: dict[str, torch.Tensor], times: dict[str, float]) -> dict[str, float]:
