@@ -29,6 +29,9 @@ pickle error from reading a file
 ``export --verify`` found a wrong export            1     one line ``error: export verification failed: ...``
 anything else (a bug)                               1     one line ``error: internal error: <type>: <message> (rerun
                                                           with --debug for the traceback)``
+``train`` stopped by SIGINT / SIGTERM               130 / one line ``interrupted by SIGTERM: ...`` naming the last
+                                                    143   committed checkpoint and the resume command
+                                                          (:mod:`flowforge.cli.train`)
 ==================================================  ====  =========================================================
 
 ``--debug`` (before or after the verb) or ``FLOWFORGE_DEBUG=1`` re-raises instead, so the traceback is shown.

@@ -5,14 +5,17 @@ released, a directory it created removed when still empty), released at the end.
 the checkpoint deletions a killed save left marked (:func:`flowforge.train.checkpoint.finish_removals`).
 
 A command that fails after it was accepted but before it completed a step (a reward server down at the first
-score) leaves every existing file as it found it: :class:`RunJournal` records, at acceptance, the existing files
-the acceptance rewrites (their bytes) and the append-only logs (their sizes); the failure puts them back and
-releases the lock (undoing a claim it made). A failure after a completed step keeps what that step wrote (its
-metrics, its checkpoint: a later ``train.resume`` continues from there) and releases the lock.
+score) leaves the run directory as it found it: :class:`RunJournal` records, at acceptance, the existing files
+the acceptance rewrites (their bytes), the append-only logs (their sizes) and which files the run's own names hold;
+the failure puts the first back, cuts the second, removes the files it added (a new run's ``config.yaml`` too, so a
+plain rerun is not refused) and releases the lock (undoing a claim it made). A failure after a completed step keeps
+what that step wrote (its metrics, its checkpoint: a later ``train.resume`` continues from there) and releases the
+lock. A resume cuts the logs back to the step it resumes from (:mod:`flowforge.train.history`).
 
-``train.resume=auto`` on a directory whose ``metrics.jsonl`` logged more steps than an interrupted first checkpoint
-explains, but which holds no committed checkpoint (deleted, or all damaged), is refused: starting again at step 0
-would append a second history (:func:`refuse_lost_history`).
+``train.resume=auto`` (``must``) on a directory whose ``metrics.jsonl`` logged more steps than an interrupted first
+checkpoint explains, but which holds no committed checkpoint (deleted, or all damaged), is refused: starting again at
+step 0 would silently throw that training away (:func:`refuse_lost_history`). ``train.resume=must`` is refused
+whenever there is nothing to resume; ``auto`` warns about a mistyped ``run.name`` (:func:`nothing_to_resume`).
 
 :class:`RunDirectory` is a base of :class:`flowforge.train.trainer.Trainer`; it uses the trainer's ``cfg``,
 ``dist``, ``adapter`` and ``overwrite`` and sets ``run_dir``, ``model_source``, ``train_prompts``, ``eval_prompts``,
@@ -270,7 +273,8 @@ def refuse_lost_history(run_dir: Path, every: int, steps: int | None = None) -> 
     why = (f"its first save was at step {first} (checkpoint.every={every}): deleted or damaged" if every > 0
            else "checkpoint.every=0 saves only at the end")
     raise UserError("train.resume=auto", f"{run_dir} logged {done} steps in {METRICS_FILE} but holds no committed "
-                    f"checkpoint to resume from ({why}); starting again at step 0 would append a second history",
+                    f"checkpoint to resume from ({why}); starting again at step 0 would throw that training "
+                    "away",
                     "restore its checkpoints, or start it anew without train.resume and with --overwrite (the old run "
                     f"is moved aside to {Path(run_dir).name}.old-<n>), or choose another run.name")
 

@@ -34,7 +34,6 @@ from tqdm import tqdm
 from flowforge import config as config_lib
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.dtypes import resolve_dtype
-from flowforge.runtime.errors import UserError
 from flowforge.runtime.interrupt import Interrupted, StopSignals
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
@@ -48,13 +47,13 @@ from flowforge.report.grids import save_eval_grid
 from flowforge.report.world_strips import real_clips, write_real_strips
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter
-from flowforge.models.base import AudioDecoding, Conditioning
+from flowforge.models.base import Conditioning
 from flowforge.objectives import OBJECTIVES, TrainBatch
 from flowforge.objectives.anchors import anchor_policy_bank, build_anchor
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
 from flowforge.settings import resume_fingerprint
 from flowforge.train.preflight import check_loaded_model, preflight
-from flowforge.rewards.base import takes_audio
+from flowforge.train.preflight.loaded import check_audio_scorers
 from flowforge.rewards.processor import RewardProcessor
 from flowforge.rewards.registry import build_scorer
 from flowforge.rollout import (Trajectory, candidate_noise, decode_audio, decode_media, generate, rollout_chunked,
@@ -87,21 +86,6 @@ class StepBatch:
 def _encode(adapter, records: list[PromptRecord], cache_dir: str):
     prompts = [r.prompt for r in records]
     return encode_cached(adapter.encode, adapter.encoder_id, prompts, Path(cache_dir), batch_size=64)
-
-
-def check_audio_scorers(scorers: dict, adapter, overlap: bool) -> None:
-    """Refuse scorers that take audio (``takes_audio``) when the model makes none or ``reward.overlap`` is on.
-
-    Raises:
-        UserError: naming the scorers and ``model.adapter`` / ``reward.overlap``.
-    """
-    audio = sorted(n for n, s in scorers.items() if takes_audio(s))
-    if audio and not isinstance(adapter, AudioDecoding):
-        raise UserError("model.adapter", f"{type(adapter).__name__} produces no audio, but reward components "
-                        f"{audio} score audio (takes_audio)", "use an audio-video family (ltx2) or drop them")
-    if audio and overlap:
-        raise UserError("reward.overlap", f"true, but reward components {audio} score audio, which the overlapped "
-                        "score stream does not carry", "set reward.overlap=false")
 
 
 class Trainer(RunDirectory):

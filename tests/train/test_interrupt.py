@@ -21,8 +21,6 @@ import torch
 from safetensors.torch import load_file
 
 from flowforge.runtime.run_dir import committed_checkpoints
-from flowforge.train.history import cut_rows
-from flowforge.train.run_lifecycle import nothing_to_resume
 from tests.cli.test_errors import EXAMPLE, assert_one_line_error, run_cli
 
 RESUME_LINE = "train.resume=auto"
@@ -130,6 +128,8 @@ def test_a_second_signal_while_finishing_stops_at_once(tiny_model_dir, encode_ca
 
 
 def test_cut_rows_keeps_complete_rows_up_to_the_step(tmp_path):
+    from flowforge.train.history import cut_rows
+
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "a": 1}\n{"step": 2}\nnot json\n{"step": 3}\n{"step": 2, "b": 2}\n{"step": 4, "a')
     data, notes = cut_rows(path, 2)
@@ -180,6 +180,8 @@ def test_resume_must_refuses_when_there_is_nothing_and_names_close_runs(tiny_mod
 
 
 def test_resume_auto_with_a_mistyped_run_name_warns_before_starting_from_scratch(tmp_path, caplog):
+    from flowforge.train.run_lifecycle import nothing_to_resume
+
     for name in ("digits-grpo", "digits-nft", "world"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("")

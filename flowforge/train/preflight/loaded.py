@@ -1,7 +1,8 @@
-"""Preflight's checks that need the loaded model (:func:`check_loaded_model`), and the memory arithmetic both the
-config-only checks (:func:`flowforge.train.preflight.preflight`) and these use: the latent shape, LoRA targets
-against the real module tree, LoRA layers inside trained submodules (``module+lora``), and the memory one step
-needs against what ``run.device`` has now.
+"""Preflight's checks that need the loaded model (:func:`check_loaded_model`; :func:`check_audio_scorers`, the
+reward scorers against it), and the memory arithmetic both the config-only checks
+(:func:`flowforge.train.preflight.preflight`) and these use: the latent shape, LoRA targets against the real module
+tree, LoRA layers inside trained submodules (``module+lora``), and the memory one step needs against what
+``run.device`` has now.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 
 from flowforge.config import Config
+from flowforge.models.base import AudioDecoding
+from flowforge.rewards.base import takes_audio
 from flowforge.runtime.errors import UserError, one_line
 from flowforge.settings import LORA_MODES
 from flowforge.train.preflight.modules import loaded_module_problems
@@ -144,3 +147,18 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tu
         if warning not in already:
             logging.getLogger("flowforge").warning(warning)
     return warnings
+
+
+def check_audio_scorers(scorers: dict, adapter, overlap: bool) -> None:
+    """Refuse scorers that take audio (``takes_audio``) when the model makes none or ``reward.overlap`` is on.
+
+    Raises:
+        UserError: naming the scorers and ``model.adapter`` / ``reward.overlap``.
+    """
+    audio = sorted(n for n, s in scorers.items() if takes_audio(s))
+    if audio and not isinstance(adapter, AudioDecoding):
+        raise UserError("model.adapter", f"{type(adapter).__name__} produces no audio, but reward components "
+                        f"{audio} score audio (takes_audio)", "use an audio-video family (ltx2) or drop them")
+    if audio and overlap:
+        raise UserError("reward.overlap", f"true, but reward components {audio} score audio, which the overlapped "
+                        "score stream does not carry", "set reward.overlap=false")
