@@ -7,6 +7,7 @@ row; a run that fails at its first step (remote reward server down) leaves no ru
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -228,3 +229,42 @@ def test_a_first_run_that_fails_at_its_first_score_leaves_no_run_behind(tiny_mod
     rc, _, err = run_cli(args, tmp_path, in_process=True)  # the same run, its reward server back: not refused
     assert rc == 0, err
     assert _steps(tmp_path / "t") == [1]
+
+
+@pytest.mark.slow  # two torchrun ranks (tens of seconds)
+@pytest.mark.distributed
+def test_under_torchrun_a_signal_to_one_rank_stops_both_after_the_same_step(tiny_model_dir, encode_cache_dir,
+                                                                            tmp_path):
+    """Only rank 1 gets SIGTERM, after its first step: the step-boundary all-reduce stops rank 0 too, the checkpoint
+    of step 1 is written by both (a collective), both exit 143 and rank 0 prints the line. Without the agreement
+    rank 0 would wait in step 2's collectives for a rank that left."""
+    args = _args(tiny_model_dir, tmp_path, encode_cache_dir, "checkpoint.every=0", "eval.max_prompts=2",
+                 "eval.samples_per_prompt=2")
+    script = tmp_path / "rank_script.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        from flowforge.cli import main
+        from flowforge.train.trainer import Trainer
+
+        finish = Trainer.finish_step
+        def finish_step(self, step, *rest):
+            out = finish(self, step, *rest)
+            if self.dist.rank == 1 and step == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+        Trainer.finish_step = finish_step
+        sys.exit(main({args!r}))
+    """))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0  # torchrun reports its workers' 143 as a failure
+    run = tmp_path / "t"
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("interrupted by SIGTERM: ")]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert lines[0].startswith(f"interrupted by SIGTERM: finished step 1 of 3 and committed its checkpoint "
+                               f"{run / 'checkpoints' / 'step_000001'}; continue with: "), lines
+    codes = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\n\s+exitcode\s+: (\d+)", proc.stderr)
+    assert sorted(codes) == [("0", "143"), ("1", "143")], proc.stderr[-3000:]  # torchrun's summary of its workers
+    assert _steps(run) == [1] and [p.name for p in committed_checkpoints(run)] == ["step_000001"]
