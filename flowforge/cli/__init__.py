@@ -29,9 +29,9 @@ pickle error from reading a file
 ``export --verify`` found a wrong export            1     one line ``error: export verification failed: ...``
 anything else (a bug)                               1     one line ``error: internal error: <type>: <message> (rerun
                                                           with --debug for the traceback)``
-``train`` stopped by SIGINT / SIGTERM               130 / one line ``interrupted by SIGTERM: ...`` naming the last
-                                                    143   committed checkpoint and the resume command
-                                                          (:mod:`flowforge.cli.train`)
+stopped by SIGINT / SIGTERM (``train``, the RL      130 / one line ``interrupted by SIGTERM: ...``; ``train``'s
+stages of ``stages``)                               143   names the last committed checkpoint and the resume
+                                                          command (:mod:`flowforge.cli.train`)
 ==================================================  ====  =========================================================
 
 ``--debug`` (before or after the verb) or ``FLOWFORGE_DEBUG=1`` re-raises instead, so the traceback is shown.
@@ -49,6 +49,7 @@ import sys
 from flowforge import __version__
 from flowforge.cli import check, compare, data, export, report, sample, serve, sft, stages, train
 from flowforge.runtime.errors import one_line
+from flowforge.runtime.interrupt import Interrupted
 from flowforge.runtime.quiet import library_progress_bars_off
 
 VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with bars_off:
             return VERBS[args.command].run(args)
+    except Interrupted as stop:  # a verb that says nothing more itself (``train`` does): one line, 128 + signal
+        print(str(stop), file=sys.stderr)
+        return stop.exit_code
     except Exception as exc:  # noqa: BLE001 - every failure ends in one line unless --debug asks for the traceback
         if args.debug:
             raise

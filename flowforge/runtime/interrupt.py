@@ -30,10 +30,6 @@ import signal
 import threading
 from types import FrameType
 
-import torch
-
-from flowforge.runtime.distributed import all_reduce_processes
-
 log = logging.getLogger("flowforge")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -56,7 +52,8 @@ class Interrupted(BaseException):
     def __init__(self, signum: int, *, graceful: bool, step: int | None = None):
         self.signum, self.graceful, self.step = int(signum), graceful, step
         self.exit_code = EXIT_CODES.get(self.signum, 128 + self.signum)
-        super().__init__(f"interrupted by {signal_name(signum)}")
+        done = f": finished step {step} and committed its checkpoint" if graceful else ": stopped at once"
+        super().__init__(f"interrupted by {signal_name(signum)}{done}")
 
 
 def signal_name(signum: int) -> str:
@@ -107,5 +104,9 @@ class StopSignals:
         them all after the same step."""
         mine = self.signum or 0
         if distributed:
+            import torch  # here: the command line imports this module before it imports torch
+
+            from flowforge.runtime.distributed import all_reduce_processes
+
             mine = int(all_reduce_processes(torch.tensor([mine], dtype=torch.int64), "max")[0])
         return mine or None
