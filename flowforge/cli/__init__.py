@@ -10,7 +10,9 @@ Failures, by exit status:
   ``ConfigError``, ``PreflightError``, ``ExportError``, other ``ValueError`` / ``OSError``, a safetensors or pickle
   error from reading a file (one line ``error: <what>: <why>; <fix>``; a config's several problems joined by ``; ``);
 * 1: ``export --verify`` found a wrong export (``error: export verification failed: ...``), or anything else, a bug
-  (``error: internal error: <type>: <message> (rerun with --debug for the traceback)``).
+  (``error: internal error: <type>: <message> (rerun with --debug for the traceback)``);
+* 130 / 143: stopped by SIGINT / SIGTERM (``train``, the RL stages of ``stages``): one line ``interrupted by
+  SIGTERM: ...``; ``train``'s names the last committed checkpoint and the resume command (:mod:`flowforge.cli.train`).
 
 ``--debug`` (before or after the verb) or ``FLOWFORGE_DEBUG=1`` re-raises instead, so the traceback is shown.
 """
@@ -28,6 +30,7 @@ from flowforge import __version__
 from flowforge.cli import check, compare, data, export, report, sample, serve, sft, stages, train
 from flowforge.cli.common import TRAILING
 from flowforge.runtime.errors import one_line
+from flowforge.runtime.interrupt import Interrupted
 from flowforge.runtime.quiet import library_progress_bars_off
 
 VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with bars_off:
             return VERBS[args.command].run(args)
+    except Interrupted as stop:  # a verb that says nothing more itself (``train`` does): one line, 128 + signal
+        print(str(stop), file=sys.stderr)
+        return stop.exit_code
     except Exception as exc:  # noqa: BLE001 - every failure ends in one line unless --debug asks for the traceback
         if args.debug:
             raise

@@ -271,7 +271,8 @@ class TrainConfig(Section):
     num_updates_per_batch: int = 2
     micro_batch_size: int = 8
     allow_unit_ratio: bool = False  # allow num_updates_per_batch = 1 with a clipped objective
-    resume: str | None = None  # "auto" or a checkpoint path
+    resume: str | None = None  # "auto" (the newest committed checkpoint, else from scratch), "must" (as auto,
+    # refused when there is none) or a checkpoint path
 
     def problems(self) -> list[str]:
         c = Checks(self)

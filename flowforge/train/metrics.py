@@ -147,6 +147,8 @@ class MetricsLogger:
             ``tensorboard`` says. JSONL is written either way.
         run_name: the run's name at the trackers that show one (W&B); default the run directory's name.
         wandb: ``metrics.wandb`` (project, name, tags, ... of the W&B run; None: W&B's environment variables).
+        purge_step: a resumed run's first step logged again: TensorBoard hides the old events of steps
+            ``>= purge_step`` (``SummaryWriter(purge_step=...)``); ``None`` for a new run. W&B continues its run id.
 
     Raises:
         ValueError / ImportError: as :func:`flowforge.train.trackers.build_trackers`.
@@ -159,14 +161,16 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, trackers: Sequence[str] | None = None,
-                 run_name: str | None = None, wandb: WandbSettings | None = None):
+                 run_name: str | None = None, wandb: WandbSettings | None = None,
+                 purge_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
         self.eval_path = self.run_dir / EVAL_FILE
         self._files: dict[Path, Any] = {}
         names = (("tensorboard",) if tensorboard else ()) if trackers is None else tuple(trackers)
-        self._trackers = build_trackers(names, self.run_dir, run_name=run_name or self.run_dir.name, wandb=wandb)
+        self._trackers = build_trackers(names, self.run_dir, run_name=run_name or self.run_dir.name, wandb=wandb,
+                                        purge_step=purge_step)
         self._closed = False
 
     def log_grid(self, step: int, png: Path) -> None:

@@ -5,24 +5,29 @@ released, a directory it created removed when still empty), released at the end.
 the checkpoint deletions a killed save left marked (:func:`flowforge.train.checkpoint.finish_removals`).
 
 A command that fails after it was accepted but before it completed a step (a reward server down at the first
-score) leaves every existing file as it found it: :class:`RunJournal` records, at acceptance, the existing files
-the acceptance rewrites (their bytes) and the append-only logs (their sizes); the failure puts them back and
-releases the lock (undoing a claim it made). A failure after a completed step keeps what that step wrote (its
-metrics, its checkpoint: a later ``train.resume`` continues from there) and releases the lock.
+score) leaves the run directory as it found it: :class:`RunJournal` records, at acceptance, the existing files
+the acceptance rewrites (their bytes), the append-only logs (their sizes) and which files the run's own names hold;
+the failure puts the first back, cuts the second, removes the files it added (a new run's ``config.yaml`` too, so a
+plain rerun is not refused) and releases the lock (undoing a claim it made). A failure after a completed step keeps
+what that step wrote (its metrics, its checkpoint: a later ``train.resume`` continues from there) and releases the
+lock. A resume cuts the logs back to the step it resumes from (:mod:`flowforge.train.history`).
 
-``train.resume=auto`` on a directory whose ``metrics.jsonl`` logged more steps than an interrupted first checkpoint
-explains, but which holds no committed checkpoint (deleted, or all damaged), is refused: starting again at step 0
-would append a second history (:func:`refuse_lost_history`).
+``train.resume=auto`` (``must``) on a directory whose ``metrics.jsonl`` logged more steps than an interrupted first
+checkpoint explains, but which holds no committed checkpoint (deleted, or all damaged), is refused: starting again at
+step 0 would silently throw that training away (:func:`refuse_lost_history`). ``train.resume=must`` is refused
+whenever there is nothing to resume; ``auto`` warns about a mistyped ``run.name`` (:func:`nothing_to_resume`).
 
 :class:`RunDirectory` is a base of :class:`flowforge.train.trainer.Trainer`; it uses the trainer's ``cfg``,
 ``dist``, ``adapter``, ``threads`` (what :func:`~flowforge.train.perf.set_cpu_threads` returned) and ``overwrite``
-and sets ``run_dir``, ``model_source``, ``train_prompts``, ``eval_prompts``, ``run_lock`` and ``logger``. The rules themselves live in :mod:`flowforge.runtime.run_dir` and
-:mod:`flowforge.runtime.lock`.
+and sets ``run_dir``, ``model_source``, ``train_prompts``, ``eval_prompts``, ``run_lock`` and ``logger``. The rules
+themselves live in :mod:`flowforge.runtime.run_dir` and :mod:`flowforge.runtime.lock`.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -34,11 +39,14 @@ from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
 from flowforge.runtime.run_dir import (CONFIG_FILE, EVAL_FILE, LOG_FILE, METRICS_FILE, MODEL_PROVENANCE_FILE,
-                                       PROVENANCE_FILE, TB_DIR, WRITTEN_FILES, check_artifacts_root,
+                                       PROVENANCE_FILE, SAMPLES_DIR, TB_DIR, WRITTEN_FILES, check_artifacts_root,
                                        check_run_dir_outside_source, committed_checkpoints, existing_run,
                                        last_logged_step, move_aside, refuse_rerun, saved_setting)
-from flowforge.train.checkpoint import finish_removals
+from flowforge.train.checkpoint import RESUME_NEWEST, finish_removals
+from flowforge.train.history import cut_history, purge_step
 from flowforge.train.metrics import MetricsLogger, write_provenance
+
+log = logging.getLogger("flowforge")
 
 
 class RunDirectory:
@@ -67,7 +75,8 @@ class RunDirectory:
             check_artifacts_root(Path(cfg.artifacts.root), self.run_dir)
         for name in WRITTEN_FILES:
             refuse_escaping_symlink(self.run_dir / name, self.run_dir)
-        if cfg.train.resume == "auto" and not committed_checkpoints(self.run_dir):
+        if cfg.train.resume in RESUME_NEWEST and not committed_checkpoints(self.run_dir):
+            nothing_to_resume(self.run_dir, cfg.train.resume)  # resume=must refused, a mistyped run.name warned
             refuse_lost_history(self.run_dir, cfg.checkpoint.every, cfg.train.steps)  # before any model loads
         if self.dist.is_main:
             self._claim_run_dir()
@@ -94,18 +103,24 @@ class RunDirectory:
         """The command is accepted (model loaded, resume checked): write the resolved config and provenance
         atomically and open the metrics logger (rank 0). First the journal a failure undoes (:class:`RunJournal`);
         a resume that found no usable checkpoint (all damaged) is refused like a deleted one."""
-        if self.cfg.train.resume == "auto" and self.checkpoints.resumed_from is None:
+        resume = self.cfg.train.resume
+        if resume in RESUME_NEWEST and self.checkpoints.resumed_from is None:
+            if resume == "must":  # every committed checkpoint was damaged
+                nothing_to_resume(self.run_dir, resume)
             refuse_lost_history(self.run_dir, self.cfg.checkpoint.every, self.cfg.train.steps)
         self._accepted_at = (self.state.step, self.checkpoints.saved_step)
         if self.dist.is_main:
             self._journal = RunJournal(self.run_dir)
+            if resume:  # steps after the resumed one are trained again: each is logged once
+                cut_history(self.run_dir, self.state.step, self._journal.rewrite)
             write_bytes(self.run_dir / "config.yaml", config_lib.dump_config(self.cfg).encode())
             write_provenance(self.run_dir, {"cpu_threads": self.threads})  # set_cpu_threads: the peaks measured
             record = getattr(self.adapter, "provenance_record", None)  # a world model: every loaded tensor's source
             if record is not None:
                 write_bytes(self.run_dir / MODEL_PROVENANCE_FILE, (json.dumps(record(), indent=1) + "\n").encode())
             self.logger = MetricsLogger(self.run_dir, trackers=self.cfg.metrics.trackers, run_name=self.cfg.run.name,
-                                        wandb=self.cfg.metrics.wandb)
+                                        wandb=self.cfg.metrics.wandb,
+                                        purge_step=purge_step(self.state.step) if resume else None)
             self.logger.log_config(config_lib.to_dict(self.cfg), config_lib.dump_config(self.cfg))
         dist_lib.barrier(self.dist)
 
@@ -143,34 +158,50 @@ class RunDirectory:
 
 
 class RunJournal:
-    """What accepting a command is about to change in a run directory's existing files, so that a command that then
-    fails without completing a step leaves every file that was there as it was (rank 0; the module docstring says
-    when).
+    """What accepting a command is about to change in a run directory, so that a command that then fails without
+    completing a step leaves the directory as it was (rank 0; the module docstring says when).
 
     Taken before :meth:`RunDirectory._accept_run` writes: the bytes of the existing files acceptance rewrites
-    (``config.yaml``, provenance files), the sizes of the existing append-only logs (``metrics.jsonl``,
-    ``eval.jsonl``, ``train.log``) and the TensorBoard event files (the metrics logger opens a new one).
-    :meth:`restore` puts the first back, cuts the second to their sizes and removes the event files added since.
-    Nothing else is touched: files of other writers (a judge's request ledger, ``audit.jsonl``) record what really
-    happened, and the files of a run directory this command created stay as they are (its lock is undone).
+    (``config.yaml``, provenance files, and the logs a resume cuts back, :meth:`rewrite`), the sizes of the existing
+    append-only logs (``metrics.jsonl``, ``eval.jsonl``, ``train.log``) and the list of files under the names a run
+    writes (:data:`~flowforge.runtime.run_dir.WRITTEN_FILES`, ``samples/`` and ``tb/`` included).
+    :meth:`restore` puts the first back, cuts the second to their sizes and removes the files added since under
+    those names (then ``samples/`` and ``tb/`` when this command made them and they are empty), so a failed first
+    run leaves no ``config.yaml`` behind and a plain rerun is not refused. Nothing else is touched: files of other
+    writers (a judge's request ledger, ``audit.jsonl``) record what really happened.
     """
 
     REWRITTEN = (CONFIG_FILE, PROVENANCE_FILE, MODEL_PROVENANCE_FILE)
     APPENDED = (METRICS_FILE, EVAL_FILE, LOG_FILE)
-    TB_EVENTS = "events.out.tfevents."  # torch.utils.tensorboard's event file names
+    OWNED = (*WRITTEN_FILES, TB_DIR)  # names only a run writes: files new under them are this command's
+    DIRS = (SAMPLES_DIR, TB_DIR)
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.rewritten = {n: p.read_bytes() for n in self.REWRITTEN if (p := self.run_dir / n).is_file()}
         self.appended = {n: p.stat().st_size for n in self.APPENDED if (p := self.run_dir / n).is_file()}
-        self.events = set(self._events())
+        self.files = set(self._owned_files())
+        self.dirs = {n for n in self.DIRS if os.path.lexists(self.run_dir / n)}
 
-    def _events(self) -> list[Path]:
-        tb = self.run_dir / TB_DIR
-        return [p for p in tb.iterdir() if p.is_file() and p.name.startswith(self.TB_EVENTS)] if tb.is_dir() else []
+    def _owned_files(self) -> list[Path]:
+        out = []
+        for name in self.OWNED:
+            path = self.run_dir / name
+            if path.is_dir():
+                out += [p for p in path.rglob("*") if p.is_file() or p.is_symlink()]
+            elif path.is_file():
+                out.append(path)
+        return out
+
+    def rewrite(self, name: str, data: bytes) -> None:
+        """Replace the existing file ``name`` by ``data`` (atomically), its old bytes kept for :meth:`restore`."""
+        path = self.run_dir / name
+        self.rewritten.setdefault(name, path.read_bytes())
+        self.appended.pop(name, None)
+        write_bytes(path, data)
 
     def restore(self) -> None:
-        """Put the existing files back as they were when the journal was taken (see the class docstring)."""
+        """Put the run directory back as it was when the journal was taken (see the class docstring)."""
         for name, data in self.rewritten.items():
             path = self.run_dir / name
             if not path.is_file() or path.read_bytes() != data:
@@ -179,9 +210,44 @@ class RunJournal:
             path = self.run_dir / name
             if path.is_file() and path.stat().st_size > size:
                 os.truncate(path, size)
-        if self.appended or self.rewritten:  # an existing run: the event file this command's logger opened
-            for path in set(self._events()) - self.events:
-                path.unlink(missing_ok=True)
+        for path in set(self._owned_files()) - self.files:
+            path.unlink(missing_ok=True)
+        for name in set(self.DIRS) - self.dirs:
+            path = self.run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                for sub in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+                    _rmdir_if_empty(sub)
+                _rmdir_if_empty(path)
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:  # not empty: another writer's files stay
+        pass
+
+
+def nothing_to_resume(run_dir: Path, resume: str) -> None:
+    """``run_dir`` holds no committed checkpoint: refuse ``train.resume=must``; under ``auto`` (which then starts
+    from scratch) warn when the run directory does not exist but runs with close names do beside it (a mistyped
+    ``run.name``: ``difflib`` close matches).
+
+    Raises:
+        UserError: ``train.resume=must: nothing to resume in <run_dir> ...`` (with the close names).
+    """
+    run_dir = Path(run_dir)
+    close = []
+    if not run_dir.exists() and run_dir.parent.is_dir():
+        runs = [p.name for p in run_dir.parent.iterdir() if p.is_dir() and existing_run(p)]
+        close = difflib.get_close_matches(run_dir.name, runs, n=3, cutoff=0.6)
+    hint = f"did you mean run.name={' or run.name='.join(close)}? " if close else ""
+    if resume == "must":
+        why = "does not exist" if not run_dir.exists() else "holds no usable committed checkpoint"
+        raise UserError("train.resume=must", f"nothing to resume: the run directory {run_dir} {why}",
+                        f"{hint}check run.name and run.output_dir, or use train.resume=auto to start from scratch "
+                        "when there is nothing")
+    if close:
+        log.warning("train.resume=auto: the run directory %s does not exist; %sstarting from scratch", run_dir, hint)
 
 
 def refuse_lost_history(run_dir: Path, every: int, steps: int | None = None) -> None:
@@ -208,7 +274,8 @@ def refuse_lost_history(run_dir: Path, every: int, steps: int | None = None) -> 
     why = (f"its first save was at step {first} (checkpoint.every={every}): deleted or damaged" if every > 0
            else "checkpoint.every=0 saves only at the end")
     raise UserError("train.resume=auto", f"{run_dir} logged {done} steps in {METRICS_FILE} but holds no committed "
-                    f"checkpoint to resume from ({why}); starting again at step 0 would append a second history",
+                    f"checkpoint to resume from ({why}); starting again at step 0 would throw that training "
+                    "away",
                     "restore its checkpoints, or start it anew without train.resume and with --overwrite (the old run "
                     f"is moved aside to {Path(run_dir).name}.old-<n>), or choose another run.name")
 

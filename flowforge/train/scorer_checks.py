@@ -1,4 +1,5 @@
-"""Checks of a run's reward scorers against the model and the config, once they are built (before any step)."""
+"""A run's reward scorers: built from the config (:func:`build_reward_processor`) and checked against the model and
+the config once they are built (before any step)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,24 @@ from typing import Any
 
 from flowforge.models.base import AudioDecoding
 from flowforge.rewards.base import is_paid, takes_audio
+from flowforge.rewards.processor import RewardProcessor
+from flowforge.rewards.registry import build_scorer
 from flowforge.runtime.errors import UserError
+
+
+def build_reward_processor(cfg: Any, adapter: Any, run_dir: Any) -> RewardProcessor:
+    """The training components (``reward.weights``) and the eval scorers (``eval.scorers``), each built once with
+    its ``reward.options``, checked (:func:`check_audio_scorers`, :func:`check_paid_scorers`), in one processor.
+
+    Raises:
+        UserError: as the checks; what a scorer's constructor raises.
+    """
+    r = cfg.reward
+    names = list(dict.fromkeys([*r.weights, *cfg.eval.scorers]))
+    scorers = {n: build_scorer(n, run_dir=run_dir, **r.options.get(n, {})) for n in names}
+    check_audio_scorers(scorers, adapter, r.overlap)
+    check_paid_scorers(scorers, cfg.eval, r.weights)
+    return RewardProcessor(scorers, r.weights, r.required, batch_size=r.batch_size)
 
 
 def check_audio_scorers(scorers: dict, adapter, overlap: bool) -> None:

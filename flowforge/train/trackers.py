@@ -61,13 +61,15 @@ def cell_caption(cell: Mapping[str, Any]) -> str:
 
 
 class TensorBoardTracker:
-    """TensorBoard event files under ``log_dir`` (``torch.utils.tensorboard.SummaryWriter``), flushed per call."""
+    """TensorBoard event files under ``log_dir`` (``torch.utils.tensorboard.SummaryWriter``), flushed per call.
+    ``purge_step`` (a resumed run): TensorBoard hides the earlier files' events of steps ``>= purge_step``, which
+    this run logs again, so no step shows twice."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         # Imported here: TensorBoard takes seconds to import and many users of this module never log.
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         for key, value in scalars.items():
@@ -138,10 +140,11 @@ class WandbTracker:
         self._run.finish()
 
 
-def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str,
-                   wandb: WandbSettings | None = None) -> list[Any]:
+def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str, wandb: WandbSettings | None = None,
+                   purge_step: int | None = None) -> list[Any]:
     """The trackers named in ``names`` (``metrics.trackers`` values; ``jsonl`` is written by the caller and skipped
-    here), each at most once, in order; ``wandb`` is ``metrics.wandb`` (None: every key from the environment).
+    here), each at most once, in order; ``wandb`` is ``metrics.wandb`` (None: every key from the environment);
+    ``purge_step`` as :class:`TensorBoardTracker`'s.
 
     Raises:
         ValueError: a name outside :data:`~flowforge.settings.sections.TRACKERS`.
@@ -152,10 +155,16 @@ def build_trackers(names: Sequence[str], run_dir: Path, *, run_name: str,
         if name not in TRACKERS:
             raise ValueError(f"unknown tracker {name!r}; allowed: {list(TRACKERS)}")
         if name == "tensorboard":
-            out.append(TensorBoardTracker(Path(run_dir) / TB_DIR))
+            out.append(TensorBoardTracker(Path(run_dir) / TB_DIR, purge_step))
         elif name == "wandb":
             out.append(WandbTracker(Path(run_dir), run_name, wandb))
     return out
+
+
+def log_progress(step: int, total: int, scalars: Mapping[str, float], every: int) -> None:
+    """Log :func:`progress_line` every ``every`` steps (``metrics.log_every``; 0: never) and after the last."""
+    if every and (step % every == 0 or step == total):
+        logging.getLogger("flowforge").info("%s", progress_line(step, total, scalars))
 
 
 def progress_line(step: int, total: int, scalars: Mapping[str, float]) -> str:

@@ -14,7 +14,8 @@ Rows are put in a seeded training order *before* the rollout, and the rollout is
 micro-batches, so replaying the first update runs the same computations as the rollout (ratio exactly 1).
 
 Everything else lives beside the loop: the run directory's lifecycle in
-:class:`~flowforge.train.run_lifecycle.RunDirectory` (checked, claimed, accepted, abandoned, released), save / resume in :class:`~flowforge.train.checkpoint.manager.CheckpointManager`
+:class:`~flowforge.train.run_lifecycle.RunDirectory` (checked, claimed, accepted, abandoned, released), save /
+resume in :class:`~flowforge.train.checkpoint.manager.CheckpointManager`
 (over the Stateful policy bank, prompt sampler and :class:`~flowforge.train.checkpoint.manager.TrainerState`), the
 decode of latents into media at the rollout boundary (:func:`flowforge.rollout.decode_media`).
 """
@@ -34,6 +35,7 @@ from tqdm import tqdm
 from flowforge import config as config_lib
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.dtypes import resolve_dtype
+from flowforge.runtime.interrupt import Interrupted, StopSignals
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
@@ -52,8 +54,6 @@ from flowforge.objectives.anchors import anchor_policy_bank, build_anchor
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
 from flowforge.settings import resume_fingerprint
 from flowforge.train.preflight import check_loaded_model, preflight
-from flowforge.rewards.processor import RewardProcessor
-from flowforge.rewards.registry import build_scorer
 from flowforge.rollout import (Trajectory, candidate_noise, decode_audio, decode_media, generate, rollout_chunked,
                               rollout_grouped, sigmas_for)
 from flowforge.runtime.lock import RunLock
@@ -61,10 +61,10 @@ from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, 
 from flowforge.train.guard import RewardHackingGuard
 from flowforge.train.perf import PerfMeter, compute_dtype, set_cpu_threads
 from flowforge.train.sidecars import SidecarWriter
-from flowforge.train.trackers import TRAIN_LOG, progress_line, run_logging
+from flowforge.train.trackers import TRAIN_LOG, log_progress, run_logging
 from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
 from flowforge.train.run_lifecycle import RunDirectory
-from flowforge.train.scorer_checks import check_audio_scorers, check_paid_scorers
+from flowforge.train.scorer_checks import build_reward_processor
 
 log = logging.getLogger("flowforge")
 
@@ -184,12 +184,8 @@ class Trainer(RunDirectory):
 
     def _build_outputs(self) -> None:
         """Reward processor (training components + eval scorers), metrics logger (rank 0), trajectory sidecars."""
-        cfg, r = self.cfg, self.cfg.reward
-        names = list(dict.fromkeys([*r.weights, *cfg.eval.scorers]))
-        scorers = {n: build_scorer(n, run_dir=self.run_dir, **r.options.get(n, {})) for n in names}
-        check_audio_scorers(scorers, self.adapter, r.overlap)
-        check_paid_scorers(scorers, cfg.eval, r.weights)
-        self.rewards = RewardProcessor(scorers, r.weights, r.required, batch_size=r.batch_size)
+        cfg = self.cfg
+        self.rewards = build_reward_processor(cfg, self.adapter, self.run_dir)
         self.guard = RewardHackingGuard.from_config(cfg, self.run_dir, is_main=self.dist.is_main)  # guard.patience
         self.logger = None  # opened by _accept_run: nothing is written before the command is accepted
         self.sidecars = None
@@ -322,7 +318,7 @@ class Trainer(RunDirectory):
         return out
 
     # ------------------------------------------------------------------------------------------------ loop
-    def train(self, stop_at: int | None = None) -> Path:
+    def train(self, stop_at: int | None = None, signals: StopSignals | None = None) -> Path:
         """Run to ``train.steps`` steps (evaluating before the first, every ``eval.every`` and after the last);
         writes ``metrics.jsonl``, ``eval.jsonl``, ``samples/``, ``train.log``, ``report.html`` and the
         ``metrics.trackers``. Returns the run directory.
@@ -330,26 +326,32 @@ class Trainer(RunDirectory):
         ``stop_at`` ends the run early after that many steps, as an interruption would (no final eval / report;
         the LR schedule still spans ``train.steps``); a later ``train.resume`` continues it exactly.
 
+        SIGINT / SIGTERM (``signals``, the caller's handlers; else installed for this call,
+        :mod:`flowforge.runtime.interrupt`): the current step finishes, its checkpoint is committed and
+        :class:`~flowforge.runtime.interrupt.Interrupted` is raised (``graceful``); a second signal, or one before
+        the first step, raises it at once.
+
         A failure before the first step completes leaves the run directory as it was before this command; a later
         one keeps what the completed steps wrote; the lock is released either way
-        (:meth:`~flowforge.train.run_lifecycle.RunDirectory._fail`)."""
+        (:meth:`~flowforge.train.run_lifecycle.RunDirectory._fail`).
+
+        Raises:
+            Interrupted: a signal stopped the run (see above).
+        """
+        signals = signals or StopSignals()
         try:
-            with run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), closing_engine(self.engine), \
-                    self.perf.counting():
-                return self._train(stop_at)
+            with signals, run_logging(self.run_dir / TRAIN_LOG if self.dist.is_main else None), \
+                    closing_engine(self.engine), self.perf.counting():
+                run_dir, stopped = self._train(stop_at, signals)
         except BaseException:
             self._fail()
             raise
+        if stopped is not None:
+            raise Interrupted(stopped, graceful=True, step=self.step)
+        return run_dir
 
-    def _log_progress(self, scalars: dict[str, float]) -> None:
-        """Without a progress bar (``--no-progress``), on rank 0: a log line with the key metrics every
-        ``metrics.log_every`` steps and after the last."""
-        every = self.cfg.metrics.log_every
-        if not self.progress and self.dist.is_main and every and (self.step % every == 0
-                                                                  or self.step == self.cfg.train.steps):
-            log.info("%s", progress_line(self.step, self.cfg.train.steps, scalars))
-
-    def _train(self, stop_at: int | None) -> Path:
+    def _train(self, stop_at: int | None, signals: StopSignals) -> tuple[Path, int | None]:
+        """The loop of :meth:`train`; returns the run directory and the signal that stopped it (None: not one)."""
         cfg = self.cfg
         if self.run_lock is not None:
             self.run_lock.acquire()  # released at the end of an earlier train()
@@ -359,6 +361,8 @@ class Trainer(RunDirectory):
         end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
         bar = tqdm(range(self.step, end), desc=cfg.run.name, disable=not self.progress,
                    initial=self.step, total=cfg.train.steps)
+        stopped = None
+        signals.armed = True  # from here a first signal lets the step finish and commits it
         for step in bar:
             timer = StageTimer()
             self.perf.begin_step()
@@ -385,21 +389,25 @@ class Trainer(RunDirectory):
                      **self.perf.metrics(times)}
             scalars = self.finish_step(step, batch, media, local, adv_metrics, times)
             bar.set_postfix(reward=f"{scalars['reward/total_mean']:.3f}")
-            self._log_progress(scalars)
+            if not self.progress and self.dist.is_main:  # --no-progress: a line every metrics.log_every steps
+                log_progress(self.step, cfg.train.steps, scalars, cfg.metrics.log_every)
             if self.guard.stopped:
                 break  # reward hacking: the guard stopped the run (after a rollback with guard.action=rollback)
+            stopped = signals.agreed(self.dist.enabled)  # every rank: one decision at the step boundary
+            if stopped is not None:
+                break
         ended = self.step == cfg.train.steps or self.guard.stopped
-        if ended and self.checkpoints.saved_step != self.step:
+        if (ended or stopped is not None) and self.checkpoints.saved_step != self.step:
             self.checkpoints.save()  # the trained model is never lost, also with checkpoint.every=0
         if self.logger is not None:
             self.logger.close()
         self.close()
         if not ended or not self.dist.is_main:
-            return self.run_dir
+            return self.run_dir, None if ended else stopped
         from flowforge.report.run import write_report
 
         write_report(self.run_dir)
-        return self.run_dir
+        return self.run_dir, None
 
     def finish_step(self, step: int, batch: StepBatch, media: torch.Tensor, local: dict[str, float],
                     adv_metrics: dict[str, torch.Tensor], times: dict[str, float]) -> dict[str, float]:

@@ -95,7 +95,7 @@ def test_audio_scorers_need_an_audio_model_and_no_overlap():
     from flowforge.rewards.scorers.av_sync import AVOnsetSync
     from flowforge.rewards.scorers.jpeg import JpegCompressibility
     from flowforge.runtime.errors import UserError
-    from flowforge.train.trainer import check_audio_scorers
+    from flowforge.train.scorer_checks import check_audio_scorers
 
     class Silent:
         pass

@@ -228,7 +228,7 @@ def test_cli_summary_only_on_rank_zero(monkeypatch, tmp_path, capsys):
         def __init__(self, cfg, *, progress, overwrite):
             self.dist = type("D", (), {"is_main": is_main})()
 
-        def train(self):
+        def train(self, signals=None):
             return tmp_path
 
     monkeypatch.setattr(trainer_mod, "Trainer", FakeTrainer)

@@ -85,7 +85,7 @@ def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
         if not committed:
             lost = ckpt.lost_progress(run_dir)
             if lost:
-                raise ExportError(run_dir, lost, ckpt.NO_CHECKPOINT_FIX)
+                raise ExportError(run_dir, lost, ckpt.no_checkpoint_fix(run_dir))
             raise ExportError(run_dir / ckpt.CHECKPOINTS_DIR, "holds no committed checkpoint",
                               "train with checkpoint.every > 0 (a run that ends saves one at its last step)")
         return committed[-1]

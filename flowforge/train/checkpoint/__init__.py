@@ -87,11 +87,11 @@ from flowforge.runtime.run_dir import CHECKPOINTS_DIR, MARKER, committed_checkpo
 from flowforge.train.checkpoint.layout import (_GROUP_RE, _LAYOUT, FORMAT_VERSION, LATEST, OPTIMIZER_FILE, REMOVING,
                                                RNG_DIR, SHARDED_DIR, SUPERSEDED, TRAINER_STATE_FILE, WEIGHTS_DIR,
                                                Checkpoint, _rng_files, _step_dirs)
-from flowforge.train.checkpoint.read import (NO_CHECKPOINT_FIX, load_checkpoint, lost_progress, no_checkpoints_note,
-                                             resolve_resume, verify_checkpoint)
+from flowforge.train.checkpoint.read import (NO_CHECKPOINT_FIX, RESUME_NEWEST, load_checkpoint, lost_progress,
+                                             no_checkpoint_fix, no_checkpoints_note, resolve_resume, verify_checkpoint)
 
-__all__ = ["Checkpoint", "NO_CHECKPOINT_FIX", "finish_removals", "load_checkpoint", "lost_progress",
-           "no_checkpoints_note", "resolve_resume", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["Checkpoint", "NO_CHECKPOINT_FIX", "RESUME_NEWEST", "finish_removals", "load_checkpoint", "lost_progress",
+           "no_checkpoint_fix", "no_checkpoints_note", "resolve_resume", "save_checkpoint", "verify_checkpoint"]
 
 log = logging.getLogger("flowforge")
 

@@ -40,6 +40,18 @@ def lost_progress(run_dir: str | Path) -> str | None:
 
 NO_CHECKPOINT_FIX = ("its training cannot be recovered; rerun it with checkpoint.every > 0 (every N steps and at the "
                      "end, checkpoint.keep bounds the disk) and --overwrite, or under another run.name")
+RESTART_FIX = ("train.resume=auto starts it again from step 0 (it was killed before its first checkpoint was "
+               "committed) and replaces the rows it logged")
+RESUME_NEWEST = ("auto", "must")
+"""``train.resume`` values that pick the newest committed checkpoint (``must``: refused when there is none)."""
+
+
+def no_checkpoint_fix(run_dir: str | Path) -> str:
+    """What to do about a run directory without a committed checkpoint (:func:`lost_progress`): with
+    ``checkpoint.every > 0`` in its ``config.yaml`` a restart from step 0 (:data:`RESTART_FIX`), else
+    :data:`NO_CHECKPOINT_FIX`."""
+    every = saved_setting(run_dir, "checkpoint", "every")
+    return RESTART_FIX if isinstance(every, int) and every > 0 else NO_CHECKPOINT_FIX
 
 
 def no_checkpoints_note(run_dir: Path) -> str:
@@ -67,7 +79,7 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None
     run_dir = Path(run_dir)
     committed = committed_checkpoints(run_dir)
     newest = committed[-1] if committed else None
-    if resume == "auto":
+    if resume in RESUME_NEWEST:
         notes = []
         while committed:
             try:
@@ -89,7 +101,9 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> tuple[Path | None
             notes.append(f"{_rel(run_dir, p)} {why}; {chosen}")
         lost = lost_progress(run_dir) if newest is None else None
         if lost:
-            notes.append(f"{lost}: nothing to resume, starting from step 0; {NO_CHECKPOINT_FIX}")
+            fix = no_checkpoint_fix(run_dir)
+            notes.append(f"{lost}: nothing to resume, starting from step 0" + (
+                " (its logged rows are replaced)" if fix == RESTART_FIX else f"; {fix}"))
         elif newest is None and not notes:
             notes.append(no_checkpoints_note(run_dir))
         return newest, notes

@@ -337,7 +337,7 @@ def _resume_problems(cfg: Config, problems: list[str]) -> None:
     from flowforge.train.checkpoint import MARKER, is_committed
 
     resume = cfg.train.resume
-    if resume in (None, "auto"):
+    if resume in (None, "auto", "must"):
         return
     path = Path(resume).expanduser()
     fix = "give a committed checkpoint directory (<run>/checkpoints/step_N) or train.resume=auto"

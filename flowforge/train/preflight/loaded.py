@@ -1,7 +1,8 @@
-"""Preflight's checks that need the loaded model (:func:`check_loaded_model`), and the memory arithmetic both the
-config-only checks (:func:`flowforge.train.preflight.preflight`) and these use: the latent shape, LoRA targets
-against the real module tree, LoRA layers inside trained submodules (``module+lora``), and the memory one step
-needs against what ``run.device`` has now.
+"""Preflight's checks that need the loaded model (:func:`check_loaded_model`; the reward scorers against it are in
+:mod:`flowforge.train.scorer_checks`), and the memory arithmetic both the config-only checks
+(:func:`flowforge.train.preflight.preflight`) and these use: the latent shape, LoRA targets against the real module
+tree, LoRA layers inside trained submodules (``module+lora``), and the memory one step needs against what
+``run.device`` has now.
 """
 
 from __future__ import annotations
@@ -144,3 +145,4 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tu
         if warning not in already:
             logging.getLogger("flowforge").warning(warning)
     return warnings
+
