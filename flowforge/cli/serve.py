@@ -39,7 +39,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         "not exist, never overwritten (default: generate a token and print it on stderr)")
     parser.add_argument("--no-auth", action="store_true", help="no token (refused unless --host is loopback)")
     parser.add_argument("--max-connections", type=int, default=1000, metavar="N",
-                        help="open connections at most (default 1000, and at most the open-file limit less 64); a "
+                        help="open connections at most (default 1000, and at most the open-file limit less 256); a "
                         "connection over it closes the oldest idle one")
     parser.add_argument("--client-timeout", type=finite_float, default=30.0, metavar="S",
                         help="seconds a client may take to send a request's headers, or pause while sending its body "
