@@ -38,7 +38,7 @@ from pathlib import Path
 
 from flowforge.rewards.judge.protocol import MAX_DECODE_PIXELS, header_pixels
 from flowforge.serve.guard import DEFAULT_BODY_TIMEOUT_S, MAX_JSON_DEPTH, guard_app, json_depth  # noqa: F401
-from flowforge.serve.listen import serve_app  # noqa: F401 (re-exported)
+from flowforge.serve.listen import serve_app, server_url  # noqa: F401 (re-exported)
 
 LOOPBACK_NAMES = ("localhost",)
 TOKEN_BYTES = 32
@@ -121,13 +121,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def server_url(host: str, port: int) -> str:
-    """``http://HOST:PORT`` (an IPv6 address in brackets)."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 def resolve_token(token_file: str | Path | None, no_auth: bool, host: str) -> str | None:

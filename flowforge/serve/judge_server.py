@@ -323,9 +323,11 @@ def _json_body():
     """A FastAPI dependency: the request body parsed as JSON (400 with a message when it is not)."""
 
     async def parse(request: Request) -> Any:
+        from starlette.concurrency import run_in_threadpool
+
         raw = await request.body()
         try:
-            return json.loads(raw)
+            return await run_in_threadpool(json.loads, raw)  # seconds for a large body: not on the event loop
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise refuse(400, f"the body is not JSON: {exc}") from None
 

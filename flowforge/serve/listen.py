@@ -125,6 +125,13 @@ def _protocol(cap: int, client_timeout_s: float) -> type:
     return GuardedH11
 
 
+def server_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` (an IPv6 address in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 def serve_app(app: Any, host: str, port: int, ready_message: str, *,
               max_connections: int = DEFAULT_MAX_CONNECTIONS,
               client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S) -> None:
@@ -138,8 +145,6 @@ def serve_app(app: Any, host: str, port: int, ready_message: str, *,
         OSError: the address cannot be bound (in use, not local).
     """
     import uvicorn
-
-    from flowforge.serve.common import server_url
 
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
