@@ -7,11 +7,14 @@
     flowforge serve judge (--scorer NAME | --model PATH | --student PATH) [--host 127.0.0.1] [--port N]
                           [--token-file F | --no-auth] [--request-log FILE] [--options FILE] [--score-range LO HI]
                           [--model-name ID]
+    both: [--max-connections N] [--client-timeout S]
 
 Each server prints ``serving <name> at http://HOST:PORT`` when it listens (``--port 0`` picks a free port). Auth
 rules (:mod:`flowforge.serve.common`): loopback by default; a bearer token from ``--token-file`` (a file that does not
 exist yet is created with a fresh token, mode 0600), or generated and printed on stderr; ``--no-auth`` only on a
-loopback host.
+loopback host. Slow and idle clients (:mod:`flowforge.serve.listen`): a request's headers must arrive within
+``--client-timeout`` seconds, and its body may not pause longer (408); over ``--max-connections`` open connections
+the oldest idle one is closed.
 """
 
 from __future__ import annotations
@@ -35,6 +38,25 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         help="file holding the bearer token; created with a fresh token (mode 0600) when it does "
                         "not exist, never overwritten (default: generate a token and print it on stderr)")
     parser.add_argument("--no-auth", action="store_true", help="no token (refused unless --host is loopback)")
+    parser.add_argument("--max-connections", type=int, default=1000, metavar="N",
+                        help="open connections at most (default 1000, and at most the open-file limit less 256); a "
+                        "connection over it closes the oldest idle one")
+    parser.add_argument("--client-timeout", type=finite_float, default=30.0, metavar="S",
+                        help="seconds a client may take to send a request's headers, or pause while sending its body "
+                        "(default 30; then the connection is closed, or the request answered 408)")
+
+
+def _connection_limits(args: argparse.Namespace) -> dict:
+    """``serve_app``'s keyword arguments from ``--max-connections`` / ``--client-timeout``.
+
+    Raises:
+        UserError: a value < 1 connection or <= 0 seconds.
+    """
+    if args.max_connections < 1:
+        raise UserError("--max-connections", f"is {args.max_connections}", "give an integer >= 1")
+    if not args.client_timeout > 0:
+        raise UserError("--client-timeout", f"is {args.client_timeout}", "give a number of seconds > 0")
+    return {"max_connections": args.max_connections, "client_timeout_s": args.client_timeout}
 
 
 def _add_pixel_budget(parser) -> None:
@@ -70,6 +92,7 @@ def _run_reward(args: argparse.Namespace) -> int:
     from flowforge.serve.common import resolve_token, serve_app
 
     check_device(args.device)  # before any model loads or a token file is written
+    limits = _connection_limits(args)
     names = [n.strip() for n in args.scorers.split(",") if n.strip()]
     options = yaml.safe_load(args.options.read_text()) if args.options is not None else {}
     if not isinstance(options, dict) or any(not isinstance(v, dict) for v in options.values()):
@@ -87,8 +110,9 @@ def _run_reward(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     scorers = {name: build_scorer(name, **options.get(name, {})) for name in names}
     app = build_app(scorers, token, max_batch=args.max_batch, max_bytes=int(args.max_body_mb * 2**20),
-                    max_request_pixels=_pixel_budget(args), device=args.device)
-    serve_app(app, args.host, args.port, "reward")
+                    max_request_pixels=_pixel_budget(args), device=args.device,
+                    body_timeout_s=limits["client_timeout_s"])
+    serve_app(app, args.host, args.port, "reward", **limits)
     return 0
 
 
@@ -122,6 +146,7 @@ def _run_judge(args: argparse.Namespace) -> int:
     from flowforge.serve.common import resolve_token, serve_app
 
     check_device(args.device)  # before any model loads or a token file is written
+    limits = _connection_limits(args)
     options = yaml.safe_load(args.options.read_text()) if args.options is not None else {}
     if not isinstance(options, dict):
         raise ValueError(f"--options {args.options}: expected a mapping of keyword options")
@@ -145,25 +170,30 @@ def _run_judge(args: argparse.Namespace) -> int:
                                 score_range=tuple(args.score_range), device=args.device, dtype=args.dtype,
                                 max_new_tokens=args.max_new_tokens, model_id=args.model_name)
     app = build_app(backend, token, request_log=args.request_log, max_bytes=int(args.max_body_mb * 2**20),
-                    max_images=args.max_images, max_request_pixels=_pixel_budget(args))
-    serve_app(app, args.host, args.port, "judge")
+                    max_images=args.max_images, max_request_pixels=_pixel_budget(args),
+                    body_timeout_s=limits["client_timeout_s"])
+    serve_app(app, args.host, args.port, "judge", **limits)
     return 0
 
 
 def check_request_log(args: argparse.Namespace) -> None:
     """``--request-log`` under the shared write rule (:func:`flowforge.runtime.write_guard.check_write_target`):
     resolved (symlinks, ``..``), it may not lie inside a run, a checkpoint, or be / lie inside the server's own
-    inputs (``--student`` / ``--model`` directory, ``--options``, ``--token-file``).
+    inputs (``--student`` / ``--model`` directory, ``--options``, ``--token-file``); and it must be a regular file
+    or a new name in an existing directory, openable for appending (not a directory, not ``/dev/full``:
+    :func:`flowforge.serve.judge_server.check_log_path`).
 
     Raises:
-        UserError: naming ``--request-log`` and what it lies inside.
+        UserError / ValueError: naming ``--request-log`` and what is wrong with it.
     """
     from flowforge.runtime.write_guard import check_write_target
+    from flowforge.serve.judge_server import check_log_path
 
     inputs = {"--student directory": args.student, "--model directory": args.model, "--options file": args.options}
     protected = {label: path for label, path in inputs.items() if path is not None and Path(path).exists()}
     # the token file even before it exists: resolve_token creates it next
     check_write_target(args.request_log, "--request-log", protected={**protected, "--token-file": args.token_file})
+    check_log_path(Path(args.request_log))
 
 
 SERVERS = {"reward": (_add_reward, _run_reward), "judge": (_add_judge, _run_judge)}

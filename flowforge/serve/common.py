@@ -3,17 +3,20 @@
 Rules (the same for the reward service and the judge server):
 
 * a server binds loopback (``127.0.0.1``) unless told otherwise;
-* it wants ``Authorization: Bearer <token>`` on every route except ``GET /health``; the token is read from a file
+* it wants ``Authorization: Bearer <token>`` on every route except ``GET /health``, checked from the headers
+  before any of the body is read (:func:`flowforge.serve.guard.guard_app`); the token is read from a file
   (``--token-file``; a file that does not exist yet is created with a fresh token, mode 0600), or generated and
   printed on stderr when no file is given;
 * it runs without a token only when asked (``--no-auth``) **and** bound to a loopback address: anyone who can reach
   a non-loopback port could otherwise score or judge with this machine's models;
-* request bodies over a byte limit are refused with 413 before they are read whole (:func:`limit_body`), and a JSON
-  body nested deeper than :data:`MAX_JSON_DEPTH` with 400 before it is parsed (the parser would recurse into a
-  ``RecursionError``, a 500);
+* request bodies are streamed under a byte cap (413), a JSON nesting limit (400, :data:`MAX_JSON_DEPTH`, scanned
+  chunk by chunk before anything parses) and a read timeout (408): :mod:`flowforge.serve.guard`;
 * the pixels a request would decode (all its images and frames together) are read from the image headers (Pillow's
-  lazy ``Image.open`` gives the size without decoding) and refused with 413 over a per-request budget
-  (:func:`check_pixel_budget`), so memory per request is bounded by the budget, not by how well an image compresses;
+  lazy ``Image.open`` gives the size without decoding; a header past Pillow's decompression-bomb limit counts what
+  it claims) and refused with 413 over a per-request budget (:func:`check_pixel_budget`); decoding and scoring run
+  under one server-wide :class:`PixelBudget`, so peak memory does not grow with the number of concurrent requests;
+* slow and idle clients are bounded by a header deadline and a connection cap that closes the oldest idle
+  connection (:mod:`flowforge.serve.listen`);
 * ``/docs``, ``/redoc`` and ``/openapi.json`` are off (:data:`NO_DOCS`): they would be served without the token.
 
 When the server is listening, :func:`serve_app` prints one line ``serving <name> at http://HOST:PORT`` on stdout
@@ -22,51 +25,38 @@ When the server is listening, :func:`serve_app` prints one line ``serving <name>
 
 import base64
 import binascii
-import hmac
+import contextlib
 import io
 import ipaddress
-import json
 import os
 import re
 import secrets
-import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+
+from flowforge.rewards.judge.protocol import MAX_DECODE_PIXELS, header_pixels
+from flowforge.serve.guard import DEFAULT_BODY_TIMEOUT_S, MAX_JSON_DEPTH, guard_app, json_depth  # noqa: F401
+from flowforge.serve.listen import serve_app, server_url  # noqa: F401 (re-exported)
 
 LOOPBACK_NAMES = ("localhost",)
 TOKEN_BYTES = 32
-MAX_JSON_DEPTH = 64
-"""Deepest nesting of arrays / objects a JSON request body may have (the servers' schemas need fewer than 10)."""
-DEFAULT_MAX_REQUEST_PIXELS = 2**25
+DEFAULT_MAX_REQUEST_PIXELS = MAX_DECODE_PIXELS
 """Decoded pixels one request may carry, all images and frames together (32 Mi pixels, e.g. 2 x 4096^2 or
-128 x 512^2: 384 MiB as float32 RGB)."""
+128 x 512^2: 384 MiB as float32 RGB); also the pixels all requests together may be decoding at once
+(:class:`PixelBudget`)."""
 NO_DOCS = {"docs_url": None, "redoc_url": None, "openapi_url": None}
 """``FastAPI(**NO_DOCS)``: no interactive docs or schema routes (FastAPI serves them outside the app's auth)."""
 
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-
-
-def json_depth(body: bytes) -> int:
-    """The deepest nesting of ``[`` / ``{`` in a JSON text, strings skipped, without parsing it (a vectorised scan,
-    so a hostile 64 MiB body costs a fraction of a second and no recursion)."""
-    import numpy as np
-
-    skeleton = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
-    step = np.isin(skeleton, (0x5B, 0x7B)).astype(np.int64) - np.isin(skeleton, (0x5D, 0x7D)).astype(np.int64)
-    return int(np.cumsum(step).max(initial=0))
-
-
 def image_pixels(data: bytes) -> int:
     """``width * height * frames`` of an encoded image, read from its header (``PIL.Image.open`` is lazy: nothing is
-    decoded); 0 when ``data`` is not an image Pillow recognises (the decoder reports that later, with context)."""
-    from PIL import Image, UnidentifiedImageError
+    decoded); 0 when ``data`` is not an image Pillow recognises (the decoder reports that later, with context).
+    A header past Pillow's decompression-bomb limit counts the pixels it claims (so the budget refuses it: 413)."""
+    from PIL import UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-            return width * height * max(1, int(getattr(image, "n_frames", 1) or 1))
+        return header_pixels(io.BytesIO(data))
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         return 0
 
@@ -92,6 +82,36 @@ def check_pixel_budget(pixels: int, limit: int) -> None:
                                  f"{limit} per request; send fewer or smaller images per request")
 
 
+class PixelBudget:
+    """Decoded pixels in memory across all requests at once, at most ``total``: a request holds its pixel cost
+    (read from its image headers) while it decodes and scores, and waits while the pixels held by others would push
+    the total over. So peak memory follows one budget's worth of pixels, not the number of concurrent requests (the
+    thread pool runs up to 40). A request costing more than ``total`` alone is refused (413), never queued.
+
+    Use: ``with budget.hold(pixels): media = decode(...); scores = score(media)``.
+    """
+
+    def __init__(self, total: int) -> None:
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ValueError(f"the pixel budget must be an int >= 1, got {total!r}")
+        self.total, self.held = total, 0
+        self._free = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, pixels: int) -> Iterator[None]:
+        """Hold ``pixels`` of the budget for the ``with`` block (waits for them; 413 over ``total``)."""
+        check_pixel_budget(pixels, self.total)
+        with self._free:
+            self._free.wait_for(lambda: self.held + pixels <= self.total)
+            self.held += pixels
+        try:
+            yield
+        finally:
+            with self._free:
+                self.held -= pixels
+                self._free.notify_all()
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and any address in 127.0.0.0/8 or ``::1``; False for every other name or address
     (``0.0.0.0`` included: it listens on every interface)."""
@@ -101,13 +121,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def server_url(host: str, port: int) -> str:
-    """``http://HOST:PORT`` (an IPv6 address in brackets)."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 def resolve_token(token_file: str | Path | None, no_auth: bool, host: str) -> str | None:
@@ -160,108 +173,3 @@ def _create_token_file(path: Path) -> str | None:
     return token
 
 
-def require_token(token: str | None) -> Callable[..., None]:
-    """A FastAPI dependency that refuses a request without ``Authorization: Bearer <token>`` (401, with a
-    ``WWW-Authenticate: Bearer`` header). ``token=None`` accepts every request (``--no-auth``). The comparison
-    takes constant time (``hmac.compare_digest``).
-
-    Use: ``app.post("/score", dependencies=[Depends(require_token(token))])``."""
-    from fastapi import HTTPException, Request
-
-    # no postponed annotations in this module: FastAPI must see the real ``Request`` class on ``check``
-    expected = None if token is None else token.encode()
-
-    def check(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token (Authorization: Bearer ...)",
-                                headers={"WWW-Authenticate": "Bearer"})
-
-    return check
-
-
-def detail_error(status: int, message: str) -> dict[str, Any]:
-    """FastAPI's error body, ``{"detail": message}`` (the reward service's)."""
-    return {"detail": message}
-
-
-def limit_body(app: Any, max_bytes: int, max_depth: int = MAX_JSON_DEPTH,
-               error_body: Callable[[int, str], dict[str, Any]] = detail_error) -> Callable:
-    """Wrap an ASGI ``app`` so that an HTTP request body over ``max_bytes`` is answered 413: at once from
-    ``Content-Length``, else as soon as the streamed body passes the limit (the body is read here, at most
-    ``max_bytes`` of it, and handed to ``app`` whole); a body nested deeper than ``max_depth`` (brackets outside JSON
-    strings, whatever its ``Content-Type``) is answered 400 before anything parses it. The JSON body of those
-    answers is ``error_body(status, message)`` (default ``{"detail": message}``; the judge server's is OpenAI's
-    error object)."""
-
-    async def send_413(send, size: str) -> None:
-        await send_error(send, 413, f"request body {size} exceeds the limit of {max_bytes} bytes")
-
-    async def send_error(send, status: int, detail: str) -> None:
-        body = json.dumps(error_body(status, detail)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def limited(scope, receive, send):
-        if scope["type"] != "http":
-            return await app(scope, receive, send)
-        declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            return await send_413(send, f"of {int(declared)} bytes")
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > max_bytes:
-                return await send_413(send, "streamed")
-        if body and (depth := json_depth(bytes(body))) > max_depth:  # any content type: the judge parses every body
-            return await send_error(send, 400, f"the JSON body is nested {depth} levels deep, over the limit of "
-                                               f"{max_depth}")
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: wait for the client to disconnect, as the server would
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        return await app(scope, replay, send)
-
-    return limited
-
-
-def serve_app(app: Any, host: str, port: int, ready_message: str) -> None:
-    """Serve the ASGI ``app`` with uvicorn on ``host:port`` until interrupted (SIGINT / SIGTERM).
-
-    ``port=0`` binds a free port. Once listening, prints ``serving <ready_message> at http://HOST:PORT`` on stdout,
-    flushed (``ready_message`` names the server, e.g. ``"reward"``).
-
-    Raises:
-        OSError: the address cannot be bound (in use, not local).
-    """
-    import uvicorn
-
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # accepted connections inherit TCP_NODELAY: without it a response written in two parts (headers, body) waits
-    # for the client's delayed ACK, about 40 ms per request on Linux
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host.strip("[]"), port))
-    url = server_url(host, sock.getsockname()[1])
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets=sockets)
-            if not self.should_exit:
-                print(f"serving {ready_message} at {url}", flush=True)
-
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-    Server(config).run(sockets=[sock])

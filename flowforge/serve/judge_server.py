@@ -24,12 +24,15 @@ HTTP   ``code``                    when
 =====  ==========================  ==================================================================================
 400    ``invalid_json``            the body is not JSON, or nested deeper than the limit
 400    ``unsupported_parameter``   ``n != 1`` or ``stream: true`` (``param`` names it)
-401    ``invalid_api_key``         no or a wrong bearer token
+401    ``invalid_api_key``         no or a wrong bearer token (checked from the headers, before the body is read)
+408    ``request_timeout``             the body stalled for the client timeout (the connection is closed)
 404    ``model_not_found``         an unknown model id (``param: "model"``); ``not_found``: an unknown route
 413    ``request_too_large``       body over ``max_bytes``, more than ``max_images`` images, or over the pixel budget
+                                   (a header past Pillow's decompression-bomb limit included)
 422    ``invalid_request``         schema errors and requests the backend cannot serve (bad image data, a message
                                    outside the judge layout, a scorer that refuses its input)
-500    ``backend_error``           a backend failure (``type: "server_error"``)
+500    ``backend_error``           a backend failure (``type: "server_error"``); ``request_log_failed``: the request
+                                   log could not be written (the request is not served); ``internal_error``: a bug
 =====  ==========================  ==================================================================================
 
 Remote image URLs are never fetched. The message layout a ``--scorer`` backend reads: ``docs/judge_server.md``.
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
@@ -64,12 +68,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flowforge.serve.common import (DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, b64_image_pixels, check_pixel_budget,
-                                    limit_body, require_token)
+from flowforge.serve.common import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, PixelBudget,
+                                    b64_image_pixels, guard_app)
 from flowforge.rewards.judge.protocol import billed_per_group, read_request_log  # noqa: F401 (re-exported)
 from flowforge.serve.judge_backends import BackendError
 
 DEFAULT_MAX_BYTES = 64 * 2**20
+_log = logging.getLogger("flowforge.serve")
 DEFAULT_MAX_IMAGES = 512
 
 
@@ -138,11 +143,18 @@ def log_record(body: Any) -> dict[str, Any]:
 
 
 class RequestLog:
-    """Appends one JSON line per received request to ``path`` (flushed + fsynced, thread-safe)."""
+    """Appends one JSON line per received request to ``path`` (flushed + fsynced, thread-safe).
+
+    Raises:
+        ValueError: ``path`` is neither a regular file nor a new name in an existing directory (a directory, a device
+            such as ``/dev/full``, a FIFO), or cannot be opened for appending.
+    Raises (``append``):
+        OSError: the line could not be written (disk full, the file replaced by a directory, ...).
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_log_path(self.path)
         self._lock = threading.Lock()
 
     def append(self, record: dict[str, Any]) -> None:
@@ -153,7 +165,37 @@ class RequestLog:
             os.fsync(f.fileno())
 
 
-ERROR_CODES = {400: "invalid_json", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
+def check_log_path(path: Path) -> None:
+    """Refuse a request-log ``path`` the server could not append to: anything that exists and is not a regular file
+    (a directory; ``/dev/full``, a character device where every write fails with ENOSPC though it opens fine), a new
+    name whose directory does not exist, or a file that cannot be opened for appending.
+
+    Raises:
+        ValueError: one line naming ``--request-log``, the path and why.
+    """
+    import stat
+
+    what = f"--request-log {str(path)!r}"
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if not path.parent.is_dir():
+            raise ValueError(f"{what}: its directory does not exist; create it or choose another path") from None
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+        raise ValueError(f"{what} is {kind}; give a file path (new, or a regular file to append to)")
+    existed = mode is not None
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{what} cannot be opened for appending: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()  # created by the probe: the first request creates it again
+
+
+ERROR_CODES = {400: "invalid_json", 401: "invalid_api_key", 408: "request_timeout", 403: "permission_denied", 404: "not_found",
                405: "method_not_allowed", 413: "request_too_large", 422: "invalid_request", 429: "rate_limited",
                500: "backend_error"}
 """The ``code`` of an error answer by HTTP status (module docstring), when the raiser names none."""
@@ -182,23 +224,26 @@ def _completion(model: str, text: str, prompt_tokens: int, completion_tokens: in
 
 def build_app(backend: Any, token: str | None, *, request_log: str | Path | None = None,
               max_bytes: int = DEFAULT_MAX_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
-              max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS):
+              max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
     """The ASGI app serving ``backend`` (``model_id`` + ``complete``; :mod:`flowforge.serve.judge_backends`).
 
     Args:
         token: bearer token every route but ``/health`` requires; ``None`` = no auth (loopback only, by the CLI).
         request_log: file receiving one request key per received request (module docstring).
         max_bytes: largest request body. max_images: most images in one request. max_request_pixels: decoded
-            pixels per request, read from the image headers before any is decoded (413 over it).
+            pixels per request, read from the image headers before any is decoded (413 over it); also the pixels
+            all requests together decode at once (:class:`~flowforge.serve.common.PixelBudget`).
+        body_timeout_s: longest pause while a request body arrives (408).
 
     Raises:
-        ValueError: a limit < 1.
+        ValueError: a limit < 1; ``request_log`` that cannot be appended to (:func:`check_log_path`).
     """
     for name, value in (("max_bytes", max_bytes), ("max_images", max_images)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     log = RequestLog(request_log) if request_log is not None else None
-    auth = [Depends(require_token(token))]
+    budget = PixelBudget(max_request_pixels)  # decoded pixels of all requests at once (peak memory)
     app = FastAPI(title="flowforge judge server", **NO_DOCS)
 
     def readable(exc: ValidationError | RequestValidationError) -> str:
@@ -216,19 +261,29 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
                             content=openai_error(exc.status_code, str(detail.get("message")),
                                                  param=detail.get("param"), code=detail.get("code")))
 
+    @app.exception_handler(Exception)  # anything unexpected: OpenAI-shaped JSON, logged in one line by guard_app
+    async def json_500(request: Request, exc: Exception):
+        return JSONResponse(status_code=500, content=openai_error(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                                  code="internal_error"))
+
     @app.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
         return {"status": "ok", "model": backend.model_id}
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")  # the token: guard_app, before any body is read
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": backend.model_id, "object": "model", "created": 0,
                                             "owned_by": "flowforge"}]}
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     def chat(body: Any = _json_body()) -> dict[str, Any]:
         if log is not None:
-            log.append(log_record(body))
+            try:
+                log.append(log_record(body))
+            except OSError as exc:  # not served unrecorded: the log is the record of what was billed
+                _log.error("request log %s: write failed: %s", log.path, exc.strerror or exc)
+                raise refuse(500, f"the server could not record the request in its request log: "
+                                  f"{exc.strerror or exc}", code="request_log_failed") from None
         try:
             req = ChatRequest.model_validate(body)
         except ValidationError as exc:
@@ -243,12 +298,15 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
         images = sum(isinstance(p, ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
         if images > max_images:
             raise refuse(413, f"{images} images exceed the limit of {max_images} per request", param="messages")
-        check_pixel_budget(sum(b64_image_pixels(p.image_url.url) for m in req.messages if isinstance(m.content, list)
-                               for p in m.content if isinstance(p, ImagePart)), max_request_pixels)
+        pixels = sum(b64_image_pixels(p.image_url.url) for m in req.messages if isinstance(m.content, list)
+                     for p in m.content if isinstance(p, ImagePart))
         messages = [m.model_dump() for m in req.messages]
         try:
-            done = backend.complete(messages, max_tokens=req.max_completion_tokens or req.max_tokens,
-                                    temperature=req.temperature or 0.0, seed=req.seed)
+            with budget.hold(pixels):  # 413 over the budget; decode + answer wait while others hold it
+                done = backend.complete(messages, max_tokens=req.max_completion_tokens or req.max_tokens,
+                                        temperature=req.temperature or 0.0, seed=req.seed)
+        except HTTPException:
+            raise
         except BackendError as exc:
             raise refuse(exc.status_code, exc.message) from None
         except ValueError as exc:
@@ -257,16 +315,19 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
             raise refuse(500, f"backend failed: {type(exc).__name__}: {exc}") from exc
         return _completion(backend.model_id, done.text, done.prompt_tokens, done.completion_tokens)
 
-    return limit_body(app, max_bytes, error_body=lambda status, message: openai_error(status, message))
+    return guard_app(app, token=token, max_bytes=max_bytes, body_timeout_s=body_timeout_s,
+                     error_body=lambda status, message: openai_error(status, message))
 
 
 def _json_body():
     """A FastAPI dependency: the request body parsed as JSON (400 with a message when it is not)."""
 
     async def parse(request: Request) -> Any:
+        from starlette.concurrency import run_in_threadpool
+
         raw = await request.body()
         try:
-            return json.loads(raw)
+            return await run_in_threadpool(json.loads, raw)  # seconds for a large body: not on the event loop
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise refuse(400, f"the body is not JSON: {exc}") from None
 

@@ -20,7 +20,7 @@ no path, no option values, no scores).
 that reads back to the same float, so a float32 survives exactly), ``null`` = NaN ("not applicable"). A video is
 scored frame by frame and each component averaged over its frames, as the trainer does.
 
-Errors: 401 without the token; 413 for a body over ``max_bytes``, more than ``max_batch`` items or media decoding to
+Errors: 401 without the token (checked before the body is read); 408 for a body that stalls; 413 for a body over ``max_bytes``, more than ``max_batch`` items or media decoding to
 more than ``max_request_pixels`` pixels (read from the image headers first); 400 for a body nested deeper than
 :data:`~flowforge.serve.common.MAX_JSON_DEPTH`; 422 with a
 one-line ``detail`` for a malformed body (schema, base64, image bytes, sizes, lengths, unknown components, a scorer
@@ -37,15 +37,15 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowforge.rewards.base import RewardScorer
 from flowforge.rewards.media import decode_media
-from flowforge.serve.common import (DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, b64_image_pixels, check_pixel_budget,
-                                    limit_body, require_token)
+from flowforge.serve.common import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, PixelBudget,
+                                    b64_image_pixels, guard_app)
 
 DEFAULT_MAX_BATCH = 256
 DEFAULT_MAX_BYTES = 64 * 2**20
@@ -149,15 +149,17 @@ def _score_one(name: str, scorer: RewardScorer, media: torch.Tensor, prompts: li
 def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_batch: int = DEFAULT_MAX_BATCH,
               max_bytes: int = DEFAULT_MAX_BYTES, max_pixels: int = DEFAULT_MAX_PIXELS,
               max_frames: int = DEFAULT_MAX_FRAMES, max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
-              device: str = "cpu"):
+              device: str = "cpu", body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
     """The ASGI app serving ``scorers`` (name -> scorer; the name is the component name clients ask for).
 
     Args:
         token: the bearer token ``/score`` requires (``/health`` is open); ``None`` = no auth (the CLI allows it on loopback only).
         max_batch: most media items per request. max_bytes: largest request body. max_pixels: largest image
             (``H * W``). max_frames: most frames per video. max_request_pixels: decoded pixels per request, all
-            images and frames together (read from the headers before anything is decoded; 413 over it).
+            images and frames together (read from the headers before anything is decoded; 413 over it); also the
+            pixels all requests together decode at once (:class:`~flowforge.serve.common.PixelBudget`).
         device: where decoded media are put before scoring (``"cpu"`` / ``"cuda[:N]"``).
+        body_timeout_s: longest pause while a request body arrives (408).
 
     Raises:
         ValueError: :func:`check_hosted`; a limit < 1.
@@ -171,7 +173,7 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
     scorers = dict(scorers)
     versions = _versions()
     lock = threading.Lock()  # scorers hold models that are not safe to call from two request threads at once
-    auth = [Depends(require_token(token))]
+    budget = PixelBudget(max_request_pixels)  # decoded pixels of all requests at once (peak memory)
     app = FastAPI(title="flowforge reward service", **NO_DOCS)
 
     @app.exception_handler(RequestValidationError)
@@ -179,13 +181,17 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
         problems = ["/".join(str(p) for p in e.get("loc", ())) + f": {e.get('msg', '')}" for e in exc.errors()]
         return JSONResponse(status_code=422, content={"detail": "; ".join(problems[:8]) or "malformed request"})
 
+    @app.exception_handler(Exception)  # anything unexpected: JSON, logged in one line by guard_app
+    async def json_500(request: Request, exc: Exception):
+        return JSONResponse(status_code=500, content={"detail": f"internal error: {type(exc).__name__}: {exc}"})
+
     @app.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
         hosted = {name: {"needs_group": bool(getattr(s, "needs_group", False)),
                          "class": f"{type(s).__module__}:{type(s).__qualname__}"} for name, s in scorers.items()}
         return {"status": "ok", "scorers": hosted, "versions": versions, "limits": limits}
 
-    @app.post("/score", response_model=ScoreResponse, dependencies=auth)
+    @app.post("/score", response_model=ScoreResponse)  # the token is checked by guard_app, before the body
     def score(request: ScoreRequest) -> ScoreResponse:
         batch = len(request.media)
         if batch > max_batch:
@@ -198,16 +204,16 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
         unknown = [n for n in names if n not in scorers]
         if unknown or not names:
             raise HTTPException(422, f"unknown components {unknown}; this server hosts {sorted(scorers)}")
-        check_pixel_budget(request_pixels(request.media), max_request_pixels)
         try:
-            with lock:  # decoding under the lock too: one request's pixels in memory at a time, not one per thread
+            with budget.hold(request_pixels(request.media)):  # 413 over the budget; waits while others decode
                 media = decode_media([item.model_dump(exclude_none=True) for item in request.media],
                                      max_pixels=max_pixels, max_frames=max_frames).to(device)
-                return ScoreResponse(scores={n: _score_one(n, scorers[n], media, request.prompts, metadata)
-                                             for n in dict.fromkeys(names)})
+                with lock:
+                        return ScoreResponse(scores={n: _score_one(n, scorers[n], media, request.prompts, metadata)
+                                                 for n in dict.fromkeys(names)})
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
         except RuntimeError as exc:
             raise HTTPException(500, str(exc)) from None
 
-    return limit_body(app, max_bytes)
+    return guard_app(app, token=token, max_bytes=max_bytes, body_timeout_s=body_timeout_s)

@@ -471,21 +471,28 @@ class VLMJudge:
         return text, raw.text, tokens, seconds
 
 
-def load_reference(path: Path) -> Tensor:
+def load_reference(path: Path, max_pixels: int = P.MAX_DECODE_PIXELS) -> Tensor:
     """A reference or condition as media: an image file -> ``[3, H, W]``; a directory of image files ->
-    ``[3, F, H, W]`` (frames in file-name order). Values float32 in [0, 1].
+    ``[3, F, H, W]`` (frames in file-name order). Values float32 in [0, 1]. Each file's size is read from its header
+    first (:func:`P.header_pixels`) and a file over ``max_pixels`` is refused before it is decoded (a 140 KB PNG can
+    hold 12000^2 pixels: 1.6 GiB as float32).
 
     Raises:
-        ValueError: the path does not exist, is not an image, or is a directory without images.
+        ValueError: the path does not exist, is not an image, is an image over ``max_pixels``, or is a directory
+            without images.
     """
     import numpy as np
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     def read(p: Path) -> Tensor:
         try:
+            pixels = P.header_pixels(p)
+            if pixels > max_pixels:
+                raise ValueError(f"reference {str(p)!r} decodes to {pixels} pixels, over the budget of {max_pixels} "
+                                 "pixels per image; downscale it")
             with Image.open(p) as im:
                 array = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
-        except OSError as exc:
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
             raise ValueError(f"reference {str(p)!r} is not a readable image: {exc}") from None
         return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 

@@ -381,6 +381,30 @@ def chat_from_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]
     return chat, images
 
 
+MAX_DECODE_PIXELS = 2**25
+"""Pixels (``width * height * frames``) an image may decode to where no other budget is given: a judge reference or
+condition image, and the judge / reward servers' default per-request budget (32 Mi pixels: 384 MiB as float32 RGB)."""
+
+
+def header_pixels(source: Any) -> int:
+    """``width * height * frames`` of an image file or file object, read from its header only (``PIL.Image.open`` is
+    lazy). A header past Pillow's decompression-bomb limit (``Image.open`` refuses to open it, or warns) counts the pixels it
+    claims, from Pillow's message (at least twice ``Image.MAX_IMAGE_PIXELS``), so a budget refuses it.
+
+    Raises:
+        PIL.UnidentifiedImageError / OSError: not an image Pillow recognises; FileNotFoundError.
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(source) as image:
+            width, height = image.size
+            return width * height * max(1, int(getattr(image, "n_frames", 1) or 1))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # the warning: under -W error
+        claimed = re.search(r"\((\d+) pixels\)", str(exc))
+        return int(claimed.group(1)) if claimed else 2 * int(Image.MAX_IMAGE_PIXELS or 0) + 1
+
+
 def decode_image_bytes(data: bytes, what: str = "image") -> Tensor:
     """Image bytes (JPEG / PNG / ...) -> ``[3, H, W]`` float32 RGB in [0, 1].
 
@@ -393,7 +417,7 @@ def decode_image_bytes(data: bytes, what: str = "image") -> Tensor:
     try:
         with Image.open(io.BytesIO(data)) as image:
             array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise ValueError(f"{what} is not a readable image: {exc}") from None
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
