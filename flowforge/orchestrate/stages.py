@@ -67,6 +67,7 @@ from flowforge.rewards.judge.ledger import BudgetExhausted
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.distributed import broadcast_from_main
 from flowforge.runtime.durable import step_dir_name, write_bytes
+from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
 from flowforge.runtime.write_guard import check_write_target
 from flowforge.train.checkpoint import committed_checkpoints, step_of
@@ -213,6 +214,11 @@ def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, pro
     steps = a_steps(pcfg, ledger)
     run_dir = pipeline_dir(pcfg) / "A"
     if on_main(lambda: newest_step(run_dir) == steps):
+        if not ledger.with_state("judged", "A"):  # finished by a version that trained on with a silent teacher
+            raise UserError("stage A", f"{run_dir} finished without a single judged group (the teacher was "
+                                       "unreachable or gave no marks throughout)",
+                            f"move it aside (mv {run_dir} {run_dir}.unjudged) and rerun the same command: stage A "
+                            "runs again on the same conditions (the condition ledger replays its steps)")
         if is_main() and not (run_dir / "report.html").is_file():
             write_report(run_dir)
         return run_dir
