@@ -16,14 +16,17 @@ key                    stage A / stage C
 ``reward.weights``     ``{vlm_judge: 1.0}``: the teacher's endpoint in A, the student's in C (or the in-process
                        ``scalar_head`` scorer with ``stages.student_serving: in_process``)
 ``reward.options``     ``vlm_judge``: ``teacher.judge`` plus the endpoint (``base_url``, ``model``, ``api_key_env``)
-``train.steps``        A: ``budget_A / M``; C: A's steps + ``budget_C / M`` (or ``stages.c_steps``)
+``train.steps``        A: ``budget_A / M``; C: A's steps + ``budget_C / M`` (or ``stages.c_steps``); an
+                       override's ``train.steps`` / ``data.prompts_per_step`` count (:mod:`.plan`: never more than
+                       the condition ledger serves)
 ``train.resume``       ``auto`` (C's first start: A's last checkpoint)
 ``checkpoint.every``   A: ``checkpoint.every`` (1 when 0: a resume replays at most one step, whose answers the judge's
                        ledger serves); C: ``audit.every`` when audits run every k steps (the last good checkpoint is
                        an audited one)
 =====================  ================================================================================================
 
-then ``stages.a_overrides`` / ``stages.c_overrides`` (``section.key=value`` strings). ``stages.quick`` holds the
+then ``stages.a_overrides`` / ``stages.c_overrides`` (``section.key=value`` strings; they may not set what the
+pipeline owns: :data:`flowforge.orchestrate.plan.PROTECTED`, refused by :func:`load_pipeline`). ``stages.quick`` holds the
 overrides of a short run, applied to the whole file by ``--quick`` (:func:`load_pipeline`). The file must not set
 ``reward.weights`` / ``reward.options`` / ``reward.required``: the teacher and the student are the rewards.
 """
@@ -37,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from flowforge.config import Config, ConfigError, from_dict
+from flowforge.orchestrate.plan import (audited_groups, capacity_problems, override_problems, prompts_per_step,
+                                        stage_steps)
 from flowforge.reward_model.config import StudentConfig
 from flowforge.settings import schema
 from flowforge.settings.schema import Checks, Section, merge, parse_overrides, to_dict
@@ -190,6 +195,9 @@ def load_pipeline(path: str | Path, overrides: Sequence[str] = (), *, quick: boo
         cfg = schema.build(PipelineConfig, merged)
     except ConfigError as exc:
         problems += exc.problems
+    else:
+        for stage in ("a", "c"):
+            problems += override_problems(f"stages.{stage}_overrides", getattr(cfg.stages, f"{stage}_overrides"))
     if problems:
         raise ConfigError(problems, header=f"invalid pipeline config {path}")
     return cfg
@@ -235,7 +243,9 @@ def stage_config(pcfg: Any, stage: str, *, steps: int, reward: Mapping[str, Any]
     # replaced, not merged: the default weights ({digit: 1.0}) must not join the judge
     data["reward"] = {**data["reward"], "weights": dict(reward["weights"]),
                       "options": dict(reward.get("options", {})), "required": []}
-    return from_dict(merge(data, nested))
+    data = merge(data, nested)
+    data["train"] = {**data["train"], "steps": steps}  # the plan's (flowforge.orchestrate.plan: an override caps it)
+    return from_dict(data)
 
 
 PLACEHOLDER_URL = "http://127.0.0.1:1/v1"
@@ -290,10 +300,15 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
                             "metadata.sample_id: it is the condition id)")
     if total:
         problems += _budget_problems(pcfg, total)
-        if not _budget_problems(pcfg, total):
-            from flowforge.orchestrate.thresholds import threshold_problems
+        capacity = capacity_problems(pcfg, total)  # what the overrides make the stages draw vs the ledger
+        problems += capacity
+        if not _budget_problems(pcfg, total) and not capacity:
+            from flowforge.orchestrate.thresholds import test_groups_at_budget, threshold_problems
 
-            found, warned = threshold_problems(pcfg)  # gate and audit thresholds a random student fails
+            drawn = stage_steps(pcfg, "A", pcfg.stages.n_a) * prompts_per_step(pcfg, "A")  # A's conditions
+            found, warned = threshold_problems(  # gate and audit thresholds a random student fails
+                pcfg, None if drawn == pcfg.stages.n_a else test_groups_at_budget(pcfg, drawn),
+                audited=audited_groups(pcfg, total))
             later = LATER_CHECKS.get(stage or "", ())
             problems += [p for p in found if not p.startswith(later)]
             warnings += [f"for a later stage than --stage {stage}: {p}" for p in found if p.startswith(later)]

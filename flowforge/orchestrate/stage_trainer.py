@@ -53,6 +53,7 @@ from flowforge.reward_model.evaluate import agreement, tie_blocks
 from flowforge.runtime.distributed import (all_gather_objects, all_reduce_processes, broadcast_from_main,
                                             portable_error)
 from flowforge.runtime.durable import fsync_path
+from flowforge.runtime.errors import UserError
 from flowforge.train.trainer import StepBatch, Trainer
 
 AUDIT_FILE = "audit.jsonl"
@@ -217,6 +218,17 @@ class Auditor:
             fsync_path(self.path.parent)
 
 
+def nothing_judged(step: int, groups: int, cause: str | None) -> UserError:
+    """The error of a stage A whose teacher judged none of a step's ``groups`` groups, nor any earlier group: the
+    step stops before it is trained or saved, so its conditions stay the step's (the condition ledger replays them)
+    and a rerun retries it -- a stage A that judged nothing is never 'done' (stage B would have nothing to learn)."""
+    return UserError("stage A", f"the teacher judged none of the {groups} groups of step {step} and none before "
+                                f"({cause or 'no marks after its attempts'})",
+                     f"stopped before step {step} was trained or saved, nothing was used up: rerun the same "
+                     "command once the teacher answers (teacher.url / teacher.scorer) and stage A retries step "
+                     f"{step} with the same conditions")
+
+
 def _pads(objective: Any) -> bool:
     """Whether ``objective`` runs data-parallel padding for rows its ``prepare`` dropped (it implements
     ``padding``: ``nft``, ``dpo``)."""
@@ -303,6 +315,9 @@ class StageTrainer(Trainer):
         if judged:
             self.ledger.mark("judged", dict.fromkeys(judged), stage=self.stage, step=self.step,
                              policy_version=self.policy_version)
+        elif self.stage == "A" and not self.ledger.with_state("judged", "A"):
+            raise nothing_judged(self.step, self.cfg.data.prompts_per_step,
+                                 getattr(self.rewards.scorers.get(self.reward_name), "last_error", None))
         if self.auditor is not None and self.auditor.due(self.step):
             metrics.update(self.auditor.audit(self.step, self.policy_version, media, batch, scores))
         return media, components, metrics

@@ -61,11 +61,13 @@ from flowforge.data.prompts import load_prompts
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, judge_options, pipeline_dir, stage_config
 from flowforge.orchestrate.ledger import ConditionLedger, conditions_from_records
+from flowforge.orchestrate.plan import prompts_per_step, stage_steps
 from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
 from flowforge.rewards.judge.ledger import BudgetExhausted
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.distributed import broadcast_from_main
 from flowforge.runtime.durable import step_dir_name, write_bytes
+from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
 from flowforge.runtime.write_guard import check_write_target
 from flowforge.train.checkpoint import committed_checkpoints, step_of
@@ -140,14 +142,15 @@ def open_ledger(pcfg: Any, *, writer: bool = True) -> ConditionLedger:
 
 
 def a_steps(pcfg: Any, ledger: ConditionLedger) -> int:
-    """Stage A's trainer steps: ``budget_A // M``."""
-    return ledger.budget("A") // pcfg.data.prompts_per_step
+    """Stage A's trainer steps: ``budget_A // M_A``, at most an override's ``train.steps``
+    (:func:`flowforge.orchestrate.plan.stage_steps`)."""
+    return stage_steps(pcfg, "A", ledger.budget("A"))
 
 
 def c_steps(pcfg: Any, ledger: ConditionLedger) -> int:
-    """Stage C's trainer steps: ``budget_C // M``, at most ``stages.c_steps`` when set."""
-    steps = ledger.budget("C") // pcfg.data.prompts_per_step
-    return min(steps, pcfg.stages.c_steps) if pcfg.stages.c_steps else steps
+    """Stage C's trainer steps: ``budget_C // M_C``, at most ``stages.c_steps`` and an override's ``train.steps``
+    (:func:`flowforge.orchestrate.plan.stage_steps`)."""
+    return stage_steps(pcfg, "C", ledger.budget("C"), start=a_steps(pcfg, ledger))
 
 
 def newest_step(run_dir: Path) -> int:
@@ -211,6 +214,11 @@ def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, pro
     steps = a_steps(pcfg, ledger)
     run_dir = pipeline_dir(pcfg) / "A"
     if on_main(lambda: newest_step(run_dir) == steps):
+        if not ledger.with_state("judged", "A"):  # finished by a version that trained on with a silent teacher
+            raise UserError("stage A", f"{run_dir} finished without a single judged group (the teacher was "
+                                       "unreachable or gave no marks throughout)",
+                            f"move it aside (mv {run_dir} {run_dir}.unjudged) and rerun the same command: stage A "
+                            "runs again on the same conditions (the condition ledger replays its steps)")
         if is_main() and not (run_dir / "report.html").is_file():
             write_report(run_dir)
         return run_dir
@@ -355,7 +363,7 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
                                                "audits cannot be paid")
         teacher = build_scorer(JUDGE, run_dir=run_dir / "audit", **endpoints.teacher(),
                                max_billed=left if budget else 0)
-        auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=pcfg.data.prompts_per_step,
+        auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=prompts_per_step(pcfg, "C"),
                           run_dir=run_dir)
     log.info("stage C: steps %d..%d on %d conditions, student %s", start, start + steps, ledger.budget("C"),
              student_dir)

@@ -114,3 +114,93 @@ def test_a_missing_student_init_is_found_before_stage_a(tmp_path):
             check_pipeline(pcfg)
         assert len(caught.value.problems) == 1 and "student.scalar_head.init" in caught.value.problems[0]
         check_pipeline(pcfg, this_machine=False)
+
+
+@pytest.mark.parametrize(("override", "owned"), [
+    ("stages.a_overrides=[reward.options.vlm_judge.max_billed=0]", "reward.options"),  # lifted the hard budget
+    ("stages.a_overrides=['reward.options={vlm_judge: {base_url: http://x/v1}}']", "reward.options"),
+    ("stages.a_overrides=['reward.weights={digit: 1.0}']", "reward.weights"),
+    ("stages.c_overrides=['reward.required=[vlm_judge]']", "reward.required"),
+    ("stages.c_overrides=[train.resume=null]", "train.resume"),  # C silently restarted from the base policy
+    ("stages.c_overrides=['train={resume: auto}']", "train.resume"),
+    ("stages.c_overrides=[run.output_dir=/tmp/elsewhere]", "run.output_dir"),
+    ("stages.a_overrides=[run.name=B]", "run.name"),
+    ("stages.a_overrides=[data.prompts=demo:eval]", "data.prompts"),
+])
+def test_stage_overrides_may_not_change_what_the_pipeline_owns(tmp_path, override, owned):
+    """Issue 42: an override of the teacher's options, the reward weights or train.resume passed `check` and took
+    effect. Refused by load (check and stages alike) in one line naming the override, why, and what may change."""
+    from tests.cli.test_errors import assert_one_line_error, run_cli
+
+    path = _bad(tmp_path)
+    for verb in ("check", "stages"):
+        rc, _, err = run_cli([verb, path, override, "--no-progress"] if verb == "stages" else [verb, path, override],
+                             tmp_path, in_process=True)
+        assert_one_line_error(rc, err, [f"sets {owned}, which the pipeline owns", "an override may change",
+                                        "train.lr"])
+    assert not (tmp_path / "runs").exists()
+    load_pipeline(path, ["stages.a_overrides=[train.lr=1e-5, reward.batch_size=8, data.cache_dir=/tmp/c]"])
+
+
+def test_a_step_count_the_ledger_cannot_serve_is_a_check_error(tmp_path):
+    """Issue 42: a_overrides train.steps beyond stages.n_a / M (or a C end beyond its conditions) spent the teacher's
+    requests, then failed with an internal error; now a check problem with the numbers and the largest that fits."""
+    for override, expected in (
+            ("stages.a_overrides=[train.steps=25]", "train.steps=25 has stage A draw 25 steps x 4 conditions = 100, "
+                                                    "but the condition ledger serves it stages.n_a=96; the largest "
+                                                    "train.steps that fits is 24"),
+            ("stages.c_overrides=[train.steps=60]", "the largest train.steps that fits is 55"),
+            ("stages.a_overrides=[data.prompts_per_step=128]", "stage A gets no step: stages.n_a=96")):
+        with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
+            check_pipeline(load_pipeline(EXAMPLE, [override]))
+
+
+@pytest.mark.parametrize("override", ["data.prompts_per_step=8", "train.steps=10"])
+def test_stage_a_never_asks_the_ledger_for_more_than_its_budget(tmp_path, override):
+    """The issue's `[data.prompts_per_step=4]` on M=2: A took budget / M steps of the override's M and ran out of
+    conditions half way. The steps now count the stage's own M (and an override's train.steps caps them), so every
+    step of A and C gets a full step of conditions; the stage configs carry those steps."""
+    from flowforge.orchestrate.stages import a_steps, c_steps, open_ledger
+
+    pcfg = load_pipeline(EXAMPLE, [f"run.output_dir={tmp_path}", f"stages.a_overrides=[{override}]"])
+    check_pipeline(pcfg, stage="A")  # 10 steps' 40 conditions hold too few test groups for B's gate: a warning here
+    ledger = open_ledger(pcfg)
+    start, steps = a_steps(pcfg, ledger), c_steps(pcfg, ledger)
+    assert start == (12 if "prompts" in override else 10)
+    for stage, first, count in (("A", 0, start), ("C", start, steps)):
+        m = 8 if stage == "A" and "prompts" in override else 4
+        for step in range(first, first + count):
+            assert len(ledger.take(stage, m, step=step, policy_version=0)) == m, (stage, step)
+    assert stage_config(pcfg, "A", steps=start, reward=REWARD).train.steps == start
+
+
+def test_audit_pool_beyond_what_stage_c_audits_is_refused_in_one_line(tmp_path):
+    """Issue 42: audit.pool_groups=100000 made check simulate the null at 100,000 groups (165 s) and say OK, and no
+    pooled verdict was ever reached. Bounded by the groups C's audits see (the Auditor's own rule, counted here
+    step by step as a reference); large pools take the null's normal approximation."""
+    from flowforge.orchestrate.plan import audited_groups
+    from flowforge.orchestrate.stage_trainer import Auditor
+    from tests.cli.test_errors import assert_one_line_error, run_cli
+
+    rc, _, err = run_cli(["check", _bad(tmp_path), "audit.pool_groups=100000"], tmp_path, in_process=True)
+    assert_one_line_error(rc, err, ["audit.pool_groups=100000 exceeds the 20 groups stage C audits", "at most 20"])
+    check_pipeline(load_pipeline(EXAMPLE, ["audit.pool_groups=20"]))
+    for overrides in ([], ["audit.every=3", "audit.first_groups=9"], ["stages.c_steps=5", "audit.every=0"],
+                      ["stages.c_overrides=[data.prompts_per_step=2]", "audit.every=4"]):
+        pcfg = load_pipeline(EXAMPLE, overrides)
+        from flowforge.orchestrate.stages import a_steps, c_steps, open_ledger
+
+        ledger = open_ledger(load_pipeline(EXAMPLE, [*overrides, f"run.output_dir={tmp_path / str(len(overrides))}"]))
+        start, steps = a_steps(pcfg, ledger), c_steps(pcfg, ledger)
+        m = 2 if "prompts_per_step=2" in " ".join(overrides) else 4
+        auditor = Auditor(None, pcfg.audit, first_step=start, prompts_per_step=m, run_dir=tmp_path)
+        assert audited_groups(pcfg, 220)[0] == m * sum(auditor.due(s) for s in range(start, start + steps))
+
+
+def test_the_null_s_normal_approximation_meets_the_permutation_draws():
+    """Above SIMULATED_GROUPS groups the audit null is the normal approximation: next to the draws at the cap."""
+    from flowforge.orchestrate.thresholds import SIMULATED_GROUPS, null_pass
+
+    n = SIMULATED_GROUPS
+    for rho, pairs in ((0.04, 0.0), (0.0, 0.51), (0.02, 0.505)):
+        assert abs(null_pass(8, n + 1, rho, pairs) - null_pass(8, n, rho, pairs)) < 0.03, (rho, pairs)

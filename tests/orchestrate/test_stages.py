@@ -302,3 +302,39 @@ def test_evaluation_asks_the_teacher_only_for_eval_teacher_groups(pipeline):
     assert purposes == [("eval", 0), ("eval", 2), ("train", 0), ("train", 0), ("train", 1), ("train", 1)]
     evals = [json.loads(line) for line in (directory / "A" / "eval.jsonl").read_text().splitlines()]
     assert all(0.0 <= e["eval/vlm_judge"] <= 1.0 and "eval/digit_eval" in e for e in evals) and len(evals) == 2
+
+
+def test_a_teacher_unreachable_from_the_start_stops_stage_a_and_a_rerun_retries_it(pipeline, tmp_path, monkeypatch):
+    """Issue 42: with the teacher unreachable during all of A, A's conditions were used up with 0 judged groups, A
+    counted as done, and every rerun stopped at stage B. Now A stops at its first step in one line (exit 2), before
+    anything is trained or saved; the rerun with the teacher up (a real loopback judge server) runs A on the same
+    conditions, every group judged."""
+    import socket
+
+    from tests.cli.test_errors import run_cli
+    from tests.rewards.loopback import TOKEN, TOKEN_ENV, judge_server
+
+    with socket.socket() as probe:  # a loopback port where nothing listens (closed again before the run)
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    judge = {"frames": 1, "max_side": 32, "max_attempts": 1, "retry_backoff_s": 0.0}
+    teacher = {"api_key_env": TOKEN_ENV, "scorer": "", "model": "loopback", "judge": judge}
+    path, pcfg, directory = pipeline(stages={"n_a": 4}, teacher={**teacher, "url": dead})
+    rc, _, err = run_cli(["stages", path, "--stage", "A", "--no-progress"], tmp_path, in_process=True)
+    lines = err.strip().splitlines()  # the run's log lines (the judge's warnings), then one error line
+    assert rc == 2 and "Traceback" not in err and "internal error" not in err, err
+    assert [line for line in lines if line.startswith("error:")] == lines[-1:]
+    for expected in ("stage A: the teacher judged none of the 2 groups of step 0", "is unreachable",
+                     "rerun the same command"):
+        assert expected in lines[-1], (expected, lines[-1])
+    ledger = open_ledger(pcfg)
+    assert newest_step(directory / "A") == -1 and ledger.with_state("judged") == []
+    taken = ledger.takes[("A", 0)]["ids"]
+    assert (directory / "conditions.jsonl").is_file()  # nothing of the pipeline's was removed
+    with judge_server() as (url, counter):
+        path, pcfg, _ = pipeline(stages={"n_a": 4}, teacher={**teacher, "url": url})
+        assert run_pipeline(pcfg, stage="A", progress=False).status == "partial"
+    ledger = open_ledger(pcfg)
+    assert newest_step(directory / "A") == 2 and ledger.takes[("A", 0)]["ids"] == taken  # the same conditions
+    assert len(ledger.with_state("judged", "A")) == 4 and counter.total == 4 and ledger.used["A"] == 4
