@@ -56,3 +56,31 @@ def test_replace_marker_before_a_non_mapping_is_one_problem(value, kind):
 
 def test_a_yaml_tag_is_not_the_replace_marker():
     assert load_config(None, ["run.name=!!str 123"]).run.name == "123"
+
+
+def test_readme_remote_example_run_as_written_trains_on_the_remote_reward_alone(tiny_model_dir, encode_cache_dir,
+                                                                                tmp_path, monkeypatch):
+    """The README's command itself (its URL pointed at a real reward server on loopback, tiny-model overrides
+    appended) trains 1 step: the only reward component is ``remote``, and the total is its mean (was: the file's
+    ``digit`` too, the total twice the remote's)."""
+    import json
+
+    from flowforge.rewards.registry import build_scorer
+    from tests.cli.test_errors import run_cli
+    from tests.rewards import loopback
+
+    argv = readme_remote_example()
+    with loopback.reward_server({"digit": build_scorer("digit")}) as (url, server):
+        args = [a.replace("http://127.0.0.1:8765", url) for a in argv[1:]]
+        args[1] = str(REPO / args[1])
+        args += [f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}", "run.name=remote",
+                 f"data.cache_dir={encode_cache_dir}", "data.prompts_per_step=2", "data.group_size=4",
+                 "sampler.num_steps=4", "sampler.num_sde_steps=2", "train.micro_batch_size=4", "train.steps=1",
+                 "eval.every=0", "eval.max_prompts=2", "eval.samples_per_prompt=2", "checkpoint.every=0",
+                 "--no-progress"]
+        rc, _, err = run_cli(args, tmp_path, env={"FLOWFORGE_REWARD_TOKEN": loopback.TOKEN}, in_process=True)
+    assert rc == 0, err
+    assert server.total >= 1  # the remote server scored the step
+    row = json.loads((tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward/digit_mean" not in row  # (digit_eval, the eval's monitor, is free and logged as before)
+    assert row["reward/total_mean"] == pytest.approx(row["reward/remote_mean"])
