@@ -112,7 +112,7 @@ def test_processor_logs_the_judge_metrics_and_a_malformed_answer_is_nan(tmp_path
     judge.ledger.record(LedgerEntry(key=group.key, model="m", template_sha256=judge.template.sha256,
                                     status="malformed", scores=None, request=group.request, response=[],
                                     prompt_tokens=0, completion_tokens=0, latency_s=0.0, attempts=3))
-    processor = RewardProcessor({"vlm_judge": judge}, {})
+    processor = RewardProcessor({"vlm_judge": judge}, {"vlm_judge": 1.0})  # paid: called only as a weighted component
     components, metrics = processor(media, ["p"] * 4, [{}] * 4, torch.zeros(4, dtype=torch.long))
     assert torch.isnan(components["vlm_judge"]).all()
     assert metrics["reward/vlm_judge_failures"] == 1 and metrics["reward/vlm_judge_served_from_ledger"] == 1
