@@ -281,6 +281,37 @@ def test_resume_warning_names_the_changed_keys(caplog):
     assert "does not record its config" in caplog.records[0].getMessage()
 
 
+def test_expected_resume_changes_do_not_warn_others_still_do(caplog, tiny_model_dir, tmp_path, encode_cache_dir):
+    """Stage C resumes stage A's checkpoint with the student as its reward (and its own overrides): that change is
+    declared (:func:`flowforge.orchestrate.stages.stage_c_changes`) and not warned about (was: a warning at every
+    stage C start); any other change still is."""
+    from flowforge.orchestrate.config import load_pipeline
+    from flowforge.orchestrate.stages import stage_c_changes
+    from flowforge.settings import resume_fingerprint
+    from flowforge.train.checkpoint.manager import TrainerState
+    from tests.orchestrate.support import write_pipeline
+
+    pcfg = load_pipeline(write_pipeline(tmp_path / "p.yaml", tiny_model_dir, tmp_path, encode_cache_dir,
+                                        stages={"c_overrides": ["train.lr=1e-4"]}))
+    expected = stage_c_changes(pcfg)
+    assert {"reward", "train.steps", "train.lr"} <= set(expected)
+
+    def record(*overrides, expected=()):
+        cfg = C.load_config(None, list(overrides))
+        return TrainerState(step=0, contract={}, config_fingerprint=resume_fingerprint(cfg), config=C.to_dict(cfg),
+                            expected_changes=expected)
+
+    teacher = ["reward.weights=!{vlm_judge: 1.0}", "reward.options={vlm_judge: {model: t, base_url: u}}"]
+    saved = yaml.safe_load(yaml.safe_dump(record(*teacher, "train.lr_schedule=linear").state_dict()))
+    caplog.set_level("WARNING", logger="flowforge")
+    student = ["reward.weights=!{scalar_head: 1.0}", "train.lr_schedule=linear", "train.lr=1e-4", "train.steps=9"]
+    record(*student, expected=expected).load_state_dict({**saved, "step": 2})
+    assert not caplog.records
+    record(*student, "run.seed=5", expected=expected).load_state_dict({**saved, "step": 2})
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.endswith("differs from the checkpoint's in what it computes: run.seed: 0 -> 5"), message
+
+
 def test_module_plus_lora_takes_the_module_and_the_lora_keys():
     lora = C.LoraConfig(trainable="module+lora", modules=("latent_state_rollout.transition",), rank=4, alpha=8.0,
                         targets=("coupling.q",))

@@ -126,6 +126,25 @@ def _row_error(path: pathlib.Path, line: int, field: str, problem: str) -> Value
     return ValueError(f"{path}:{line}: field {field!r} {problem}; {_PREPARE}")
 
 
+def _lone_surrogate(value: Any, field: str = "") -> tuple[str, str] | None:
+    """``(field, "\\ud800 at character 5")`` for the first string in ``value`` (a JSON row: keys and values,
+    nested) holding a lone surrogate code point, which JSON's ``\\ud800`` escape can give and UTF-8 cannot
+    encode; None when there is none."""
+    if isinstance(value, str):
+        for i, char in enumerate(value):
+            if "\ud800" <= char <= "\udfff":
+                return field or "prompt", f"{char.encode('unicode_escape').decode()} at character {i + 1}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        name = f"{field}.{key}" if field else str(key)
+        found = _lone_surrogate(key, name) if isinstance(key, str) else None
+        found = found or _lone_surrogate(item, name)
+        if found is not None:
+            return found
+    return None
+
+
 def _parse_row(path: pathlib.Path, line: int, text: str, index: int) -> PromptRecord:
     try:
         row = peer.unified_row(path, index, text)
@@ -133,6 +152,12 @@ def _parse_row(path: pathlib.Path, line: int, text: str, index: int) -> PromptRe
         raise ValueError(f"{path}:{line}: not valid JSON ({err.msg} at column {err.colno}); {_PREPARE}") from None
     if not isinstance(row, dict):
         raise ValueError(f"{path}:{line}: each line must be a JSON object, got {type(row).__name__}; {_PREPARE}")
+    surrogate = _lone_surrogate(row)
+    if surrogate is not None:
+        field, where = surrogate
+        raise _row_error(path, line, field, f"holds a lone surrogate escape ({where}): half of a UTF-16 pair, no "
+                                            "character, which cannot be encoded as UTF-8; write the character "
+                                            "itself or its complete \\uD8xx\\uDCxx pair")
     unknown = sorted(set(row) - set(_TOP_LEVEL_KEYS))
     if unknown:
         raise _row_error(path, line, unknown[0], f"is not allowed; top-level keys are {list(_TOP_LEVEL_KEYS)}")

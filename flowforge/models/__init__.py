@@ -23,8 +23,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from flowforge.models.base import (HOOK_MEMBERS, AdapterMixin, Conditioning, FlowModel, ImageConditioned,
-                                   check_condition_slot, missing_members)
+from flowforge.models.base import (HOOK_MEMBERS, REQUIRED_MEMBERS, AdapterMixin, Conditioning, FlowModel,
+                                   ImageConditioned, check_condition_slot, missing_members)
 from flowforge.runtime.errors import UserError, one_line
 from flowforge.runtime.imports import import_object
 
@@ -180,6 +180,40 @@ def adapter_tasks(name: str) -> tuple[str, ...] | None:
     return FAMILY_TASKS.get(name)
 
 
+ADAPTER_METHODS: tuple[str, ...] = tuple(m for m in REQUIRED_MEMBERS if m != "transformer")
+"""The required :class:`FlowModel` members an adapter class defines as methods (``transformer`` is set per
+instance, so a class is judged on these)."""
+
+
+class NotAnAdapter(UserError, TypeError):
+    """``model.adapter`` names something that is not a :class:`FlowModel` adapter. A :class:`UserError` (the command
+    line prints it in one line, exit 2) and a ``TypeError`` (what :func:`build_adapter` raised before)."""
+
+
+def what_an_adapter_is() -> str:
+    """The fix part of an adapter error: the registered names, or what a class must implement."""
+    return (f"use a registered adapter {sorted(ADAPTER_CLASSES)} or a 'pkg.module:Class' implementing the FlowModel "
+            f"protocol of flowforge/models/base.py (a transformer attribute and the methods {list(ADAPTER_METHODS)}; "
+            "inherit flowforge.models.base.AdapterMixin for the optional hooks)")
+
+
+def adapter_class_problem(name: str) -> str | None:
+    """Why the bring-your-own class ``name`` (``"pkg.module:Class"``) cannot be an adapter, judged from the class
+    without building it: the :data:`ADAPTER_METHODS` it lacks. ``None`` for a registered family, a factory function
+    (what it returns is checked by :func:`build_adapter`) and a class that has them all.
+
+    Raises:
+        ValueError: as :func:`adapter_class`.
+    """
+    obj = adapter_class(name)
+    if name in ADAPTER_CLASSES or not isinstance(obj, type):
+        return None
+    missing = [m for m in ADAPTER_METHODS if not callable(getattr(obj, m, None))]
+    if not missing:
+        return None
+    return f"{name!r} is not a FlowModel adapter class: {obj.__name__} has no {missing}"
+
+
 def _accepts(fn: Callable[..., Any], name: str) -> bool:
     """Whether ``fn`` takes keyword ``name`` (by name or through ``**kwargs``)."""
     import inspect
@@ -197,8 +231,9 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
     Raises:
         ValueError: unknown name (the allowed names are listed) or an import string that does not resolve.
         UserError: a registered family's ``path`` is a Hub id that cannot be resolved (:func:`resolve_model_path`).
-        TypeError: the built object does not implement ``FlowModel`` (required members and hooks: the missing ones
-            are listed), or declares a condition slot without ``generated_index``.
+        NotAnAdapter: (a ``UserError`` and a ``TypeError``) the built object does not implement ``FlowModel``
+            (required members and hooks: the missing ones are listed).
+        TypeError: the adapter declares a condition slot without ``generated_index``.
     """
     if name in ADAPTERS:
         adapter = ADAPTERS[name](resolve_model_path(path), **kw)
@@ -212,9 +247,9 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
     else:
         raise ValueError(f"unknown model adapter {name!r}; allowed: {sorted(ADAPTERS)} or 'pkg.module:Class'")
     if not isinstance(adapter, FlowModel):
-        raise TypeError(f"adapter {name!r} built a {type(adapter).__name__}, which does not implement FlowModel: "
-                        f"missing {missing_members(adapter)} (inherit flowforge.models.base.AdapterMixin for the "
-                        f"defaults of the optional hooks {list(HOOK_MEMBERS)})")
+        raise NotAnAdapter("model.adapter", f"{name!r} built a {type(adapter).__name__}, which does not implement "
+                           f"FlowModel: missing {missing_members(adapter)} (AdapterMixin gives the defaults of the "
+                           f"optional hooks {list(HOOK_MEMBERS)})", what_an_adapter_is())
     check_condition_slot(adapter)
     return adapter
 
@@ -279,6 +314,7 @@ def resolve_model_path(path: str | os.PathLike) -> str:
                                                 f"{one_line(str(exc))[:300]})", download_hint(text)) from exc
 
 
-__all__ = ["ADAPTERS", "ADAPTER_CLASSES", "AdapterMixin", "Conditioning", "FAMILY_TASKS", "FlowModel",
-           "ImageConditioned", "adapter_class", "adapter_tasks", "build_adapter", "cached_hub_snapshot",
-           "download_hint", "hub_offline", "looks_like_hub_id", "resolve_model_path"]
+__all__ = ["ADAPTERS", "ADAPTER_CLASSES", "ADAPTER_METHODS", "AdapterMixin", "Conditioning", "FAMILY_TASKS",
+           "FlowModel", "ImageConditioned", "NotAnAdapter", "adapter_class", "adapter_class_problem", "adapter_tasks",
+           "build_adapter", "cached_hub_snapshot", "download_hint", "hub_offline", "looks_like_hub_id",
+           "resolve_model_path", "what_an_adapter_is"]

@@ -173,13 +173,19 @@ class SD3Adapter(AdapterMixin):
         """``(C, height / f, width / f)`` with ``f`` = :attr:`vae_scale_factor`.
 
         Raises:
-            ValueError: ``frames`` given (image model), or a size not divisible by ``f * patch_size``.
+            ValueError: ``frames`` given (image model), a size not divisible by ``f * patch_size``, or larger than
+                the transformer's positional embedding covers (``pos_embed_max_size`` patches a side).
         """
         if frames is not None:
             raise ValueError(f"SD3 is an image model; frames must be None, got {frames}")
         unit = self.vae_scale_factor * int(self.config.patch_size)
         if height <= 0 or width <= 0 or height % unit or width % unit:
             raise ValueError(f"height and width must be positive multiples of {unit}, got {height}x{width}")
+        patches = getattr(self.config, "pos_embed_max_size", None)  # diffusers refuses more at the first forward
+        if patches is not None and max(height, width) > patches * unit:
+            raise ValueError(f"this model takes at most {patches * unit}x{patches * unit} pixels (pos_embed_max_size "
+                             f"{patches} patches a side x {unit} pixels a patch, VAE factor x patch_size), got "
+                             f"{height}x{width}; use multiples of {unit} up to {patches * unit}")
         f = self.vae_scale_factor
         return (int(self.config.in_channels), height // f, width // f)
 

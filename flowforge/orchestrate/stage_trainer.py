@@ -254,14 +254,18 @@ class StageTrainer(Trainer):
         ledger: the pipeline's condition ledger (its conditions are the rows of ``cfg.data.prompts``).
         stage: ``"A"`` or ``"C"``. reward_name: the reward component whose NaN marks a group as not judged.
         auditor: stage C's :class:`Auditor`, or None.
+        expected_changes: config keys / sections this stage changes on purpose against the checkpoint it resumes
+            (stage C against stage A's: the reward, the stage's own overrides); its resume does not warn about them.
 
     Raises:
         ValueError: a prompt row is not a condition of the ledger (another prompt file).
     """
 
     def __init__(self, cfg: Any, *, ledger: ConditionLedger, stage: str, reward_name: str,
-                 auditor: Auditor | None = None, progress: bool = True) -> None:
+                 auditor: Auditor | None = None, progress: bool = True,
+                 expected_changes: tuple[str, ...] = ()) -> None:
         self.ledger, self.stage, self.reward_name, self.auditor = ledger, stage, reward_name, auditor
+        self.expected_resume_changes = tuple(expected_changes)
         super().__init__(cfg, progress=progress)
         self.index = {r.metadata.get("sample_id"): i for i, r in enumerate(self.train_prompts)}
         missing = [c.id for c in ledger.order if c.id not in self.index]

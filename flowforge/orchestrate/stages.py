@@ -70,6 +70,7 @@ from flowforge.runtime.durable import step_dir_name, write_bytes
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
 from flowforge.runtime.write_guard import check_write_target
+from flowforge.settings.schema import flatten, parse_overrides
 from flowforge.train.checkpoint import committed_checkpoints, step_of
 
 log = logging.getLogger("flowforge")
@@ -335,6 +336,16 @@ def _student_reward(pcfg: Any, endpoints: Endpoints, student_dir: Path) -> tuple
     return {"weights": {JUDGE: 1.0}, "options": {JUDGE: endpoints.student(student_dir)}}, JUDGE
 
 
+def stage_c_changes(pcfg: Any) -> tuple[str, ...]:
+    """What stage C's config changes on purpose against stage A's checkpoint, which its first start resumes: the
+    reward (the student replaces the teacher), ``train.steps`` (C continues A's count) and every key of
+    ``stages.a_overrides`` / ``stages.c_overrides``. Its resume warns only about other differences."""
+    keys = {"reward", "train.steps"}
+    for overrides in (pcfg.stages.a_overrides, pcfg.stages.c_overrides):
+        keys.update(flatten(parse_overrides(overrides)[0]))
+    return tuple(sorted(keys))
+
+
 def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, student_dir: Path, *,
                 progress: bool = True) -> Outcome:
     """Train stage C on the rest of the pass with the student as the reward, audited by the teacher."""
@@ -367,7 +378,8 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
                           run_dir=run_dir)
     log.info("stage C: steps %d..%d on %d conditions, student %s", start, start + steps, ledger.budget("C"),
              student_dir)
-    trainer = StageTrainer(cfg, ledger=ledger, stage="C", reward_name=name, auditor=auditor, progress=progress)
+    trainer = StageTrainer(cfg, ledger=ledger, stage="C", reward_name=name, auditor=auditor, progress=progress,
+                           expected_changes=stage_c_changes(pcfg))
     try:
         _train(trainer)
     except AuditStop as stop:

@@ -48,7 +48,8 @@ from flowforge.reward_model.config import StudentConfig, student_config
 from flowforge.reward_model.data import SPLITS, JudgedGroup, split_groups
 from flowforge.reward_model.evaluate import evaluate
 from flowforge.reward_model.students import create_student
-from flowforge.runtime.durable import atomic_write, remove_marked_dir, step_dir_name, step_dirs, write_bytes
+from flowforge.runtime.durable import (atomic_write, remove_marked_dir, step_dir_name, step_dirs, torch_save,
+                                       write_bytes)
 from flowforge.settings.schema import to_dict
 
 log = logging.getLogger(__name__)
@@ -118,11 +119,11 @@ def _save_checkpoint(root: Path, epoch: int, student: Any, optimizer: torch.opti
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    atomic_write(path / "trainable.pt", lambda tmp: torch.save(student.trainable_state(), tmp))
-    atomic_write(path / "optimizer.pt", lambda tmp: torch.save(optimizer.state_dict(), tmp))
+    atomic_write(path / "trainable.pt", lambda tmp: torch_save(student.trainable_state(), tmp))
+    atomic_write(path / "optimizer.pt", lambda tmp: torch_save(optimizer.state_dict(), tmp))
     _write_json(path / "history.json", history)
     if best is not None:
-        atomic_write(path / BEST_FILE, lambda tmp: torch.save(best, tmp))
+        atomic_write(path / BEST_FILE, lambda tmp: torch_save(best, tmp))
     write_bytes(path / COMMITTED, b"")
     committed = [p for _, p in step_dirs(root) if (p / COMMITTED).is_file()]
     for old in committed[:-keep]:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from flowforge.rewards.base import RewardScorer
 from flowforge.runtime.imports import REFERENCE, import_object
+from flowforge.runtime.option_types import option_type_problems
 
 SCORING_ARGS = ("media", "prompts", "metadata")
 """The three arguments a scoring function takes first, in this order."""
@@ -191,7 +192,8 @@ def check_import_spec(spec: str, options: Mapping[str, Any]) -> list[str]:
             return [f"reward component {spec!r}: options {sorted(options)} do not fit {factory.__name__}: {exc}"]
         except ValueError:
             pass  # no introspectable signature (a C extension): the options are checked when it is built
-        return [] if scoring else protocol_problems(spec, factory)
+        wrong = option_type_problems(factory, options, f"reward.options.{spec}")
+        return wrong or ([] if scoring else protocol_problems(spec, factory))
     try:
         scorer = factory(**options)
     except Exception as exc:  # noqa: BLE001 - preflight lists the failure instead of raising

@@ -30,6 +30,8 @@ from flowforge.rewards.scorers.ocr import OcrScorer
 from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
 from flowforge.rewards.scorers.world_eval import InverseDynamicsLift, InverseDynamicsScorer, WorldPSNR, WorldSSIM
+from flowforge.runtime.errors import UserError
+from flowforge.runtime.option_types import option_type_problems
 
 SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "digit": DigitScorer,
@@ -65,6 +67,8 @@ def build_scorer(name: str, *, run_dir: str | Path | None = None, **options: Any
     Raises:
         ValueError: ``name`` is not registered (the message lists the allowed names); an import path that does not
             import or does not give a scorer.
+        UserError: an option whose value does not fit its annotation in the factory's signature
+            (:func:`flowforge.runtime.option_types.option_type_problems`), naming ``reward.options.<name>.<option>``.
     """
     if is_import_spec(name):
         if run_dir is not None and _accepts_run_dir(load_factory(name)):
@@ -72,6 +76,10 @@ def build_scorer(name: str, *, run_dir: str | Path | None = None, **options: Any
         return build_imported(name, options)
     if name not in SCORERS:
         raise ValueError(f"unknown reward scorer {name!r}; allowed names: {sorted(SCORERS)}")
+    wrong = option_type_problems(SCORERS[name], options, f"reward.options.{name}")
+    if wrong:
+        what, _, why = wrong[0].partition(": ")
+        raise UserError(what, "; ".join([why, *wrong[1:]]))
     if run_dir is not None and _accepts_run_dir(SCORERS[name]):
         options = {**options, "run_dir": run_dir}
     return SCORERS[name](**options)
@@ -87,8 +95,10 @@ def _accepts_run_dir(factory: Callable[..., Any]) -> bool:
 def check_scorer_spec(name: str, options: dict[str, Any]) -> list[str]:
     """Problems with the reward component ``name`` and its ``options`` without building a built-in scorer ([] when
     none): an unknown built-in name (the allowed names listed), options that do not fit its factory's signature, or
-    an import path that does not import or does not give a scorer (:func:`flowforge.rewards.byo.check_import_spec`).
-    Preflight lists these."""
+    an import path that does not import or does not give a scorer (:func:`flowforge.rewards.byo.check_import_spec`),
+    and options whose values do not fit the annotations of that signature
+    (:func:`flowforge.runtime.option_types.option_type_problems`: ``reward.options.<name>.<option>: expected float,
+    got ...``). Preflight lists these."""
     if is_import_spec(name):
         return check_import_spec(name, options)
     if name not in SCORERS:
@@ -97,4 +107,4 @@ def check_scorer_spec(name: str, options: dict[str, Any]) -> list[str]:
         inspect.signature(SCORERS[name]).bind(**options)
     except TypeError as exc:
         return [f"reward.options.{name}: {exc}"]
-    return []
+    return option_type_problems(SCORERS[name], options, f"reward.options.{name}")

@@ -69,12 +69,25 @@ def atomic_write(path: Path, write: Callable[[Path], None], hook: StageHook | No
         hook: optional ``hook(stage, relpath)`` (see the module docstring).
         relpath: the name passed to ``hook``; ``path.name`` when None.
 
-    The temporary is removed if ``write`` raises (the exception propagates).
+    The temporary is removed if ``write`` raises; the exception propagates, except that an ``OSError`` of the
+    write itself (a full disk, a quota, an I/O error) becomes a :class:`UserError` naming ``path`` and the OS's
+    words (``No space left on device``): nothing is left under ``path``, and a checkpoint being written is not
+    committed (its marker comes last).
+
+    Raises:
+        UserError: writing the temporary failed with an ``OSError`` (``errno`` set).
     """
     tmp = tmp_name(path)
     try:
         write(tmp)
         fsync_path(tmp)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno is None:
+            raise
+        raise UserError(path, f"could not be written ({exc.strerror or os.strerror(exc.errno)}); nothing was "
+                        "left under this name", "free space (or fix the disk) and run again; a training run "
+                        "resumes from its last committed checkpoint with train.resume=auto") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -85,6 +98,17 @@ def atomic_write(path: Path, write: Callable[[Path], None], hook: StageHook | No
     fsync_path(path.parent)
     if hook is not None:
         hook("renamed", label)
+
+
+def torch_save(obj: object, path: Path) -> None:
+    """``torch.save(obj)`` into ``path`` through a file object opened here (the ``write`` of :func:`atomic_write`
+    for torch files): a failed write (a full disk) then raises the ``OSError`` itself (``No space left on
+    device``), which :func:`atomic_write` reports naming the file. Given a path, torch's own C++ writer raises
+    ``RuntimeError: [enforce fail at inline_container.cc:...] . unexpected pos ...`` instead, which says neither."""
+    import torch
+
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
 
 
 def write_bytes(path: Path, data: bytes, hook: StageHook | None = None, relpath: str | None = None) -> None:

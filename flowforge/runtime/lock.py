@@ -2,8 +2,9 @@
 
 :class:`RunLock` takes ``<run_dir>/.flowforge.lock`` with ``filelock`` (``flock`` on POSIX: released by the kernel
 when the process dies, so a killed run never leaves a stale lock) and writes ``<run_dir>/.flowforge.lock.owner``
-(``{"pid": int, "host": str}``) beside it. A second process that finds the lock held is refused at once, naming the
-holder's pid and host from that file.
+(``{"pid": int, "host": str, "since": "YYYY-MM-DD HH:MM:SS"}``, local time) beside it. A second process that finds
+the lock held is refused at once: ``<run_dir>: is locked by PID 4242 on host h (running since 2026-12-06
+10:52:46)``, read from that file.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -50,12 +52,12 @@ class RunLock:
         try:
             self._lock.acquire()
         except Timeout:
-            raise UserError(self.run_dir, f"is in use by another flowforge process ({self._holder()})",
+            raise UserError(self.run_dir, f"is locked by {self._holder()}: another flowforge process runs in it",
                             "wait for it to finish or stop it; one run directory takes one run at a time") from None
         self._recorded = record
         if record:
-            (self.run_dir / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
-                                                   + "\n")
+            owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            (self.run_dir / OWNER_FILE).write_text(json.dumps(owner) + "\n")
 
     def check_free(self) -> None:
         """Refuse like :meth:`acquire` when another process holds the lock; otherwise leave the directory as it was.
@@ -78,8 +80,11 @@ class RunLock:
         self._lock.release(force=True)
 
     def _holder(self) -> str:
+        """``PID 4242 on host h (running since 2026-12-06 10:52:46)`` from the owner file (an older holder's file
+        has no ``since``); ``a process that left no owner file`` when it cannot be read."""
         try:
             info = json.loads((self.run_dir / OWNER_FILE).read_text())
-            return f"pid {info['pid']} on host {info['host']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return "holder unknown"
+            since = f" (running since {info['since']})" if info.get("since") else ""
+            return f"PID {info['pid']} on host {info['host']}{since}"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return "a process that left no owner file"

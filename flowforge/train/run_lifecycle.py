@@ -87,9 +87,10 @@ class RunDirectory:
         the directory if missing, take its lock (a second process is refused, naming the holder)."""
         found = existing_run(self.run_dir)
         if found and not self.cfg.train.resume:
+            # a live run first: "locked by PID N" says more than "already holds a run" (and --overwrite must wait)
+            RunLock(self.run_dir).check_free()
             if not self.overwrite:
                 refuse_rerun(self.run_dir, found)
-            RunLock(self.run_dir).check_free()  # refused while another process runs the old run
             move_aside(self.run_dir)
         if not self.run_dir.exists():
             self.run_dir.mkdir(parents=True)

@@ -94,6 +94,9 @@ class Trainer(RunDirectory):
         PreflightError: the config is invalid (every violation listed), before any model loads.
     """
 
+    expected_resume_changes: tuple[str, ...] = ()
+    """Config keys / sections a subclass changes on purpose against the checkpoint it resumes (no warning)."""
+
     def __init__(self, cfg: Config, *, progress: bool = True, overwrite: bool = False):
         self.overwrite = overwrite  # --overwrite: move an existing run in the run directory aside
         self.run_lock: RunLock | None = None
@@ -170,7 +173,8 @@ class Trainer(RunDirectory):
         self._build_outputs()
         base_sha256 = sha256_of_path(self.model_source) if self.model_source is not None else None
         self.state = TrainerState(step=0, contract=training_contract(cfg.lora, self.policy, base_sha256),
-                                  config_fingerprint=resume_fingerprint(cfg), config=config_lib.to_dict(cfg))
+                                  config_fingerprint=resume_fingerprint(cfg), config=config_lib.to_dict(cfg),
+                                  expected_changes=self.expected_resume_changes)
         self.checkpoints = CheckpointManager(self.run_dir, policy=self.policy, record=self.state, sampler=self.sampler,
                                              keep=cfg.checkpoint.keep, dist=self.dist)
         if cfg.train.resume:

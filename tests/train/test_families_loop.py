@@ -246,13 +246,23 @@ def test_merged_export_loads_with_from_pretrained(lora_run, family_dirs, tmp_pat
 
 
 # ------------------------------------------------------------------------------------------------ preflight tasks
-class VideoOnlyAdapter:
+class _AdapterMethods:
+    """The required methods of a FlowModel adapter class (preflight refuses a class without them); never called."""
+
+    def blocks(self): ...
+    def encode(self, prompts): ...
+    def latent_shape(self, height, width, frames=None): ...
+    def velocity(self, x, sigma, cond, guidance_scale): ...
+    def decode(self, latents): ...
+
+
+class VideoOnlyAdapter(_AdapterMethods):
     """A bring-your-own adapter class that declares the tasks it runs (never instantiated here)."""
 
     tasks = ("t2v",)
 
 
-class UndeclaredAdapter:
+class UndeclaredAdapter(_AdapterMethods):
     """A bring-your-own adapter class without a ``tasks`` declaration."""
 
 
@@ -279,7 +289,7 @@ def test_bring_your_own_factory_gets_task_only_if_it_takes_it(monkeypatch):
     assert new.task == "i2v" and new.args == ("p", "d", "c")
 
 
-class ImageTaskWithoutEncoder:
+class ImageTaskWithoutEncoder(_AdapterMethods):
     """Declares i2v but has no ``condition_on_images``."""
 
     tasks = ("i2v",)

@@ -176,8 +176,8 @@ def test_concurrent_second_trainer_is_refused_naming_pid_and_host(trained):
     """)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(UserError, match=rf"in use by another flowforge process \(pid {holder.pid} on host "
-                                            rf"{socket.gethostname()}\)"):
+        with pytest.raises(UserError, match=rf"is locked by PID {holder.pid} on host {socket.gethostname()} "
+                                            r"\(running since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\)"):
             Trainer(cfg("train.resume=auto"), progress=False)
     finally:
         holder.kill()

@@ -218,10 +218,11 @@ class VLMJudge:
 
         Raises:
             BudgetExhausted: the groups to send exceed what is left of ``max_billed``; nothing was sent.
+            UserError: the ledger file is not an SQLite database (:class:`RequestLedger`); nothing was written.
             ValueError: as :meth:`__call__`, for the first bad group in order.
         """
+        ledger = self.ledger  # opened first: a ledger that is no database is refused before media are stored
         prepared = self._map(lambda group: self._prepare(*group), groups)
-        ledger = self.ledger
         decided: dict[str, list[float] | None] = {}  # key -> candidate-order scores (None: no scores)
         todo: dict[str, tuple[_Group, int]] = {}  # one request per key, even when a group repeats within the call
         for group in prepared:

@@ -61,6 +61,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from flowforge.runtime.errors import UserError
+
 FORMAT = "2"
 STATUSES = ("pending", "ok", "malformed", "failed", "lost")
 ANSWERED = ("ok", "malformed")
@@ -142,7 +144,8 @@ class RequestLedger:
     Thread-safe: one connection guarded by a lock (the judge's worker threads write as requests go and come).
 
     Raises:
-        sqlite3.Error: the file is not a database or cannot be written.
+        UserError: the file is not an SQLite database (a ``ValueError`` naming it; the file is not touched).
+        sqlite3.Error: the file cannot be written.
         ValueError: the file is a ledger of another format (an older flowforge); it is left as it is.
     """
 
@@ -153,7 +156,13 @@ class RequestLedger:
         self._lock = threading.Lock()
         # autocommit mode (isolation_level=None) + explicit BEGIN IMMEDIATE: one transaction per change
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=60.0)
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(requests)")}
+        try:  # reads the header: a file that is no SQLite database fails here, before anything is written to it
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(requests)")}
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise UserError(self.path, f"is not a valid judge request ledger (SQLite: {exc}); it was left as it is",
+                            "restore it from a backup, or move it aside to start a new ledger (its requests would "
+                            "then be asked and billed again)") from None
         if columns and "owner" not in columns:  # checked before anything is written to the file
             self._db.close()
             raise ValueError(f"{self.path} is a judge ledger of an older format (no attempts table); keep it for "

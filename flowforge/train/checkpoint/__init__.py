@@ -79,7 +79,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from flowforge.runtime.durable import (atomic_write, demote, fsync_path, only_layout_files, remove_marked_dir,
-                                       sha256_file, step_dir_name, step_of, write_bytes)
+                                       sha256_file, step_dir_name, step_of, torch_save, write_bytes)
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.rng import capture_rng
 from flowforge.runtime.run_dir import CHECKPOINTS_DIR, MARKER, committed_checkpoints, is_committed
@@ -205,7 +205,7 @@ def _write_tensors(step_dir: Path, tensors: Mapping[str, Mapping[str, Tensor]], 
         rel = f"{WEIGHTS_DIR}/{group}.safetensors"
         _write(step_dir / rel, lambda tmp, c=copies: save_file(c, str(tmp)), rel)
     if optimizer_state is not None:
-        _write(step_dir / OPTIMIZER_FILE, lambda tmp: torch.save(optimizer_state, tmp), OPTIMIZER_FILE)
+        _write(step_dir / OPTIMIZER_FILE, lambda tmp: torch_save(optimizer_state, tmp), OPTIMIZER_FILE)
 
 
 def _commit(step_dir: Path, step: int, world_size: int, groups: list[str], has_optimizer: bool,

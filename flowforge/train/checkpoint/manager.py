@@ -124,6 +124,7 @@ class TrainerState:
     contract: dict  # training_contract(...): "lora" and "base_model_sha256"
     config_fingerprint: str  # flowforge.settings.resume_fingerprint of the run's config
     config: dict | None = None  # the run's config as a nested dict (to_dict), stored to say what changed on resume
+    expected_changes: tuple[str, ...] = ()  # keys / sections this run changes on purpose (stage C's reward): no warning
 
     def state_dict(self) -> dict:
         extra = {} if self.config is None else {"config": self.config}
@@ -132,17 +133,24 @@ class TrainerState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_contract(state, self.contract)
         if state.get("config_fingerprint") != self.config_fingerprint:
-            log.warning("resuming with a config that differs from the checkpoint's in what it computes: %s",
-                        resume_changes(state.get("config"), self.config))
+            changes = resume_changes(state.get("config"), self.config, self.expected_changes)
+            if changes:
+                log.warning("resuming with a config that differs from the checkpoint's in what it computes: %s",
+                            changes)
         self.step = int(state["step"])
 
 
-def resume_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> str:
+def resume_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None,
+                   expected: Sequence[str] = ()) -> str:
     """The changed keys as ``"key: old -> new; ..."`` (:func:`flowforge.settings.config_diff` without the
-    resume-neutral keys), or a note that the checkpoint does not record its config."""
+    resume-neutral keys and the ``expected`` ones), or a note that the checkpoint does not record its config;
+    ``""`` when every change is an ``expected`` one (nothing to warn about)."""
     if saved is None or current is None:
         return "the checkpoint does not record its config (written by an older flowforge)"
-    changed = config_diff(saved, current, resume_neutral_keys(current))
+    neutral = resume_neutral_keys(current)
+    changed = config_diff(saved, current, (*neutral, *expected))
+    if not changed and expected and config_diff(saved, current, neutral):
+        return ""
     return "; ".join(changed) or "no key differs (the fingerprint was computed by an older flowforge)"
 
 

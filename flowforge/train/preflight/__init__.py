@@ -105,16 +105,21 @@ def _trained_step_problems(cfg: Config, problems: list[str]) -> None:
 def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> None:
     """``model.task`` against the adapter class's declared ``tasks`` (imported, no weights loaded), image tasks
     against its ``condition_on_images``, and ``model.frames``."""
-    from flowforge.models import adapter_class, adapter_tasks
+    from flowforge.models import adapter_class, adapter_class_problem, adapter_tasks, what_an_adapter_is
 
     m = cfg.model
     if m.task not in TASKS:
         return
     try:
         tasks = adapter_tasks(m.adapter)
+        not_one = adapter_class_problem(m.adapter)
     except ValueError as exc:
         problems.append(f"model.adapter: {exc}")
         tasks = ()
+    else:
+        if not_one:
+            problems.append(f"model.adapter: {not_one}; {what_an_adapter_is()}")
+            return
     if tasks is None:
         warnings.append(f"model.adapter={m.adapter!r} declares no class-level `tasks` tuple: model.task={m.task!r} "
                         "is not checked against it")
