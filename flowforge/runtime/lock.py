@@ -3,7 +3,8 @@
 :class:`RunLock` takes ``<run_dir>/.flowforge.lock`` with ``filelock`` (``flock`` on POSIX: released by the kernel
 when the process dies, so a killed run never leaves a stale lock) and writes ``<run_dir>/.flowforge.lock.owner``
 (``{"pid": int, "host": str}``) beside it. A second process that finds the lock held is refused at once, naming the
-holder's pid and host from that file.
+holder's pid and host from that file. :func:`held_by_parent` lets a child process (a judge server the pipeline
+starts) prove that the directory is its parent's.
 """
 
 from __future__ import annotations
@@ -83,3 +84,14 @@ class RunLock:
             return f"pid {info['pid']} on host {info['host']}"
         except (OSError, ValueError, KeyError, TypeError):
             return "holder unknown"
+
+
+def held_by_parent(directory: str | Path) -> bool:
+    """Whether ``directory``'s lock is held by this process's parent on this host (its owner file names
+    ``os.getppid()``): the pipeline's judge servers write their request logs into the pipeline directory, no other
+    process does. Never raises."""
+    try:
+        info = json.loads((Path(directory) / OWNER_FILE).read_text())
+        return info["pid"] == os.getppid() and info["host"] == socket.gethostname()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
