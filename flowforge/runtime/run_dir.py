@@ -153,7 +153,7 @@ def refuse_foreign_resume(run_dir: Path, resume: str | None, output_dir: str | P
             return
     owner = enclosing(checkpoint.parent)
     whose = (f"belongs to the run {owner[1]}" if owner and owner[0] == "run directory"
-             else "belongs to no run directory")
+             else f"lies in no run directory ({checkpoint})")
     raise UserError(f"train.resume={resume}", f"the checkpoint {whose}, but run.name={Path(run_dir).name} names the "
                     f"existing run {run_dir}, whose checkpoints, config.yaml and logs this would replace",
                     f"to start a new run from that checkpoint choose a fresh run.name (one that does not exist in "
