@@ -178,21 +178,27 @@ def _run_judge(args: argparse.Namespace) -> int:
 
 def check_request_log(args: argparse.Namespace) -> None:
     """``--request-log`` under the shared write rule (:func:`flowforge.runtime.write_guard.check_write_target`):
-    resolved (symlinks, ``..``), it may not lie inside a run, a checkpoint, or be / lie inside the server's own
-    inputs (``--student`` / ``--model`` directory, ``--options``, ``--token-file``); and it must be a regular file
-    or a new name in an existing directory, openable for appending (not a directory, not ``/dev/full``:
+    resolved (symlinks, ``..``), it may not lie inside a run, a checkpoint or a pipeline directory (unless this
+    server was started by the pipeline that holds that directory's lock:
+    :func:`~flowforge.runtime.lock.held_by_parent`), or be / lie inside the server's own inputs (``--student`` /
+    ``--model`` directory, ``--options``, ``--token-file``); and it must be a regular file or a new name in an
+    existing directory, openable for appending (not a directory, not ``/dev/full``:
     :func:`flowforge.serve.judge_server.check_log_path`).
 
     Raises:
         UserError / ValueError: naming ``--request-log`` and what is wrong with it.
     """
-    from flowforge.runtime.write_guard import check_write_target
+    from flowforge.runtime.lock import held_by_parent
+    from flowforge.runtime.write_guard import check_write_target, enclosing
     from flowforge.serve.judge_server import check_log_path
 
     inputs = {"--student directory": args.student, "--model directory": args.model, "--options file": args.options}
     protected = {label: path for label, path in inputs.items() if path is not None and Path(path).exists()}
     # the token file even before it exists: resolve_token creates it next
-    check_write_target(args.request_log, "--request-log", protected={**protected, "--token-file": args.token_file})
+    found = enclosing(args.request_log)
+    own = found[1] if found and found[0] == "pipeline directory" and held_by_parent(found[1]) else None
+    check_write_target(args.request_log, "--request-log", protected={**protected, "--token-file": args.token_file},
+                       own=own)
     check_log_path(Path(args.request_log))
 
 

@@ -47,6 +47,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from flowforge.orchestrate.config import pipeline_dir
+from flowforge.orchestrate.directory import record_path
 from flowforge.report.page import esc, kv_table, note, plain_text, render_page, verdict_block
 from flowforge.report.plots import figure_tag
 from flowforge.report.run import run_headline
@@ -141,7 +142,8 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
     attempts, audits = _attempts(directory), read_audits(directory / "C")
     teacher["max_requests"] = pcfg.teacher.max_requests
     return {
-        "status": outcome.status, "reason": outcome.reason, "last_good_checkpoint": outcome.last_good,
+        "status": outcome.status, "reason": outcome.reason,
+        "last_good_checkpoint": record_path(directory, outcome.last_good) if outcome.last_good else None,
         "stages_run": list(outcome.stages_run),
         "ledger": ledger.summary(),
         "A": {"run_dir": "A", "eval": last_eval(directory / "A"), "headline": _plain_headline(directory / "A")},

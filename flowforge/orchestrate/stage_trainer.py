@@ -275,6 +275,12 @@ class StageTrainer(Trainer):
                              f"{cfg.data.prompts!r}; the pipeline's prompt file changed")
 
     @property
+    def own_area(self) -> Path:
+        """The pipeline directory (the ledger's): the stage's run directory lies in it, the write rule allows that
+        to the pipeline's own stages only (:func:`flowforge.runtime.run_dir.check_run_dir_place`)."""
+        return self.ledger.path.parent
+
+    @property
     def policy_version(self) -> int:
         """Optimizer steps taken so far (the version of the live policy)."""
         return self.policy.optimizer_steps

@@ -3,12 +3,15 @@
 ::
 
     <pipeline>/                      run.output_dir / run.name of the pipeline config
+      pipeline.json                  the marker that makes it a pipeline directory: only the pipeline writes here
+                                     (the shared write rule, flowforge.runtime.write_guard)
       conditions.jsonl               the condition ledger: one seeded pass, budgets, extensions, states
       judge.token                    bearer token of the judge servers the pipeline starts (0600)
       teacher/requests.log           every request the auto-started teacher received (one key per line)
       A/                             stage A run directory: RL with the teacher; A/judge/ledger.sqlite + media
       B/attempt_<n>/                 stage B: the student trained on A's judged groups (n = extensions so far),
-                                     gate.json: held-out agreement and the gate's verdict
+                                     gate.json: held-out agreement, the gate's verdict and the student's path
+                                     (relative to the pipeline directory: the directory may be moved or copied)
       C/                             stage C run directory: RL with the student, audit.jsonl, audit/judge/ (the
                                      teacher's audit ledger)
       summary.json, report.html      the pipeline report (flowforge.orchestrate.report)
@@ -60,6 +63,7 @@ from typing import Any
 from flowforge.data.prompts import load_prompts
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, judge_options, pipeline_dir, stage_config
+from flowforge.orchestrate.directory import GATE_FILE, check_pipeline_dir, mark_pipeline_dir, record_path, student_dir
 from flowforge.orchestrate.ledger import ConditionLedger, conditions_from_records
 from flowforge.orchestrate.plan import prompts_per_step, stage_steps
 from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
@@ -69,14 +73,12 @@ from flowforge.runtime.distributed import broadcast_from_main
 from flowforge.runtime.durable import step_dir_name, write_bytes
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
-from flowforge.runtime.write_guard import check_write_target
 from flowforge.settings.schema import flatten, parse_overrides
 from flowforge.train.checkpoint import committed_checkpoints, step_of
 
 log = logging.getLogger("flowforge")
 
 LEDGER_FILE = "conditions.jsonl"
-GATE_FILE = "gate.json"
 STAGES = ("A", "B", "C")
 RANK_WAIT_S = 6 * 3600.0
 """Under torchrun: how long a rank waits in a collective for the others (stage B trains on rank 0 meanwhile)."""
@@ -291,7 +293,8 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     # judged on the test split only: validation chose the epoch (train_student), test selects nothing
     verdict = gate_on_test(load_student(result.student_dir, device=s.device), splits["test"], s.gate)
     passed, reasons = verdict["passed"], verdict["reasons"]
-    record = {"attempt": attempt, "student": str(result.student_dir), "groups": len(groups),
+    record = {"attempt": attempt, "student": record_path(pipeline_dir(pcfg), result.student_dir),
+              "groups": len(groups),
               "split_sizes": result.split_sizes, "best_epoch": result.best_epoch, "val": result.val,
               "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"],
               "probes": verdict["probes"], "passed": passed,
@@ -418,23 +421,6 @@ def _a_and_b(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, stage: st
         return None, Outcome("gate_failed", reason)
 
 
-def check_pipeline_dir(pcfg: Any, inputs: Mapping[str, str | Path] | None = None) -> Path:
-    """The shared write rule (:func:`flowforge.runtime.write_guard.check_write_target`) for the pipeline directory
-    ``run.output_dir / run.name``, before anything is written: not inside a run, a checkpoint, the base model, the
-    prompt files, the teacher's model directory or ``inputs`` (label -> path: the config file). Returns it resolved.
-
-    Raises:
-        UserError: naming the directory, what it lies inside, and what to do.
-    """
-    local = {"base model": pcfg.model.path, "data.prompts": pcfg.data.prompts,
-             "data.eval_prompts": pcfg.data.eval_prompts, "teacher.model_dir": pcfg.teacher.model_dir}
-    protected = {label: Path(resolve_demo_path(value)) for label, value in local.items()
-                 if value and Path(resolve_demo_path(value)).exists()}  # a hub id or a missing path holds nothing
-    protected.update(inputs or {})
-    return check_write_target(pipeline_dir(pcfg), "pipeline directory (run.output_dir / run.name)",
-                              protected=protected)
-
-
 def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
                  inputs: Mapping[str, str | Path] | None = None) -> Outcome:
     """Run the pipeline (every stage, or only ``stage``), then write its report. Holds the pipeline directory's
@@ -454,10 +440,11 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
     directory = pipeline_dir(pcfg)
     lock = RunLock(directory)
 
-    def claim() -> None:  # rank 0: the write rule, the lock, the token and the ledger's file, before any mirror
+    def claim() -> None:  # rank 0: the write rule, the lock, the marker, the token and the ledger's file
         check_pipeline_dir(pcfg, inputs)
         directory.mkdir(parents=True, exist_ok=True)
         lock.acquire()
+        mark_pipeline_dir(directory)
         pipeline_token(directory)
         open_ledger(pcfg)
 
@@ -474,7 +461,8 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
                 record = on_main(lambda: _passed_gate(pcfg, ledger))
             if outcome is None and stage in (None, "C"):
                 ran.append("C")
-                outcome = run_stage_c(pcfg, ledger, endpoints, Path(record["student"]), progress=progress)
+                student = Path(on_main(lambda: str(student_dir(pcfg, record))))
+                outcome = run_stage_c(pcfg, ledger, endpoints, student, progress=progress)
         except BudgetExhausted as exc:  # stopped before the budget was exceeded; a rerun with more continues
             log.warning("pipeline stopped: %s", exc)
             outcome = Outcome("budget_exhausted", str(exc))

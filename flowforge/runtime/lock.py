@@ -4,7 +4,8 @@
 when the process dies, so a killed run never leaves a stale lock) and writes ``<run_dir>/.flowforge.lock.owner``
 (``{"pid": int, "host": str, "since": "YYYY-MM-DD HH:MM:SS"}``, local time) beside it. A second process that finds
 the lock held is refused at once: ``<run_dir>: is locked by PID 4242 on host h (running since 2026-12-06
-10:52:46)``, read from that file.
+10:52:46)``, read from that file. :func:`held_by_parent` lets a child process (a judge server the pipeline starts)
+prove that the directory is its parent's.
 """
 
 from __future__ import annotations
@@ -88,3 +89,14 @@ class RunLock:
             return f"PID {info['pid']} on host {info['host']}{since}"
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return "a process that left no owner file"
+
+
+def held_by_parent(directory: str | Path) -> bool:
+    """Whether ``directory``'s lock is held by this process's parent on this host (its owner file names
+    ``os.getppid()``): the pipeline's judge servers write their request logs into the pipeline directory, no other
+    process does. Never raises."""
+    try:
+        info = json.loads((Path(directory) / OWNER_FILE).read_text())
+        return info["pid"] == os.getppid() and info["host"] == socket.gethostname()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False

@@ -9,8 +9,12 @@ A run directory holds a week of work, so flowforge refuses anything that could s
   ``checkpoints/`` or the guard's ``guard_best.safetensors``). A new run into it is refused unless it resumes
   (``train.resume``) or the user passes ``--overwrite``, which moves the old run aside to ``<name>.old-<n>``
   (:func:`move_aside`) after saying so: nothing is deleted.
-- :func:`check_run_dir_outside_source` refuses a run directory inside, equal to, or containing the base model, so
-  checkpoint rotation can never delete model files.
+- :func:`refuse_foreign_resume` refuses ``train.resume=<checkpoint>`` into a directory holding another run (the
+  checkpoint's own run, or a fresh ``run.name``, are the two places a checkpoint continues), unless ``--overwrite``
+  moves that run aside first.
+- :func:`check_run_dir_place` keeps a run directory out of other runs, checkpoints and pipeline directories (the
+  shared write rule, :mod:`flowforge.runtime.write_guard`); :func:`check_run_dir_outside_source` also refuses a run
+  directory inside, equal to, or containing the base model, so checkpoint rotation can never delete model files.
 - :func:`check_artifacts_root` refuses an ``artifacts.root`` that is, or lies inside, a run's ``checkpoints/``.
 - :func:`sha256_of_path` identifies the base model, stored in every checkpoint's training contract.
 
@@ -119,6 +123,44 @@ def refuse_rerun(run_dir: Path, found: list[str]) -> None:
                     f"old run aside to {Path(run_dir).name}.old-<n>")
 
 
+def refuse_foreign_resume(run_dir: Path, resume: str | None, output_dir: str | Path) -> None:
+    """Refuse ``train.resume=<checkpoint path>`` into ``run_dir`` when ``run_dir`` already holds a run that is not
+    the checkpoint's: the new run would replace that run's checkpoints (rotation, saves at the same steps),
+    ``config.yaml`` and logs. Allowed: a checkpoint inside ``run_dir`` (the run's own); a new or empty run directory;
+    a run directory without a committed checkpoint whose own ``config.yaml`` records a resume from this same
+    checkpoint (the same command started again after it was killed before its first save, e.g. a pipeline's stage
+    C; compared relative to the recorded ``run.output_dir``, so a moved pipeline directory still matches).
+
+    Args:
+        run_dir: ``run.output_dir / run.name``. resume: ``train.resume`` (``auto`` / ``must`` / None: nothing to
+            check). output_dir: ``run.output_dir`` as configured.
+
+    Raises:
+        UserError: naming the checkpoint's run, the run that would be overwritten and how to start a new run.
+    """
+    from flowforge.runtime.write_guard import enclosing, real
+
+    if not resume or resume in ("auto", "must") or not existing_run(run_dir):
+        return
+    checkpoint = real(Path(resume).expanduser())
+    if checkpoint.is_relative_to(real(run_dir)):
+        return
+    if not committed_checkpoints(run_dir):
+        saved, saved_out = saved_setting(run_dir, "train", "resume"), saved_setting(run_dir, "run", "output_dir")
+        if isinstance(saved, str) and isinstance(saved_out, str) and (
+                real(saved) == checkpoint
+                or os.path.relpath(saved, saved_out) == os.path.relpath(Path(resume).expanduser(), output_dir)):
+            return
+    owner = enclosing(checkpoint.parent)
+    whose = (f"belongs to the run {owner[1]}" if owner and owner[0] == "run directory"
+             else f"lies in no run directory ({checkpoint})")
+    raise UserError(f"train.resume={resume}", f"the checkpoint {whose}, but run.name={Path(run_dir).name} names the "
+                    f"existing run {run_dir}, whose checkpoints, config.yaml and logs this would replace",
+                    f"to start a new run from that checkpoint choose a fresh run.name (one that does not exist in "
+                    f"{Path(run_dir).parent}); to continue {run_dir} use train.resume=auto; or pass --overwrite to "
+                    f"move it aside to {Path(run_dir).name}.old-<n> first")
+
+
 def move_aside(run_dir: Path) -> Path:
     """Rename ``run_dir`` to the first free ``<name>.old-<n>`` (n = 1, 2, ...) beside it, saying so; returns it."""
     run_dir = Path(run_dir)
@@ -145,17 +187,26 @@ def check_artifacts_root(root: Path, run_dir: Path) -> None:
                             "point artifacts.root at an empty directory of its own")
 
 
-def check_run_dir_outside_source(run_dir: str | Path, source_dir: str | Path) -> None:
+def check_run_dir_place(run_dir: str | Path, own: str | Path | None = None) -> None:
+    """The shared write rule for a run directory: its parent may not lie in another run, a checkpoint or a pipeline
+    directory, unless inside ``own`` (the pipeline directory of a pipeline's stage). The run directory itself is
+    this run's own area; an existing run there is handled by :func:`existing_run` and :func:`refuse_foreign_resume`.
+
+    Raises:
+        UserError: naming the directory it lies inside (:func:`flowforge.runtime.write_guard.check_write_target`).
+    """
+    check_write_target(Path(run_dir).parent, "run directory " + str(run_dir) + " (its parent)", own=own)
+
+
+def check_run_dir_outside_source(run_dir: str | Path, source_dir: str | Path, own: str | Path | None = None) -> None:
     """Refuse a run directory that equals, lies inside, or contains the source model directory (symlinks resolved),
     so checkpoints and rotation can never write into or delete the base model.
 
     Raises:
-        ValueError: naming both resolved paths; UserError: the run directory lies inside another run directory or
-            a checkpoint (:func:`flowforge.runtime.write_guard.check_write_target`).
+        ValueError: naming both resolved paths; UserError: the run directory's place is refused
+            (:func:`check_run_dir_place`).
     """
-    # the shared write rule: the run's parent may not lie in another run or a checkpoint (the run directory itself is
-    # this run's own area, and an existing run there is handled by existing_run / train.resume)
-    check_write_target(Path(run_dir).parent, "run directory " + str(run_dir) + " (its parent)")
+    check_run_dir_place(run_dir, own)
     run, src = Path(run_dir).resolve(), Path(source_dir).resolve()
     if run == src:
         raise ValueError(f"run directory {run} is the source model directory; choose a run directory elsewhere")

@@ -15,6 +15,9 @@ a run directory (``config.yaml`` plus ``checkpoints/``  the run's grids, logs an
 or ``metrics.jsonl``)                                   write there replaces or adds files it did not create
 a checkpoint (a directory holding ``COMMITTED``)        a committed checkpoint is immutable (rotation and re-save
                                                         refuse foreign files)
+a pipeline directory (``pipeline.json``, or the         its condition ledger, request logs, judge ledgers, students
+``conditions.jsonl`` + ``judge.token`` of one made      and stage runs are the pipeline's state: a foreign line or
+before the marker existed)                              file stops or corrupts the next ``flowforge stages`` run
 a ``protected`` path given by the command (the base     writing there would replace the command's own input or the
 model, the command's inputs; equal to it, inside it,    model it reads
 or — for a directory that is replaced as a whole —
@@ -22,7 +25,11 @@ containing it)
 ======================================================  ==============================================================
 
 unless the target lies inside ``own``, the command's own output area (the trainer's run directory for the trainer,
-``report.html`` of the run ``flowforge report`` reads), where the first two rows do not apply.
+the pipeline directory for the pipeline and the stages it trains, ``report.html`` of the run ``flowforge report``
+reads), where the first three rows do not apply to ``own`` and below it; ``own`` itself is still checked against
+the directories above it (a run may not be made inside another run). A judge server the pipeline starts proves it is
+the pipeline's own by the pipeline's lock (:func:`flowforge.runtime.lock.held_by_parent`), so it may keep its
+request log in the pipeline directory; any other ``serve judge --request-log`` there is refused.
 
 :func:`check_write_target` is that rule; every writing command calls it with its own ``protected`` and ``own``.
 """
@@ -41,6 +48,10 @@ RUN_DIR_CONTENT = ("checkpoints", "metrics.jsonl")
 """... and at least one of these."""
 CHECKPOINT_MARKER = "COMMITTED"
 """The file that makes a directory a committed checkpoint (:data:`flowforge.runtime.run_dir.MARKER`)."""
+PIPELINE_MARKER = "pipeline.json"
+"""The file that makes a directory a pipeline directory, written by ``flowforge stages`` when it claims one."""
+PIPELINE_LEGACY = ("conditions.jsonl", "judge.token")
+"""A pipeline directory made before :data:`PIPELINE_MARKER` existed holds both of these."""
 
 
 def real(path: str | Path) -> Path:
@@ -54,15 +65,23 @@ def is_run_dir(path: Path) -> bool:
     return all((path / f).is_file() for f in RUN_DIR_FILES) and any((path / c).exists() for c in RUN_DIR_CONTENT)
 
 
+def is_pipeline_dir(path: Path) -> bool:
+    """True when ``path`` is a flowforge pipeline directory: :data:`PIPELINE_MARKER`, or every file of
+    :data:`PIPELINE_LEGACY`."""
+    return (path / PIPELINE_MARKER).is_file() or all((path / f).is_file() for f in PIPELINE_LEGACY)
+
+
 def enclosing(path: str | Path) -> tuple[str, Path] | None:
-    """``("run directory" | "checkpoint", dir)`` for the nearest directory at or above the resolved ``path`` that is
-    a run directory or a committed checkpoint; None when there is none."""
+    """``("run directory" | "checkpoint" | "pipeline directory", dir)`` for the nearest directory at or above the
+    resolved ``path`` that is one of them; None when there is none."""
     resolved = real(path)
     for ancestor in (resolved, *resolved.parents):
         if (ancestor / CHECKPOINT_MARKER).is_file():
             return "checkpoint", ancestor
         if is_run_dir(ancestor):
             return "run directory", ancestor
+        if is_pipeline_dir(ancestor):
+            return "pipeline directory", ancestor
     return None
 
 
@@ -75,7 +94,8 @@ def check_write_target(target: str | Path, what: str, *, protected: Mapping[str,
         what: how the user named it, for the message (``"--out"``, ``"--out-dir"``, ``"export directory OUT"``).
         protected: label -> path (file or directory; None entries skipped) the target may not be or lie inside
             (``{"input": in_file, "base model": base_dir}``).
-        own: the command's own output area; a target inside it may lie in a run directory or checkpoint.
+        own: the command's own output area; a target inside it may lie in a run, checkpoint or pipeline directory
+            at or below ``own`` (``own`` itself may not lie inside one that is not its own).
         replaces_tree: ``target`` is a directory whose contents the command replaces as a whole, so it may not
             contain a protected path either.
 
@@ -96,12 +116,14 @@ def check_write_target(target: str | Path, what: str, *, protected: Mapping[str,
             raise UserError(label, f"lies inside the {name} {other}", fix)
         if replaces_tree and other.is_relative_to(resolved):
             raise UserError(label, f"contains the {name} {other}", fix)
-    if own is not None and resolved.is_relative_to(real(own)):
-        return resolved
-    found = enclosing(resolved)
+    mine = real(own) if own is not None else None
+    inside_own = mine is not None and resolved.is_relative_to(mine)
+    found = enclosing(mine.parent if inside_own else resolved)
     if found is not None:
         kind, where = found
-        raise UserError(label, f"{'is' if where == resolved else 'lies inside'} the {kind} {where}"
-                        + ("" if resolved == Path(target).absolute() else f" (resolves to {resolved})"),
-                        f"{fix}; flowforge never writes into a run or a checkpoint it is not producing")
+        said = f"{'is' if where == resolved else 'lies inside'} the {kind} {where}"
+        if inside_own:
+            said = f"lies inside {mine}, which lies inside the {kind} {where}"
+        raise UserError(label, said + ("" if resolved == Path(target).absolute() else f" (resolves to {resolved})"),
+                        f"{fix}; flowforge never writes into a run, a checkpoint or a pipeline it is not producing")
     return resolved

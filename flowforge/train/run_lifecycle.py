@@ -40,8 +40,9 @@ from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
 from flowforge.runtime.run_dir import (CONFIG_FILE, EVAL_FILE, LOG_FILE, METRICS_FILE, MODEL_PROVENANCE_FILE,
                                        PROVENANCE_FILE, SAMPLES_DIR, TB_DIR, WRITTEN_FILES, check_artifacts_root,
-                                       check_run_dir_outside_source, committed_checkpoints, existing_run,
-                                       last_logged_step, move_aside, refuse_rerun, saved_setting)
+                                       check_run_dir_outside_source, check_run_dir_place, committed_checkpoints,
+                                       existing_run, last_logged_step, move_aside, refuse_foreign_resume,
+                                       refuse_rerun, saved_setting)
 from flowforge.train.checkpoint import RESUME_NEWEST, finish_removals
 from flowforge.train.history import cut_history, purge_step
 from flowforge.train.metrics import MetricsLogger, write_provenance
@@ -53,6 +54,7 @@ class RunDirectory:
     """The run-directory steps of :class:`~flowforge.train.trainer.Trainer` (see the module docstring)."""
 
     run_lock: RunLock | None = None
+    own_area: Path | None = None  # the area around the run its owner writes (a pipeline stage: the pipeline directory)
     _created_run_dir: bool = False
     _journal: RunJournal | None = None  # rank 0, from acceptance on: what a failed command puts back
     _accepted_at: tuple[int, int | None] | None = None  # (step, saved checkpoint step) when accepted
@@ -66,7 +68,11 @@ class RunDirectory:
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.model_source = _model_source(cfg.model.path)
         if self.model_source is not None:
-            check_run_dir_outside_source(self.run_dir, self.model_source)
+            check_run_dir_outside_source(self.run_dir, self.model_source, own=self.own_area)
+        else:
+            check_run_dir_place(self.run_dir, own=self.own_area)
+        if not self.overwrite:  # a checkpoint continues in its own run or a new one, never over another run
+            refuse_foreign_resume(self.run_dir, cfg.train.resume, cfg.run.output_dir)
         self.train_prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]
         check_task(self.train_prompts, cfg.model.task, "data.prompts")
@@ -83,10 +89,11 @@ class RunDirectory:
         dist_lib.barrier(self.dist)
 
     def _claim_run_dir(self) -> None:
-        """Rank 0: refuse a new run into a directory holding one (or move that aside under ``--overwrite``), create
+        """Rank 0: refuse a new run into a directory holding one (or move that aside under ``--overwrite``, as a
+        resume from another run's checkpoint into it: :func:`refuse_foreign_resume`), create
         the directory if missing, take its lock (a second process is refused, naming the holder)."""
         found = existing_run(self.run_dir)
-        if found and not self.cfg.train.resume:
+        if found and (not self.cfg.train.resume or self.overwrite and self._foreign_resume()):
             # a live run first: "locked by PID N" says more than "already holds a run" (and --overwrite must wait)
             RunLock(self.run_dir).check_free()
             if not self.overwrite:
@@ -99,6 +106,15 @@ class RunDirectory:
         self.run_lock.acquire()
         if self.cfg.train.resume:  # a save killed while deleting a checkpoint: finish what it provably started
             finish_removals(self.run_dir)
+
+    def _foreign_resume(self) -> bool:
+        """Whether ``train.resume`` names a checkpoint that :func:`refuse_foreign_resume` keeps out of the existing
+        run (``--overwrite`` then moves that run aside, as for a new run)."""
+        try:
+            refuse_foreign_resume(self.run_dir, self.cfg.train.resume, self.cfg.run.output_dir)
+        except UserError:
+            return True
+        return False
 
     def _accept_run(self) -> None:
         """The command is accepted (model loaded, resume checked): write the resolved config and provenance

@@ -224,6 +224,12 @@ def places(cli_run, tiny_model_dir, tmp_path_factory):
     from flowforge.demo.paths import resolve_demo_path
 
     shutil.copytree(resolve_demo_path("demo:world"), tmp / "world")  # a world-model source checkpoint (4.6 MB)
+    pipe = tmp / "pipe"  # a pipeline directory (issue 42: its ledger and request logs are the pipeline's alone)
+    (pipe / "teacher").mkdir(parents=True)
+    for name, text in (("pipeline.json", "{}\n"), ("conditions.jsonl", '{"kind": "header"}\n'),
+                       ("judge.token", "t0ken"), ("teacher/requests.log", "")):
+        (pipe / name).write_text(text)
+    shutil.copytree(cli_run, tmp / "vx")  # another existing run, which a resume from the run's checkpoint may not replace
     broken = Path(shutil.copytree(tiny_model_dir, tmp / "broken_model"))
     weights = broken / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(b"\x07" * weights.stat().st_size)
@@ -398,6 +404,19 @@ CASES = [
                  ["--out-dir", "run directory"], id="write-curate-into-a-run"),
     pytest.param(["data", "prepare", "--source", "jsonl", "--input", "{tmp}/good.jsonl", "--output",
                   "{tmp}/foreign/../good.jsonl", "--overwrite"], ["is the input"], id="write-prepare-onto-its-input"),
+    # --- issue 42: a pipeline directory is the pipeline's alone; a checkpoint continues in its run or a new one ---
+    pytest.param(["data", "prepare", "--source", "jsonl", "--input", "{tmp}/good.jsonl", "--output",
+                  "{tmp}/pipe/conditions.jsonl", "--overwrite"], ["--output", "the pipeline directory {tmp}/pipe"],
+                 id="write-prepare-onto-a-pipeline-ledger"),
+    pytest.param(["sample", "{run}", "--prompt", "a seven", "--out", "{tmp}/pipe/x.png"],
+                 ["--out", "the pipeline directory {tmp}/pipe"], id="write-sample-into-a-pipeline"),
+    pytest.param(["export", "{run}", "{tmp}/pipe/export", "--form", "adapter"],
+                 ["export directory", "the pipeline directory {tmp}/pipe"], id="export-out-inside-a-pipeline"),
+    pytest.param(train("run.output_dir={tmp}/pipe", "run.name=A"), ["the pipeline directory {tmp}/pipe"],
+                 id="write-run-into-a-pipeline"),
+    pytest.param(train("run.name=vx", "train.resume={ckpt}"),
+                 ["train.resume={ckpt}", "belongs to the run {run}", "existing run {tmp}/vx", "fresh run.name"],
+                 id="resume-into-another-existing-run"),
     pytest.param(["sample", "{run}", "--prompt", "a seven", "--out", "{tmp}/n.png", "--num", "1000000000"],
                  ["--num", "limit"], id="value-sample-num-huge"),
     # the pipeline directory and a judge server's request log under the same rule (the serve cases also give a
@@ -425,7 +444,10 @@ CASES = [
       for log, why, ident in [("{run}/requests.log", "lies inside the run directory", "into-a-run"),
                               ("{tmp}/runlink/checkpoints/step_000001/r.log", "lies inside the checkpoint",
                                "into-a-checkpoint-by-symlink"),
-                              ("{tmp}/foreign/../options.yaml", "is the --options file", "onto-its-options")]],
+                              ("{tmp}/foreign/../options.yaml", "is the --options file", "onto-its-options"),
+                              ("{tmp}/pipe/conditions.jsonl", "the pipeline directory", "onto-a-pipeline-ledger"),
+                              ("{tmp}/pipe/teacher/requests.log", "the pipeline directory",
+                               "into-a-pipeline-s-teacher-log")]],
 ]
 
 

@@ -57,7 +57,7 @@ def test_vlm_json_student_trains_gates_serves_and_carries_stage_c(tiny_model_dir
     assert gate["split_sizes"]["test"] >= 1 and gate["test"]["failure_rate"] == 0.0
     assert all(math.isfinite(gate["test"][k]) for k in ("mae", "groups"))
     student_dir = directory / "B" / "attempt_0" / "student"
-    assert gate["student"] == str(student_dir)
+    assert gate["student"] == "B/attempt_0/student"  # relative to the pipeline directory (issue 42)
     meta = json.loads((student_dir / "meta.json").read_text())
     assert meta["kind"] == "vlm_json" and meta["base"] == str(tiny_vlm)
     assert meta["targets"] and all(t.startswith("model.language_model.") for t in meta["targets"])

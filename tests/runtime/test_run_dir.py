@@ -66,3 +66,39 @@ def test_a_run_directory_inside_another_run_or_a_checkpoint_is_refused(tmp_path)
         with pytest.raises(UserError, match="(is|lies inside) the (run directory|checkpoint)"):
             check_run_dir_outside_source(run_dir, src)
     check_run_dir_outside_source(other, src)  # the run itself (resume) is its own area
+
+
+def test_a_resume_path_continues_only_in_its_own_run_or_the_run_it_started(tmp_path):
+    """:func:`refuse_foreign_resume`: a checkpoint of run ``A`` may continue in ``A``, in a new directory, or in the
+    run directory that this same resume started and that was killed before its first save (a pipeline's stage C,
+    also after the pipeline directory moved); never over another run."""
+    import shutil
+
+    from flowforge.runtime.errors import UserError
+    from flowforge.runtime.run_dir import refuse_foreign_resume
+
+    pipe = tmp_path / "p"
+    ckpt = pipe / "A" / "checkpoints" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMMITTED").write_text("{}")
+    (pipe / "A" / "config.yaml").write_text("run: {}\n")
+    c = pipe / "C"
+    c.mkdir()
+    (c / "metrics.jsonl").write_text('{"step": 5}\n')
+    (c / "config.yaml").write_text(f"run: {{output_dir: {pipe}}}\ntrain: {{resume: {ckpt}}}\n")
+    refuse_foreign_resume(pipe / "A", str(ckpt), str(pipe))  # its own run
+    refuse_foreign_resume(pipe / "new", str(ckpt), str(pipe))  # a new run
+    refuse_foreign_resume(c, str(ckpt), str(pipe))  # the same command again
+    refuse_foreign_resume(c, "auto", str(pipe))
+    moved = tmp_path / "moved"
+    shutil.move(pipe, moved)
+    refuse_foreign_resume(moved / "C", str(moved / "A" / "checkpoints" / "step_000004"), str(moved))
+    other = moved / "other"
+    shutil.copytree(moved / "A", other)  # an existing run that is not the checkpoint's
+    with pytest.raises(UserError, match=f"belongs to the run {moved / 'A'}.*names the existing run {other}"):
+        refuse_foreign_resume(other, str(moved / "A" / "checkpoints" / "step_000004"), str(moved))
+    saved = moved / "C" / "checkpoints" / "step_000006"  # C saved: it is a run of its own now
+    saved.mkdir(parents=True)
+    (saved / "COMMITTED").write_text("{}")
+    with pytest.raises(UserError, match="choose a fresh run.name"):
+        refuse_foreign_resume(moved / "C", str(moved / "A" / "checkpoints" / "step_000004"), str(moved))

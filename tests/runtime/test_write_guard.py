@@ -51,3 +51,24 @@ def test_a_tree_replaced_as_a_whole_may_not_contain_a_protected_path(tree):
     with pytest.raises(UserError, match="contains the base model"):
         check_write_target(root, "OUT", protected={"base model": root / "in"}, replaces_tree=True)
     assert check_write_target(root / "in", "--out-dir", protected={"input": root / "in" / "data.jsonl"})
+
+
+@pytest.mark.parametrize("marker", [["pipeline.json"], ["conditions.jsonl", "judge.token"]],
+                         ids=["marked", "made-before-the-marker"])
+def test_a_pipeline_directory_is_refused_to_foreign_writers_and_open_to_its_own(tmp_path, marker):
+    pipe = tmp_path / "runs" / "p"
+    (pipe / "teacher").mkdir(parents=True)
+    for name in marker:
+        (pipe / name).write_text("{}\n")
+    for target in (pipe / "conditions.jsonl", pipe / "teacher" / "requests.log", pipe / "x.png", pipe):
+        with pytest.raises(UserError, match=f"the pipeline directory {pipe}") as info:
+            check_write_target(target, "--out")
+        assert "\n" not in str(info.value)
+    # its own writers (the pipeline's stages and servers) pass own=; a pipeline inside another pipeline does not
+    assert check_write_target(pipe / "A", "run", own=pipe) == pipe / "A"
+    with pytest.raises(UserError, match=f"lies inside {pipe / 'q'}, which lies inside the pipeline directory {pipe}"):
+        check_write_target(pipe / "q" / "A", "run", own=pipe / "q")
+    # a data directory that merely holds a conditions.jsonl is not a pipeline
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "conditions.jsonl").write_text("{}\n")
+    assert check_write_target(tmp_path / "data" / "other.jsonl", "--output")

@@ -209,3 +209,32 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused_before_anything_
     with pytest.raises(UserError, match=r"train.steps=4: is below the step 6 of the checkpoint step_000006"):
         Trainer(cfg("train.resume=auto", "train.steps=4", name="r6"), progress=False)
     assert tree_hash(six) == before
+
+
+def test_resume_from_another_run_s_checkpoint_into_an_existing_run_is_refused(trained, caplog):
+    """Issue 42: ``train.resume=<run r's checkpoint> run.name=vx``, with ``vx`` an existing, different run, replaced
+    vx's checkpoints and config.yaml (exit 0, one warning). Refused before anything is written, naming the run the
+    checkpoint belongs to, the run it would overwrite and how to start a new run; a fresh run.name starts one, and
+    --overwrite moves vx aside first (nothing deleted)."""
+    import shutil
+
+    run_dir, cfg = trained
+    runs = run_dir.parent
+    vx = runs / "vx"
+    shutil.copytree(run_dir, vx)  # a run of its own: its checkpoint, config.yaml, metrics
+    resume = f"train.resume={run_dir / 'checkpoints' / 'step_000001'}"
+    before, vx_before = tree_hash(runs), tree_hash(vx)
+    with pytest.raises(UserError) as info:
+        Trainer(cfg(resume, "train.steps=2", name="vx"), progress=False)
+    message = str(info.value)
+    assert "\n" not in message
+    for said in (f"belongs to the run {run_dir}", f"names the existing run {vx}", "choose a fresh run.name",
+                 "train.resume=auto", "--overwrite"):
+        assert said in message, (said, message)
+    assert tree_hash(runs) == before
+    Trainer(cfg(resume, "train.steps=2", name="vx-from-r"), progress=False).train()  # a new run from it
+    assert [p.name for p in ckpt.committed_checkpoints(runs / "vx-from-r")] == ["step_000002"]
+    with caplog.at_level("WARNING", logger="flowforge"):
+        Trainer(cfg(resume, "train.steps=2", name="vx"), progress=False, overwrite=True).train()
+    assert tree_hash(runs / "vx.old-1") == vx_before
+    assert [p.name for p in ckpt.committed_checkpoints(vx)] == ["step_000002"]

@@ -1,0 +1,123 @@
+"""The pipeline directory as flowforge's own: its marker, its place under the shared write rule, and the paths its
+state files record.
+
+- :func:`mark_pipeline_dir` writes ``pipeline.json`` (:data:`~flowforge.runtime.write_guard.PIPELINE_MARKER`) when the
+  pipeline claims its directory; from then on the shared write rule (:mod:`flowforge.runtime.write_guard`) refuses
+  every other writer in it or below it (``data prepare --output``, ``serve judge --request-log``, ``sample --out``,
+  ``export``, ``flowforge train``), as it does for a run directory. The pipeline's own writers are let in: its stage
+  trainers (:attr:`~flowforge.orchestrate.stage_trainer.StageTrainer.own_area`) and the judge servers it starts
+  (which prove it by the pipeline's lock: :func:`flowforge.runtime.lock.held_by_parent`).
+- :func:`check_pipeline_dir` is the rule for the pipeline directory itself.
+- :func:`record_path` / :func:`recorded_path`: paths in the pipeline's state files (``gate.json``'s student, the
+  summary's last good checkpoint) are relative to the pipeline directory, so a moved or copied pipeline directory,
+  or a rerun from another working directory, uses its own files; a record that leads outside it is refused, never
+  followed to another pipeline's student.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flowforge.demo.paths import resolve_demo_path
+from flowforge.orchestrate.config import pipeline_dir
+from flowforge.runtime.durable import write_bytes
+from flowforge.runtime.errors import UserError
+from flowforge.runtime.write_guard import PIPELINE_MARKER, check_write_target, enclosing, real
+
+GATE_FILE = "gate.json"
+PIPELINE_MARKER_RECORD = {"kind": "flowforge pipeline directory",
+                          "note": "written by `flowforge stages`; every file here is the pipeline's own, and flowforge "
+                                  "refuses any other writer (data prepare --output, serve judge --request-log, "
+                                  "sample --out, export, train)"}
+
+
+def mark_pipeline_dir(directory: Path) -> None:
+    """Write the pipeline directory's marker :data:`~flowforge.runtime.write_guard.PIPELINE_MARKER` (atomically)
+    when it is missing: a directory made before the marker existed gets it on its next run."""
+    if not (Path(directory) / PIPELINE_MARKER).is_file():
+        write_bytes(Path(directory) / PIPELINE_MARKER, (json.dumps(PIPELINE_MARKER_RECORD, indent=1) + "\n").encode())
+
+
+def check_pipeline_dir(pcfg: Any, inputs: Mapping[str, str | Path] | None = None) -> Path:
+    """The shared write rule (:func:`flowforge.runtime.write_guard.check_write_target`) for the pipeline directory
+    ``run.output_dir / run.name``, before anything is written: not a run directory or checkpoint, not inside a run, a
+    checkpoint, another pipeline directory, the base model, the prompt files, the teacher's model directory or
+    ``inputs`` (label -> path: the config file). Returns it resolved.
+
+    Raises:
+        UserError: naming the directory, what it lies inside, and what to do.
+    """
+    local = {"base model": pcfg.model.path, "data.prompts": pcfg.data.prompts,
+             "data.eval_prompts": pcfg.data.eval_prompts, "teacher.model_dir": pcfg.teacher.model_dir}
+    protected = {label: Path(resolve_demo_path(value)) for label, value in local.items()
+                 if value and Path(resolve_demo_path(value)).exists()}  # a hub id or a missing path holds nothing
+    protected.update(inputs or {})
+    directory = pipeline_dir(pcfg)
+    what = "pipeline directory (run.output_dir / run.name)"
+    found = enclosing(directory)
+    if found is not None and found[1] == real(directory) and found[0] != "pipeline directory":
+        raise UserError(f"{what} {directory}", f"is the {found[0]} {found[1]}",
+                        "choose a pipeline directory of its own; flowforge never writes into a run or a checkpoint "
+                        "it is not producing")
+    return check_write_target(directory, what, protected=protected, own=directory)
+
+
+def student_dir(pcfg: Any, record: Mapping[str, Any]) -> Path:
+    """The student a passed gate record names, in this pipeline directory (:func:`recorded_path`).
+
+    Raises:
+        UserError: the recorded path does not exist in the pipeline directory or lies outside it.
+    """
+    directory = pipeline_dir(pcfg)
+    gate = Path("B") / f"attempt_{record['attempt']}" / GATE_FILE
+    own = gate.parent / "student"
+    return recorded_path(directory, record["student"], f"{directory / gate}: student",
+                         f"this pipeline's student of attempt {record['attempt']} is {directory / own}: set "
+                         f"\"student\" to \"{own.as_posix()}\" in that file when it is there, or remove the file to "
+                         "train and gate the student again")
+
+
+def record_path(directory: str | Path, path: str | Path) -> str:
+    """``path`` as the pipeline's state files record it: relative to the pipeline ``directory`` (POSIX), so the
+    directory can be moved or copied and rerun from any working directory (:func:`recorded_path` reads it).
+
+    Raises:
+        ValueError: ``path`` lies outside ``directory`` (the pipeline records only its own files).
+    """
+    root, where = real(directory), real(path)
+    if not where.is_relative_to(root):
+        raise ValueError(f"{path} lies outside the pipeline directory {directory}; the pipeline records only its own "
+                         "files")
+    return where.relative_to(root).as_posix()
+
+
+def recorded_path(directory: str | Path, value: str, what: str, fix: str) -> Path:
+    """The file or directory a state-file entry names: ``value`` relative to the pipeline ``directory``
+    (:func:`record_path`); a record written before paths were relative (absolute, or relative to the first run's
+    working directory) is used while it names an existing path inside ``directory``. Never a path outside it:
+    a copied or moved pipeline would otherwise serve the original pipeline's files.
+
+    Args:
+        directory: the pipeline directory. value: the recorded path. what: the entry, for the message
+            (``"B/attempt_0/gate.json: student"``). fix: what to do when it is refused.
+
+    Returns:
+        ``directory / <path relative to it>``.
+
+    Raises:
+        UserError: the path does not exist in ``directory`` or lies outside it (symlinks resolved).
+    """
+    root = real(directory)
+    recorded = Path(value)
+    places = ([] if recorded.is_absolute() else [Path(directory) / recorded]) + [recorded]
+    for place in places:  # the current form first; then the old one (absolute, or the first run's cwd)
+        if real(place).is_relative_to(root) and place.exists():
+            return Path(directory) / real(place).relative_to(root)
+    outside = [real(p) for p in places if not real(p).is_relative_to(root) and p.exists()]
+    why = (f"records {value!r}: {outside[0]}, outside the pipeline directory {directory} (a record of another "
+           "pipeline, or of this one before it was moved or copied)" if outside else
+           f"records {value!r}, which names no existing path inside the pipeline directory {directory}")
+    raise UserError(what, why, fix)

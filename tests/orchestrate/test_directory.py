@@ -1,0 +1,109 @@
+"""The pipeline directory's recorded paths (flowforge.orchestrate.directory, issue 42): relative to the pipeline
+directory, so a copied or moved pipeline (or a rerun from another working directory) uses its own student; a record
+leading outside it is refused, never followed to another pipeline's student."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from flowforge.orchestrate.directory import GATE_FILE, mark_pipeline_dir, record_path, recorded_path, student_dir
+from flowforge.runtime.errors import UserError
+from tests.tools.test_export import tree_digest
+
+
+def _finished_b(directory, record_student=None):
+    """A pipeline directory with stage B's attempt 0 done: its student and gate.json (as run_stage_b writes it, or
+    with ``record_student`` as an older flowforge wrote it)."""
+    student = directory / "B" / "attempt_0" / "student"
+    student.mkdir(parents=True)
+    (student / "meta.json").write_text(json.dumps({"pipeline": directory.name}))
+    mark_pipeline_dir(directory)
+    record = {"attempt": 0, "passed": True, "student": record_student or record_path(directory, student)}
+    (student.parent / GATE_FILE).write_text(json.dumps(record))
+    return record
+
+
+def _pcfg(directory):
+    return SimpleNamespace(run=SimpleNamespace(output_dir=str(directory.parent), name=directory.name))
+
+
+def test_a_copied_pipeline_serves_its_own_student(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    original = tmp_path / "runs" / "p"
+    record = _finished_b(original)
+    assert record["student"] == "B/attempt_0/student"  # relative to the pipeline directory
+    copy = tmp_path / "elsewhere" / "q"
+    shutil.copytree(original, copy)
+    gate = json.loads((copy / "B" / "attempt_0" / GATE_FILE).read_text())
+    assert student_dir(_pcfg(copy), gate) == copy / "B" / "attempt_0" / "student"
+    monkeypatch.chdir(copy / "B")  # a rerun from another working directory, with a relative run.output_dir
+    relative = SimpleNamespace(run=SimpleNamespace(output_dir="../..", name="q"))
+    assert (student_dir(relative, gate).resolve() == (copy / "B" / "attempt_0" / "student").resolve())
+
+
+@pytest.mark.parametrize("form", ["absolute", "cwd-relative"])
+def test_an_older_record_works_inside_its_pipeline_and_is_refused_in_a_copy(tmp_path, monkeypatch, form):
+    monkeypatch.chdir(tmp_path)
+    original = tmp_path / "runs" / "p"
+    old = original / "B" / "attempt_0" / "student"
+    _finished_b(original, str(old) if form == "absolute" else "runs/p/B/attempt_0/student")
+    gate = json.loads((original / "B" / "attempt_0" / GATE_FILE).read_text())
+    assert student_dir(_pcfg(original), gate).resolve() == old.resolve()
+    copy = tmp_path / "runs" / "q"
+    shutil.copytree(original, copy)
+    before = tree_digest(tmp_path)
+    with pytest.raises(UserError) as info:  # the record names p's student: never served to q's stage C
+        student_dir(_pcfg(copy), gate)
+    message = str(info.value)
+    assert "\n" not in message and f"{copy / 'B' / 'attempt_0' / GATE_FILE}: student" in message
+    assert f"{old.resolve()}, outside the pipeline directory {copy}" in message
+    assert 'set "student" to "B/attempt_0/student"' in message
+    assert tree_digest(tmp_path) == before
+    shutil.rmtree(original)  # moved rather than copied: the old place is gone
+    with pytest.raises(UserError, match="names no existing path inside the pipeline directory"):
+        student_dir(_pcfg(copy), gate)
+
+
+def test_records_never_lead_out_of_the_pipeline_directory(tmp_path):
+    pipe, other = tmp_path / "p", tmp_path / "other"
+    (other / "student").mkdir(parents=True)
+    pipe.mkdir()
+    (pipe / "link").symlink_to(other / "student", target_is_directory=True)
+    for value in ("../other/student", "link", str(other / "student")):
+        with pytest.raises(UserError, match="outside the pipeline directory"):
+            recorded_path(pipe, value, "gate.json: student", "fix")
+    with pytest.raises(ValueError, match="outside the pipeline directory"):
+        record_path(pipe, other / "student")
+
+
+def test_stage_c_moved_onto_an_existing_run_by_c_overrides_is_refused(tiny_model_dir, encode_cache_dir, tmp_path):
+    """Issue 42: ``stages.c_overrides=[run.output_dir=runs, run.name=<existing run>]`` made stage C resume A's
+    checkpoint over that run. Stage C goes through the trainer's rule: refused before anything is written."""
+    from flowforge.orchestrate.config import JUDGE, PLACEHOLDER_URL, judge_options, load_pipeline, stage_config
+    from flowforge.orchestrate.stage_trainer import StageTrainer
+    from flowforge.orchestrate.stages import open_ledger
+    from tests.orchestrate.support import write_pipeline
+
+    runs = tmp_path / "runs"
+    vx = runs / "vx"  # a finished run of its own
+    (vx / "checkpoints" / "step_000004").mkdir(parents=True)
+    (vx / "checkpoints" / "step_000004" / "COMMITTED").write_text("{}")
+    (vx / "config.yaml").write_text("run: {name: vx}\n")
+    path = write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, runs, encode_cache_dir,
+                          stages={"n_a": 4, "c_overrides": [f"run.output_dir={runs}", "run.name=vx"]})
+    pcfg = load_pipeline(path)
+    ledger = open_ledger(pcfg)
+    a_last = runs / "p" / "A" / "checkpoints" / "step_000002"  # stage A's last checkpoint (its marker is enough here)
+    a_last.mkdir(parents=True)
+    (a_last / "COMMITTED").write_text("{}")
+    (runs / "p" / "A" / "config.yaml").write_text("run: {name: A}\n")
+    judge = judge_options(pcfg, base_url=PLACEHOLDER_URL, model=pcfg.teacher.model, api_key_env=None)
+    cfg = stage_config(pcfg, "C", steps=3, reward={"weights": {JUDGE: 1.0}, "options": {JUDGE: judge}},
+                       resume=str(a_last))
+    before = tree_digest(runs)
+    with pytest.raises(UserError, match=f"belongs to the run {runs / 'p' / 'A'}.*names the existing run {vx}.*"
+                                        "choose a fresh run.name"):
+        StageTrainer(cfg, ledger=ledger, stage="C", reward_name=JUDGE, progress=False)
+    assert tree_digest(runs) == before
