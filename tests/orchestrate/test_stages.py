@@ -40,10 +40,10 @@ def log_keys(path: Path) -> list[str]:
 
 def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
     _, pcfg, directory = pipeline(stages={"n_a": 4, "extend_delta": 2, "extend_cap": 6, "on_gate_fail": "extend"},
-                                  student={"gate": {"min_groups": 1000}})
+                                  student={"gate": {"max_mae": 0.0}})  # reachable (check passes), never met
     outcome = run_pipeline(pcfg, progress=False)
     assert outcome.status == "gate_failed"
-    assert "min_groups=1000" in outcome.reason and "cannot be extended further" in outcome.reason
+    assert "> max_mae=0" in outcome.reason and "cannot be extended further" in outcome.reason
     ledger = open_ledger(pcfg)
     assert ledger.budget("A") == 6 and ledger.used == {"A": 6, "C": 0} and ledger.extensions == {"gate-0": 2}
     assert newest_step(directory / "A") == 3  # 2 steps, then 1 more on the extension
