@@ -175,23 +175,29 @@ class QwenImageEditPlusText(_QwenEditText):
     text_only_fn = staticmethod(_qwen_encode_fn)  # the Plus template encodes prompts without images
 
     @torch.no_grad()
-    def encode_with_images(self, prompts: Sequence[str], images: Tensor) -> tuple[Tensor, Tensor, None]:
-        """``prompts[i]`` read with ``images[i]`` (``[N, 3, H, W]`` or ``[N, K, 3, H, W]`` float in [0, 1]) ->
+    def encode_with_images(self, prompts: Sequence[str], images) -> tuple[Tensor, Tensor, None]:
+        """``prompts[i]`` read with row ``i`` of ``images`` (a list of PIL images per row, any size, or
+        ``[N, 3, H, W]`` / ``[N, K, 3, H, W]`` float in [0, 1]), each image resized to
+        ``calculate_dimensions(CONDITION_IMAGE_SIZE, w / h)`` of its own size ->
         ``(embeds [N, max_sequence_length, D], mask [N, max_sequence_length] int64, None)``.
 
         Raises:
             ValueError: not one image set per prompt; an encoding longer than ``max_sequence_length``.
         """
+        from flowforge.models.reference_images import pil_rows
+
         if isinstance(prompts, str):
             raise TypeError("prompts must be a sequence of strings, not a single string")
-        prompts, sets = list(prompts), image_sets(images)
-        if len(prompts) != sets.shape[0]:
-            raise ValueError(f"{len(prompts)} prompts but {sets.shape[0]} image sets: one per prompt")
+        prompts, sets = list(prompts), pil_rows(images)
+        if len(prompts) != len(sets):
+            raise ValueError(f"{len(prompts)} prompts but {len(sets)} image sets: one per prompt")
         pipe = self.pipeline
-        (cw, ch), _ = edit_plus_sizes(*sets.shape[-2:])
         rows = []
         for prompt, pictures in zip(prompts, sets):
-            vl = [pipe.image_processor.resize(p, ch, cw) for p in condition_pil_images(pictures)]
+            vl = []
+            for picture in pictures:
+                (cw, ch), _ = edit_plus_sizes(picture.height, picture.width)
+                vl.append(pipe.image_processor.resize(picture, ch, cw))
             embeds, mask = pipe.encode_prompt(prompt=[prompt], image=vl, device=pipe.device, num_images_per_prompt=1,
                                               max_sequence_length=self.max_sequence_length)
             rows.append(_pad_rows(embeds, mask, self.max_sequence_length))
