@@ -50,5 +50,6 @@ def condition_inputs(paths: Sequence[Sequence[str]], height: int, width: int, *,
     if originals:
         return [open_condition_images(row) for row in paths]
     if any(len(row) != 1 for row in paths):
-        raise ValueError(f"this model takes one condition image per prompt, got rows of {sorted({len(r) for r in paths})}")
+        counts = sorted({len(row) for row in paths})
+        raise ValueError(f"this model takes one condition image per prompt, got rows of {counts} images")
     return load_condition_images([row[0] for row in paths], height, width)

@@ -252,7 +252,8 @@ class ImageConditioned(Protocol):
         """``cond`` -- the text conditioning of ``prompts``, one row per image -- conditioned on ``images
         [N, 3, H, W]`` float32 in [0, 1] for latents of ``latent_shape`` (an adapter with ``takes_original_images =
         True`` is given each row's list of condition images as opened, PIL RGB at their own sizes, and resizes them
-        as its pipeline does; ``max_condition_images``: how many a row may list, ``None`` = no limit): sets ``cond.image`` (``[N, *slot]`` when
+        as its pipeline does; ``max_condition_images``: how many a row may list, ``None`` = no limit): sets
+        ``cond.image`` (``[N, *slot]`` when
         the adapter has a condition slot, ``x[condition_index]`` being ``[B, *slot]``) and may replace other
         fields (image tokens in ``pooled``; prompts re-encoded by a text encoder that reads the image)."""
         ...

@@ -16,6 +16,11 @@ import torch
 from torch import Tensor
 
 from flowforge.models.common import DEFAULT_MIN_TOKENIZER_SIZE, PipelineText
+from flowforge.models.reference_images import (  # noqa: F401 (condition_pil_images / image_sets re-exported)
+    condition_pil_images,
+    image_sets,
+    pil_rows,
+)
 
 
 def _pad_rows(embeds: Tensor, mask: Tensor | None, max_sequence_length: int) -> tuple[Tensor, Tensor]:
@@ -74,18 +79,6 @@ def qwen_image_text(*, path: str | Path | None = None, components: dict[str, Any
                         components=components, device=device, dtype=dtype,
                         settings=f"max_len={max_sequence_length}", encoder_id=encoder_id,
                         min_tokenizer_size=min_tokenizer_size)
-
-
-def condition_pil_images(images: Tensor) -> list:
-    """``[N, 3, H, W]`` float in [0, 1] -> ``N`` RGB PIL images, ``round(255 x)`` (diffusers ``VaeImageProcessor``
-    ``pt_to_numpy`` + ``numpy_to_pil``): what the Edit pipeline's ``processor`` is given. Exact for images loaded
-    from 8-bit files (:func:`flowforge.data.images.load_condition_images`)."""
-    from diffusers.image_processor import VaeImageProcessor
-
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be [N, 3, H, W], got shape {tuple(images.shape)}")
-    pixels = images.detach().to(device="cpu", dtype=torch.float32).clamp(0.0, 1.0)
-    return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(pixels))
 
 
 class _QwenEditText(PipelineText):
@@ -148,19 +141,6 @@ def edit_plus_sizes(height: int, width: int) -> tuple[tuple[int, int], tuple[int
             tuple(plus.calculate_dimensions(plus.VAE_IMAGE_SIZE, ratio)))
 
 
-def image_sets(images: Tensor) -> Tensor:
-    """Condition images as ``[N, K, 3, H, W]`` (K images per prompt): ``[N, 3, H, W]`` is one per prompt.
-
-    Raises:
-        ValueError: another shape.
-    """
-    if images.ndim == 4:
-        images = images.unsqueeze(1)
-    if images.ndim != 5 or images.shape[2] != 3 or images.shape[1] < 1:
-        raise ValueError(f"condition images must be [N, 3, H, W] or [N, K, 3, H, W], got {tuple(images.shape)}")
-    return images
-
-
 class QwenImageEditPlusText(_QwenEditText):
     """Qwen2.5-VL + ``processor`` of a ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509 / -2511), used through its
     own ``encode_prompt`` one prompt at a time (``__call__`` refuses a batch larger than 1).
@@ -184,8 +164,6 @@ class QwenImageEditPlusText(_QwenEditText):
         Raises:
             ValueError: not one image set per prompt; an encoding longer than ``max_sequence_length``.
         """
-        from flowforge.models.reference_images import pil_rows
-
         if isinstance(prompts, str):
             raise TypeError("prompts must be a sequence of strings, not a single string")
         prompts, sets = list(prompts), pil_rows(images)

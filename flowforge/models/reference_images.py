@@ -20,6 +20,31 @@ from torch import Tensor
 from flowforge.models.base import Conditioning
 
 
+def condition_pil_images(images: Tensor) -> list:
+    """``[N, 3, H, W]`` float in [0, 1] -> ``N`` RGB PIL images, ``round(255 x)`` (diffusers ``VaeImageProcessor``
+    ``pt_to_numpy`` + ``numpy_to_pil``): what the Edit pipeline's ``processor`` is given. Exact for images loaded
+    from 8-bit files (:func:`flowforge.data.images.load_condition_images`)."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be [N, 3, H, W], got shape {tuple(images.shape)}")
+    pixels = images.detach().to(device="cpu", dtype=torch.float32).clamp(0.0, 1.0)
+    return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(pixels))
+
+
+def image_sets(images: Tensor) -> Tensor:
+    """Condition images as ``[N, K, 3, H, W]`` (K images per prompt): ``[N, 3, H, W]`` is one per prompt.
+
+    Raises:
+        ValueError: another shape.
+    """
+    if images.ndim == 4:
+        images = images.unsqueeze(1)
+    if images.ndim != 5 or images.shape[2] != 3 or images.shape[1] < 1:
+        raise ValueError(f"condition images must be [N, 3, H, W] or [N, K, 3, H, W], got {tuple(images.shape)}")
+    return images
+
+
 def pil_rows(images: Tensor | Sequence[Sequence[Any]]) -> list[list[Any]]:
     """Each row's condition images as PIL RGB: a list of lists of PIL images is taken as is; a tensor
     ``[N, 3, H, W]`` / ``[N, K, 3, H, W]`` float in [0, 1] becomes 8-bit PIL images (``round(255 x)``, exact for
@@ -28,8 +53,6 @@ def pil_rows(images: Tensor | Sequence[Sequence[Any]]) -> list[list[Any]]:
     Raises:
         ValueError: a tensor of another shape; a row without images.
     """
-    from flowforge.models.qwen_text import condition_pil_images, image_sets
-
     if isinstance(images, Tensor):
         return [condition_pil_images(row) for row in image_sets(images)]
     rows = [list(row) for row in images]

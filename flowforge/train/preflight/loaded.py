@@ -110,7 +110,8 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tu
     """What only the loaded model can tell, checked right after it loads and before the run directory is written:
     ``model.height`` / ``width`` / ``frames`` fit the model (:meth:`FlowModel.latent_shape`: VAE factor x patch
     size), every record of ``prompts`` (``{config key: records}``) lists at most the adapter's
-    ``max_condition_images`` condition images, every ``lora.targets`` entry matches a layer LoRA can adapt, under ``module+lora`` no LoRA layer is at,
+    ``max_condition_images`` condition images, every ``lora.targets`` entry matches a layer LoRA can adapt, under
+    ``module+lora`` no LoRA layer is at,
     inside or around a trained submodule (:func:`flowforge.models.trained_parts.check_disjoint`), and the memory a
     step needs (:func:`loaded_memory_bytes`) fits what is available now on ``run.device``. Returns (and logs) the
     warnings of an adapter's ``leverage_warnings`` hook: a trained set that can barely change the output (a world
