@@ -119,6 +119,9 @@ def _inspect(args: argparse.Namespace) -> int:
         return 1
     decoded = "" if report.decoded is None else f"; {report.decoded} media file{'s' * (report.decoded != 1)} decoded"
     print(f"clean: {files}{decoded}")
+    for path, counts in report.condition_images.items():  # image tasks: condition images per row
+        print(f"{path}: condition images per row: " + ", ".join(f"{n}: {rows} row{'s' * (rows != 1)}"
+                                                                for n, rows in counts.items()))
     return 0
 
 

@@ -1,9 +1,9 @@
 """Peer prompt sources read as they are: what flow_grpo / DiffusionNFT / Flow-Factory datasets ship.
 
 - a ``.txt`` file: one prompt a line (blank lines skipped), task ``t2i``;
-- a JSONL row without ``metadata``: ``{"prompt": ..., "image": ...}`` (``image`` optional; every other key is kept
-  as metadata for the scorers, e.g. geneval's ``tag`` / ``include``), task ``i2i`` when it names an image, else
-  ``t2i``;
+- a JSONL row without ``metadata``: ``{"prompt": ..., "image": ...}`` (``image`` optional, or ``images``: a list of
+  reference images for a multi-image edit; every other key is kept as metadata for the scorers, e.g. geneval's
+  ``tag`` / ``include``), task ``i2i`` when it names an image, else ``t2i``;
 - a dataset directory (Flow-Factory / flow_grpo layout): its train split, the first of ``train.jsonl``,
   ``train_metadata.jsonl``, ``train.txt`` found; name ``DIR/test.txt`` (or ``test.jsonl``) for the held-out split.
 
@@ -41,10 +41,10 @@ def txt_row(path: pathlib.Path, index: int, text: str) -> dict[str, Any]:
 
 
 def peer_row(path: pathlib.Path, index: int, text: str, row: dict[str, Any]) -> dict[str, Any]:
-    """A JSONL row without ``metadata`` as a unified-schema row: ``image`` (if any) moves into the metadata and makes
-    the task ``i2i``; other keys (but ``prompt``) are kept as metadata."""
+    """A JSONL row without ``metadata`` as a unified-schema row: ``image`` / ``images`` (if any) move into the metadata
+    and make the task ``i2i``; other keys (but ``prompt``) are kept as metadata."""
     extra = {k: v for k, v in row.items() if k != "prompt"}
-    task = "i2i" if extra.get("image") else "t2i"
+    task = "i2i" if extra.get("image") or extra.get("images") else "t2i"
     return {"prompt": row.get("prompt"), "metadata": {**extra, "task": task,
                                                       "sample_id": derived_id(path, index, text.strip())}}
 

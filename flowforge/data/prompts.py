@@ -15,6 +15,13 @@ stores it resolved to an absolute path::
 
     {"prompt": "the cat walks away", "metadata": {"task": "i2v", "sample_id": "v1", "image": "frames/cat.png"}}
 
+Multi-image edits list several reference images instead, in order (``metadata.images``, a non-empty list; ``image``
+and ``images`` are not both allowed; :func:`condition_images` gives either as a list), checked and resolved the same
+way; how many a family takes is checked when training starts (:func:`check_condition_images`)::
+
+    {"prompt": "the cat from picture 1 on the sofa of picture 2", "metadata": {"task": "i2i", "sample_id": "e1",
+     "images": ["refs/cat.png", "refs/sofa.png"]}}
+
 **K-repeat sampling** (GRPO-style group sampling, as in flow_grpo's ``DistributedKRepeatSampler``). Every step draws
 ``M`` distinct prompts and repeats each ``K`` times, giving ``B = M * K`` candidates whose rewards are compared within
 their group. Every rank builds the same batch from the seed alone, with no communication, and keeps a contiguous,
@@ -174,21 +181,45 @@ def _parse_row(path: pathlib.Path, line: int, text: str, index: int) -> PromptRe
     if not isinstance(sample_id, str) or not sample_id:
         raise _row_error(path, line, "metadata.sample_id", f"must be a non-empty string, got {sample_id!r}")
     if task in IMAGE_TASKS:
-        image = metadata.get("image")
-        if not isinstance(image, str) or not image:
-            raise _row_error(path, line, "metadata.image", f"must be the condition image's path for task {task!r}, "
-                                                           f"got {image!r}")
-        resolved = (path.parent / image).resolve()
-        if not resolved.is_file():
-            raise _row_error(path, line, "metadata.image", f"names {image!r}, which is not a file ({resolved})")
+        metadata = _resolve_condition_images(path, line, task, metadata)
+    return PromptRecord(prompt=prompt, metadata=metadata)
+
+
+def condition_images(metadata: Mapping[str, Any]) -> list[str]:
+    """The condition image paths of an image-task record, in order: ``metadata.images`` (a list) or
+    ``[metadata.image]`` (one image is a one-element list); ``[]`` when it names none."""
+    images = metadata.get("images")
+    if images is not None:
+        return list(images)
+    return [metadata["image"]] if metadata.get("image") else []
+
+
+def _resolve_condition_images(path: pathlib.Path, line: int, task: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    """``metadata`` with its condition image path(s) (``image``: one, or ``images``: a non-empty list) checked to be
+    readable images and made absolute (relative paths start at the prompt file's folder)."""
+    if "image" in metadata and "images" in metadata:
+        raise _row_error(path, line, "metadata.images", "and 'metadata.image' are both given; give one: 'image' "
+                                                        "(one path) or 'images' (a list of paths)")
+    key = "images" if "images" in metadata else "image"
+    value = metadata.get(key)
+    paths = value if key == "images" else [value]
+    if (key == "images" and (not isinstance(value, list) or not value)) or not all(
+            isinstance(p, str) and p for p in paths):
+        want = "a non-empty list of condition image paths" if key == "images" else "the condition image's path"
+        raise _row_error(path, line, f"metadata.{key}", f"must be {want} for task {task!r}, got {value!r}")
+    resolved = []
+    for image in paths:
+        full = (path.parent / image).resolve()
+        if not full.is_file():
+            raise _row_error(path, line, f"metadata.{key}", f"names {image!r}, which is not a file ({full})")
         try:
-            with Image.open(resolved) as opened:
+            with Image.open(full) as opened:
                 opened.verify()
         except Exception as exc:  # PIL raises several types for unreadable / truncated files
-            raise _row_error(path, line, "metadata.image", f"names {image!r}, which is not a readable image "
-                                                           f"({type(exc).__name__}: {exc})") from None
-        metadata = {**metadata, "image": str(resolved)}
-    return PromptRecord(prompt=prompt, metadata=metadata)
+            raise _row_error(path, line, f"metadata.{key}", f"names {image!r}, which is not a readable image "
+                                                            f"({type(exc).__name__}: {exc})") from None
+        resolved.append(str(full))
+    return {**metadata, key: resolved if key == "images" else resolved[0]}
 
 
 _FIX = ("give a .txt (one prompt a line) or JSONL prompt file, or a dataset directory with "
@@ -484,3 +515,18 @@ def check_task(records: list[PromptRecord], task: str, source: str) -> None:
             raise ValueError(f"{source}: record {record.sample_id!r} has metadata.task={record.task!r} but "
                              f"model.task={task!r} needs records with metadata.task in {allowed}")
 
+
+
+def check_condition_images(records: list[PromptRecord], limit: int | None, source: str) -> None:
+    """Every image-task record of ``source`` names at most ``limit`` condition images (the adapter's
+    ``max_condition_images``; ``None``: no limit, as the multi-image pipelines have none).
+
+    Raises:
+        ValueError: naming the first record over the limit, its count and the limit.
+    """
+    if limit is None:
+        return
+    for record in records:
+        if record.task in IMAGE_TASKS and (n := len(condition_images(record.metadata))) > limit:
+            raise ValueError(f"{source}: record {record.sample_id!r} lists {n} condition images in metadata.images but "
+                             f"this model takes at most {limit} (model.adapter's max_condition_images)")

@@ -50,7 +50,10 @@ class Conditioning:
     ``image`` is the encoded condition image of image-conditioned tasks (i2v / i2i), in the layout the adapter's
     :meth:`ImageConditioned.condition_on_images` sets (Wan i2v: the values of the latent's condition slot;
     FLUX.1 Kontext i2i: packed image tokens the velocity appends to the image stream); ``None`` for t2i / t2v. Both
-    CFG branches see the same image, so ``negative.image`` stays ``None``.
+    CFG branches see the same image, so ``negative.image`` stays ``None``. ``image_grids`` (reference-image families
+given images at their own sizes: FLUX.2, Qwen-Image-Edit-Plus) is the token grid of each of a row's condition images;
+rows may then differ in how many image tokens they have: ``image`` holds each row's tokens from position 0,
+zero-padded to the longest row (:meth:`cat` pads), and the adapter runs rows of one layout together.
 
     All row operations (:meth:`index`, :meth:`repeat_interleave`, :meth:`cat`) apply to ``negative`` as well.
     """
@@ -60,6 +63,7 @@ class Conditioning:
     mask: Tensor | None = None  # [B, S] (1 = real token, 0 = padding)
     negative: Conditioning | None = None  # same batch size; for CFG
     image: Tensor | None = None  # [B, *condition] encoded condition image (i2v / i2i), adapter layout
+    image_grids: Tensor | None = None  # [B, K, 2] int64 (rows, cols) token grid of each condition image; (0, 0) pads
 
     def __post_init__(self) -> None:
         batch = self.prompt_embeds.shape[0]
@@ -75,6 +79,10 @@ class Conditioning:
             raise ValueError(f"negative has batch size {self.negative.batch_size}, expected {batch}")
         if self.image is not None and self.image.shape[0] != batch:
             raise ValueError(f"image has batch size {self.image.shape[0]}, expected {batch}")
+        if self.image_grids is not None and (self.image is None or self.image_grids.ndim != 3
+                                             or tuple(self.image_grids.shape[::2]) != (batch, 2)):
+            raise ValueError(f"image_grids must be [B={batch}, K, 2] beside an image, got "
+                             f"{tuple(self.image_grids.shape)}")
 
     @property
     def batch_size(self) -> int:
@@ -97,6 +105,7 @@ class Conditioning:
             mask=_index_rows(self.mask, idx),
             negative=None if self.negative is None else self.negative.index(idx),
             image=_index_rows(self.image, idx),
+            image_grids=_index_rows(self.image_grids, idx),
         )
 
     def repeat_interleave(self, k: int) -> Conditioning:
@@ -117,7 +126,13 @@ class Conditioning:
             present = [v is not None for v in values]
             if any(present) and not all(present):
                 raise ValueError(f"cannot cat Conditioning records where only some have {name!r}")
-            return torch.cat(values, dim=0) if all(present) else None
+            if not all(present):
+                return None
+            if name in ("image", "image_grids"):  # rows of different token counts / image counts: zero-padded
+                longest = max(v.shape[1] for v in values)
+                values = [torch.nn.functional.pad(v, (0, 0) * (v.ndim - 2) + (0, longest - v.shape[1]))
+                          if v.ndim >= 2 and v.shape[1] < longest else v for v in values]
+            return torch.cat(values, dim=0)
 
         negatives = [c.negative for c in items]
         if any(n is not None for n in negatives) and not all(n is not None for n in negatives):
@@ -128,6 +143,7 @@ class Conditioning:
             mask=cat_field("mask"),
             negative=Conditioning.cat(negatives) if negatives[0] is not None else None,
             image=cat_field("image"),
+            image_grids=cat_field("image_grids"),
         )
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Conditioning:
@@ -145,6 +161,7 @@ class Conditioning:
             mask=move(self.mask, False),
             negative=None if self.negative is None else self.negative.to(device, dtype),
             image=move(self.image, False),
+            image_grids=move(self.image_grids, False),
         )
 
 
@@ -233,7 +250,10 @@ class ImageConditioned(Protocol):
     def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor,
                             latent_shape: Sequence[int]) -> Conditioning:
         """``cond`` -- the text conditioning of ``prompts``, one row per image -- conditioned on ``images
-        [N, 3, H, W]`` float32 in [0, 1] for latents of ``latent_shape``: sets ``cond.image`` (``[N, *slot]`` when
+        [N, 3, H, W]`` float32 in [0, 1] for latents of ``latent_shape`` (an adapter with ``takes_original_images =
+        True`` is given each row's list of condition images as opened, PIL RGB at their own sizes, and resizes them
+        as its pipeline does; ``max_condition_images``: how many a row may list, ``None`` = no limit): sets
+        ``cond.image`` (``[N, *slot]`` when
         the adapter has a condition slot, ``x[condition_index]`` being ``[B, *slot]``) and may replace other
         fields (image tokens in ``pooled``; prompts re-encoded by a text encoder that reads the image)."""
         ...
@@ -273,6 +293,9 @@ class AdapterMixin:
     generated_index: tuple[slice, ...] = (slice(None),)
     """Index of the elements the rollout steps and every log-prob / loss covers: the complement of
     :attr:`condition_index`. Default ``(slice(None),)``: the whole latent."""
+
+    takes_original_images: bool = False  # ImageConditioned: given PIL images as opened, not resized tensors
+    max_condition_images: int | None = 1  # ImageConditioned: condition images a prompt may list (None: any)
 
     @property
     def config(self):

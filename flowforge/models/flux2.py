@@ -43,15 +43,18 @@ guidance            guidance-distilled (``config.guidance_embeds``): ``guidance 
 ==================  ================================================================================================
 
 Reference-image editing (``task="i2i"``, both pipelines' ``image=``): :meth:`Flux2Adapter.condition_on_images`
-sets ``cond.image`` ``[N, K hw, 4C]``: each image (8-bit PIL) through the pipeline's ``image_processor.preprocess``
-(``resize_mode="crop"``) at the model size and ``prepare_image_latents`` (``_encode_vae_image``: VAE mode,
-``_patchify_latents``, batch-norm normalisation; ``_pack_latents``), K images' tokens concatenated. The velocity
-appends them after the noisy tokens with ids ``_prepare_image_ids`` (``(10 + 10 k, row, col, 0)`` for image k), keeps
-``noise_pred[:, : latents.size(1)]``; the CFG negative forward (Klein) sees the same tokens (``__call__`` step 7). The
-text encoders do not read the images (``encode_prompt`` has no image argument; caption upsampling is not used).
-The pipelines default the output size to the last image's and resize an image over 1024^2 pixels to that area
-(``_resize_to_target_area``): flowforge loads condition images at ``model.height x model.width`` and refuses a model
-size over 1024^2 pixels for i2i, so the pipeline called with those images and that size is what is reproduced.
+takes each row's reference images as opened (PIL, any size, any number: ``metadata.images``) and does what the
+pipelines' ``__call__`` step 4 does with each: ``check_image_input`` (at least 64 px, aspect ratio at most 8), shrunk
+to 1024^2 pixels when larger (``_resize_to_target_area``), its size floored to a multiple of ``2 f`` and
+``image_processor.preprocess(..., resize_mode="crop")`` at that size, then ``prepare_image_latents``
+(``_encode_vae_image``: VAE mode, ``_patchify_latents``, batch-norm normalisation; ``_pack_latents``): ``cond.image``
+``[N, L, 4C]`` (the K images' tokens concatenated, rows zero-padded) and ``cond.image_grids`` ``[N, K, 2]``. The
+velocity appends a row's tokens after the noisy ones with ids ``_prepare_image_ids`` (``(10 + 10 k, row, col, 0)``
+for image k, each on its own grid), keeps ``noise_pred[:, : latents.size(1)]``; the CFG negative forward (Klein) sees
+the same tokens (``__call__`` step 7); rows with different reference layouts run in separate forwards. The text
+encoders do not read the images (``encode_prompt`` has no image argument; caption upsampling is not used). The
+pipelines default the output size to the last image's; flowforge generates at ``model.height x model.width``, so the
+pipeline called with the same images and that size is what is reproduced.
 The prompt text rows are the t2i ones (the text encoder does not see the image).
 
 Not adapted: a scheduler config with ``use_flow_sigmas``; caption upsampling (``caption_upsample_temperature``).
@@ -69,6 +72,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.reference_images import by_image_layout, pad_rows, pil_rows, row_grids
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
@@ -84,7 +88,7 @@ from flowforge.models.common import (
 
 FLUX2_TASKS = ("t2i", "i2i")
 REFERENCE_MAX_AREA = 1024 * 1024
-"""Both FLUX.2 pipelines resize a reference image larger than this (pixels) to this area; flowforge does not."""
+"""Both FLUX.2 pipelines shrink a reference image larger than this (pixels) to this area; so does flowforge."""
 
 FLUX2_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                       "attn.add_v_proj", "attn.to_add_out")
@@ -160,6 +164,8 @@ class Flux2Adapter(AdapterMixin):
 
     family = "FLUX.2"
     tasks: tuple[str, ...] = FLUX2_TASKS
+    takes_original_images = True  # each reference image resized as the pipelines do, from the file's own size
+    max_condition_images = None  # neither pipeline limits the number of reference images (diffusers 0.42)
     lora_targets: tuple[str, ...] = FLUX2_LORA_TARGETS
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
@@ -222,7 +228,7 @@ class Flux2Adapter(AdapterMixin):
         return flow_match_pipeline_sigmas(config, num_steps, self.schedule_mu(height, width, num_steps))
 
     def _forward(self, x: Tensor, sigma: Tensor, embeds: Tensor, image: Tensor | None = None,
-                 guidance: float | None = None) -> Tensor:
+                 guidance: float | None = None, grids: Sequence[tuple[int, int]] = ()) -> Tensor:
         from diffusers import Flux2KleinPipeline
 
         dtype, device = self.dtype, x.device
@@ -230,7 +236,7 @@ class Flux2Adapter(AdapterMixin):
         tokens = x.reshape(b, c, h * w).permute(0, 2, 1).to(dtype)
         img_ids = Flux2KleinPipeline._prepare_latent_ids(x).to(device)
         if image is not None:  # reference tokens after the noisy ones, ids (10 + 10 k, row, col, 0)
-            ref_ids = Flux2KleinPipeline._prepare_image_ids([x[:1]] * (image.shape[1] // (h * w)))
+            ref_ids = Flux2KleinPipeline._prepare_image_ids([torch.empty(1, 1, gh, gw) for gh, gw in grids])
             tokens = torch.cat([tokens, image.to(device=device, dtype=dtype)], dim=1)
             img_ids = torch.cat([img_ids, ref_ids.to(device).expand(b, -1, -1)], dim=1)
         embeds = embeds.to(device=device, dtype=dtype)
@@ -241,88 +247,94 @@ class Flux2Adapter(AdapterMixin):
                                txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         return out[:, : h * w].float().permute(0, 2, 1).reshape(b, c, h, w)
 
-    def _reference_tokens(self, cond: Conditioning, x: Tensor) -> Tensor | None:
+    def _reference_tokens(self, cond: Conditioning, x: Tensor) -> tuple[Tensor | None, list[tuple[int, int]]]:
         if cond.image is None:
             if self.task == "i2i":
                 raise ValueError("task='i2i' (FLUX.2 reference images) needs cond.image: the record of "
-                                 "condition_on_images (the trainer sets it from each prompt's metadata.image)")
-            return None
-        b, c, h, w = x.shape
-        n = cond.image.shape[1] // (h * w) if cond.image.ndim == 3 else 0
-        if n < 1 or tuple(cond.image.shape) != (b, n * h * w, c):
-            raise ValueError(f"cond.image must be the packed reference latents [B, K * {h * w}, {c}] "
-                             f"(condition_on_images), got {tuple(cond.image.shape)}")
-        return cond.image
+                                 "condition_on_images (the trainer sets it from each prompt's metadata.image(s))")
+            return None, []
+        b, c = x.shape[:2]
+        grids = row_grids(cond) if cond.image_grids is not None else []
+        if not grids or cond.image.ndim != 3 or tuple(cond.image.shape) != (b, sum(h * w for h, w in grids), c):
+            raise ValueError(f"cond.image must be the packed reference latents [B, L, {c}] with their grids in "
+                             f"cond.image_grids (condition_on_images), got {tuple(cond.image.shape)}")
+        return cond.image, grids
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity at patchified ``x [B, 4C, h, w]``, ``sigma [B]``; fp32, shape of ``x``. Guidance-distilled
         (dev): one forward with ``guidance = g``. Otherwise ``g <= 1`` or a distilled Klein: the conditional forward
-        alone; else ``v_u + g (v_c - v_u)`` (two forwards). ``cond.image`` (i2i): reference tokens in every forward.
+        alone; else ``v_u + g (v_c - v_u)`` (two forwards). ``cond.image`` (i2i): reference tokens in every forward;
+        rows whose reference images differ in number or size run in separate forwards (``by_image_layout``).
 
         Raises:
             ValueError: bad shapes; CFG without ``cond.negative``; ``task="i2i"`` without ``cond.image``.
         """
         sigma = check_velocity_inputs(x, sigma, cond, 4)
-        image = self._reference_tokens(cond, x)
+        if cond.image is None and self.task != "i2i":
+            return self._velocity(x, sigma, cond, guidance_scale)
+        return by_image_layout(x, sigma, cond, lambda x_, s_, c_: self._velocity(x_, s_, c_, guidance_scale))
+
+    def _velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        image, grids = self._reference_tokens(cond, x)
         g = float(guidance_scale)
         if self.guidance_embeds:
-            return self._forward(x, sigma, cond.prompt_embeds, image, guidance=g)
-        v_c = self._forward(x, sigma, cond.prompt_embeds, image)
+            return self._forward(x, sigma, cond.prompt_embeds, image, guidance=g, grids=grids)
+        v_c = self._forward(x, sigma, cond.prompt_embeds, image, grids=grids)
         if g <= 1.0 or self.is_distilled:
             return v_c
-        v_u = self._forward(x, sigma, require_negative(cond, g).prompt_embeds, image)
+        v_u = self._forward(x, sigma, require_negative(cond, g).prompt_embeds, image, grids=grids)
         return v_u + g * (v_c - v_u)
 
     @torch.no_grad()
-    def encode_reference_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
-        """Reference images ``[N, 3, H, W]`` / ``[N, K, 3, H, W]`` float32 in [0, 1] at the model's pixel size ->
-        packed tokens ``[N, K hw, 4C]`` fp32, as the pipelines' step 4 (``preprocess(..., resize_mode="crop")``) and
-        ``prepare_image_latents`` (module docstring).
+    def encode_reference_images(self, images: Tensor | Sequence[Sequence[Any]]) -> tuple[Tensor, Tensor]:
+        """Each row's reference images -> ``(tokens [N, L, 4C] fp32, grids [N, K, 2] int64)`` (rows zero-padded to the
+        longest, :mod:`flowforge.models.reference_images`), as the pipelines' ``__call__`` step 4 and
+        ``prepare_image_latents``: each image checked (``check_image_input``), shrunk to 1024^2 pixels when larger
+        (``_resize_to_target_area``), its size floored to a multiple of ``2 f`` and ``image_processor.preprocess(...,
+        resize_mode="crop")`` at that size; VAE mode, ``_patchify_latents``, batch-norm normalisation, packed.
+
+        ``images``: one list of PIL images per row (any size, as opened), or ``[N, 3, H, W]`` / ``[N, K, 3, H, W]``
+        float in [0, 1] (taken as 8-bit images).
 
         Raises:
-            RuntimeError: no VAE. ValueError: bad shape; images not at the size of ``latent_shape``; over 1024^2 px;
-            what the pipelines' ``check_image_input`` refuses (under 64 px, aspect ratio beyond 8).
+            RuntimeError: no VAE. ValueError: a bad shape; an image the pipelines' ``check_image_input`` refuses
+            (under 64 px, aspect ratio beyond 8).
         """
         from diffusers import Flux2KleinPipeline
 
-        from flowforge.models.qwen_text import condition_pil_images, image_sets
-
         if self.vae is None:
             raise RuntimeError("this Flux2Adapter has no VAE")
-        sets = image_sets(images)
-        _, h, w = (int(v) for v in latent_shape)
-        unit = 2 * self.vae_scale_factor
-        height, width = h * unit, w * unit
-        if tuple(sets.shape[-2:]) != (height, width):
-            raise ValueError(f"reference images {tuple(sets.shape)} are not {height}x{width} (latent_shape "
-                             f"{tuple(latent_shape)}): load them at the model's height x width")
-        if height * width > REFERENCE_MAX_AREA:
-            raise ValueError(f"model size {height}x{width} is over 1024^2 pixels: the FLUX.2 pipelines shrink such a "
-                             "reference image to 1024^2 pixels, which flowforge does not replicate; use a model size "
-                             "of at most 1024^2 pixels for i2i")
         pipe = Flux2KleinPipeline(scheduler=None, vae=self.vae, text_encoder=None, tokenizer=None, transformer=None)
-        rows = []
-        for pictures in sets:
-            pil = condition_pil_images(pictures)
-            for p in pil:
-                pipe.image_processor.check_image_input(p)  # the pipelines refuse < 64 px or extreme aspect ratios
-            pixels = [pipe.image_processor.preprocess(p, height=height, width=width, resize_mode="crop") for p in pil]
-            tokens, _ = pipe.prepare_image_latents(pixels, 1, None, self.vae.device, self.vae.dtype)
-            rows.append(tokens)
-        return torch.cat(rows).float()
+        multiple = 2 * self.vae_scale_factor
+        tokens, grids = [], []
+        for pictures in pil_rows(images):
+            for picture in pictures:
+                pipe.image_processor.check_image_input(picture)  # the pipelines refuse < 64 px, extreme ratios
+            pixels = []
+            for picture in pictures:
+                if picture.width * picture.height > REFERENCE_MAX_AREA:
+                    picture = pipe.image_processor._resize_to_target_area(picture, REFERENCE_MAX_AREA)
+                width, height = picture.width // multiple * multiple, picture.height // multiple * multiple
+                pixels.append(pipe.image_processor.preprocess(picture, height=height, width=width, resize_mode="crop"))
+            row, _ = pipe.prepare_image_latents(pixels, 1, None, self.vae.device, self.vae.dtype)
+            tokens.append(row.float())
+            grids.append([(p.shape[-2] // multiple, p.shape[-1] // multiple) for p in pixels])
+        return pad_rows(tokens, grids)
 
-    def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor,
+    def condition_on_images(self, cond: Conditioning, prompts: Sequence[str], images: Tensor | Sequence[Sequence[Any]],
                             latent_shape: Sequence[int]) -> Conditioning:
-        """``cond`` with ``image`` = :meth:`encode_reference_images` (``ImageConditioned``; the text rows are kept:
-        the FLUX.2 text encoders do not read the images; ``prompts`` unused).
+        """``cond`` with ``image`` / ``image_grids`` = :meth:`encode_reference_images` (``ImageConditioned``; the
+        text rows are kept: the FLUX.2 text encoders do not read the images; ``prompts``, ``latent_shape`` unused:
+        each reference image keeps its own size, as in the pipelines).
 
         Raises:
             ValueError: row counts differ; see :meth:`encode_reference_images`.
         """
-        image = self.encode_reference_images(images, latent_shape)
+        image, grids = self.encode_reference_images(images)
         if image.shape[0] != cond.batch_size:
             raise ValueError(f"cond has {cond.batch_size} rows but {image.shape[0]} image sets: one per row")
-        return dataclasses.replace(cond, image=image.to(cond.prompt_embeds.device))
+        device = cond.prompt_embeds.device
+        return dataclasses.replace(cond, image=image.to(device), image_grids=grids.to(device))
 
     def _bn(self, like: Tensor) -> tuple[Tensor, Tensor]:
         bn = self.vae.bn

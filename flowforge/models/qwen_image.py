@@ -85,7 +85,7 @@ image tokens        each image through ``image_processor.preprocess`` at ``calcu
                     (1024^2 area), ``_encode_vae_image``, ``_pack_latents``; the K images' tokens concatenated
                     (``prepare_latents``) -> ``cond.image [N, K gh gw, 4C]``
                     (:meth:`QwenImageAdapter.encode_plus_condition_images`); ``img_shapes = [(1, h/2, w/2),
-                    (1, gh, gw) x K]`` with ``gh = vae_height // f // 2`` (:meth:`QwenImageAdapter.plus_image_grid`)
+                    (1, gh, gw) x K]`` with ``gh = vae_height // f // 2`` (its own size's)
 zero_cond_t         Edit-2511's transformer flag (condition tokens modulated with ``t = 0``); the transformer
                     derives it from ``img_shapes``, so the velocity passes the same ``img_shapes`` and nothing else
 schedule, CFG       as Edit: ``mu`` from the noisy tokens, true CFG ``true_cfg_scale`` with the per-token
@@ -93,10 +93,10 @@ schedule, CFG       as Edit: ``mu`` from the noisy tokens, true CFG ``true_cfg_s
 ==================  ================================================================================================
 
 The two areas and ``calculate_dimensions`` are read from the pipeline module when used, so flowforge follows the
-installed pipeline. flowforge loads each condition image at ``model.height x model.width`` first (as for Edit): the
-pipeline's output equals flowforge's when it is given those images and ``height`` / ``width`` = the model size. The
-trainer gives one image per prompt (``metadata.image``); :meth:`QwenImageAdapter.condition_on_images` also takes
-``[N, K, 3, H, W]`` (K images per prompt, "Picture 1..K" in that order).
+installed pipeline. Edit-Plus is given each prompt's condition images as opened (``metadata.images``: any number, any
+size; ``takes_original_images``) and resizes each from its own size as the pipeline does, so flowforge's image tokens
+and text encodings equal the pipeline's given the same files and ``height`` / ``width`` = the model size; rows whose
+images differ in number or size run in separate forwards (:mod:`flowforge.models.reference_images`).
 
 Notes on the environment: (a) with transformers 5.x, ``_get_qwen_prompt_embeds`` does not pass the processor's
 ``mm_token_type_ids`` to the Qwen2.5-VL, which then uses sequential (1-D) rotary positions for the image tokens
@@ -117,6 +117,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.reference_images import by_image_layout, pad_rows, pil_rows, row_grids
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PackedImageLatents,
@@ -138,7 +139,6 @@ from flowforge.models.qwen_text import (
     QwenImageEditText,
     condition_pil_images,
     edit_plus_sizes,
-    image_sets,
     qwen_image_text,
 )
 
@@ -191,6 +191,16 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     family = "Qwen-Image"
     tasks: tuple[str, ...] = QWEN_IMAGE_TASKS
     lora_targets: tuple[str, ...] = QWEN_IMAGE_LORA_TARGETS
+
+    @property
+    def takes_original_images(self) -> bool:
+        """Edit-Plus resizes each condition image from its own size, as its pipeline (Edit: at the model size)."""
+        return self.edit_plus
+
+    @property
+    def max_condition_images(self) -> int | None:
+        """Edit: one image per prompt; Edit-Plus: any number (``QwenImageEditPlusPipeline`` sets no limit)."""
+        return None if self.edit_plus else 1
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = " ", cfg_renorm: bool = True,
@@ -287,14 +297,6 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         )[0]
         return out[:, :num_noisy].float()
 
-    def plus_image_grid(self, h: int, w: int) -> tuple[int, int]:
-        """The packed token grid of one Edit-Plus condition image for a latent of ``h x w``: the image loaded at the
-        model's ``h f x w f`` pixels is VAE-encoded at ``edit_plus_sizes``' VAE size (``img_shapes`` of
-        ``QwenImageEditPlusPipeline.__call__``: ``vae_height // vae_scale_factor // 2``)."""
-        f = self.vae_scale_factor
-        _, (vw, vh) = edit_plus_sizes(h * f, w * f)
-        return vh // f // 2, vw // f // 2
-
     def _image_tokens(self, cond: Conditioning, x: Tensor) -> tuple[Tensor | None, list[tuple[int, int]]]:
         if cond.image is None:
             if self.task == "i2i":
@@ -304,13 +306,12 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
             return None, []
         b, c, h, w = x.shape
         if self.edit_plus:
-            gh, gw = self.plus_image_grid(h, w)
-            n = cond.image.shape[1] // (gh * gw) if cond.image.ndim == 3 else 0
-            if n < 1 or tuple(cond.image.shape) != (b, n * gh * gw, 4 * c):
-                raise ValueError(f"cond.image must be the packed Edit-Plus image latents [B, K * {gh * gw}, {4 * c}] "
-                                 f"(K condition images of grid {gh}x{gw}, encode_plus_condition_images), got "
+            grids = row_grids(cond) if cond.image_grids is not None else []
+            if not grids or tuple(cond.image.shape) != (b, sum(gh * gw for gh, gw in grids), 4 * c):
+                raise ValueError(f"cond.image must be the packed Edit-Plus image latents [B, L, {4 * c}] with their "
+                                 "grids in cond.image_grids (encode_plus_condition_images), got "
                                  f"{tuple(cond.image.shape)}")
-            return cond.image, [(gh, gw)] * n
+            return cond.image, grids
         expected = (b, (h // 2) * (w // 2), 4 * c)
         if tuple(cond.image.shape) != expected:
             raise ValueError(f"cond.image must be the packed Edit image latents [B, (H/2)(W/2), 4C] = {expected} of "
@@ -328,6 +329,11 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
             ValueError: bad shapes; CFG without ``cond.negative``; ``task="i2i"`` without ``cond.image``.
         """
         sigma = check_velocity_inputs(x, sigma, cond, 4)
+        if self.edit_plus:  # rows whose condition images differ in number or size: separate forwards
+            return by_image_layout(x, sigma, cond, lambda x_, s_, c_: self._velocity(x_, s_, c_, guidance_scale))
+        return self._velocity(x, sigma, cond, guidance_scale)
+
+    def _velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         image, grids = self._image_tokens(cond, x)
         h, w = x.shape[-2:]
         g = float(guidance_scale)
@@ -362,21 +368,22 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
             raise TypeError("prompts must be a sequence of strings, not a single string")
         prompts = list(prompts)
         if self.edit_plus:
-            images = image_sets(images)
+            images = pil_rows(images)
         elif images.ndim != 4:
             raise ValueError(f"Qwen-Image-Edit takes one image per prompt [N, 3, H, W], got {tuple(images.shape)} "
                              "(several images per prompt: a QwenImageEditPlusPipeline directory)")
-        if not (cond.batch_size == len(prompts) == images.shape[0]):
-            raise ValueError(f"cond has {cond.batch_size} rows, {len(prompts)} prompts, {images.shape[0]} images: "
+        if not (cond.batch_size == len(prompts) == len(images)):
+            raise ValueError(f"cond has {cond.batch_size} rows, {len(prompts)} prompts, {len(images)} images: "
                              "one of each per row")
         encode = getattr(self.text_encoder, "encode_with_images", None)
         if encode is None:
             raise RuntimeError("Qwen-Image i2i re-encodes the prompts with their images: the text encoder must be a "
                                "QwenImageEditText (a QwenImageEditPipeline directory loaded with task='i2i'), got "
                                f"{type(self.text_encoder).__name__}")
-        device = cond.prompt_embeds.device
+        device, grids = cond.prompt_embeds.device, None
         if self.edit_plus:
-            image = self.encode_plus_condition_images(images, latent_shape).to(device)
+            image, grids = self.encode_plus_condition_images(images)
+            image, grids = image.to(device), grids.to(device)
         else:
             image = self.encode_condition_images(images, latent_shape).to(device)
         embeds, mask, _ = encode(prompts, images)
@@ -385,41 +392,38 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
             e_u, m_u, _ = encode([self.negative_prompt] * len(prompts), images)
             negative = Conditioning(prompt_embeds=e_u.to(device), mask=m_u.to(device))
         return dataclasses.replace(cond, prompt_embeds=embeds.to(device), mask=mask.to(device), pooled=None,
-                                   negative=negative, image=image)
+                                   negative=negative, image=image, image_grids=grids)
 
     @torch.no_grad()
-    def encode_plus_condition_images(self, images: Tensor, latent_shape: Sequence[int]) -> Tensor:
-        """Edit-Plus condition images ``[N, 3, H, W]`` / ``[N, K, 3, H, W]`` float32 in [0, 1] at the model's pixel
-        size -> packed tokens ``[N, K * gh * gw, 4C]`` fp32 (:meth:`plus_image_grid`), as
-        ``QwenImageEditPlusPipeline``: each image (as 8-bit PIL) through its ``image_processor.preprocess`` at the VAE
-        size, ``_encode_vae_image`` (VAE mode, ``(z - latents_mean) / latents_std``), ``_pack_latents``, the K
-        images' tokens concatenated in order (``prepare_latents``).
+    def encode_plus_condition_images(self, images) -> tuple[Tensor, Tensor]:
+        """Edit-Plus condition images (one list of PIL images per row, any size, or ``[N, (K,) 3, H, W]`` float in
+        [0, 1]) -> ``(tokens [N, L, 4C] fp32, grids [N, K, 2] int64)`` (rows zero-padded,
+        :mod:`flowforge.models.reference_images`), as ``QwenImageEditPlusPipeline.__call__``: each image through
+        ``image_processor.preprocess`` at ``calculate_dimensions(VAE_IMAGE_SIZE, w / h)`` of its own size,
+        ``_encode_vae_image`` (VAE mode, ``(z - latents_mean) / latents_std``), ``_pack_latents``, a row's images'
+        tokens concatenated in order (``prepare_latents``); grid ``(vae_height // f // 2, vae_width // f // 2)``.
 
         Raises:
-            RuntimeError: no VAE. ValueError: images not at the pixel size of ``latent_shape``.
+            RuntimeError: no VAE.
         """
         from diffusers import QwenImageEditPlusPipeline
 
         if self.vae is None:
             raise RuntimeError("this QwenImageAdapter has no VAE")
-        sets = image_sets(images)
-        c, h, w = (int(v) for v in latent_shape)
-        f = self.vae_scale_factor
-        if tuple(sets.shape[-2:]) != (h * f, w * f):
-            raise ValueError(f"condition images {tuple(sets.shape)} are not {h * f}x{w * f} (latent_shape "
-                             f"{tuple(latent_shape)}): load them at the model's height x width")
         pipe = QwenImageEditPlusPipeline(scheduler=None, vae=self.vae, text_encoder=None, tokenizer=None,
                                          processor=None, transformer=None)
-        _, (vw, vh) = edit_plus_sizes(h * f, w * f)
-        rows = []
-        for pictures in sets:
-            tokens = []
-            for pil in condition_pil_images(pictures):
-                pixels = pipe.image_processor.preprocess(pil, vh, vw).unsqueeze(2)
+        tokens, grids = [], []
+        for pictures in pil_rows(images):
+            row, shapes = [], []
+            for picture in pictures:
+                _, (vw, vh) = edit_plus_sizes(picture.height, picture.width)
+                pixels = pipe.image_processor.preprocess(picture, vh, vw).unsqueeze(2)
                 z = pipe._encode_vae_image(pixels.to(device=self.vae.device, dtype=self.vae.dtype), None)
-                tokens.append(pipe._pack_latents(z, 1, c, z.shape[3], z.shape[4]))
-            rows.append(torch.cat(tokens, dim=1))
-        return torch.cat(rows).float()
+                row.append(pipe._pack_latents(z, 1, z.shape[1], z.shape[3], z.shape[4]))
+                shapes.append((z.shape[3] // 2, z.shape[4] // 2))  # img_shapes: vae_height // f // 2
+            tokens.append(torch.cat(row, dim=1).float())
+            grids.append(shapes)
+        return pad_rows(tokens, grids)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:

@@ -16,6 +16,11 @@ import torch
 from torch import Tensor
 
 from flowforge.models.common import DEFAULT_MIN_TOKENIZER_SIZE, PipelineText
+from flowforge.models.reference_images import (  # noqa: F401 (condition_pil_images / image_sets re-exported)
+    condition_pil_images,
+    image_sets,
+    pil_rows,
+)
 
 
 def _pad_rows(embeds: Tensor, mask: Tensor | None, max_sequence_length: int) -> tuple[Tensor, Tensor]:
@@ -74,18 +79,6 @@ def qwen_image_text(*, path: str | Path | None = None, components: dict[str, Any
                         components=components, device=device, dtype=dtype,
                         settings=f"max_len={max_sequence_length}", encoder_id=encoder_id,
                         min_tokenizer_size=min_tokenizer_size)
-
-
-def condition_pil_images(images: Tensor) -> list:
-    """``[N, 3, H, W]`` float in [0, 1] -> ``N`` RGB PIL images, ``round(255 x)`` (diffusers ``VaeImageProcessor``
-    ``pt_to_numpy`` + ``numpy_to_pil``): what the Edit pipeline's ``processor`` is given. Exact for images loaded
-    from 8-bit files (:func:`flowforge.data.images.load_condition_images`)."""
-    from diffusers.image_processor import VaeImageProcessor
-
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be [N, 3, H, W], got shape {tuple(images.shape)}")
-    pixels = images.detach().to(device="cpu", dtype=torch.float32).clamp(0.0, 1.0)
-    return VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(pixels))
 
 
 class _QwenEditText(PipelineText):
@@ -148,19 +141,6 @@ def edit_plus_sizes(height: int, width: int) -> tuple[tuple[int, int], tuple[int
             tuple(plus.calculate_dimensions(plus.VAE_IMAGE_SIZE, ratio)))
 
 
-def image_sets(images: Tensor) -> Tensor:
-    """Condition images as ``[N, K, 3, H, W]`` (K images per prompt): ``[N, 3, H, W]`` is one per prompt.
-
-    Raises:
-        ValueError: another shape.
-    """
-    if images.ndim == 4:
-        images = images.unsqueeze(1)
-    if images.ndim != 5 or images.shape[2] != 3 or images.shape[1] < 1:
-        raise ValueError(f"condition images must be [N, 3, H, W] or [N, K, 3, H, W], got {tuple(images.shape)}")
-    return images
-
-
 class QwenImageEditPlusText(_QwenEditText):
     """Qwen2.5-VL + ``processor`` of a ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509 / -2511), used through its
     own ``encode_prompt`` one prompt at a time (``__call__`` refuses a batch larger than 1).
@@ -175,8 +155,10 @@ class QwenImageEditPlusText(_QwenEditText):
     text_only_fn = staticmethod(_qwen_encode_fn)  # the Plus template encodes prompts without images
 
     @torch.no_grad()
-    def encode_with_images(self, prompts: Sequence[str], images: Tensor) -> tuple[Tensor, Tensor, None]:
-        """``prompts[i]`` read with ``images[i]`` (``[N, 3, H, W]`` or ``[N, K, 3, H, W]`` float in [0, 1]) ->
+    def encode_with_images(self, prompts: Sequence[str], images) -> tuple[Tensor, Tensor, None]:
+        """``prompts[i]`` read with row ``i`` of ``images`` (a list of PIL images per row, any size, or
+        ``[N, 3, H, W]`` / ``[N, K, 3, H, W]`` float in [0, 1]), each image resized to
+        ``calculate_dimensions(CONDITION_IMAGE_SIZE, w / h)`` of its own size ->
         ``(embeds [N, max_sequence_length, D], mask [N, max_sequence_length] int64, None)``.
 
         Raises:
@@ -184,14 +166,16 @@ class QwenImageEditPlusText(_QwenEditText):
         """
         if isinstance(prompts, str):
             raise TypeError("prompts must be a sequence of strings, not a single string")
-        prompts, sets = list(prompts), image_sets(images)
-        if len(prompts) != sets.shape[0]:
-            raise ValueError(f"{len(prompts)} prompts but {sets.shape[0]} image sets: one per prompt")
+        prompts, sets = list(prompts), pil_rows(images)
+        if len(prompts) != len(sets):
+            raise ValueError(f"{len(prompts)} prompts but {len(sets)} image sets: one per prompt")
         pipe = self.pipeline
-        (cw, ch), _ = edit_plus_sizes(*sets.shape[-2:])
         rows = []
         for prompt, pictures in zip(prompts, sets):
-            vl = [pipe.image_processor.resize(p, ch, cw) for p in condition_pil_images(pictures)]
+            vl = []
+            for picture in pictures:
+                (cw, ch), _ = edit_plus_sizes(picture.height, picture.width)
+                vl.append(pipe.image_processor.resize(picture, ch, cw))
             embeds, mask = pipe.encode_prompt(prompt=[prompt], image=vl, device=pipe.device, num_images_per_prompt=1,
                                               max_sequence_length=self.max_sequence_length)
             rows.append(_pad_rows(embeds, mask, self.max_sequence_length))

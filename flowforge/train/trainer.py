@@ -39,8 +39,8 @@ from flowforge.runtime.interrupt import Interrupted, StopSignals
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
 from flowforge.data.preprocess import encode_cached
-from flowforge.data.images import load_condition_images
-from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord
+from flowforge.data.images import condition_inputs
+from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, condition_images
 from flowforge.train.metrics import StageTimer, group_diversities, to_scalars, within_group_diversity
 from flowforge.train.sample_change import StartSamples, eval_fingerprint
 from flowforge.runtime.run_dir import SAMPLES_DIR, START_SAMPLES_FILE, sample_grid_path, sha256_of_path
@@ -131,7 +131,8 @@ class Trainer(RunDirectory):
         self.adapter = build_adapter(m.adapter, resolve_demo_path(m.path), task=m.task,
                                      dtype=resolve_dtype(m.dtype, key="model.dtype"), device=self.device)
         check_loaded_model(cfg, self.adapter, world_size=self.dist.world_size,  # what only the model can tell
-                           already=report.warnings)
+                           already=report.warnings, prompts={"data.prompts": self.train_prompts,
+                                                             "data.eval_prompts": self.eval_prompts})
         if cfg.sampler.negative_prompt is not None:  # before encoding: it is part of the encodings (and encoder_id)
             self.adapter.negative_prompt = cfg.sampler.negative_prompt
         self.latent_shape = tuple(self.adapter.latent_shape(m.height, m.width, m.frames))
@@ -243,16 +244,18 @@ class Trainer(RunDirectory):
         return traj, cond
 
     def _conditioning(self, cond: Conditioning, records: list[PromptRecord], prompt_indices: torch.Tensor):
-        """The conditioning rows of ``prompt_indices``; for image tasks conditioned on each prompt's image by the
+        """The conditioning rows of ``prompt_indices``; for image tasks conditioned on each prompt's image(s) by the
         adapter (``ImageConditioned.condition_on_images``; each distinct prompt loaded and encoded once)."""
         if self.cfg.model.task not in IMAGE_TASKS:
             return cond.index(prompt_indices)
         m = self.cfg.model
         distinct, inverse = torch.unique(prompt_indices, return_inverse=True)
         chosen = [records[i] for i in distinct.tolist()]
-        images = load_condition_images([r.metadata["image"] for r in chosen], m.height, m.width)
-        conditioned = self.adapter.condition_on_images(cond.index(distinct), [r.prompt for r in chosen],
-                                                       images.to(self.device), self.latent_shape)
+        images = condition_inputs([condition_images(r.metadata) for r in chosen], m.height, m.width,
+                                  originals=self.adapter.takes_original_images)
+        images = images.to(self.device) if isinstance(images, torch.Tensor) else images  # PIL: the adapter's
+        conditioned = self.adapter.condition_on_images(cond.index(distinct), [r.prompt for r in chosen], images,
+                                                       self.latent_shape)
         return conditioned.index(inverse)
 
     def score(self, traj: Trajectory, batch: StepBatch):

@@ -151,12 +151,8 @@ def test_reference_image_errors(parts):
         a.velocity(x, s, cond, 1.0)
     with pytest.raises(ValueError, match="packed reference latents"):
         a.velocity(x, s, dataclasses.replace(cond, image=torch.zeros(2, 20, 16)), 1.0)
-    with pytest.raises(ValueError, match="load them at the model's height x width"):
-        a.condition_on_images(cond, PROMPTS, torch.rand(2, 3, 32, 32), shape)
     with pytest.raises(ValueError, match="Image too small"):  # the pipeline's own check_image_input
         a.condition_on_images(cond, PROMPTS, torch.rand(2, 3, *SIZE), a.latent_shape(*SIZE))
-    with pytest.raises(ValueError, match="over 1024\\^2 pixels"):
-        a.encode_reference_images(torch.rand(1, 3, 1040, 1040), (16, 260, 260))
     with pytest.raises(ValueError, match="one per row"):
         a.condition_on_images(cond, PROMPTS, torch.rand(1, 3, *REF_SIZE), shape)
 

@@ -71,7 +71,8 @@ def test_sizes_follow_the_pipeline_constants(parts, monkeypatch):
     from flowforge.models.qwen_image import edit_plus_sizes
 
     a = parts["adapter"]
-    assert edit_plus_sizes(H, W) == ((32, 32), (64, 32)) and a.plus_image_grid(8, 12) == (8, 16)
+    assert edit_plus_sizes(H, W) == ((32, 32), (64, 32))
+    assert a.encode_plus_condition_images(_images(0)[1])[1].tolist() == [[[8, 16]]] * 2  # (vae size) // f // 2
     monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", 384 * 384)  # the released values
     monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", 1024 * 1024)
     assert edit_plus_sizes(1024, 1024) == ((384, 384), (1024, 1024))
@@ -165,8 +166,8 @@ def test_plus_conditioning_depends_on_each_image_and_checks_shapes(parts):
         assert (a.velocity(x, s, both, CFG) - a.velocity(x, s, swapped, CFG)).abs().max() > 1e-4
     with pytest.raises(ValueError, match="Edit-Plus image latents"):
         a.velocity(x, s, dataclasses.replace(both, image=both.image[:, :100]), CFG)
-    with pytest.raises(ValueError, match="load them at the model's height x width"):
-        a.condition_on_images(text_only, PROMPTS, torch.rand(2, 3, 2 * H, 2 * W), shape)
+    # another size is resized from its own size, as the pipeline does (tests/models/test_reference_images.py)
+    assert a.condition_on_images(text_only, PROMPTS, torch.rand(2, 3, 2 * H, 2 * W), shape).image.shape == (2, 128, 16)
     with pytest.raises(ValueError, match="one of each per row"):
         a.condition_on_images(text_only, PROMPTS, two[:1], shape)
     with pytest.raises(ValueError, match="task must be 'i2i'"):

@@ -105,21 +105,43 @@ def edit_plus_dir(tmp_path_factory):
     return path
 
 
+def multi_image_prompt_files(root, sizes, seed=0):
+    """``{("i2i", split): prompt file}`` under ``root`` whose rows list 2 and 3 reference images
+    (``metadata.images``, paths relative to the file) of the ``(h, w)`` sizes ``sizes`` (none the model's)."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    (root / "refs").mkdir()
+    rng = np.random.default_rng(seed)
+    files = {}
+    for split, prompts in (("train", ["a red cat", "two dogs", "a blue car", "a boat"]), ("eval", ["a bird", "a hut"])):
+        rows = []
+        for i, prompt in enumerate(prompts):
+            names = []
+            for k, (h, w) in enumerate(sizes[: 2 + i % 2]):  # 2 images, 3 images, 2, 3, ...
+                names.append(f"refs/{split}{i}_{k}.png")
+                Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / names[-1])
+            rows.append({"prompt": prompt, "metadata": {"task": "i2i", "sample_id": f"{split}{i}", "images": names}})
+        files["i2i", split] = root / f"{split}.jsonl"
+        files["i2i", split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return files
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
 def test_qwen_image_edit_plus_trains_on_the_real_loop(algorithm, edit_plus_dir, tmp_path, monkeypatch):
-    """Qwen-Image-Edit-2511 i2i: each record's image re-encoded with its prompt by the Qwen2.5-VL and appended as
-    image tokens (on their own VAE-size grid); GRPO at true CFG 4 (two forwards, renormalised), NFT guidance-free.
-    The pipeline's resize areas are set small (16x16 images -> 32x32 for the VL and the VAE: 64 image tokens
-    beside 16 noisy ones), as in tests/models/test_qwen_edit_plus.py."""
+    """Qwen-Image-Edit-2511 multi-image i2i: each record's 2 or 3 images (``metadata.images``, odd sizes) re-encoded
+    with its prompt by the Qwen2.5-VL and appended as image tokens (each on its own VAE-size grid); GRPO at true CFG
+    4 (two forwards, renormalised), NFT guidance-free. The pipeline's resize areas are set small (32x32 for the VL
+    and the VAE: 40x24 -> 40x24 VAE pixels, 72x56 -> 32x32 ...), as in tests/models/test_qwen_edit_plus.py."""
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
 
     from flowforge.config import load_config
     from flowforge.train.trainer import Trainer
-    from tests.train.test_families_loop import image_prompt_files
-
     monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", 32 * 32)
     monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", 32 * 32)
-    prompts = image_prompt_files(tmp_path, "i2i", seed=2)
+    prompts = multi_image_prompt_files(tmp_path, [(40, 24), (72, 56), (24, 40)], seed=2)
     cfg = load_config(None, [
         "model.adapter=qwen_image", f"model.path={edit_plus_dir}", "model.height=16", "model.width=16",
         "model.task=i2i", f"run.output_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
@@ -135,20 +157,21 @@ def test_qwen_image_edit_plus_trains_on_the_real_loop(algorithm, edit_plus_dir, 
     assert torch.equal(trainer.sigmas, trainer.adapter.pipeline_sigmas(4, 16, 16))
     sb = trainer.next_prompts()
     cond = trainer._conditioning(trainer.train_cond, trainer.train_prompts, sb.prompt_indices)
-    assert cond.image.shape == (len(sb.prompt_indices), 64, 16)  # the 8x8 VAE-size grid, not the 4x4 noisy one
+    counts = sorted({int((g.prod(-1) > 0).sum()) for g in cond.image_grids})
+    assert counts == [2, 3] or len(counts) == 1 and counts[0] in (2, 3)  # 2- and 3-image rows
     train_and_check(trainer, algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
 def test_flux2_klein_reference_image_trains_on_the_real_loop(algorithm, image_family_dirs, tmp_path):
-    """FLUX.2 Klein i2i (reference-image editing), few-step and guidance-free as the distilled model runs: each
-    record's image (loaded at 64x64, the smallest the pipeline accepts) VAE-encoded and appended as reference tokens;
-    GRPO from sigma = 1 (first ratio 1) and NFT on the 4-step grid."""
+    """FLUX.2 Klein multi-image i2i (reference-image editing), few-step and guidance-free as the distilled model runs:
+    each record's 2 or 3 images (``metadata.images``; odd sizes, at least 64 px as the pipeline requires) VAE-encoded
+    at their own sizes and appended as reference tokens; GRPO from sigma = 1 (first ratio 1) and NFT on the 4-step
+    grid."""
     from flowforge.config import load_config
     from flowforge.train.trainer import Trainer
-    from tests.train.test_families_loop import image_prompt_files
 
-    prompts = image_prompt_files(tmp_path, "i2i", seed=3)
+    prompts = multi_image_prompt_files(tmp_path, [(73, 66), (64, 90), (66, 70)], seed=3)
     cfg = load_config(None, [
         "model.adapter=flux2", f"model.path={image_family_dirs['flux2']}", "model.height=64", "model.width=64",
         "model.task=i2i", f"run.output_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
@@ -162,5 +185,6 @@ def test_flux2_klein_reference_image_trains_on_the_real_loop(algorithm, image_fa
     assert trainer.adapter.task == "i2i" and trainer.sigmas[0] == 1.0
     sb = trainer.next_prompts()
     cond = trainer._conditioning(trainer.train_cond, trainer.train_prompts, sb.prompt_indices)
-    assert cond.image.shape == (len(sb.prompt_indices), 256, 16)  # one 16x16-token reference per row
+    layouts = {tuple(map(tuple, g)) for g in cond.image_grids.tolist()}
+    assert layouts <= {((18, 16), (16, 22), (0, 0)), ((18, 16), (16, 22), (16, 17))}  # own sizes, floored to 4s
     train_and_check(trainer, algorithm)

@@ -8,7 +8,8 @@ Checks per row (see :mod:`flowforge.data.tools.records` for the rules):
 - the row is UTF-8 and valid JSON, with only ``prompt`` / ``metadata`` at the top level;
 - ``prompt`` is a non-empty string; ``metadata.task`` is one of the tasks; ``metadata.sample_id`` is a non-empty
   string, unique within its file;
-- media values are paths or lists of paths; ``i2i`` / ``i2v`` rows name one condition image;
+- media values are paths or lists of paths; ``i2i`` / ``i2v`` rows name one condition image (``image``) or a list
+  (``images``: a multi-image edit; the count of condition images per row is reported);
 - ``<image>`` / ``<video>`` placeholders agree with the media listed (none, or one per file of that kind);
 - every listed media file exists (relative paths from the file's directory);
 - with ``decode_media``, every media file decodes (:mod:`flowforge.data.tools.media`; each distinct file once).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from flowforge.data.prompts import IMAGE_TASKS, condition_images
 from flowforge.data.tools.media import decode_problem
 from flowforge.data.tools.records import (
     absolute_media, content_hash, input_file, media_missing, media_paths, read_rows, row_problems,
@@ -48,6 +50,7 @@ class Inspection:
     problems: list[Problem]  # file order (train, eval), then line order
     records: dict[str, int]  # file -> rows read (non-blank lines)
     decoded: int | None  # distinct media files decoded (None: decoding not asked for)
+    condition_images: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # file -> {n: rows}
 
     @property
     def clean(self) -> bool:
@@ -78,7 +81,8 @@ def _media_problems(path: Path, metadata: dict, decode: bool,
     return problems, absolute
 
 
-def _inspect_file(path: Path, decode: bool, cache: dict[str, str | None]) -> tuple[list[Problem], list[_Seen], int]:
+def _inspect_file(path: Path, decode: bool, cache: dict[str, str | None],
+                  counts: dict[int, int]) -> tuple[list[Problem], list[_Seen], int]:
     problems: list[Problem] = []
     seen: list[_Seen] = []
     first_line: dict[str, int] = {}
@@ -94,6 +98,9 @@ def _inspect_file(path: Path, decode: bool, cache: dict[str, str | None]) -> tup
                                 "be unique")
             elif sample_id:
                 first_line[sample_id] = number
+            if metadata.get("task") in IMAGE_TASKS:  # condition images per row (image: 1, images: its length)
+                n = len(condition_images(metadata)) if isinstance(metadata.get("images", []), list) else 0
+                counts[n] = counts.get(n, 0) + 1
             media_messages, absolute = _media_problems(path, metadata, decode, cache)
             messages += media_messages
             prompt = row.get("prompt")
@@ -134,11 +141,13 @@ def inspect_files(train: str | Path | None = None, evaluation: str | Path | None
     if len(files) == 2 and files[0].resolve() == files[1].resolve():
         raise UserError("--eval", f"is the same file as --train ({files[0]})", "give the held-out file")
     cache: dict[str, str | None] = {}
-    problems, seen, records = [], {}, {}
+    problems, seen, records, counts = [], {}, {}, {}
     for path in files:
-        found, seen[path], records[str(path)] = _inspect_file(path, decode_media, cache)
+        counts[str(path)] = {}
+        found, seen[path], records[str(path)] = _inspect_file(path, decode_media, cache, counts[str(path)])
         problems += found
     if train is not None and evaluation is not None:
         leaks = _leakage(files[0], seen[files[0]], files[1], seen[files[1]])
         problems = sorted(problems + leaks, key=lambda p: (p.path != str(files[0]), p.line))
-    return Inspection(problems=problems, records=records, decoded=len(cache) if decode_media else None)
+    return Inspection(problems=problems, records=records, decoded=len(cache) if decode_media else None,
+                      condition_images={k: dict(sorted(v.items())) for k, v in counts.items() if v})

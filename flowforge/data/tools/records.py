@@ -6,9 +6,9 @@ data tools add two things to it:
 
 **Media.** ``metadata.image``, ``metadata.video`` and ``metadata.audio`` name media files, each a path or a list of
 paths, relative to the JSONL file's directory or absolute (as :func:`flowforge.data.prompts.load_prompts` resolves
-``image``). An image-conditioned task (``i2i``, ``i2v``) needs exactly one ``image`` path (the training loader takes
-one). A video is a file or a directory of frame images; an audio entry a sound file (a WAV decodes in ``inspect
---decode-media``). ``audio`` is carried for audio-conditioned tasks: it is validated, checked, deduplicated and kept
+``image``). An image-conditioned task (``i2i``, ``i2v``) needs exactly one ``image`` path or a non-empty ``images``
+list (a multi-image edit's reference images, in order; not both). A video is a file or a directory of frame
+images; an audio entry a sound file (a WAV decodes in ``inspect --decode-media``). ``audio`` is carried for audio-conditioned tasks: it is validated, checked, deduplicated and kept
 like the other media, but no built-in adapter consumes it yet (``LTX2Pipeline``, the one audio-video family, has no
 audio-conditioned mode: the ``ltx2`` adapter generates the sound itself).
 
@@ -43,8 +43,9 @@ from flowforge.data.prompts import IMAGE_TASKS, TASKS, prompt_file
 from flowforge.runtime.durable import atomic_write
 from flowforge.runtime.errors import UserError, file_error
 
-MEDIA_KEYS = ("image", "video", "audio")
-"""Metadata keys that name media files (a path or a list of paths)."""
+MEDIA_KEYS = ("image", "images", "video", "audio")
+"""Metadata keys that name media files (a path or a list of paths; ``images``: a list, a multi-image edit's
+reference images, of kind ``image``)."""
 
 PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 """The prompt placeholder of each media kind."""
@@ -71,7 +72,7 @@ def media_paths(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
     for key in MEDIA_KEYS:
         value = metadata.get(key)
         values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
-        found += [(key, v) for v in values if isinstance(v, str) and v]
+        found += [("image" if key == "images" else key, v) for v in values if isinstance(v, str) and v]
     return found
 
 
@@ -96,7 +97,10 @@ def _media_value_problem(key: str, value: Any, task: Any) -> str | None:
     if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
         return f"field 'metadata.{key}' must be a path or a non-empty list of paths, got {value!r}"
     if key == "image" and task in IMAGE_TASKS and not isinstance(value, str):
-        return f"field 'metadata.image' must be one path for task {task!r} (its condition image), got {value!r}"
+        return (f"field 'metadata.image' must be one path for task {task!r} (its condition image; several: "
+                f"'metadata.images'), got {value!r}")
+    if key == "images" and not isinstance(value, list):
+        return f"field 'metadata.images' must be a non-empty list of paths, got {value!r}"
     return None
 
 
@@ -135,8 +139,11 @@ def row_problems(row: Any) -> list[str]:
     for key in MEDIA_KEYS:
         if key in metadata and (problem := _media_value_problem(key, metadata[key], task)):
             problems.append(problem)
-    if task in IMAGE_TASKS and "image" not in metadata:
-        problems.append(f"field 'metadata.image' is required for task {task!r} (the condition image's path)")
+    if task in IMAGE_TASKS and "image" not in metadata and "images" not in metadata:
+        problems.append(f"field 'metadata.image' is required for task {task!r} (the condition image's path; or "
+                        "'metadata.images', a list of paths)")
+    if "image" in metadata and "images" in metadata:
+        problems.append("fields 'metadata.image' and 'metadata.images' are both given; give one")
     if isinstance(prompt, str):
         problems += _placeholder_problems(prompt, metadata)
     return problems

@@ -51,8 +51,8 @@ from pathlib import Path
 
 import torch
 
-from flowforge.data.images import load_condition_images
-from flowforge.data.prompts import IMAGE_TASKS, PromptRecord, load_prompts
+from flowforge.data.images import condition_inputs
+from flowforge.data.prompts import IMAGE_TASKS, PromptRecord, condition_images, load_prompts
 from flowforge.demo.paths import is_demo_name, resolve_demo_path
 from flowforge.models.base import Conditioning
 from flowforge.rollout import candidate_noise, decode_media, generate, sigmas_for
@@ -106,7 +106,7 @@ def read_prompts(prompts: Sequence[str], prompt_file: str | Path | None, task: s
                         for i, t in enumerate(lines) if t.strip()]
     if not records:
         raise UserError("--prompt", "no prompt given", 'pass --prompt "..." or --prompt-file F')
-    if task in IMAGE_TASKS and any("image" not in r.metadata for r in records):
+    if task in IMAGE_TASKS and any(not condition_images(r.metadata) for r in records):
         example = f" (e.g. this run's eval prompts: --prompt-file {image_prompts})" if image_prompts else ""
         raise UserError("--prompt", f"model.task={task!r} needs a condition image per prompt (--prompt gives none)",
                         f"give a .jsonl --prompt-file whose records name metadata.image{example}")
@@ -154,9 +154,11 @@ def _conditioning(model: SampleModel, records: list[PromptRecord], device: torch
     cond = model.adapter.encode([r.prompt for r in records]).to(device)
     if m.task not in IMAGE_TASKS:
         return cond
-    images = load_condition_images([r.metadata["image"] for r in records], m.height, m.width)
+    images = condition_inputs([condition_images(r.metadata) for r in records], m.height, m.width,
+                              originals=model.adapter.takes_original_images)
+    images = images.to(device) if isinstance(images, torch.Tensor) else images  # PIL: the adapter resizes them
     shape = tuple(model.adapter.latent_shape(m.height, m.width, m.frames))
-    return model.adapter.condition_on_images(cond, [r.prompt for r in records], images.to(device), shape)
+    return model.adapter.condition_on_images(cond, [r.prompt for r in records], images, shape)
 
 
 @torch.no_grad()

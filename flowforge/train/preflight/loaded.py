@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from flowforge.config import Config
+from flowforge.data.prompts import check_condition_images
 from flowforge.runtime.errors import UserError, one_line
 from flowforge.settings import LORA_MODES
 from flowforge.train.preflight.modules import loaded_module_problems
@@ -104,10 +105,13 @@ def loaded_memory_bytes(cfg: Config, latent_shape, lora_layers, world: int) -> i
     return step + evaluation + lora
 
 
-def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tuple[str, ...] = ()) -> list[str]:
+def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tuple[str, ...] = (),
+                       prompts: dict[str, list] | None = None) -> list[str]:
     """What only the loaded model can tell, checked right after it loads and before the run directory is written:
     ``model.height`` / ``width`` / ``frames`` fit the model (:meth:`FlowModel.latent_shape`: VAE factor x patch
-    size), every ``lora.targets`` entry matches a layer LoRA can adapt, under ``module+lora`` no LoRA layer is at,
+    size), every record of ``prompts`` (``{config key: records}``) lists at most the adapter's
+    ``max_condition_images`` condition images, every ``lora.targets`` entry matches a layer LoRA can adapt, under
+    ``module+lora`` no LoRA layer is at,
     inside or around a trained submodule (:func:`flowforge.models.trained_parts.check_disjoint`), and the memory a
     step needs (:func:`loaded_memory_bytes`) fits what is available now on ``run.device``. Returns (and logs) the
     warnings of an adapter's ``leverage_warnings`` hook: a trained set that can barely change the output (a world
@@ -125,6 +129,11 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tu
         sizes = f"model.height={m.height} / model.width={m.width}" + (f" / model.frames={m.frames}" if m.frames else "")
         problems.append(f"{sizes} do not fit this model: {one_line(str(exc))}")
         latent = None
+    for name, records in (prompts or {}).items():
+        try:
+            check_condition_images(records, getattr(adapter, "max_condition_images", 1), name)
+        except ValueError as exc:
+            problems.append(str(exc))
     layers = _target_problems(cfg, adapter, problems)
     loaded_module_problems(cfg, adapter, problems)
     limit = memory_limit(cfg.run.device, available=True)

@@ -128,7 +128,8 @@ def test_every_prompt_source_train_reads_is_inspected_as_train_reads_it(tmp_path
     (dataset / "train.txt").write_text("a cat\na dog\n")
     rc, out, _ = cli("inspect", "--train", txt, "--eval", plain, "--decode-media")
     assert rc == 0, out
-    assert out == f"clean: {txt} (3 records), {plain} (2 records); 1 media file decoded\n"
+    assert out == (f"clean: {txt} (3 records), {plain} (2 records); 1 media file decoded\n"
+                   f"{plain}: condition images per row: 1: 1 row\n")
     assert [len(load_prompts(p)) for p in (txt, plain)] == [3, 2]
     rc, out, _ = cli("inspect", "--train", dataset)
     assert (rc, out) == (0, f"clean: {dataset / 'train.txt'} (2 records)\n")
