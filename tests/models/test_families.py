@@ -563,3 +563,21 @@ def test_wan_i2v_pin_layout_timesteps_per_token():
         a.latent_shape(16, 16, 1)  # the condition frame alone: nothing to generate
     with pytest.raises(ValueError):
         WanAdapter(c["transformer"], task="i2v")  # a T2V transformer without expand_timesteps has no i2v layout
+
+
+def test_wan_cfg_runs_two_forwards_as_the_pipeline():
+    """``WanPipeline`` runs the conditional and the unconditional forward separately (batch B each); the adapter
+    does the same (not one forward over a doubled batch, whose kernels may round differently on a GPU); at guidance
+    <= 1 it runs the conditional forward alone."""
+    w = _CACHE.setdefault("wan", _build("wan"))
+    rows: list[int] = []
+    hook = w.adapter.transformer.register_forward_pre_hook(
+        lambda m, args, kw: rows.append(kw["hidden_states"].shape[0]), with_kwargs=True)
+    x, s = _inputs(w)
+    try:
+        with torch.no_grad():
+            for g in (4.0, 0.5):
+                w.adapter.velocity(x, s, _cond(w), g)
+    finally:
+        hook.remove()
+    assert rows == [2, 2, 2]
