@@ -21,6 +21,7 @@ import inspect
 import os
 import re
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from flowforge.models.base import (HOOK_MEMBERS, REQUIRED_MEMBERS, AdapterMixin, Conditioning, FlowModel,
@@ -212,6 +213,34 @@ def adapter_class_problem(name: str) -> str | None:
     if not missing:
         return None
     return f"{name!r} is not a FlowModel adapter class: {obj.__name__} has no {missing}"
+
+
+def option_problems(name: str, options: Mapping[str, Any]) -> list[str]:
+    """One line per key of ``options`` (``sampler`` keys that are set) that adapter ``name``'s class does not list in
+    its ``sampler_options`` (imported, no weights loaded); ``[]`` when ``name`` does not resolve (reported
+    elsewhere)."""
+    try:
+        declared = tuple(getattr(adapter_class(name), "sampler_options", ()))
+    except ValueError:
+        return []
+    return [f"sampler.{key}={value!r} is not read by model.adapter={name!r} (it reads "
+            f"{[f'sampler.{k}' for k in declared] or 'none of these keys'}); remove it" for key, value in options.items()
+            if key not in declared]
+
+
+def set_sampler_options(adapter: FlowModel, options: Mapping[str, Any]) -> None:
+    """Put the ``sampler`` keys that are set (``SamplerConfig.model_options``) on a built adapter as attributes of
+    the same name, before :meth:`FlowModel.latent_shape` and any encoding (``frame_rate`` sets LTX-2's audio length).
+
+    Raises:
+        ValueError: a key the adapter does not list in ``sampler_options``.
+    """
+    declared = tuple(getattr(adapter, "sampler_options", ()))
+    for key, value in options.items():
+        if key not in declared:
+            raise ValueError(f"sampler.{key}: {type(adapter).__name__} does not read it (sampler_options: "
+                             f"{list(declared)})")
+        setattr(adapter, key, value)
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:

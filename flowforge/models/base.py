@@ -19,7 +19,8 @@ symbol              meaning
 ``v``               velocity ``noise - x0`` = ``d x_sigma / d sigma``; what :meth:`FlowModel.velocity` returns (fp32)
 Euler step          ``x_next = x + (sigma_next - sigma) * v`` with ``sigma_next < sigma`` (``dt < 0``)
 native timestep     the value the network is fed; only the adapter knows it (SD3: ``1000 * sigma``)
-CFG                 ``v = v_u + g * (v_c - v_u)`` with ``v_u`` from ``cond.negative``; ``g == 1`` is conditional only
+CFG                 ``v = v_u + g * (v_c - v_u)`` with ``v_u`` from ``cond.negative`` where the family's pipeline runs
+                    CFG (:meth:`AdapterMixin.guidance_use`: ``g > 1`` for most); otherwise conditional only
 ==================  ==========================================================================================
 
 The name ``t`` is never used for 0–1000 values outside an adapter.
@@ -296,6 +297,25 @@ class AdapterMixin:
 
     takes_original_images: bool = False  # ImageConditioned: given PIL images as opened, not resized tensors
     max_condition_images: int | None = 1  # ImageConditioned: condition images a prompt may list (None: any)
+
+    sampler_options: tuple[str, ...] = ()
+    """``sampler`` keys (of :data:`flowforge.settings.sections.MODEL_OPTIONS`) this family reads: each is an
+    attribute the trainer sets from the config when the key is set (:func:`flowforge.models.set_sampler_options`);
+    unset keys keep the adapter's defaults, which are its pipeline's. Default ``()``: none."""
+
+    cfg_rule: str = "guidance_scale > 1"
+    """The family pipeline's rule for running classifier-free guidance, in words (preflight's warning quotes it);
+    :meth:`guidance_use` is that rule as code. Override both together."""
+
+    def guidance_use(self, guidance_scale: float) -> str:
+        """What the family's pipeline does with ``guidance_scale``: ``"cfg"`` (unconditional and conditional branch
+        combined), ``"embedded"`` (the value is a transformer input, one forward: guidance-distilled models) or
+        ``"off"`` (the conditional forward alone, whatever the value). :meth:`FlowModel.velocity` follows it, so a
+        value the pipeline treats as "no CFG" gives the pipeline's result, and preflight warns about a value that
+        means "off" (:func:`flowforge.train.preflight.loaded.guidance_warnings`). Default: the diffusers rule
+        ``guidance_scale > 1`` (``do_classifier_free_guidance`` of the SD3 / Wan pipelines, ``true_cfg_scale > 1``
+        of FLUX.1 / Qwen-Image)."""
+        return "cfg" if float(guidance_scale) > 1.0 else "off"
 
     @property
     def config(self):

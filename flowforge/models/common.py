@@ -1,5 +1,5 @@
 """Helpers shared by the diffusers-family adapters: the lazy text side of a pipeline, 2x2 latent packing, per-channel
-latent normalisation, the dynamic-shift pipeline schedule, classifier-free-guidance batches, input checks, reading a
+latent normalisation, the dynamic-shift pipeline schedule, input checks, reading a
 pipeline directory (and its CLIP image encoder) and the ``flowforge.json`` metadata file.
 
 Why a pipeline for the text side
@@ -341,19 +341,6 @@ def flow_match_pipeline_sigmas(scheduler_config: Mapping[str, Any], num_steps: i
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
     return scheduler.sigmas.to(torch.float32).cpu()
-
-
-def cfg_pair(negative: Conditioning, cond: Conditioning) -> Conditioning:
-    """The doubled batch of a classifier-free-guidance forward: ``[negative; cond]`` (unconditional half first) of
-    ``prompt_embeds`` and, when both have one, ``pooled``, on ``cond.prompt_embeds``' device. Masks and images are
-    not carried (the transformers these records feed take neither)."""
-    device = cond.prompt_embeds.device
-
-    def both(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-        return None if a is None or b is None else torch.cat([a.to(device), b.to(device)])
-
-    return Conditioning(prompt_embeds=both(negative.prompt_embeds, cond.prompt_embeds),
-                        pooled=both(negative.pooled, cond.pooled))
 
 
 def load_image_encoder(root: Path, index: Mapping[str, Any], device: torch.device | str) -> tuple[Any, Any]:

@@ -169,6 +169,12 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
 
     # ------------------------------------------------------------------ properties
 
+    cfg_rule = "guidance_scale > 1 (the pipeline's true_cfg_scale); a guidance-embedding model embeds any value"
+
+    def guidance_use(self, guidance_scale: float) -> str:
+        """``"embedded"`` for guidance-embedding models, else the pipeline's ``true_cfg_scale > 1``."""
+        return "embedded" if self.guidance_embeds else super().guidance_use(guidance_scale)
+
     @property
     def guidance_embeds(self) -> bool:
         """True for guidance-distilled models (FLUX.1-dev): ``guidance_scale`` feeds the guidance embedding."""
@@ -251,8 +257,8 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         """Velocity ``noise - x0`` at unpacked ``x [B, C, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
 
         Guidance-embedding models: one forward with ``guidance = guidance_scale`` (distilled guidance, not CFG).
-        Otherwise ``guidance_scale == 1`` is the conditional branch alone and any other value is true CFG
-        ``v_u + g (v_c - v_u)`` over ``cond.negative`` (one forward over the doubled batch). ``cond.image`` (i2i,
+        Otherwise ``guidance_scale > 1`` is true CFG ``v_u + g (v_c - v_u)`` over ``cond.negative`` (the pipeline's
+        ``true_cfg_scale > 1``; one forward over the doubled batch) and any other value the conditional branch alone. ``cond.image`` (i2i,
         Kontext image tokens) conditions both branches: the negative branch sees the same image, as in
         ``FluxKontextPipeline``'s true-CFG forward.
 
@@ -265,10 +271,10 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
             raise ValueError("task='i2i' (FLUX.1 Kontext) needs cond.image: the condition image tokens from "
                              "encode_condition_images (the trainer sets them from each prompt's metadata.image)")
         g = float(guidance_scale)
-        if self.guidance_embeds:
+        if self.guidance_use(g) == "embedded":
             guidance = torch.full((x.shape[0],), g, device=x.device, dtype=torch.float32)
             return self._forward(x, sigma, cond, guidance)
-        if g == 1.0:
+        if self.guidance_use(g) == "off":
             return self._forward(x, sigma, cond, None)
         neg = require_negative(cond, g)
         if neg.pooled is None or cond.pooled is None:

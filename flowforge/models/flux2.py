@@ -183,6 +183,15 @@ class Flux2Adapter(AdapterMixin):
         self.scheduler_config = dict(scheduler_config or {})
         self.is_distilled = bool(is_distilled)
 
+    cfg_rule = ("guidance_scale > 1 and not a step-distilled Klein (the pipeline's do_classifier_free_guidance); "
+                "FLUX.2 [dev] embeds any value")
+
+    def guidance_use(self, guidance_scale: float) -> str:
+        """``"embedded"`` for FLUX.2 [dev]; ``"off"`` for a step-distilled Klein; else ``guidance_scale > 1``."""
+        if self.guidance_embeds:
+            return "embedded"
+        return "off" if self.is_distilled else super().guidance_use(guidance_scale)
+
     @property
     def guidance_embeds(self) -> bool:
         """FLUX.2 [dev]: guidance-distilled (the guidance value is a transformer input; no CFG)."""
@@ -277,10 +286,11 @@ class Flux2Adapter(AdapterMixin):
     def _velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         image, grids = self._reference_tokens(cond, x)
         g = float(guidance_scale)
-        if self.guidance_embeds:
+        use = self.guidance_use(g)
+        if use == "embedded":
             return self._forward(x, sigma, cond.prompt_embeds, image, guidance=g, grids=grids)
         v_c = self._forward(x, sigma, cond.prompt_embeds, image, grids=grids)
-        if g <= 1.0 or self.is_distilled:
+        if use == "off":
             return v_c
         v_u = self._forward(x, sigma, require_negative(cond, g).prompt_embeds, image, grids=grids)
         return v_u + g * (v_c - v_u)

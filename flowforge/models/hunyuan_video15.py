@@ -135,6 +135,13 @@ class HunyuanVideo15Adapter(AdapterMixin):
     """
 
     tasks: tuple[str, ...] = HUNYUAN_VIDEO15_TASKS
+    cfg_rule = "guidance_scale != 1 (the pipeline's ClassifierFreeGuidance guider)"
+
+    def guidance_use(self, guidance_scale: float) -> str:
+        """The guider's ``_is_cfg_enabled``: ``"cfg"`` unless ``guidance_scale`` is close to 1 (below 1 included)."""
+        import math
+
+        return "off" if math.isclose(float(guidance_scale), 1.0) else "cfg"
     lora_targets: tuple[str, ...] = HUNYUAN_VIDEO15_LORA_TARGETS
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
@@ -261,8 +268,9 @@ class HunyuanVideo15Adapter(AdapterMixin):
         """Velocity ``noise - x0`` at ``x [B, C, F, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x`` (i2v:
         0 on the ``z + 1`` condition channels).
 
-        ``guidance_scale == 1``: the conditional forward alone; otherwise ``v_u + g (v_c - v_u)`` over
-        ``cond.negative``, in two forwards (conditional first) as the pipeline's guider runs them.
+        ``guidance_scale != 1`` (the pipeline's guider, ``ClassifierFreeGuidance``: CFG unless the scale is close to
+        1, values below 1 included): ``v_u + g (v_c - v_u)`` over ``cond.negative``, in two forwards (conditional
+        first) as the guider runs them; ``guidance_scale == 1``: the conditional forward alone.
 
         Raises:
             ValueError: bad shapes; CFG without ``cond.negative``; no ``cond.mask``; i2v without ``cond.pooled``.
@@ -270,7 +278,7 @@ class HunyuanVideo15Adapter(AdapterMixin):
         sigma = check_velocity_inputs(x, sigma, cond, 5)
         g = float(guidance_scale)
         v = self._forward(x, sigma, cond)
-        if g != 1.0:
+        if self.guidance_use(g) == "cfg":
             v_u = self._forward(x, sigma, require_negative(cond, g))
             v = v_u + g * (v - v_u)
         if self.task == "i2v":

@@ -20,9 +20,13 @@ flowforge           LTX-2 (checked against diffusers 0.42 ``pipeline_ltx2.py``, 
                     (``convert_velocity_to_x0`` -> guidance -> ``convert_x0_to_velocity``: ``x0 = x - v sigma``,
                     ``v = (x - x0) / sigma``), so an Euler step over it is bitwise the pipeline's step
 CFG                 per modality in x0 space as the pipeline: ``x0 = x0_c + (g - 1)(x0_c - x0_u)``, then
-                    ``rescale_noise_cfg`` when ``guidance_rescale > 0``; flowforge's ``guidance_scale`` is the video
-                    scale, :attr:`LTX2Adapter.audio_guidance_scale` the audio one (``None``: the same). The
-                    uncond / cond halves run as one forward over ``[negative; cond]``. Not replicated: STG
+                    ``rescale_noise_cfg`` when ``guidance_rescale > 0`` (with or without CFG, as the pipeline);
+                    flowforge's ``guidance_scale`` is the video scale, :attr:`LTX2Adapter.audio_guidance_scale` the
+                    audio one (pipeline default 7.0; ``None`` / 0: the video's). CFG runs when either scale is > 1
+                    (``do_classifier_free_guidance``), both modalities then combined with their own scale. The
+                    uncond / cond halves run as one forward over ``[negative; cond]``, as the pipeline. Defaults
+                    (audio scale 7.0, rescale 0.7 for both, frame rate 24) are ``LTX2Pipeline.__call__``'s; the
+                    ``sampler`` keys of :attr:`LTX2Adapter.sampler_options` set them from a config. Not replicated: STG
                     (``stg_scale``) and modality-isolation guidance (``modality_scale``), which run extra perturbed
                     forwards; use the pipeline with ``stg_scale=0, modality_scale=1`` to compare.
 text                Gemma-3 hidden states of every layer (``_get_gemma_prompt_embeds``, left padding), through the
@@ -149,9 +153,10 @@ class LTX2Adapter(AdapterMixin):
         frame_rate: frames per second of the video (the pipeline's ``frame_rate``, default 24): sets the audio
             length and the video positions' time scale.
         motion_speed: the pipeline's ``motion_speed`` (positions conditioned on ``frame_rate / motion_speed``).
-        audio_guidance_scale: the audio CFG scale (``None``: the video's, flowforge's ``guidance_scale``).
-        guidance_rescale / audio_guidance_rescale: the pipeline's CFG rescale per modality (0: off; audio
-            ``None``: the video's).
+        audio_guidance_scale: the audio CFG scale (pipeline default 7.0; ``None`` or 0: the video's, flowforge's
+            ``guidance_scale``, as the pipeline's ``audio_guidance_scale or guidance_scale``).
+        guidance_rescale / audio_guidance_rescale: the pipeline's CFG rescale per modality (pipeline defaults 0.7
+            / 0.7; 0: off; audio ``None`` or 0: the video's).
         use_cross_timestep: the transformer's ``use_cross_timestep`` (pipeline default True).
         video_text_dim: feature width of the video half of ``cond.prompt_embeds`` (default: the transformer's
             ``caption_channels``, or its inner width without caption projection).
@@ -163,13 +168,23 @@ class LTX2Adapter(AdapterMixin):
 
     family = "LTX-2"
     tasks: tuple[str, ...] = LTX2_TASKS
+    cfg_rule = "guidance_scale > 1 or the audio scale (sampler.audio_guidance_scale, default 7) > 1"
+    sampler_options = ("audio_guidance_scale", "guidance_rescale", "audio_guidance_rescale", "frame_rate")
+
+    def guidance_use(self, guidance_scale: float) -> str:
+        """The pipeline's ``do_classifier_free_guidance``: ``"cfg"`` when the video or the audio scale is > 1."""
+        return "cfg" if max(float(guidance_scale), self._audio_scale(guidance_scale)) > 1.0 else "off"
+
+    def _audio_scale(self, guidance_scale: float) -> float:
+        # the pipeline's `audio_guidance_scale or guidance_scale`
+        return float(self.audio_guidance_scale or guidance_scale)
     lora_targets: tuple[str, ...] = LTX2_LORA_TARGETS
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None,
                  audio_vae: nn.Module | None = None, vocoder: nn.Module | None = None, *,
                  negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,
-                 frame_rate: float = 24.0, motion_speed: float = 1.0, audio_guidance_scale: float | None = None,
-                 guidance_rescale: float = 0.0, audio_guidance_rescale: float | None = None,
+                 frame_rate: float = 24.0, motion_speed: float = 1.0, audio_guidance_scale: float | None = 7.0,
+                 guidance_rescale: float = 0.7, audio_guidance_rescale: float | None = 0.7,
                  use_cross_timestep: bool = True, video_text_dim: int | None = None, task: str = "t2v"):
         if task not in LTX2_TASKS:
             raise ValueError(f"task={task!r}; allowed: {list(LTX2_TASKS)}")
@@ -332,7 +347,8 @@ class LTX2Adapter(AdapterMixin):
         shape of ``x``: the pipeline's guided velocity (module docstring; the x0 round trip is skipped where
         ``sigma == 0``, which the pipeline never evaluates).
 
-        CFG runs when the video or the audio scale is not 1 (the pipeline's ``do_classifier_free_guidance``).
+        CFG runs when the video or the audio scale is > 1 (:meth:`guidance_use`, the pipeline's
+        ``do_classifier_free_guidance``); the rescale applies with or without it, as in the pipeline.
 
         Raises:
             ValueError: bad shapes; a token count other than :meth:`latent_shape`'s; CFG without
@@ -341,31 +357,38 @@ class LTX2Adapter(AdapterMixin):
         """
         sigma = check_velocity_inputs(x, sigma, cond, 3)
         g_v = float(guidance_scale)
-        g_a = g_v if self.audio_guidance_scale is None else float(self.audio_guidance_scale)
+        g_a = self._audio_scale(g_v)
         x = x.float()
         s = sigma.view(-1, 1, 1)
         s_safe = torch.where(s > 0, s, torch.ones_like(s))
-        if g_v == 1.0 and g_a == 1.0:
-            v = self._forward(x, sigma, cond.prompt_embeds, cond.mask)
-            return torch.where(s > 0, (x - (x - v * s)) / s_safe, v)
-        neg = require_negative(cond, g_v)
-        device = cond.prompt_embeds.device
-        embeds = torch.cat([neg.prompt_embeds.to(device), cond.prompt_embeds])
-        masks = (None if cond.mask is None or neg.mask is None
-                 else torch.cat([neg.mask.to(device), cond.mask.to(device)]))
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), embeds, masks).chunk(2)
+        cfg = self.guidance_use(g_v) == "cfg"
+        if cfg:
+            neg = require_negative(cond, g_v)
+            device = cond.prompt_embeds.device
+            embeds = torch.cat([neg.prompt_embeds.to(device), cond.prompt_embeds])
+            masks = (None if cond.mask is None or neg.mask is None
+                     else torch.cat([neg.mask.to(device), cond.mask.to(device)]))
+            v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), embeds, masks).chunk(2)
+        else:
+            v_u, v_c = None, self._forward(x, sigma, cond.prompt_embeds, cond.mask)
         x_v, x_a = self.split(x)
         out = []
-        for part, (xm, scale, rescale) in enumerate(((x_v, g_v, self.guidance_rescale),
+        for part, (xm, scale, rescale) in enumerate(((x_v, g_v, float(self.guidance_rescale)),
                                                      (x_a, g_a, self._audio_rescale()))):
-            vc, vu = self.split(v_c)[part], self.split(v_u)[part]
-            x0_c, x0_u = xm - vc * s, xm - vu * s
-            x0 = x0_c + (scale - 1) * (x0_c - x0_u)
+            vc = self.split(v_c)[part]
+            x0_c = xm - vc * s
+            if cfg:
+                vu = self.split(v_u)[part]
+                x0_u = xm - vu * s
+                x0 = x0_c + (scale - 1) * (x0_c - x0_u)
+                v_sigma0 = vc + (scale - 1) * (vc - vu)
+            else:  # the pipeline adds a delta of 0
+                x0, v_sigma0 = x0_c, vc
             if rescale > 0:
                 from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
                 x0 = rescale_noise_cfg(x0, x0_c, guidance_rescale=rescale)
-            out.append(torch.where(s > 0, (xm - x0) / s_safe, vc + (scale - 1) * (vc - vu)))
+            out.append(torch.where(s > 0, (xm - x0) / s_safe, v_sigma0))
         return torch.cat(out, dim=1)
 
     def _audio_rescale(self) -> float:
@@ -426,8 +449,8 @@ class LTX2Adapter(AdapterMixin):
 def load_ltx2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
               task: str = "t2v", text_encoder: Any = None, negative_prompt: str | None = "",
               max_sequence_length: int = 1024, frame_rate: float = 24.0, motion_speed: float = 1.0,
-              audio_guidance_scale: float | None = None, guidance_rescale: float = 0.0,
-              audio_guidance_rescale: float | None = None, use_cross_timestep: bool = True,
+              audio_guidance_scale: float | None = 7.0, guidance_rescale: float = 0.7,
+              audio_guidance_rescale: float | None = 0.7, use_cross_timestep: bool = True,
               min_tokenizer_size: int = DEFAULT_MIN_TOKENIZER_SIZE) -> LTX2Adapter:
     """Load LTX-2 from a local diffusers ``LTX2Pipeline`` directory; never downloads. Transformer, video VAE,
     audio VAE and vocoder load now (the decoders in fp32), Gemma and the connectors lazily on the first

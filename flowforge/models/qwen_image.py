@@ -321,8 +321,10 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity ``noise - x0`` at unpacked ``x [B, C, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
 
-        ``guidance_scale == 1``: the conditional forward alone. Otherwise true CFG over ``cond.negative`` (two
-        forwards, as the pipeline: the two encodings may differ in length), renormalised when :attr:`cfg_renorm`.
+        ``guidance_scale > 1`` (the pipeline's ``true_cfg_scale > 1``): true CFG over ``cond.negative`` (two
+        forwards, as the pipeline: the two encodings may differ in length), renormalised when :attr:`cfg_renorm`;
+        any other value: the conditional forward alone. A missing ``cond.negative`` is an error (the pipeline
+        would silently run without CFG).
         ``cond.image`` (i2i: Edit image latents) is appended to both forwards, as in ``QwenImageEditPipeline``.
 
         Raises:
@@ -338,7 +340,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         h, w = x.shape[-2:]
         g = float(guidance_scale)
         v_c = self._forward_packed(x, sigma, cond.prompt_embeds, cond.mask, image, grids)
-        if g != 1.0:
+        if self.guidance_use(g) == "cfg":
             neg = require_negative(cond, g)
             v_u = self._forward_packed(x, sigma, neg.prompt_embeds, neg.mask, image, grids)
             comb = v_u + g * (v_c - v_u)

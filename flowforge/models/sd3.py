@@ -205,16 +205,17 @@ class SD3Adapter(AdapterMixin):
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity ``noise - x0`` at ``x [B, C, H, W]`` and noise level ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
 
-        ``guidance_scale == 1`` runs the conditional branch only; otherwise ``v_u + g (v_c - v_u)`` with the
-        unconditional branch from ``cond.negative`` (one forward over the doubled batch).
+        ``guidance_scale > 1`` (the pipeline's ``do_classifier_free_guidance``): ``v_u + g (v_c - v_u)`` with the
+        unconditional branch from ``cond.negative`` (one forward over the doubled batch, as the pipeline); any other
+        value runs the conditional branch only.
 
         Raises:
-            ValueError: ``x`` not ``[B, C, H, W]``; ``sigma`` not of shape ``[B]``; batch mismatch; guidance != 1
+            ValueError: ``x`` not ``[B, C, H, W]``; ``sigma`` not of shape ``[B]``; batch mismatch; guidance > 1
                 without ``cond.negative``.
         """
         sigma = check_velocity_inputs(x, sigma, cond, 4)
         g = float(guidance_scale)
-        if g == 1.0:
+        if self.guidance_use(g) != "cfg":
             return self._forward(x, sigma, cond)
         if cond.negative is None:
             raise ValueError(f"guidance_scale={g} needs cond.negative (the unconditional encoding); it is None")

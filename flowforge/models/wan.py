@@ -66,7 +66,6 @@ from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
-    cfg_pair,
     check_velocity_inputs,
     encode_with_negative,
     has_component,
@@ -294,8 +293,10 @@ class WanAdapter(AdapterMixin):
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity ``noise - x0`` at ``x [B, C, F, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
 
-        ``guidance_scale == 1``: the conditional forward alone; otherwise CFG over ``cond.negative`` (one forward
-        over the doubled batch). In i2v the velocity is 0 on the condition slot (frame 0 / condition channels).
+        ``guidance_scale > 1`` (the pipeline's ``do_classifier_free_guidance``): CFG ``v_u + g (v_c - v_u)`` over
+        ``cond.negative`` in two forwards, conditional then unconditional, as the pipeline runs them (so the result
+        is the pipeline's bit for bit; one forward over the doubled batch differs in the last bits); any other
+        value: the conditional forward alone. In i2v the velocity is 0 on the condition slot (frame 0 / condition channels).
         With ``image_dim``, each branch reads its CLIP image tokens from its own ``pooled`` (``cond.pooled`` /
         ``cond.negative.pooled``, equal after :meth:`condition_on_images`, as in the pipeline).
 
@@ -304,12 +305,10 @@ class WanAdapter(AdapterMixin):
         """
         sigma = check_velocity_inputs(x, sigma, cond, 5)
         g = float(guidance_scale)
-        if g == 1.0:
-            v = self._forward(x, sigma, cond)
-        else:
-            pair = cfg_pair(require_negative(cond, g), cond)
-            v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), pair).chunk(2)
-            v = v_u + g * (v_c - v_u)
+        v = self._forward(x, sigma, cond)
+        if self.guidance_use(g) == "cfg":
+            v_u = self._forward(x, sigma, require_negative(cond, g))
+            v = v_u + g * (v - v_u)
         return self._zero_condition(v)
 
     def _zero_condition(self, v: Tensor) -> Tensor:

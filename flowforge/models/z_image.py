@@ -128,6 +128,7 @@ class ZImageAdapter(AdapterMixin, PackedImageLatents):
 
     family = "Z-Image"
     tasks: tuple[str, ...] = Z_IMAGE_TASKS
+    cfg_rule = "guidance_scale > 1 (the pipeline's guidance_scale = flowforge's - 1 > 0)"
     lora_targets: tuple[str, ...] = Z_IMAGE_LORA_TARGETS
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
@@ -187,15 +188,16 @@ class ZImageAdapter(AdapterMixin, PackedImageLatents):
     def velocity(self, x: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity ``noise - x0`` at ``x [B, C, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
 
-        ``guidance_scale == 1``: the conditional branch alone; otherwise true CFG ``v_c + (g - 1)(v_c - v_u)``
-        (the pipeline's ``guidance_scale = g - 1``) over ``cond.negative``, one forward over the doubled batch.
+        ``guidance_scale > 1`` (the pipeline's ``guidance_scale = g - 1 > 0``, its ``do_classifier_free_guidance``):
+        true CFG ``v_c + (g - 1)(v_c - v_u)`` over ``cond.negative``, one forward over the doubled batch; any other
+        value: the conditional branch alone.
 
         Raises:
             ValueError: bad shapes; CFG without ``cond.negative``; no ``cond.mask``.
         """
         sigma = check_velocity_inputs(x, sigma, cond, 4)
         g = float(guidance_scale)
-        if g == 1.0:
+        if self.guidance_use(g) != "cfg":
             return self._forward(x, sigma, cond)
         neg = require_negative(cond, g)
         if neg.mask is None or cond.mask is None:

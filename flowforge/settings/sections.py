@@ -166,6 +166,9 @@ class DataConfig(Section):
         return c.problems
 
 
+MODEL_OPTIONS = ("audio_guidance_scale", "guidance_rescale", "audio_guidance_rescale", "frame_rate")  # per family
+
+
 @dataclass(frozen=True)
 class SamplerConfig(Section):
     section_name = "sampler"
@@ -183,12 +186,24 @@ class SamplerConfig(Section):
     sde_window: tuple[float, float] = (0.0, 1.0)
     sde_pool: tuple[int, ...] | None = None  # resample trained steps from this pool every rollout
     batch_size: int | None = None  # rollout chunk size; None = train.micro_batch_size
+    # read by adapters listing them in `sampler_options` (LTX-2); None: the model pipeline's default
+    audio_guidance_scale: float | None = None  # audio CFG scale (LTX-2: 7.0)
+    guidance_rescale: float | None = None  # CFG rescale in [0, 1] (LTX-2: 0.7); audio_guidance_rescale: audio's
+    audio_guidance_rescale: float | None = None
+    frame_rate: float | None = None  # video frames per second (LTX-2: 24)
+
+    @property
+    def model_options(self) -> dict[str, float]:
+        """The set :data:`MODEL_OPTIONS` keys (:func:`flowforge.models.set_sampler_options` applies them)."""
+        return {k: getattr(self, k) for k in MODEL_OPTIONS if getattr(self, k) is not None}
 
     def problems(self) -> list[str]:
         c = Checks(self)
-        c.positive("batch_size")
-        c.positive("noise_level", allow_zero=True)
-        c.positive("num_sde_steps", allow_zero=True)
+        c.positive("batch_size", "frame_rate")
+        for key in ("guidance_rescale", "audio_guidance_rescale"):
+            value = getattr(self, key)
+            c.require(value is None or 0.0 <= value <= 1.0, f"sampler.{key}={value} must be in [0, 1]")
+        c.positive("noise_level", "num_sde_steps", "audio_guidance_scale", allow_zero=True)
         if not 2 <= self.num_steps <= MAX_SAMPLER_STEPS:
             c.problems.append(f"sampler.num_steps={self.num_steps} must be >= 2" if self.num_steps < 2 else
                               f"sampler.num_steps={self.num_steps} must be <= {MAX_SAMPLER_STEPS} (the models "

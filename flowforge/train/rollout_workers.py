@@ -37,7 +37,8 @@ def worker_recipe(cfg, policy, device: torch.device | str) -> WorkerRecipe:
     return WorkerRecipe(adapter=m.adapter, path=resolve_demo_path(m.path), task=m.task, dtype=m.dtype,
                         device=str(device), trainable=lora.trainable, lora_rank=lora.resolved_rank,
                         lora_alpha=lora.resolved_alpha, lora_targets=tuple(policy.targets) if policy.lora else (),
-                        modules=tuple(policy.modules), threads=cfg.rollout.threads)
+                        modules=tuple(policy.modules), threads=cfg.rollout.threads,
+                        sampler_options=tuple(cfg.sampler.model_options.items()))
 
 
 class WorkerRollout:

@@ -47,7 +47,7 @@ from flowforge.runtime.run_dir import SAMPLES_DIR, START_SAMPLES_FILE, sample_gr
 from flowforge.report.grids import save_eval_grid
 from flowforge.report.world_strips import real_clips, write_real_strips
 from flowforge.demo.paths import resolve_demo_path
-from flowforge.models import build_adapter
+from flowforge.models import build_adapter, set_sampler_options
 from flowforge.models.base import Conditioning
 from flowforge.objectives import OBJECTIVES, TrainBatch
 from flowforge.objectives.anchors import anchor_policy_bank, build_anchor
@@ -135,6 +135,7 @@ class Trainer(RunDirectory):
                                                              "data.eval_prompts": self.eval_prompts})
         if cfg.sampler.negative_prompt is not None:  # before encoding: it is part of the encodings (and encoder_id)
             self.adapter.negative_prompt = cfg.sampler.negative_prompt
+        set_sampler_options(self.adapter, cfg.sampler.model_options)  # before latent_shape (LTX-2's frame rate)
         self.latent_shape = tuple(self.adapter.latent_shape(m.height, m.width, m.frames))
         log.info("model loaded in %.1f s; encoding %d train + %d eval prompts ...", time.perf_counter() - started,
                  len(self.train_prompts), len(self.eval_prompts))

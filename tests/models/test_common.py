@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flowforge.models.base import Conditioning
-from flowforge.models.common import (DYNAMIC_SHIFT_DEFAULTS, FLOWFORGE_META, cfg_pair, dynamic_shift_mu,
+from flowforge.models.common import (DYNAMIC_SHIFT_DEFAULTS, FLOWFORGE_META, dynamic_shift_mu,
                                      flow_match_pipeline_sigmas, read_flowforge_meta)
 
 
@@ -26,17 +26,6 @@ def test_pipeline_sigmas_match_the_diffusers_scheduler():
     torch.testing.assert_close(sig, ref.sigmas.float())
     with pytest.raises(ValueError, match="num_steps"):
         flow_match_pipeline_sigmas({}, 0, 0.8)
-
-
-def test_cfg_pair_puts_the_unconditional_half_first():
-    cond = Conditioning(torch.ones(2, 3, 4), torch.ones(2, 5))
-    neg = Conditioning(torch.zeros(2, 3, 4), None)
-    pair = cfg_pair(neg, cond)
-    assert pair.batch_size == 4 and pair.pooled is None
-    assert torch.equal(pair.prompt_embeds[:2], neg.prompt_embeds)
-    assert torch.equal(pair.prompt_embeds[2:], cond.prompt_embeds)
-    both = cfg_pair(Conditioning(torch.zeros(2, 3, 4), torch.zeros(2, 5)), cond)
-    assert torch.equal(both.pooled, torch.cat([torch.zeros(2, 5), torch.ones(2, 5)]))
 
 
 def test_read_flowforge_meta(tmp_path):

@@ -63,7 +63,8 @@ def test_velocity_is_the_pipeline_transformer_call(parts):
     assert v.dtype == torch.float32 and torch.equal(v, expected)
 
 
-@pytest.mark.parametrize("guidance", [1.0, 4.0])  # guidance-free (distilled use) and true CFG (base Klein)
+# guidance-free (0.5: the pipeline's `guidance_scale > 1` is false; 1: distilled use) and true CFG (base Klein)
+@pytest.mark.parametrize("guidance", [0.5, 1.0, 4.0])
 def test_whole_generation_matches_the_pipeline(parts, guidance):
     a, pipe = parts["adapter"], parts["pipe"]
     x = _latents(3)

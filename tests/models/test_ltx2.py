@@ -5,11 +5,13 @@ pipeline_sigmas) == the pipeline's video and audio latents, frames and waveform 
 CFG."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from flowforge.algorithms.sde import transition
-from flowforge.models import ADAPTERS, build_adapter
+from flowforge.models import ADAPTERS, build_adapter, set_sampler_options
 from flowforge.models.base import FlowModel
 from tests.models import tiny_av_families as tiny
 
@@ -85,6 +87,8 @@ def test_velocity_is_the_pipeline_transformer_call(parts):
     x, sigma = _latents(1), torch.tensor([0.37, 0.81])
     video, audio, mask = _pipeline_text(pipe, PROMPTS)
     t = sigma * 1000
+    a = copy.copy(a)  # no CFG, no rescale: the raw transformer call (the defaults guide the audio at 7)
+    set_sampler_options(a, dict(audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0))
     with torch.no_grad():
         v_video, v_audio = pipe.transformer(
             hidden_states=x[:, :768], audio_hidden_states=x[:, 768:], encoder_hidden_states=video,
@@ -105,42 +109,52 @@ def test_velocity_is_the_pipeline_transformer_call(parts):
         assert (a.velocity(y, sigma, parts["cond"], 1.0)[:, :768] - v[:, :768]).abs().max() > 1e-6
 
 
-def _pipeline_run(pipe, video0, audio0, steps, guidance, audio_guidance, rescale, output_type):
+def _pipeline_run(pipe, video0, audio0, steps, guidance, options, output_type):
     with torch.no_grad():
         return pipe(prompt=list(PROMPTS), negative_prompt="", height=SIZE[0], width=SIZE[1], num_frames=SIZE[2],
-                    frame_rate=FPS, num_inference_steps=steps, latents=video0.clone(), audio_latents=audio0.clone(),
-                    guidance_scale=guidance, audio_guidance_scale=audio_guidance, guidance_rescale=rescale,
-                    audio_guidance_rescale=rescale, max_sequence_length=SEQ_LEN, output_type=output_type,
-                    **NO_EXTRA_GUIDANCE)
+                    num_inference_steps=steps, latents=video0.clone(), audio_latents=audio0.clone(),
+                    guidance_scale=guidance, max_sequence_length=SEQ_LEN, output_type=output_type,
+                    **options, **NO_EXTRA_GUIDANCE)
 
 
-@pytest.mark.parametrize("guidance,audio_guidance,rescale", [(1.0, 1.0, 0.0), (3.0, 5.0, 0.7)])
-def test_whole_generation_matches_the_pipeline(parts, guidance, audio_guidance, rescale):
+NO_CFG = dict(audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
+RESCALED = dict(audio_guidance_scale=5.0, guidance_rescale=0.7, audio_guidance_rescale=0.7)
+
+
+@pytest.mark.parametrize("guidance,options", [
+    (1.0, NO_CFG), (0.5, NO_CFG), (3.0, RESCALED),  # 0.5: the pipeline runs no CFG (both scales <= 1)
+    (0.5, dict(audio_guidance_scale=0.5, guidance_rescale=0.7, audio_guidance_rescale=0.7)),  # rescale, no CFG
+    (1.0, {}), (0.5, {}), (4.0, {}),  # the pipeline's defaults: audio 7 (CFG at every video scale), rescale 0.7
+    (3.0, dict(audio_guidance_scale=2.0, guidance_rescale=0.3)),  # audio rescale left at its default 0.7
+], ids=["g1", "g0.5", "g3-a5-r0.7", "g0.5-rescale", "defaults-g1", "defaults-g0.5", "defaults-g4", "g3-a2-r0.3"])
+def test_whole_generation_matches_the_pipeline(parts, guidance, options):
     """3 Euler steps of ``transition("ode")`` over the joint latent with the adapter's velocity == LTX2Pipeline's
     video latents, audio latents, decoded frames and waveform (the pipeline given the same initial noise: packed
-    video latents as-is, audio latents through its own normalisation), bitwise in fp32."""
+    video latents as-is, audio latents through its own normalisation), bitwise in fp32. ``options`` are the
+    ``sampler`` keys set on the adapter (:func:`set_sampler_options`) and passed to the pipeline; the rest keep
+    their defaults on both sides, which must agree (audio guidance 7, rescale 0.7, frame rate 24 vs the test's
+    FPS: both take ``frame_rate`` from the ``sampler`` key)."""
     from diffusers import LTX2Pipeline
 
-    a, pipe, c = parts["adapter"], parts["pipe"], parts["components"]
-    a.audio_guidance_scale, a.guidance_rescale, a.audio_guidance_rescale = audio_guidance, rescale, rescale
+    pipe, c = parts["pipe"], parts["components"]
+    a = copy.copy(parts["adapter"])
+    options = {**options, "frame_rate": FPS}
+    set_sampler_options(a, options)
     x = _latents(3)
     video0, audio_in = x[:, :768].clone(), x[:, 768:].clone()
     # the pipeline normalises given audio latents ((a - mean) / std); start flowforge at what its loop starts at
     x[:, 768:] = LTX2Pipeline._normalize_audio_latents(audio_in, c["audio_vae"].latents_mean,
                                                        c["audio_vae"].latents_std)
-    try:
-        latent = _pipeline_run(pipe, video0, audio_in, 3, guidance, audio_guidance, rescale, "latent")
-        media = _pipeline_run(pipe, video0, audio_in, 3, guidance, audio_guidance, rescale, "pt")
-        sigmas = a.pipeline_sigmas(3, *SIZE[:2])
-        assert torch.equal(sigmas, pipe.scheduler.sigmas)
-        y = x.clone()
-        with torch.no_grad():
-            for i in range(3):
-                v = a.velocity(y, sigmas[i].expand(2), parts["cond"], guidance)
-                y = transition("ode", y, v, sigmas[i], sigmas[i + 1], 0.0).x_next
-            frames, (wave, rate) = a.decode(y), a.decode_audio(y)
-    finally:
-        a.audio_guidance_scale, a.guidance_rescale, a.audio_guidance_rescale = None, 0.0, None
+    latent = _pipeline_run(pipe, video0, audio_in, 3, guidance, options, "latent")
+    media = _pipeline_run(pipe, video0, audio_in, 3, guidance, options, "pt")
+    sigmas = a.pipeline_sigmas(3, *SIZE[:2])
+    assert torch.equal(sigmas, pipe.scheduler.sigmas)
+    y = x.clone()
+    with torch.no_grad():
+        for i in range(3):
+            v = a.velocity(y, sigmas[i].expand(2), parts["cond"], guidance)
+            y = transition("ode", y, v, sigmas[i], sigmas[i + 1], 0.0).x_next
+        frames, (wave, rate) = a.decode(y), a.decode_audio(y)
     vae, avae = c["vae"], c["audio_vae"]
     video_latent = LTX2Pipeline._denormalize_latents(LTX2Pipeline._unpack_latents(y[:, :768], 3, 16, 16),
                                                      vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
@@ -188,3 +202,22 @@ def test_save_pretrained_loads_through_registry(parts, tmp_path):
         assert torch.equal(loaded.decode_audio(x)[0], parts["adapter"].decode_audio(x)[0])
     with pytest.raises(ValueError):
         build_adapter("ltx2", str(tmp_path), task="i2v")
+
+
+def test_sampler_option_defaults_are_the_pipelines():
+    """The adapter's (and its loader's) defaults for the ``sampler`` keys it reads are ``LTX2Pipeline.__call__``'s
+    (audio guidance 7.0, rescale 0.7 / 0.7, frame rate 24), so a config that sets none samples as the pipeline."""
+    import inspect
+
+    from diffusers import LTX2Pipeline
+
+    from flowforge.models.ltx2 import LTX2Adapter, load_ltx2
+
+    call = inspect.signature(LTX2Pipeline.__call__).parameters
+    assert LTX2Adapter.sampler_options == ("audio_guidance_scale", "guidance_rescale", "audio_guidance_rescale",
+                                           "frame_rate")
+    for fn in (LTX2Adapter.__init__, load_ltx2):
+        params = inspect.signature(fn).parameters
+        assert {k: params[k].default for k in LTX2Adapter.sampler_options} == {
+            k: call[k].default for k in LTX2Adapter.sampler_options} == {
+            "audio_guidance_scale": 7.0, "guidance_rescale": 0.7, "audio_guidance_rescale": 0.7, "frame_rate": 24.0}

@@ -74,11 +74,12 @@ def test_velocity_is_the_pipeline_transformer_call(parts):
         assert (a.velocity(x, sigma, parts["cond"].index([1, 0]), 1.0) - v).abs().max() > 1e-5
 
 
-@pytest.mark.parametrize("pipeline_guidance", [0.0, 3.0])  # Turbo (guidance-free) and base-style true CFG
+# flowforge g = 0.5 (the pipeline's -0.5: not > 0, so no CFG), 1 (Turbo, guidance-free) and 4 (true CFG)
+@pytest.mark.parametrize("pipeline_guidance", [-0.5, 0.0, 3.0])
 def test_whole_generation_matches_the_pipeline(parts, pipeline_guidance):
     """4 Euler steps of flowforge's ``transition("ode")`` with the adapter's velocity (flowforge g = 1 + the
     pipeline's guidance_scale) over the adapter's pipeline_sigmas == ZImagePipeline's final latents and images,
-    bitwise in fp32."""
+    bitwise in fp32, at flowforge guidance 0.5, 1 and 4."""
     a, pipe = parts["adapter"], parts["pipe"]
     x = _latents(3)
     captured = {}

@@ -133,6 +133,11 @@ class WorldModelAdapter(AdapterMixin):
     """
 
     tasks: tuple[str, ...] = ("i2v",)
+    cfg_rule = "guidance_scale != 1 (flowforge's own world model, no pipeline)"
+
+    def guidance_use(self, guidance_scale: float) -> str:
+        """``"cfg"`` for any ``guidance_scale`` other than 1 (no pipeline defines a rule for this model)."""
+        return "off" if float(guidance_scale) == 1.0 else "cfg"
     condition_index: tuple[slice, ...] = (slice(None), slice(None), slice(0, 1))
     generated_index: tuple[slice, ...] = (slice(None), slice(None), slice(1, None))
 
@@ -243,7 +248,7 @@ class WorldModelAdapter(AdapterMixin):
         sigma = check_velocity_inputs(x, sigma, cond, 5)
         first = cond.image if cond.image is not None else x[:, :, :1]
         g = float(guidance_scale)
-        if g == 1.0:
+        if self.guidance_use(g) == "off":
             return self._forward(x, sigma, cond.prompt_embeds, first)
         negative = require_negative(cond, g).prompt_embeds.to(cond.prompt_embeds.device)
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]),

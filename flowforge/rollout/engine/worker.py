@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from flowforge.models import build_adapter
+from flowforge.models import build_adapter, set_sampler_options
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
 from flowforge.rollout.engine.weight_sync import SyncManifest, SyncReceiver, WeightSyncError
@@ -45,6 +45,7 @@ class WorkerRecipe:
     lora_targets: tuple[str, ...] = ()  # resolved (the adapter's defaults filled in), under "lora" / "module+lora"
     modules: tuple[str, ...] = ()  # under "module" / "module+lora": the submodule paths trained in full
     threads: int = 1  # torch CPU threads of the worker
+    sampler_options: tuple[tuple[str, float], ...] = ()  # the set family sampler keys (SamplerConfig.model_options)
 
     @property
     def sync_mode(self) -> str:
@@ -74,6 +75,7 @@ class RolloutWorker:
         self.device = torch.device(recipe.device)
         self.adapter = build_adapter(recipe.adapter, recipe.path, task=recipe.task,
                                      dtype=resolve_dtype(recipe.dtype, key="model.dtype"), device=self.device)
+        set_sampler_options(self.adapter, dict(recipe.sampler_options))
         self.adapter.release_text_encoder()
         transformer = self.adapter.transformer
         transformer.requires_grad_(False)

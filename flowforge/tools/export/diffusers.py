@@ -132,7 +132,8 @@ def _family_adapter(adapter: str, transformer: nn.Module):
     if adapter == "ltx2":
         from flowforge.models.ltx2 import LTX2Adapter
 
-        ltx2 = LTX2Adapter(transformer)
+        # the probe compares the conditional velocity: no CFG (the pipeline default guides the audio at 7), no rescale
+        ltx2 = LTX2Adapter(transformer, audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
         ltx2.latent_shape(32, 32, 9)  # the probe's geometry (no VAE: LTX-2's compression 32 / 8, 16 kHz audio)
         return ltx2
     from flowforge.models.wan import WanAdapter

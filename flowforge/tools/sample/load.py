@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from flowforge.config import Config, load_config, replace
 from flowforge.demo.paths import DEMO_BASE, DEMO_WORLD, is_demo_name, resolve_demo_path
-from flowforge.models import build_adapter, looks_like_hub_id
+from flowforge.models import build_adapter, looks_like_hub_id, set_sampler_options
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import FlowModel
 from flowforge.runtime.dtypes import resolve_dtype
@@ -54,6 +54,7 @@ def _build(cfg: Config, path: str | Path, device: torch.device) -> FlowModel:
                             dtype=resolve_dtype(m.dtype, key="model.dtype"), device=device)
     if cfg.sampler.negative_prompt is not None:  # before any encoding, as the trainer sets it
         adapter.negative_prompt = cfg.sampler.negative_prompt
+    set_sampler_options(adapter, cfg.sampler.model_options)
     adapter.transformer.requires_grad_(False).eval()
     return adapter
 

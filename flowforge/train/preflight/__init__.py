@@ -408,6 +408,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
             memory; see the module docstring). False checks only the config itself (e.g. a GPU config on a
             laptop).
     """
+    from flowforge.models import option_problems
     from flowforge.objectives import OBJECTIVES
 
     problems: list[str] = []
@@ -428,6 +429,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     objective = OBJECTIVES.get(cfg.train.algorithm)
     problems += objective.preflight_problems(cfg, world_size=world) if objective is not None else []
     problems += cfg.rollout.cross_problems(cfg.lora.trainable)  # engine vs lora.trainable, Ray installed
+    problems += option_problems(cfg.model.adapter, cfg.sampler.model_options)  # family sampler keys (LTX-2)
     run_rules(cfg, problems, warnings, world_size=world)  # the reward-hacking guard, rollout chunking
     if cfg.data.group_size < 2 and cfg.advantage.std_mode == "group":
         warnings.append(f"data.group_size={cfg.data.group_size} with advantage.std_mode='group': every group has one "

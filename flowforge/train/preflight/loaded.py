@@ -105,6 +105,20 @@ def loaded_memory_bytes(cfg: Config, latent_shape, lora_layers, world: int) -> i
     return step + evaluation + lora
 
 
+def guidance_warnings(cfg: Config, adapter) -> list[str]:
+    """One line when ``sampler.guidance_scale`` (not 1) is a value the family's pipeline never guides with: its rule
+    (the adapter's ``guidance_use`` / ``cfg_rule``, :class:`flowforge.models.base.AdapterMixin`) turns CFG off there,
+    so the run samples exactly as at 1 (e.g. 0.5 for Wan, SD3, Qwen-Image, Z-Image; any value for a step-distilled
+    FLUX.2 Klein). Guidance-embedding models use every value: no warning. Adapters without ``guidance_use``: none."""
+    g = cfg.sampler.guidance_scale
+    use = getattr(adapter, "guidance_use", None)
+    if use is None or g == 1.0 or use(g) != "off":
+        return []
+    return [f"sampler.guidance_scale={g} means no CFG for model.adapter={cfg.model.adapter!r}: its pipeline guides "
+            f"only when {getattr(adapter, 'cfg_rule', 'guidance_scale > 1')}, so this samples exactly as "
+            "guidance_scale=1 (the conditional velocity alone)"]
+
+
 def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tuple[str, ...] = (),
                        prompts: dict[str, list] | None = None) -> list[str]:
     """What only the loaded model can tell, checked right after it loads and before the run directory is written:
@@ -113,8 +127,9 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tu
     ``max_condition_images`` condition images, every ``lora.targets`` entry matches a layer LoRA can adapt, under
     ``module+lora`` no LoRA layer is at,
     inside or around a trained submodule (:func:`flowforge.models.trained_parts.check_disjoint`), and the memory a
-    step needs (:func:`loaded_memory_bytes`) fits what is available now on ``run.device``. Returns (and logs) the
-    warnings of an adapter's ``leverage_warnings`` hook: a trained set that can barely change the output (a world
+    step needs (:func:`loaded_memory_bytes`) fits what is available now on ``run.device``. Returns (and logs) a
+    guidance value the family never guides with (:func:`guidance_warnings`) and the warnings of an adapter's
+    ``leverage_warnings`` hook: a trained set that can barely change the output (a world
     model's B or coupling LoRA behind closed coupling gates); one already in ``already`` (what :func:`preflight`
     warned, from the weights file) is returned but not logged again.
 
@@ -149,7 +164,8 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tu
         raise UserError(f"after loading model.path={m.path!r}", "; ".join(problems),
                         "fix these keys and run again")
     hook = getattr(adapter, "leverage_warnings", None)
-    warnings = hook(cfg.lora.trainable, cfg.lora.modules) if hook is not None else []
+    warnings = guidance_warnings(cfg, adapter)
+    warnings += hook(cfg.lora.trainable, cfg.lora.modules) if hook is not None else []
     for warning in warnings:
         if warning not in already:
             logging.getLogger("flowforge").warning(warning)
