@@ -224,8 +224,8 @@ def option_problems(name: str, options: Mapping[str, Any]) -> list[str]:
     except ValueError:
         return []
     return [f"sampler.{key}={value!r} is not read by model.adapter={name!r} (it reads "
-            f"{[f'sampler.{k}' for k in declared] or 'none of these keys'}); remove it" for key, value in options.items()
-            if key not in declared]
+            f"{[f'sampler.{k}' for k in declared] or 'none of these keys'}); remove it"
+            for key, value in options.items() if key not in declared]
 
 
 def set_sampler_options(adapter: FlowModel, options: Mapping[str, Any]) -> None:
@@ -241,6 +241,19 @@ def set_sampler_options(adapter: FlowModel, options: Mapping[str, Any]) -> None:
             raise ValueError(f"sampler.{key}: {type(adapter).__name__} does not read it (sampler_options: "
                              f"{list(declared)})")
         setattr(adapter, key, value)
+
+
+def configure_sampling(adapter: FlowModel, sampler: Any) -> None:
+    """What the ``sampler`` section sets on a built adapter before any prompt is encoded: ``negative_prompt`` (part
+    of the encodings and their cache key) when given, then the family's keys (:func:`set_sampler_options`; before
+    :meth:`FlowModel.latent_shape`: LTX-2's frame rate sets its audio length). The trainer and ``sample`` call it.
+
+    Raises:
+        ValueError: as :func:`set_sampler_options`.
+    """
+    if sampler.negative_prompt is not None:
+        adapter.negative_prompt = sampler.negative_prompt
+    set_sampler_options(adapter, sampler.model_options)
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:

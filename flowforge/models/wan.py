@@ -294,9 +294,10 @@ class WanAdapter(AdapterMixin):
         """Velocity ``noise - x0`` at ``x [B, C, F, H, W]``, ``sigma [B]`` in [0, 1]; fp32, shape of ``x``.
 
         ``guidance_scale > 1`` (the pipeline's ``do_classifier_free_guidance``): CFG ``v_u + g (v_c - v_u)`` over
-        ``cond.negative`` in two forwards, conditional then unconditional, as the pipeline runs them (so the result
-        is the pipeline's bit for bit; one forward over the doubled batch differs in the last bits); any other
-        value: the conditional forward alone. In i2v the velocity is 0 on the condition slot (frame 0 / condition channels).
+        ``cond.negative`` in two forwards, conditional then unconditional, as the pipeline runs them (the pipeline's
+        computation, bit for bit; on CPU one forward over the doubled batch measured the same, another device may
+        round it differently); any other value: the conditional forward alone. In i2v the velocity is 0 on the
+        condition slot (frame 0 / condition channels).
         With ``image_dim``, each branch reads its CLIP image tokens from its own ``pooled`` (``cond.pooled`` /
         ``cond.negative.pooled``, equal after :meth:`condition_on_images`, as in the pipeline).
 

@@ -47,7 +47,7 @@ from flowforge.runtime.run_dir import SAMPLES_DIR, START_SAMPLES_FILE, sample_gr
 from flowforge.report.grids import save_eval_grid
 from flowforge.report.world_strips import real_clips, write_real_strips
 from flowforge.demo.paths import resolve_demo_path
-from flowforge.models import build_adapter, set_sampler_options
+from flowforge.models import build_adapter, configure_sampling
 from flowforge.models.base import Conditioning
 from flowforge.objectives import OBJECTIVES, TrainBatch
 from flowforge.objectives.anchors import anchor_policy_bank, build_anchor
@@ -133,9 +133,7 @@ class Trainer(RunDirectory):
         check_loaded_model(cfg, self.adapter, world_size=self.dist.world_size,  # what only the model can tell
                            already=report.warnings, prompts={"data.prompts": self.train_prompts,
                                                              "data.eval_prompts": self.eval_prompts})
-        if cfg.sampler.negative_prompt is not None:  # before encoding: it is part of the encodings (and encoder_id)
-            self.adapter.negative_prompt = cfg.sampler.negative_prompt
-        set_sampler_options(self.adapter, cfg.sampler.model_options)  # before latent_shape (LTX-2's frame rate)
+        configure_sampling(self.adapter, cfg.sampler)  # before encoding and latent_shape
         self.latent_shape = tuple(self.adapter.latent_shape(m.height, m.width, m.frames))
         log.info("model loaded in %.1f s; encoding %d train + %d eval prompts ...", time.perf_counter() - started,
                  len(self.train_prompts), len(self.eval_prompts))
@@ -150,10 +148,8 @@ class Trainer(RunDirectory):
         context = objective_cls.context(cfg)
         total = cfg.train.steps * objective_cls.optimizer_steps_per_batch(context)
         d = cfg.distributed
-        wrap = None
-        if self.dist.enabled:
-            wrap = functools.partial(dist_lib.wrap, self.adapter, d.strategy, param_dtype=d.param_dtype,
-                                     reduce_dtype=d.reduce_dtype)
+        wrap = functools.partial(dist_lib.wrap, self.adapter, d.strategy, param_dtype=d.param_dtype,
+                                 reduce_dtype=d.reduce_dtype) if self.dist.enabled else None
         if d.activation_checkpointing:
             self.adapter.enable_gradient_checkpointing()
         self.policy = Policy(self.adapter, TrainableWeights.from_section(cfg.lora),
@@ -163,8 +159,7 @@ class Trainer(RunDirectory):
         self.objective.anchor = build_anchor(cfg.anchor, self.adapter, self.policy, seed=cfg.run.seed,
                                              cache_dir=cfg.data.cache_dir)  # world models: real-clip anchor losses
         self.engine = build_rollout_engine(cfg, self.policy, self.objective.sampling_policy, self.device)  # or None
-        # measured once the run directory and the model are accepted (a refused command says nothing of threads);
-        # before the peak the MFU is counted against, at the thread count the steps run on
+        # after acceptance (a refused command says nothing of threads), before the MFU's peak: the steps' count
         self.threads = set_cpu_threads(cfg.run.num_threads, self.device)  # for provenance.json
         self.perf = PerfMeter(lambda: self.adapter.transformer, self.device, compute_dtype(self.adapter, d, self.dist),
                               rollout_elsewhere=self.engine is not None)  # perf/mfu; the peak is logged here

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from flowforge.config import Config, load_config, replace
 from flowforge.demo.paths import DEMO_BASE, DEMO_WORLD, is_demo_name, resolve_demo_path
-from flowforge.models import build_adapter, looks_like_hub_id, set_sampler_options
+from flowforge.models import build_adapter, configure_sampling, looks_like_hub_id
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import FlowModel
 from flowforge.runtime.dtypes import resolve_dtype
@@ -52,9 +52,7 @@ def _build(cfg: Config, path: str | Path, device: torch.device) -> FlowModel:
     m = cfg.model
     adapter = build_adapter(m.adapter, resolve_demo_path(str(path)), task=m.task,
                             dtype=resolve_dtype(m.dtype, key="model.dtype"), device=device)
-    if cfg.sampler.negative_prompt is not None:  # before any encoding, as the trainer sets it
-        adapter.negative_prompt = cfg.sampler.negative_prompt
-    set_sampler_options(adapter, cfg.sampler.model_options)
+    configure_sampling(adapter, cfg.sampler)  # before any encoding, as the trainer
     adapter.transformer.requires_grad_(False).eval()
     return adapter
 
