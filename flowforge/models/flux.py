@@ -259,8 +259,8 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         Guidance-embedding models: one forward with ``guidance = guidance_scale`` (distilled guidance, not CFG).
         Otherwise ``guidance_scale > 1`` is true CFG ``v_u + g (v_c - v_u)`` over ``cond.negative`` (the pipeline's
         ``true_cfg_scale > 1``; one forward over the doubled batch) and any other value the conditional branch
-        alone. ``cond.image`` (i2i, Kontext image tokens) conditions both branches: the negative branch sees the same image, as in
-        ``FluxKontextPipeline``'s true-CFG forward.
+        alone. ``cond.image`` (i2i, Kontext image tokens) conditions both branches: the negative branch sees the
+        same image, as in ``FluxKontextPipeline``'s true-CFG forward.
 
         Raises:
             ValueError: bad shapes; CFG without ``cond.negative``; missing pooled embedding; ``task="i2i"`` without
