@@ -274,6 +274,13 @@ class AdapterMixin:
     """Index of the elements the rollout steps and every log-prob / loss covers: the complement of
     :attr:`condition_index`. Default ``(slice(None),)``: the whole latent."""
 
+    export_pipeline: str | None = None
+    """Export fact (not a :class:`FlowModel` member): the diffusers pipeline class (a name in ``diffusers``) whose
+    ``save_lora_weights`` writes this family's LoRA for ``flowforge export --form adapter`` and whose
+    ``load_lora_weights`` loads it, when the base directory names no pipeline with a LoRA loader of its own. Default
+    ``None``: none of the family's pipelines has a LoRA loader, so the export writes the same diffusers file without
+    one and it is loaded on the transformer (``load_lora_adapter``, or peft's ``PeftModel.from_pretrained``)."""
+
     @property
     def config(self):
         return self.transformer.config

@@ -161,6 +161,7 @@ class Flux2Adapter(AdapterMixin):
     family = "FLUX.2"
     tasks: tuple[str, ...] = FLUX2_TASKS
     lora_targets: tuple[str, ...] = FLUX2_LORA_TARGETS
+    export_pipeline: str | None = "Flux2Pipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,

@@ -164,6 +164,7 @@ class LTX2Adapter(AdapterMixin):
     family = "LTX-2"
     tasks: tuple[str, ...] = LTX2_TASKS
     lora_targets: tuple[str, ...] = LTX2_LORA_TARGETS
+    export_pipeline: str | None = "LTX2Pipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None,
                  audio_vae: nn.Module | None = None, vocoder: nn.Module | None = None, *,

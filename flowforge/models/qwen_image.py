@@ -191,6 +191,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     family = "Qwen-Image"
     tasks: tuple[str, ...] = QWEN_IMAGE_TASKS
     lora_targets: tuple[str, ...] = QWEN_IMAGE_LORA_TARGETS
+    export_pipeline: str | None = "QwenImagePipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = " ", cfg_renorm: bool = True,

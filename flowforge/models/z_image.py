@@ -129,6 +129,7 @@ class ZImageAdapter(AdapterMixin, PackedImageLatents):
     family = "Z-Image"
     tasks: tuple[str, ...] = Z_IMAGE_TASKS
     lora_targets: tuple[str, ...] = Z_IMAGE_LORA_TARGETS
+    export_pipeline: str | None = "ZImagePipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,

@@ -111,7 +111,7 @@ from flowforge.tools.export import diffusers as export_diffusers, portable, worl
 from flowforge.tools.export import wan_experts as export_wan_experts
 from flowforge.tools.export.card import write_card_and_config
 from flowforge.tools.export.contract import check_contract
-from flowforge.tools.export.diffusers import LORA_PIPELINES, LORA_WEIGHT_NAME
+from flowforge.tools.export.diffusers import LORA_WEIGHT_NAME
 from flowforge.tools.export.out import (EXPORT_META, ExportError, check_location, check_out, install, listed_files,
                                         work_dir)
 from flowforge.tools.export.source import Source, layout, load_source, pick_checkpoint, read_run_config, resolve_base
@@ -123,7 +123,7 @@ log = logging.getLogger("flowforge")
 
 FORMS = ("merged", "adapter")
 WEIGHT_GROUPS = ("live", "ema", "old")
-__all__ = ["EXPORT_META", "ExportError", "ExportVerificationError", "FORMS", "LORA_PIPELINES", "LORA_WEIGHT_NAME",
+__all__ = ["EXPORT_META", "ExportError", "ExportVerificationError", "FORMS", "LORA_WEIGHT_NAME",
            "PEFT_PREFIX", "PEFT_WEIGHT_NAME", "TOLERANCES", "VerifyReport", "WRITERS", "export_run",
            "read_export_meta"]
 
