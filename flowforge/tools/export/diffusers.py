@@ -1,6 +1,6 @@
 """The diffusers writer of :func:`flowforge.tools.export.export_run`: a merged diffusers transformer / pipeline, a
-diffusers + peft LoRA, or a module run's trained tensors, for every diffusers family (the registered ``sd3``,
-``flux``, ``qwen_image``, ``wan`` and any ``pkg.module:Class`` adapter over a diffusers transformer).
+diffusers + peft LoRA, or a module run's trained tensors, for every diffusers family (the registered ones,
+:data:`flowforge.tools.export.probes.PROBES`, and any ``pkg.module:Class`` adapter over a diffusers transformer).
 
 The forms, layouts, loading and verification are described in :mod:`flowforge.tools.export` (this module is its
 diffusers half; the world model's is :mod:`flowforge.tools.export.world`).
