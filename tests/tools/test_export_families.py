@@ -13,6 +13,7 @@ Coverage of the other families: sd3 / flux / qwen_image / wan 2.1 (tests/train/t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -96,7 +97,7 @@ def crafted_run(case: Case, base, root):
 
     from flowforge.models import adapter_class
 
-    index = __import__("json").loads((base / "model_index.json").read_text())
+    index = json.loads((base / "model_index.json").read_text())
     transformer = getattr(diffusers, index["transformer"][1]).from_pretrained(str(base / "transformer")).eval()
     targets = list(adapter_class(case.family).lora_targets)
     lora_lib.inject_lora(transformer, RANK, ALPHA, targets)
