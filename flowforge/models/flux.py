@@ -152,6 +152,7 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
     family = "FLUX"
     tasks: tuple[str, ...] = FLUX_TASKS
     lora_targets: tuple[str, ...] = FLUX_LORA_TARGETS
+    export_pipeline: str | None = "FluxPipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,

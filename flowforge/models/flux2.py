@@ -167,6 +167,7 @@ class Flux2Adapter(AdapterMixin):
     takes_original_images = True  # each reference image resized as the pipelines do, from the file's own size
     max_condition_images = None  # neither pipeline limits the number of reference images (diffusers 0.42)
     lora_targets: tuple[str, ...] = FLUX2_LORA_TARGETS
+    export_pipeline: str | None = "Flux2Pipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,

@@ -143,6 +143,7 @@ class HunyuanVideo15Adapter(AdapterMixin):
 
         return "off" if math.isclose(float(guidance_scale), 1.0) else "cfg"
     lora_targets: tuple[str, ...] = HUNYUAN_VIDEO15_LORA_TARGETS
+    export_pipeline = None  # no HunyuanVideo 1.5 pipeline has a LoRA loader (diffusers 0.42)
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  task: str = "t2v", negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,

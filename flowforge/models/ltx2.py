@@ -179,6 +179,7 @@ class LTX2Adapter(AdapterMixin):
         # the pipeline's `audio_guidance_scale or guidance_scale`
         return float(self.audio_guidance_scale or guidance_scale)
     lora_targets: tuple[str, ...] = LTX2_LORA_TARGETS
+    export_pipeline: str | None = "LTX2Pipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None,
                  audio_vae: nn.Module | None = None, vocoder: nn.Module | None = None, *,

@@ -191,6 +191,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     family = "Qwen-Image"
     tasks: tuple[str, ...] = QWEN_IMAGE_TASKS
     lora_targets: tuple[str, ...] = QWEN_IMAGE_LORA_TARGETS
+    export_pipeline: str | None = "QwenImagePipeline"
 
     @property
     def takes_original_images(self) -> bool:

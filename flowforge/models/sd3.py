@@ -117,6 +117,7 @@ class SD3Adapter(AdapterMixin):
     """
 
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
+    export_pipeline: str | None = "StableDiffusion3Pipeline"
     tasks: tuple[str, ...] = ("t2i",)
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,

@@ -157,6 +157,7 @@ class WanAdapter(AdapterMixin):
     """
 
     lora_targets: tuple[str, ...] = WAN_LORA_TARGETS
+    export_pipeline: str | None = "WanPipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  task: str = "t2v", expand_timesteps: bool = False, negative_prompt: str | None = "",

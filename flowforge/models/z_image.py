@@ -130,6 +130,7 @@ class ZImageAdapter(AdapterMixin, PackedImageLatents):
     tasks: tuple[str, ...] = Z_IMAGE_TASKS
     cfg_rule = "guidance_scale > 1 (the pipeline's guidance_scale = flowforge's - 1 > 0)"
     lora_targets: tuple[str, ...] = Z_IMAGE_LORA_TARGETS
+    export_pipeline: str | None = "ZImagePipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,

@@ -4,19 +4,26 @@ What and why
 ------------
 A checkpoint (:mod:`flowforge.train.checkpoint`) stores only what flowforge needs to resume: the LoRA weights keyed without
 the adapter name, and the contract ``{trainable, rank, alpha, targets, dropout}`` in ``trainer_state.json``. Users
-want a model diffusers can load. :func:`export_run` writes one of two forms, for every registered family (``sd3``,
-``flux``, ``qwen_image``, ``wan``; the table below) and, in the ``merged`` form, for any diffusers transformer class
-(a ``pkg.module:Class`` adapter's base included: the class is read from the base's ``transformer/config.json``
-``_class_name``):
+want a model diffusers can load. :func:`export_run` writes one of two forms, for every registered family (the
+table below; the adapter class's ``export_pipeline`` names the pipeline, :mod:`flowforge.tools.export.probes` the
+verification inputs) and, in the ``merged`` form, for any diffusers transformer class (a ``pkg.module:Class``
+adapter's base included: the class is read from the base's ``transformer/config.json`` ``_class_name``):
 
-==============  ===========================  =====================================================================
-adapter         transformer                  ``save_lora_weights`` / ``load_lora_weights`` pipeline
-==============  ===========================  =====================================================================
-``sd3``         ``SD3Transformer2DModel``    ``StableDiffusion3Pipeline``
-``flux``        ``FluxTransformer2DModel``   ``FluxPipeline``
-``qwen_image``  ``QwenImageTransformer2D…``  ``QwenImagePipeline``
-``wan``         ``WanTransformer3DModel``    ``WanPipeline`` (``WanImageToVideoPipeline`` for an i2v base)
-==============  ===========================  =====================================================================
+===================  ================================  =========================================================
+adapter              transformer                       ``save_lora_weights`` / ``load_lora_weights`` pipeline
+===================  ================================  =========================================================
+``sd3``              ``SD3Transformer2DModel``         ``StableDiffusion3Pipeline``
+``flux``             ``FluxTransformer2DModel``        ``FluxPipeline`` (``FluxKontextPipeline`` base: its own)
+``qwen_image``       ``QwenImageTransformer2DModel``   ``QwenImagePipeline`` (an Edit base: its own)
+``wan``              ``WanTransformer3DModel``         ``WanPipeline`` (``WanImageToVideoPipeline`` for an i2v base)
+``flux2``            ``Flux2Transformer2DModel``       ``Flux2Pipeline`` (a Klein base: ``Flux2KleinPipeline``)
+``z_image``          ``ZImageTransformer2DModel``      ``ZImagePipeline``
+``ltx2``             ``LTX2VideoTransformer3DModel``   ``LTX2Pipeline``
+``hunyuan_video15``  ``HunyuanVideo15Transformer3D…``  none has a LoRA loader (diffusers 0.42): the same file is
+                                                       written by ``LoraBaseMixin.pack_weights`` +
+                                                       ``write_lora_layers`` (what every ``save_lora_weights``
+                                                       does) and loads on the transformer (below)
+===================  ================================  =========================================================
 
 A two-expert Wan 2.2 A14B base (``transformer_2/``) is written by :mod:`flowforge.tools.export.wan_experts` (both
 experts, in either form). Families with a file format of their own are written by their own writer
@@ -53,7 +60,9 @@ The pipeline class is the base directory's own (``model_index.json`` ``_class_na
     ``adapter_config.json`` (with ``base_model_name_or_path``): ``PeftModel.from_pretrained(transformer, OUT)``.
     Load with the pipeline's ``load_lora_weights(OUT)`` (e.g. ``FluxPipeline``) or
     ``<Transformer>.load_lora_adapter(OUT, prefix="transformer", use_safetensors=True)`` (the model-level call
-    looks for ``.bin`` unless told ``use_safetensors=True`` or ``weight_name``).
+    looks for ``.bin`` unless told ``use_safetensors=True`` or ``weight_name``); a family without a pipeline LoRA
+    loader (HunyuanVideo 1.5) with the latter on ``pipe.transformer``, or ``PeftModel.from_pretrained(
+    pipe.transformer, OUT)`` (injects the LoRA into ``pipe.transformer`` in place).
 
 Every export writes ``OUT/flowforge_export.json`` (run, checkpoint step, weights, form, LoRA contract, base and its
 sha256, the verification result, and ``files``: every file of the export), the run's ``config.yaml`` and a model
@@ -111,7 +120,7 @@ from flowforge.tools.export import diffusers as export_diffusers, portable, worl
 from flowforge.tools.export import wan_experts as export_wan_experts
 from flowforge.tools.export.card import write_card_and_config
 from flowforge.tools.export.contract import check_contract
-from flowforge.tools.export.diffusers import LORA_PIPELINES, LORA_WEIGHT_NAME
+from flowforge.tools.export.diffusers import LORA_WEIGHT_NAME
 from flowforge.tools.export.out import (EXPORT_META, ExportError, check_location, check_out, install, listed_files,
                                         work_dir)
 from flowforge.tools.export.source import Source, layout, load_source, pick_checkpoint, read_run_config, resolve_base
@@ -123,7 +132,7 @@ log = logging.getLogger("flowforge")
 
 FORMS = ("merged", "adapter")
 WEIGHT_GROUPS = ("live", "ema", "old")
-__all__ = ["EXPORT_META", "ExportError", "ExportVerificationError", "FORMS", "LORA_PIPELINES", "LORA_WEIGHT_NAME",
+__all__ = ["EXPORT_META", "ExportError", "ExportVerificationError", "FORMS", "LORA_WEIGHT_NAME",
            "PEFT_PREFIX", "PEFT_WEIGHT_NAME", "TOLERANCES", "VerifyReport", "WRITERS", "export_run",
            "read_export_meta"]
 

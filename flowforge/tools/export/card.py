@@ -172,13 +172,16 @@ def loading_snippet(form: str, *, transformer_class: str, base: str, pipeline: s
                     "# peft: adapter_model.safetensors + adapter_config.json on the bare base transformer\n"
                     f"model = PeftModel.from_pretrained({transformer_class}.from_pretrained(base, "
                     "subfolder=\"transformer\"), out)\n")
+        # a bare transformer base, or a pipeline of a family none of whose pipelines has a LoRA loader: the
+        # transformer loads it (pipe.transformer = transformer puts it back into the base's pipeline)
+        sub = ", subfolder=\"transformer\"" if base_layout == "pipeline" else ""
         return (head + f"from diffusers import {transformer_class}\nfrom peft import PeftModel\n\n"
                 f"base = {base_expr(base)}\n"
                 "# diffusers: pytorch_lora_weights.safetensors\n"
-                f"transformer = {transformer_class}.from_pretrained(base)\n"
+                f"transformer = {transformer_class}.from_pretrained(base{sub})\n"
                 "transformer.load_lora_adapter(out, prefix=\"transformer\", use_safetensors=True)\n\n"
                 "# peft: adapter_model.safetensors + adapter_config.json\n"
-                f"model = PeftModel.from_pretrained({transformer_class}.from_pretrained(base), out)\n")
+                f"model = PeftModel.from_pretrained({transformer_class}.from_pretrained(base{sub}), out)\n")
     if layout_kind == "demo":
         return (head + "import torch\nfrom diffusers import DiffusionPipeline\n\n"
                 f"pipe = DiffusionPipeline.from_pretrained(out, custom_pipeline=os.path.join(out, {PIPELINE_FILE!r}), "

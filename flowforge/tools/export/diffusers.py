@@ -1,6 +1,6 @@
 """The diffusers writer of :func:`flowforge.tools.export.export_run`: a merged diffusers transformer / pipeline, a
-diffusers + peft LoRA, or a module run's trained tensors, for every diffusers family (the registered ``sd3``,
-``flux``, ``qwen_image``, ``wan`` and any ``pkg.module:Class`` adapter over a diffusers transformer).
+diffusers + peft LoRA, or a module run's trained tensors, for every diffusers family (the registered ones,
+:data:`flowforge.tools.export.probes.PROBES`, and any ``pkg.module:Class`` adapter over a diffusers transformer).
 
 The forms, layouts, loading and verification are described in :mod:`flowforge.tools.export` (this module is its
 diffusers half; the world model's is :mod:`flowforge.tools.export.world`).
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flowforge.models import adapter_class
 from flowforge.models.base import Conditioning
 from flowforge.models.common import FLOWFORGE_META
 from flowforge.runtime.errors import one_line
@@ -22,16 +23,13 @@ from flowforge.tools.export.card import (CARRIED_BASE, OUT_LINE, PIPELINE_FILE, 
                                          write_demo_pipeline)
 from flowforge.tools.export.out import ExportError
 from flowforge.tools.export.portable import drop_name_or_path
-from flowforge.tools.export.source import (SUPPORTED_ADAPTERS, Source, base_name, check_base_identity, layout,
+from flowforge.tools.export.probes import PROBES, family_adapter, probe_inputs
+from flowforge.tools.export.source import (Source, base_name, check_base_identity, layout,
                                            read_run_config, require_base, transformer_class)
 from flowforge.tools.export.verify import VerifyReport, trained_velocity, verify_report
 from flowforge.tools.export.weights import (MODULES_WEIGHT_NAME, apply_trained, lora_layers, peft_config,
                                             write_module_adapter, write_peft_adapter)
 
-LORA_PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
-                  "wan": "WanPipeline", "ltx2": "LTX2Pipeline"}
-"""Registered family -> the diffusers pipeline whose ``save_lora_weights`` writes its adapter export (default when the
-base directory names no pipeline class of its own); its keys are ``SUPPORTED_ADAPTERS``."""
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
@@ -67,85 +65,21 @@ def _trained_policy(src: Source, transformer_dir: Path) -> nn.Module:
 # ------------------------------------------------------------------------------------------------ verification
 def _probe_inputs(adapter: str, config) -> tuple[str, torch.Tensor, torch.Tensor, Conditioning]:
     """Fixed fp32 inputs from the transformer config of family ``adapter``: ``(adapter, x [2, *latent], sigma [2],
-    seeded conditioning)``.
+    seeded conditioning)`` (:mod:`flowforge.tools.export.probes`).
 
     Raises:
         ExportError: ``adapter`` is not a registered family (nothing says how to call its transformer).
     """
-    if adapter not in SUPPORTED_ADAPTERS:
+    if adapter not in PROBES:
         raise ExportError("--verify", f"needs a registered model family, and model.adapter={adapter!r} is not one",
-                          f"drop --verify to export unverified; verifiable: {list(SUPPORTED_ADAPTERS)}")
-    gen = torch.Generator().manual_seed(20240601)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen)
-
-    if adapter == "sd3":
-        patch = int(config.patch_size)
-        cells = min(int(config.pos_embed_max_size or 16), int(config.sample_size) // patch, 16)
-        side = max(cells, 1) * patch
-        x = randn(2, int(config.in_channels), side, side)
-        cond = Conditioning(prompt_embeds=randn(2, 8, int(config.joint_attention_dim)),
-                            pooled=randn(2, int(config.pooled_projection_dim)))
-    elif adapter == "flux":  # unpacked latents: in_channels = 4 C (2x2 packing)
-        x = randn(2, int(config.in_channels) // 4, 4, 4)
-        cond = Conditioning(prompt_embeds=randn(2, 8, int(config.joint_attention_dim)),
-                            pooled=randn(2, int(config.pooled_projection_dim)))
-    elif adapter == "qwen_image":
-        x = randn(2, int(config.in_channels) // 4, 4, 4)
-        cond = Conditioning(prompt_embeds=randn(2, 8, int(config.joint_attention_dim)),
-                            mask=torch.ones(2, 8, dtype=torch.long))
-    elif adapter == "ltx2":  # the joint latent of a 9-frame 32x32 clip: 2 video tokens + 9 audio tokens (24 fps)
-        x = randn(2, 2 + 9, int(config.in_channels))
-        if config.use_prompt_embeddings:  # LTX-2.0: both streams read caption_channels-wide connector features
-            width = 2 * int(config.caption_channels)
-        else:
-            width = (int(config.num_attention_heads) * int(config.attention_head_dim)
-                     + int(config.audio_num_attention_heads) * int(config.audio_attention_head_dim))
-        cond = Conditioning(prompt_embeds=randn(2, 8, width), mask=torch.ones(2, 8, dtype=torch.long))
-    else:  # wan: [B, C, F, H, W], H / W multiples of the spatial patch
-        _, ph, pw = config.patch_size
-        x = randn(2, int(config.in_channels), 2, 2 * ph, 2 * pw)
-        image_dim = config.image_dim
-        # With CLIP image tokens diffusers' Wan attention takes the last 512 context tokens as text (the length
-        # the Wan pipelines pad to), so an image-conditioned transformer gets 512 text tokens here.
-        text_len = 8 if image_dim is None else 512
-        cond = Conditioning(prompt_embeds=randn(2, text_len, int(config.text_dim)),
-                            pooled=None if image_dim is None else randn(2, 4 * int(image_dim)))
-    return adapter, x, torch.tensor([0.3, 0.8]), cond
-
-
-def _family_adapter(adapter: str, transformer: nn.Module):
-    """The family's adapter around a bare ``transformer`` (no text encoder, no VAE)."""
-    if adapter == "sd3":
-        from flowforge.models.sd3 import SD3Adapter
-
-        return SD3Adapter(transformer)
-    if adapter == "flux":
-        from flowforge.models.flux import FluxAdapter
-
-        return FluxAdapter(transformer)
-    if adapter == "qwen_image":
-        from flowforge.models.qwen_image import QwenImageAdapter
-
-        return QwenImageAdapter(transformer)
-    if adapter == "ltx2":
-        from flowforge.models.ltx2 import LTX2Adapter
-
-        # the probe compares the conditional velocity: no CFG (the pipeline default guides the audio at 7), no rescale
-        ltx2 = LTX2Adapter(transformer, audio_guidance_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
-        ltx2.latent_shape(32, 32, 9)  # the probe's geometry (no VAE: LTX-2's compression 32 / 8, 16 kHz audio)
-        return ltx2
-    from flowforge.models.wan import WanAdapter
-
-    cfg = transformer.config
-    return WanAdapter(transformer, task="i2v" if cfg.in_channels != cfg.out_channels else "t2v")
+                          f"drop --verify to export unverified; verifiable: {list(PROBES)}")
+    return probe_inputs(adapter, config)
 
 
 @torch.no_grad()
 def _velocity(transformer: nn.Module, inputs) -> torch.Tensor:
     adapter, x, sigma, cond = inputs
-    return _family_adapter(adapter, transformer).velocity(x, sigma, cond, 1.0)
+    return family_adapter(adapter, transformer).velocity(x, sigma, cond, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------ writers
@@ -201,7 +135,8 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
 
 def _lora_pipeline(src: Source):
     """The diffusers pipeline class whose ``save_lora_weights`` writes this run's adapter: the base directory's own
-    (``model_index.json`` ``_class_name``) when it has one, else the family's (:data:`LORA_PIPELINES`)."""
+    (``model_index.json`` ``_class_name``) when it has one, else the family's (its adapter class's
+    ``export_pipeline``); ``None`` when the family declares that none of its pipelines has a LoRA loader."""
     import diffusers
 
     name = None
@@ -215,10 +150,33 @@ def _lora_pipeline(src: Source):
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     if cls is not None and hasattr(cls, "save_lora_weights"):
         return cls
-    if src.adapter in LORA_PIPELINES:
-        return getattr(diffusers, LORA_PIPELINES[src.adapter])
+    if src.adapter in PROBES:
+        family_pipeline = adapter_class(src.adapter).export_pipeline
+        return None if family_pipeline is None else getattr(diffusers, family_pipeline)
     raise ExportError(f"model.adapter={src.adapter!r}", "no diffusers pipeline with save_lora_weights is known for "
                       f"it (base model_index.json names {name!r})", "export it with --form merged")
+
+
+def _save_lora_weights(src: Source, work: Path) -> None:
+    """``work/pytorch_lora_weights.safetensors`` in diffusers' LoRA format: written by the pipeline's
+    ``save_lora_weights`` (:func:`_lora_pipeline`), or, for a family none of whose pipelines has a LoRA loader, by
+    the two steps every pipeline's ``save_lora_weights`` takes (``LoraBaseMixin.pack_weights`` under the
+    ``transformer`` prefix, then ``write_lora_layers`` with the ``LoraConfig`` as metadata): the same file, which
+    ``<Transformer>.load_lora_adapter`` loads."""
+    from diffusers.loaders.lora_base import LoraBaseMixin
+
+    # flowforge's checkpoint keys drop the adapter name exactly as peft's get_peft_model_state_dict does
+    layers, metadata = lora_layers(src), peft_config(src.lora).to_dict()
+    pipeline = _lora_pipeline(src)
+    if pipeline is not None:
+        pipeline.save_lora_weights(str(work), transformer_lora_layers=layers,
+                                   transformer_lora_adapter_metadata=metadata, weight_name=LORA_WEIGHT_NAME,
+                                   safe_serialization=True)
+        return
+    LoraBaseMixin.write_lora_layers(state_dict=LoraBaseMixin.pack_weights(layers, "transformer"),
+                                    save_directory=str(work), is_main_process=True, weight_name=LORA_WEIGHT_NAME,
+                                    save_function=None, safe_serialization=True,
+                                    lora_adapter_metadata=LoraBaseMixin.pack_weights(metadata, "transformer"))
 
 
 def _write_module_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
@@ -245,10 +203,7 @@ def write_adapter(src: Source, work: Path, verify: bool) -> VerifyReport | None:
     if src.lora["trainable"] != "lora":
         raise ExportError("--form adapter", "this run fine-tuned the full transformer (lora.trainable='full'), so "
                           "it has no adapter", "export it with --form merged")
-    # flowforge's checkpoint keys drop the adapter name exactly as peft's get_peft_model_state_dict does
-    _lora_pipeline(src).save_lora_weights(str(work), transformer_lora_layers=lora_layers(src),
-                                          transformer_lora_adapter_metadata=peft_config(src.lora).to_dict(),
-                                          weight_name=LORA_WEIGHT_NAME, safe_serialization=True)
+    _save_lora_weights(src, work)
     # peft's own layout, so PeftModel.from_pretrained(transformer, OUT) loads it without diffusers' loader
     write_peft_adapter(src, work, base_name(src))
     carry_demo_base(src, work)
@@ -306,9 +261,10 @@ def card_snippet(src: Source, form: str, out: Path, work: Path) -> str:
     pipeline = None
     if form == "adapter":
         try:
-            pipeline = _lora_pipeline(src).__name__
+            found = _lora_pipeline(src)
         except ExportError:
-            pipeline = None
+            found = None
+        pipeline = None if found is None else found.__name__
     elif (work / "model_index.json").is_file():
         name = json.loads((work / "model_index.json").read_text()).get("_class_name")
         pipeline = name if isinstance(name, str) else None

@@ -25,10 +25,12 @@ from flowforge.models import OWN_FORMAT_FAMILIES
 from flowforge.runtime.errors import UserError, file_error, one_line
 from flowforge.runtime.run_dir import sha256_of_path
 from flowforge.tools.export.out import ExportError
+from flowforge.tools.export.probes import PROBES
 from flowforge.train import checkpoint as ckpt
 
-SUPPORTED_ADAPTERS = ("sd3", "flux", "qwen_image", "wan", "ltx2")
-"""Registered diffusers families: export writes diffusers files for them and can verify them."""
+SUPPORTED_ADAPTERS = tuple(PROBES)
+"""Registered diffusers families: export writes diffusers files for them and can verify them (each has a
+verification probe, :data:`flowforge.tools.export.probes.PROBES`)."""
 TRAINABLE = ("lora", "module", "full", "module+lora")
 
 
