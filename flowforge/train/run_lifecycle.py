@@ -27,7 +27,8 @@ import os
 from pathlib import Path
 
 from flowforge import config as config_lib
-from flowforge.data.prompts import check_task, load_prompts
+from flowforge.data.prompt_set import open_prompts
+from flowforge.data.prompts import check_task
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
@@ -59,8 +60,8 @@ class RunDirectory:
         self.model_source = _model_source(cfg.model.path)
         if self.model_source is not None:
             check_run_dir_outside_source(self.run_dir, self.model_source)
-        self.train_prompts = load_prompts(cfg.data.prompts)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]
+        self.train_prompts = open_prompts(cfg.data.prompts)  # byte offsets: a row is parsed when a step draws it
+        self.eval_prompts = open_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]  # a list: all evaluated
         check_task(self.train_prompts, cfg.model.task, "data.prompts")
         check_task(self.eval_prompts, cfg.model.task, "data.eval_prompts")
         if cfg.artifacts.root is not None:

@@ -36,7 +36,7 @@ from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.dtypes import resolve_dtype
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
-from flowforge.data.preprocess import encode_cached
+from flowforge.data.preprocess import STREAM_ABOVE, StreamedConditioning, encode_prompts
 from flowforge.data.images import load_condition_images
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord
 from flowforge.train.metrics import StageTimer, group_diversities, to_scalars, within_group_diversity
@@ -82,9 +82,10 @@ class StepBatch:
     records: list[PromptRecord]  # [B] the prompt record of each candidate
 
 
-def _encode(adapter, records: list[PromptRecord], cache_dir: str):
-    prompts = [r.prompt for r in records]
-    return encode_cached(adapter.encode, adapter.encoder_id, prompts, Path(cache_dir), batch_size=64)
+def _encode(adapter, records, cache_dir: str) -> Conditioning | StreamedConditioning:
+    """Conditioning of ``records`` (a PromptSet or a list): up front for a short list, per step for a long one."""
+    prompts = getattr(records, "prompts", None) or [r.prompt for r in records]
+    return encode_prompts(adapter.encode, adapter.encoder_id, prompts, Path(cache_dir))
 
 
 class Trainer(RunDirectory):
@@ -137,7 +138,12 @@ class Trainer(RunDirectory):
         started = time.perf_counter()
         self.train_cond = _encode(self.adapter, self.train_prompts, cfg.data.cache_dir).to(self.device)
         self.eval_cond = _encode(self.adapter, self.eval_prompts, cfg.data.cache_dir).to(self.device)
-        self.adapter.release_text_encoder()
+        streamed = [n for n, c in (("train", self.train_cond), ("eval", self.eval_cond))
+                    if isinstance(c, StreamedConditioning)]
+        if streamed:  # more than STREAM_ABOVE prompts: each step encodes what it draws; the encoder stays loaded
+            log.info("%s prompts are encoded per step (more than %d)", " and ".join(streamed), STREAM_ABOVE)
+        else:
+            self.adapter.release_text_encoder()
         log.info("prompts encoded in %.1f s", time.perf_counter() - started)
         self.sigmas = self._schedule()
 
@@ -239,8 +245,9 @@ class Trainer(RunDirectory):
                                            rows, decode_media(self.adapter, part.final, self.cfg.reward.batch_size)))
         return traj, cond
 
-    def _conditioning(self, cond: Conditioning, records: list[PromptRecord], prompt_indices: torch.Tensor):
-        """The conditioning rows of ``prompt_indices``; for image tasks conditioned on each prompt's image by the
+    def _conditioning(self, cond: Conditioning | StreamedConditioning, records, prompt_indices: torch.Tensor):
+        """The conditioning rows of ``prompt_indices`` (``[B]`` int64 into ``records``, a PromptSet or list; a
+        streamed ``cond`` encodes just those); for image tasks conditioned on each prompt's image by the
         adapter (``ImageConditioned.condition_on_images``; each distinct prompt loaded and encoded once)."""
         if self.cfg.model.task not in IMAGE_TASKS:
             return cond.index(prompt_indices)

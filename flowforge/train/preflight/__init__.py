@@ -35,7 +35,8 @@ from flowforge.algorithms import schedules
 from flowforge.algorithms.advantages import COMBINE_MODES, STD_MODES
 from flowforge.algorithms.sde import TRANSITION_KINDS, transition
 from flowforge.config import Config, ConfigError
-from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, load_prompts, resolve_prompt_path
+from flowforge.data.prompt_set import open_prompts
+from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, resolve_prompt_path
 from flowforge.runtime.dtypes import DTYPE_NAMES
 from flowforge.runtime.errors import one_line
 from flowforge.train.preflight.loaded import check_loaded_model  # noqa: F401 - the trainer imports it from here
@@ -148,7 +149,7 @@ def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str], this
     for name, source in (("data.prompts", cfg.data.prompts), ("data.eval_prompts", cfg.data.eval_prompts)):
         try:
             path = resolve_prompt_path(source)
-            records = load_prompts(path)
+            records = open_prompts(path)  # byte offsets, not records: any size
         except FileNotFoundError as exc:
             if os.path.islink(path):  # a link to nothing is a broken input, not a file of another machine
                 problems.append(f"{name}={source!r} is a symlink to {os.readlink(path)!r}, which does not exist")
