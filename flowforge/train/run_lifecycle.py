@@ -60,8 +60,10 @@ class RunDirectory:
         self.model_source = _model_source(cfg.model.path)
         if self.model_source is not None:
             check_run_dir_outside_source(self.run_dir, self.model_source)
-        self.train_prompts = open_prompts(cfg.data.prompts)  # byte offsets: a row is parsed when a step draws it
-        self.eval_prompts = open_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]  # a list: all evaluated
+        checked = getattr(self, "_checked_prompts", {})  # the files preflight opened (one pass over a big file)
+        self.train_prompts = checked.get("data.prompts") or open_prompts(cfg.data.prompts)  # offsets, rows on demand
+        eval_prompts = checked.get("data.eval_prompts") or open_prompts(cfg.data.eval_prompts)
+        self.eval_prompts = eval_prompts[: cfg.eval.max_prompts]  # a list: every one is evaluated
         check_task(self.train_prompts, cfg.model.task, "data.prompts")
         check_task(self.eval_prompts, cfg.model.task, "data.eval_prompts")
         if cfg.artifacts.root is not None:

@@ -109,6 +109,7 @@ class Trainer(RunDirectory):
         """Everything :meth:`__init__` builds, in order; the run directory is written only at the end."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         report = preflight(cfg, world_size=world)
+        self._checked_prompts = report.prompts  # the prompt files preflight read: _prepare_run keeps them
         self.dist = dist_lib.init(cfg.run.device)
         for warning in report.warnings:
             log.warning(warning)

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from flowforge.data import prompt_set
 from flowforge.data.preprocess import STREAM_ABOVE, StreamedConditioning
+from flowforge.data.prompts import scan_rows
 from flowforge.train.trainer import Trainer
 from tests.train.test_resume import _assert_same, _rows, _state
 from tests.train.test_trainer import tiny_cfg
@@ -26,8 +28,10 @@ def write_prompts(path, n):
     return path
 
 
-def test_a_long_prompt_file_is_encoded_per_step_and_resumes_bit_exactly(tiny_model_dir, tmp_path):
+def test_a_long_prompt_file_is_encoded_per_step_and_resumes_bit_exactly(tiny_model_dir, tmp_path, monkeypatch):
     prompts = write_prompts(tmp_path / "long.jsonl", STREAM_ABOVE + 88)
+    scanned = []
+    monkeypatch.setattr(prompt_set, "scan_rows", lambda path: scanned.append(path.name) or scan_rows(path))
     extra = [f"data.prompts={prompts}", "train.steps=3", "checkpoint.every=1", "eval.every=0"]
 
     def trainer(name, cache, *more):
@@ -35,6 +39,7 @@ def test_a_long_prompt_file_is_encoded_per_step_and_resumes_bit_exactly(tiny_mod
                        progress=False)
 
     full = trainer("full", "cache")
+    assert sorted(scanned) == ["eval.jsonl", "long.jsonl"]  # preflight's pass over each file is the trainer's
     assert isinstance(full.train_cond, StreamedConditioning) and full.train_cond.encoded == 0
     full.train()
     assert full.train_cond.encoded == 3 * 2  # 3 steps x 2 distinct prompts: nothing else of the file encoded
