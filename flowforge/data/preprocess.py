@@ -1,7 +1,9 @@
 """Prompt-encoding cache: encode each prompt list once, keep the embeddings on disk (HF ``datasets``).
 
-Text encoders are frozen, so their outputs are a pure function of (encoder, prompt). A run encodes its train and
-eval prompt lists once; later runs (and resumes) load the embeddings from disk and never need the encoder in memory.
+Text encoders are frozen, so their outputs are a pure function of (encoder, prompts). A run encodes a prompt list of
+up to :data:`STREAM_ABOVE` prompts once, up front; later runs (and resumes) load the embeddings from disk and never
+need the encoder in memory. A longer list is never encoded whole: :class:`StreamedConditioning` encodes the prompts a
+step draws, each alone (a single-prompt entry of the same cache), and keeps recent ones in memory.
 
 Layout of one cache entry, ``<cache_dir>/<fingerprint>/``::
 
@@ -20,11 +22,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock
@@ -196,3 +201,119 @@ def encode_cached(encode_fn: Callable[[Sequence[str]], Conditioning], encoder_id
     save_conditioning(cond, entry, encoder_id=encoder_id, prompts=prompts)
     return cond
 
+
+
+STREAM_ABOVE = 512
+"""Prompt lists longer than this are streamed (:class:`StreamedConditioning`); shorter ones are encoded up front in
+chunks of 64, one cache entry for the list (the embedded default's files hold 32-220 prompts: encoded as before).
+Why not stream every list: MiniLM's output for a prompt changes in the last bits with the batch it is padded in,
+so streaming would change an existing run's numbers."""
+
+STREAM_CACHE_BYTES = 256 * 2**20
+"""Memory :class:`StreamedConditioning` keeps recently used prompts' conditioning in (at least one prompt)."""
+
+
+def encode_prompts(encode_fn: Callable[[Sequence[str]], Conditioning], encoder_id: str, prompts: Sequence[str],
+                   cache_dir: str | Path) -> Conditioning | StreamedConditioning:
+    """The conditioning of ``prompts``: all of it (:func:`encode_cached`, 64 prompts a call) for up to
+    :data:`STREAM_ABOVE` prompts, else a :class:`StreamedConditioning` that encodes rows when they are indexed.
+    Both answer ``.index(rows)`` with a :class:`Conditioning` and ``.to(device)``. ``prompts`` is read only at the
+    rows used when streamed (e.g. :attr:`flowforge.data.prompt_set.PromptSet.prompts`).
+
+    Raises:
+        ValueError: empty ``prompts``.
+    """
+    if len(prompts) <= STREAM_ABOVE:
+        return encode_cached(encode_fn, encoder_id, list(prompts), cache_dir, batch_size=64)
+    return StreamedConditioning(encode_fn, encoder_id, prompts, cache_dir)
+
+
+class StreamedConditioning:
+    """The conditioning of a prompt list too long to encode up front: ``index(rows)`` encodes only those rows.
+
+    Each distinct prompt is encoded alone (``encode_fn([prompt])``; through :func:`encode_cached`, so it is a
+    single-prompt entry of the on-disk cache, keyed like every entry) and kept in a least-recently-used memory cache
+    of about ``max_bytes``. One prompt per call because a text encoder's output can depend in the last bits on the
+    batch it is padded in: alone, a prompt's conditioning is the same bits whichever prompts a step drew with it,
+    from memory, from disk or encoded again after a resume.
+
+    Args:
+        encode_fn, encoder_id, cache_dir: as :func:`encode_cached`.
+        prompts: ``[N]`` the prompt texts (read lazily, one row at a time).
+        max_bytes: memory budget of the in-memory cache (at least one prompt is kept).
+        device: where :meth:`index` returns its rows.
+    """
+
+    def __init__(self, encode_fn: Callable[[Sequence[str]], Conditioning], encoder_id: str, prompts: Sequence[str],
+                 cache_dir: str | Path, *, max_bytes: int = STREAM_CACHE_BYTES,
+                 device: torch.device | str = "cpu") -> None:
+        if not len(prompts):
+            raise ValueError("StreamedConditioning needs at least one prompt")
+        self.encode_fn, self.encoder_id, self.prompts = encode_fn, encoder_id, prompts
+        self.cache_dir, self.max_bytes, self.device = Path(cache_dir), int(max_bytes), torch.device(device)
+        self._recent: OrderedDict[int, Conditioning] = OrderedDict()  # row -> its [1]-row conditioning (CPU)
+        self.encoded = 0  # rows fetched from the encoder or the disk cache (not from memory), for tests and logs
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def to(self, device: torch.device | str | None = None) -> StreamedConditioning:
+        """This conditioning answering on ``device`` (rows move when indexed); ``self``, changed."""
+        if device is not None:
+            self.device = torch.device(device)
+        return self
+
+    def index(self, idx: torch.Tensor | Sequence[int]) -> Conditioning:
+        """Rows ``idx`` (``[R]`` int64, repeats allowed) as a :class:`Conditioning` on :attr:`device`; each distinct
+        row from memory, else from the disk cache, else encoded (and cached).
+
+        Raises:
+            IndexError: a row outside ``0..N-1``.
+        """
+        idx = torch.as_tensor(idx, dtype=torch.long).flatten()
+        if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < self.batch_size):
+            raise IndexError(f"rows {idx.tolist()} are outside 0..{self.batch_size - 1}")
+        distinct, inverse = torch.unique(idx, return_inverse=True)
+        rows = Conditioning.cat([self._row(i) for i in distinct.tolist()])
+        return rows.index(inverse).to(self.device)
+
+    def _row(self, i: int) -> Conditioning:
+        if i in self._recent:
+            self._recent.move_to_end(i)
+            return self._recent[i]
+        row = encode_cached(self.encode_fn, self.encoder_id, [self.prompts[i]], self.cache_dir, batch_size=1)
+        self.encoded += 1
+        self._recent[i] = row
+        keep = max(1, self.max_bytes // max(_nbytes(row), 1))
+        while len(self._recent) > keep:
+            self._recent.popitem(last=False)
+        return row
+
+
+def _nbytes(cond: Conditioning) -> int:
+    fields = (cond.prompt_embeds, cond.pooled, cond.mask, cond.image)
+    own = sum(t.numel() * t.element_size() for t in fields if t is not None)
+    return own + (_nbytes(cond.negative) if cond.negative is not None else 0)
+
+
+def encode_run_prompts(adapter: Any, records: Mapping[str, Sequence[Any]], cache_dir: str | Path,
+                       device: torch.device) -> dict[str, Conditioning | StreamedConditioning]:
+    """A run's prompt sets (``{name: records}``, each a PromptSet or a list of records) encoded by ``adapter``
+    (``encode`` / ``encoder_id``) through the cache in ``cache_dir``, on ``device``: up to :data:`STREAM_ABOVE`
+    prompts at once, a longer set per step (:func:`encode_prompts`). The text encoder is released when nothing
+    streams; otherwise it stays loaded for the steps (logged)."""
+    out: dict[str, Conditioning | StreamedConditioning] = {}
+    for name, rows in records.items():
+        prompts = getattr(rows, "prompts", None) or [r.prompt for r in rows]
+        out[name] = encode_prompts(adapter.encode, adapter.encoder_id, prompts, Path(cache_dir)).to(device)
+    streamed = [name for name, cond in out.items() if isinstance(cond, StreamedConditioning)]
+    if streamed:
+        logging.getLogger("flowforge").info("%s prompts are encoded per step (more than %d)", " and ".join(streamed),
+                                            STREAM_ABOVE)
+    else:
+        adapter.release_text_encoder()
+    return out

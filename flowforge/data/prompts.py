@@ -1,4 +1,4 @@
-"""Prompt records (the unified JSONL schema) and the K-repeat prompt sampler.
+"""Prompt records (the unified JSONL schema): reading and validating prompt files.
 
 **Schema.** A prompt file is JSON Lines, one object per line (blank lines are skipped)::
 
@@ -22,12 +22,6 @@ way; how many a family takes is checked when training starts (:func:`check_condi
     {"prompt": "the cat from picture 1 on the sofa of picture 2", "metadata": {"task": "i2i", "sample_id": "e1",
      "images": ["refs/cat.png", "refs/sofa.png"]}}
 
-**K-repeat sampling** (GRPO-style group sampling, as in flow_grpo's ``DistributedKRepeatSampler``). Every step draws
-``M`` distinct prompts and repeats each ``K`` times, giving ``B = M * K`` candidates whose rewards are compared within
-their group. Every rank builds the same batch from the seed alone, with no communication, and keeps a contiguous,
-equal share of the candidates.
-
-===========  ==================================================================================================
 symbol       meaning
 ===========  ==================================================================================================
 ``N``        number of prompts in the dataset (``num_prompts``)
@@ -39,6 +33,9 @@ cursor       position in ``pi_e``; a step takes ``pi_e[cursor : cursor + M]``
 
 A step never straddles epochs: when fewer than ``M`` prompts remain in ``pi_e`` the last ``N mod M`` are skipped for
 this epoch and the next step starts epoch ``e + 1`` at cursor 0 (so an epoch is ``N // M`` steps).
+=======
+**K-repeat sampling** (which prompts a step draws) lives in :mod:`flowforge.data.sampler`; its names are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -48,14 +45,14 @@ import json
 import os
 import pathlib
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from flowforge.data import peer_prompts as peer
+from flowforge.data.sampler import KRepeatBatch, KRepeatSampler  # noqa: F401 -- re-exported: callers import them here
 from flowforge.runtime.durable import incomplete_set
 from flowforge.runtime.errors import UserError, file_error
 
@@ -152,7 +149,7 @@ def _lone_surrogate(value: Any, field: str = "") -> tuple[str, str] | None:
     return None
 
 
-def _parse_row(path: pathlib.Path, line: int, text: str, index: int) -> PromptRecord:
+def _parse_row(path: pathlib.Path, line: int, text: str, index: int, *, check_image: bool = True) -> PromptRecord:
     try:
         row = peer.unified_row(path, index, text)
     except json.JSONDecodeError as err:
@@ -181,7 +178,7 @@ def _parse_row(path: pathlib.Path, line: int, text: str, index: int) -> PromptRe
     if not isinstance(sample_id, str) or not sample_id:
         raise _row_error(path, line, "metadata.sample_id", f"must be a non-empty string, got {sample_id!r}")
     if task in IMAGE_TASKS:
-        metadata = _resolve_condition_images(path, line, task, metadata)
+        metadata = _resolve_condition_images(path, line, task, metadata, check_image)
     return PromptRecord(prompt=prompt, metadata=metadata)
 
 
@@ -194,9 +191,12 @@ def condition_images(metadata: Mapping[str, Any]) -> list[str]:
     return [metadata["image"]] if metadata.get("image") else []
 
 
-def _resolve_condition_images(path: pathlib.Path, line: int, task: str, metadata: dict[str, Any]) -> dict[str, Any]:
+def _resolve_condition_images(path: pathlib.Path, line: int, task: str, metadata: dict[str, Any],
+                              check_image: bool = True) -> dict[str, Any]:
     """``metadata`` with its condition image path(s) (``image``: one, or ``images``: a non-empty list) checked to be
-    readable images and made absolute (relative paths start at the prompt file's folder)."""
+    readable images and made absolute (relative paths start at the prompt file's folder). ``check_image=False``: a
+    row read again (:class:`~flowforge.data.prompt_set.PromptSet`), whose images were checked when the file was
+    opened: only resolved."""
     if "image" in metadata and "images" in metadata:
         raise _row_error(path, line, "metadata.images", "and 'metadata.image' are both given; give one: 'image' "
                                                         "(one path) or 'images' (a list of paths)")
@@ -210,6 +210,9 @@ def _resolve_condition_images(path: pathlib.Path, line: int, task: str, metadata
     resolved = []
     for image in paths:
         full = (path.parent / image).resolve()
+        if not check_image:
+            resolved.append(str(full))
+            continue
         if not full.is_file():
             raise _row_error(path, line, f"metadata.{key}", f"names {image!r}, which is not a file ({full})")
         try:
@@ -260,10 +263,80 @@ def check_prompt_file(path: pathlib.Path) -> None:
         raise UserError(path, "cannot be read (Permission denied)", _FIX)
 
 
+def open_prompt_file(source: str | pathlib.Path) -> pathlib.Path:
+    """The checked file of a prompt source: :func:`prompt_file`, :func:`check_prompt_file`, and no interrupted file
+    set (:func:`flowforge.runtime.durable.incomplete_set`).
+
+    Raises:
+        FileNotFoundError, UserError: as :func:`check_prompt_file`, or the file's set was left half-written.
+    """
+    path = prompt_file(source)
+    check_prompt_file(path)
+    if (marker := incomplete_set(path)) is not None:
+        raise UserError(path, f"belongs to a file set whose writing was interrupted ({marker.name} is still there), "
+                        "so it may mix old and new rows", "rerun the command that wrote it (e.g. flowforge data "
+                        "curate ... --overwrite)")
+    return path
+
+
+def scan_rows(path: pathlib.Path) -> Iterator[tuple[int, int, int, PromptRecord]]:
+    """Every prompt row of ``path``, validated, read line by line (the file is never held whole).
+
+    Lines end at ``\\n``, ``\\r\\n`` or ``\\r`` (``bytes.splitlines``); blank lines are skipped.
+
+    Yields:
+        ``(line, offset, length, record)``: the 1-based line number, the byte offset and length of the row's text
+        (without its line ending) and its :class:`PromptRecord`; row ``i`` (0-based among non-blank rows) is the
+        ``i``-th item.
+
+    Raises:
+        UserError: the file cannot be read. ValueError: a row is invalid or not UTF-8 (file, line, field).
+    """
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise file_error(path, exc, _FIX) from None
+    index, line = 0, 0
+    with handle:
+        for offset, raw in _lines(handle, path):
+            line += 1
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{line}: not UTF-8 text (byte {exc.start + 1} of the line is "
+                                 f"0x{raw[exc.start]:02x}); save the file as UTF-8") from None
+            if not text.strip():
+                continue
+            yield line, offset, len(raw), _parse_row(path, line, text, index)
+            index += 1
+
+
+def _lines(handle, path: pathlib.Path) -> Iterator[tuple[int, bytes]]:
+    """``(offset, text)`` of every line of the binary file ``handle``, line endings removed, as
+    ``bytes.splitlines`` splits them (a lone ``\\r`` ends a line too)."""
+    offset = 0
+    while True:
+        try:
+            raw = handle.readline()
+        except OSError as exc:
+            raise file_error(path, exc, _FIX) from None
+        if not raw:
+            return
+        if b"\r" in raw:  # rare: CRLF or old-Mac endings; splitlines knows every case
+            position = offset
+            for part in raw.splitlines(keepends=True):
+                yield position, part.rstrip(b"\r\n")
+                position += len(part)
+        else:
+            yield offset, raw[:-1] if raw.endswith(b"\n") else raw
+        offset += len(raw)
+
+
 def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
-    """Load and validate a prompt file (see the module docstring for the schema); peer sources are read as they
-    are (:mod:`flowforge.data.peer_prompts`: a ``.txt`` file, ``{"prompt": ..., "image": ...}`` JSONL, a dataset
-    directory's train split), with derived ids.
+    """Load and validate a prompt file (see the module docstring for the schema) into a list; peer sources are read
+    as they are (:mod:`flowforge.data.peer_prompts`: a ``.txt`` file, ``{"prompt": ..., "image": ...}`` JSONL, a
+    dataset directory's train split), with derived ids. Training opens its files as a
+    :class:`flowforge.data.prompt_set.PromptSet` instead (byte offsets, a row parsed when drawn: any size).
 
     Args:
         source: a path (file or dataset directory), or ``"demo:train"`` / ``"demo:eval"`` for the demo prompts.
@@ -278,34 +351,12 @@ def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
         ValueError: a row is invalid or not UTF-8 text (the message names the file, the 1-based line number and
             the field), a ``sample_id`` repeats (naming both lines), or the file holds no rows.
     """
-    path = prompt_file(source)
-    check_prompt_file(path)
-    if (marker := incomplete_set(path)) is not None:
-        raise UserError(path, f"belongs to a file set whose writing was interrupted ({marker.name} is still there), "
-                        "so it may mix old and new rows", "rerun the command that wrote it (e.g. flowforge data "
-                        "curate ... --overwrite)")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise file_error(path, exc, _FIX) from None
+    path = open_prompt_file(source)
     records: list[PromptRecord] = []
     first_line: dict[str, int] = {}
-    index = 0
-    for line, raw in enumerate(data.splitlines(), start=1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}:{line}: not UTF-8 text (byte {exc.start + 1} of the line is "
-                             f"0x{raw[exc.start]:02x}); save the file as UTF-8") from None
-        if not text.strip():
-            continue
-        record = _parse_row(path, line, text, index)
-        index += 1
+    for line, _, _, record in scan_rows(path):
         if record.sample_id in first_line:
-            raise _row_error(
-                path, line, "metadata.sample_id",
-                f"{record.sample_id!r} repeats the one on line {first_line[record.sample_id]}; ids must be unique",
-            )
+            raise repeated_id_error(path, line, record.sample_id, first_line[record.sample_id])
         first_line[record.sample_id] = line
         records.append(record)
     if not records:
@@ -313,208 +364,28 @@ def load_prompts(source: str | pathlib.Path) -> list[PromptRecord]:
     return records
 
 
-_MASK63 = (1 << 63) - 1
+def repeated_id_error(path: pathlib.Path, line: int, sample_id: str, first: int) -> ValueError:
+    """The error of a ``sample_id`` on ``line`` that line ``first`` already used."""
+    return _row_error(path, line, "metadata.sample_id", f"{sample_id!r} repeats the one on line {first}; ids must "
+                                                        "be unique")
 
 
-def _mix63(value: int) -> int:
-    """A bijection of ``[0, 2**63)``: add a constant (so 0 does not map to 0), then xor-shift / odd-multiply rounds
-    (splitmix64-style, reduced to 63 bits). Every step is invertible modulo ``2**63``."""
-    x = (value + 0x2545F4914F6CDD1D) & _MASK63
-    x ^= x >> 31
-    x = (x * 0x3F2A8C5B1D4E6F97) & _MASK63
-    x ^= x >> 29
-    x = (x * 0x1CE4E5B9A6B3D2F1) & _MASK63
-    x ^= x >> 32
-    return x
-
-
-def _permutation(num_prompts: int, seed: int, epoch: int) -> np.ndarray:
-    """``pi_e``: ``argsort`` of per-index hash keys derived from ``seed + epoch``; pure integer arithmetic, so the
-    order is the same on every machine and library version. int64 ``[N]``."""
-    base = np.uint64(_mix63(seed + epoch))
-    keys = np.arange(num_prompts, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + base
-    keys ^= keys >> np.uint64(30)
-    keys *= np.uint64(0xBF58476D1CE4E5B9)
-    keys ^= keys >> np.uint64(27)
-    keys *= np.uint64(0x94D049BB133111EB)
-    keys ^= keys >> np.uint64(31)
-    return np.argsort(keys, kind="stable").astype(np.int64)
-
-
-@dataclasses.dataclass(frozen=True)
-class KRepeatBatch:
-    """One step of K-repeat sampling; identical on every rank except ``rank_slice``.
-
-    Candidates are ordered group-major: candidate ``j`` belongs to group ``j // K`` (``[g0]*K + [g1]*K + ...``).
-    """
-
-    step: int  # global step index of this batch (0 for the first batch ever drawn)
-    epoch: int  # epoch the prompts were drawn from
-    prompt_indices: torch.Tensor  # [M] int64, distinct indices into the prompt list
-    group_ids: torch.Tensor  # [M*K] int64, 0..M-1, group-major
-    candidate_ids: torch.Tensor  # [M*K] int64 >= 0, unique over every candidate this sampler ever draws
-    rank_slice: slice  # this rank's contiguous share of the M*K candidates
-
-    @property
-    def candidate_prompt_indices(self) -> torch.Tensor:
-        """``[M*K]`` int64: the prompt index of every candidate (``prompt_indices[group_ids]``)."""
-        return self.prompt_indices[self.group_ids]
-
-    @property
-    def local_prompt_indices(self) -> torch.Tensor:
-        """``[M*K / num_replicas]`` int64: prompt index of each candidate this rank owns."""
-        return self.candidate_prompt_indices[self.rank_slice]
-
-    @property
-    def local_group_ids(self) -> torch.Tensor:
-        """``[M*K / num_replicas]`` int64: group id of each candidate this rank owns."""
-        return self.group_ids[self.rank_slice]
-
-    @property
-    def local_candidate_ids(self) -> torch.Tensor:
-        """``[M*K / num_replicas]`` int64: candidate id (noise seed) of each candidate this rank owns."""
-        return self.candidate_ids[self.rank_slice]
-
-
-class KRepeatSampler:
-    """Draws ``M`` distinct prompts per step, each repeated ``K`` times, identically on every rank.
-
-    Args:
-        num_prompts: ``N``, size of the prompt list, >= 1.
-        prompts_per_step: ``M``, 1 <= M <= N.
-        group_size: ``K``, >= 1.
-        seed: int >= 0; epoch ``e`` uses the permutation seeded by ``seed + e``.
-        num_replicas: number of ranks, >= 1, must divide ``M * K``.
-        rank: this rank, ``0 <= rank < num_replicas``.
-
-    ``candidate_ids`` (for seeding each candidate's noise) are ``mix63(c + mix63(seed))`` where
-    ``c = steps_before * M * K + j`` counts every candidate drawn so far, ``mix63`` a bijection of ``[0, 2**63)``.
-    The counter fixes (epoch, position in the epoch, prompt index, k) and the map is one-to-one, so ids never repeat
-    within a run (exactly, not just with high probability) and change with the seed.
-
-    Stateful (``torch.distributed.checkpoint.stateful.Stateful``): :meth:`state_dict` / :meth:`load_state_dict`
-    carry the position, so a resumed run draws exactly the batches the interrupted one would have.
-
-    Raises:
-        ValueError: any argument outside the ranges above (the message names it).
-    """
-
-    def __init__(
-        self,
-        num_prompts: int,
-        prompts_per_step: int,
-        group_size: int,
-        seed: int,
-        *,
-        num_replicas: int = 1,
-        rank: int = 0,
-    ) -> None:
-        for field, value, low in (
-            ("num_prompts", num_prompts, 1), ("prompts_per_step", prompts_per_step, 1),
-            ("group_size", group_size, 1), ("seed", seed, 0), ("num_replicas", num_replicas, 1), ("rank", rank, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
-        if prompts_per_step > num_prompts:
-            raise ValueError(
-                f"prompts_per_step ({prompts_per_step}) must be <= num_prompts ({num_prompts}): "
-                "the prompts of one step are distinct"
-            )
-        if rank >= num_replicas:
-            raise ValueError(f"rank must be in 0..{num_replicas - 1} (num_replicas={num_replicas}), got {rank}")
-        batch = prompts_per_step * group_size
-        if batch % num_replicas:
-            raise ValueError(
-                f"prompts_per_step * group_size ({prompts_per_step} * {group_size} = {batch}) must be divisible by "
-                f"num_replicas ({num_replicas})"
-            )
-        self.num_prompts = num_prompts
-        self.prompts_per_step = prompts_per_step
-        self.group_size = group_size
-        self.seed = seed
-        self.num_replicas = num_replicas
-        self.rank = rank
-        per_rank = batch // num_replicas
-        self._rank_slice = slice(rank * per_rank, (rank + 1) * per_rank)
-        self._seed_offset = _mix63(seed)
-        self.epoch = 0
-        self.cursor = 0
-        self.steps = 0
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """``N // M``: steps drawn from each permutation before the next epoch starts."""
-        return self.num_prompts // self.prompts_per_step
-
-    def _permutation_for(self, epoch: int) -> np.ndarray:
-        if self._perm_epoch != epoch:
-            self._perm = _permutation(self.num_prompts, self.seed, epoch)
-            self._perm_epoch = epoch
-        return self._perm
-
-    def next_batch(self) -> KRepeatBatch:
-        """Draw the next step's prompts and candidates and advance the sampler (see :class:`KRepeatBatch`)."""
-        m, k = self.prompts_per_step, self.group_size
-        if self.cursor + m > self.num_prompts:
-            self.epoch += 1
-            self.cursor = 0
-        prompts = self._permutation_for(self.epoch)[self.cursor : self.cursor + m]
-        first = self.steps * m * k
-        ids = [_mix63(first + j + self._seed_offset) for j in range(m * k)]
-        batch = KRepeatBatch(
-            step=self.steps,
-            epoch=self.epoch,
-            prompt_indices=torch.from_numpy(prompts.copy()),
-            group_ids=torch.arange(m).repeat_interleave(k),
-            candidate_ids=torch.tensor(ids, dtype=torch.int64),
-            rank_slice=self._rank_slice,
-        )
-        self.cursor += m
-        self.steps += 1
-        return batch
-
-    def state_dict(self) -> dict[str, int]:
-        """Position and identity of the sampler: ``epoch``, ``cursor``, ``steps`` plus ``num_prompts``,
-        ``prompts_per_step``, ``group_size`` and ``seed`` (checked on load). JSON-serialisable ints."""
-        return {
-            "epoch": self.epoch, "cursor": self.cursor, "steps": self.steps, "num_prompts": self.num_prompts,
-            "prompts_per_step": self.prompts_per_step, "group_size": self.group_size, "seed": self.seed,
-        }
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Continue exactly where the sampler that produced ``state`` stopped. ``num_replicas``/``rank`` may differ.
-
-        Raises:
-            ValueError: a key is missing, or ``num_prompts`` / ``prompts_per_step`` / ``group_size`` / ``seed``
-                differ from this sampler's (resuming would not reproduce the run), or the position is invalid.
-        """
-        missing = [key for key in self.state_dict() if key not in state]
-        if missing:
-            raise ValueError(f"sampler state is missing keys {missing}")
-        for key in ("num_prompts", "prompts_per_step", "group_size", "seed"):
-            if int(state[key]) != getattr(self, key):
-                raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {getattr(self, key)}")
-        epoch, cursor, steps = int(state["epoch"]), int(state["cursor"]), int(state["steps"])
-        if epoch < 0 or steps < 0 or not 0 <= cursor <= self.num_prompts:
-            raise ValueError(f"sampler state position is invalid: epoch={epoch}, cursor={cursor}, steps={steps}")
-        self.epoch, self.cursor, self.steps = epoch, cursor, steps
-
-
-def check_task(records: list[PromptRecord], task: str, source: str) -> None:
+def check_task(records: Sequence[PromptRecord], task: str, source: str) -> None:
     """Every record of ``source`` must fit ``model.task``: an image task (i2v / i2i) needs records of exactly that
     task (each with its image); a text task takes t2i / t2v records (an image would be silently ignored).
+    ``records`` with a ``tasks`` array (:class:`flowforge.data.prompt_set.PromptSet`) are checked on it, unparsed.
 
     Raises:
         ValueError: naming the first disagreeing record and the allowed tasks.
     """
     allowed = [task] if task in IMAGE_TASKS else [t for t in TASKS if t not in IMAGE_TASKS]
-    for record in records:
+    tasks = getattr(records, "tasks", None)
+    rows = range(len(records)) if tasks is None else [int(i) for i in np.flatnonzero(~np.isin(tasks, allowed))[:1]]
+    for i in rows:
+        record = records[i]
         if record.task not in allowed:
             raise ValueError(f"{source}: record {record.sample_id!r} has metadata.task={record.task!r} but "
                              f"model.task={task!r} needs records with metadata.task in {allowed}")
-
 
 
 def check_condition_images(records: list[PromptRecord], limit: int | None, source: str) -> None:
@@ -524,7 +395,8 @@ def check_condition_images(records: list[PromptRecord], limit: int | None, sourc
     Raises:
         ValueError: naming the first record over the limit, its count and the limit.
     """
-    if limit is None:
+    tasks = getattr(records, "tasks", None)  # a PromptSet knows every row's task without parsing it
+    if limit is None or (tasks is not None and not np.isin(tasks, list(IMAGE_TASKS)).any()):
         return
     for record in records:
         if record.task in IMAGE_TASKS and (n := len(condition_images(record.metadata))) > limit:

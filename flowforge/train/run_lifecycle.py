@@ -32,7 +32,8 @@ import os
 from pathlib import Path
 
 from flowforge import config as config_lib
-from flowforge.data.prompts import check_task, load_prompts
+from flowforge.data.prompt_set import open_prompts
+from flowforge.data.prompts import check_task
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.durable import refuse_escaping_symlink, write_bytes
@@ -73,8 +74,10 @@ class RunDirectory:
             check_run_dir_place(self.run_dir, own=self.own_area)
         if not self.overwrite:  # a checkpoint continues in its own run or a new one, never over another run
             refuse_foreign_resume(self.run_dir, cfg.train.resume, cfg.run.output_dir)
-        self.train_prompts = load_prompts(cfg.data.prompts)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts)[: cfg.eval.max_prompts]
+        checked = getattr(self, "_checked_prompts", {})  # the files preflight opened (one pass over a big file)
+        self.train_prompts = checked.get("data.prompts") or open_prompts(cfg.data.prompts)  # offsets, rows on demand
+        eval_prompts = checked.get("data.eval_prompts") or open_prompts(cfg.data.eval_prompts)
+        self.eval_prompts = eval_prompts[: cfg.eval.max_prompts]  # a list: every one is evaluated
         check_task(self.train_prompts, cfg.model.task, "data.prompts")
         check_task(self.eval_prompts, cfg.model.task, "data.eval_prompts")
         if cfg.artifacts.root is not None:

@@ -38,7 +38,7 @@ from flowforge.runtime.dtypes import resolve_dtype
 from flowforge.runtime.interrupt import Interrupted, StopSignals
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
 from flowforge.config import Config
-from flowforge.data.preprocess import encode_cached
+from flowforge.data.preprocess import StreamedConditioning, encode_run_prompts
 from flowforge.data.images import condition_inputs
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, condition_images
 from flowforge.train.metrics import StageTimer, group_diversities, to_scalars, within_group_diversity
@@ -82,11 +82,6 @@ class StepBatch:
     records: list[PromptRecord]  # [B] the prompt record of each candidate
 
 
-def _encode(adapter, records: list[PromptRecord], cache_dir: str):
-    prompts = [r.prompt for r in records]
-    return encode_cached(adapter.encode, adapter.encoder_id, prompts, Path(cache_dir), batch_size=64)
-
-
 class Trainer(RunDirectory):
     """Builds everything a run needs from a validated config, then runs :meth:`train`.
 
@@ -111,6 +106,7 @@ class Trainer(RunDirectory):
         """Everything :meth:`__init__` builds, in order; the run directory is written only at the end."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         report = preflight(cfg, world_size=world)
+        self._checked_prompts = report.prompts  # the prompt files preflight read: _prepare_run keeps them
         self.dist = dist_lib.init(cfg.run.device)
         for warning in report.warnings:
             log.warning(warning)
@@ -138,9 +134,9 @@ class Trainer(RunDirectory):
         log.info("model loaded in %.1f s; encoding %d train + %d eval prompts ...", time.perf_counter() - started,
                  len(self.train_prompts), len(self.eval_prompts))
         started = time.perf_counter()
-        self.train_cond = _encode(self.adapter, self.train_prompts, cfg.data.cache_dir).to(self.device)
-        self.eval_cond = _encode(self.adapter, self.eval_prompts, cfg.data.cache_dir).to(self.device)
-        self.adapter.release_text_encoder()
+        conds = encode_run_prompts(self.adapter, {"train": self.train_prompts, "eval": self.eval_prompts},
+                                   cfg.data.cache_dir, self.device)
+        self.train_cond, self.eval_cond = conds["train"], conds["eval"]
         log.info("prompts encoded in %.1f s", time.perf_counter() - started)
         self.sigmas = self._schedule()
 
@@ -239,8 +235,9 @@ class Trainer(RunDirectory):
                                            rows, decode_media(self.adapter, part.final, self.cfg.reward.batch_size)))
         return traj, cond
 
-    def _conditioning(self, cond: Conditioning, records: list[PromptRecord], prompt_indices: torch.Tensor):
-        """The conditioning rows of ``prompt_indices``; for image tasks conditioned on each prompt's image(s) by the
+    def _conditioning(self, cond: Conditioning | StreamedConditioning, records, prompt_indices: torch.Tensor):
+        """The conditioning rows of ``prompt_indices`` (``[B]`` int64 into ``records``, a PromptSet or list; a
+        streamed ``cond`` encodes just those); for image tasks conditioned on each prompt's image(s) by the
         adapter (``ImageConditioned.condition_on_images``; each distinct prompt loaded and encoded once)."""
         if self.cfg.model.task not in IMAGE_TASKS:
             return cond.index(prompt_indices)

@@ -108,3 +108,64 @@ def test_foreign_directory_is_left_alone(tmp_path):
         save_conditioning(CountingEncoder()(["a"]), entry, encoder_id="enc-v1", prompts=["a"])
     assert [p.name for p in entry.iterdir()] == ["mine.txt"] and (entry / "mine.txt").read_text() == "user data"
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [entry.name]  # no tmp left
+
+
+class PaddedEncoder(CountingEncoder):
+    """Like a padded text encoder: each row's output moves in the last bits with the batch it is encoded in."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def __call__(self, prompts):
+        self.batches.append(list(prompts))
+        cond = super().__call__(prompts)
+        longest = max(map(len, prompts))
+        embeds = (cond.prompt_embeds.float() + 0.05 * longest).to(torch.bfloat16)
+        return Conditioning(embeds, cond.pooled, cond.mask, negative=cond.negative)
+
+
+def test_short_lists_are_encoded_up_front_as_before_and_long_ones_streamed(tmp_path):
+    from flowforge.data.preprocess import STREAM_ABOVE, StreamedConditioning, encode_prompts
+
+    short = [f"prompt {i}" for i in range(STREAM_ABOVE)]
+    enc = PaddedEncoder()
+    cond = encode_prompts(enc, "e", short, tmp_path)
+    assert isinstance(cond, Conditioning) and [len(b) for b in enc.batches] == [64] * (STREAM_ABOVE // 64)
+    _equal(cond, encode_cached(PaddedEncoder(), "e", short, tmp_path / "other", batch_size=64))  # the same entry
+    enc = PaddedEncoder()
+    streamed = encode_prompts(enc, "e", [*short, "one more"], tmp_path)
+    assert isinstance(streamed, StreamedConditioning) and enc.batches == []  # nothing encoded up front
+
+
+def test_streamed_rows_are_encoded_alone_once_and_the_same_bits_however_they_are_drawn(tmp_path):
+    from flowforge.data.preprocess import StreamedConditioning
+
+    prompts = [f"p{i}" + "x" * (i % 7) for i in range(1000)]
+    enc = PaddedEncoder()
+    cond = StreamedConditioning(enc, "e", prompts, tmp_path)
+    rows = cond.index(torch.tensor([5, 2, 5, 900]))
+    assert enc.batches == [[prompts[2]], [prompts[5]], [prompts[900]]]  # only the rows drawn, one prompt a call
+    _equal(rows, Conditioning.cat([PaddedEncoder()([prompts[i]]) for i in (5, 2, 5, 900)]))
+    cond.index([900, 2])
+    assert len(enc.batches) == 3 and cond.encoded == 3  # from memory
+    fresh = PaddedEncoder()  # a resumed run: rows come from the disk cache with the same bits, no encoder call
+    _equal(StreamedConditioning(fresh, "e", prompts, tmp_path).index([900, 5]), rows.index([3, 0]))
+    assert fresh.batches == []
+    other = StreamedConditioning(PaddedEncoder(), "e", prompts, tmp_path / "empty")  # encoded again, drawn anew
+    _equal(other.index([2, 999, 900]).index([0, 2]), rows.index([1, 3]))
+
+
+def test_the_streamed_memory_cache_is_bounded(tmp_path):
+    from flowforge.data.preprocess import StreamedConditioning
+
+    prompts = [f"p{i}" for i in range(600)]
+    enc = CountingEncoder()
+    one_row = 4 * 8 * 2 + 6 * 2 + 4 * 8 + (4 * 8 * 2 + 6 * 2 + 4 * 8)  # embeds, pooled (bf16), mask; and negative's
+    cond = StreamedConditioning(enc, "e", prompts, tmp_path, max_bytes=2 * one_row)
+    cond.index([0, 1, 2])
+    assert len(cond._recent) == 2 and list(cond._recent) == [1, 2]
+    cond.index([0])  # evicted: read again (from disk)
+    assert cond.encoded == 4 and enc.calls == 3
+    with pytest.raises(IndexError):
+        cond.index([600])

@@ -26,7 +26,7 @@ known then, the memory estimate -- is checked by :func:`check_loaded_model` once
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,7 +35,8 @@ from flowforge.algorithms import schedules
 from flowforge.algorithms.advantages import COMBINE_MODES, STD_MODES
 from flowforge.algorithms.sde import TRANSITION_KINDS, transition
 from flowforge.config import Config, ConfigError
-from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, load_prompts, resolve_prompt_path
+from flowforge.data.prompt_set import PromptSet, open_prompts
+from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, resolve_prompt_path
 from flowforge.runtime.dtypes import DTYPE_NAMES
 from flowforge.runtime.errors import one_line
 from flowforge.train.preflight.loaded import check_loaded_model  # noqa: F401 - the trainer imports it from here
@@ -56,6 +57,7 @@ class PreflightError(ConfigError):
 @dataclass(frozen=True)
 class PreflightReport:
     warnings: tuple[str, ...]
+    prompts: dict[str, PromptSet] = field(default_factory=dict)  # the prompt files checked, by key: read them once
 
 
 def _choice(problems, name, value, allowed):
@@ -139,7 +141,8 @@ def _task_problems(cfg: Config, problems: list[str], warnings: list[str]) -> Non
                         f"{list(VIDEO_TASKS)}; remove model.frames")
 
 
-def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str], this_machine: bool) -> dict[str, int]:
+def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str], this_machine: bool,
+                     opened: dict[str, PromptSet]) -> dict[str, int]:
     """The prompt files, when present on this machine: every row valid (images included), fitting ``model.task``,
     and at least ``data.prompts_per_step`` training prompts. A file absent here is a problem naming the absolute
     path tried (relative paths start at the working directory), or with ``this_machine=False`` (``check
@@ -147,13 +150,14 @@ def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str], this
     regular file (``/dev/null``) or unreadable (a symlink loop) is a problem either way.
 
     Returns:
-        The number of prompts of each file that loaded, by key (``data.prompts`` / ``data.eval_prompts``).
+        The number of prompts of each file that loaded, by key (``data.prompts`` / ``data.eval_prompts``); the
+        files themselves go into ``opened``.
     """
     counts: dict[str, int] = {}
     for name, source in (("data.prompts", cfg.data.prompts), ("data.eval_prompts", cfg.data.eval_prompts)):
         try:
             path = resolve_prompt_path(source)
-            records = load_prompts(path)
+            records = open_prompts(path)  # byte offsets, not records: any size
         except FileNotFoundError as exc:
             if os.path.islink(path):  # a link to nothing is a broken input, not a file of another machine
                 problems.append(f"{name}={source!r} is a symlink to {os.readlink(path)!r}, which does not exist")
@@ -168,7 +172,7 @@ def _prompt_problems(cfg: Config, problems: list[str], warnings: list[str], this
         except OSError as exc:  # a read error the file checks could not foresee
             problems.append(f"{name}={source!r} cannot be read ({type(exc).__name__}: {exc})")
             continue
-        counts[name] = len(records)
+        counts[name], opened[name] = len(records), records
         try:
             check_task(records, cfg.model.task, name)
         except ValueError as exc:
@@ -417,7 +421,8 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     _name_problems(cfg, problems)
     _task_problems(cfg, problems, warnings)
     _audio_problems(cfg, problems)
-    counts = _prompt_problems(cfg, problems, warnings, this_machine)
+    opened: dict[str, PromptSet] = {}
+    counts = _prompt_problems(cfg, problems, warnings, this_machine, opened)
     _model_path_problems(cfg, problems, warnings, this_machine)
     _trained_step_problems(cfg, problems)
     _batch_problems(cfg, world, problems)
@@ -447,4 +452,4 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
                         "(run.device) unless a scorer takes its own device option (reward.options.<name>.device)")
     if problems:
         raise PreflightError(problems)
-    return PreflightReport(warnings=tuple(warnings))
+    return PreflightReport(warnings=tuple(warnings), prompts=opened)
