@@ -70,24 +70,31 @@ class StopSignals:
     ``armed`` (set by the training loop once a step may be finished) decides what a first signal does: unarmed, it
     raises :class:`Interrupted` at once; armed, it records :attr:`signum` and the loop stops at the next step
     boundary. A second signal always raises at once. Outside the main thread the block installs nothing (the
-    process's owner handles signals).
+    process's owner handles signals). Blocks may nest (the command line's around the trainer's): the outermost
+    installs the handlers and restores the ones it found, and leaving it disarms.
     """
 
     def __init__(self) -> None:
         self.signum: int | None = None  # the first signal received
         self.armed = False
         self._previous: dict[int, object] = {}
+        self._depth = 0  # nested with-blocks entered and not left
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
+        if self._depth == 0 and threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+        self._depth += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+        self.armed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None or not self.armed:

@@ -128,6 +128,20 @@ def test_a_second_signal_while_finishing_stops_at_once(tiny_model_dir, encode_ca
     assert _steps(tmp_path / "t") == [1] and not committed_checkpoints(tmp_path / "t")
 
 
+def test_nested_stop_signal_blocks_restore_the_handlers_they_found():
+    """The command line's block around the trainer's: leaving the outer one puts the original handlers back and
+    disarms (was: the inner exit cleared what the outer had saved, so Ctrl-C stayed caught after training)."""
+    from flowforge.runtime.interrupt import StopSignals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = StopSignals()
+    with signals:
+        with signals:
+            signals.armed = True
+            assert signal.getsignal(signal.SIGINT) == signals._handle
+        assert signal.getsignal(signal.SIGINT) == signals._handle  # still inside the outer block
+    assert {s: signal.getsignal(s) for s in before} == before and not signals.armed
+
 def test_cut_rows_keeps_complete_rows_up_to_the_step(tmp_path):
     from flowforge.train.history import cut_rows
 
