@@ -83,8 +83,10 @@ class JudgeServer:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = log_file
         self._log = open(log_file, "a")  # noqa: SIM115 - kept open for the child's lifetime
+        # its own session: a Ctrl-C at the terminal reaches the pipeline, which finishes its step with this judge
+        # (the pipeline stops it after), not the judge itself; it still dies with the pipeline (_die_with_parent)
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True, env=_isolated_env(),
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent, start_new_session=True)
         self.url = self._wait(timeout_s)
 
     def _wait(self, timeout_s: float) -> str:
