@@ -154,9 +154,9 @@ def test_decompression_bomb_header_is_a_413_in_openai_json(judge):
     assert response.status_code == 413, response.text
     error = response.json()["error"]
     assert error["code"] == "request_too_large" and "3600000000 pixels" in error["message"]
-    from flowforge.rewards.judge.client import FATAL_STATUS, RETRY_STATUS
+    from flowforge.rewards.judge.client import FATAL_WHAT, RETRY_STATUS
 
-    assert 413 not in RETRY_STATUS | FATAL_STATUS and 413 < 500  # an answer the client records, never re-sends
+    assert 413 not in RETRY_STATUS | set(FATAL_WHAT) and 413 < 500  # an answer the client records, never re-sends
 
 
 def test_a_request_log_write_failure_is_a_json_500(judge):
