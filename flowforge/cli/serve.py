@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 from flowforge.cli.common import check_device, finite_float
@@ -100,6 +101,7 @@ def _run_reward(args: argparse.Namespace) -> int:
     unused = sorted(set(options) - set(names))
     if unused:
         raise ValueError(f"--options names scorers that are not served: {unused} (--scorers: {names})")
+    check_token_file(args)
     token = resolve_token(args.token_file, args.no_auth, args.host)  # auth errors before any model loads
     import torch
 
@@ -154,6 +156,7 @@ def _run_judge(args: argparse.Namespace) -> int:
         raise ValueError("--options applies to --scorer only")
     if args.request_log is not None:  # the shared write rule, before anything loads or is written
         check_request_log(args)
+    check_token_file(args)
     token = resolve_token(args.token_file, args.no_auth, args.host)  # auth errors before any model loads
     import torch
 
@@ -188,18 +191,39 @@ def check_request_log(args: argparse.Namespace) -> None:
     Raises:
         UserError / ValueError: naming ``--request-log`` and what is wrong with it.
     """
-    from flowforge.runtime.lock import held_by_parent
-    from flowforge.runtime.write_guard import check_write_target, enclosing
+    from flowforge.runtime.write_guard import check_write_target
     from flowforge.serve.judge_server import check_log_path
 
     inputs = {"--student directory": args.student, "--model directory": args.model, "--options file": args.options}
     protected = {label: path for label, path in inputs.items() if path is not None and Path(path).exists()}
     # the token file even before it exists: resolve_token creates it next
-    found = enclosing(args.request_log)
-    own = found[1] if found and found[0] == "pipeline directory" and held_by_parent(found[1]) else None
     check_write_target(args.request_log, "--request-log", protected={**protected, "--token-file": args.token_file},
-                       own=own)
+                       own=_parent_pipeline(args.request_log))
     check_log_path(Path(args.request_log))
+
+
+def _parent_pipeline(path: str | Path) -> Path | None:
+    """The pipeline directory holding ``path`` when this server was started by the pipeline that holds its lock
+    (:func:`~flowforge.runtime.lock.held_by_parent`): the server may write there. Else None."""
+    from flowforge.runtime.lock import held_by_parent
+    from flowforge.runtime.write_guard import enclosing
+
+    found = enclosing(path)
+    return found[1] if found and found[0] == "pipeline directory" and held_by_parent(found[1]) else None
+
+
+def check_token_file(args: argparse.Namespace) -> None:
+    """A ``--token-file`` that does not exist yet is created by the server: under the shared write rule, as any
+    file flowforge writes (not inside a run, a checkpoint or another's pipeline directory). An existing one is
+    only read.
+
+    Raises:
+        UserError: naming ``--token-file`` and the directory it lies in.
+    """
+    from flowforge.runtime.write_guard import check_write_target
+
+    if args.token_file is not None and not os.path.lexists(args.token_file):
+        check_write_target(args.token_file, "--token-file", own=_parent_pipeline(args.token_file))
 
 
 SERVERS = {"reward": (_add_reward, _run_reward), "judge": (_add_judge, _run_judge)}

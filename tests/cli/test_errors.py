@@ -448,6 +448,12 @@ CASES = [
                               ("{tmp}/pipe/conditions.jsonl", "the pipeline directory", "onto-a-pipeline-ledger"),
                               ("{tmp}/pipe/teacher/requests.log", "the pipeline directory",
                                "into-a-pipeline-s-teacher-log")]],
+    # a --token-file the server would create: under the same rule (an existing one is only read)
+    *[pytest.param(["serve", server, *backend, "--token-file", token], ["--token-file", why],
+                   id=f"write-serve-{server}-token-{ident}")
+      for server, backend in (("reward", ["--scorers", "digit"]), ("judge", ["--scorer", "digit"]))
+      for token, why, ident in [("{run}/token.txt", "lies inside the run directory", "into-a-run"),
+                                ("{tmp}/pipe/teacher/token.txt", "the pipeline directory", "into-a-pipeline")]],
 ]
 
 
