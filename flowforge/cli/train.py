@@ -28,7 +28,11 @@ examples:
 resuming (train.resume):
   train.resume=auto        continue from the run's newest committed checkpoint (a run with no
                            checkpoint yet starts at step 0)
-  train.resume=PATH        continue from that checkpoint directory (refused if not committed)
+  train.resume=must        as auto, but refused when there is nothing to resume (a mistyped run.name)
+  train.resume=PATH        continue from that checkpoint directory (refused if not committed); into
+                           the checkpoint's own run or a new run.name, never over another run
+  SIGINT / SIGTERM finish the current step, commit its checkpoint and exit 130 / 143 with the
+  command that continues the run.
   A run directory that already holds a run is refused without train.resume; --overwrite moves
   it aside instead."""
 
