@@ -234,3 +234,25 @@ def test_reference_image_over_the_budget_is_one_line_error(tmp_path):
     message = str(caught.value)
     assert "\n" not in message and str(png) in message and f"budget of {P.MAX_DECODE_PIXELS} pixels" in message
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_client_that_stalls_in_its_header_or_body_is_cut_off(tmp_path):
+    """``--client-timeout 1``: a half-sent request head is closed, a body that stops mid-way gets a 408 (or is
+    closed), each well within the socket's own 30 s bound (was: both held forever)."""
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    proc, url = S.start([*JUDGE, "--token-file", str(tmp_path / "token"), "--client-timeout", "1"])
+    parts = urllib.parse.urlsplit(url)
+    try:
+        stalled = [b"GET /health HTTP/1.1\r\nHost: x\r\n",  # a head never finished
+                   b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                   + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":"]  # a body
+        for request in stalled:
+            with socket.create_connection((parts.hostname, parts.port), timeout=30) as conn:
+                conn.sendall(request)
+                answer = b""
+                while chunk := conn.recv(4096):  # until the server closes (the 30 s socket timeout raises instead)
+                    answer += chunk
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # the server itself is fine
+    finally:
+        S.stop(proc)
