@@ -35,7 +35,8 @@ def judged(more=""):
 @pytest.fixture(scope="module")
 def places(tiny_model_dir, encode_cache_dir, tmp_path_factory):
     """``tmp``: the scratch directory holding the bad inputs (compared before / after every case); ``out``: where a
-    refused ``train`` would write (a case's own ``tmp_path`` in :func:`test_bad_input_is_one_line`); ``base``: the tiny model; ``cache``: the session's encoding cache."""
+    refused ``train`` would write (a case's own ``tmp_path`` in :func:`test_bad_input_is_one_line`); ``base``: the tiny
+    model; ``cache``: the session's encoding cache."""
     tmp = tmp_path_factory.mktemp("hardening")
     rows = [{"prompt": f"a handwritten {i}", "metadata": {"task": "t2i", "sample_id": f"s{i}"}} for i in range(8)]
     text = "".join(json.dumps(r) + "\n" for r in rows)
