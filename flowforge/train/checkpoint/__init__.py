@@ -74,7 +74,6 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
