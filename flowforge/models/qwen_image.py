@@ -137,7 +137,6 @@ from flowforge.models.common import (
 from flowforge.models.qwen_text import (
     QwenImageEditPlusText,
     QwenImageEditText,
-    condition_pil_images,
     edit_plus_sizes,
     qwen_image_text,
 )

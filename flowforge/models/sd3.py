@@ -54,7 +54,8 @@ The last SD3 block is context-pre-only and has no ``to_add_out``; peft matches s
 
 
 class SD3PipelineTextEncoder:
-    """CLIP-L + CLIP-G + T5-XXL of a local diffusers SD3 / 3.5 directory, via ``StableDiffusion3Pipeline.encode_prompt``.
+    """CLIP-L + CLIP-G + T5-XXL of a local diffusers SD3 / 3.5 directory, via
+    ``StableDiffusion3Pipeline.encode_prompt``.
 
     Loaded lazily (first :meth:`encode`) with ``transformer=None, vae=None`` so only the text side is read;
     :meth:`release` frees it. Outputs: ``prompt_embeds [B, 77 + max_sequence_length, 4096]``, ``pooled [B, 2048]``,

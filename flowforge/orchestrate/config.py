@@ -26,8 +26,8 @@ key                    stage A / stage C
 =====================  ================================================================================================
 
 then ``stages.a_overrides`` / ``stages.c_overrides`` (``section.key=value`` strings; they may not set what the
-pipeline owns: :data:`flowforge.orchestrate.plan.PROTECTED`, refused by :func:`load_pipeline`). ``stages.quick`` holds the
-overrides of a short run, applied to the whole file by ``--quick`` (:func:`load_pipeline`). The file must not set
+pipeline owns: :data:`flowforge.orchestrate.plan.PROTECTED`, refused by :func:`load_pipeline`). ``stages.quick`` holds
+the overrides of a short run, applied to the whole file by ``--quick`` (:func:`load_pipeline`). The file must not set
 ``reward.weights`` / ``reward.options`` / ``reward.required``: the teacher and the student are the rewards.
 """
 

@@ -359,8 +359,8 @@ class StageTrainer(Trainer):
         were all dropped is skipped (its advantages are all 0).
 
         Under torchrun a rank can lose all of its rows (its groups failed) while another trains: for the
-        objectives with data-parallel padding (``nft``, ``dpo``) the rows then leave inside the objective's ``prepare``, so
-        its data-parallel padding (zero-weight forwards drawn from the whole batch) keeps the ranks in lockstep."""
+        objectives with data-parallel padding (``nft``, ``dpo``) the rows then leave inside the objective's ``prepare``,
+        so its data-parallel padding (zero-weight forwards drawn from the whole batch) keeps the ranks in lockstep."""
         drop = getattr(self, "_dropped", None)
         if drop is None or not bool(drop.any()):
             return super().optimize(batch)

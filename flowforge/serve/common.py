@@ -29,7 +29,6 @@ import contextlib
 import io
 import ipaddress
 import os
-import re
 import secrets
 import sys
 import threading

@@ -195,9 +195,9 @@ def check_log_path(path: Path) -> None:
         path.unlink()  # created by the probe: the first request creates it again
 
 
-ERROR_CODES = {400: "invalid_json", 401: "invalid_api_key", 408: "request_timeout", 403: "permission_denied", 404: "not_found",
-               405: "method_not_allowed", 413: "request_too_large", 422: "invalid_request", 429: "rate_limited",
-               500: "backend_error"}
+ERROR_CODES = {400: "invalid_json", 401: "invalid_api_key", 408: "request_timeout", 403: "permission_denied",
+               404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 422: "invalid_request",
+               429: "rate_limited", 500: "backend_error"}
 """The ``code`` of an error answer by HTTP status (module docstring), when the raiser names none."""
 
 

@@ -108,8 +108,8 @@ def _protocol(cap: int, client_timeout_s: float) -> type:
             if len(live) > cap:
                 idle = [c for c in live if c is not self and c._idle()]
                 victim = min(idle, key=lambda c: c._opened) if idle else self
-                RATE_LIMITED.warning("cap", f"{len(live)} connections over the cap of {cap}: "
-                                            + ("closed the oldest idle one" if idle else "all busy, refused the new one"))
+                what = "closed the oldest idle one" if idle else "all busy, refused the new one"
+                RATE_LIMITED.warning("cap", f"{len(live)} connections over the cap of {cap}: " + what)
                 victim.transport.close()
 
         def on_response_complete(self) -> None:

@@ -20,9 +20,9 @@ no path, no option values, no scores).
 that reads back to the same float, so a float32 survives exactly), ``null`` = NaN ("not applicable"). A video is
 scored frame by frame and each component averaged over its frames, as the trainer does.
 
-Errors: 401 without the token (checked before the body is read); 408 for a body that stalls; 413 for a body over ``max_bytes``, more than ``max_batch`` items or media decoding to
-more than ``max_request_pixels`` pixels (read from the image headers first); 400 for a body nested deeper than
-:data:`~flowforge.serve.common.MAX_JSON_DEPTH`; 422 with a
+Errors: 401 without the token (checked before the body is read); 408 for a body that stalls; 413 for a body over
+``max_bytes``, more than ``max_batch`` items or media decoding to more than ``max_request_pixels`` pixels (read from the
+image headers first); 400 for a body nested deeper than :data:`~flowforge.serve.common.MAX_JSON_DEPTH`; 422 with a
 one-line ``detail`` for a malformed body (schema, base64, image bytes, sizes, lengths, unknown components, a scorer
 rejecting its input with ``ValueError``); 500 when a scorer fails otherwise or returns a wrong shape or an infinite
 score. A failure is never answered with a score.
@@ -153,7 +153,8 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
     """The ASGI app serving ``scorers`` (name -> scorer; the name is the component name clients ask for).
 
     Args:
-        token: the bearer token ``/score`` requires (``/health`` is open); ``None`` = no auth (the CLI allows it on loopback only).
+        token: the bearer token ``/score`` requires (``/health`` is open); ``None`` = no auth (the CLI allows it on
+            loopback only).
         max_batch: most media items per request. max_bytes: largest request body. max_pixels: largest image
             (``H * W``). max_frames: most frames per video. max_request_pixels: decoded pixels per request, all
             images and frames together (read from the headers before anything is decoded; 413 over it); also the

@@ -179,8 +179,8 @@ class SamplerConfig(Section):
     mu: float | None = None  # dynamic shift; None with schedule "dynamic" = computed from the resolution
     sde_kind: str = "sde"  # "sde" | "dance" | "cps" | "ode"
     noise_level: float = 0.7  # eta
-    guidance_scale: float = 1.0
-    negative_prompt: str | None = None  # CFG's unconditional prompt (used when guidance_scale != 1); None: the model's
+    guidance_scale: float = 1.0  # whether CFG runs is the family's guidance rule (AdapterMixin.guidance_use)
+    negative_prompt: str | None = None  # CFG's unconditional prompt, used when the pipeline runs CFG; None: the model's
     trained_indices: tuple[int, ...] | None = None
     num_sde_steps: int = 3
     sde_window: tuple[float, float] = (0.0, 1.0)

@@ -2,11 +2,11 @@
 
 What and why
 ------------
-The loop (docs/architecture.md, "Data flow") produces detached 0-d tensors in its hot paths (losses return ``(loss, metrics)``; no
-``.item()`` there). Once per step, :func:`to_scalars` turns the step's whole metric mapping into Python floats with a
-single host transfer per device, and :class:`MetricsLogger` appends them to ``<run_dir>/metrics.jsonl`` and
-the trackers (:mod:`flowforge.train.trackers`). Evaluation results go to ``<run_dir>/eval.jsonl``.
-:mod:`flowforge.report.run` turns a run directory into ``report.html``.
+The loop (docs/architecture.md, "Data flow") produces detached 0-d tensors in its hot paths (losses return
+``(loss, metrics)``; no ``.item()`` there). Once per step, :func:`to_scalars` turns the step's whole metric mapping into
+Python floats with a single host transfer per device, and :class:`MetricsLogger` appends them to
+``<run_dir>/metrics.jsonl`` and the trackers (:mod:`flowforge.train.trackers`). Evaluation results go to
+``<run_dir>/eval.jsonl``. :mod:`flowforge.report.run` turns a run directory into ``report.html``.
 
 Metric names are namespaced by the caller: ``train/…``, ``reward/…``, ``perf/…``, ``time/…``, ``eval/…``.
 

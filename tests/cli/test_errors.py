@@ -229,7 +229,8 @@ def places(cli_run, tiny_model_dir, tmp_path_factory):
     for name, text in (("pipeline.json", "{}\n"), ("conditions.jsonl", '{"kind": "header"}\n'),
                        ("judge.token", "t0ken"), ("teacher/requests.log", "")):
         (pipe / name).write_text(text)
-    shutil.copytree(cli_run, tmp / "vx")  # another existing run, which a resume from the run's checkpoint may not replace
+    # another existing run, which a resume from the run's checkpoint may not replace
+    shutil.copytree(cli_run, tmp / "vx")
     broken = Path(shutil.copytree(tiny_model_dir, tmp / "broken_model"))
     weights = broken / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(b"\x07" * weights.stat().st_size)

@@ -12,14 +12,12 @@ import errno
 import io
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.cli.test_errors import EXAMPLE, assert_one_line_error, run_cli
+from tests.runtime.lock_holder import lock_holder
 from tests.tools.test_export import tree_digest
 
 JUDGE = ("reward.options={{vlm_judge: {{model: m, base_url: 'http://127.0.0.1:1/v1', api_key_env: null, "
@@ -35,7 +33,8 @@ def judged(more=""):
 @pytest.fixture(scope="module")
 def places(tiny_model_dir, encode_cache_dir, tmp_path_factory):
     """``tmp``: the scratch directory holding the bad inputs (compared before / after every case); ``out``: where a
-    refused ``train`` would write (a case's own ``tmp_path`` in :func:`test_bad_input_is_one_line`); ``base``: the tiny model; ``cache``: the session's encoding cache."""
+    refused ``train`` would write (a case's own ``tmp_path`` in :func:`test_bad_input_is_one_line`); ``base``: the tiny
+    model; ``cache``: the session's encoding cache."""
     tmp = tmp_path_factory.mktemp("hardening")
     rows = [{"prompt": f"a handwritten {i}", "metadata": {"task": "t2i", "sample_id": f"s{i}"}} for i in range(8)]
     text = "".join(json.dumps(r) + "\n" for r in rows)
@@ -100,16 +99,7 @@ def test_a_live_run_is_named_by_its_lock_holder(places):
     """A second ``train`` into a run directory that a live process holds: ``locked by PID N (running since ...)``
     (was: ``already holds a run``, which sent the user to --overwrite or train.resume)."""
     live = Path(places["tmp"]) / "live_run"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import time
-        from flowforge.runtime.lock import RunLock
-        lock = RunLock({str(live)!r})
-        lock.acquire()
-        print("held", flush=True)
-        time.sleep(120)
-    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_holder(live) as holder:
         before = tree_digest(places["tmp"])
         for more in ([], ["--overwrite"], ["train.resume=auto"]):
             args = [a.format(**places) for a in train(f"run.output_dir={places['tmp']}", "run.name=live_run", *more)]
@@ -117,9 +107,6 @@ def test_a_live_run_is_named_by_its_lock_holder(places):
             assert_one_line_error(rc, stderr, [str(live), f"is locked by PID {holder.pid} on host",
                                                "(running since 20"])
             assert tree_digest(places["tmp"]) == before
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 class FullDisk(io.RawIOBase):

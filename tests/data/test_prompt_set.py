@@ -51,7 +51,8 @@ def test_rows_are_those_load_prompts_reads(tmp_path, make):
 @pytest.mark.parametrize("bad_row, line, field", [
     ({"metadata": {"task": "t2i", "sample_id": "x"}}, 3, "'prompt'"),
     ({"prompt": "a", "metadata": {"task": "t2x", "sample_id": "x"}}, 3, "'metadata.task'"),
-    ({"prompt": "a", "metadata": {"task": "t2i", "sample_id": "id1"}}, 3, "'metadata.sample_id'.*'id1' repeats the one on line 2"),
+    ({"prompt": "a", "metadata": {"task": "t2i", "sample_id": "id1"}}, 3,
+     "'metadata.sample_id'.*'id1' repeats the one on line 2"),
     ("{not json", 3, "not valid JSON"),
 ])
 def test_errors_are_those_of_load_prompts(tmp_path, bad_row, line, field):

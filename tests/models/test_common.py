@@ -4,7 +4,6 @@ import json
 import pytest
 import torch
 
-from flowforge.models.base import Conditioning
 from flowforge.models.common import (DYNAMIC_SHIFT_DEFAULTS, FLOWFORGE_META, dynamic_shift_mu,
                                      flow_match_pipeline_sigmas, read_flowforge_meta)
 

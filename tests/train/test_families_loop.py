@@ -1,4 +1,5 @@
-"""Every model family on the real training loop (``flowforge.train.trainer.Trainer``), exported, and preflight's task check.
+"""Every model family on the real training loop (``flowforge.train.trainer.Trainer``), exported, and preflight's task
+check.
 
 Each family's tiny random pipeline (tests/models/tiny_families.py; SD3 is the conftest's tiny pixel-space model) is
 saved with ``save_pretrained`` and loaded by the trainer through ``model.adapter=<family>``, ``model.path=<dir>``.
@@ -357,8 +358,8 @@ def test_preflight_task_check_edges():
     _preflight("model.adapter=wan", "model.task=i2v", "model.frames=5")
     assert "the first frame is the condition image" in _task_problems("model.adapter=wan", "model.task=i2v",
                                                                        "model.frames=1")[0]
-    (problem,) = _task_problems("model.adapter=tests.train.test_families_loop:ImageTaskWithoutEncoder", "model.task=i2v",
-                                "model.frames=5")
+    (problem,) = _task_problems("model.adapter=tests.train.test_families_loop:ImageTaskWithoutEncoder",
+                                "model.task=i2v", "model.frames=5")
     assert "has no condition_on_images" in problem
     # frames must match the task
     assert _task_problems("model.adapter=wan", "model.task=t2v") == [

@@ -141,8 +141,8 @@ def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
     assert any(p.startswith("data.eval_prompts: record 'demo-eval-t00-d0' has metadata.task='t2i' but "
                             "model.task='i2v' needs records with metadata.task in ['i2v']") for p in problems)
     assert any("train.algorithm" in p for p in problems)  # collected with every other violation
-    with pytest.raises(PreflightError, match="is a directory with no train split; give a .txt .* or a dataset directory with train.jsonl .*"
-                       "flowforge data prepare"):
+    with pytest.raises(PreflightError, match="is a directory with no train split; give a .txt .* or a dataset "
+                                             "directory with train.jsonl .*flowforge data prepare"):
         preflight(load_config(None, [f"data.prompts={tmp_path}"]), world_size=1)
     report = preflight(load_config(None, [f"data.prompts={tmp_path / 'elsewhere.jsonl'}"]), world_size=1,
                        this_machine=False)

@@ -3,9 +3,6 @@ by a refused command, no writes through symlinks leading out, checkpoint checksu
 
 import os
 import socket
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -17,6 +14,7 @@ from flowforge.train import checkpoint as ckpt
 from flowforge.runtime.run_dir import check_artifacts_root
 from flowforge.train.sidecars import SidecarWriter, complete_steps
 from flowforge.train.trainer import Trainer
+from tests.runtime.lock_holder import lock_holder
 from tests.train.test_sidecars import make_batch
 from tests.train.test_trainer import tiny_cfg
 from tests.tools.test_export import tree_digest
@@ -166,22 +164,10 @@ def test_symlinks_leading_out_of_the_run_dir_are_refused(trained, tmp_path):
 
 def test_concurrent_second_trainer_is_refused_naming_pid_and_host(trained):
     run_dir, cfg = trained
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys, time
-        from flowforge.runtime.lock import RunLock
-        lock = RunLock({str(run_dir)!r})
-        lock.acquire()
-        print("held", flush=True)
-        time.sleep(120)
-    """)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_holder(run_dir) as holder:
         with pytest.raises(UserError, match=rf"is locked by PID {holder.pid} on host {socket.gethostname()} "
                                             r"\(running since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\)"):
             Trainer(cfg("train.resume=auto"), progress=False)
-    finally:
-        holder.kill()
-        holder.wait()
     time.sleep(0.1)
 
 

@@ -8,13 +8,14 @@ data tools add two things to it:
 paths, relative to the JSONL file's directory or absolute (as :func:`flowforge.data.prompts.load_prompts` resolves
 ``image``). An image-conditioned task (``i2i``, ``i2v``) needs exactly one ``image`` path or a non-empty ``images``
 list (a multi-image edit's reference images, in order; not both). A video is a file or a directory of frame
-images; an audio entry a sound file (a WAV decodes in ``inspect --decode-media``). ``audio`` is carried for audio-conditioned tasks: it is validated, checked, deduplicated and kept
-like the other media, but no built-in adapter consumes it yet (``LTX2Pipeline``, the one audio-video family, has no
-audio-conditioned mode: the ``ltx2`` adapter generates the sound itself).
+images; an audio entry a sound file (a WAV decodes in ``inspect --decode-media``). ``audio`` is carried for
+audio-conditioned tasks: it is validated, checked, deduplicated and kept like the other media, but no built-in adapter
+consumes it yet (``LTX2Pipeline``, the one audio-video family, has no audio-conditioned mode: the ``ltx2`` adapter
+generates the sound itself).
 
-**Placeholders.** A prompt may mark where its media go with ``<image>`` / ``<video>`` / ``<audio>``. For each kind the prompt holds
-either no placeholder (the media are conditioning inputs, as ``i2i`` / ``i2v`` use ``metadata.image``) or exactly one
-per listed file of that kind; any other count is a problem.
+**Placeholders.** A prompt may mark where its media go with ``<image>`` / ``<video>`` / ``<audio>``. For each kind the
+prompt holds either no placeholder (the media are conditioning inputs, as ``i2i`` / ``i2v`` use ``metadata.image``) or
+exactly one per listed file of that kind; any other count is a problem.
 
 **Content hash** (dedup in ``curate``, leakage in ``inspect``)::
 

@@ -388,8 +388,8 @@ condition image, and the judge / reward servers' default per-request budget (32 
 
 def header_pixels(source: Any) -> int:
     """``width * height * frames`` of an image file or file object, read from its header only (``PIL.Image.open`` is
-    lazy). A header past Pillow's decompression-bomb limit (``Image.open`` refuses to open it, or warns) counts the pixels it
-    claims, from Pillow's message (at least twice ``Image.MAX_IMAGE_PIXELS``), so a budget refuses it.
+    lazy). A header past Pillow's decompression-bomb limit (``Image.open`` refuses to open it, or warns) counts the
+    pixels it claims, from Pillow's message (at least twice ``Image.MAX_IMAGE_PIXELS``), so a budget refuses it.
 
     Raises:
         PIL.UnidentifiedImageError / OSError: not an image Pillow recognises; FileNotFoundError.

@@ -2,12 +2,12 @@
 
 What and why
 ------------
-A checkpoint (:mod:`flowforge.train.checkpoint`) stores only what flowforge needs to resume: the LoRA weights keyed without
-the adapter name, and the contract ``{trainable, rank, alpha, targets, dropout}`` in ``trainer_state.json``. Users
-want a model diffusers can load. :func:`export_run` writes one of two forms, for every registered family (the
+A checkpoint (:mod:`flowforge.train.checkpoint`) stores only what flowforge needs to resume: the LoRA weights keyed
+without the adapter name, and the contract ``{trainable, rank, alpha, targets, dropout}`` in ``trainer_state.json``.
+Users want a model diffusers can load. :func:`export_run` writes one of two forms, for every registered family (the
 table below; the adapter class's ``export_pipeline`` names the pipeline, :mod:`flowforge.tools.export.probes` the
-verification inputs) and, in the ``merged`` form, for any diffusers transformer class (a ``pkg.module:Class``
-adapter's base included: the class is read from the base's ``transformer/config.json`` ``_class_name``):
+verification inputs) and, in the ``merged`` form, for any diffusers transformer class (a ``pkg.module:Class`` adapter's
+base included: the class is read from the base's ``transformer/config.json`` ``_class_name``):
 
 ===================  ================================  =========================================================
 adapter              transformer                       ``save_lora_weights`` / ``load_lora_weights`` pipeline
@@ -27,12 +27,13 @@ adapter              transformer                       ``save_lora_weights`` / `
 
 A two-expert Wan 2.2 A14B base (``transformer_2/``) is written by :mod:`flowforge.tools.export.wan_experts` (both
 experts, in either form). Families with a file format of their own are written by their own writer
-(:data:`WRITERS`, one dispatch in :func:`export_run`): the world model (``model.adapter: world_model``) by :mod:`flowforge.tools.export.world`, in the
-format ``load_world_model`` reads. Everything else below (checks, marker, card, verification rule) is shared.
-A ``module`` run (``lora.trainable: module``: exact submodules fine-tuned in full) exports ``merged`` as a full
-fine-tune does, and ``adapter`` as exactly its trained tensors (:mod:`flowforge.tools.export.weights`). A
-``module+lora`` run (both at once) exports for the world model only: ``merged`` with the submodules overlaid and the
-LoRA folded in, ``adapter`` as both files; a diffusers family's is refused (:class:`ExportError`).
+(:data:`WRITERS`, one dispatch in :func:`export_run`): the world model (``model.adapter: world_model``) by
+:mod:`flowforge.tools.export.world`, in the format ``load_world_model`` reads. Everything else below (checks, marker,
+card, verification rule) is shared. A ``module`` run (``lora.trainable: module``: exact submodules fine-tuned in full)
+exports ``merged`` as a full fine-tune does, and ``adapter`` as exactly its trained tensors
+(:mod:`flowforge.tools.export.weights`). A ``module+lora`` run (both at once) exports for the world model only:
+``merged`` with the submodules overlaid and the LoRA folded in, ``adapter`` as both files; a diffusers family's is
+refused (:class:`ExportError`).
 
 The pipeline class is the base directory's own (``model_index.json`` ``_class_name``) when it has
 ``save_lora_weights``, else the family's default above. All of them write the same diffusers format (keys
@@ -282,4 +283,5 @@ WRITERS: dict[str, Writer] = {
     "world_model": Writer(merged=export_world.write_merged, adapter=export_world.write_adapter,
                           snippet=export_world.loading_snippet),
 }
-"""``model.adapter`` -> the writer of a family with its own file format (every other family: :data:`DIFFUSERS_WRITER`)."""
+"""``model.adapter`` -> the writer of a family with its own file format (every other family:
+:data:`DIFFUSERS_WRITER`)."""

@@ -2,7 +2,8 @@
 
 Every family's writer (:mod:`flowforge.tools.export.diffusers` for diffusers transformers,
 :mod:`flowforge.tools.export.world` for the world model) computes ``v_trained`` (the trained policy on fixed
-seeded inputs, fp32) and ``v_export`` (the export reloaded the way a user loads it, same inputs) and hands both to :func:`verify_report`. It passes when
+seeded inputs, fp32) and ``v_export`` (the export reloaded the way a user loads it, same inputs) and hands both to
+:func:`verify_report`. It passes when
 
     max |v_export - v_trained| <= tol * max(1, max |v_trained|)
 

@@ -28,10 +28,11 @@ The held-out eval's sampler (:meth:`flowforge.train.trainer.Trainer.evaluate`): 
 sampler :func:`flowforge.rollout.generate` on the run's schedule (``sampler.num_steps``, ``schedule``, ``shift``,
 ``mu``; a dynamic-shift family's own pipeline schedule), with the run's ``sampler.guidance_scale``; ``steps`` and
 ``guidance`` override those two. CFG's unconditional branch encodes ``sampler.negative_prompt`` (or
-``negative_prompt``), set on the adapter before any prompt is encoded, as the trainer does. The initial noise of image ``j`` of prompt ``p`` (``N`` images per prompt) is
-:func:`flowforge.rollout.candidate_noise` of candidate id ``p * N + j`` with ``seed`` in slot ``-1``: a function of
-``(seed, p, j)`` only, so a seed gives the same images on every run, batch size and device order (and the eval
-prompts with ``seed = eval.seed`` and ``N = eval.samples_per_prompt`` give the eval's own noise).
+``negative_prompt``), set on the adapter before any prompt is encoded, as the trainer does. The initial noise of image
+``j`` of prompt ``p`` (``N`` images per prompt) is :func:`flowforge.rollout.candidate_noise` of candidate id
+``p * N + j`` with ``seed`` in slot ``-1``: a function of ``(seed, p, j)`` only, so a seed gives the same images on
+every run, batch size and device order (and the eval prompts with ``seed = eval.seed`` and
+``N = eval.samples_per_prompt`` give the eval's own noise).
 
 Image-conditioned tasks (``i2i``, ``i2v``) need a JSONL ``prompt_file`` whose records name their image
 (``metadata.image``, the training prompt schema); a packaged set (``demo:world-eval``: first frames + action

@@ -39,8 +39,8 @@ Write order (one save of step ``n``)
    ``trainer_state.json`` last. Each file: write ``.<name>.tmp-<pid>``, fsync it, ``os.replace`` to its name, fsync
    its directory. — barrier —
 3. rank 0 checks that every rank's RNG files exist, fsyncs ``weights/``, ``rng/`` and ``step_<n>/``, writes
-   ``COMMITTED`` (same tmp → fsync → rename → fsync-dir sequence), then replaces ``checkpoints/latest`` atomically,
-   then rotates. — barrier —
+   ``COMMITTED`` (same tmp → fsync → rename → fsync-dir sequence), then replaces ``checkpoints/latest``
+   atomically, then rotates. — barrier —
 
 Rotation (rank 0, after the commit) keeps the newest ``keep`` committed checkpoints, always the one just written and
 ``protect`` (the checkpoint the run resumed from). A checkpoint is deleted by unlinking its ``COMMITTED`` first, so a
@@ -74,7 +74,6 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 from torch import Tensor
 

@@ -440,8 +440,8 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
         warnings.append(f"data.group_size={cfg.data.group_size} with advantage.std_mode='group': every group has one "
                         "candidate, so every advantage is 0 and nothing is learned")
     if cfg.sampler.negative_prompt is not None and cfg.sampler.guidance_scale == 1.0:
-        warnings.append(f"sampler.negative_prompt={cfg.sampler.negative_prompt!r} is not used: classifier-free guidance "
-                        "runs only when sampler.guidance_scale != 1")
+        warnings.append(f"sampler.negative_prompt={cfg.sampler.negative_prompt!r} is not used: "
+                        "classifier-free guidance runs only when sampler.guidance_scale != 1")
     grouped = sorted({n for n in (*cfg.eval.scorers, *cfg.reward.weights) if n == "group_diversity"})
     if grouped and cfg.eval.samples_per_prompt < 2:  # the eval scores every reward component too
         warnings.append(f"{grouped[0]} is evaluated with eval.samples_per_prompt={cfg.eval.samples_per_prompt}: it "
