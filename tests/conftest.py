@@ -7,6 +7,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # child processes (the CLI run as a user runs it) on one thread like this one: on a busy machine a run on more threads
 # warns that they measured slower than one (flowforge.train.perf.set_cpu_threads), which depends on the load
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the two xdist workers share the cores on purpose: no start-up thread-count warning in every run (tested on its own)
+os.environ.setdefault("FLOWFORGE_THREAD_CHECK", "0")
 
 import json
 import pathlib

@@ -190,6 +190,7 @@ def test_more_threads_measured_slower_than_one_are_reported_and_recorded(make_tr
     land in provenance.json."""
     from flowforge.train import perf
 
+    monkeypatch.setenv(perf.THREAD_CHECK_ENV, "1")  # the suite turns the check off (tests/conftest.py)
     for n, rate in ((2, 0.015e12), (1, 0.10e12)):
         monkeypatch.setitem(perf._MEASURED, ("cpu", torch.float32, n), rate)
     torch.set_num_threads(2)  # "auto" starts from torch's default: 2 here
