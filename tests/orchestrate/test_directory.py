@@ -80,7 +80,11 @@ def test_records_never_lead_out_of_the_pipeline_directory(tmp_path):
 
 def test_stage_c_moved_onto_an_existing_run_by_c_overrides_is_refused(tiny_model_dir, encode_cache_dir, tmp_path):
     """Issue 42: ``stages.c_overrides=[run.output_dir=runs, run.name=<existing run>]`` made stage C resume A's
-    checkpoint over that run. Stage C goes through the trainer's rule: refused before anything is written."""
+    checkpoint over that run. The pipeline now refuses those overrides when it loads; behind that, a stage C config
+    pointed at an existing run (the Python API) meets the trainer's rule: refused before anything is written."""
+    import dataclasses
+
+    from flowforge.config import ConfigError
     from flowforge.orchestrate.config import JUDGE, PLACEHOLDER_URL, judge_options, load_pipeline, stage_config
     from flowforge.orchestrate.stage_trainer import StageTrainer
     from flowforge.orchestrate.stages import open_ledger
@@ -91,9 +95,12 @@ def test_stage_c_moved_onto_an_existing_run_by_c_overrides_is_refused(tiny_model
     (vx / "checkpoints" / "step_000004").mkdir(parents=True)
     (vx / "checkpoints" / "step_000004" / "COMMITTED").write_text("{}")
     (vx / "config.yaml").write_text("run: {name: vx}\n")
-    path = write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, runs, encode_cache_dir,
-                          stages={"n_a": 4, "c_overrides": [f"run.output_dir={runs}", "run.name=vx"]})
-    pcfg = load_pipeline(path)
+    moved = write_pipeline(tmp_path / "moved.yaml", tiny_model_dir, runs, encode_cache_dir,
+                           stages={"n_a": 4, "c_overrides": [f"run.output_dir={runs}", "run.name=vx"]})
+    with pytest.raises(ConfigError, match="run.name"):
+        load_pipeline(moved)
+    pcfg = load_pipeline(write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, runs, encode_cache_dir,
+                                        stages={"n_a": 4}))
     ledger = open_ledger(pcfg)
     a_last = runs / "p" / "A" / "checkpoints" / "step_000002"  # stage A's last checkpoint (its marker is enough here)
     a_last.mkdir(parents=True)
@@ -102,6 +109,7 @@ def test_stage_c_moved_onto_an_existing_run_by_c_overrides_is_refused(tiny_model
     judge = judge_options(pcfg, base_url=PLACEHOLDER_URL, model=pcfg.teacher.model, api_key_env=None)
     cfg = stage_config(pcfg, "C", steps=3, reward={"weights": {JUDGE: 1.0}, "options": {JUDGE: judge}},
                        resume=str(a_last))
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(runs), name="vx"))
     before = tree_digest(runs)
     with pytest.raises(UserError, match=f"belongs to the run {runs / 'p' / 'A'}.*names the existing run {vx}.*"
                                         "choose a fresh run.name"):
