@@ -107,7 +107,8 @@ def test_clip_tokens_condition_both_cfg_branches_and_match_the_pipeline():
     last = a.image_encoder(**a.image_processor(images=pil, return_tensors="pt"), output_hidden_states=True)
     assert not torch.allclose(tokens, last.last_hidden_state)  # the penultimate layer, not the last
 
-    # one CFG forward over [negative; conditional]: both halves get the same image tokens, and they matter
+    # CFG in two forwards (conditional, then negative), as WanImageToVideoPipeline: both get the same image tokens,
+    # and they matter
     g = torch.Generator().manual_seed(11)
     noise = torch.randn(2, *shape, generator=g)
     x = with_condition(a, noise, cond)
@@ -119,9 +120,10 @@ def test_clip_tokens_condition_both_cfg_branches_and_match_the_pipeline():
             v = a.velocity(x, torch.tensor([0.9, 0.4]), cond, 4.0)
     finally:
         handle.remove()
-    (fed,) = seen
-    assert fed.shape == (4, S_IMG, IMAGE_DIM)
-    torch.testing.assert_close(fed, reference.expand(4, -1, -1), rtol=0, atol=1e-6)
+    assert len(seen) == 2
+    for fed in seen:
+        assert fed.shape == (2, S_IMG, IMAGE_DIM)
+        torch.testing.assert_close(fed, reference.expand(2, -1, -1), rtol=0, atol=1e-6)
     slot, gen = a.condition_index, a.generated_index
     assert v[slot].abs().max() == 0 and v[gen].abs().max() > 0
     other = a.condition_on_images(a.encode(PROMPTS), PROMPTS, _image(1)[1].expand(2, -1, -1, -1), shape)
