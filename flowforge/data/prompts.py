@@ -22,18 +22,6 @@ way; how many a family takes is checked when training starts (:func:`check_condi
     {"prompt": "the cat from picture 1 on the sofa of picture 2", "metadata": {"task": "i2i", "sample_id": "e1",
      "images": ["refs/cat.png", "refs/sofa.png"]}}
 
-symbol       meaning
-===========  ==================================================================================================
-``N``        number of prompts in the dataset (``num_prompts``)
-``M``        prompts per step (``prompts_per_step``), distinct within a step, ``M <= N``
-``K``        candidates per prompt (``group_size``)
-epoch ``e``  one pass over the permutation ``pi_e`` of ``0..N-1`` seeded by ``seed + e``
-cursor       position in ``pi_e``; a step takes ``pi_e[cursor : cursor + M]``
-===========  ==================================================================================================
-
-A step never straddles epochs: when fewer than ``M`` prompts remain in ``pi_e`` the last ``N mod M`` are skipped for
-this epoch and the next step starts epoch ``e + 1`` at cursor 0 (so an epoch is ``N // M`` steps).
-=======
 **K-repeat sampling** (which prompts a step draws) lives in :mod:`flowforge.data.sampler`; its names are
 re-exported here.
 """
