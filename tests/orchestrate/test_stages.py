@@ -38,6 +38,7 @@ def log_keys(path: Path) -> list[str]:
     return [r["key"] for r in read_request_log(path)]
 
 
+@pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
     _, pcfg, directory = pipeline(stages={"n_a": 4, "extend_delta": 2, "extend_cap": 6, "on_gate_fail": "extend"},
                                   student={"gate": {"max_mae": 0.0}})  # reachable (check passes), never met

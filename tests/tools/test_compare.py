@@ -11,6 +11,7 @@ from flowforge.config import ConfigError
 from flowforge.tools.compare import aggregate, arm_table, load_compare, summarize
 
 
+@pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 def test_compare_two_arms_two_seeds_end_to_end(tiny_model_dir, tmp_path, encode_cache_dir):
     common = [f"model.path={tiny_model_dir}", f"data.cache_dir={encode_cache_dir}", "data.prompts_per_step=2",
               "data.group_size=4", "sampler.num_steps=4", "sampler.num_sde_steps=2", "train.micro_batch_size=2",

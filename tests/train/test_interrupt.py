@@ -61,6 +61,7 @@ def uninterrupted(tiny_model_dir, encode_cache_dir, tmp_path_factory):
     return out / "t"
 
 
+@pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_commits_the_step_and_the_resume_ends_as_an_uninterrupted_run(uninterrupted, tiny_model_dir,
                                                                               encode_cache_dir, tmp_path, sig, code):

@@ -41,6 +41,7 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("algorithm,trainable", [("grpo", "lora"), ("grpo", "full"), ("nft", "lora"),
                                                  ("nft", "full")])
+@pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 def test_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path, encode_cache_dir, algorithm, trainable):
     extra = [f"train.algorithm={algorithm}", "train.steps=3", "checkpoint.every=1", "eval.every=0",
              "train.lr_schedule=cosine"]
@@ -79,6 +80,7 @@ def test_run_dir_inside_the_model_directory_is_refused(tiny_model_dir, tmp_path,
         Trainer(tiny_cfg(tiny_model_dir, tiny_model_dir, encode_cache_dir), progress=False)
 
 
+@pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 def test_sigkill_during_checkpoint_write_then_auto_resume_completes(tiny_model_dir, tmp_path, encode_cache_dir):
     overrides = [f"model.path={tiny_model_dir}", f"run.output_dir={tmp_path}", "run.name=k",
                  f"data.cache_dir={encode_cache_dir}", "data.prompts_per_step=2", "data.group_size=4",

@@ -62,6 +62,7 @@ def test_one_step_changes_exactly_b_and_the_coupling_lora(tmp_path, encode_cache
                                               "targets": sorted(COUPLING), "modules": [B]}
 
 
+@pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 def test_module_lora_resume_equals_uninterrupted_run(tmp_path, encode_cache_dir):
     """NFT (live, old adapter + old B copy) with both anchors: 3 steps straight == 2 steps + resume, bit for bit."""
     from tests.train.test_resume import _assert_same, _rows, _state

@@ -63,6 +63,7 @@ def test_grpo_on_video_latents_ratio_exactly_one_slot_zero_pinned(tmp_path, enco
     assert cells and all([f["label"] for f in c["frames"]] == c["prompt"].upper().split() for c in cells)
 
 
+@pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 def test_nft_coupling_lora_reports_no_transition_anchor(tmp_path, encode_cache_dir):
     trainer = _trainer(tmp_path, encode_cache_dir, "nft", *LORA)
     trainer.train()
@@ -89,6 +90,7 @@ def straight_and_resumed(tmp_path, cache, *extra):
     return full, resumed
 
 
+@pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 def test_world_model_resume_equals_uninterrupted_run(tmp_path, encode_cache_dir):
     """Module mode with both anchors on: the real-clip anchor stream, the policy bank of the trained submodules and
     the optimizer resume bit-exactly (3 steps straight vs 2 steps + resume)."""
