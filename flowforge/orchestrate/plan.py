@@ -95,12 +95,17 @@ def prompts_per_step(pcfg: Any, stage: str) -> int:
     return m if m is not None and m >= 1 else pcfg.data.prompts_per_step
 
 
+def _served_steps(pcfg: Any, stage: str, budget: int) -> int:
+    """The most steps ``budget`` conditions serve ``stage`` (C: at most ``stages.c_steps``), before any
+    ``train.steps`` override."""
+    steps = budget // prompts_per_step(pcfg, stage)
+    return min(steps, pcfg.stages.c_steps) if stage == "C" and pcfg.stages.c_steps else steps
+
+
 def stage_steps(pcfg: Any, stage: str, budget: int, *, start: int = 0) -> int:
     """The trainer steps of ``stage`` on ``budget`` conditions, its first step being ``start`` (A: 0; C: A's steps),
     per the module table: never more than the budget serves."""
-    steps = budget // prompts_per_step(pcfg, stage)
-    if stage == "C" and pcfg.stages.c_steps:
-        steps = min(steps, pcfg.stages.c_steps)
+    steps = _served_steps(pcfg, stage, budget)
     end = _int(stage_override(pcfg, stage, "train", "steps"))
     return max(0, min(steps, end - start)) if end is not None else steps
 
@@ -113,10 +118,7 @@ def capacity_problems(pcfg: Any, total: int) -> list[str]:
     n_a = pcfg.stages.n_a
     start = 0
     for stage, budget in (("A", n_a), ("C", total - n_a)):
-        m = prompts_per_step(pcfg, stage)
-        fits = budget // m
-        if stage == "C" and pcfg.stages.c_steps:
-            fits = min(fits, pcfg.stages.c_steps)
+        m, fits = prompts_per_step(pcfg, stage), _served_steps(pcfg, stage, budget)
         field = f"stages.{stage.lower()}_overrides"
         end = _int(stage_override(pcfg, stage, "train", "steps"))
         served = f"stages.n_a={n_a}" if stage == "A" else f"the {budget} conditions after stages.n_a={n_a}"
