@@ -52,7 +52,8 @@ def _mean(values: Sequence[float]) -> float:
     return math.fsum(finite) / len(finite) if finite else math.nan
 
 
-def _se(values: Sequence[float]) -> float:
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean of the finite ``values`` (``stdev / sqrt(n)``); NaN with fewer than 2."""
     finite = [v for v in values if math.isfinite(v)]
     return statistics.stdev(finite) / math.sqrt(len(finite)) if len(finite) >= 2 else math.nan
 
@@ -71,7 +72,7 @@ def eval_points(grids: Sequence[tuple[int, Path]], key: str) -> dict[int, EvalPo
         means = [_mean(values[i * k:(i + 1) * k]) for i in range(len(values) // k)]
         cells = read_grid_cells(png) or []
         prompts = tuple(c["prompt"] for c in cells) if len(cells) == len(means) else ()
-        out[step] = EvalPoint(step, _mean(values), _se(means), tuple(means), prompts, k)
+        out[step] = EvalPoint(step, _mean(values), standard_error(means), tuple(means), prompts, k)
     return out
 
 
@@ -82,7 +83,7 @@ def diversity_se(grids: Sequence[tuple[int, Path]]) -> dict[int, float]:
     for step, png in grids:
         per_prompt = read_eval_diversity(png)
         if per_prompt is not None:
-            out[step] = _se(per_prompt)
+            out[step] = standard_error(per_prompt)
     return out
 
 
@@ -90,7 +91,7 @@ def change_se(start: EvalPoint, end: EvalPoint) -> tuple[float, bool]:
     """``(SE of end.mean - start.mean, paired)`` (module docstring)."""
     if start.prompts and start.prompts == end.prompts:
         diffs = [b - a for a, b in zip(start.prompt_means, end.prompt_means)]
-        return _se(diffs), True
+        return standard_error(diffs), True
     return math.sqrt(start.se**2 + end.se**2), False
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from flowforge.config import ConfigError, load_config
+from flowforge.report.verdict import standard_error
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def aggregate(summaries: list[dict[str, Any]], target_values: tuple[float, ...])
         finals = [r["final_metric"] for r in runs if math.isfinite(r["final_metric"])]
         entry["finals"] = finals
         entry["final_mean"] = statistics.fmean(finals) if finals else math.nan
-        entry["final_se"] = statistics.stdev(finals) / math.sqrt(len(finals)) if len(finals) > 1 else None
+        entry["final_se"] = standard_error(finals) if len(finals) > 1 else None
         for v in target_values:
             got = [r["samples_to"][v] for r in runs if r["samples_to"][v] is not None]
             secs = [r["seconds_to"][v] for r in runs if r["seconds_to"][v] is not None]
