@@ -8,7 +8,7 @@ Run as a module:
   whose replies follow the behaviours queued in ``FILE`` (a JSON list, one popped per request; empty: correct);
 * ``python -m tests.serve.judge_support drive --base-url URL --ledger DB --groups N [--kill-after K]
   [--kill-in-window K]`` -- score ``N`` fixed groups one by one with ``vlm_judge``; with ``--kill-after K`` the
-  process SIGKILLs itself right after the ``K``-th request is recorded as answered; with ``--kill-in-window K`` right
+  process SIGKILLs itself right after the ``K``-th request is recorded as finished; with ``--kill-in-window K`` right
   after the ``K``-th answer arrived, before the ledger records it (the window between send and record); at the end
   it prints the judge's metrics as one JSON line.
 """
@@ -155,15 +155,16 @@ def _drive(args: argparse.Namespace) -> None:
 
         ledger.finish = finish_then_maybe_die
     if args.kill_in_window:
-        finish_attempt = ledger.finish_attempt
+        finish_answered = ledger.finish
 
-        def die_before_recording(attempt_id, outcome, **kw):
-            count[0] += 1
-            if count[0] == args.kill_in_window:  # the answer is here, the ledger does not know it yet
-                os.kill(os.getpid(), signal.SIGKILL)
-            finish_attempt(attempt_id, outcome, **kw)
+        def die_before_recording(key, status, **kw):
+            if kw.get("answered") is not None:
+                count[0] += 1
+                if count[0] == args.kill_in_window:  # the answer is here, the ledger does not know it yet
+                    os.kill(os.getpid(), signal.SIGKILL)
+            finish_answered(key, status, **kw)
 
-        ledger.finish_attempt = die_before_recording
+        ledger.finish = die_before_recording
     for seed in range(args.groups):
         judge(*group(1000 + seed))
     print(json.dumps(judge.pop_metrics()), flush=True)

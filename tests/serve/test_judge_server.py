@@ -387,6 +387,71 @@ def test_kill_9_while_the_request_is_in_flight_never_bills_a_group_twice(scripte
     assert _billed_by_server(log, before) == [1] * 6
 
 
+class _Killed(BaseException):
+    """Stands for SIGKILL in the sweep below: raised right after a COMMIT, caught by nothing in the judge."""
+
+
+class _DieAfterCommit:
+    """A ledger connection that raises :class:`_Killed` right after its ``n``-th COMMIT returned."""
+
+    def __init__(self, db, n: int) -> None:
+        self.db, self.n, self.commits = db, n, 0
+
+    def execute(self, sql, *args):
+        out = self.db.execute(sql, *args)
+        if sql == "COMMIT":
+            self.commits += 1
+            if self.commits == self.n:
+                raise _Killed(self.n)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+
+def test_killed_after_any_ledger_commit_the_rerun_sends_no_body_twice(scripted_server, tmp_path, monkeypatch):
+    """Every state a kill can leave: the run stops right after each of the ledger's commits in turn (claim, begin,
+    attempt recorded, malformed answer recorded, repair recorded, answer + end) of two groups, the first answered
+    malformed then repaired. A new process (another owner token) reruns both groups. The server never receives one
+    body twice; a group is lost (NaN) only when the stop left an attempt in flight; a rerun after a malformed answer
+    sends the repair, not the first message again. Found in CI: a kill between the answered attempt and the
+    request's end left the request pending, and the rerun sent it again."""
+    from flowforge.rewards.judge import ledger as ledger_module
+
+    url, script, log = scripted_server
+    groups = [S.group(70), S.group(71)]
+    expected = [_brightness(media) for media, _, _ in groups]
+    commits, stop = None, 1
+    while commits is None or stop <= commits:
+        script.write_text(json.dumps(["malformed", "ok", "ok"]))
+        before = len(_lines(log))
+        root = tmp_path / f"stop_{stop}"
+        judge = _scripted_judge(url, root)
+        judge.ledger._db = _DieAfterCommit(judge.ledger._db, stop)
+        try:
+            judge.score_groups(groups[:1])
+            judge.score_groups(groups[1:])
+        except _Killed:
+            pass
+        else:  # ran to the end: every commit of the two groups' lives has been a stopping point
+            commits = judge.ledger._db.commits
+        judge.close()
+        monkeypatch.setattr(ledger_module, "OWNER", f"rerun-{stop}")
+        rerun = _scripted_judge(url, root)
+        scores = [rerun(*group) for group in groups]
+        keys = _lines(log)[before:]
+        assert len(keys) == len(set(keys)), f"stopped after commit {stop}: a body was sent twice"
+        lost = {f["key"] for f in rerun.ledger.failures() if f["status"] == "lost"}
+        for got, want in zip(scores, expected, strict=True):
+            assert torch.isnan(got).all() if lost and torch.isnan(got).any() else torch.allclose(got, want, atol=0.02)
+        assert len(lost) <= 1 and len(keys) <= rerun.ledger.billed() <= len(keys) + len(lost)
+        repairs = [a["kind"] for a in rerun.ledger.attempts()]
+        assert repairs.count("first") == 2 and repairs.count("repair") <= 1
+        rerun.close()
+        stop += 1
+    assert commits == 10  # claim, begin, attempt, malformed, repair, end; claim, begin, attempt, end
+
+
 # ------------------------------------------------------------------------------------------------ HF VLM backend
 
 def test_tiny_qwen2_vl_backend_answers_an_openai_client_request_with_images(token_file, tmp_path):

@@ -365,14 +365,20 @@ class VLMJudge:
 
     def _ask(self, group: _Group, attempts_left: int) -> list[float] | None:
         """Send one group (retrying, repairing), every attempt recorded before it leaves; candidate-order scores or
-        None."""
+        None. A request another run left pending after malformed answers continues with their repair."""
         ledger = self.ledger
         ledger.begin(group.key, model=self.model, template_sha256=self.template.sha256, request=group.request,
                      slot=group.slot)
         messages: list[dict] = [{"role": "user", "content": group.content}]
-        answers: list[dict] = []
+        prior = ledger.get(group.key)
+        answers: list[dict] = list(prior.response) if prior is not None else []  # malformed ones only: still pending
+        for answer in answers:  # the conversation as it stood when that run stopped: the next attempt repairs
+            messages = [*messages, {"role": "assistant", "content": P.reply_text(answer["body"]) or ""},
+                        {"role": "user", "content": P.repair_message(answer["verdict"].removeprefix("malformed: "),
+                                                                     group.labels)}]
         outcomes: list[str] = []  # each attempt's: all connection errors = the judge is unreachable
-        usage, latency, scores, kind, error = [0, 0], 0.0, None, "first", ""
+        usage, latency, scores, error = [0, 0], 0.0, None, ""
+        kind = "repair" if answers else "first"
         for attempt in range(attempts_left):
             try:
                 row = ledger.start_attempt(group.key, kind)
@@ -398,36 +404,37 @@ class VLMJudge:
                 ledger.finish_attempt(row, "http_error", billed=False, error=str(exc))
                 ledger.finish(group.key, "failed", scores=None, response=answers)
                 raise
-            ledger.finish_attempt(row, "answered", latency_s=seconds, tokens=used)
             self._count(billed=1, latency_total=seconds, tokens=sum(used))
             usage, latency = [usage[0] + used[0], usage[1] + used[1]], latency + seconds
             try:
                 scores = P.parse_scores(text, group.labels)
-                answers.append({"body": body, "verdict": "ok"})
-                break
             except P.MalformedReply as exc:
                 answers.append({"body": body, "verdict": f"malformed: {exc}"})
+                ledger.finish_attempt(row, "answered", latency_s=seconds, tokens=used, response=answers)
                 messages = [*messages, {"role": "assistant", "content": text or ""},
                             {"role": "user", "content": P.repair_message(str(exc), group.labels)}]
                 kind = "repair"
-        status = "ok" if scores is not None else "malformed" if answers else "failed"
-        if scores is None:
-            why = error or answers[-1]["verdict"]
-            log.warning("vlm_judge: request %s has no scores (%s) after its attempts: %s", group.key[:12], status, why)
-            self.last_error = (f"the judge at {self.client.base_url} is unreachable ({why}) after {len(outcomes)} "
-                               "attempts; check vlm_judge base_url and that the server is up"
-                               if outcomes and set(outcomes) == {"connection_error"} and not answers else
-                               f"the judge at {self.client.base_url} gave a group no scores ({status}: {why})")
-        ledger.finish(group.key, status, scores=None if scores is None else dict(zip(group.labels, scores,
-                                                                                        strict=True)),
-                      response=answers, tokens=(usage[0], usage[1]), latency_s=latency,
-                      request={**group.request, "repairs": [m["content"] for m in messages[2::2]]})
-        if scores is None:
-            return None
-        out = [math.nan] * len(scores)
-        for position, candidate in enumerate(group.perm):
-            out[candidate] = scores[position]
-        return out
+                continue
+            answers.append({"body": body, "verdict": "ok"})
+            # the answer and the request's end commit together: an answered attempt left beside a pending request
+            # (a kill between two commits) would have its group sent again by the rerun
+            ledger.finish(group.key, "ok", scores=dict(zip(group.labels, scores, strict=True)), response=answers,
+                          tokens=(usage[0], usage[1]), latency_s=latency, answered=(row, seconds, used),
+                          request={**group.request, "repairs": [m["content"] for m in messages[2::2]]})
+            out = [math.nan] * len(scores)
+            for position, candidate in enumerate(group.perm):
+                out[candidate] = scores[position]
+            return out
+        status = "malformed" if answers else "failed"
+        why = error or answers[-1]["verdict"]
+        log.warning("vlm_judge: request %s has no scores (%s) after its attempts: %s", group.key[:12], status, why)
+        self.last_error = (f"the judge at {self.client.base_url} is unreachable ({why}) after {len(outcomes)} "
+                           "attempts; check vlm_judge base_url and that the server is up"
+                           if outcomes and set(outcomes) == {"connection_error"} and not answers else
+                           f"the judge at {self.client.base_url} gave a group no scores ({status}: {why})")
+        ledger.finish(group.key, status, scores=None, response=answers, tokens=(usage[0], usage[1]),
+                      latency_s=latency, request={**group.request, "repairs": [m["content"] for m in messages[2::2]]})
+        return None
 
     def _send(self, messages: list[dict]) -> tuple[str | None, str, tuple[int, int], float]:
         """One chat completion (one HTTP attempt): ``(reply text, raw HTTP body, (prompt, completion) tokens,

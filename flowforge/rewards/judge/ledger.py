@@ -12,13 +12,18 @@ Life of a request (one group)::
     start_attempt    attempts row, outcome 'pending', billed -- committed BEFORE the HTTP request leaves; refused
                      (BudgetExhausted) when the file's billed attempts reached the budget
     finish_attempt   outcome 'answered' | 'timeout' | 'http_error' | 'connection_error' ('connection_error' is not
-                     billed when the connection was refused: nothing left the machine); a timeout is billed
-    finish           status 'ok' (scores) | 'malformed' (answered, never parseable) | 'failed' (no answer)
+                     billed when the connection was refused: nothing left the machine); a timeout is billed. An
+                     answer is recorded with the request's answers so far, in the same transaction
+    finish           status 'ok' (scores) | 'malformed' (answered, never parseable) | 'failed' (no answer); the
+                     attempt that brought the scores is recorded answered in the same transaction, so that no
+                     committed state has an answered attempt whose scores are unknown
 
 A process killed between ``start_attempt`` and ``finish_attempt`` leaves an attempt ``pending``. The next process
 that meets the request (:meth:`RequestLedger.claim`) records that attempt as ``lost`` -- billed, its answer unknown
 -- and the request as ``lost``: it is never sent again (the teacher may have answered and billed it). A request left
-``pending`` without an attempt in flight (killed before sending, or between retries) continues where it stopped.
+``pending`` without an attempt in flight (killed before sending, or between retries) continues where it stopped:
+its recorded malformed answers are replayed into the conversation, so the next attempt is the repair it would
+have been, never the first message again.
 
 Schema (format 2)::
 
@@ -221,28 +226,44 @@ class RequestLedger:
             self._db.execute("COMMIT")
             return int(cur.lastrowid)
 
-    def finish_attempt(self, attempt_id: int, outcome: str, *, billed: bool = True, http_status: int | None = None,
-                       error: str | None = None, latency_s: float = 0.0, tokens: tuple[int, int] = (0, 0)) -> None:
-        """Record how attempt ``attempt_id`` ended (a pending attempt only; a recorded outcome never changes)."""
+    @staticmethod
+    def _attempt_end(attempt_id: int, outcome: str, billed: bool, http_status: int | None, error: str | None,
+                     latency_s: float, tokens: tuple[int, int]) -> tuple[str, tuple]:
         if outcome not in OUTCOMES or outcome == "pending":
             raise ValueError(f"an attempt's outcome must be one of {OUTCOMES[1:]}, got {outcome!r}")
-        self._tx(("UPDATE attempts SET outcome = ?, billed = ?, http_status = ?, error = ?, finished_unix = ?, "
-                  "latency_s = ?, prompt_tokens = ?, completion_tokens = ? WHERE id = ? AND outcome = 'pending'",
-                  (outcome, int(billed), http_status, error, time.time(), latency_s, tokens[0], tokens[1],
-                   attempt_id)))
+        return ("UPDATE attempts SET outcome = ?, billed = ?, http_status = ?, error = ?, finished_unix = ?, "
+                "latency_s = ?, prompt_tokens = ?, completion_tokens = ? WHERE id = ? AND outcome = 'pending'",
+                (outcome, int(billed), http_status, error, time.time(), latency_s, tokens[0], tokens[1], attempt_id))
+
+    def finish_attempt(self, attempt_id: int, outcome: str, *, billed: bool = True, http_status: int | None = None,
+                       error: str | None = None, latency_s: float = 0.0, tokens: tuple[int, int] = (0, 0),
+                       response: list | None = None) -> None:
+        """Record how attempt ``attempt_id`` ended (a pending attempt only; a recorded outcome never changes).
+        ``response``: the request's answers so far (this one last), stored on its pending request in the same
+        transaction -- a process killed before the next attempt leaves them for the rerun to repair from."""
+        statements = [self._attempt_end(attempt_id, outcome, billed, http_status, error, latency_s, tokens)]
+        if response is not None:
+            statements.append(("UPDATE requests SET response_json = ? WHERE key = (SELECT key FROM attempts WHERE "
+                               "id = ?) AND status = 'pending'", (json.dumps(response), attempt_id)))
+        self._tx(*statements)
 
     def finish(self, key: str, status: str, *, scores: dict[str, float] | None, response: list,
-               tokens: tuple[int, int] = (0, 0), latency_s: float = 0.0, request: dict | None = None) -> None:
+               tokens: tuple[int, int] = (0, 0), latency_s: float = 0.0, request: dict | None = None,
+               answered: tuple[int, float, tuple[int, int]] | None = None) -> None:
         """Record the end of request ``key``: ``ok`` with ``scores``, ``malformed`` or ``failed`` (``request``:
-        the recorded request with what the attempts added, e.g. the repair messages)."""
+        the recorded request with what the attempts added, e.g. the repair messages). ``answered``: ``(attempt id,
+        its latency_s, its (prompt, completion) tokens)`` of the pending attempt whose answer ends the request,
+        recorded ``answered`` in the same transaction (no state in between for a kill to leave behind)."""
         if status not in ("ok", "malformed", "failed"):
             raise ValueError(f"a request ends 'ok', 'malformed' or 'failed', got {status!r}")
         extra = ", request_json = ?" if request is not None else ""
         args = (status, None if scores is None else json.dumps(scores), json.dumps(response), tokens[0], tokens[1],
                 latency_s, time.time(), *((json.dumps(request),) if request is not None else ()), key)
-        self._tx((f"UPDATE requests SET status = ?, scores_json = ?, response_json = ?, prompt_tokens = ?, "
-                  f"completion_tokens = ?, latency_s = ?, finished_unix = ?{extra} WHERE key = ? AND status = "
-                  f"'pending'", args))
+        first = () if answered is None else (self._attempt_end(answered[0], "answered", True, None, None,
+                                                               answered[1], answered[2]),)
+        self._tx(*first, (f"UPDATE requests SET status = ?, scores_json = ?, response_json = ?, prompt_tokens = ?, "
+                          f"completion_tokens = ?, latency_s = ?, finished_unix = ?{extra} WHERE key = ? AND "
+                          f"status = 'pending'", args))
 
     def claim(self, key: str, slot: Slot = Slot()) -> tuple[LedgerEntry | None, int]:
         """What is known of a group before this process sends it: the requests of ``key`` and, when the slot is

@@ -340,6 +340,13 @@ def parse_scores(text: str, labels: Sequence[str]) -> list[float]:
     return scores
 
 
+def reply_text(body: str) -> str | None:
+    """The assistant's text in a raw chat-completions HTTP body (``choices[0].message.content``), as the client
+    read it when the answer came; None when the body holds none (no choices, a null content)."""
+    choices = json.loads(body).get("choices") or [{}]
+    return (choices[0].get("message") or {}).get("content")
+
+
 def repair_message(reason: str, labels: Sequence[str]) -> str:
     """The short user message sent after a malformed reply."""
     return (f"Your reply was rejected: {reason}. Reply again with only one JSON object with exactly the keys "
