@@ -77,7 +77,8 @@ class ScriptedBackend:
     """Correct :class:`Brightness` group scores, changed by the next behaviour popped from a JSON file:
     ``ok``, ``malformed`` (prose), ``wrong_count`` (last label dropped), ``out_of_range`` (first score 150),
     ``extra_key`` (an extra key), ``nan`` (a NaN literal), ``fence`` (the JSON in a markdown code fence),
-    ``sleep:S`` (answer correctly after S seconds), ``status:N`` (HTTP error N)."""
+    ``sleep:S`` (answer correctly after S seconds), ``status:N`` (HTTP error N), ``not_json`` / ``no_choices`` (a 200
+    whose body is an HTML page / a JSON object without choices, as a broken proxy sends: :class:`RawReplies`)."""
 
     model_id = "scripted"
 
@@ -87,6 +88,12 @@ class ScriptedBackend:
         self.script = script
         self.inner = ScorerBackend(Brightness(), self.model_id)
         self._lock = threading.Lock()
+        self.raw: bytes | None = None  # the body that replaces the reply being made (one request at a time)
+
+    def take_raw(self) -> bytes | None:
+        with self._lock:
+            raw, self.raw = self.raw, None
+        return raw
 
     def _next(self) -> str:
         with self._lock:
@@ -106,6 +113,9 @@ class ScriptedBackend:
             time.sleep(float(behaviour.split(":")[1]))
         elif behaviour.startswith("status:"):
             raise BackendError(int(behaviour.split(":")[1]), f"scripted {behaviour}")
+        elif behaviour in ("not_json", "no_choices"):  # the reply is replaced on its way out (RawReplies)
+            with self._lock:
+                self.raw = b"<html>upstream proxy page</html>" if behaviour == "not_json" else b'{"id": "x"}'
         text = {
             "malformed": lambda: f"I think candidate {labels[0]} is the best one.",
             "wrong_count": lambda: scores_reply({k: scores[k] for k in labels[:-1]}),
@@ -117,13 +127,39 @@ class ScriptedBackend:
         return Completion(text=text, prompt_tokens=7, completion_tokens=len(labels))
 
 
+class RawReplies:
+    """ASGI middleware: a reply the backend marked raw (:meth:`ScriptedBackend.take_raw`) leaves as that body with
+    status 200 instead of the chat completion the app made."""
+
+    def __init__(self, app, backend: ScriptedBackend) -> None:
+        self.app, self.backend = app, backend
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        raw: list[bytes | None] = [None]
+
+        async def rewrite(message):
+            if message["type"] == "http.response.start":
+                raw[0] = self.backend.take_raw()
+                if raw[0] is not None:
+                    headers = [(k, v) for k, v in message["headers"] if k.lower() != b"content-length"]
+                    message = {**message, "status": 200, "headers": [*headers, (b"content-length",
+                                                                                str(len(raw[0])).encode())]}
+            elif message["type"] == "http.response.body" and raw[0] is not None:
+                message = {**message, "body": raw[0] if message.get("body") else b"", "more_body": False}
+            await send(message)
+
+        await self.app(scope, receive, rewrite)
+
+
 def _scripted(args: argparse.Namespace) -> None:
     from flowforge.serve.common import resolve_token, serve_app
     from flowforge.serve.judge_server import build_app
 
     token = resolve_token(args.token_file, False, "127.0.0.1")
-    app = build_app(ScriptedBackend(Path(args.script)), token, request_log=args.request_log)
-    serve_app(app, "127.0.0.1", 0, "judge")
+    backend = ScriptedBackend(Path(args.script))
+    serve_app(RawReplies(build_app(backend, token, request_log=args.request_log), backend), "127.0.0.1", 0, "judge")
 
 
 # ------------------------------------------------------------------------------------------------ groups + driver

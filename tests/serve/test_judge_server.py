@@ -252,12 +252,35 @@ def test_still_malformed_after_every_attempt_is_nan_counted_and_never_resent(scr
     assert _billed_by_server(log, before) == [3]
 
 
-def test_a_timeout_is_a_billed_attempt_and_attempts_are_bounded(scripted_server, tmp_path):
-    """A timed-out request reached the judge and may be billed: it counts. ``max_attempts`` bounds what one group
-    can cost over every run -- here 3 billed attempts, the server's log agreeing, and no 4th on a rerun."""
+@pytest.mark.parametrize("behaviour", ["sleep:2.5", "status:503", "status:500", "status:408", "not_json",
+                                       "no_choices"])
+def test_a_failure_that_may_have_been_billed_is_never_sent_again_by_default(scripted_server, tmp_path, behaviour):
+    """A timeout, a 5xx, a 408 or a 200 that is no chat completion may have been processed and billed by the
+    provider: the attempt is recorded billed, the group dropped (NaN, counted) and never sent again -- not on this
+    call, not by the next call, not by a rerun -- and nothing crashes."""
+    url, script, log = scripted_server
+    script.write_text(json.dumps([behaviour, "ok", "ok"]))
+    judge = _scripted_judge(url, tmp_path, timeout_s=1.0, max_attempts=3)
+    media, prompts, metadata = S.group(33)
+    before = len(_lines(log))
+    assert torch.isnan(judge(media, prompts, metadata)).all()
+    metrics = judge.pop_metrics()
+    assert (metrics["requests_sent"], metrics["billed"], metrics["retries"], metrics["failures"]) == (1, 1, 0, 1)
+    failure = judge.ledger.failures()[0]
+    assert failure["status"] == "failed" and failure["attempts"] == 1 and judge.ledger.billed() == 1
+    assert torch.isnan(judge(media, prompts, metadata)).all() and judge.pop_metrics()["requests_sent"] == 0
+    judge.close()
+    rerun = _scripted_judge(url, tmp_path, max_attempts=3)
+    assert torch.isnan(rerun(media, prompts, metadata)).all() and rerun.pop_metrics()["requests_sent"] == 0
+    assert _billed_by_server(log, before) == [1]  # the server's own count
+
+
+def test_retries_of_billed_failures_are_opt_in_and_bounded(scripted_server, tmp_path):
+    """``retry_on: [timeout, 5xx]`` pays for a re-send: ``max_attempts`` bounds what one group can cost over every
+    run -- here 3 billed attempts, the server's log agreeing, and no 4th on a rerun."""
     url, script, log = scripted_server
     script.write_text(json.dumps(["sleep:2.5", "status:503", "status:500", "ok"]))
-    judge = _scripted_judge(url, tmp_path, timeout_s=1.0, max_attempts=3)
+    judge = _scripted_judge(url, tmp_path, timeout_s=1.0, max_attempts=3, retry_on=["timeout", "5xx"])
     media, prompts, metadata = S.group(33)
     before = len(_lines(log))
     assert torch.isnan(judge(media, prompts, metadata)).all()
@@ -270,27 +293,31 @@ def test_a_timeout_is_a_billed_attempt_and_attempts_are_bounded(scripted_server,
     assert [a["http_status"] for a in attempts] == [None, 503, 500]
     assert _billed_by_server(log, before) == [3] and judge.ledger.billed() == 3
     judge.close()
-    rerun = _scripted_judge(url, tmp_path, max_attempts=3)
+    rerun = _scripted_judge(url, tmp_path, max_attempts=3, retry_on=["timeout", "5xx"])  # spent: not asked again
     assert torch.isnan(rerun(media, prompts, metadata)).all() and rerun.pop_metrics()["requests_sent"] == 0
     assert _billed_by_server(log, before) == [3]
     script.write_text(json.dumps(["status:503", "ok"]))  # a retry that is answered: 2 billed, scores correct
-    fresh = _scripted_judge(url, tmp_path / "fresh", max_attempts=3)
+    fresh = _scripted_judge(url, tmp_path / "fresh", max_attempts=3, retry_on=["5xx"])
     assert torch.allclose(fresh(*S.group(35)), _brightness(S.group(35)[0]), atol=0.01)
     assert fresh.pop_metrics()["billed"] == 2
 
 
-def test_a_request_without_an_answer_is_asked_again_only_while_attempts_remain(scripted_server, tmp_path):
-    url, script, _ = scripted_server
-    script.write_text(json.dumps(["status:400"]))  # a 4xx other than 401/403/404/408/409/429 is not retried
-    media, prompts, metadata = S.group(34)
+def test_failures_that_cannot_have_been_billed_are_retried(scripted_server, tmp_path):
+    """A 429 (rate limited before any work) and a refused connection (nothing left the machine) are not billed and
+    are retried by default; a 400 is billed and never sent again."""
+    url, script, log = scripted_server
+    script.write_text(json.dumps(["status:429", "ok"]))
     judge = _scripted_judge(url, tmp_path, max_attempts=2)
-    assert torch.isnan(judge(media, prompts, metadata)).all()
-    metrics = judge.pop_metrics()
-    assert (metrics["requests_sent"], metrics["retries"], metrics["failures"]) == (1, 0, 1)
-    assert len(judge.ledger) == 0 and judge.ledger.failures()[0]["attempts"] == 1
+    media, prompts, metadata = S.group(34)
+    before = len(_lines(log))
+    assert torch.allclose(judge(media, prompts, metadata), _brightness(media), atol=0.01)
+    assert [(a["outcome"], a["billed"], a["http_status"]) for a in judge.ledger.attempts()] == [
+        ("http_error", 0, 429), ("answered", 1, None)]
+    assert judge.ledger.billed() == 1 and len(_lines(log)) - before == 2
+    script.write_text(json.dumps(["status:400"]))
+    assert torch.isnan(judge(*S.group(36))).all()
+    assert torch.isnan(judge(*S.group(36))).all() and judge.pop_metrics()["requests_sent"] == 3  # 429, ok, 400
     assert "HTTP 400" in judge.ledger.failures()[0]["error"]
-    assert torch.allclose(judge(media, prompts, metadata), _brightness(media), atol=0.01)  # its 2nd attempt
-    assert len(judge.ledger) == 1 and judge.ledger.get(judge.ledger.keys()[0]).attempts == 2
     refused = VLMJudge(model="scripted", base_url="http://127.0.0.1:9/v1", api_key_env=None,
                        ledger=tmp_path / "refused.db", frames=1, max_side=32, max_attempts=2, retry_backoff_s=0.01)
     assert torch.isnan(refused(media, prompts, metadata)).all()

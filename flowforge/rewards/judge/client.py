@@ -20,9 +20,14 @@ Per group, in order:
    own permutation); a request another process left in flight is ``lost`` -- billed, answer unknown -- and never
    sent again;
 4. else the request is recorded ``pending`` and sent, each attempt recorded before it leaves; at most
-   ``max_attempts`` billed attempts per group over every run: transport failures (timeouts -- billed --, connection
-   errors, 408 / 409 / 429 / 5xx) are retried with exponential back-off, a malformed reply gets a repair message;
-   a connection that was refused is not billed;
+   ``max_attempts`` billed attempts per group over every run. A failed attempt is sent again (exponential back-off)
+   only when its kind is in ``retry_on`` -- by default only the kinds that cannot have been billed: ``refused``
+   (the connection was refused: nothing left the machine) and ``429`` (rate limited before any work). A timeout,
+   a connection lost after sending, a 408 / 409 or a 5xx may have been processed and billed by the provider: by
+   default the attempt is recorded billed and the group dropped, never sent again (opt in with ``retry_on:
+   [timeout, connection, "408", "409", 5xx]``, at the cost of paying twice for what the provider did process). A
+   malformed reply gets a repair message (a new request with the reply and why it was refused); a 200 whose body
+   is not a chat completion is a billed failure, not repaired;
 5. presented score ``j`` -> candidate ``perm[j]``. A group without scores (malformed after every attempt, no answer,
    lost) scores NaN for all its candidates and is counted in ``failures``: the trainer drops it with zero weight.
    A wrong URL, key or model (401 / 403 / 404) raises :class:`JudgeError`; a spent budget
@@ -48,7 +53,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+import typing
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -64,8 +70,11 @@ LEDGER_FILE = Path("judge") / "ledger.sqlite"
 """The ledger's place in a run directory."""
 MEDIA_DIR = Path("judge") / "media"
 """Where the sent frames are kept (``<sha256[:2]>/<sha256>.jpg``), next to the ledger that names them."""
-RETRY_STATUS = frozenset({408, 409, 429})
 FATAL_WHAT = {401: "refused the token", 403: "refused the token's access", 404: "has no such model or route"}
+RetryKind = Literal["refused", "429", "timeout", "connection", "408", "409", "5xx"]
+RETRY_KINDS: tuple[str, ...] = typing.get_args(RetryKind)
+UNBILLED_RETRIES: tuple[str, ...] = ("refused", "429")
+"""The default ``retry_on``: failures that cannot have been billed."""
 
 
 class JudgeError(ValueError):
@@ -73,13 +82,27 @@ class JudgeError(ValueError):
     the judge's options are at fault, reported by the command line in one line (exit 2)."""
 
 
-class _Unanswered(Exception):
-    """One HTTP attempt without an answer: ``outcome`` (ledger), ``billed``, whether to retry, the HTTP status."""
+def retry_kind(outcome: str, http_status: int | None, billed: bool) -> str | None:
+    """The :data:`RETRY_KINDS` entry of an attempt that ended without an answer (ledger ``outcome``, HTTP status,
+    billed), or None for one that is never sent again (a 4xx other than 408 / 409 / 429, a 200 that is no chat
+    completion, an attempt lost in a crash)."""
+    if outcome == "timeout":
+        return "timeout"
+    if outcome == "connection_error":
+        return "connection" if billed else "refused"
+    if outcome == "http_error" and http_status is not None and http_status != 200:
+        return "5xx" if http_status >= 500 else str(http_status) if str(http_status) in RETRY_KINDS else None
+    return None
 
-    def __init__(self, message: str, outcome: str, *, billed: bool, retry: bool, status: int | None = None,
+
+class _Unanswered(Exception):
+    """One HTTP attempt without an answer: ``outcome`` (ledger), ``billed``, its retry kind (:data:`RETRY_KINDS`;
+    None: never retried), the HTTP status."""
+
+    def __init__(self, message: str, outcome: str, *, billed: bool, kind: str | None, status: int | None = None,
                  seconds: float = 0.0) -> None:
         super().__init__(message)
-        self.outcome, self.billed, self.retry, self.status, self.seconds = outcome, billed, retry, status, seconds
+        self.outcome, self.billed, self.kind, self.status, self.seconds = outcome, billed, kind, status, seconds
 
 
 @dataclasses.dataclass
@@ -110,6 +133,8 @@ class VLMJudge:
         template: template file (default: the shipped ``group_v2``).
         frames: frames per video (``N``); images are one frame. max_side: longest side of a sent frame, pixels.
         max_attempts: billed HTTP attempts per group at most, over every run (first send, retries, repairs).
+        retry_on: the failed attempts sent again (module docstring, step 4): a list of :data:`RETRY_KINDS`;
+            default :data:`UNBILLED_RETRIES`, which never pays twice.
         retry_backoff_s: first back-off; doubled per retry.
         seed: permutation seed (also sent as the request's ``seed``).
         temperature, max_tokens: generation settings sent with each request (part of the request key).
@@ -134,7 +159,8 @@ class VLMJudge:
 
     def __init__(self, *, model: str, base_url: str, api_key_env: str | None = "OPENAI_API_KEY",
                  timeout_s: float = 120.0, max_concurrency: int = 4, template: str | Path | None = None,
-                 frames: int = 24, max_side: int = 832, max_attempts: int = 3, retry_backoff_s: float = 1.0,
+                 frames: int = 24, max_side: int = 832, max_attempts: int = 3,
+                 retry_on: Sequence[RetryKind] = UNBILLED_RETRIES, retry_backoff_s: float = 1.0,
                  seed: int = 0, temperature: float = 0.0, max_tokens: int = 512, jpeg_quality: int = 90,
                  reference_root: str | Path | None = None, run_dir: str | Path | None = None,
                  ledger: str | Path | None = None, max_billed: int = 0, paid: bool = True) -> None:
@@ -151,6 +177,9 @@ class VLMJudge:
                              f"{timeout_s!r}, {retry_backoff_s!r}, {temperature!r}")
         if not model or not base_url:
             raise ValueError("vlm_judge needs a model name and a base_url")
+        if isinstance(retry_on, str) or any(k not in RETRY_KINDS for k in retry_on):
+            raise ValueError(f"vlm_judge option retry_on must be a list of {list(RETRY_KINDS)}, got {retry_on!r}")
+        self.retry_on = frozenset(retry_on)
         key = "unused"
         if api_key_env is not None:
             key = os.environ.get(api_key_env, "")
@@ -231,8 +260,9 @@ class VLMJudge:
             entry, billed = ledger.claim(group.key, group.slot)
             if entry is not None:
                 decided[group.key] = self._served(entry, group)
-            elif billed >= self.max_attempts:
-                decided[group.key] = None  # its attempts are spent (no answer came): not sent again
+            elif billed >= self.max_attempts or any(retry_kind(o, h, True) not in self.retry_on
+                                                    for o, h in ledger.billed_failures(group.key, group.slot)):
+                decided[group.key] = None  # its attempts are spent, or one may have been billed: not sent again
             else:
                 todo[group.key] = (group, self.max_attempts - billed)
         if self.max_billed and len(todo) > self.max_billed - ledger.billed():
@@ -394,7 +424,7 @@ class VLMJudge:
                                       latency_s=exc.seconds)
                 self._count(billed=int(exc.billed), latency_total=exc.seconds)
                 error = str(exc)
-                if not exc.retry:
+                if exc.kind not in self.retry_on:  # may have been billed: never paid for twice unless opted in
                     break
                 kind = "retry"
                 if attempt + 1 < attempts_left:
@@ -454,27 +484,35 @@ class VLMJudge:
             raw = self.client.chat.completions.with_raw_response.create(
                 model=self.model, messages=[], temperature=self.settings["temperature"],
                 max_tokens=self.settings["max_tokens"], seed=self.seed, extra_body={"messages": messages})
-            completion = raw.parse()
         except oa.APITimeoutError as exc:
-            raise _Unanswered(f"timed out: {exc}", "timeout", billed=True, retry=True,
+            raise _Unanswered(f"timed out: {exc}", "timeout", billed=True, kind=retry_kind("timeout", None, True),
                               seconds=time.perf_counter() - start) from exc
         except oa.APIConnectionError as exc:
             # refused: nothing left this machine (the client's httpx may be a vendored copy: matched by name)
             refused = any(c.__name__ == "ConnectError" for c in type(exc.__cause__).__mro__)
             raise _Unanswered(f"{type(exc.__cause__ or exc).__name__}: {exc}", "connection_error",
-                              billed=not refused, retry=True, seconds=time.perf_counter() - start) from exc
+                              billed=not refused, kind=retry_kind("connection_error", None, not refused),
+                              seconds=time.perf_counter() - start) from exc
         except oa.APIStatusError as exc:
             status, body = exc.status_code, exc.response.text[:500]
             if status in FATAL_WHAT:
                 token = f" from api_key_env={self.api_key_env}" if status in (401, 403) and self.api_key_env else ""
                 raise JudgeError(f"vlm_judge: the judge at {self.client.base_url} {FATAL_WHAT[status]}{token} "
                                  f"(HTTP {status}; model {self.model!r}): {one_line(body)}") from exc
-            raise _Unanswered(f"HTTP {status}: {body}", "http_error", billed=True, status=status,
-                              retry=status >= 500 or status in RETRY_STATUS,
+            raise _Unanswered(f"HTTP {status}: {body}", "http_error", billed=status != 429, status=status,
+                              kind=retry_kind("http_error", status, status != 429),
+                              seconds=time.perf_counter() - start) from exc
+        try:
+            completion = raw.parse()
+            if not isinstance(completion.choices, list) or not completion.choices:
+                raise TypeError("no choices")
+            text = completion.choices[0].message.content
+        except Exception as exc:  # noqa: BLE001 - a 200 whose body is no chat completion: answered, billed, unusable
+            raise _Unanswered(f"HTTP 200 with a body that is not a chat completion ({type(exc).__name__}): "
+                              f"{one_line(raw.text[:300])}", "http_error", billed=True, status=200, kind=None,
                               seconds=time.perf_counter() - start) from exc
         seconds = time.perf_counter() - start
         used = completion.usage
         tokens = (used.prompt_tokens or 0, used.completion_tokens or 0) if used is not None else (0, 0)
-        text = completion.choices[0].message.content if completion.choices else None
         return text, raw.text, tokens, seconds
 

@@ -140,6 +140,16 @@ class LedgerEntry:
     owner: str = ""
 
 
+def _where(key: str, slot: Slot) -> tuple[str, list]:
+    """The SQL condition (and its arguments) on ``requests`` for request ``key`` or, when ``slot`` is bound (a step
+    and a condition), any request of that slot."""
+    where, args = "key = ?", [key]
+    if slot.step is not None and slot.condition is not None:
+        where += " OR (stage = ? AND purpose = ? AND step = ? AND slot = ?)"
+        args += [slot.stage, slot.purpose, slot.step, slot.condition]
+    return where, args
+
+
 class RequestLedger:
     """The ledger file at ``path`` (created with its parent directories; ``":memory:"`` keeps it in memory).
 
@@ -274,10 +284,7 @@ class RequestLedger:
             ``(entry, billed)``: the answered request (``ok`` / ``malformed``; the first one) or else a ``lost``
             one, or None; and the billed attempts of all those requests together.
         """
-        where, args = "key = ?", [key]
-        if slot.step is not None and slot.condition is not None:
-            where += " OR (stage = ? AND purpose = ? AND step = ? AND slot = ?)"
-            args += [slot.stage, slot.purpose, slot.step, slot.condition]
+        where, args = _where(key, slot)
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -299,6 +306,15 @@ class RequestLedger:
         billed = sum(e.attempts for e in entries)
         decided = [e for e in entries if e.status in ANSWERED] or [e for e in entries if e.status == "lost"]
         return (decided[0] if decided else None), billed
+
+    def billed_failures(self, key: str, slot: Slot = Slot()) -> list[tuple[str, int | None]]:
+        """``(outcome, http_status)`` of every billed attempt without an answer of the requests :meth:`claim`
+        looks at (``key`` and its slot), in order: what a group has cost without being judged."""
+        where, args = _where(key, slot)
+        with self._lock:
+            return [(r[0], r[1]) for r in self._db.execute(
+                f"SELECT outcome, http_status FROM attempts WHERE billed = 1 AND outcome != 'answered' AND key IN "
+                f"(SELECT key FROM requests WHERE {where}) ORDER BY id", args)]
 
     def record(self, entry: LedgerEntry) -> None:
         """Insert a finished request with ``entry.attempts`` answered billed attempts (tools and tests; the judge
