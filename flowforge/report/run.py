@@ -1,6 +1,6 @@
 """One self-contained HTML page per run that answers first: the verdict, the summary, then samples, curves, config.
 
-``write_report(run_dir)`` reads the run directory (``runs/<name>/``, README "A run directory") and writes
+``write_report(run_dir)`` reads the run directory (``runs/<name>/``, docs/guides/runs.md) and writes
 ``<run_dir>/report.html``; every image is embedded as a base64 PNG, so the file can be mailed or archived alone.
 Also ``python -m flowforge.report.run RUN_DIR [--smooth A]`` and ``flowforge report RUN_DIR``.
 

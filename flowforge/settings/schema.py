@@ -19,13 +19,15 @@ This module imports only the standard library and PyYAML: configs are validated 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import hashlib
 import math
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -53,6 +55,8 @@ class Checks:
 
     def choice(self, key: str, allowed: Iterable[Any]) -> None:
         """``key``'s value must be one of ``allowed``."""
+        allowed = tuple(allowed)
+        note_choice(self.where(key), allowed)
         value = getattr(self.section, key)
         if value not in tuple(allowed):
             self.problems.append(f"{self.where(key)}={value!r} is not one of {list(allowed)}")
@@ -71,6 +75,31 @@ class Checks:
         """Record ``message`` unless ``ok``."""
         if not ok:
             self.problems.append(message)
+
+
+_CHOICES: contextvars.ContextVar[dict[str, tuple[Any, ...]] | None] = contextvars.ContextVar("_CHOICES", default=None)
+
+
+@contextlib.contextmanager
+def recorded_choices() -> Iterator[dict[str, tuple[Any, ...]]]:
+    """While active, every choice check (:meth:`Checks.choice`, and preflight's checks of names owned by other
+    modules) records ``{"section.key": allowed values}`` into the yielded dict. The generated config reference
+    (``docs/hooks/config_reference.py``) reads each key's allowed values this way, from the checks themselves, so
+    the page cannot list values the checks would refuse."""
+    seen: dict[str, tuple[Any, ...]] = {}
+    token = _CHOICES.set(seen)
+    try:
+        yield seen
+    finally:
+        _CHOICES.reset(token)
+
+
+def note_choice(where: str, allowed: Iterable[Any]) -> None:
+    """Record that ``where`` (``"section.key"``) must be one of ``allowed`` when :func:`recorded_choices` is
+    active; a no-op otherwise."""
+    seen = _CHOICES.get()
+    if seen is not None:
+        seen[where] = tuple(allowed)
 
 
 class Section:

@@ -1,4 +1,5 @@
-"""Command-line overrides: a mapping merges into the file's, ``!{...}`` replaces it (the README's remote example)."""
+"""Command-line overrides: a mapping merges into the file's, ``!{...}`` replaces it (the remote example of the rewards
+guide, docs/guides/rewards.md)."""
 
 import re
 import shlex
@@ -14,11 +15,11 @@ GRPO = REPO / "examples" / "digits" / "grpo.yaml"
 
 
 def readme_remote_example() -> list[str]:
-    """The README's remote-reward ``flowforge train`` command line, continuation lines joined, as argv."""
-    text = (REPO / "README.md").read_text()
+    """The rewards guide's remote-reward ``flowforge train`` command line, continuation lines joined, as argv."""
+    text = (REPO / "docs" / "guides" / "rewards.md").read_text()
     match = re.search(r"^flowforge train examples/digits/grpo\.yaml ['\"]reward\.weights=.*?(?<!\\)\n", text,
                       flags=re.M | re.S)
-    assert match, "README's remote-reward example not found"
+    assert match, "the rewards guide's remote-reward example not found"
     return shlex.split(match.group(0).replace("\\\n", " "))
 
 
@@ -60,7 +61,7 @@ def test_a_yaml_tag_is_not_the_replace_marker():
 
 def test_readme_remote_example_run_as_written_trains_on_the_remote_reward_alone(tiny_model_dir, encode_cache_dir,
                                                                                 tmp_path, monkeypatch):
-    """The README's command itself (its URL pointed at a real reward server on loopback, tiny-model overrides
+    """The rewards guide's command itself (its URL pointed at a real reward server on loopback, tiny-model overrides
     appended) trains 1 step: the only reward component is ``remote``, and the total is its mean (was: the file's
     ``digit`` too, the total twice the remote's)."""
     import json

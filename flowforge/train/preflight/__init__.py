@@ -39,6 +39,7 @@ from flowforge.data.prompt_set import PromptSet, open_prompts
 from flowforge.data.prompts import IMAGE_TASKS, TASKS, check_task, resolve_prompt_path
 from flowforge.runtime.dtypes import DTYPE_NAMES
 from flowforge.runtime.errors import one_line
+from flowforge.settings.schema import note_choice
 from flowforge.train.preflight.loaded import check_loaded_model  # noqa: F401 - the trainer imports it from here
 from flowforge.train.preflight.loaded import _gib, media_bytes, memory_limit
 from flowforge.train.preflight.modules import module_path_problems
@@ -61,6 +62,7 @@ class PreflightReport:
 
 
 def _choice(problems, name, value, allowed):
+    note_choice(name, allowed)  # the generated config reference lists these allowed values
     if value not in allowed:
         problems.append(f"{name}={value!r} is not one of {list(allowed)}")
 
