@@ -64,7 +64,7 @@ def first_user_content(messages: Sequence[dict]) -> list[dict]:
     raise ValueError("the request has no user message")
 
 
-JUDGE_METADATA = ("label", "reference_media", "condition_media")
+JUDGE_METADATA = ("label", "reference_media", "condition_media", "example_media")
 """The metadata entries :class:`ScorerBackend` gives a scorer (read from the message); a scorer's other needs come
 from the prompt text (e.g. the digit reward's digit, the action scorers' actions, OCR's quoted text)."""
 
@@ -77,8 +77,8 @@ class ScorerBackend:
     (``[n, 3, F, H, W]``, one call per frame size); any other scores every frame and a candidate's score is the mean
     over its frames, as the trainer does. The scorer's score ``s`` maps to ``100 (s - low) / (high - low)`` clamped
     to ``[0, 100]``. Each candidate's metadata carries ``label`` and, when the request has them, ``reference_media``
-    (``[3, H, W]``, or ``[3, F, H, W]`` for several frames of one size) and ``condition_media`` (``[3, H, W]``) for
-    scorers that compare against them. Usage reports the number of images as ``prompt_tokens`` and the number of
+    (``[3, H, W]``, or ``[3, F, H, W]`` for several frames of one size), ``condition_media`` (``[3, H, W]``) and
+    ``example_media`` (a list of ``[3, H, W]``: the static example images) for scorers that compare against them. Usage reports the number of images as ``prompt_tokens`` and the number of
     scores as ``completion_tokens``.
 
     Raises:
@@ -125,6 +125,8 @@ class ScorerBackend:
             extra["reference_media"] = torch.stack(reference, 1) if same and len(reference) > 1 else reference[0]
         if group.condition:
             extra["condition_media"] = decode_image(group.condition[0])
+        if group.examples:  # static example images, each [3, H, W] in [0, 1]
+            extra["example_media"] = [decode_image(b) for b in group.examples]
         frames = {label: [decode_image(b) for b in data] for label, data in group.candidates.items()}
         if takes_video(self.scorer) and all(len({f.shape for f in fs}) == 1 for fs in frames.values()):
             videos = [(label, torch.stack(fs, 1)) for label, fs in frames.items()]  # [3, F, H, W] each

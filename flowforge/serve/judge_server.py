@@ -127,7 +127,7 @@ def log_record(body: Any) -> dict[str, Any]:
     from flowforge.serve.judge_backends import first_user_content
 
     record: dict[str, Any] = {"key": request_key(body), "group": None, "messages": None, "candidates": None,
-                              "condition": None, "reference": None, "unix": time.time()}
+                              "condition": None, "examples": None, "reference": None, "unix": time.time()}
     try:
         messages = body["messages"]
         content = first_user_content(messages)
@@ -138,7 +138,8 @@ def log_record(body: Any) -> dict[str, Any]:
         return record
     digest = P.sha256_hex
     record.update(candidates={label: [digest(f) for f in frames] for label, frames in group.candidates.items()},
-                  condition=[digest(f) for f in group.condition], reference=[digest(f) for f in group.reference])
+                  condition=[digest(f) for f in group.condition], examples=[digest(f) for f in group.examples],
+                  reference=[digest(f) for f in group.reference])
     return record
 
 

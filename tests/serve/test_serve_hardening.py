@@ -147,16 +147,16 @@ def test_eight_concurrent_budget_sized_requests_peak_like_one(judge):
 
 def test_decompression_bomb_header_is_a_413_in_openai_json(judge):
     """A 17-byte JPEG header claiming 60000^2 pixels: 413 from the header check (was: a plain-text 500, which the
-    paid-judge client retries; 4xx other than 408 / 409 / 429 are not retried)."""
+    paid-judge client could retry; a 4xx other than 408 / 409 / 429 is never retried)."""
     url, _, _ = judge
     bomb = "data:image/jpeg;base64," + base64.b64encode(bomb_jpeg()).decode()
     response = httpx.post(f"{url}/v1/chat/completions", json=_chat(bomb), headers=AUTH, timeout=60)
     assert response.status_code == 413, response.text
     error = response.json()["error"]
     assert error["code"] == "request_too_large" and "3600000000 pixels" in error["message"]
-    from flowforge.rewards.judge.client import FATAL_WHAT, RETRY_STATUS
+    from flowforge.rewards.judge.client import FATAL_WHAT, retry_kind
 
-    assert 413 not in RETRY_STATUS | set(FATAL_WHAT) and 413 < 500  # an answer the client records, never re-sends
+    assert retry_kind("http_error", 413, True) is None and 413 not in FATAL_WHAT  # recorded, never re-sent
 
 
 def test_a_request_log_write_failure_is_a_json_500(judge):

@@ -53,8 +53,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-import typing
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -62,7 +61,8 @@ from torch import Tensor
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.ledger import BudgetExhausted, LedgerEntry, RequestLedger, Slot
 from flowforge.rewards.judge.reference import load_reference  # noqa: F401 -- also imported from here
-from flowforge.runtime.errors import one_line
+from flowforge.rewards.judge.transport import (  # noqa: F401 -- JudgeError, FATAL_WHAT: also imported from here
+    FATAL_WHAT, RETRY_KINDS, UNBILLED_RETRIES, JudgeError, RetryKind, Unanswered, retry_kind, send)
 
 log = logging.getLogger(__name__)
 
@@ -70,39 +70,6 @@ LEDGER_FILE = Path("judge") / "ledger.sqlite"
 """The ledger's place in a run directory."""
 MEDIA_DIR = Path("judge") / "media"
 """Where the sent frames are kept (``<sha256[:2]>/<sha256>.jpg``), next to the ledger that names them."""
-FATAL_WHAT = {401: "refused the token", 403: "refused the token's access", 404: "has no such model or route"}
-RetryKind = Literal["refused", "429", "timeout", "connection", "408", "409", "5xx"]
-RETRY_KINDS: tuple[str, ...] = typing.get_args(RetryKind)
-UNBILLED_RETRIES: tuple[str, ...] = ("refused", "429")
-"""The default ``retry_on``: failures that cannot have been billed."""
-
-
-class JudgeError(ValueError):
-    """The judge cannot work at all (bad credentials, URL or model name): an error, never a reward. A ``ValueError``:
-    the judge's options are at fault, reported by the command line in one line (exit 2)."""
-
-
-def retry_kind(outcome: str, http_status: int | None, billed: bool) -> str | None:
-    """The :data:`RETRY_KINDS` entry of an attempt that ended without an answer (ledger ``outcome``, HTTP status,
-    billed), or None for one that is never sent again (a 4xx other than 408 / 409 / 429, a 200 that is no chat
-    completion, an attempt lost in a crash)."""
-    if outcome == "timeout":
-        return "timeout"
-    if outcome == "connection_error":
-        return "connection" if billed else "refused"
-    if outcome == "http_error" and http_status is not None and http_status != 200:
-        return "5xx" if http_status >= 500 else str(http_status) if str(http_status) in RETRY_KINDS else None
-    return None
-
-
-class _Unanswered(Exception):
-    """One HTTP attempt without an answer: ``outcome`` (ledger), ``billed``, its retry kind (:data:`RETRY_KINDS`;
-    None: never retried), the HTTP status."""
-
-    def __init__(self, message: str, outcome: str, *, billed: bool, kind: str | None, status: int | None = None,
-                 seconds: float = 0.0) -> None:
-        super().__init__(message)
-        self.outcome, self.billed, self.kind, self.status, self.seconds = outcome, billed, kind, status, seconds
 
 
 @dataclasses.dataclass
@@ -321,11 +288,19 @@ class VLMJudge:
         return str(path)
 
     def _side_media(self, metadata: Sequence[dict[str, Any]], field: str, frames: int) -> list[bytes] | None:
-        """The group's ``metadata[field]`` (first one of the group) as JPEG frames, or None."""
+        """The group's ``metadata[field]`` (first one of the group) as JPEG frames, or None. ``examples`` is a list
+        of image paths, one frame each (a single path is a list of one)."""
         paths = [m.get(field) for m in metadata if m.get(field)]
         if not paths:
             return None
-        path = Path(paths[0])
+        if field == "examples":
+            listed = [paths[0]] if isinstance(paths[0], (str, Path)) else list(paths[0])
+            return [f for item in listed for f in self._media_file(field, item, 1)]
+        return self._media_file(field, paths[0], frames)
+
+    def _media_file(self, field: str, name: str | Path, frames: int) -> list[bytes]:
+        """The image file or frame directory ``name`` (relative: under ``reference_root``) as JPEG frames, cached."""
+        path = Path(name)
         if not path.is_absolute() and self.reference_root is not None:
             path = self.reference_root / path
         cache = f"{field}:{frames}:{path}"
@@ -346,19 +321,24 @@ class VLMJudge:
         hashes = [[P.sha256_hex(f) for f in item] for item in frames]
         reference = self._side_media(metadata, "reference", self.frames)
         condition = self._side_media(metadata, "image", 1)
+        examples = self._side_media(metadata, "examples", 1)
         side = {name: [P.sha256_hex(f) for f in got] if got is not None else []
-                for name, got in (("reference", reference), ("condition", condition))}
+                for name, got in (("reference", reference), ("condition", condition), ("examples", examples))}
         perm = P.group_permutation(self.seed, prompt, hashes)
         labels = P.candidate_labels(len(perm))
         presented = [hashes[c] for c in perm]
-        settings = self.settings if condition is None else {**self.settings, "condition": side["condition"]}
+        # side media join the key only when present: the keys of groups without them stay what they were
+        settings = {**self.settings, **{name: side[name] for name, got in (("condition", condition),
+                                                                            ("examples", examples)) if got}}
         key = P.request_key(self.model, self.template.sha256, prompt, side["reference"], presented, settings)
         instructions = self.template.render(prompt, labels, len(frames[0]), reference is not None,
-                                            condition is not None)
-        content = P.build_content(instructions, prompt, None if reference is None else
-                                  [P.data_url(f) for f in reference], [[P.data_url(f) for f in frames[c]]
-                                                                       for c in perm], labels,
-                                  condition=None if condition is None else [P.data_url(f) for f in condition])
+                                            condition is not None, bool(examples))
+
+        def urls(jpegs: list[bytes] | None) -> list[str] | None:
+            return None if not jpegs else [P.data_url(f) for f in jpegs]
+
+        content = P.build_content(instructions, prompt, urls(reference), [urls(frames[c]) for c in perm], labels,
+                                  condition=urls(condition), examples=urls(examples))
 
         def kept(jpegs: list[bytes] | None, digests: list[str]) -> list[dict] | None:
             if jpegs is None:
@@ -374,6 +354,7 @@ class VLMJudge:
                    "permutation": perm, "sample_ids": [m.get("sample_id") for m in metadata],
                    "frames_per_candidate": len(frames[0]), "slot": dataclasses.asdict(slot),
                    "reference": kept(reference, side["reference"]), "condition": kept(condition, side["condition"]),
+                   **({"examples": kept(examples, side["examples"])} if examples else {}),
                    "candidates": [kept(frames[c], hashes[c]) for c in perm]}
         return _Group(key=key, perm=perm, labels=labels, content=content, request=request, slot=slot)
 
@@ -417,8 +398,9 @@ class VLMJudge:
                 break
             self._count(requests_sent=1, retries=int(kind != "first"))
             try:
-                text, body, used, seconds = self._send(messages)
-            except _Unanswered as exc:
+                text, body, used, seconds = send(self.client, self._openai, messages, model=self.model, settings=self.settings,
+                                                  seed=self.seed, api_key_env=self.api_key_env)
+            except Unanswered as exc:
                 outcomes.append(exc.outcome)
                 ledger.finish_attempt(row, exc.outcome, billed=exc.billed, http_status=exc.status, error=str(exc),
                                       latency_s=exc.seconds)
@@ -465,54 +447,3 @@ class VLMJudge:
         ledger.finish(group.key, status, scores=None, response=answers, tokens=(usage[0], usage[1]),
                       latency_s=latency, request={**group.request, "repairs": [m["content"] for m in messages[2::2]]})
         return None
-
-    def _send(self, messages: list[dict]) -> tuple[str | None, str, tuple[int, int], float]:
-        """One chat completion (one HTTP attempt): ``(reply text, raw HTTP body, (prompt, completion) tokens,
-        seconds)``.
-
-        Raises:
-            _Unanswered: no answer (a timeout, a connection error, an HTTP error other than the fatal ones).
-            JudgeError: 401 / 403 / 404.
-        """
-        oa = self._openai
-        start = time.perf_counter()
-        try:
-            # the messages go in extra_body, which the SDK merges into the JSON body after its request transform:
-            # the transform walks every content part in Python with the GIL held (6 ms for 8 frames, 60 ms for
-            # 124) and returns plain-JSON messages unchanged, so it is skipped. ``messages=[]`` keeps the key's
-            # place: the body is byte-identical (tests/rewards/judge/test_client_http.py).
-            raw = self.client.chat.completions.with_raw_response.create(
-                model=self.model, messages=[], temperature=self.settings["temperature"],
-                max_tokens=self.settings["max_tokens"], seed=self.seed, extra_body={"messages": messages})
-        except oa.APITimeoutError as exc:
-            raise _Unanswered(f"timed out: {exc}", "timeout", billed=True, kind=retry_kind("timeout", None, True),
-                              seconds=time.perf_counter() - start) from exc
-        except oa.APIConnectionError as exc:
-            # refused: nothing left this machine (the client's httpx may be a vendored copy: matched by name)
-            refused = any(c.__name__ == "ConnectError" for c in type(exc.__cause__).__mro__)
-            raise _Unanswered(f"{type(exc.__cause__ or exc).__name__}: {exc}", "connection_error",
-                              billed=not refused, kind=retry_kind("connection_error", None, not refused),
-                              seconds=time.perf_counter() - start) from exc
-        except oa.APIStatusError as exc:
-            status, body = exc.status_code, exc.response.text[:500]
-            if status in FATAL_WHAT:
-                token = f" from api_key_env={self.api_key_env}" if status in (401, 403) and self.api_key_env else ""
-                raise JudgeError(f"vlm_judge: the judge at {self.client.base_url} {FATAL_WHAT[status]}{token} "
-                                 f"(HTTP {status}; model {self.model!r}): {one_line(body)}") from exc
-            raise _Unanswered(f"HTTP {status}: {body}", "http_error", billed=status != 429, status=status,
-                              kind=retry_kind("http_error", status, status != 429),
-                              seconds=time.perf_counter() - start) from exc
-        try:
-            completion = raw.parse()
-            if not isinstance(completion.choices, list) or not completion.choices:
-                raise TypeError("no choices")
-            text = completion.choices[0].message.content
-        except Exception as exc:  # noqa: BLE001 - a 200 whose body is no chat completion: answered, billed, unusable
-            raise _Unanswered(f"HTTP 200 with a body that is not a chat completion ({type(exc).__name__}): "
-                              f"{one_line(raw.text[:300])}", "http_error", billed=True, status=200, kind=None,
-                              seconds=time.perf_counter() - start) from exc
-        seconds = time.perf_counter() - start
-        used = completion.usage
-        tokens = (used.prompt_tokens or 0, used.completion_tokens or 0) if used is not None else (0, 0)
-        return text, raw.text, tokens, seconds
-

@@ -12,6 +12,7 @@ message part          content
 instructions          the rendered template (:class:`JudgeTemplate`; its sha256 is part of every request key)
 ``Prompt: <text>``    the prompt / condition text of the group
 ``Condition:``        (optional) followed by the condition's first frame: the image the candidates start from
+``Examples:``         (optional) followed by static example images (e.g. a game's sprites and screens), one each
 ``Reference:``        (optional) followed by the reference's frames as images (a clip: its ordered frames)
 ``Candidate A:`` ...  each candidate's label line followed by its ``N`` frames as images, in presented order
 ====================  ===============================================================================================
@@ -51,9 +52,11 @@ import torch
 from torch import Tensor
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[1] / "judge_templates" / "group_v2.txt"
-"""The shipped group-judge template (``group_v2``: ``group_v1`` plus the condition frame's note)."""
+"""The shipped group-judge template (``group_v2``: ``group_v1`` plus the condition frame's note). Shipped templates
+are never edited (their sha256 is in every request key: an edit would re-send every recorded group); ``group_v3``
+adds the examples' note and is needed when a group carries example images."""
 PLACEHOLDERS = frozenset({"num_candidates", "labels", "media_kind", "frames_note", "reference_note", "video_note",
-                          "json_example", "prompt", "condition_note"})
+                          "json_example", "prompt", "condition_note", "examples_note"})
 """Names a template may use as ``{{name}}``; any other ``{{...}}`` is an error at load time."""
 SCORE_MAX = 100.0
 """Replies score on ``[0, SCORE_MAX]``; :func:`parse_scores` divides by it."""
@@ -61,6 +64,7 @@ DATA_URL_PREFIX = "data:image/jpeg;base64,"
 PROMPT_PREFIX = "Prompt: "
 REFERENCE_HEADER = "Reference:"
 CONDITION_HEADER = "Condition:"
+EXAMPLES_HEADER = "Examples:"
 CANDIDATE_HEADER = re.compile(r"^Candidate ([A-Z]{1,2}):$")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
@@ -107,8 +111,15 @@ class JudgeTemplate:
         return cls(text=text, sha256=hashlib.sha256(data).hexdigest(), version=path.stem)
 
     def render(self, prompt: str, labels: Sequence[str], frames: int, has_reference: bool,
-               has_condition: bool = False) -> str:
-        """The instructions for one group: ``labels`` in presented order, ``frames`` per candidate (1: images)."""
+               has_condition: bool = False, has_examples: bool = False) -> str:
+        """The instructions for one group: ``labels`` in presented order, ``frames`` per candidate (1: images).
+
+        Raises:
+            ValueError: ``has_examples`` with a template that never mentions them (no ``{{examples_note}}``).
+        """
+        if has_examples and "{{examples_note}}" not in self.text:
+            raise ValueError(f"the judge template {self.version!r} has no {{{{examples_note}}}}: a group with example "
+                             "images needs a template that tells the judge what they are (template: group_v3)")
         video = frames > 1
         example = json.dumps({label: 50 + 10 * (i % 3) for i, label in enumerate(labels)})
         values = {
@@ -121,6 +132,8 @@ class JudgeTemplate:
             "video_note": " and, for videos, temporal consistency and motion" if video else "",
             "condition_note": ("The condition, shown after the line \"Condition:\", is the first frame every "
                                "candidate starts from; it is not scored." if has_condition else ""),
+            "examples_note": ("Example images, shown after the line \"Examples:\", show what the world looks like "
+                              "(its objects and screens); they are not scored." if has_examples else ""),
             "json_example": example,
             "prompt": prompt,
         }
@@ -224,8 +237,9 @@ def request_key(model: str, template_sha256: str, prompt: str, reference: Sequen
 
 def build_content(instructions: str, prompt: str, reference: Sequence[str] | None,
                   candidates: Sequence[Sequence[str]], labels: Sequence[str], *,
-                  condition: Sequence[str] | None = None) -> list[dict]:
-    """The user message's content parts (module table) from image URLs; ``reference`` / ``condition`` None: none."""
+                  condition: Sequence[str] | None = None, examples: Sequence[str] | None = None) -> list[dict]:
+    """The user message's content parts (module table) from image URLs; ``reference`` / ``condition`` /
+    ``examples`` None: none."""
     parts: list[dict] = [{"type": "text", "text": instructions}, {"type": "text", "text": PROMPT_PREFIX + prompt}]
 
     def images(urls: Sequence[str]) -> None:
@@ -234,6 +248,9 @@ def build_content(instructions: str, prompt: str, reference: Sequence[str] | Non
     if condition is not None:
         parts.append({"type": "text", "text": CONDITION_HEADER})
         images(condition)
+    if examples is not None:
+        parts.append({"type": "text", "text": EXAMPLES_HEADER})
+        images(examples)
     if reference is not None:
         parts.append({"type": "text", "text": REFERENCE_HEADER})
         images(reference)
@@ -252,6 +269,7 @@ class GroupRequest:
     reference: list[bytes]
     candidates: dict[str, list[bytes]]  # label -> JPEG / PNG bytes of its frames, presented order
     condition: list[bytes] = dataclasses.field(default_factory=list)
+    examples: list[bytes] = dataclasses.field(default_factory=list)
 
 
 def read_group_request(content: Sequence[dict]) -> GroupRequest:
@@ -262,7 +280,7 @@ def read_group_request(content: Sequence[dict]) -> GroupRequest:
         ValueError: an image before any header, a repeated label, no candidate, a candidate without frames, a
             part of an unknown type, or a bad image URL.
     """
-    prompt, reference, condition, candidates = "", [], [], {}
+    prompt, reference, condition, examples, candidates = "", [], [], [], {}
     current: list[bytes] | None = None
     for part in content:
         kind = part.get("type")
@@ -275,13 +293,16 @@ def read_group_request(content: Sequence[dict]) -> GroupRequest:
                 current = reference
             elif text.strip() == CONDITION_HEADER:
                 current = condition
+            elif text.strip() == EXAMPLES_HEADER:
+                current = examples
             elif match:
                 if match.group(1) in candidates:
                     raise ValueError(f"candidate label {match.group(1)!r} appears twice")
                 current = candidates[match.group(1)] = []
         elif kind == "image_url":
             if current is None:
-                raise ValueError("an image comes before any 'Condition:' / 'Reference:' / 'Candidate X:' line")
+                raise ValueError("an image comes before any 'Condition:' / 'Examples:' / 'Reference:' / "
+                                 "'Candidate X:' line")
             current.append(decode_data_url((part.get("image_url") or {}).get("url", "")))
         else:
             raise ValueError(f"unknown content part type {kind!r}; expected 'text' or 'image_url'")
@@ -290,7 +311,8 @@ def read_group_request(content: Sequence[dict]) -> GroupRequest:
     empty = [label for label, frames in candidates.items() if not frames]
     if empty:
         raise ValueError(f"candidates without images: {empty}")
-    return GroupRequest(prompt=prompt, reference=reference, candidates=candidates, condition=condition)
+    return GroupRequest(prompt=prompt, reference=reference, candidates=candidates, condition=condition,
+                        examples=examples)
 
 
 def _reject_constant(name: str) -> float:

@@ -4,6 +4,7 @@ retries, billing, SIGKILL between send and record) are in ``tests/serve/test_jud
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +104,39 @@ def test_the_condition_frame_is_sent_first_and_keyed(tmp_path):
     sent = P.read_group_request(with_condition.content)
     assert len(sent.condition) == 1 and sent.reference == [] and [len(f) for f in sent.candidates.values()] == [3, 3]
     assert "Condition:" in with_condition.request["instructions"] and without.request["condition"] is None
+
+
+def test_static_example_images_have_their_own_slot_and_key(tmp_path):
+    """Example images (``metadata["examples"]``: paths, one image each) are sent after ``Examples:``, kept in the
+    ledger's request and part of the key; a group without them keeps the key and body it had before the slot
+    existed; a template that never mentions examples is refused for a group that has them."""
+    from PIL import Image
+
+    for i, colour in enumerate([(250, 10, 10), (10, 10, 250)]):
+        Image.new("RGB", (8, 8), colour).save(tmp_path / f"sprite{i}.png")
+    template = Path(P.DEFAULT_TEMPLATE).with_name("group_v3.txt")
+    judge = _judge(frames=2, max_side=16, reference_root=tmp_path, template=template)
+    video = torch.rand(2, 3, 4, 8, 8)
+    meta = [{"image": "sprite0.png", "examples": ["sprite0.png", "sprite1.png"]}] * 2
+    with_examples = judge._prepare(video, ["a", "a"], meta)
+    without = judge._prepare(video, ["a", "a"], [{"image": "sprite0.png"}] * 2)
+    one_changed = judge._prepare(video, ["a", "a"], [{**meta[0], "examples": ["sprite1.png", "sprite1.png"]}] * 2)
+    assert len({with_examples.key, without.key, one_changed.key}) == 3
+    sent = P.read_group_request(with_examples.content)
+    assert len(sent.examples) == 2 and len(sent.condition) == 1 and sent.examples[0] != sent.examples[1]
+    assert [e["sha256"] for e in with_examples.request["examples"]] == [P.sha256_hex(b) for b in sent.examples]
+    assert "Examples:" in with_examples.request["instructions"] and "examples" not in without.request
+    assert "Examples:" not in without.request["instructions"]
+    # group_v2 (the default): a group without examples keeps the key the code before the slot gave it (recorded
+    # from that code: a drift would make every recorded group look new and be paid for again)
+    old = _judge(frames=2, max_side=16, reference_root=tmp_path)
+    fixed = (torch.arange(2 * 3 * 4 * 8 * 8, dtype=torch.float32).view(2, 3, 4, 8, 8) % 17) / 16
+    assert old._prepare(fixed, ["a", "a"], [{"image": "sprite0.png"}] * 2).key == \
+        "ef53d9022b42ef67959518bbe06a3e32f4d11fb59ed28b1010d3d2880121b0e1"
+    assert old._prepare(fixed, ["a", "a"], [{}] * 2).key == \
+        "a134000b9021f0c16f1fcde8eaefe0cdbc819e3ac55b7a183240ab82bd1903f9"
+    with pytest.raises(ValueError, match="group_v3"):
+        old._prepare(video, ["a", "a"], meta)
 
 
 def test_processor_logs_the_judge_metrics_and_a_malformed_answer_is_nan(tmp_path):
