@@ -12,11 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flowforge.runtime import distributed as dist_lib
-from flowforge.train.trainer import Trainer
-from tests.rollout.test_engine import assert_same_trajectory
-from tests.train.test_resume import _assert_same, _state
-from tests.train.test_trainer import one_step, tiny_cfg, train_batch
+# flowforge and the CPU tests' helpers are imported inside the tests: without CUDA every test here is skipped at
+# collection, and the collection then costs no model-library imports (bench/gpu_acceptance.py runs it everywhere)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,6 +22,9 @@ BF16 = ("model.dtype=bfloat16",)
 
 @pytest.fixture
 def make(tiny_model_dir, tmp_path, encode_cache_dir, device):
+    from flowforge.train.trainer import Trainer
+    from tests.train.test_trainer import tiny_cfg
+
     def build(name, *extra):
         cfg = tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, f"run.name={name}", f"run.device={device}", *extra)
         return Trainer(cfg, progress=False)
@@ -33,6 +33,8 @@ def make(tiny_model_dir, tmp_path, encode_cache_dir, device):
 
 @pytest.mark.parametrize("trainable", ["lora", "full"])
 def test_grpo_first_update_ratio_is_exactly_one_in_bf16(make, device, trainable):
+    from tests.train.test_trainer import one_step, train_batch
+
     extra = ("lora.trainable=full", "train.lr=1e-4") if trainable == "full" else ()
     trainer = make(trainable, *BF16, *extra)
     assert trainer.device.type == device and next(trainer.adapter.transformer.parameters()).is_cuda == (
@@ -45,6 +47,7 @@ def test_grpo_first_update_ratio_is_exactly_one_in_bf16(make, device, trainable)
 
 def test_replayed_log_probs_equal_rollout_bitwise_in_bf16(make):
     from flowforge.rollout import replay_log_prob
+    from tests.train.test_trainer import one_step
 
     trainer = make("replay", *BF16)
     _, traj, cond, _, _ = one_step(trainer)
@@ -60,6 +63,9 @@ def test_replayed_log_probs_equal_rollout_bitwise_in_bf16(make):
 def test_rollout_engine_workers_equal_the_trainer_in_bf16(make):
     """A worker process (its own model copy on the same device) rolls out step 0 bit for bit like the trainer, and
     the first update on its trajectory has ratio exactly 1."""
+    from tests.rollout.test_engine import assert_same_trajectory
+    from tests.train.test_trainer import one_step, train_batch
+
     local = make("local", *BF16)
     workers = make("workers", *BF16, "rollout.engine=workers")
     try:
@@ -106,6 +112,9 @@ def test_fsdp2_on_one_rank_matches_the_bare_module(make, one_rank_group, param_d
     """FSDP2 (``distributed.strategy=fsdp``'s wrap: ``fully_shard`` per block then the root) over a one-rank group
     gives the bare module's velocity and LoRA gradients: equal within float rounding in fp32, within bf16 rounding
     with ``param_dtype=bfloat16`` (the reference then runs a bf16 copy)."""
+    from flowforge.runtime import distributed as dist_lib
+    from tests.train.test_trainer import one_step, train_batch
+
     trainer = make(f"fsdp-{param_dtype}")
     batch = train_batch(*one_step(trainer))
     adapter = trainer.adapter
@@ -127,6 +136,8 @@ def test_fsdp2_on_one_rank_matches_the_bare_module(make, one_rank_group, param_d
 def test_checkpoint_round_trip_restores_cuda_state_exactly(make, device):
     """A run stopped after 1 step (checkpoint every step) resumes with the same live / old weights and AdamW state,
     on the device, bit for bit (bf16 base weights, fp32 LoRA)."""
+    from tests.train.test_resume import _assert_same, _state
+
     extra = (*BF16, "train.algorithm=nft", "train.steps=3", "checkpoint.every=1", "train.lr_schedule=cosine")
     trained = make("ckpt", *extra)
     trained.train(stop_at=1)
