@@ -6,9 +6,9 @@ SD3.5-Medium GRPO LoRA step and a Qwen-Image-sized FlowGRPO step, printed and wr
 
 1. ``python -m pytest -q -n 0 -m gpu tests/gpu``: counts of passed / failed / skipped (skipped without CUDA).
 2. **SD3.5-Medium GRPO LoRA step**: a random-init diffusers ``SD3Transformer2DModel`` with SD3.5-Medium's published
-   transformer config (:data:`SD35_MEDIUM`), text embeddings of the real shapes (333 tokens = CLIP 77 + T5 256 of
-   width 4096, pooled 2048) drawn at random, 256 px (32x32 latents), 2 denoising steps (the first is the trained
-   SDE step; the last is never trained), 2 prompts x 8 candidates, micro-batch 8, LoRA r32.
+   transformer config (:data:`SD35_MEDIUM`; 2.24B parameters), text embeddings of the real shapes (333 tokens =
+   CLIP 77 + T5 256 of width 4096, pooled 2048) drawn at random, 256 px (32x32 latents), 2 denoising steps (the
+   first is the trained SDE step; the last is never trained), 2 prompts x 8 candidates, micro-batch 8.
 3. **Qwen-Image-sized FlowGRPO step**: a random-init ``QwenImageTransformer2DModel`` with Qwen-Image's config
    (diffusers' defaults, :data:`QWEN_IMAGE`; 20B parameters), 512 px, 8 denoising steps, no CFG, every
    non-degenerate step trained (7, flow_grpo's ``timestep_fraction`` ~1), 2 prompts x 4 candidates, micro-batch 2,
@@ -16,9 +16,10 @@ SD3.5-Medium GRPO LoRA step and a Qwen-Image-sized FlowGRPO step, printed and wr
    setting: not reproduced here).
 
 A step is flowforge's own stages 2 and 5: :func:`flowforge.rollout.rollout_chunked` under the sampling policy,
-then the ``grpo`` objective's ``optimize`` (replay, clipped surrogate, backward, AdamW) on random advantages
-(rewards are not what is measured). One untimed warm-up step first. Precision as ``model.dtype=bfloat16`` trains:
-frozen weights in bf16, LoRA masters in fp32, log-probs in fp32 (flowforge does not use ``torch.autocast``).
+then the ``grpo`` objective's ``optimize`` (replay, clipped surrogate, backward, AdamW; no KL term, as
+``grpo.kl_weight`` defaults to 0) on random advantages (rewards are not what is measured), LoRA r32 / alpha 64 on
+the adapter's default targets. One untimed warm-up step first. Precision as ``model.dtype=bfloat16`` trains: frozen
+weights in bf16, LoRA masters in fp32, log-probs in fp32 (flowforge does not use ``torch.autocast``).
 
 FLOPs: one velocity forward at the micro-batch's shape is counted by torch's ``FlopCounterMode``; a step counts
 ``num_steps`` forwards per rollout chunk and 3 forwards (forward + backward as 2x) per trained transition
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -42,6 +44,10 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported after the arguments are checked (a bad argument answers at once)
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 VERL_OMNI_IMAGES_PER_GPU_S = 0.51  # verl-omni's published Qwen-Image FlowGRPO throughput (as cited in issue 44)
@@ -175,6 +181,7 @@ def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: floa
     model_cfg, tiny_cfg, run, tiny_run = PARTS[name]
     config, r = (tiny_cfg, tiny_run) if tiny else (model_cfg, run)
     batch = r["prompts"] * r["group"]
+    gc.collect()  # the previous part's model, before this part's peak memory is counted
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -235,7 +242,6 @@ def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: floa
            "first_update_ratio_dev": float(first[3]["first_update_ratio_dev"]),
            "loss": float(metrics["loss"]), "config": {k: list(v) if isinstance(v, tuple) else v
                                                             for k, v in config.items()}}
-    del adapter, policy, objective
     return out
 
 
@@ -284,11 +290,12 @@ def main(argv=None) -> int:
               flush=True)
     for part in PARTS:
         results[part] = m = grpo_step_part(part, args.tiny, device, peak.flops)
-        print(f"{part}: {m['params'] / 1e9:.3f}B params ({m['trainable_params'] / 1e6:.1f}M LoRA), {m['resolution']} px, "
-              f"{m['num_steps']} steps ({m['trained_steps']} trained), batch {m['batch']}: step {m['step_s']:.2f} s "
-              f"(rollout {m['rollout_s']:.2f} + update {m['update_s']:.2f}), {m['transitions_per_s']:.2f} "
-              f"transitions/s, {m['images_per_s']:.3f} images/GPU/s, MFU {m['mfu']:.1%}, peak memory "
-              f"{m['peak_memory_gib']:.1f} GiB, first ratio dev {m['first_update_ratio_dev']:.1e}", flush=True)
+        print(f"{part}: {m['params'] / 1e9:.3f}B params ({m['trainable_params'] / 1e6:.1f}M LoRA), "
+              f"{m['resolution']} px, {m['num_steps']} steps ({m['trained_steps']} trained), batch {m['batch']}: "
+              f"step {m['step_s']:.2f} s (rollout {m['rollout_s']:.2f} + update {m['update_s']:.2f}), "
+              f"{m['transitions_per_s']:.2f} transitions/s, {m['images_per_s']:.3f} images/GPU/s, "
+              f"MFU {m['mfu']:.1%}, peak memory {m['peak_memory_gib']:.1f} GiB, "
+              f"first ratio dev {m['first_update_ratio_dev']:.1e}", flush=True)
     q = results["qwen_image_flowgrpo"]
     q["reference_images_per_gpu_s"] = VERL_OMNI_IMAGES_PER_GPU_S
     q["reference"] = "verl-omni, published (its own setting; not reproduced here)"
