@@ -121,7 +121,8 @@ def _assert_matches_single(records, ref_records, rows, ref_rows):
 @pytest.mark.slow  # two torchrun agents and an end-to-end run (tens of seconds): CI runs it after the default set
 def test_two_nodes_by_c10d_rendezvous_match_single_process(single, tiny_model_dir, tmp_path, encode_cache_dir):
     """Two torchrun launches (``--nnodes 2 --node_rank 0|1 --nproc_per_node 1``, c10d rendezvous on 127.0.0.1), as
-    users start two machines: the same candidates, advantages, metrics and weights as the single process."""
+    users start two machines (torchrun ignores ``--node_rank`` under c10d: the rendezvous assigns the ranks): the
+    same candidates, advantages, metrics and weights as the single process."""
     ref_records, ref_rows = single
     records = _run_nodes(tmp_path / "rec", _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "nodes",
                                                       "train.algorithm=nft", "distributed.strategy=ddp"))
