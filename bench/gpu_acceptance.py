@@ -15,11 +15,13 @@ SD3.5-Medium GRPO LoRA step and a Qwen-Image-sized FlowGRPO step, printed and wr
    activation checkpointing; reported in images/GPU/s beside verl-omni's published 0.51 (their number, their
    setting: not reproduced here).
 
+Each part: one untimed warm-up step, then the mean of 3 (SD3.5-M) / 2 (Qwen-Image) timed steps.
+
 A step is flowforge's own stages 2 and 5: :func:`flowforge.rollout.rollout_chunked` under the sampling policy,
 then the ``grpo`` objective's ``optimize`` (replay, clipped surrogate, backward, AdamW; no KL term, as
 ``grpo.kl_weight`` defaults to 0) on random advantages (rewards are not what is measured), LoRA r32 / alpha 64 on
-the adapter's default targets. One untimed warm-up step first. Precision as ``model.dtype=bfloat16`` trains: frozen
-weights in bf16, LoRA masters in fp32, log-probs in fp32 (flowforge does not use ``torch.autocast``).
+the adapter's default targets. Precision as ``model.dtype=bfloat16`` trains: frozen weights in bf16, LoRA masters in
+fp32, log-probs in fp32 (flowforge does not use ``torch.autocast``).
 
 FLOPs: one velocity forward at the micro-batch's shape is counted by torch's ``FlopCounterMode``; a step counts
 ``num_steps`` forwards per rollout chunk and 3 forwards (forward + backward as 2x) per trained transition
@@ -68,14 +70,14 @@ PARTS = {
         dict(SD35_MEDIUM, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
              caption_projection_dim=32, pooled_projection_dim=32, pos_embed_max_size=16, sample_size=8,
              dual_attention_layers=(0,)),
-        dict(px=256, steps=2, prompts=2, group=8, micro=8, text_tokens=333, checkpointing=False),
-        dict(px=64, steps=2, prompts=2, group=4, micro=4, text_tokens=7, checkpointing=False)),
+        dict(px=256, steps=2, prompts=2, group=8, micro=8, text_tokens=333, checkpointing=False, timed=3),
+        dict(px=64, steps=2, prompts=2, group=4, micro=4, text_tokens=7, checkpointing=False, timed=2)),
     "qwen_image_flowgrpo": (
         QWEN_IMAGE,
         dict(QWEN_IMAGE, num_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
              axes_dims_rope=(4, 6, 6)),
-        dict(px=512, steps=8, prompts=2, group=4, micro=2, text_tokens=128, checkpointing=True),
-        dict(px=64, steps=8, prompts=2, group=2, micro=2, text_tokens=5, checkpointing=True)),
+        dict(px=512, steps=8, prompts=2, group=4, micro=2, text_tokens=128, checkpointing=True, timed=2),
+        dict(px=64, steps=8, prompts=2, group=2, micro=2, text_tokens=5, checkpointing=True, timed=2)),
 }
 VAE_FACTOR = 8  # pixels per latent cell of the SD3 and Qwen-Image VAEs (the VAEs themselves are not built)
 
@@ -225,7 +227,10 @@ def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: floa
         return t1 - t0, time.perf_counter() - t1, len(traj.trained_steps), metrics
 
     first = step(0)  # warm-up (kernel selection, allocator); its first update's ratio must be exactly 1
-    rollout_s, update_s, trained, metrics = step(1)
+    timed = [step(i) for i in range(1, 1 + r["timed"])]
+    rollout_s = sum(t[0] for t in timed) / len(timed)  # means over the timed steps
+    update_s = sum(t[1] for t in timed) / len(timed)
+    trained, metrics = timed[-1][2], timed[-1][3]
     x = torch.zeros(r["micro"], *latent_shape, device=device)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         adapter.velocity(x, torch.full((r["micro"],), 0.5, device=device), cond.index(torch.arange(r["micro"])), 1.0)
@@ -233,6 +238,7 @@ def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: floa
     step_flops = counter.get_total_flops() * chunks * (r["steps"] + 3 * trained)
     step_s = rollout_s + update_s
     out = {"resolution": r["px"], "latent_shape": list(latent_shape), "num_steps": r["steps"],
+           "timed_steps": len(timed),
            "trained_steps": trained, "batch": batch, "micro_batch": r["micro"], "text_tokens": r["text_tokens"],
            "activation_checkpointing": r["checkpointing"], "params": params, "trainable_params": trainable,
            "build_s": build_s, "rollout_s": rollout_s, "update_s": update_s, "step_s": step_s,

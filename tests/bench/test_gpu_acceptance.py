@@ -16,8 +16,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_acceptance.py"
 PARTS = ("sd35m_grpo_lora", "qwen_image_flowgrpo")
-PART_FIELDS = {"resolution", "latent_shape", "num_steps", "trained_steps", "batch", "micro_batch", "text_tokens",
-               "activation_checkpointing", "params", "trainable_params", "build_s", "rollout_s", "update_s", "step_s",
+PART_FIELDS = {"resolution", "latent_shape", "num_steps", "timed_steps", "trained_steps", "batch", "micro_batch",
+               "text_tokens", "activation_checkpointing", "params", "trainable_params", "build_s", "rollout_s", "update_s", "step_s",
                "transitions_per_s", "images_per_s", "forward_flops_per_micro_batch", "step_flops", "mfu",
                "peak_memory_gib", "first_update_ratio_dev", "loss", "config"}
 
@@ -99,26 +99,35 @@ def _module():
     return module
 
 
-@pytest.mark.slow  # builds the real-size models on the meta device and traces an SD3.5-M forward (~30 s)
-def test_real_size_models_build_and_sd35m_runs_on_the_meta_device():
-    """The script's real-size path without memory or compute: SD3.5-Medium (2.24B transformer parameters) and
-    Qwen-Image (20.4B) build from the configs, and an SD3.5-M velocity at the real shapes (8 x 16 x 32 x 32 latents,
-    333 x 4096 text tokens) runs through the adapter (Qwen-Image's masked attention needs real data: torch.nonzero
-    has no meta kernel)."""
+@pytest.mark.slow  # builds the real-size models on the meta device, real widths at depth 1 on the CPU (~40 s)
+def test_real_size_models_build_and_run_real_shapes():
+    """The script's real-size path as far as the CPU goes. On the meta device (no memory, no compute) SD3.5-Medium
+    (2.24B transformer parameters) and Qwen-Image (20.4B) build from the configs, and an SD3.5-M velocity runs at the
+    real shapes (8 x 16 x 32 x 32 latents, 333 x 4096 text tokens). Qwen-Image's masked attention needs real data
+    (torch.nonzero has no meta kernel), so both also run one real forward on the CPU at their real widths, text
+    lengths and resolutions with a single layer: finite fp32 velocities of the latent's shape."""
     from torch.utils.flop_counter import FlopCounterMode
 
     ga = _module()
-    meta = torch.device("meta")
+    meta, cpu = torch.device("meta"), torch.device("cpu")
     counts = {}
     for name, (config, _, run, _) in ga.PARTS.items():
         adapter = ga.build(name, config, meta)
         counts[name] = sum(p.numel() for p in adapter.transformer.parameters())
         assert {p.dtype for p in adapter.transformer.parameters()} == {torch.bfloat16}
+        side = run["px"] // ga.VAE_FACTOR
+        shape = (16, side, side)
         if name.startswith("sd35m"):
             cond = ga.conditioning(name, config, run["micro"], run["text_tokens"], meta)
-            x = torch.zeros(run["micro"], 16, run["px"] // 8, run["px"] // 8, device=meta)
+            x = torch.zeros(run["micro"], *shape, device=meta)
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 v = adapter.velocity(x, torch.full((run["micro"],), 0.5, device=meta), cond, 1.0)
             assert v.shape == x.shape and v.dtype == torch.float32
             assert 0.8e12 < counter.get_total_flops() / run["micro"] < 1.0e12  # ~0.91 TFLOP an image at 256 px
+        one_layer = ga.build(name, dict(config, num_layers=1), cpu)
+        x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            v = one_layer.velocity(x, torch.full((1,), 0.5), ga.conditioning(name, config, 1, run["text_tokens"], cpu),
+                                   1.0)
+        assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
     assert 2.2e9 < counts["sd35m_grpo_lora"] < 2.3e9 and 20.3e9 < counts["qwen_image_flowgrpo"] < 20.5e9
