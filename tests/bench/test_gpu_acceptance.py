@@ -18,8 +18,8 @@ SCRIPT = ROOT / "bench" / "gpu_acceptance.py"
 PARTS = ("sd35m_grpo_lora", "qwen_image_flowgrpo")
 PART_FIELDS = {"resolution", "latent_shape", "num_steps", "timed_steps", "trained_steps", "batch", "micro_batch",
                "text_tokens", "activation_checkpointing", "params", "trainable_params", "build_s", "rollout_s",
-               "update_s", "step_s", "transitions_per_s", "images_per_s", "forward_flops_per_micro_batch", "step_flops", "mfu",
-               "peak_memory_gib", "first_update_ratio_dev", "loss", "config"}
+               "update_s", "step_s", "transitions_per_s", "images_per_s", "forward_flops_per_micro_batch", "step_flops",
+               "mfu", "peak_memory_gib", "first_update_ratio_dev", "loss", "config"}
 
 
 def _run(*args):
