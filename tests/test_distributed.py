@@ -1,9 +1,12 @@
-"""torchrun with 2 processes on gloo: DDP and FSDP2 match the single-process run; DCP checkpoints resume."""
+"""torchrun with 2 processes on gloo: DDP and FSDP2 match the single-process run; DCP checkpoints resume; two
+"nodes" (two torchrun launches joined by c10d rendezvous on loopback) match it too."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,8 +26,12 @@ def _overrides(model_dir, out_dir, cache_dir, name, *extra):
             "run.num_threads=1", *extra]
 
 
+def _env():
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
 def _run(out, stop_at, overrides, nproc):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = _env()
     if nproc == 1:
         cmd = [sys.executable, str(WORKER)]
     else:  # torchrun's module through this interpreter: works without an activated venv (no `torchrun` on PATH)
@@ -34,6 +41,32 @@ def _run(out, stop_at, overrides, nproc):
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(nproc)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_nodes(out, overrides, nnodes=2):
+    """Launch ``nnodes`` separate torchrun agents of one process each, as on ``nnodes`` machines, joined by c10d
+    rendezvous on loopback (the commands docs/scaling.md gives users); returns every rank's record."""
+    endpoint, rdzv_id = f"127.0.0.1:{_free_port()}", uuid.uuid4().hex[:12]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                               f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                               f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rdzv_id}", str(WORKER), str(out), "0",
+                               *overrides], env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for node in range(nnodes)]
+    try:
+        outputs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for node, (p, (_, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"node {node}: {err.decode()[-3000:]}"
+    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(nnodes)]
 
 
 def _by_candidate(records):
@@ -60,6 +93,12 @@ def test_two_ranks_match_single_process(single, tiny_model_dir, tmp_path, encode
     ref_records, ref_rows = single
     records = _run(tmp_path / "rec", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "two",
                                                    "train.algorithm=nft", f"distributed.strategy={strategy}"), 2)
+    _assert_matches_single(records, ref_records, _losses(tmp_path / "two"), ref_rows)
+
+
+def _assert_matches_single(records, ref_records, rows, ref_rows):
+    """Two ranks' ``records`` / metric ``rows`` against the single process's: the same candidates with the same
+    advantages, no noise shared across ranks, the same global metrics and the same weights on both ranks."""
     # every candidate trained with the same advantage as in the single-process run
     got, want = _by_candidate(records), _by_candidate(ref_records)
     assert got.keys() == want.keys() and len(got) == 16
@@ -70,13 +109,24 @@ def test_two_ranks_match_single_process(single, tiny_model_dir, tmp_path, encode
     assert torch.cdist(a, b).min() > 1e-3
     assert not set(records[0]["candidate_ids"].tolist()) & set(records[1]["candidate_ids"].tolist())
     # same loss and gradient norm (global means) and the same weights afterwards
-    rows = _losses(tmp_path / "two")
+    assert len(rows) == len(ref_rows) == 2
     for key in ("train/loss", "train/grad_norm", "reward/total_mean"):
         for r, ref in zip(rows, ref_rows):
             assert r[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key
     for k, v in ref_records[0]["live"].items():
         torch.testing.assert_close(records[0]["live"][k], v, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(records[1]["live"][k], v, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # two torchrun agents and an end-to-end run (tens of seconds): CI runs it after the default set
+def test_two_nodes_by_c10d_rendezvous_match_single_process(single, tiny_model_dir, tmp_path, encode_cache_dir):
+    """Two torchrun launches (``--nnodes 2 --node_rank 0|1 --nproc_per_node 1``, c10d rendezvous on 127.0.0.1), as
+    users start two machines (torchrun ignores ``--node_rank`` under c10d: the rendezvous assigns the ranks): the
+    same candidates, advantages, metrics and weights as the single process."""
+    ref_records, ref_rows = single
+    records = _run_nodes(tmp_path / "rec", _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "nodes",
+                                                      "train.algorithm=nft", "distributed.strategy=ddp"))
+    _assert_matches_single(records, ref_records, _losses(tmp_path / "nodes"), ref_rows)
 
 
 @pytest.mark.slow  # a multi-process end-to-end run (tens of seconds): CI runs it after the default set
