@@ -18,6 +18,12 @@ probe             what changes / when the gate fails
 ``no_reference``  the reference removed (groups that have one; NaN otherwise). Reported, never failing: a student
                   may rank well without the reference.
 ================  ===================================================================================================
+
+A student that scores each candidate alone (``scores_candidates_alone = True``: its score of a candidate depends on
+that candidate's media, the prompt and the side media only, e.g. ``scalar_head``) cannot fail ``prompt_only`` or
+``position`` in any way its agreement check would not already fail it: blank media tie every candidate (Spearman 0,
+so the probe restates "Spearman significantly above 0") and re-ordering cannot change a score. For such a student
+both are recorded as ``{"vacuous": why}`` and not run; they are evidence only for students that see the group.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from flowforge.rewards.judge import protocol as P
 
 Z_99 = 2.326
 """One-sided 99 % normal quantile for the paired prompt-only test."""
+VACUOUS = ("not run: the student scores each candidate alone, so blank media tie every candidate (Spearman 0) and "
+           "the presented order cannot change a score; the agreement check already decides what this probe would")
 
 
 def _blank(group: JudgedGroup, directory: Path) -> JudgedGroup:
@@ -72,6 +80,10 @@ def _per_group_spearman(predictions: Sequence[torch.Tensor], groups: Sequence[Ju
 
 def shortcut_probes(student: Any, groups: Sequence[JudgedGroup], thresholds: Any) -> tuple[dict[str, Any], list[str]]:
     """``(probe records, reasons the gate fails)`` for ``student`` on the test ``groups`` (module table)."""
+    if getattr(student, "scores_candidates_alone", False):
+        vacuous = {"vacuous": VACUOUS}
+        return {"prompt_only": vacuous, "position": dict(vacuous), "no_reference": _no_reference(student, groups,
+                                                                                                 thresholds)}, []
     teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in groups]
     base = student.predict(groups)
     base_rho = _per_group_spearman(base, groups, thresholds.tie_margin)
@@ -110,11 +122,16 @@ def shortcut_probes(student: Any, groups: Sequence[JudgedGroup], thresholds: Any
         reasons.append(f"with the candidates re-ordered the student's agreement falls to Spearman {rho:.3g} / pairwise "
                        f"{pairs:.3g} (position shortcut; thresholds {thresholds.min_spearman:g} / "
                        f"{thresholds.min_pairwise_accuracy:g})")
+    return {"prompt_only": prompt_only, "position": position,
+            "no_reference": _no_reference(student, groups, thresholds)}, reasons
+
+
+def _no_reference(student: Any, groups: Sequence[JudgedGroup], thresholds: Any) -> dict[str, float]:
+    """The ``no_reference`` probe (module table)."""
     with_reference = [i for i, g in enumerate(groups) if g.reference is not None]
-    no_reference: dict[str, float] = {"groups": float(len(with_reference))}
-    if with_reference:
-        stripped = [dataclasses.replace(groups[i], key=groups[i].key + ":noref", reference=None,
-                                        reference_hashes=()) for i in with_reference]
-        no_reference = agreement(student.predict(stripped), [teacher[i] for i in with_reference],
-                                 thresholds.tie_margin)
-    return {"prompt_only": prompt_only, "position": position, "no_reference": no_reference}, reasons
+    if not with_reference:
+        return {"groups": 0.0}
+    stripped = [dataclasses.replace(groups[i], key=groups[i].key + ":noref", reference=None, reference_hashes=())
+                for i in with_reference]
+    return agreement(student.predict(stripped), [torch.tensor(groups[i].scores, dtype=torch.float64)
+                                                 for i in with_reference], thresholds.tie_margin)

@@ -90,6 +90,7 @@ class ScalarHeadStudent:
     """
 
     kind = KIND
+    scores_candidates_alone = True  # one frame score per candidate: the group's shortcut probes are vacuous
 
     def __init__(self, options: ScalarHeadOptions, *, device: str = "cpu", seed: int = 0,
                  text_dim: int | None = None, pretrained: bool = True) -> None:

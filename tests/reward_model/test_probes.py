@@ -8,6 +8,7 @@ import torch
 
 from flowforge.reward_model.config import GateThresholds, student_config
 from flowforge.reward_model.gate import gate_on_test
+from flowforge.reward_model.probes import VACUOUS
 from flowforge.reward_model.students import load_student
 from flowforge.reward_model.train import train_student
 from tests.reward_model import support
@@ -33,6 +34,17 @@ class BlindStudent:
         return [torch.tensor(g.scores) for g in groups]
 
 
+class SeesTheGroup:
+    """A student that does not declare it scores candidates alone (as one that reads the whole group would not):
+    its probes run."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def predict(self, groups):
+        return self.inner.predict(groups)
+
+
 def test_a_trained_student_passes_its_probes(tmp_path):
     torch.set_num_threads(1)
     train = support.synthetic_groups(tmp_path / "train", 48, seed=0)
@@ -41,10 +53,14 @@ def test_a_trained_student_passes_its_probes(tmp_path):
     verdict = gate_on_test(load_student(result.student_dir), test, THRESHOLDS)
     assert verdict["passed"], verdict["reasons"]
     probes = verdict["probes"]
-    assert probes["prompt_only"]["spearman"] == 0.0  # blank media: every candidate looks the same
-    assert probes["prompt_only"]["spearman_gain"] > 0.5
-    assert probes["position"]["order_consistency"] > 0.999  # it scores candidates, not positions
+    # it scores each candidate alone: blank media would tie every candidate and order cannot matter, so the two
+    # probes could not fail it beyond the agreement check; they are said to be vacuous instead of passed
+    assert probes["prompt_only"] == probes["position"] == {"vacuous": VACUOUS}
     assert probes["no_reference"] == {"groups": 0.0}
+    group_aware = gate_on_test(SeesTheGroup(load_student(result.student_dir)), test, THRESHOLDS)
+    assert group_aware["passed"] and group_aware["probes"]["prompt_only"]["spearman"] == 0.0
+    assert group_aware["probes"]["prompt_only"]["spearman_gain"] > 0.5
+    assert group_aware["probes"]["position"]["order_consistency"] > 0.999
 
 
 def test_shortcut_students_are_failed_by_their_probe(tmp_path):
