@@ -190,8 +190,10 @@ class ScalarHeadStudent:
         ``options.augment_*`` from torch's global generator (seeded per epoch by the trainer), bilinear with border
         padding. The identity when every ``augment_*`` is 0.
 
-        Label-preserving only for a teacher whose marks are stable under such distortions (the demo's
-        :class:`~flowforge.orchestrate.demo.LegibilityScorer` averages its classifier over them by construction).
+        Label-preserving only for a teacher whose marks are stable under such distortions; measure it before
+        relying on it (``bench/augment_labels.py``: the demo's :class:`~flowforge.orchestrate.demo.LegibilityScorer`,
+        although it averages its classifier over distortions of its own, moves a mark by ~0.05 under the demo's
+        settings and flips ~13 % of a group's ordered pairs).
         """
         o = self.options
         if not (o.augment_rotate or o.augment_scale or o.augment_shift):
