@@ -26,6 +26,7 @@ from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
 from flowforge.rewards.scorers.hps import HPSv2Scorer
 from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressibility
+from flowforge.rewards.scorers.latent_reference import LatentReference
 from flowforge.rewards.scorers.ocr import OcrScorer
 from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
@@ -39,6 +40,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "group_diversity": GroupDiversity,
     "jpeg_compressibility": JpegCompressibility,
     "jpeg_incompressibility": JpegIncompressibility,
+    "latent_reference": LatentReference,
     "pickscore": PickScore,
     "clip_score": ClipScore,
     "aesthetic": AestheticScorer,
