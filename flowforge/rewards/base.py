@@ -12,8 +12,9 @@ audio=AudioBatch)`` with the whole videos and their waveforms (an audio-video fa
 any other model produces no audio and such a scorer is refused).
 A scorer that reads the generated latents instead of pixels sets ``takes_latents = True``: it is called with the
 rollout's clean latents ``x_0`` (``Trajectory.final``) in the place of ``media``: ``[B, *latent]`` float32 as the
-model's :meth:`~flowforge.models.base.FlowModel.latent_shape` gives them (``[B, C, h, w]`` for images,
-``[B, C, F, h, w]`` for video; a pixel-space model's latents are its pixels in [-1, 1]), whole (never frame by frame).
+model's :meth:`~flowforge.models.base.FlowModel.latent_shape` gives them (e.g. ``[B, C, h, w]`` for SD3,
+``[B, C, F, h, w]`` for Wan, ``[B, S_v + L, D]`` packed tokens for LTX-2; a pixel-space model's latents are its
+pixels in [-1, 1]), whole (never frame by frame).
 A training step decodes its latents with the VAE only when one of its scorers reads pixels
 (:meth:`~flowforge.rewards.processor.RewardProcessor.inputs`): with latent scorers alone there is no decode.
 Scorers set ``needs_group = True`` when they must see a whole group of candidates for one prompt at once (ranking,

@@ -21,6 +21,7 @@ from flowforge.rewards.judge.client import VLMJudge
 from flowforge.rewards.scorers.action_following import ActionFollowingScorer, InverseDynamicsReward
 from flowforge.rewards.scorers.aesthetic import AestheticScorer
 from flowforge.rewards.scorers.av_sync import AVOnsetSync
+from flowforge.rewards.scorers.clap import ClapScore
 from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
@@ -55,6 +56,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "world_psnr": WorldPSNR,
     "world_ssim": WorldSSIM,
     "av_onset_sync": AVOnsetSync,
+    "clap": ClapScore,
 }
 """Built-in scorer names and their factories."""
 
