@@ -8,6 +8,7 @@ others (the rollout / scoring of the training steps)."""
 import json
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from flowforge.demo.data import load_split
@@ -66,3 +67,62 @@ def test_latent_scorers_train_without_decode(tiny_model_dir, tmp_path, encode_ca
     assert eval_decodes > 0  # evaluation decodes: digit_eval (eval.scorers) and the grid read pixels
     evals = read_jsonl(run_dir / "eval.jsonl")
     assert 0.0 <= evals[-1]["eval/digit_eval"] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory):
+    """A tiny random Wan t2v pipeline (a real ``AutoencoderKLWan``) saved as the families' loop test saves it."""
+    import diffusers
+
+    from tests.train.test_families_loop import _components
+
+    path = tmp_path_factory.mktemp("tiny_wan")
+    diffusers.WanPipeline(**_components("wan")).save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("weights, overlap", [("latent", False), ("latent", True), ("pixel", False)])
+def test_a_latent_only_video_run_never_calls_the_vae_decode(wan_dir, tmp_path, weights, overlap):
+    """Tiny Wan (16x16, 5 frames: latents [4, 2, 2, 2]), two GRPO steps scored by latent_reference alone (with and
+    without reward.overlap): the VAE's decode is not called outside evaluation; evaluation calls it (its grid).
+    Scored by jpeg_compressibility (pixels) instead, the training steps call it."""
+    from tests.train.test_families_loop import family_cfg
+
+    reference = tmp_path / "zero.safetensors"
+    save_file({"zero": torch.zeros(4, 2, 2, 2)}, str(reference))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "metadata": {"task": "t2v", "sample_id": f"s{i}"}}) + "\n"
+                               for i, p in enumerate(["a red cat", "two dogs", "a blue car", "a boat"])))
+    options = json.dumps({"latent_reference": {"reference": str(reference)}})
+    reward = (['reward.weights=!{"latent_reference": 1.0}', f"reward.options={options}"] if weights == "latent"
+              else ['reward.weights=!{"jpeg_compressibility": 1.0}'])
+    cfg = family_cfg("wan", wan_dir, tmp_path / "runs", tmp_path / "cache",
+                     {("t2v", s): prompts for s in ("train", "eval")}, f"run.name=wan-{weights}-{overlap}", *reward,
+                     f"reward.overlap={str(overlap).lower()}", "eval.scorers=[]")
+    trainer = Trainer(cfg, progress=False)
+    vae = trainer.adapter.vae
+    calls = {"train": 0, "eval": 0}
+    where = ["train"]
+    decode, evaluate = vae.decode, trainer.evaluate
+
+    def counting_decode(*args, **kwargs):
+        calls[where[0]] += 1
+        return decode(*args, **kwargs)
+
+    def counting_evaluate(step):
+        where[0] = "eval"
+        try:
+            return evaluate(step)
+        finally:
+            where[0] = "train"
+
+    vae.decode, trainer.evaluate = counting_decode, counting_evaluate
+    run_dir = trainer.train()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    if weights == "latent":
+        assert all(r["reward/latent_reference_mean"] < 0 for r in rows)  # -MSE to the zero latent
+        assert calls["train"] == 0
+    else:
+        assert calls["train"] > 0
+    assert calls["eval"] > 0
