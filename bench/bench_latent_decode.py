@@ -11,8 +11,9 @@ rollout boundary's :func:`~flowforge.rollout.decode_needed` as a training step r
 * **latents**: only latent scorers are weighted (``needs = {"latents"}``): nothing is decoded.
 
 The arms alternate in one process (one warm-up each) and the printed ratio is pixels / latents, with the VAE decode
-calls of one arm counted by wrapping ``vae.decode``. The tiny VAE is far cheaper relative to its transformer than a
-real Wan VAE (whose decode dominates short rollouts), so the ratio here is a lower bound of the saving.
+calls of one step counted by wrapping ``vae.decode``; the decode alone is timed after them. The ratio is that of these
+tiny models (a 1-layer transformer beside a full VAE): a real model's depends on its transformer / VAE cost ratio and
+the number of sampling steps, so it is not a prediction for one.
 """
 
 import argparse
