@@ -317,6 +317,10 @@ class StageTrainer(Trainer):
                          policy_version=self.policy_version)
         return out
 
+    def media_needs(self) -> frozenset[str]:
+        """The base's, plus pixels when stage C audits the student against the teacher (the audit sends media)."""
+        return super().media_needs() | ({"pixels"} if self.auditor is not None else frozenset())
+
     def score(self, traj, batch: StepBatch):
         media, components, metrics = super().score(traj, batch)
         scores = components[self.reward_name].detach().cpu()

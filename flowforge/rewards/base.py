@@ -10,6 +10,13 @@ video batch frame by frame (their scores averaged per video, :class:`~flowforge.
 A scorer that reads the generated sound sets ``takes_audio = True``: it is called as ``scorer(media, prompts, metadata,
 audio=AudioBatch)`` with the whole videos and their waveforms (an audio-video family, e.g. ``model.adapter=ltx2``;
 any other model produces no audio and such a scorer is refused).
+A scorer that reads the generated latents instead of pixels sets ``takes_latents = True``: it is called with the
+rollout's clean latents ``x_0`` (``Trajectory.final``) in the place of ``media``: ``[B, *latent]`` float32 as the
+model's :meth:`~flowforge.models.base.FlowModel.latent_shape` gives them (e.g. ``[B, C, h, w]`` for SD3,
+``[B, C, F, h, w]`` for Wan, ``[B, S_v + L, D]`` packed tokens for LTX-2; a pixel-space model's latents are its
+pixels in [-1, 1]), whole (never frame by frame).
+A training step decodes its latents with the VAE only when one of its scorers reads pixels
+(:meth:`~flowforge.rewards.processor.RewardProcessor.inputs`): with latent scorers alone there is no decode.
 Scorers set ``needs_group = True`` when they must see a whole group of candidates for one prompt at once (ranking,
 VLM judges comparing candidates); the reward processor then gathers the group before calling them. A scorer that
 cannot score without some metadata entries (nothing in the prompt or the pixels stands in for them) lists their keys
@@ -75,6 +82,18 @@ def takes_video(scorer: Any) -> bool:
     """Whether ``scorer`` declares ``takes_video = True``: it scores whole videos ``[B, 3, F, H, W]`` (e.g. motion
     across frames); every other scorer sees a video batch as its frames and its scores are averaged per video."""
     return bool(getattr(scorer, "takes_video", False))
+
+
+def takes_latents(scorer: Any) -> bool:
+    """Whether ``scorer`` declares ``takes_latents = True``: it is called with the clean latents ``[B, *latent]``
+    (float32, the model's latent layout) in the place of decoded media (module docstring)."""
+    return bool(getattr(scorer, "takes_latents", False))
+
+
+def scorer_reads(scorer: Any) -> frozenset[str]:
+    """What ``scorer`` reads of a sample: ``{"latents"}`` for a latent scorer, else ``{"pixels"}`` (decoded media),
+    plus ``"audio"`` for one that takes audio."""
+    return frozenset({"latents" if takes_latents(scorer) else "pixels"} | ({"audio"} if takes_audio(scorer) else set()))
 
 
 def is_paid(scorer: Any) -> bool:

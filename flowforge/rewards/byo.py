@@ -9,7 +9,9 @@ calling it and catching a ``TypeError``:
 - a **scoring function** ``f(media, prompts, metadata, **options) -> scores`` (what TRL reward functions look
   like): a function whose required positional parameters not named by the options are exactly three. It is
   wrapped in a :class:`FunctionScorer` (``needs_group = False``) that calls it with the options as keywords and
-  turns what it returns (a ``[B]`` tensor, a list of floats) into a ``[B]`` float32 tensor;
+  turns what it returns (a ``[B]`` tensor, a list of floats) into a ``[B]`` float32 tensor. A scoring function
+  whose first parameter is named ``latents`` (``f(latents, prompts, metadata, **options)``) is a latent scorer
+  (``takes_latents = True``): it gets the clean latents ``[B, *latent]`` instead of decoded media;
 - a **factory**: a class, or a function with no required parameter left once the options are bound, called once
   with the options as keyword arguments. Its result must follow the same protocol as the built-ins
   (:class:`flowforge.rewards.base.RewardScorer`): a ``name`` string, a ``needs_group`` bool and a
@@ -101,7 +103,8 @@ class FunctionScorer:
 
     Called as every scorer: ``media [B, 3, H, W]`` float in [0, 1] (a video scorer sees frames), ``prompts`` and
     ``metadata`` of length B; ``fn`` may return a ``[B]`` tensor or a sequence of B numbers (NaN = not
-    applicable). Returns ``[B]`` float32 on ``media``'s device.
+    applicable). Returns ``[B]`` float32 on ``media``'s device. A function whose first parameter is named
+    ``latents`` is called with the clean latents ``[B, *latent]`` instead (``takes_latents``).
 
     Raises:
         ValueError: ``fn`` returned something that is not B numbers.
@@ -112,6 +115,7 @@ class FunctionScorer:
     def __init__(self, fn: Callable[..., Any], spec: str, options: Mapping[str, Any]) -> None:
         self.fn, self.spec, self.options = fn, spec, dict(options)
         self.name = fn.__name__
+        self.takes_latents = (_required_left(fn, options) or [None])[0] == "latents"
 
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         out = self.fn(media, prompts, metadata, **self.options)

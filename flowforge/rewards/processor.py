@@ -39,20 +39,24 @@ Paid scorers (``paid = True``, :func:`~flowforge.rewards.base.is_paid`: ``vlm_ju
 smallest group ids -- NaN elsewhere, and no component at all with ``N = 0`` (nothing is sent); their metrics are
 then over the rows they scored. ``paid_groups=None`` (training) asks every scorer of :meth:`training_scorers` for
 every row: a paid scorer without a weight is never called on a training step.
+
+Latent scorers (``takes_latents = True``, :func:`~flowforge.rewards.base.takes_latents`) are given the clean latents
+``[B, *latent]`` (``latents=``) in the place of the media; :meth:`RewardProcessor.inputs` says what a training step
+or an evaluation must hand over (``"pixels"``, ``"latents"``, ``"audio"``), so the trainer decodes only what is read.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from flowforge.rewards.base import (AudioBatch, RewardScorer, check_batch_size, check_media_batch, is_paid,
-                                    takes_audio, takes_video)
+                                    scorer_reads, takes_audio, takes_latents, takes_video)
 from flowforge.rewards.groups import (call_scorer, clear_error, local_chunks, score_groups_across_ranks,
                                       score_local)
 from flowforge.runtime.distributed import DistInfo
@@ -109,21 +113,49 @@ class RewardProcessor:
         self.required = tuple(dict.fromkeys(required))
         self.batch_size = batch_size
 
-    def training_scorers(self) -> dict[str, RewardScorer]:
+    def training_scorers(self, given: Collection[str] | None = None) -> dict[str, RewardScorer]:
         """The scorers a training step calls, in order: every weighted one and every free monitor-only one. A paid
         scorer without a weight (a judge named only in ``eval.scorers``) is evaluation-only: on a training step it
-        would be billed for a score that trains nothing."""
-        return {n: s for n, s in self.scorers.items() if n in self.weights or not is_paid(s)}
+        would be billed for a score that trains nothing. With ``given`` (what the step holds: ``"pixels"``,
+        ``"latents"``, ``"audio"``) a monitor-only scorer that reads something else is left out: it never makes a
+        step decode (:meth:`inputs`) and is scored at evaluation."""
+        return {n: s for n, s in self.scorers.items() if n in self.weights
+                or (not is_paid(s) and (given is None or scorer_reads(s) <= set(given)))}
 
-    def score_component(self, name: str, scorer: RewardScorer, media: Tensor, prompts: list[str],
+    def inputs(self, evaluation: bool = False) -> frozenset[str]:
+        """What a training step must hand over: what its weighted scorers read (``evaluation``: what every scorer
+        reads): ``"pixels"`` (decoded media: every scorer but a latent one), ``"latents"`` (``takes_latents``),
+        ``"audio"`` (``takes_audio``). The trainer decodes pixels / audio only when they are named here; a
+        monitor-only scorer (named only in ``eval.scorers``) never asks for a decode on a training step, it is
+        scored there when the step holds what it reads (:meth:`training_scorers`)."""
+        scorers = self.scorers.values() if evaluation else [self.scorers[n] for n in self.weights]
+        return frozenset().union(*(scorer_reads(s) for s in scorers))
+
+    @staticmethod
+    def given(media: Tensor | None, latents: Tensor | None, audio: AudioBatch | None) -> frozenset[str]:
+        """The names of :meth:`inputs` that a call holds (the arguments not ``None``)."""
+        return frozenset(k for k, v in (("pixels", media), ("latents", latents), ("audio", audio)) if v is not None)
+
+    def score_component(self, name: str, scorer: RewardScorer, media: Tensor | None, prompts: list[str],
                metadata: list[dict[str, Any]], group_ids: Tensor | None, dist: DistInfo | None,
-               audio: AudioBatch | None = None):
+               audio: AudioBatch | None = None, latents: Tensor | None = None):
         """One component: ``([B] float32, flags, groups scored or None for a per-sample scorer)``. A video batch
         goes whole to a ``takes_video`` scorer; any other scores its frames, averaged per video (a flag: any frame).
-        A ``takes_audio`` scorer gets the whole media and ``audio=`` the rows of ``audio`` it scores."""
+        A ``takes_audio`` scorer gets the whole media and ``audio=`` the rows of ``audio`` it scores. A
+        ``takes_latents`` scorer gets ``latents`` ``[B, *latent]`` whole in the place of the media.
+
+        Raises:
+            ValueError: the input the scorer reads (``media`` or ``latents``) was not given.
+        """
+        if takes_latents(scorer):
+            if latents is None:
+                raise ValueError(f"reward component {name!r} scores latents (takes_latents) but none were given")
+            media = latents  # whole: a latent video is not split into frames
+        elif media is None:
+            raise ValueError(f"reward component {name!r} scores decoded media but none were given (only latents)")
         if takes_audio(scorer):
             return self._score_with_audio(name, scorer, media, prompts, metadata, group_ids, audio)
-        if media.ndim == 5 and not takes_video(scorer):
+        if media.ndim == 5 and not takes_video(scorer) and not takes_latents(scorer):
             from flowforge.rollout.media import video_frames
 
             f = media.shape[2]
@@ -169,7 +201,7 @@ class RewardProcessor:
 
     def __call__(
         self,
-        media: Tensor,
+        media: Tensor | None,
         prompts: Sequence[str],
         metadata: Sequence[dict[str, Any]],
         group_ids: Tensor | None = None,
@@ -177,11 +209,13 @@ class RewardProcessor:
         dist: DistInfo | None = None,
         audio: AudioBatch | None = None,
         paid_groups: int | None = None,
+        latents: Tensor | None = None,
     ) -> tuple[dict[str, Tensor], dict[str, float]]:
         """Score ``media`` with every component.
 
         Args:
-            media: ``[B, 3, H, W]`` float in [0, 1], or videos ``[B, 3, F, H, W]`` (see :meth:`score_component`).
+            media: ``[B, 3, H, W]`` float in [0, 1], or videos ``[B, 3, F, H, W]`` (see :meth:`score_component`);
+                ``None`` when no scorer reads pixels (:meth:`inputs`) and ``latents`` are given.
             prompts: ``B`` prompt strings.
             metadata: ``B`` metadata dicts (task-specific keys such as ``"digit"`` are read by the scorers).
             group_ids: optional ``[B]`` int group id per sample, used only to call group scorers per group.
@@ -193,17 +227,30 @@ class RewardProcessor:
                 ``N >= 0``: paid scorers score only the rows
                 of the ``N`` smallest group ids (NaN elsewhere; left out of ``components`` when that is no row) --
                 evaluation (module docstring). Needs ``group_ids``; one process (not with an enabled ``dist``).
+            latents: the clean latents ``[B, *latent]`` (float32) for ``takes_latents`` components.
 
         Returns:
-            ``(components, metrics)``: ``components[name]`` is ``[B]`` float32 on ``media``'s device (NaN = not
+            ``(components, metrics)``: ``components[name]`` is ``[B]`` float32 on its input's device (NaN = not
             applicable), in the order of ``scorers``; ``metrics`` as in the module docstring.
 
         Raises:
-            ValueError: bad inputs; a scorer returned the wrong shape; a required component scored NaN (the message
+            ValueError: bad inputs (neither ``media`` nor ``latents``; ``latents`` not ``[B, ...]``; the input a scorer
+                reads missing); a scorer returned the wrong shape; a required component scored NaN (the message
                 names the component and the first offending sample index); ``paid_groups`` without ``group_ids``,
                 negative, or with an enabled ``dist``.
         """
-        batch = check_media_batch(media, prompts, metadata)
+        if media is not None:
+            batch = check_media_batch(media, prompts, metadata)
+        elif latents is None:
+            raise ValueError("the reward processor needs media or latents; got neither")
+        else:
+            batch = len(prompts)
+            if len(metadata) != batch:
+                raise ValueError(f"metadata must have one entry per prompt ({batch}), got {len(metadata)}")
+        if latents is not None and (latents.dim() < 2 or latents.shape[0] != batch or not latents.is_floating_point()):
+            raise ValueError(f"latents must be a floating [B={batch}, ...] tensor, got {tuple(latents.shape)} "
+                             f"{latents.dtype}")
+        device = (media if media is not None else latents).device
         if group_ids is not None and (group_ids.dim() != 1 or group_ids.shape[0] != batch):
             raise ValueError(f"group_ids must have shape [{batch}], got {tuple(group_ids.shape)}")
         if paid_groups is not None and (group_ids is None or paid_groups < 0 or (dist is not None and dist.enabled)):
@@ -212,9 +259,10 @@ class RewardProcessor:
         group_cpu = None if group_ids is None else group_ids.detach().cpu()
         components: dict[str, Tensor] = {}
         metrics: dict[str, float] = {}
-        _sync(media.device)
+        _sync(device)
         call_start = time.perf_counter()
-        for name, scorer in (self.training_scorers() if paid_groups is None else self.scorers).items():
+        scorers = self.training_scorers(self.given(media, latents, audio)) if paid_groups is None else self.scorers
+        for name, scorer in scorers.items():
             rows = None
             if paid_groups is not None and is_paid(scorer):  # evaluation: a paid scorer on the groups allowed only
                 rows = torch.nonzero(torch.isin(group_cpu, torch.unique(group_cpu)[:paid_groups])).view(-1)
@@ -224,16 +272,17 @@ class RewardProcessor:
             clear_error(scorer)
             if rows is None:
                 scores, flags, groups = self.score_component(name, scorer, media, prompts, metadata, group_cpu, dist,
-                                                             audio)
+                                                             audio, latents)
                 components[name] = scores
             else:
                 kept = rows.tolist()
                 scores, flags, groups = self.score_component(
-                    name, scorer, media[rows.to(media.device)], [prompts[i] for i in kept],
-                    [metadata[i] for i in kept], group_cpu[rows], None, None if audio is None else audio.index(rows))
+                    name, scorer, None if media is None else media[rows.to(media.device)], [prompts[i] for i in kept],
+                    [metadata[i] for i in kept], group_cpu[rows], None, None if audio is None else audio.index(rows),
+                    None if latents is None else latents[rows.to(latents.device)])
                 components[name] = torch.full((batch,), math.nan, dtype=scores.dtype, device=scores.device)
                 components[name][rows.to(scores.device)] = scores
-            _sync(media.device)
+            _sync(device)
             metrics[f"reward/{name}_time"] = time.perf_counter() - start
             # a single-client scorer under torchrun (the judge) did every rank's work on rank 0: the other ranks'
             # counters are NaN, so the mean over ranks that have a value is rank 0's count, not a share of it
@@ -289,13 +338,15 @@ class RewardProcessor:
                 raise ValueError(f"reward component {name!r} scored NaN/inf for {int(bad.sum())} of {bad.numel()} "
                                  "samples" + (f": {cause}" if cause else "; rewards must be finite"))
 
-    def stream(self, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], group_ids: Tensor):
+    def stream(self, prompts: Sequence[str], metadata: Sequence[dict[str, Any]], group_ids: Tensor,
+               given: Collection[str] | None = None):
         """A :class:`~flowforge.rewards.stream.ScoreStream` for one batch of ``B`` samples whose media arrive in
         parts: each group is sent to the group scorers as soon as its last member arrives (``reward.overlap``).
 
         Args:
             prompts / metadata: ``B`` entries. group_ids: ``[B]`` int group id per sample.
+            given: what each part will bring (``"pixels"``, ``"latents"``; :meth:`training_scorers`).
         """
         from flowforge.rewards.stream import ScoreStream
 
-        return ScoreStream(self, prompts, metadata, group_ids)
+        return ScoreStream(self, prompts, metadata, group_ids, given)

@@ -21,11 +21,13 @@ from flowforge.rewards.judge.client import VLMJudge
 from flowforge.rewards.scorers.action_following import ActionFollowingScorer, InverseDynamicsReward
 from flowforge.rewards.scorers.aesthetic import AestheticScorer
 from flowforge.rewards.scorers.av_sync import AVOnsetSync
+from flowforge.rewards.scorers.clap import ClapScore
 from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
 from flowforge.rewards.scorers.hps import HPSv2Scorer
 from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressibility
+from flowforge.rewards.scorers.latent_reference import LatentReference
 from flowforge.rewards.scorers.ocr import OcrScorer
 from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
@@ -39,6 +41,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "group_diversity": GroupDiversity,
     "jpeg_compressibility": JpegCompressibility,
     "jpeg_incompressibility": JpegIncompressibility,
+    "latent_reference": LatentReference,
     "pickscore": PickScore,
     "clip_score": ClipScore,
     "aesthetic": AestheticScorer,
@@ -53,6 +56,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "world_psnr": WorldPSNR,
     "world_ssim": WorldSSIM,
     "av_onset_sync": AVOnsetSync,
+    "clap": ClapScore,
 }
 """Built-in scorer names and their factories."""
 

@@ -18,6 +18,10 @@ Usage (one batch of ``B`` samples)::
         stream.add(rows, media)                   # complete groups are sent at once (background threads)
     media, components, metrics = stream.finish()  # waits for every score
 
+With latent scorers (``takes_latents``) each part also brings its latents, ``stream.add(rows, media, latents)``; a
+step whose scorers read no pixels passes ``media=None`` (nothing was decoded) and :meth:`ScoreStream.finish` returns
+``None`` for the media.
+
 Timing metrics (seconds, ``time.perf_counter``), beside the processor's ``reward/*``:
 
 =========================  ==========================================================================================
@@ -38,7 +42,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -67,12 +71,15 @@ class ScoreStream:
     """One batch's scoring, fed part by part (module docstring). Built by
     :meth:`~flowforge.rewards.processor.RewardProcessor.stream`.
 
+    ``given``: what every :meth:`add` brings (``"pixels"``, ``"latents"``): monitor-only scorers that read something
+    else are left out (:meth:`~flowforge.rewards.processor.RewardProcessor.training_scorers`); ``None``: every one.
+
     Raises:
         ValueError: ``group_ids`` not ``[B]`` for ``B`` prompts and metadata.
     """
 
     def __init__(self, processor: Any, prompts: Sequence[str], metadata: Sequence[dict[str, Any]],
-                 group_ids: Tensor) -> None:
+                 group_ids: Tensor, given: Collection[str] | None = None) -> None:
         self.processor = processor
         self.prompts, self.metadata = list(prompts), list(metadata)
         batch = len(self.prompts)
@@ -83,8 +90,10 @@ class ScoreStream:
         self.groups = {int(g): torch.nonzero(self.group_ids == g).squeeze(1) for g in torch.unique(self.group_ids)}
         self.missing = {g: rows.numel() for g, rows in self.groups.items()}
         self.arrived = torch.zeros(batch, dtype=torch.bool)
-        self.media: Tensor | None = None
-        self.streamed = {n: s for n, s in processor.training_scorers().items() if getattr(s, "needs_group", False)}
+        self.media: Tensor | None = None  # [B, 3, H, W] / [B, 3, F, H, W], the parts' media in row order
+        self.latents: Tensor | None = None  # [B, *latent], the parts' latents in row order
+        self.scorers = processor.training_scorers(given)  # given: what add() will bring ("pixels", "latents")
+        self.streamed = {n: s for n, s in self.scorers.items() if getattr(s, "needs_group", False)}
         self.pools = {n: ThreadPoolExecutor(max_workers=concurrency(n, s), thread_name_prefix=f"stream-{n}")
                       for n, s in self.streamed.items()}
         self.futures: dict[str, dict[int, Future]] = {n: {} for n in self.streamed}
@@ -95,40 +104,53 @@ class ScoreStream:
         for scorer in self.streamed.values():
             clear_error(scorer)
 
-    def add(self, rows: Tensor, media: Tensor) -> None:
+    def add(self, rows: Tensor, media: Tensor | None, latents: Tensor | None = None) -> None:
         """Media of the samples ``rows`` (``[n]`` int64 indices into the batch, each given once over the stream):
-        ``[n, 3, H, W]`` or ``[n, 3, F, H, W]`` in [0, 1]. Sends every group that is now complete.
+        ``[n, 3, H, W]`` or ``[n, 3, F, H, W]`` in [0, 1] (``None``: no scorer reads pixels), and their latents
+        ``[n, *latent]`` for latent scorers. Sends every group that is now complete.
 
         Raises:
-            ValueError: a row out of range or given twice; media of another length or sample shape.
+            ValueError: a row out of range or given twice; neither media nor latents; media or latents of another
+                length or sample shape.
         """
         rows = rows.detach().cpu().long()
-        if media.shape[0] != rows.numel():
-            raise ValueError(f"add() got {rows.numel()} rows and {media.shape[0]} media")
+        if media is None and latents is None:
+            raise ValueError("add() needs the media or the latents of the rows")
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.arrived.numel()):
             raise ValueError(f"rows must index the batch of {self.arrived.numel()} samples")
         if bool(self.arrived[rows].any()) or rows.unique().numel() != rows.numel():
             raise ValueError("a sample's media was added twice")
-        if self.media is None:
-            self.media = torch.empty((self.arrived.numel(), *media.shape[1:]), dtype=media.dtype,
-                                     device=media.device)
-        elif media.shape[1:] != self.media.shape[1:]:
-            raise ValueError(f"media of shape {tuple(media.shape[1:])} after {tuple(self.media.shape[1:])}")
-        self.media[rows.to(self.media.device)] = media
+        if media is not None:
+            self.media = self._put("media", self.media, rows, media)
+        if latents is not None:
+            self.latents = self._put("latents", self.latents, rows, latents)
         self.arrived[rows] = True
         for g in self.group_ids[rows].tolist():
             self.missing[g] -= 1
             if self.missing[g] == 0 and not self._failed.is_set():
                 self._send(g)
 
+    def _put(self, what: str, store: Tensor | None, rows: Tensor, part: Tensor) -> Tensor:
+        """``part`` (``[n, ...]``) written to rows ``rows`` of ``store`` (made ``[B, ...]`` on the first call)."""
+        if part.shape[0] != rows.numel():
+            raise ValueError(f"add() got {rows.numel()} rows and {part.shape[0]} {what}")
+        if store is None:
+            store = torch.empty((self.arrived.numel(), *part.shape[1:]), dtype=part.dtype, device=part.device)
+        elif part.shape[1:] != store.shape[1:]:
+            raise ValueError(f"{what} of shape {tuple(part.shape[1:])} after {tuple(store.shape[1:])}")
+        store[rows.to(store.device)] = part
+        return store
+
     def _send(self, g: int) -> None:
         rows = self.groups[g]
-        media = self.media[rows.to(self.media.device)]  # a copy: later add() calls never touch it
+        # copies: later add() calls never touch them
+        media = None if self.media is None else self.media[rows.to(self.media.device)]
+        latents = None if self.latents is None else self.latents[rows.to(self.latents.device)]
         prompts, metadata = [self.prompts[i] for i in rows.tolist()], [self.metadata[i] for i in rows.tolist()]
         for name, scorer in self.streamed.items():
             self.first_send.setdefault(name, time.perf_counter())
             self.futures[name][g] = self.pools[name].submit(self._score_group, name, scorer, media, prompts,
-                                                            metadata, self.group_ids[rows])
+                                                            metadata, self.group_ids[rows], latents)
 
     def close(self) -> None:
         """Send nothing more and stop the threads (what is in flight finishes; nothing waits for it)."""
@@ -145,10 +167,11 @@ class ScoreStream:
             self.close()
             raise
 
-    def _score_group(self, name, scorer, media, prompts, metadata, group_ids):
+    def _score_group(self, name, scorer, media, prompts, metadata, group_ids, latents):
         start = time.perf_counter()
         try:
-            return self.processor.score_component(name, scorer, media, prompts, metadata, group_ids, None)
+            return self.processor.score_component(name, scorer, media, prompts, metadata, group_ids, None,
+                                                  latents=latents)
         except BaseException:
             self._failed.set()  # no further group is sent, as the sequential path stops at its first failure
             raise
@@ -156,10 +179,10 @@ class ScoreStream:
             with self._lock:
                 self.intervals.append((start, time.perf_counter()))
 
-    def finish(self) -> tuple[Tensor, dict[str, Tensor], dict[str, float]]:
+    def finish(self) -> tuple[Tensor | None, dict[str, Tensor], dict[str, float]]:
         """Wait for every group's scores, score the per-sample components on the whole batch, and return
-        ``(media [B, ...], components, metrics)`` as :meth:`RewardProcessor.__call__` returns ``(components,
-        metrics)``, plus ``time/reward_wait`` and ``perf/reward_overlap``.
+        ``(media [B, ...] (None when none was added), components, metrics)`` as :meth:`RewardProcessor.__call__`
+        returns ``(components, metrics)``, plus ``time/reward_wait`` and ``perf/reward_overlap``.
 
         Raises:
             ValueError: samples whose media never arrived; what a scorer raised (first failing group in row order);
@@ -197,11 +220,13 @@ class ScoreStream:
         the judge, then score); a per-sample scorer's error is raised where the sequential path would raise it
         (after the streamed components before it in order, whose errors come first)."""
         media, p = self.media, self.processor
+        device = (media if media is not None else self.latents).device
+        batch = self.arrived.numel()
         components: dict[str, Tensor] = {}
         metrics: dict[str, float] = {}
         call_start = time.perf_counter()
         local: dict[str, tuple[Any, float] | BaseException] = {}  # name -> ((scores, flags, groups), seconds)
-        scorers = p.training_scorers()
+        scorers = self.scorers
         for name, scorer in scorers.items():
             if name in self.streamed:
                 continue
@@ -209,22 +234,22 @@ class ScoreStream:
             clear_error(scorer)
             try:
                 local[name] = (p.score_component(name, scorer, media, self.prompts, self.metadata, self.group_ids,
-                                                 None), time.perf_counter() - start)
+                                                 None, latents=self.latents), time.perf_counter() - start)
             except Exception as exc:  # raised in its turn below; nothing after it is scored, as sequentially
                 local[name] = exc
                 break
         for name in scorers:
             if name in self.streamed:
                 start = self.first_send.get(name, time.perf_counter())
-                scores = torch.full((media.shape[0],), float("nan"), dtype=torch.float32, device=media.device)
+                scores = torch.full((batch,), float("nan"), dtype=torch.float32, device=device)
                 flags: dict[str, Tensor] = {}
                 results = self._results(name)
                 for g in sorted(self.groups):
                     out, out_flags, _ = results[g]
                     rows = self.groups[g]
-                    scores[rows.to(media.device)] = out
+                    scores[rows.to(device)] = out
                     for flag, values in out_flags.items():
-                        flags.setdefault(flag, torch.zeros(media.shape[0], dtype=torch.bool))[rows] = values
+                        flags.setdefault(flag, torch.zeros(batch, dtype=torch.bool))[rows] = values
                 groups = len(self.groups)
                 metrics[f"reward/{name}_time"] = time.perf_counter() - start
             else:

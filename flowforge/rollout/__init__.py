@@ -3,9 +3,9 @@ its clean latents into media for the rewards."""
 
 from flowforge.rollout.loop import (ALL, RolloutSpec, Trajectory, denoise, generate, generated_index, replay_log_prob,
                                     rollout, rollout_chunked, rollout_grouped, sigmas_for, with_condition)
-from flowforge.rollout.media import decode_audio, decode_media, video_frames
+from flowforge.rollout.media import decode_audio, decode_media, decode_needed, video_frames
 from flowforge.rollout.noise import candidate_noise, candidate_randint
 
-__all__ = ["ALL", "RolloutSpec", "Trajectory", "candidate_noise", "candidate_randint", "decode_audio", "decode_media", "denoise",
-           "generate", "generated_index", "replay_log_prob", "rollout", "rollout_chunked", "rollout_grouped",
-           "sigmas_for", "video_frames", "with_condition"]
+__all__ = ["ALL", "RolloutSpec", "Trajectory", "candidate_noise", "candidate_randint", "decode_audio", "decode_media",
+           "decode_needed", "denoise", "generate", "generated_index", "replay_log_prob", "rollout", "rollout_chunked",
+           "rollout_grouped", "sigmas_for", "video_frames", "with_condition"]

@@ -2,10 +2,14 @@
 
 A rollout ends in clean latents ``x_0`` (``Trajectory.final``); scorers, sample grids and sidecars take media in
 ``[0, 1]``. :func:`decode_media` is the one place that conversion happens, in chunks so a large step never decodes
-its whole batch at once; :func:`video_frames` lays a video batch out as images for per-frame scorers and grids.
+its whole batch at once; :func:`decode_needed` calls it (and :func:`decode_audio`) only when something reads its
+result, so a step whose reward scorers all read latents (``takes_latents``) runs no VAE decode at all;
+:func:`video_frames` lays a video batch out as images for per-frame scorers and grids.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
@@ -49,6 +53,25 @@ def decode_audio(adapter: FlowModel, latents: torch.Tensor, batch_size: int) -> 
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     return AudioBatch.cat([AudioBatch(*adapter.decode_audio(latents[i:i + batch_size]))
                            for i in range(0, latents.shape[0], batch_size)])
+
+
+def decode_needed(adapter: FlowModel, latents: torch.Tensor, batch_size: int,
+                  needs: Collection[str]) -> tuple[torch.Tensor | None, AudioBatch | None]:
+    """The decoded media that ``needs`` asks for, and nothing else: ``(media, audio)``.
+
+    Args:
+        adapter, latents, batch_size: as :func:`decode_media` (``latents`` ``[B, *latent]``).
+        needs: what the readers of the step read (:meth:`flowforge.rewards.processor.RewardProcessor.inputs`, plus
+            what the trainer itself writes, e.g. sidecars): ``"pixels"`` and / or ``"audio"``; other names
+            (``"latents"``) need no decode.
+
+    Returns:
+        ``media`` as :func:`decode_media` (``None`` unless ``"pixels"`` is needed) and ``audio`` as
+        :func:`decode_audio` (``None`` unless ``"audio"`` is needed, or for a model without sound).
+    """
+    media = decode_media(adapter, latents, batch_size) if "pixels" in needs else None
+    audio = decode_audio(adapter, latents, batch_size) if "audio" in needs else None
+    return media, audio
 
 
 def video_frames(video: torch.Tensor) -> torch.Tensor:

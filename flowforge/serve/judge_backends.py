@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import RewardScorer, takes_video
+from flowforge.rewards.base import RewardScorer, takes_latents, takes_video
 from flowforge.rewards.judge import protocol as P
 from flowforge.runtime.errors import UserError
 
@@ -83,7 +83,7 @@ class ScorerBackend:
 
     Raises:
         UserError: (at construction) the scorer lists ``metadata_keys`` outside :data:`JUDGE_METADATA`: nothing in
-            a judge request can give them.
+            a judge request can give them; the scorer takes latents (``takes_latents``): a request carries frames.
 
     Raises (``complete``):
         ValueError: a request outside the layout; the scorer rejects the input; a NaN score ("not applicable" has
@@ -91,6 +91,9 @@ class ScorerBackend:
     """
 
     def __init__(self, scorer: RewardScorer, model_id: str, score_range: tuple[float, float] = (0.0, 1.0)) -> None:
+        if takes_latents(scorer):
+            raise UserError(f"scorer {getattr(scorer, 'name', model_id)!r}", "takes latents (takes_latents), which a "
+                            "judge request does not carry (frames only)", "score it in the training process")
         lacking = [k for k in getattr(scorer, "metadata_keys", ()) if k not in JUDGE_METADATA]
         if lacking:
             raise UserError(f"scorer {getattr(scorer, 'name', model_id)!r}", f"needs metadata {lacking}, which a "

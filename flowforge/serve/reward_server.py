@@ -42,7 +42,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from flowforge.rewards.base import RewardScorer
+from flowforge.rewards.base import RewardScorer, takes_latents
 from flowforge.rewards.media import decode_media
 from flowforge.serve.common import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, PixelBudget,
                                     b64_image_pixels, guard_app)
@@ -100,8 +100,9 @@ def check_hosted(scorers: Mapping[str, RewardScorer]) -> None:
     """Refuse scorers this server cannot serve faithfully.
 
     Raises:
-        ValueError: no scorers, or a ``needs_group`` scorer (a client splits batches without regard to groups:
-            run group scorers in the training process, which gathers whole groups).
+        ValueError: no scorers, a ``needs_group`` scorer (a client splits batches without regard to groups:
+            run group scorers in the training process, which gathers whole groups), or a ``takes_latents`` scorer
+            (requests carry pixels, not latents).
     """
     if not scorers:
         raise ValueError("serve reward needs at least one scorer (--scorers NAME[,NAME...])")
@@ -109,6 +110,10 @@ def check_hosted(scorers: Mapping[str, RewardScorer]) -> None:
     if grouped:
         raise ValueError(f"group scorers {grouped} cannot be served remotely (a client's batches do not follow "
                          "groups); score them in the training process")
+    latent = [name for name, s in scorers.items() if takes_latents(s)]
+    if latent:
+        raise ValueError(f"latent scorers {latent} (takes_latents) cannot be served remotely: requests carry "
+                         "pixels, not latents; score them in the training process")
 
 
 def _versions() -> dict[str, str]:

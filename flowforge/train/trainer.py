@@ -17,7 +17,7 @@ Everything else lives beside the loop: the run directory's lifecycle in
 :class:`~flowforge.train.run_lifecycle.RunDirectory` (checked, claimed, accepted, abandoned, released), save /
 resume in :class:`~flowforge.train.checkpoint.manager.CheckpointManager`
 (over the Stateful policy bank, prompt sampler and :class:`~flowforge.train.checkpoint.manager.TrainerState`), the
-decode of latents into media at the rollout boundary (:func:`flowforge.rollout.decode_media`).
+decode of latents into media at the rollout boundary (:func:`flowforge.rollout.decode_needed`: what is read only).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from flowforge.objectives.anchors import anchor_policy_bank, build_anchor
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
 from flowforge.settings import resume_fingerprint
 from flowforge.train.preflight import check_loaded_model, preflight
-from flowforge.rollout import (Trajectory, candidate_noise, decode_audio, decode_media, generate, rollout_chunked,
-                              rollout_grouped, sigmas_for)
+from flowforge.rollout import (Trajectory, candidate_noise, decode_needed, generate, rollout_chunked, rollout_grouped,
+                              sigmas_for)
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, training_contract
 from flowforge.train.guard import RewardHackingGuard
@@ -191,6 +191,10 @@ class Trainer(RunDirectory):
             self.sidecars = SidecarWriter(root / f"rank_{self.dist.rank}" if self.dist.enabled else root,
                                           cfg.artifacts.keep)
 
+    def media_needs(self) -> frozenset[str]:
+        """What a step's readers read (``RewardProcessor.inputs``, + pixels for sidecars); no pixels: no decode."""
+        return self.rewards.inputs() | ({"pixels"} if self.sidecars is not None else frozenset())
+
     def _schedule(self) -> torch.Tensor:
         """The sampling schedule; a dynamic-shift family's own pipeline schedule when the adapter provides one."""
         s, m = self.cfg.sampler, self.cfg.model
@@ -213,8 +217,8 @@ class Trainer(RunDirectory):
 
     def sample(self, batch: StepBatch, step: int):
         """Stage 2: roll out the objective's declared trajectories, chunked like the training micro-batches; with
-        ``reward.overlap`` group after group, each chunk decoded at once and its completed groups sent to the group
-        scorers while the next chunks roll out (:mod:`flowforge.rewards.stream`; :meth:`score` waits for them)."""
+        ``reward.overlap`` group after group, each chunk decoded at once (:meth:`media_needs`) and its completed
+        groups sent to the group scorers while the next chunks roll out (:mod:`flowforge.rewards.stream`)."""
         spec = self.objective.rollout_spec(step)
         cond = self._conditioning(self.train_cond, self.train_prompts, batch.prompt_indices)
         chunk = self.cfg.sampler.batch_size or self.cfg.train.micro_batch_size
@@ -227,12 +231,14 @@ class Trainer(RunDirectory):
                                        latent_shape=self.latent_shape, seed=self.cfg.run.seed, batch_size=chunk,
                                        device=self.device), cond
             self._stream = stream = self.rewards.stream([r.prompt for r in batch.records],
-                                                        [r.metadata for r in batch.records], batch.group_ids)
+                                                        [r.metadata for r in batch.records], batch.group_ids,
+                                                        self.media_needs() | {"latents"})
+            on_chunk = lambda rows, part: stream.add(rows, decode_needed(  # noqa: E731 (no audio: refused with overlap)
+                self.adapter, part.final, self.cfg.reward.batch_size, self.media_needs())[0], part.final)
             with stream.closed_on_error():
                 traj = rollout_grouped(self.adapter, cond, batch.candidate_ids.tolist(), batch.group_ids,
                                        self.sigmas, spec, latent_shape=self.latent_shape, seed=self.cfg.run.seed,
-                                       batch_size=chunk, device=self.device, on_chunk=lambda rows, part: stream.add(
-                                           rows, decode_media(self.adapter, part.final, self.cfg.reward.batch_size)))
+                                       batch_size=chunk, device=self.device, on_chunk=on_chunk)
         return traj, cond
 
     def _conditioning(self, cond: Conditioning | StreamedConditioning, records, prompt_indices: torch.Tensor):
@@ -252,34 +258,30 @@ class Trainer(RunDirectory):
         return conditioned.index(inverse)
 
     def score(self, traj: Trajectory, batch: StepBatch):
-        """Stage 3: the rollout's media (decoded at the rollout boundary, :func:`flowforge.rollout.decode_media`,
-        ``reward.batch_size`` rows at a time) and every reward component ``[B]`` of them, plus the reward metrics.
-
+        """Stage 3: the rollout's media (what :meth:`media_needs` names, decoded ``reward.batch_size`` rows at a time)
+        and every reward component ``[B]`` of them (latent scorers: of ``traj.final``), plus the reward metrics.
         With ``reward.overlap`` :meth:`sample` decoded the media and sent the groups; this waits for their scores.
         Also ``time/reward_wait`` and ``perf/reward_overlap`` (:mod:`flowforge.rewards.stream`; 0 without overlap).
-
-        Returns:
-            ``(media, components, metrics)``: media ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) in [0, 1].
-        """
+        Returns ``(media, components, metrics)``: media ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) in [0, 1], None
+        when nothing reads pixels (no decode ran)."""
         stream, self._stream = self._stream, None
         if stream is not None:  # reward.overlap: the groups were sent during the rollout
             return stream.finish()
-        media = decode_media(self.adapter, traj.final, self.cfg.reward.batch_size)
-        audio = decode_audio(self.adapter, traj.final, self.cfg.reward.batch_size)  # audio-video models only
-        components, metrics = self.score_media(media, batch.records, batch.group_ids, self.dist, audio=audio)
+        media, audio = decode_needed(self.adapter, traj.final, self.cfg.reward.batch_size, self.media_needs())
+        components, metrics = self.score_media(media, batch.records, batch.group_ids, self.dist, audio=audio,
+                                               latents=traj.final)
         metrics.update({"time/reward_wait": metrics["reward/score_time"], "perf/reward_overlap": 0.0})
         return media, components, metrics
 
-    def score_media(self, media: torch.Tensor, records: list[PromptRecord], group_ids: torch.Tensor,
-                    dist: dist_lib.DistInfo | None = None, audio=None, paid_groups: int | None = None):
-        """Every reward component ``[B]`` of decoded media and the reward metrics. Video ``[B, 3, F, H, W]`` goes
-        whole to scorers that take video (``takes_video``, e.g. ``action_following``), frame by frame (averaged per
-        video) to the others. With ``dist`` (training: every rank scores its share together) group scorers see groups
-        that straddle ranks whole. ``audio`` (an audio-video model's :class:`~flowforge.rewards.base.AudioBatch`)
-        goes to the scorers that take audio. ``paid_groups``: paid scorers only on that many groups (evaluation,
-        :class:`~flowforge.rewards.processor.RewardProcessor`)."""
+    def score_media(self, media: torch.Tensor | None, records: list[PromptRecord], group_ids: torch.Tensor,
+                    dist: dist_lib.DistInfo | None = None, audio=None, paid_groups: int | None = None,
+                    latents: torch.Tensor | None = None):
+        """Every reward component ``[B]`` and the reward metrics (:class:`~flowforge.rewards.processor.RewardProcessor`:
+        video whole to ``takes_video`` scorers, else frame by frame; ``audio`` to ``takes_audio`` ones, ``latents``
+        ``[B, *latent]`` to ``takes_latents`` ones, ``media`` None when none reads pixels). With ``dist`` (training)
+        group scorers see groups that straddle ranks whole; ``paid_groups``: paid scorers on that many groups only."""
         return self.rewards(media, [r.prompt for r in records], [r.metadata for r in records], group_ids, dist=dist,
-                            audio=audio, paid_groups=paid_groups)
+                            audio=audio, paid_groups=paid_groups, latents=latents)
 
     def advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
         """Stage 4: group-relative advantages (combined over components, clipped) and the weighted total reward,
@@ -375,7 +377,7 @@ class Trainer(RunDirectory):
                 media, components, reward_metrics = self.score(traj, batch)
             with timer("advantage"):
                 adv, total, adv_metrics = self.advantages(components, batch)
-            if self.sidecars is not None:
+            if self.sidecars is not None:  # media_needs asked for pixels
                 with timer("sidecars"):
                     self.sidecars.write(step, traj, batch.group_ids, [r.prompt for r in batch.records],
                                         media if media.ndim == 4 else media[:, :, 0],
@@ -416,7 +418,8 @@ class Trainer(RunDirectory):
         evaluate every ``eval.every`` steps and after the last; checkpoint every ``checkpoint.every`` steps and after
         the last. Returns the logged scalars."""
         self.state.step = step + 1
-        local["train/diversity"] = float(within_group_diversity(media, batch.group_ids))
+        if media is not None:  # a step whose scorers read only latents decoded no pixels to compare
+            local["train/diversity"] = float(within_group_diversity(media, batch.group_ids))
         local.update(times)
         local["perf/samples_per_s"] = len(batch.records) / max(sum(times.values()), 1e-9)
         scalars = {**dist_lib.mean_across_ranks(local, self.dist), **to_scalars(adv_metrics)}
@@ -461,12 +464,13 @@ class Trainer(RunDirectory):
                 cond = self._conditioning(self.eval_cond, self.eval_prompts, rows)
                 finals.append(generate(self.adapter, cond, x_T[start:start + e.batch_size], self.sigmas,
                                        self.cfg.sampler.guidance_scale))
-        images = decode_media(self.adapter, torch.cat(finals), self.cfg.reward.batch_size)
-        audio = decode_audio(self.adapter, torch.cat(finals), self.cfg.reward.batch_size)
+        latents = torch.cat(finals)  # always decoded: the grid, eval/diversity and sample_change are of pixels
+        images, audio = decode_needed(self.adapter, latents, self.cfg.reward.batch_size, ("pixels", "audio"))
         if not self.dist.is_main:
             return {}
         records = [self.eval_prompts[i] for i in prompt_idx.tolist()]
-        components, metrics = self.score_media(images, records, prompt_idx, audio=audio, paid_groups=e.teacher_groups)
+        components, metrics = self.score_media(images, records, prompt_idx, audio=audio, paid_groups=e.teacher_groups,
+                                               latents=latents)
         scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
         scalars.update({f"eval/billed/{n}": metrics[f"reward/{n}_billed"] for n in components
                         if f"reward/{n}_billed" in metrics})

@@ -97,3 +97,8 @@ def wrong_shape(media, prompts, metadata):
 
 def explodes_when_called(media, prompts, metadata):
     raise RuntimeError("preflight must not call a scoring function")
+
+
+def latent_energy(latents, prompts, metadata, scale=1.0):
+    """A latent scoring function (first parameter named ``latents``): ``-scale *`` the mean squared latent."""
+    return -scale * latents.float().pow(2).flatten(1).mean(dim=1)
