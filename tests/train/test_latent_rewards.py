@@ -19,7 +19,7 @@ from tests.train.test_trainer import read_jsonl, tiny_cfg
 @pytest.fixture(scope="module")
 def digit_means(tmp_path_factory):
     """The ten per-digit mean latents of the demo's ``reward`` split (pixel space: pixels in [-1, 1], [1, 32, 32]),
-    as docs/rewards.md builds them."""
+    as docs/guides/latent-and-audio-rewards.md builds them."""
     images, labels = load_split("reward")
     path = tmp_path_factory.mktemp("latent_ref") / "digit_means.safetensors"
     save_file({str(d): (images[labels == d].mean(0) * 2 - 1).contiguous() for d in range(10)}, str(path))
