@@ -168,10 +168,11 @@ def active_backend(transformer: torch.nn.Module) -> str:
     return str(_AttentionBackendRegistry.get_active_backend()[0].value)
 
 
-def enable(transformer: torch.nn.Module, cm: ContextMesh) -> None:
+def enable(transformer: torch.nn.Module, cm: ContextMesh, attention_backend: str | None = None) -> None:
     """Split ``transformer``'s sequence over ``cm``'s context group (diffusers' ``enable_parallelism`` with the
     ``(ring, ulysses)`` sub-mesh). Call after LoRA injection (the hooks sit on the modules the plan names; a module
-    replaced afterwards would lose its hook) and once per model.
+    replaced afterwards would lose its hook) and once per model. ``attention_backend`` (a diffusers backend name)
+    is set on the transformer first when given (``set_attention_backend``).
 
     Inputs and outputs keep their shapes: the planned inputs are split on the way in and the output is all-gathered,
     so every rank of the group returns the full result. Parameter gradients are per-rank partial sums
@@ -186,6 +187,8 @@ def enable(transformer: torch.nn.Module, cm: ContextMesh) -> None:
     if not supports_context_parallel(type(transformer)):
         raise ValueError(f"{type(transformer).__name__} declares no _cp_plan: diffusers cannot split its sequence; "
                          "set distributed.context_parallel.ulysses=1 and ring=1")
+    if attention_backend is not None:
+        transformer.set_attention_backend(attention_backend)
     if cm.ring > 1 and active_backend(transformer) not in LSE_BACKENDS:
         raise ValueError(f"distributed.context_parallel.ring={cm.ring} needs an attention backend that returns the "
                          f"log-sum-exp, one of {list(LSE_BACKENDS)} (CUDA); this model uses "
