@@ -208,6 +208,38 @@ def sum_context_gradients(params: Iterable[torch.nn.Parameter], cm: ContextMesh)
             dist.all_reduce(p.grad, group=group)
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the backward multiplies the incoming gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_gathered_gradients(transformer: torch.nn.Module, cm: ContextMesh) -> list:
+    """Multiply the gradient entering each gathered output of ``transformer``'s plan (``proj_out`` in every
+    supported family) by ``cm.degree``, so that a data-parallel wrapper that *averages* over all ranks (DDP's
+    ``replicate``, FSDP2 over the flattened ``data x ring x ulysses`` mesh) yields the sum over the context group and
+    the mean over the data dimension. Call after :func:`enable` (the hook must see the gathered output). Returns the
+    hook handles (``.remove()`` undoes it). The loss and everything reported are unchanged."""
+    handles = []
+
+    def hook(module, args, output):
+        if torch.is_tensor(output):
+            return _ScaleGradient.apply(output, float(cm.degree))
+        return type(output)(_ScaleGradient.apply(o, float(cm.degree)) if torch.is_tensor(o) else o for o in output)
+
+    for module_id, plan in transformer._cp_plan.items():
+        if not isinstance(plan, dict):  # a ContextParallelOutput (or a list of them): gathered here
+            handles += [m.register_forward_hook(hook) for m in _planned_modules(transformer, module_id)]
+    return handles
+
+
 def split_sizes(transformer: torch.nn.Module, run: Callable[[], object]) -> list[tuple[str, int, int]]:
     """The sequence lengths ``transformer``'s ``_cp_plan`` would split, measured on one call of ``run`` (which
     calls the transformer, e.g. one velocity of the configured size) *before* :func:`enable`.

@@ -66,3 +66,25 @@ def test_enable_refuses_a_transformer_without_a_plan():
 
     with pytest.raises(ValueError, match="SD3Transformer2DModel declares no _cp_plan"):
         cp.enable(build_tiny_sd3(test_sd3_config(), seed=0), cp.ContextMesh(None, ulysses=2, ring=1))
+
+
+def test_scale_gathered_gradients_scales_parameter_gradients_not_the_output(wan):
+    t = wan.transformer
+    x, cond = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0)), wan.encode([""])
+
+    def run():
+        t.zero_grad(set_to_none=True)
+        w = t.patch_embedding.weight
+        w.requires_grad_(True)
+        v = wan.velocity(x, torch.tensor([0.5]), cond, 1.0)
+        v.square().sum().backward()
+        w.requires_grad_(False)
+        return v.detach(), w.grad.clone()
+
+    v0, g0 = run()
+    handles = cp.scale_gathered_gradients(t, cp.ContextMesh(None, ulysses=2, ring=1))
+    assert len(handles) == 1  # Wan gathers at proj_out
+    v1, g1 = run()
+    for h in handles:
+        h.remove()
+    assert torch.equal(v1, v0) and torch.allclose(g1, 2 * g0, rtol=1e-6, atol=0)
