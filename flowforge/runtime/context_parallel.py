@@ -240,6 +240,41 @@ def scale_gathered_gradients(transformer: torch.nn.Module, cm: ContextMesh) -> l
     return handles
 
 
+def training_setup(settings, dist_info, device_type: str):
+    """For the trainer: ``(data, context_mesh)`` under ``settings`` (``distributed.context_parallel``) -- ``data`` the
+    :class:`~flowforge.runtime.distributed.DistInfo` over which samples are sharded and rewards gathered (one
+    process's view when every rank is in one context group), ``context_mesh`` the mesh or None when off.
+
+    Raises:
+        ValueError: context parallelism beside a data dimension (``world > ulysses x ring``): the trainer's
+            reward gathering and group scoring span every rank, so the ranks of a context group would count as
+            different samples (the library API supports it: :func:`scale_gathered_gradients`).
+    """
+    from flowforge.runtime.distributed import DistInfo
+
+    if settings.degree == 1:
+        return dist_info, None
+    if dist_info.world_size != settings.degree:
+        raise ValueError(f"distributed.context_parallel: training runs one context group (world size = ulysses x "
+                         f"ring = {settings.degree}); got {dist_info.world_size} ranks")
+    return DistInfo(), build_mesh(settings.ulysses, settings.ring, device_type)
+
+
+def training_wrapper(adapter, cm: ContextMesh | None, attention_backend: str | None, wrap):
+    """``wrap`` (the data-parallel wrapper the policy calls after LoRA injection) preceded, under context
+    parallelism, by :func:`enable` and :func:`scale_gathered_gradients`: DDP / FSDP2 then average over every rank
+    the gradients whose sum over the context group is the full gradient."""
+    if cm is None:
+        return wrap
+
+    def wrapped():
+        enable(adapter.transformer, cm, attention_backend)
+        scale_gathered_gradients(adapter.transformer, cm)
+        if wrap is not None:
+            wrap()
+    return wrapped
+
+
 def split_sizes(transformer: torch.nn.Module, run: Callable[[], object]) -> list[tuple[str, int, int]]:
     """The sequence lengths ``transformer``'s ``_cp_plan`` would split, measured on one call of ``run`` (which
     calls the transformer, e.g. one velocity of the configured size) *before* :func:`enable`.

@@ -42,7 +42,7 @@ from flowforge.runtime.errors import one_line
 from flowforge.train.preflight.loaded import check_loaded_model  # noqa: F401 - the trainer imports it from here
 from flowforge.train.preflight.loaded import _gib, media_bytes, memory_limit
 from flowforge.train.preflight.modules import module_path_problems
-from flowforge.train.preflight.parallel import context_parallel_problems
+from flowforge.train.preflight.parallel import context_parallel_problems, data_world
 from flowforge.train.preflight.rules import run_rules
 
 VIDEO_TASKS = ("t2v", "i2v")
@@ -426,8 +426,9 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     counts = _prompt_problems(cfg, problems, warnings, this_machine, opened)
     _model_path_problems(cfg, problems, warnings, this_machine)
     _trained_step_problems(cfg, problems)
-    _batch_problems(cfg, world, problems)
     problems += context_parallel_problems(cfg, world)
+    world = data_world(cfg, world)  # from here: ranks with samples of their own (a context group shares its samples)
+    _batch_problems(cfg, world, problems)
     if this_machine:
         for check in (_device_problems, _directory_problems, _resume_problems, module_path_problems):
             check(cfg, problems)

@@ -8,6 +8,13 @@ from flowforge.config import Config
 from flowforge.runtime import context_parallel as cp
 
 
+def data_world(cfg: Config, world: int) -> int:
+    """Ranks with samples of their own: ``world`` divided by the context-parallel degree (``world`` when that does
+    not divide it: reported by :func:`context_parallel_problems`)."""
+    degree = cfg.distributed.context_parallel.degree
+    return world // degree if world % degree == 0 else world
+
+
 def context_parallel_problems(cfg: Config, world: int) -> list[str]:
     """One line per problem of ``cfg.distributed.context_parallel`` on ``world`` ranks (``[]`` when it is off)."""
     from flowforge.models import context_parallel_problem
@@ -20,20 +27,16 @@ def context_parallel_problems(cfg: Config, world: int) -> list[str]:
     family = context_parallel_problem(cfg.model.adapter)
     if family:
         problems.append(family)
-    if world < c.degree:
-        problems.append(f"{where}: ulysses x ring = {c.ulysses} x {c.ring} = {c.degree} ranks per sample, but "
-                        f"{world} rank(s) run; launch with torchrun --nproc_per_node={c.degree} (or a multiple)")
-    else:
-        problems += cp.degree_problems(c.ulysses, c.ring, world)
+    if world != c.degree:  # reward gathering and group scoring span every rank: one context group for now
+        problems.append(f"{where}: training runs one context group of ulysses x ring = {c.ulysses} x {c.ring} = "
+                        f"{c.degree} ranks, but {world} rank(s) run; launch with torchrun --nproc_per_node={c.degree}")
     if c.ring > 1 and c.attention_backend not in cp.LSE_BACKENDS:
         problems.append(f"{where}.ring={c.ring} needs {where}.attention_backend set to one of "
                         f"{list(cp.LSE_BACKENDS)} (CUDA: ring attention merges partial results by their "
                         f"log-sum-exp, which the native SDPA backend does not return); got {c.attention_backend!r}; "
                         f"or use {where}.ulysses instead")
-    # the trainer shards samples, gathers rewards and averages gradients over every rank; under context
-    # parallelism the ranks of a context group must share samples and sum gradients (docs/context_parallel.md)
-    problems.append(f"{where} is not wired into training yet (the split forward / backward is the library API "
-                    "flowforge.runtime.context_parallel); set ulysses=1 and ring=1 for flowforge train")
+    if cfg.rollout.engine != "local":  # worker processes would roll out unsplit, outside the context group
+        problems.append(f"{where} needs rollout.engine=local (got {cfg.rollout.engine!r})")
     return problems
 
 
