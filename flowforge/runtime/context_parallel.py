@@ -242,22 +242,22 @@ def scale_gathered_gradients(transformer: torch.nn.Module, cm: ContextMesh) -> l
 
 def training_setup(settings, dist_info, device_type: str):
     """For the trainer: ``(data, context_mesh)`` under ``settings`` (``distributed.context_parallel``) -- ``data`` the
-    :class:`~flowforge.runtime.distributed.DistInfo` over which samples are sharded and rewards gathered (one
-    process's view when every rank is in one context group), ``context_mesh`` the mesh or None when off.
+    :class:`~flowforge.runtime.distributed.DistInfo` over which samples are sharded and rewards gathered: this rank's
+    place along the mesh's ``data`` dimension, with that dimension's process group (the ranks with this rank's place
+    in their context groups; one process's view when there is one context group) -- and the mesh (None when off).
 
     Raises:
-        ValueError: context parallelism beside a data dimension (``world > ulysses x ring``): the trainer's
-            reward gathering and group scoring span every rank, so the ranks of a context group would count as
-            different samples (the library API supports it: :func:`scale_gathered_gradients`).
+        ValueError: as :func:`build_mesh`.
     """
     from flowforge.runtime.distributed import DistInfo
 
     if settings.degree == 1:
         return dist_info, None
-    if dist_info.world_size != settings.degree:
-        raise ValueError(f"distributed.context_parallel: training runs one context group (world size = ulysses x "
-                         f"ring = {settings.degree}); got {dist_info.world_size} ranks")
-    return DistInfo(), build_mesh(settings.ulysses, settings.ring, device_type)
+    cm = build_mesh(settings.ulysses, settings.ring, device_type)
+    if cm.data_size == 1:
+        return DistInfo(local_rank=dist_info.local_rank), cm
+    return DistInfo(rank=cm.data_rank, world_size=cm.data_size, local_rank=dist_info.local_rank,
+                    group=cm.mesh.get_group("data")), cm
 
 
 def training_wrapper(adapter, cm: ContextMesh | None, attention_backend: str | None, wrap):

@@ -37,16 +37,17 @@ def test_family_without_a_cp_plan_is_refused_in_one_line_listing_those_with_one(
 
 
 def test_degrees_against_the_world_size_and_ring_backend():
-    problems = _problems("distributed.context_parallel.ulysses=2", "distributed.context_parallel.ring=2", world=8)
-    assert any("training runs one context group of ulysses x ring = 2 x 2 = 4 ranks, but 8 rank(s) run; launch "
-               "with torchrun --nproc_per_node=4" in p for p in problems)
+    problems = _problems("distributed.context_parallel.ulysses=2", "distributed.context_parallel.ring=2", world=6)
+    assert any("ulysses x ring = 2 x 2 = 4 does not divide the world size 6; launch a multiple of 4 ranks" in p
+               for p in problems)
     assert any("distributed.context_parallel.ring=2 needs distributed.context_parallel.attention_backend set to one "
                "of ['flash'," in p and "got None" in p for p in problems)
     one = _problems("distributed.context_parallel.ulysses=2", world=1)
-    assert any("but 1 rank(s) run" in p for p in one)
+    assert any("2 ranks per sample, but 1 rank(s) run; launch with torchrun --nproc_per_node=2 (or a multiple)" in p
+               for p in one)
     ok = _problems("distributed.context_parallel.ring=2", "distributed.context_parallel.attention_backend=flash",
-                   world=2)
-    assert not any("attention_backend" in p or "rank(s) run" in p for p in ok)
+                   world=4)
+    assert not any("attention_backend" in p or "world size" in p or "rank(s) run" in p for p in ok)
     workers = _problems("distributed.context_parallel.ulysses=2", "rollout.engine=workers")
     assert any("distributed.context_parallel needs rollout.engine=local (got 'workers')" in p for p in workers)
 

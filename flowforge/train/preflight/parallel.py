@@ -27,9 +27,11 @@ def context_parallel_problems(cfg: Config, world: int) -> list[str]:
     family = context_parallel_problem(cfg.model.adapter)
     if family:
         problems.append(family)
-    if world != c.degree:  # reward gathering and group scoring span every rank: one context group for now
-        problems.append(f"{where}: training runs one context group of ulysses x ring = {c.ulysses} x {c.ring} = "
-                        f"{c.degree} ranks, but {world} rank(s) run; launch with torchrun --nproc_per_node={c.degree}")
+    if world < c.degree:
+        problems.append(f"{where}: ulysses x ring = {c.ulysses} x {c.ring} = {c.degree} ranks per sample, but "
+                        f"{world} rank(s) run; launch with torchrun --nproc_per_node={c.degree} (or a multiple)")
+    else:
+        problems += cp.degree_problems(c.ulysses, c.ring, world)
     if c.ring > 1 and c.attention_backend not in cp.LSE_BACKENDS:
         problems.append(f"{where}.ring={c.ring} needs {where}.attention_backend set to one of "
                         f"{list(cp.LSE_BACKENDS)} (CUDA: ring attention merges partial results by their "
