@@ -104,10 +104,12 @@ def _check_matches(records, rows, single):
             assert torch.equal(rec["live"][k], v)
 
 
-@pytest.mark.slow  # two small training runs, one on 2 ranks (about a minute on 2 loaded cores)
-def test_grpo_under_ulysses_matches_one_process(wan_setup, single, tmp_path):
-    records = _run(tmp_path / "cp", 0, _overrides(wan_setup, "cp", "distributed.context_parallel.ulysses=2"), 2)
-    _check_matches(records, _rows(wan_setup, "cp"), single)
+@pytest.mark.slow  # small training runs, on 2 ranks (about a minute each on 2 loaded cores)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_grpo_under_ulysses_matches_one_process(wan_setup, single, tmp_path, strategy):
+    records = _run(tmp_path / "cp", 0, _overrides(wan_setup, f"cp-{strategy}", "distributed.context_parallel.ulysses=2",
+                                                  f"distributed.strategy={strategy}"), 2)
+    _check_matches(records, _rows(wan_setup, f"cp-{strategy}"), single)
 
 
 @pytest.mark.slow  # a run on 2 ranks, then one on 1 process (about a minute)
