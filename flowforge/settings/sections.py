@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowforge.settings.distributed import DistributedConfig  # noqa: F401 - a base section, defined beside its CP part
+from flowforge.settings.distributed import DistributedConfig  # defined beside its context-parallel part
 from flowforge.settings.schema import Checks, Section, fingerprint, to_dict
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
