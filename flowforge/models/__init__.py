@@ -139,6 +139,37 @@ FAMILY_TASKS: dict[str, tuple[str, ...]] = {
 per-checkpoint property (T2V: t2v, I2V: i2v, TI2V: both), so the family runs the union."""
 
 
+TRANSFORMER_CLASSES: dict[str, str] = {
+    "sd3": "SD3Transformer2DModel",
+    "flux": "FluxTransformer2DModel",
+    "qwen_image": "QwenImageTransformer2DModel",
+    "wan": "WanTransformer3DModel",
+    "z_image": "ZImageTransformer2DModel",
+    "flux2": "Flux2Transformer2DModel",
+    "ltx2": "LTX2VideoTransformer3DModel",
+    "hunyuan_video15": "HunyuanVideo15Transformer3DModel",
+}
+"""Registered family -> the diffusers class of its transformer (the world model's is flowforge's own)."""
+
+CONTEXT_PARALLEL_FAMILIES: tuple[str, ...] = ("flux", "flux2", "qwen_image", "wan")
+"""Families whose sequence diffusers' context parallelism splits (the transformer declares a ``_cp_plan``) and whose
+split velocity and LoRA gradients were measured equal to one rank's (tests/test_context_parallel.py). LTX-2's
+class declares a plan too, but it splits RoPE tensors of 3 dims only (``rope_type="interleaved"``; LTX-2 uses
+``"split"``, 4 dims), so the split run fails: it is left out."""
+
+
+def context_parallel_problem(name: str) -> str | None:
+    """Why ``model.adapter=name`` cannot run context parallelism (one line listing the families that can), or None
+    for a family of :data:`CONTEXT_PARALLEL_FAMILIES` and for a ``"pkg.module:Class"`` (judged on its transformer
+    once loaded)."""
+    if name in CONTEXT_PARALLEL_FAMILIES or name not in ADAPTER_CLASSES:
+        return None
+    why = {"ltx2": "its transformer's _cp_plan splits only interleaved RoPE; LTX-2 uses split RoPE"}.get(
+        name, f"{TRANSFORMER_CLASSES.get(name, 'its transformer')} declares no _cp_plan")
+    return (f"distributed.context_parallel needs a model whose sequence diffusers can split; model.adapter={name!r} "
+            f"cannot ({why}); families that support it: {list(CONTEXT_PARALLEL_FAMILIES)}")
+
+
 def _import_object(spec: str):
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:

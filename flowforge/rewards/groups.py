@@ -157,11 +157,11 @@ def score_groups_across_ranks(name: str, scorer: RewardScorer, media: Tensor, pr
     rank, world = dist.rank, dist.world_size
     local = group_ids.tolist()
     counts: list[Any] = [None] * world
-    tdist.all_gather_object(counts, dict(Counter(local)))
+    tdist.all_gather_object(counts, dict(Counter(local)), group=dist.group)
     owner = _owners(counts, bool(getattr(scorer, "single_client", False)))
     outgoing = [(i, g, media[i].cpu(), prompts[i], metadata[i]) for i, g in enumerate(local) if owner[g] != rank]
     incoming: list[Any] = [None] * world
-    tdist.all_gather_object(incoming, outgoing)
+    tdist.all_gather_object(incoming, outgoing, group=dist.group)
 
     scores = torch.full((len(local),), float("nan"), dtype=torch.float32, device=media.device)
     flags: dict[str, Tensor] = {}
@@ -189,7 +189,7 @@ def score_groups_across_ranks(name: str, scorer: RewardScorer, media: Tensor, pr
             else:
                 returned.append((r, i, float(out[j]), member_flags))
     back: list[Any] = [None] * world
-    tdist.all_gather_object(back, (returned, None if error is None else portable_error(error)))
+    tdist.all_gather_object(back, (returned, None if error is None else portable_error(error)), group=dist.group)
     if error is not None:
         raise error
     failed = next((e for _, e in back if e is not None), None)

@@ -40,6 +40,7 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    group: object = None  # the process group of these ranks (None: the default group, every process)
 
     @property
     def enabled(self) -> bool:
@@ -71,11 +72,12 @@ def init(device: str = "cpu", *, timeout_s: float | None = None) -> DistInfo:
 
 
 def all_gather_cat(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Concatenate equal-shaped ``tensor`` of every rank along dim 0, in rank order (identity when single)."""
+    """Concatenate equal-shaped ``tensor`` of every rank of ``info`` (its group) along dim 0, in rank order
+    (identity when single)."""
     if not info.enabled:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(info.world_size)]
-    dist.all_gather(parts, tensor.contiguous())
+    dist.all_gather(parts, tensor.contiguous(), group=info.group)
     return torch.cat(parts)
 
 

@@ -20,7 +20,8 @@ root.
 ``train``        algorithm, optimizer, LR schedule, updates per batch, micro-batches
 ``eval``         held-out evaluation cadence and fixed noise seed
 ``checkpoint``   checkpoint cadence and retention
-``distributed``  DDP / FSDP2 under torchrun: strategy, mixed-precision dtypes, activation checkpointing
+``distributed``  DDP / FSDP2 under torchrun: strategy, mixed-precision dtypes, activation checkpointing,
+                 context parallelism (:mod:`flowforge.settings.distributed`)
 ``artifacts``    optional per-rollout trajectory sidecars
 ``metrics``      experiment trackers (JSONL always, TensorBoard, W&B) and the log-line cadence
 ``sft``          flow-matching supervised fine-tuning (``flowforge sft``)
@@ -34,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowforge.settings.distributed import DistributedConfig  # defined beside its context-parallel part
 from flowforge.settings.schema import Checks, Section, fingerprint, to_dict
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -333,16 +335,6 @@ class CheckpointConfig(Section):
         c.positive("every", allow_zero=True)
         c.require(self.keep >= 1, f"checkpoint.keep={self.keep} must be >= 1")
         return c.problems
-
-
-@dataclass(frozen=True)
-class DistributedConfig(Section):
-    section_name = "distributed"
-
-    strategy: str = "ddp"  # "ddp" | "fsdp"; used when launched by torchrun with WORLD_SIZE > 1
-    param_dtype: str = "float32"  # FSDP2 MixedPrecisionPolicy param dtype ("bfloat16" on GPUs)
-    reduce_dtype: str = "float32"
-    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)

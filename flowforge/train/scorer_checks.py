@@ -25,6 +25,11 @@ def build_reward_processor(cfg: Any, adapter: Any, run_dir: Any) -> RewardProces
     scorers = {n: build_scorer(n, run_dir=run_dir, **r.options.get(n, {})) for n in names}
     check_audio_scorers(scorers, adapter, r.overlap)
     check_paid_scorers(scorers, cfg.eval, r.weights)
+    paid = sorted(n for n, s in scorers.items() if is_paid(s) and r.weights.get(n))
+    if paid and cfg.distributed.context_parallel.degree > 1:  # every rank of the context group scores the same media
+        raise UserError("distributed.context_parallel", f"every rank of a context group scores the same media, so "
+                        f"the paid reward components {paid} would be billed once per rank",
+                        "train them without context parallelism (ulysses=1, ring=1)")
     return RewardProcessor(scorers, r.weights, r.required, batch_size=r.batch_size)
 
 

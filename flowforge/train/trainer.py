@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from flowforge import config as config_lib
-from flowforge.runtime import distributed as dist_lib
+from flowforge.runtime import context_parallel as cp, distributed as dist_lib
 from flowforge.runtime.dtypes import resolve_dtype
 from flowforge.runtime.interrupt import Interrupted, StopSignals
 from flowforge.algorithms.advantages import clip_advantages, combine_components, group_stats
@@ -107,7 +107,9 @@ class Trainer(RunDirectory):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         report = preflight(cfg, world_size=world)
         self._checked_prompts = report.prompts  # the prompt files preflight read: _prepare_run keeps them
-        self.dist = dist_lib.init(cfg.run.device)
+        self.dist = dist_lib.init(cfg.run.device)  # the processes; self.data: over which samples are sharded
+        self.data, self.context_mesh = cp.training_setup(cfg.distributed.context_parallel, self.dist,
+                                                         torch.device(cfg.run.device).type)
         for warning in report.warnings:
             log.warning(warning)
         self.cfg = cfg
@@ -126,7 +128,7 @@ class Trainer(RunDirectory):
         started = time.perf_counter()
         self.adapter = build_adapter(m.adapter, resolve_demo_path(m.path), task=m.task,
                                      dtype=resolve_dtype(m.dtype, key="model.dtype"), device=self.device)
-        check_loaded_model(cfg, self.adapter, world_size=self.dist.world_size,  # what only the model can tell
+        check_loaded_model(cfg, self.adapter, world_size=self.data.world_size,  # what only the model can tell
                            already=report.warnings, prompts={"data.prompts": self.train_prompts,
                                                              "data.eval_prompts": self.eval_prompts})
         configure_sampling(self.adapter, cfg.sampler)  # before encoding and latent_shape
@@ -144,8 +146,9 @@ class Trainer(RunDirectory):
         context = objective_cls.context(cfg)
         total = cfg.train.steps * objective_cls.optimizer_steps_per_batch(context)
         d = cfg.distributed
-        wrap = functools.partial(dist_lib.wrap, self.adapter, d.strategy, param_dtype=d.param_dtype,
-                                 reduce_dtype=d.reduce_dtype) if self.dist.enabled else None
+        wrap = cp.training_wrapper(self.adapter, self.context_mesh, d.context_parallel.attention_backend,
+                                   functools.partial(dist_lib.wrap, self.adapter, d.strategy, param_dtype=d.param_dtype,
+                                                     reduce_dtype=d.reduce_dtype) if self.dist.enabled else None)
         if d.activation_checkpointing:
             self.adapter.enable_gradient_checkpointing()
         self.policy = Policy(self.adapter, TrainableWeights.from_section(cfg.lora),
@@ -162,7 +165,7 @@ class Trainer(RunDirectory):
         self._stream = None  # reward.overlap: the step's score stream, from sample() to score()
 
         self.sampler = KRepeatSampler(len(self.train_prompts), cfg.data.prompts_per_step, cfg.data.group_size,
-                                      cfg.run.seed, num_replicas=self.dist.world_size, rank=self.dist.rank)
+                                      cfg.run.seed, num_replicas=self.data.world_size, rank=self.data.rank)
         self._build_outputs()
         base_sha256 = sha256_of_path(self.model_source) if self.model_source is not None else None
         self.state = TrainerState(step=0, contract=training_contract(cfg.lora, self.policy, base_sha256),
@@ -268,7 +271,7 @@ class Trainer(RunDirectory):
         if stream is not None:  # reward.overlap: the groups were sent during the rollout
             return stream.finish()
         media, audio = decode_needed(self.adapter, traj.final, self.cfg.reward.batch_size, self.media_needs())
-        components, metrics = self.score_media(media, batch.records, batch.group_ids, self.dist, audio=audio,
+        components, metrics = self.score_media(media, batch.records, batch.group_ids, self.data, audio=audio,
                                                latents=traj.final)
         metrics.update({"time/reward_wait": metrics["reward/score_time"], "perf/reward_overlap": 0.0})
         return media, components, metrics
@@ -293,7 +296,7 @@ class Trainer(RunDirectory):
         weights = self.cfg.reward.weights
         self.rewards.check_finite(components, [k for k, w in weights.items() if w])  # names why (a judge down)
         canonical = torch.argsort(batch.order)
-        every = {k: dist_lib.all_gather_cat(components[k][canonical], self.dist) for k in weights}
+        every = {k: dist_lib.all_gather_cat(components[k][canonical], self.data) for k in weights}
         gids = batch.global_group_ids
         adv = combine_components(every, weights, gids, mode=a.combine, std_mode=a.std_mode, eps=a.eps,
                                  std_floor=a.std_floor)
@@ -423,7 +426,7 @@ class Trainer(RunDirectory):
         local.update(times)
         local["perf/samples_per_s"] = len(batch.records) / max(sum(times.values()), 1e-9)
         scalars = {**dist_lib.mean_across_ranks(local, self.dist), **to_scalars(adv_metrics)}
-        scalars["perf/samples_per_s"] = local["perf/samples_per_s"] * self.dist.world_size
+        scalars["perf/samples_per_s"] = local["perf/samples_per_s"] * self.data.world_size
         if self.logger is not None:
             self.logger.log(self.step, scalars)
         self.guard.observe_step(self.step, scalars)

@@ -43,6 +43,7 @@ from flowforge.settings.schema import note_choice
 from flowforge.train.preflight.loaded import check_loaded_model  # noqa: F401 - the trainer imports it from here
 from flowforge.train.preflight.loaded import _gib, media_bytes, memory_limit
 from flowforge.train.preflight.modules import module_path_problems
+from flowforge.train.preflight.parallel import context_parallel_problems, data_world
 from flowforge.train.preflight.rules import run_rules
 
 VIDEO_TASKS = ("t2v", "i2v")
@@ -427,6 +428,8 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     counts = _prompt_problems(cfg, problems, warnings, this_machine, opened)
     _model_path_problems(cfg, problems, warnings, this_machine)
     _trained_step_problems(cfg, problems)
+    problems += context_parallel_problems(cfg, world)
+    world = data_world(cfg, world)  # from here: ranks with samples of their own (a context group shares its samples)
     _batch_problems(cfg, world, problems)
     if this_machine:
         for check in (_device_problems, _directory_problems, _resume_problems, module_path_problems):

@@ -19,6 +19,7 @@ from flowforge.data.prompts import check_condition_images
 from flowforge.runtime.errors import UserError, one_line
 from flowforge.settings import LORA_MODES
 from flowforge.train.preflight.modules import loaded_module_problems
+from flowforge.train.preflight.parallel import loaded_context_parallel_problems
 
 
 def _gib(nbytes: float) -> str:
@@ -151,6 +152,7 @@ def check_loaded_model(cfg: Config, adapter, *, world_size: int = 1, already: tu
             problems.append(str(exc))
     layers = _target_problems(cfg, adapter, problems)
     loaded_module_problems(cfg, adapter, problems)
+    problems += loaded_context_parallel_problems(cfg, adapter) if latent is not None else []
     limit = memory_limit(cfg.run.device, available=True)
     if latent is not None and limit is not None:
         need = loaded_memory_bytes(cfg, latent, layers, world_size)
