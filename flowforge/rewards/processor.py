@@ -51,8 +51,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import (AudioBatch, RewardScorer, check_batch_size, check_media_batch, is_paid,
-                                    takes_audio, takes_video)
+from flowforge.media import AudioBatch, video_frames
+from flowforge.rewards.base import RewardScorer, check_batch_size, check_media_batch, is_paid, takes_audio, takes_video
 from flowforge.rewards.groups import (call_scorer, clear_error, local_chunks, score_groups_across_ranks,
                                       score_local)
 from flowforge.runtime.distributed import DistInfo
@@ -124,8 +124,6 @@ class RewardProcessor:
         if takes_audio(scorer):
             return self._score_with_audio(name, scorer, media, prompts, metadata, group_ids, audio)
         if media.ndim == 5 and not takes_video(scorer):
-            from flowforge.rollout.media import video_frames
-
             f = media.shape[2]
             scores, flags, groups = self.score_component(name, scorer, video_frames(media),
                                                 [p for p in prompts for _ in range(f)],

@@ -2,15 +2,17 @@
 
 A rollout ends in clean latents ``x_0`` (``Trajectory.final``); scorers, sample grids and sidecars take media in
 ``[0, 1]``. :func:`decode_media` is the one place that conversion happens, in chunks so a large step never decodes
-its whole batch at once; :func:`video_frames` lays a video batch out as images for per-frame scorers and grids.
+its whole batch at once (the wire form's decoding is another thing: :func:`flowforge.rewards.wire.decode_wire_media`).
+The media types themselves (:func:`~flowforge.media.video_frames`, :class:`~flowforge.media.AudioBatch`) live in
+:mod:`flowforge.media`, below both the rollout and the reward scorers.
 """
 
 from __future__ import annotations
 
 import torch
 
+from flowforge.media import AudioBatch
 from flowforge.models.base import AudioDecoding, FlowModel
-from flowforge.rewards.base import AudioBatch
 
 
 @torch.no_grad()
@@ -50,7 +52,3 @@ def decode_audio(adapter: FlowModel, latents: torch.Tensor, batch_size: int) -> 
     return AudioBatch.cat([AudioBatch(*adapter.decode_audio(latents[i:i + batch_size]))
                            for i in range(0, latents.shape[0], batch_size)])
 
-
-def video_frames(video: torch.Tensor) -> torch.Tensor:
-    """``[B, 3, F, H, W]`` -> ``[B * F, 3, H, W]``, the frames of each video consecutive."""
-    return video.permute(0, 2, 1, 3, 4).flatten(0, 1)

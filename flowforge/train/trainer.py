@@ -275,7 +275,7 @@ class Trainer(RunDirectory):
         """Every reward component ``[B]`` of decoded media and the reward metrics. Video ``[B, 3, F, H, W]`` goes
         whole to scorers that take video (``takes_video``, e.g. ``action_following``), frame by frame (averaged per
         video) to the others. With ``dist`` (training: every rank scores its share together) group scorers see groups
-        that straddle ranks whole. ``audio`` (an audio-video model's :class:`~flowforge.rewards.base.AudioBatch`)
+        that straddle ranks whole. ``audio`` (an audio-video model's :class:`~flowforge.media.AudioBatch`)
         goes to the scorers that take audio. ``paid_groups``: paid scorers only on that many groups (evaluation,
         :class:`~flowforge.rewards.processor.RewardProcessor`)."""
         return self.rewards(media, [r.prompt for r in records], [r.metadata for r in records], group_ids, dist=dist,
