@@ -5,7 +5,9 @@ relative imports, and ``importlib.import_module("flowforge...")`` / ``importlib.
 with a constant name -- except those in the body of an ``if TYPE_CHECKING:`` block (never executed). Rules:
 
 1. every module belongs to a layer of :data:`LAYERS` (a new package must be added to the table);
-2. a module imports only its own layer or lower ones (no upward import);
+2. a module imports only its own layer or lower ones (no upward import); within a layer, the entries are rooms
+   listed from the lowest up, and a module imports only its own room or lower ones of its layer (``rollout`` may not
+   import ``rewards``, nor ``models`` ``data``);
 3. no ``_private`` name (module, function, class, constant) is imported from outside the package that holds it;
 4. the packages of :data:`PURE` import only the standard library and the listed third-party roots (and themselves);
 5. no import circle: the graph of module-to-module imports has no cycle (a module importing its own parent package is
@@ -28,9 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "flowforge"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("flowforge", "flowforge.algorithms", "flowforge.settings", "flowforge.runtime"),
+    ("flowforge", "flowforge.algorithms", "flowforge.settings", "flowforge.runtime", "flowforge.media"),
     ("flowforge.models", "flowforge.data"),
-    ("flowforge.demo", "flowforge.policy", "flowforge.rollout", "flowforge.rewards"),
+    ("flowforge.policy", "flowforge.rollout", "flowforge.demo", "flowforge.rewards"),
     ("flowforge.objectives",),
     ("flowforge.config", "flowforge.report"),
     ("flowforge.train",),
@@ -39,8 +41,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("flowforge.serve",),
     ("flowforge.cli",),
 )
-"""Layer ``i`` may import layers ``0..i``. An entry names a package (and everything below it) or a module; the
-bare ``"flowforge"`` entry is the root ``__init__`` only (it must stay import-free: everything may import it)."""
+"""Layer ``i`` may import layers ``0..i``; within layer ``i``, the entry (room) at position ``j`` may import the
+entries ``0..j`` of that layer. An entry names a package (and everything below it) or a module; the bare
+``"flowforge"`` entry is the root ``__init__`` only (it must stay import-free: everything may import it)."""
 
 PURE: dict[str, frozenset[str]] = {"flowforge.algorithms": frozenset({"torch"})}
 """Packages that may import only the standard library, these third-party top-level names and themselves."""
@@ -129,15 +132,22 @@ def imports_of(module: Module, package: str = PACKAGE) -> list[Import]:
     return found
 
 
-def layer_of(name: str, layers=LAYERS) -> int | None:
-    """The layer of dotted module ``name`` (longest matching entry), ``None`` when no entry covers it."""
+def place_of(name: str, layers=LAYERS) -> tuple[int, int] | None:
+    """``(layer, room)`` of dotted module ``name`` (its longest matching entry and that entry's position in its
+    layer), ``None`` when no entry covers it."""
     best, best_len = None, -1
     for i, entries in enumerate(layers):
-        for entry in entries:
+        for j, entry in enumerate(entries):
             covers = name == entry or (entry != PACKAGE and name.startswith(entry + "."))
             if covers and len(entry) > best_len:
-                best, best_len = i, len(entry)
+                best, best_len = (i, j), len(entry)
     return best
+
+
+def layer_of(name: str, layers=LAYERS) -> int | None:
+    """The layer of dotted module ``name`` (longest matching entry), ``None`` when no entry covers it."""
+    place = place_of(name, layers)
+    return None if place is None else place[0]
 
 
 def _private_owner(full: str) -> str | None:
@@ -159,7 +169,8 @@ def check_tree(root: pathlib.Path, package: str = PACKAGE, layers=LAYERS, pure=P
     problems = []
     for module in modules.values():
         where = module.path.relative_to(root).as_posix()
-        own = layer_of(module.name, layers)
+        own_place = place_of(module.name, layers)
+        own = None if own_place is None else own_place[0]
         if own is None:
             problems.append(f"{where}:1: {module.name} is in no layer (add its package to LAYERS)")
             continue
@@ -175,12 +186,17 @@ def check_tree(root: pathlib.Path, package: str = PACKAGE, layers=LAYERS, pure=P
                                     f"{sorted(pure_allowed)} and {pure_pkg}; imports {imp.target}")
             if not _own(imp.target, package):
                 continue
-            target_layer = layer_of(imp.target, layers)
+            target_place = place_of(imp.target, layers)
+            target_layer = None if target_place is None else target_place[0]
             if target_layer is None:
                 problems.append(f"{at}: {module.name} imports {imp.target}, which is in no layer")
             elif target_layer > own:
                 problems.append(f"{at}: {module.name} (layer {own}) imports {imp.target} (layer {target_layer}): "
                                 "an upward import")
+            elif target_layer == own and target_place[1] > own_place[1]:
+                rooms = layers[own]
+                problems.append(f"{at}: {module.name} (layer {own}, room {rooms[own_place[1]]}) imports {imp.target} "
+                                f"(room {rooms[target_place[1]]}): an upward import within the layer")
             owner = _private_owner(imp.full)
             if owner is not None:
                 owner_pkg = owner if owner not in modules or modules[owner].is_package else modules[owner].package
@@ -284,6 +300,7 @@ def test_layer_table_names_each_package_once():
     assert len(entries) == len(set(entries))
     assert layer_of("flowforge.algorithms.sde") == 0 and layer_of("flowforge.cli.__main__") == 9
     assert layer_of("flowforge") == 0 and layer_of("flowforge.unknown") is None
+    assert place_of("flowforge.rewards.processor") == (2, 3) and place_of("flowforge.rollout.media") == (2, 1)
 
 
 # ------------------------------------------------------------------------------------------------ the checker itself
@@ -362,3 +379,22 @@ def test_checker_finds_an_import_circle(tmp_path):
     assert import_circles(graph) == [["flowforge.train.a", "flowforge.train.b", "flowforge.train.c"]]
     (root / "flowforge" / "train" / "c.py").write_text("X = 2\n")
     assert import_circles(import_graph(root)) == []
+
+
+def test_checker_reports_an_upward_import_within_a_layer(tmp_path):
+    """Rooms: in layer 2, rollout (room 1) may not import rewards (room 3), at module level or inside a function;
+    rewards may import rollout, and both may import the media module below them."""
+    root = _fake_tree(tmp_path, {
+        "__init__.py": "",
+        "media.py": "import torch\n",
+        "rollout/__init__.py": "from flowforge.media import torch\n",
+        "rollout/a.py": "from flowforge.rewards import base\n\n\ndef f():\n    import flowforge.rewards.base\n",
+        "rewards/__init__.py": "",
+        "rewards/base.py": "from flowforge import media\nfrom flowforge.rollout import a\n",
+    })
+    assert check_tree(root) == [
+        "flowforge/rollout/a.py:1: flowforge.rollout.a (layer 2, room flowforge.rollout) imports flowforge.rewards "
+        "(room flowforge.rewards): an upward import within the layer",
+        "flowforge/rollout/a.py:5: flowforge.rollout.a (layer 2, room flowforge.rollout) imports "
+        "flowforge.rewards.base (room flowforge.rewards): an upward import within the layer",
+    ]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from flowforge.cli.common import TRAILING
+from flowforge.cli.errors import error_message, is_user_error
 
 HELP = "validate configs (load + preflight) without loading a model; prints OK or the problems"
 
@@ -48,8 +49,6 @@ def split_configs(paths: list[str]) -> tuple[list[Path], list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowforge.cli import error_message, is_user_error  # the verb table's one-line error rendering
-
     configs, overrides = split_configs(args.paths)
     if not configs:
         raise ValueError("check: name at least one config file (.yaml), then any section.key=value overrides")

@@ -40,9 +40,7 @@ import numpy as np
 import torch
 
 from flowforge.data.paddle import CROP_BOTTOM, CROP_COLS, CROP_TOP, PADDLE_SCREEN_ROWS, paddle_position
-
-ACTIONS = ("NOOP", "LEFT", "RIGHT")
-"""The reduced action set; an action id is an index into it."""
+from flowforge.models.world_model.config import ACTIONS  # the reduced action set the world model is conditioned on
 
 GAME = "breakout"
 GAIN = 2.0

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flowforge.media import to_uint8
 from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -327,7 +328,7 @@ class HunyuanVideo15Adapter(AdapterMixin):
                                "feature_extractor (SiglipImageProcessor)")
         from PIL import Image
 
-        pixels = (images.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+        pixels = to_uint8(images)
         pil = [Image.fromarray(row) for row in pixels.permute(0, 2, 3, 1).cpu().numpy()]
         param = next(self.image_encoder.parameters())
         inputs = self.feature_extractor.preprocess(images=pil, do_resize=True, return_tensors="pt",

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flowforge.media import to_uint8
 from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -385,7 +386,7 @@ class WanAdapter(AdapterMixin):
                                "(CLIPImageProcessor)")
         from PIL import Image
 
-        pixels = (images.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+        pixels = to_uint8(images)
         pil = [Image.fromarray(row) for row in pixels.permute(0, 2, 3, 1).cpu().numpy()]
         device = next(self.image_encoder.parameters()).device
         inputs = self.image_processor(images=pil, return_tensors="pt").to(device)

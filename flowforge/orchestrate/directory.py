@@ -1,5 +1,16 @@
-"""The pipeline directory as flowforge's own: its marker, its place under the shared write rule, and the paths its
-state files record.
+"""The pipeline directory as flowforge's own: the name of every path in it, its marker, its place under the shared
+write rule, and the paths its state files record.
+
+- :class:`PipelineLayout` names every path the pipeline reads or writes (no other module joins path parts of the
+  pipeline directory by hand)::
+
+      <run.output_dir>/<run.name>/
+        pipeline.json  judge.token  conditions.jsonl      the marker, the judge servers' token, the condition ledger
+        summary.json   report.html                        the pipeline's report
+        teacher/ student/  server.log  requests.log       the judge servers the pipeline started
+        A/  judge/ledger.sqlite                           stage A's run directory, its teacher requests
+        B/attempt_<n>/  gate.json  student/               each gate attempt: its verdict, its student
+        C/  audit.jsonl  audit/judge/ledger.sqlite        stage C's run directory, its audits and their requests
 
 - :func:`mark_pipeline_dir` writes ``pipeline.json`` (:data:`~flowforge.runtime.write_guard.PIPELINE_MARKER`) when the
   pipeline claims its directory; from then on the shared write rule (:mod:`flowforge.runtime.write_guard`) refuses
@@ -16,6 +27,7 @@ state files record.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,22 +35,134 @@ from typing import Any
 
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.orchestrate.config import pipeline_dir
-from flowforge.runtime.durable import write_bytes
+from flowforge.orchestrate.servers import TOKEN_FILE
+from flowforge.rewards.judge.client import LEDGER_FILE as JUDGE_LEDGER_FILE
+from flowforge.runtime.durable import step_dir_name, write_bytes
 from flowforge.runtime.errors import UserError
+from flowforge.runtime.run_dir import CHECKPOINTS_DIR
 from flowforge.runtime.write_guard import PIPELINE_MARKER, check_write_target, enclosing, real
 
+CONDITIONS_FILE = "conditions.jsonl"
 GATE_FILE = "gate.json"
+AUDIT_FILE = "audit.jsonl"
+SUMMARY_FILE = "summary.json"
+REPORT_FILE = "report.html"
+ATTEMPT_PREFIX = "attempt_"
 PIPELINE_MARKER_RECORD = {"kind": "flowforge pipeline directory",
                           "note": "written by `flowforge stages`; every file here is the pipeline's own, and flowforge "
                                   "refuses any other writer (data prepare --output, serve judge --request-log, "
                                   "sample --out, export, train)"}
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """Every path of the pipeline directory ``root`` (module docstring), by name. Nothing is created or checked:
+    the properties only name paths."""
+
+    root: Path  # the pipeline directory, run.output_dir / run.name
+
+    @classmethod
+    def of(cls, pcfg: Any) -> PipelineLayout:
+        """The layout of ``pcfg``'s pipeline directory (:func:`flowforge.orchestrate.config.pipeline_dir`)."""
+        return cls(pipeline_dir(pcfg))
+
+    # ---- the pipeline's own files
+    @property
+    def marker(self) -> Path:
+        return self.root / PIPELINE_MARKER
+
+    @property
+    def token(self) -> Path:
+        """The judge servers' bearer token (:func:`~flowforge.orchestrate.servers.pipeline_token`)."""
+        return self.root / TOKEN_FILE
+
+    @property
+    def conditions(self) -> Path:
+        """The condition ledger (:class:`~flowforge.orchestrate.ledger.ConditionLedger`)."""
+        return self.root / CONDITIONS_FILE
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY_FILE
+
+    @property
+    def report(self) -> Path:
+        return self.root / REPORT_FILE
+
+    # ---- stages
+    def stage(self, name: str) -> Path:
+        """The folder of stage ``name``: ``"A"`` / ``"C"`` run directories, ``"B"`` the gate attempts."""
+        return self.root / name
+
+    @property
+    def a_run(self) -> Path:
+        return self.stage("A")
+
+    @property
+    def c_run(self) -> Path:
+        return self.stage("C")
+
+    def a_checkpoint(self, step: int) -> Path:
+        """Stage A's checkpoint of ``step`` (stage C resumes from A's last)."""
+        return self.a_run / CHECKPOINTS_DIR / step_dir_name(step)
+
+    @property
+    def a_judge_ledger(self) -> Path:
+        """Stage A's teacher requests (the judge client's request ledger in A's run directory)."""
+        return self.a_run / JUDGE_LEDGER_FILE
+
+    @property
+    def audit_dir(self) -> Path:
+        """The run directory of stage C's audit judge (the teacher)."""
+        return self.c_run / "audit"
+
+    @property
+    def audit_judge_ledger(self) -> Path:
+        return self.audit_dir / JUDGE_LEDGER_FILE
+
+    @property
+    def audit_log(self) -> Path:
+        """Stage C's audit records, one line per audited step."""
+        return self.c_run / AUDIT_FILE
+
+    def attempt(self, n: int) -> Path:
+        """The folder of gate attempt ``n`` (0, then one per extension of stage A)."""
+        return self.stage("B") / f"{ATTEMPT_PREFIX}{n}"
+
+    def gate_file(self, n: int) -> Path:
+        return self.attempt(n) / GATE_FILE
+
+    def attempt_student(self, n: int) -> Path:
+        """The student gate attempt ``n`` trains (:func:`flowforge.reward_model.train.train_student` writes it)."""
+        return self.attempt(n) / "student"
+
+    def gate_files(self) -> list[Path]:
+        """The gate records present, by attempt number."""
+        found = self.stage("B").glob(f"{ATTEMPT_PREFIX}*/{GATE_FILE}")
+        return sorted(found, key=lambda p: int(p.parent.name.removeprefix(ATTEMPT_PREFIX)))
+
+    # ---- the judge servers the pipeline starts
+    def server_dir(self, name: str) -> Path:
+        """The folder of the ``name`` judge server (``"teacher"``, ``"student"``): its logs."""
+        return self.root / name
+
+    def server_log(self, name: str) -> Path:
+        return self.server_dir(name) / "server.log"
+
+    def request_log(self, name: str) -> Path:
+        return self.server_dir(name) / "requests.log"
+
+    def relative(self, path: Path) -> Path:
+        """``path`` (a path of this layout) relative to the pipeline directory, for messages and links."""
+        return path.relative_to(self.root)
+
+
 def mark_pipeline_dir(directory: Path) -> None:
     """Write the pipeline directory's marker :data:`~flowforge.runtime.write_guard.PIPELINE_MARKER` (atomically)
     when it is missing: a directory made before the marker existed gets it on its next run."""
-    if not (Path(directory) / PIPELINE_MARKER).is_file():
-        write_bytes(Path(directory) / PIPELINE_MARKER, (json.dumps(PIPELINE_MARKER_RECORD, indent=1) + "\n").encode())
+    marker = PipelineLayout(Path(directory)).marker
+    if not marker.is_file():
+        write_bytes(marker, (json.dumps(PIPELINE_MARKER_RECORD, indent=1) + "\n").encode())
 
 
 def check_pipeline_dir(pcfg: Any, inputs: Mapping[str, str | Path] | None = None) -> Path:
@@ -71,13 +195,12 @@ def student_dir(pcfg: Any, record: Mapping[str, Any]) -> Path:
     Raises:
         UserError: the recorded path does not exist in the pipeline directory or lies outside it.
     """
-    directory = pipeline_dir(pcfg)
-    gate = Path("B") / f"attempt_{record['attempt']}" / GATE_FILE
-    own = gate.parent / "student"
-    return recorded_path(directory, record["student"], f"{directory / gate}: student",
-                         f"this pipeline's student of attempt {record['attempt']} is {directory / own}: set "
-                         f"\"student\" to \"{own.as_posix()}\" in that file when it is there, or remove the file to "
-                         "train and gate the student again")
+    layout = PipelineLayout.of(pcfg)
+    gate, own = layout.gate_file(record["attempt"]), layout.attempt_student(record["attempt"])
+    return recorded_path(layout.root, record["student"], f"{gate}: student",
+                         f"this pipeline's student of attempt {record['attempt']} is {own}: set "
+                         f"\"student\" to \"{layout.relative(own).as_posix()}\" in that file when it is there, or "
+                         "remove the file to train and gate the student again")
 
 
 def record_path(directory: str | Path, path: str | Path) -> str:

@@ -46,16 +46,13 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from flowforge.orchestrate.config import pipeline_dir
-from flowforge.orchestrate.directory import record_path
+from flowforge.orchestrate.directory import PipelineLayout, record_path
 from flowforge.report.page import esc, kv_table, note, plain_text, render_page, verdict_block
 from flowforge.report.plots import figure_tag
-from flowforge.report.run import run_headline
+from flowforge.report.run import REPORT_FILE as RUN_REPORT_FILE, run_headline
 from flowforge.orchestrate.ledger import ConditionLedger
 from flowforge.runtime.durable import write_bytes
 
-SUMMARY_FILE = "summary.json"
-REPORT_FILE = "report.html"
 DIAGRAM = """\
  conditions.jsonl: one seeded pass over data.prompts, no epoch
  [ A: budget_A ............ | C: the rest ............................ ]
@@ -112,9 +109,8 @@ def last_eval(run_dir: Path) -> dict[str, float]:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in rows[-1].items()} if rows else {}
 
 
-def _attempts(directory: Path) -> list[dict[str, Any]]:
-    paths = sorted((directory / "B").glob("attempt_*/gate.json"), key=lambda p: int(p.parent.name.split("_")[1]))
-    return [json.loads(p.read_text()) for p in paths]
+def _attempts(layout: PipelineLayout) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in layout.gate_files()]
 
 
 def _plain_headline(run_dir: Path) -> str | None:
@@ -128,29 +124,30 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
     """The pipeline summary (module table) as a JSON-ready dict."""
     from flowforge.orchestrate.stage_trainer import read_audits
 
-    directory = pipeline_dir(pcfg)
+    layout = PipelineLayout.of(pcfg)
     conditions = {c.id for c in ledger.order}
-    a = _ledger_rows(directory / "A" / "judge" / "ledger.sqlite", conditions)
-    audit = _ledger_rows(directory / "C" / "audit" / "judge" / "ledger.sqlite", conditions)
+    a = _ledger_rows(layout.a_judge_ledger, conditions)
+    audit = _ledger_rows(layout.audit_judge_ledger, conditions)
     audit_groups = audit["train_groups"] + audit["eval_groups"]
     c_groups = len(ledger.with_state("trained_on", "C"))
     teacher = {"train_groups": a["train_groups"], "eval_groups": a["eval_groups"], "audit_groups": audit_groups,
                "total_groups": a["train_groups"] + a["eval_groups"] + audit_groups,
                "http_requests": a["http_requests"] + audit["http_requests"],
                "failed_groups": a["failed_groups"] + audit["failed_groups"],
-               "server_log": _server_log(directory / "teacher" / "requests.log")}
-    attempts, audits = _attempts(directory), read_audits(directory / "C")
+               "server_log": _server_log(layout.request_log("teacher"))}
+    attempts, audits = _attempts(layout), read_audits(layout.c_run)
     teacher["max_requests"] = pcfg.teacher.max_requests
     return {
         "status": outcome.status, "reason": outcome.reason,
-        "last_good_checkpoint": record_path(directory, outcome.last_good) if outcome.last_good else None,
+        "last_good_checkpoint": record_path(layout.root, outcome.last_good) if outcome.last_good else None,
         "stages_run": list(outcome.stages_run),
         "ledger": ledger.summary(),
-        "A": {"run_dir": "A", "eval": last_eval(directory / "A"), "headline": _plain_headline(directory / "A")},
+        "A": {"run_dir": layout.relative(layout.a_run).as_posix(), "eval": last_eval(layout.a_run),
+              "headline": _plain_headline(layout.a_run)},
         "B": {"attempts": attempts},
-        "C": {"run_dir": "C", "eval": last_eval(directory / "C"), "audits": audits,
-              "headline": _plain_headline(directory / "C")},
-        "timeline": timeline(directory, attempts),
+        "C": {"run_dir": layout.relative(layout.c_run).as_posix(), "eval": last_eval(layout.c_run), "audits": audits,
+              "headline": _plain_headline(layout.c_run)},
+        "timeline": timeline(layout.root, attempts),
         "agreement": agreement_points(ledger, attempts, audits),
         "teacher": teacher,
         "savings": {"c_groups": c_groups, "teacher_requests_if_A": c_groups, "audit_groups": audit_groups,
@@ -196,13 +193,14 @@ def timeline(directory: Path, attempts: list[dict[str, Any]]) -> list[dict[str, 
     """The stages in the order they ran, each ``{"stage", "start", "end"}`` (POSIX seconds, from the files'
     times: a run directory from its last start to its last log line; a gate attempt, which runs right after
     stage A, from the end of the stage before it to its last file, ``gate.json``), sorted by start."""
+    layout = PipelineLayout(Path(directory))
     rows = []
     for stage in ("A", "C"):
-        span = _run_span(directory / stage)
+        span = _run_span(layout.stage(stage))
         if span is not None:
             rows.append({"stage": stage, "start": span[0], "end": span[1]})
     for record in attempts:
-        folder = directory / "B" / f"attempt_{record['attempt']}"
+        folder = layout.attempt(record["attempt"])
         times = [t for t in (_file_time(p) for p in folder.rglob("*") if p.is_file()) if t]
         if times:
             before = [r["end"] for r in rows if r["end"] <= min(times)]  # the student writes its first file late
@@ -310,14 +308,16 @@ def _duration(seconds: float) -> str:
 def _stage_rows(summary: dict[str, Any], directory: Path) -> list[str]:
     """The stages section: each stage's headline and its link (a link only to a file that exists)."""
     ledger = summary["ledger"]
+    layout = PipelineLayout(Path(directory))
     parts = ['<h2 id="stages">Stages</h2>', "<table><tr><th>stage</th><th>what it did</th><th>headline</th>"
              "<th>details</th></tr>"]
 
     def run_row(stage: str, what: str) -> str:
-        ran = (directory / stage).is_dir()
+        ran = layout.stage(stage).is_dir()
         used = f"{ledger['used'][stage]} of {ledger['budget'][stage]} conditions"
-        head = run_headline(directory / stage) or ("no held-out evaluation logged" if ran else "did not run")
-        link = _link(directory, f"{stage}/report.html", f"{stage}/report.html") if ran else "–"
+        head = run_headline(layout.stage(stage)) or ("no held-out evaluation logged" if ran else "did not run")
+        report = layout.relative(layout.stage(stage) / RUN_REPORT_FILE).as_posix()
+        link = _link(directory, report, report) if ran else "–"
         return f"<tr><td>{stage}</td><td>{esc(what)}; {esc(used)}</td><td>{head}</td><td>{link}</td></tr>"
 
     parts.append(run_row("A", "RL with the teacher judge"))
@@ -328,7 +328,7 @@ def _stage_rows(summary: dict[str, Any], directory: Path) -> list[str]:
         head = esc(f"gate {verdict} · Spearman {_num(test.get('spearman'))}, pairwise accuracy "
                    f"{_num(test.get('pairwise_accuracy'))}, MAE {_num(test.get('mae'))} on "
                    f"{_num(test.get('groups'))} test groups")
-        gate = f"B/attempt_{r['attempt']}/gate.json"
+        gate = layout.relative(layout.gate_file(r["attempt"])).as_posix()
         what = esc(f"student trained on {r.get('groups')} judged groups of A")
         css = "good" if r.get("passed") else "bad"
         parts.append(f'<tr><td>B{r["attempt"]}</td><td>{what}</td><td><span class="{css}">{head}</span></td>'
@@ -356,7 +356,7 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
     facts.append(esc(f"this run: stage{'s' * (len(ran) != 1)} {', '.join(ran)}" if ran else "this run: no stage"))
     for stage in ("A", "C"):
         if summary[stage].get("headline"):
-            facts.append(f"stage {stage}: {run_headline(directory / stage)}")
+            facts.append(f"stage {stage}: {run_headline(PipelineLayout(Path(directory)).stage(stage))}")
     points = summary.get("agreement") or []
     if points:
         last = points[-1]
@@ -429,7 +429,7 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
 def write_pipeline_report(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any]:
     """Write ``summary.json`` and ``report.html`` into the pipeline directory (atomically); the summary."""
     summary = summarize(pcfg, ledger, outcome)
-    directory = pipeline_dir(pcfg)
-    write_bytes(directory / SUMMARY_FILE, json.dumps(summary, indent=1, default=float).encode())
-    write_bytes(directory / REPORT_FILE, _html(summary, pcfg.run.name, directory, pcfg).encode())
+    layout = PipelineLayout.of(pcfg)
+    write_bytes(layout.summary, json.dumps(summary, indent=1, default=float).encode())
+    write_bytes(layout.report, _html(summary, pcfg.run.name, layout.root, pcfg).encode())
     return summary

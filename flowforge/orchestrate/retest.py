@@ -71,7 +71,8 @@ def retest_table(dist: Tensor, same: Tensor, edges: Sequence[float] = BIN_EDGES)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from flowforge.orchestrate.config import load_pipeline, pipeline_dir
+    from flowforge.orchestrate.config import load_pipeline
+    from flowforge.orchestrate.directory import PipelineLayout
     from flowforge.orchestrate.stages import open_ledger
     from flowforge.reward_model.data import read_judged_groups
     from flowforge.rewards.registry import build_scorer
@@ -85,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     pcfg = load_pipeline(args.config, args.overrides)
     ledger = open_ledger(pcfg, writer=False)
     judged = set(ledger.with_state("judged", "A"))
-    source = pipeline_dir(pcfg) / "A" / "judge" / "ledger.sqlite"
+    source = PipelineLayout.of(pcfg).a_judge_ledger
     groups = list({g.condition_id: g for g in read_judged_groups(source, ledger.clusters())
                    if g.condition_id in judged}.values())
     if not groups:

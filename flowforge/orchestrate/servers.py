@@ -22,16 +22,16 @@ from pathlib import Path
 from flowforge.runtime.durable import write_bytes
 
 TOKEN_ENV = "FLOWFORGE_STAGES_TOKEN"
-TOKEN_FILE = "judge.token"
+TOKEN_FILE = "judge.token"  # in the pipeline directory (PipelineLayout.token)
 READY_PREFIX = "serving judge at "
 
 
-def pipeline_token(directory: Path) -> Path:
-    """The token file of the pipeline directory (made with a fresh ``secrets.token_urlsafe(32)`` when missing),
-    exported as :data:`TOKEN_ENV` for this process's judge clients. Returns its path."""
-    path = directory / TOKEN_FILE
+def pipeline_token(path: Path) -> Path:
+    """The pipeline's token file ``path`` (:attr:`flowforge.orchestrate.directory.PipelineLayout.token`, made with a
+    fresh ``secrets.token_urlsafe(32)`` when missing), exported as :data:`TOKEN_ENV` for this process's judge
+    clients. Returns its path."""
     if not path.is_file():
-        directory.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes(path, secrets.token_urlsafe(32).encode())
         path.chmod(0o600)
     os.environ[TOKEN_ENV] = path.read_text().strip()

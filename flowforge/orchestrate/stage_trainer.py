@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from flowforge.orchestrate.directory import AUDIT_FILE
 from flowforge.orchestrate.ledger import ConditionLedger
 from flowforge.reward_model.evaluate import agreement, tie_blocks
 from flowforge.runtime.distributed import (all_gather_objects, all_reduce_processes, broadcast_from_main,
@@ -56,7 +57,6 @@ from flowforge.runtime.durable import fsync_path
 from flowforge.runtime.errors import UserError
 from flowforge.train.trainer import StepBatch, Trainer
 
-AUDIT_FILE = "audit.jsonl"
 log = logging.getLogger("flowforge")
 
 

@@ -2,7 +2,8 @@
 
 ::
 
-    <pipeline>/                      run.output_dir / run.name of the pipeline config
+    <pipeline>/                      run.output_dir / run.name of the pipeline config (every path below is named
+                                     by flowforge.orchestrate.directory.PipelineLayout)
       pipeline.json                  the marker that makes it a pipeline directory: only the pipeline writes here
                                      (the shared write rule, flowforge.runtime.write_guard)
       conditions.jsonl               the condition ledger: one seeded pass, budgets, extensions, states
@@ -62,15 +63,16 @@ from typing import Any
 
 from flowforge.data.prompts import load_prompts
 from flowforge.demo.paths import resolve_demo_path
-from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, judge_options, pipeline_dir, stage_config
-from flowforge.orchestrate.directory import GATE_FILE, check_pipeline_dir, mark_pipeline_dir, record_path, student_dir
+from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, judge_options, stage_config
+from flowforge.orchestrate.directory import (PipelineLayout, check_pipeline_dir, mark_pipeline_dir, record_path,
+                                            student_dir)
 from flowforge.orchestrate.ledger import ConditionLedger, conditions_from_records
 from flowforge.orchestrate.plan import prompts_per_step, stage_steps
 from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
 from flowforge.rewards.judge.ledger import BudgetExhausted
 from flowforge.runtime import distributed as dist_lib
 from flowforge.runtime.distributed import broadcast_from_main
-from flowforge.runtime.durable import step_dir_name, write_bytes
+from flowforge.runtime.durable import write_bytes
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
 from flowforge.settings.schema import flatten, parse_overrides
@@ -78,7 +80,6 @@ from flowforge.train.checkpoint import committed_checkpoints, step_of
 
 log = logging.getLogger("flowforge")
 
-LEDGER_FILE = "conditions.jsonl"
 STAGES = ("A", "B", "C")
 RANK_WAIT_S = 6 * 3600.0
 """Under torchrun: how long a rank waits in a collective for the others (stage B trains on rank 0 meanwhile)."""
@@ -140,7 +141,7 @@ def open_ledger(pcfg: Any, *, writer: bool = True) -> ConditionLedger:
     """
     records = load_prompts(resolve_demo_path(pcfg.data.prompts))
     s = pcfg.stages
-    return ConditionLedger(pipeline_dir(pcfg) / LEDGER_FILE, conditions_from_records(records), seed=s.seed,
+    return ConditionLedger(PipelineLayout.of(pcfg).conditions, conditions_from_records(records), seed=s.seed,
                            n_a=s.n_a, extend_delta=s.extend_delta, extend_cap=s.extend_cap or None, writer=writer)
 
 
@@ -166,11 +167,11 @@ class Endpoints:
     """The judge endpoints of one invocation: the teacher (``teacher.url``, or a server started on first use) and
     the student's server; every started server is stopped by :meth:`close`."""
 
-    def __init__(self, pcfg: Any, directory: Path) -> None:
-        self.pcfg, self.directory = pcfg, directory
+    def __init__(self, pcfg: Any, layout: PipelineLayout) -> None:
+        self.pcfg, self.layout = pcfg, layout
         self.stack = contextlib.ExitStack()
         self._teacher: dict[str, Any] | None = None
-        self.token_file = pipeline_token(directory)
+        self.token_file = pipeline_token(layout.token)
 
     def teacher(self) -> dict[str, Any]:
         """``reward.options.vlm_judge`` for the teacher (under torchrun a collective: rank 0 starts the server,
@@ -195,11 +196,10 @@ class Endpoints:
         return {**judge_options(self.pcfg, base_url=api_root, model="student", api_key_env=TOKEN_ENV), "paid": False}
 
     def _start(self, backend: list[str], model: str, name: str, *, request_log: bool) -> JudgeServer:
-        where = self.directory / name
         log.info("starting the %s judge server (%s)", name, " ".join(backend))
         server = JudgeServer(backend, token_file=self.token_file, model_name=model, num_threads=1,
-                             request_log=where / "requests.log" if request_log else None,
-                             log_file=where / "server.log")
+                             request_log=self.layout.request_log(name) if request_log else None,
+                             log_file=self.layout.server_log(name))
         self.stack.callback(server.stop)
         log.info("%s judge at %s", name, server.api_root)
         return server
@@ -212,17 +212,17 @@ class Endpoints:
 def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, progress: bool = True) -> Path:
     """Train stage A up to its current budget (nothing when its last checkpoint is already there)."""
     from flowforge.orchestrate.stage_trainer import StageTrainer
-    from flowforge.report.run import write_report
+    from flowforge.report.run import REPORT_FILE as RUN_REPORT_FILE, write_report
 
     steps = a_steps(pcfg, ledger)
-    run_dir = pipeline_dir(pcfg) / "A"
+    run_dir = PipelineLayout.of(pcfg).a_run
     if on_main(lambda: newest_step(run_dir) == steps):
         if not ledger.with_state("judged", "A"):  # finished by a version that trained on with a silent teacher
             raise UserError("stage A", f"{run_dir} finished without a single judged group (the teacher was "
                                        "unreachable or gave no marks throughout)",
                             f"move it aside (mv {run_dir} {run_dir}.unjudged) and rerun the same command: stage A "
                             "runs again on the same conditions (the condition ledger replays its steps)")
-        if is_main() and not (run_dir / "report.html").is_file():
+        if is_main() and not (run_dir / RUN_REPORT_FILE).is_file():
             write_report(run_dir)
         return run_dir
     teacher = {**endpoints.teacher(), "max_billed": pcfg.teacher.max_requests}  # A spends first: the whole budget
@@ -249,7 +249,7 @@ def teacher_billed(pcfg: Any) -> int:
     """Billed teacher requests of stage A so far (its request ledger; 0 before A)."""
     from flowforge.rewards.judge.ledger import RequestLedger
 
-    path = pipeline_dir(pcfg) / "A" / "judge" / "ledger.sqlite"
+    path = PipelineLayout.of(pcfg).a_judge_ledger
     if not path.is_file():
         return 0
     book = RequestLedger(path)
@@ -273,11 +273,12 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     from flowforge.reward_model.train import train_student
 
     attempt = len(ledger.extensions)
-    out = pipeline_dir(pcfg) / "B" / f"attempt_{attempt}"
-    if (out / GATE_FILE).is_file():
-        return json.loads((out / GATE_FILE).read_text())
+    layout = PipelineLayout.of(pcfg)
+    out, gate = layout.attempt(attempt), layout.gate_file(attempt)
+    if gate.is_file():
+        return json.loads(gate.read_text())
     judged = set(ledger.with_state("judged", "A"))
-    source = pipeline_dir(pcfg) / "A" / "judge" / "ledger.sqlite"
+    source = layout.a_judge_ledger
     if not judged or not source.is_file():
         raise ValueError(f"stage B needs stage A's judged groups ({source}); run stage A first")
     by_condition = {g.condition_id: g for g in read_judged_groups(source, ledger.clusters())
@@ -293,14 +294,14 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     # judged on the test split only: validation chose the epoch (train_student), test selects nothing
     verdict = gate_on_test(load_student(result.student_dir, device=s.device), splits["test"], s.gate)
     passed, reasons = verdict["passed"], verdict["reasons"]
-    record = {"attempt": attempt, "student": record_path(pipeline_dir(pcfg), result.student_dir),
+    record = {"attempt": attempt, "student": record_path(layout.root, result.student_dir),
               "groups": len(groups),
               "split_sizes": result.split_sizes, "best_epoch": result.best_epoch, "val": result.val,
               "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"],
               "probes": verdict["probes"], "passed": passed,
               "reasons": reasons,
               "budget_a": ledger.budget("A")}
-    write_bytes(out / GATE_FILE, json.dumps(record, indent=1, default=float).encode())
+    write_bytes(gate, json.dumps(record, indent=1, default=float).encode())
     return record
 
 
@@ -315,16 +316,16 @@ def last_good_checkpoint(pcfg: Any, ledger: ConditionLedger, audits: list[dict[s
     passed = [a["step"] for a in audits if a["passed"] and a["step"] < suspect]
     start = a_steps(pcfg, ledger)
     bound = max(passed) if passed else start
-    directory = pipeline_dir(pcfg)
-    good = [p for p in committed_checkpoints(directory / "C") if start < step_of(p) <= bound]
-    return str(good[-1] if good else directory / "A" / "checkpoints" / step_dir_name(start))
+    layout = PipelineLayout.of(pcfg)
+    good = [p for p in committed_checkpoints(layout.c_run) if start < step_of(p) <= bound]
+    return str(good[-1] if good else layout.a_checkpoint(start))
 
 
 def audit_outcome(pcfg: Any, ledger: ConditionLedger) -> Outcome | None:
     """The audit stop recorded in ``C/audit.jsonl``, or None."""
     from flowforge.orchestrate.stage_trainer import read_audits
 
-    audits = read_audits(pipeline_dir(pcfg) / "C")
+    audits = read_audits(PipelineLayout.of(pcfg).c_run)
     failed = [a for a in audits if a["passed"] is False]  # None: a pooled audit still pending, no verdict
     if not failed:
         return None
@@ -359,12 +360,12 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
     if stopped is not None:
         return stopped
     start, steps = a_steps(pcfg, ledger), c_steps(pcfg, ledger)
-    directory = pipeline_dir(pcfg)
-    run_dir = directory / "C"
+    layout = PipelineLayout.of(pcfg)
+    run_dir = layout.c_run
     newest = on_main(lambda: newest_step(run_dir))
     if steps == 0 or newest == start + steps:
         return Outcome("done", "" if steps else "the pass has no conditions left for stage C")
-    a_last = directory / "A" / "checkpoints" / step_dir_name(start)
+    a_last = layout.a_checkpoint(start)
     resume = "auto" if newest > start else str(a_last)
     reward, name = _student_reward(pcfg, endpoints, student_dir)
     cfg = stage_config(pcfg, "C", steps=start + steps, reward=reward, resume=resume)
@@ -375,7 +376,7 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
         if budget and left <= 0:
             return Outcome("budget_exhausted", f"teacher.max_requests={budget} was spent by stage A; stage C's "
                                                "audits cannot be paid")
-        teacher = build_scorer(JUDGE, run_dir=run_dir / "audit", **endpoints.teacher(),
+        teacher = build_scorer(JUDGE, run_dir=layout.audit_dir, **endpoints.teacher(),
                                max_billed=left if budget else 0)
         auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=prompts_per_step(pcfg, "C"),
                           run_dir=run_dir)
@@ -402,7 +403,7 @@ def _a_and_b(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, stage: st
             ran.append("A")
             if stage == "A":
                 return None, Outcome("partial", "ran stage A only: run --stage B, then --stage C")
-        elif on_main(lambda: newest_step(pipeline_dir(pcfg) / "A")) != a_steps(pcfg, ledger):
+        elif on_main(lambda: newest_step(PipelineLayout.of(pcfg).a_run)) != a_steps(pcfg, ledger):
             raise ValueError(f"stage {stage} needs stage A finished ({a_steps(pcfg, ledger)} steps); run "
                              "`flowforge stages CONFIG --stage A` (or without --stage) first")
         record = on_main(lambda: run_stage_b(pcfg, ledger))  # the student trains on rank 0 (one writer)
@@ -437,7 +438,8 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
     if stage is not None and stage not in STAGES:
         raise ValueError(f"--stage must be one of {list(STAGES)}, got {stage!r}")
     dist_lib.init(pcfg.run.device, timeout_s=RANK_WAIT_S)  # torchrun: the group A and C train in (no-op alone)
-    directory = pipeline_dir(pcfg)
+    layout = PipelineLayout.of(pcfg)
+    directory = layout.root
     lock = RunLock(directory)
 
     def claim() -> None:  # rank 0: the write rule, the lock, the marker, the token and the ledger's file
@@ -445,13 +447,13 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
         directory.mkdir(parents=True, exist_ok=True)
         lock.acquire()
         mark_pipeline_dir(directory)
-        pipeline_token(directory)
+        pipeline_token(layout.token)
         open_ledger(pcfg)
 
     endpoints = None
     try:
         on_main(claim)
-        endpoints = Endpoints(pcfg, directory)
+        endpoints = Endpoints(pcfg, layout)
         ledger = open_ledger(pcfg, writer=is_main())
         record, outcome, ran = None, None, []
         try:
@@ -479,7 +481,7 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
 
 
 def _passed_gate(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
-    path = pipeline_dir(pcfg) / "B" / f"attempt_{len(ledger.extensions)}" / GATE_FILE
+    path = PipelineLayout.of(pcfg).gate_file(len(ledger.extensions))
     record = json.loads(path.read_text()) if path.is_file() else None
     if record is None or not record["passed"]:
         raise ValueError(f"stage C needs a student that passed the quality gate ({path}); run stage B first")

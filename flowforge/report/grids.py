@@ -42,8 +42,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from flowforge.rewards.base import AudioBatch
-from flowforge.rollout import video_frames
+from flowforge.media import AudioBatch, video_frames
 from flowforge.runtime.durable import atomic_write
 
 GRID_NROW, GRID_SCALE, GRID_PADDING = 10, 2, 2

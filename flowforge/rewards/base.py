@@ -31,12 +31,12 @@ not computed here (see ``flowforge.algorithms.advantages``). Where scoring sits 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-import torch
 from torch import Tensor
+
+from flowforge.media import AudioBatch  # noqa: F401 - the scorer protocol's audio type, imported from here too
 
 
 @runtime_checkable
@@ -106,46 +106,6 @@ def takes_audio(scorer: Any) -> bool:
     """Whether ``scorer`` declares ``takes_audio = True``: it is called with ``audio=AudioBatch`` (the waveform and
     sample rate of each sample) besides the whole videos."""
     return bool(getattr(scorer, "takes_audio", False))
-
-
-@dataclasses.dataclass(frozen=True)
-class AudioBatch:
-    """The generated sound of a batch: ``waveform [B, C, T]`` float (about [-1, 1]) at ``sample_rate`` Hz, row ``i``
-    the sound of media row ``i``.
-
-    Raises:
-        ValueError: ``waveform`` not a floating ``[B, C, T]`` tensor; ``sample_rate`` not an int > 0.
-    """
-
-    waveform: Tensor
-    sample_rate: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.waveform, Tensor) or self.waveform.ndim != 3 or not self.waveform.is_floating_point():
-            shape = tuple(self.waveform.shape) if isinstance(self.waveform, Tensor) else type(self.waveform).__name__
-            raise ValueError(f"audio waveform must be a floating [B, C, T] tensor, got {shape}")
-        if isinstance(self.sample_rate, bool) or not isinstance(self.sample_rate, int) or self.sample_rate <= 0:
-            raise ValueError(f"audio sample_rate must be an int > 0, got {self.sample_rate!r}")
-
-    def __len__(self) -> int:
-        return int(self.waveform.shape[0])
-
-    def index(self, idx: Tensor | Sequence[int]) -> AudioBatch:
-        """Rows ``idx`` (int tensor or list) of the batch."""
-        idx = torch.as_tensor(idx, dtype=torch.long).to(self.waveform.device)
-        return AudioBatch(self.waveform.index_select(0, idx), self.sample_rate)
-
-    @staticmethod
-    def cat(items: Sequence[AudioBatch]) -> AudioBatch:
-        """Concatenate batches of one sample rate and clip length along the batch.
-
-        Raises:
-            ValueError: no items, or different sample rates.
-        """
-        items = list(items)
-        if not items or len({a.sample_rate for a in items}) != 1:
-            raise ValueError(f"AudioBatch.cat needs batches of one sample rate, got {[a.sample_rate for a in items]}")
-        return AudioBatch(torch.cat([a.waveform for a in items]), items[0].sample_rate)
 
 
 def check_media_batch(media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> int:

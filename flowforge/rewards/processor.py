@@ -55,8 +55,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import (AudioBatch, RewardScorer, check_batch_size, check_media_batch, is_paid,
-                                    scorer_reads, takes_audio, takes_latents, takes_video)
+from flowforge.media import AudioBatch, video_frames
+from flowforge.rewards.base import (RewardScorer, check_batch_size, check_media_batch, is_paid, scorer_reads,
+                                    takes_audio, takes_latents, takes_video)
 from flowforge.rewards.groups import (call_scorer, clear_error, local_chunks, score_groups_across_ranks,
                                       score_local)
 from flowforge.runtime.distributed import DistInfo
@@ -156,8 +157,6 @@ class RewardProcessor:
         if takes_audio(scorer):
             return self._score_with_audio(name, scorer, media, prompts, metadata, group_ids, audio)
         if media.ndim == 5 and not takes_video(scorer) and not takes_latents(scorer):
-            from flowforge.rollout.media import video_frames
-
             f = media.shape[2]
             scores, flags, groups = self.score_component(name, scorer, video_frames(media),
                                                 [p for p in prompts for _ in range(f)],

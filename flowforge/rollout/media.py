@@ -3,8 +3,10 @@
 A rollout ends in clean latents ``x_0`` (``Trajectory.final``); scorers, sample grids and sidecars take media in
 ``[0, 1]``. :func:`decode_media` is the one place that conversion happens, in chunks so a large step never decodes
 its whole batch at once; :func:`decode_needed` calls it (and :func:`decode_audio`) only when something reads its
-result, so a step whose reward scorers all read latents (``takes_latents``) runs no VAE decode at all;
-:func:`video_frames` lays a video batch out as images for per-frame scorers and grids.
+result, so a step whose reward scorers all read latents (``takes_latents``) runs no VAE decode at all (the wire
+form's decoding is another thing: :func:`flowforge.rewards.wire.decode_wire_media`). The media types themselves
+(:func:`~flowforge.media.video_frames`, :class:`~flowforge.media.AudioBatch`) live in :mod:`flowforge.media`, below
+both the rollout and the reward scorers.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from collections.abc import Collection
 
 import torch
 
+from flowforge.media import AudioBatch
 from flowforge.models.base import AudioDecoding, FlowModel
-from flowforge.rewards.base import AudioBatch
 
 
 @torch.no_grad()
@@ -73,7 +75,3 @@ def decode_needed(adapter: FlowModel, latents: torch.Tensor, batch_size: int,
     audio = decode_audio(adapter, latents, batch_size) if "audio" in needs else None
     return media, audio
 
-
-def video_frames(video: torch.Tensor) -> torch.Tensor:
-    """``[B, 3, F, H, W]`` -> ``[B * F, 3, H, W]``, the frames of each video consecutive."""
-    return video.permute(0, 2, 1, 3, 4).flatten(0, 1)

@@ -13,7 +13,7 @@ no path, no option values, no scores).
 
     {"prompts": [str] * B,
      "metadata": [object] * B,              optional, default {} each
-     "media": [media item] * B,             flowforge.rewards.media: png / jpeg / float32 images, or {"frames": [...]}
+     "media": [media item] * B,             flowforge.rewards.wire: png / jpeg / float32 images, or {"frames": [...]}
      "components": [str]}                   optional, default: every hosted scorer
 
 -> ``{"scores": {name: [float | null] * B}}``: the scorer's float32 scores as JSON numbers (the shortest decimal
@@ -42,8 +42,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from flowforge.media import video_frames
 from flowforge.rewards.base import RewardScorer, takes_latents
-from flowforge.rewards.media import decode_media
+from flowforge.rewards.wire import decode_wire_media
 from flowforge.serve.common import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_PIXELS, NO_DOCS, PixelBudget,
                                     b64_image_pixels, guard_app)
 
@@ -132,7 +133,7 @@ def _score_one(name: str, scorer: RewardScorer, media: torch.Tensor, prompts: li
     scorer rejects and ``RuntimeError`` for any other failure."""
     frames = media.shape[2] if media.dim() == 5 else 1
     if media.dim() == 5:
-        media = media.permute(0, 2, 1, 3, 4).flatten(0, 1)
+        media = video_frames(media)
         prompts = [p for p in prompts for _ in range(frames)]
         metadata = [m for m in metadata for _ in range(frames)]
     try:
@@ -212,7 +213,7 @@ def build_app(scorers: Mapping[str, RewardScorer], token: str | None, *, max_bat
             raise HTTPException(422, f"unknown components {unknown}; this server hosts {sorted(scorers)}")
         try:
             with budget.hold(request_pixels(request.media)):  # 413 over the budget; waits while others decode
-                media = decode_media([item.model_dump(exclude_none=True) for item in request.media],
+                media = decode_wire_media([item.model_dump(exclude_none=True) for item in request.media],
                                      max_pixels=max_pixels, max_frames=max_frames).to(device)
                 with lock:
                         return ScoreResponse(scores={n: _score_one(n, scorers[n], media, request.prompts, metadata)

@@ -77,6 +77,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from flowforge.media import to_uint8
 from flowforge.rollout import Trajectory
 from flowforge.runtime.durable import (atomic_write, fsync_path, is_tmp, only_layout_files, remove_marked_dir,
                                        step_dir_name, step_dirs)
@@ -145,7 +146,7 @@ def read_group(path: str | Path) -> dict:
 # ------------------------------------------------------------------------------------------------ writing
 def _to_png(image: Tensor) -> Image.Image:
     """``[3, H, W]`` (or ``[1, H, W]``) in [0, 1] → an 8-bit PIL image."""
-    pixels = (image.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+    pixels = to_uint8(image).cpu()
     arr = np.ascontiguousarray(pixels.permute(1, 2, 0).numpy())
     return Image.fromarray(arr[:, :, 0], mode="L") if arr.shape[2] == 1 else Image.fromarray(arr, mode="RGB")
 

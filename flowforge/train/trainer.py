@@ -10,14 +10,12 @@
         metrics = optimize(traj, adv)          # 5 optimize   the objective's updates
         finish_step(step, ...)                 # 6 log / eval / checkpoint
 
-Rows are put in a seeded training order *before* the rollout, and the rollout is chunked exactly like the training
-micro-batches, so replaying the first update runs the same computations as the rollout (ratio exactly 1).
+Rows are put in a seeded training order *before* the rollout, chunked exactly like the training micro-batches, so
+replaying the first update runs the same computations as the rollout (ratio exactly 1).
 
-Everything else lives beside the loop: the run directory's lifecycle in
-:class:`~flowforge.train.run_lifecycle.RunDirectory` (checked, claimed, accepted, abandoned, released), save /
-resume in :class:`~flowforge.train.checkpoint.manager.CheckpointManager`
-(over the Stateful policy bank, prompt sampler and :class:`~flowforge.train.checkpoint.manager.TrainerState`), the
-decode of latents into media at the rollout boundary (:func:`flowforge.rollout.decode_needed`: what is read only).
+Beside the loop: the run directory's lifecycle (:class:`~flowforge.train.run_lifecycle.RunDirectory`), save /
+resume (:class:`~flowforge.train.checkpoint.manager.CheckpointManager`), the decode at the rollout boundary
+(:func:`flowforge.rollout.decode_needed`: only what is read).
 """
 
 from __future__ import annotations

@@ -15,141 +15,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli.harness import EXAMPLE, PIPELINE, WORLD_EXAMPLE, assert_one_line_error, assert_usage_error, run_cli
 from tests.tools.test_export import _refresh_manifest, tree_digest
-
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = str(REPO / "examples" / "digits" / "grpo.yaml")
-PIPELINE = str(REPO / "examples" / "stages" / "digits.yaml")
-WORLD_EXAMPLE = str(REPO / "examples" / "worldmodel" / "nft.yaml")
-
-
-def run_cli(args, cwd, env=None, in_process=False):
-    """Run ``python -m flowforge.cli ARGS`` in ``cwd``; returns ``(exit status, stdout, stderr)``. The child gets
-    ``HF_HUB_OFFLINE=1``, ``HF_HUB_DISABLE_PROGRESS_BARS=1`` (the bars of the libraries that load models) and no
-    ``FLOWFORGE_DEBUG`` unless ``env`` sets them.
-
-    ``in_process=True`` calls :func:`flowforge.cli.main` in this process instead (no interpreter start-up, torch
-    already imported: for long catalogues); an exception escaping ``main`` is returned as exit 1 with its traceback
-    on stderr, exactly what the process would print. Log records go to pytest's handlers, not to the stderr text.
-    """
-    if in_process:
-        return _run_in_process([str(a) for a in args], cwd, env or {})
-    child_env = {k: v for k, v in os.environ.items() if k != "FLOWFORGE_DEBUG"}
-    # no Hugging Face progress bars (transformers draws one while loading the text encoder): stderr holds only
-    # what flowforge says
-    child_env.update({"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})})
-    proc = subprocess.run([sys.executable, "-m", "flowforge.cli", *map(str, args)], cwd=cwd, env=child_env,
-                          capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout, proc.stderr
-
-
-def _run_in_process(args, cwd, env):
-    """:func:`flowforge.cli.main` in this process, seen as a fresh process would see it: no logging handlers on the
-    root logger (pytest's are set aside, so ``main``'s own ``basicConfig`` writes to the captured stderr, as it would
-    to the real one), Python's default warning filters printing to that stderr, no Hugging Face progress bars (as
-    ``HF_HUB_DISABLE_PROGRESS_BARS=1`` gives the child), cwd and environment as given; all restored afterwards (the
-    torch thread count too)."""
-    import contextlib
-    import io
-    import logging
-    import traceback
-    import warnings
-
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-    from transformers.utils import logging as transformers_logging
-
-    from flowforge.cli import main
-
-    import torch
-
-    out, err = io.StringIO(), io.StringIO()
-    saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
-    root = logging.getLogger()
-    saved_handlers, saved_level = root.handlers[:], root.level
-    bars_were_off = are_progress_bars_disabled()
-    transformers_bars_on = transformers_logging.is_progress_bar_enabled()  # read from the environment at import
-    os.environ.pop("FLOWFORGE_DEBUG", None)
-    os.environ.update({"HF_HUB_DISABLE_PROGRESS_BARS": "1", **env})
-    os.chdir(cwd)
-    root.handlers.clear()
-    root.setLevel(logging.WARNING)
-    disable_progress_bars()
-    transformers_logging.disable_progress_bar()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            warnings.resetwarnings()  # CPython's default filters (what a child process starts with)
-            for action, category in (("ignore", DeprecationWarning), ("ignore", PendingDeprecationWarning),
-                                     ("ignore", ImportWarning), ("ignore", ResourceWarning)):
-                warnings.simplefilter(action, category)
-            warnings.showwarning = _print_warning
-            try:
-                rc = main(args)
-            except SystemExit as exc:  # argparse
-                rc = exc.code if isinstance(exc.code, int) else 1
-            except Exception:  # noqa: BLE001 - what the interpreter would print for an escaping exception
-                traceback.print_exc()
-                rc = 1
-    finally:
-        torch.set_num_threads(saved_threads)  # a config's run.num_threads must not carry over to the next call
-        for handler in root.handlers[:]:  # what main's basicConfig added
-            root.removeHandler(handler)
-        root.handlers[:] = saved_handlers
-        root.setLevel(saved_level)
-        if not bars_were_off:
-            enable_progress_bars()
-        if transformers_bars_on:
-            transformers_logging.enable_progress_bar()
-        os.chdir(saved_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
-    return rc, out.getvalue(), err.getvalue()
-
-
-def _print_warning(message, category, filename, lineno, file=None, line=None):
-    """The interpreter's own warning printer, writing to the (captured) ``sys.stderr`` of the moment."""
-    import warnings
-
-    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-
-PROGRESS_LINE = re.compile(r"INFO flowforge(\.[\w.]+)?: ")
-"""A start-up progress line of flowforge's own logger (``INFO flowforge: loading model ...``): the only kind of line
-that may precede the error (it says which stage failed); warnings, library noise and tracebacks may not."""
-
-
-def assert_one_line_error(rc, stderr, must_mention=()):
-    """Exit 2; stderr holds exactly one error, a single line starting ``error: ``, last, holding every string of
-    ``must_mention`` (the field or file at fault); no traceback, and nothing else but flowforge's INFO progress
-    lines before it (:data:`PROGRESS_LINE`)."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert "Traceback" not in stderr, stderr
-    assert rc == 2, (rc, stderr)
-    assert lines and lines[-1].startswith("error: "), stderr
-    assert all(PROGRESS_LINE.match(line) for line in lines[:-1]), stderr
-    for text in [must_mention] if isinstance(must_mention, str) else must_mention:
-        assert text in lines[-1], (text, lines[-1])
-
-
-def test_the_one_line_rule_admits_only_progress_lines_before_the_error():
-    assert_one_line_error(2, "INFO flowforge: loading model m (sd3) ...\nerror: bad m\n", ["m"])
-    for stderr in ("WARNING flowforge: odd\nerror: bad\n", "error: one\nerror: two\n", "INFO httpx: GET\nerror: x\n",
-                   "error: bad\nINFO flowforge: after\n", "Traceback (most recent call last):\nerror: x\n", ""):
-        with pytest.raises(AssertionError):
-            assert_one_line_error(2, stderr)
-
-def assert_usage_error(rc, stderr, must_mention=()):
-    """argparse misuse: exit 2, a usage line and ``flowforge ...: error: ...`` last, no traceback."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert rc == 2 and "Traceback" not in stderr, (rc, stderr)
-    assert lines[0].startswith("usage: flowforge") and ": error: " in lines[-1], stderr
-    for text in [must_mention] if isinstance(must_mention, str) else must_mention:
-        assert text in lines[-1], (text, lines[-1])
 
 
 def _prompt_rows(n, start=0):
@@ -521,79 +392,6 @@ def test_a_good_command_still_exits_zero(places):
     assert rc == 0 and "train:" in stdout and stdout.endswith(f"OK: {EXAMPLE}\n")
 
 
-# ------------------------------------------------------------------------------------------------ in process
-def test_internal_error_is_one_line_exit_1_and_debug_raises(monkeypatch, capsys):
-    from flowforge import cli
-
-    def boom(args):
-        raise RuntimeError("boom\nsecond line")
-
-    monkeypatch.setattr(cli.check, "run", boom)
-    monkeypatch.delenv("FLOWFORGE_DEBUG", raising=False)
-    assert cli.main(["check", EXAMPLE]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err == "error: internal error: RuntimeError: boom; second line (rerun with --debug for the traceback)"
-    with pytest.raises(RuntimeError, match="boom"):
-        cli.main(["--debug", "check", EXAMPLE])
-    monkeypatch.setenv("FLOWFORGE_DEBUG", "1")
-    with pytest.raises(RuntimeError, match="boom"):
-        cli.main(["check", EXAMPLE])
-
-
-@pytest.mark.parametrize("exc", [KeyError("lora"), TypeError("bad"), AttributeError("x")])
-def test_other_exceptions_are_internal_errors(monkeypatch, capsys, exc):
-    from flowforge import cli
-
-    def raise_it(args):
-        raise exc
-
-    monkeypatch.setattr(cli.check, "run", raise_it)
-    monkeypatch.delenv("FLOWFORGE_DEBUG", raising=False)
-    assert cli.main(["check", EXAMPLE]) == 1
-    assert capsys.readouterr().err.startswith(f"error: internal error: {type(exc).__name__}")
-
-
-def test_user_error_prints_what_why_fix(monkeypatch, capsys):
-    from flowforge import cli
-    from flowforge.runtime.errors import UserError
-
-    def raise_it(args):
-        raise UserError("lora.rank", "must be >= 1, got 0", "set lora.rank=4")
-
-    monkeypatch.setattr(cli.check, "run", raise_it)
-    monkeypatch.delenv("FLOWFORGE_DEBUG", raising=False)
-    assert cli.main(["check", EXAMPLE]) == 2
-    assert capsys.readouterr().err == "error: lora.rank: must be >= 1, got 0; set lora.rank=4\n"
-
-
-def test_user_error_parts_pickle_and_file_error():
-    import json
-    import pickle
-
-    from flowforge.runtime.errors import UserError, file_error, one_line
-
-    e = pickle.loads(pickle.dumps(UserError("a.json", "is garbage", "restore it")))
-    assert (e.what, e.why, e.fix, str(e)) == ("a.json", "is garbage", "restore it", "a.json: is garbage; restore it")
-    assert isinstance(e, ValueError) and str(UserError("x", "bad")) == "x: bad"
-    with pytest.raises(json.JSONDecodeError) as info:
-        json.loads("}")
-    assert str(file_error("t.json", info.value, "fix")) == "t.json: is not valid JSON (Expecting value at line 1 " \
-                                                           "column 1); fix"
-    loop = OSError(40, "Too many levels of symbolic links", "p.jsonl")
-    assert str(file_error("p.jsonl", loop)) == "p.jsonl: cannot be read (Too many levels of symbolic links)"
-    assert one_line("invalid config (2 problems):\n  - a\n  - b") == "invalid config (2 problems): a; b"
-
-
-def test_os_error_names_its_file(monkeypatch, capsys):
-    from flowforge import cli
-
-    def raise_it(args):
-        raise PermissionError(13, "Permission denied", "/root/out")
-
-    monkeypatch.setattr(cli.check, "run", raise_it)
-    monkeypatch.delenv("FLOWFORGE_DEBUG", raising=False)
-    assert cli.main(["check", EXAMPLE]) == 2
-    assert capsys.readouterr().err == "error: /root/out: Permission denied; check the path and its permissions\n"
 
 
 def _without_durations(text: str) -> str:
@@ -632,7 +430,7 @@ def test_in_process_harness_agrees_on_a_usage_error(places):
 
 def test_overrides_after_an_option_are_overrides(places):
     """Issue 24: ``stages CFG --no-progress run.name=x`` (and every config verb) takes overrides after options."""
-    from flowforge.cli import _parser
+    from flowforge.cli.dispatch import _parser
 
     rc, _, stderr = run_cli(["stages", "{tmp}/missing.yaml".format(**places), "--no-progress", "run.name=x"],
                             places["cwd"], in_process=True)

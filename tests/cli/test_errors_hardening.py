@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_errors import EXAMPLE, assert_one_line_error, run_cli
+from tests.cli.harness import EXAMPLE, assert_one_line_error, run_cli
 from tests.runtime.lock_holder import lock_holder
 from tests.tools.test_export import tree_digest
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.cli.test_errors import assert_one_line_error, run_cli
+from tests.cli.harness import assert_one_line_error, run_cli
 from tests.tools.test_export import _refresh_manifest, tree_digest
 
 

@@ -93,7 +93,7 @@ def test_check_and_stages_refuse_a_bad_pipeline_in_one_line(tmp_path, capsys):
 def test_one_bad_key_of_a_pipeline_is_one_problem(tmp_path, change, must_mention):
     """Issue 24: an unknown key in the stages section also reported 'stages.n_a=0 must be >= 1' (the section was
     rebuilt from its defaults); a value of the wrong type reported its default's problem too. One problem each."""
-    from tests.cli.test_errors import assert_one_line_error, run_cli
+    from tests.cli.harness import assert_one_line_error, run_cli
 
     path = _bad(tmp_path, **change)
     for verb in ("check", "stages"):
@@ -130,7 +130,7 @@ def test_a_missing_student_init_is_found_before_stage_a(tmp_path):
 def test_stage_overrides_may_not_change_what_the_pipeline_owns(tmp_path, override, owned):
     """Issue 42: an override of the teacher's options, the reward weights or train.resume passed `check` and took
     effect. Refused by load (check and stages alike) in one line naming the override, why, and what may change."""
-    from tests.cli.test_errors import assert_one_line_error, run_cli
+    from tests.cli.harness import assert_one_line_error, run_cli
 
     path = _bad(tmp_path)
     for verb in ("check", "stages"):
@@ -180,7 +180,7 @@ def test_audit_pool_beyond_what_stage_c_audits_is_refused_in_one_line(tmp_path):
     step by step as a reference); large pools take the null's normal approximation."""
     from flowforge.orchestrate.plan import audited_groups
     from flowforge.orchestrate.stage_trainer import Auditor
-    from tests.cli.test_errors import assert_one_line_error, run_cli
+    from tests.cli.harness import assert_one_line_error, run_cli
 
     rc, _, err = run_cli(["check", _bad(tmp_path), "audit.pool_groups=100000"], tmp_path, in_process=True)
     assert_one_line_error(rc, err, ["audit.pool_groups=100000 exceeds the 20 groups stage C audits", "at most 20"])

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowforge.orchestrate.directory import GATE_FILE, mark_pipeline_dir, record_path, recorded_path, student_dir
+from flowforge.orchestrate.directory import (GATE_FILE, PipelineLayout, mark_pipeline_dir, record_path, recorded_path,
+                                            student_dir)
 from flowforge.runtime.errors import UserError
 from tests.tools.test_export import tree_digest
 
@@ -115,3 +116,32 @@ def test_stage_c_moved_onto_an_existing_run_by_c_overrides_is_refused(tiny_model
                                         "choose a fresh run.name"):
         StageTrainer(cfg, ledger=ledger, stage="C", reward_name=JUDGE, progress=False)
     assert tree_digest(runs) == before
+
+
+def test_the_layout_names_every_path_of_the_pipeline(tmp_path):
+    """PipelineLayout is the one place the pipeline directory's paths are spelled (the layout the stages module
+    docstring draws); it names paths without creating anything."""
+    layout = PipelineLayout(tmp_path)
+    named = {
+        "marker": layout.marker, "token": layout.token, "conditions": layout.conditions, "summary": layout.summary,
+        "report": layout.report, "a_run": layout.a_run, "c_run": layout.c_run, "a_checkpoint": layout.a_checkpoint(12),
+        "a_judge_ledger": layout.a_judge_ledger, "audit_dir": layout.audit_dir,
+        "audit_judge_ledger": layout.audit_judge_ledger, "audit_log": layout.audit_log,
+        "attempt": layout.attempt(2), "gate_file": layout.gate_file(2), "attempt_student": layout.attempt_student(2),
+        "server_log": layout.server_log("teacher"), "request_log": layout.request_log("student"),
+    }
+    assert {k: layout.relative(v).as_posix() for k, v in named.items()} == {
+        "marker": "pipeline.json", "token": "judge.token", "conditions": "conditions.jsonl",
+        "summary": "summary.json", "report": "report.html", "a_run": "A", "c_run": "C",
+        "a_checkpoint": "A/checkpoints/step_000012", "a_judge_ledger": "A/judge/ledger.sqlite", "audit_dir": "C/audit",
+        "audit_judge_ledger": "C/audit/judge/ledger.sqlite", "audit_log": "C/audit.jsonl", "attempt": "B/attempt_2",
+        "gate_file": "B/attempt_2/gate.json", "attempt_student": "B/attempt_2/student",
+        "server_log": "teacher/server.log", "request_log": "student/requests.log",
+    }
+    assert list(tmp_path.iterdir()) == []  # naming a path creates nothing
+    for n in (10, 2, 0):  # by attempt number, not by name: attempt_10 after attempt_2
+        layout.gate_file(n).parent.mkdir(parents=True)
+        layout.gate_file(n).write_text("{}")
+    assert layout.gate_files() == [layout.gate_file(0), layout.gate_file(2), layout.gate_file(10)]
+    assert PipelineLayout.of(SimpleNamespace(run=SimpleNamespace(output_dir=str(tmp_path), name="p"))).root == \
+        tmp_path / "p"

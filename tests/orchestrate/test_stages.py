@@ -312,7 +312,7 @@ def test_a_teacher_unreachable_from_the_start_stops_stage_a_and_a_rerun_retries_
     conditions, every group judged."""
     import socket
 
-    from tests.cli.test_errors import run_cli
+    from tests.cli.harness import run_cli
     from tests.rewards.loopback import TOKEN, TOKEN_ENV, judge_server
 
     with socket.socket() as probe:  # a loopback port where nothing listens (closed again before the run)

@@ -205,7 +205,7 @@ def die(stage, relpath):  # step 3's checkpoint half written: kill -9 the traine
         if len(seen) == 3:
             print("worker pids", *trainer.engine.engine.pids(), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-checkpoint._test_hook = die
+checkpoint.save._test_hook = die
 trainer = Trainer(load_config(sys.argv[1]), progress=False)
 trainer.train()
 """

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from flowforge.cli import main as cli_main
-from flowforge.rewards.media import encode_image, encode_images
+from flowforge.rewards.wire import encode_image, encode_images
 from flowforge.rewards.registry import build_scorer
 from flowforge.serve.common import is_loopback, resolve_token, server_url
 from tests.serve.server import post_declared_only, reward_server

@@ -67,7 +67,7 @@ def test_readme_remote_example_run_as_written_trains_on_the_remote_reward_alone(
     import json
 
     from flowforge.rewards.registry import build_scorer
-    from tests.cli.test_errors import run_cli
+    from tests.cli.harness import run_cli
     from tests.rewards import loopback
 
     argv = readme_remote_example()

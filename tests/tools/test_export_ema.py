@@ -34,7 +34,7 @@ def ema_run(tiny_model_dir, encode_cache_dir, tmp_path_factory):
 
 
 def _sha256(tensors):
-    from flowforge.tools.export import _tensors_sha256
+    from flowforge.tools.export.run import _tensors_sha256
 
     return _tensors_sha256(tensors)
 

@@ -16,7 +16,7 @@ from flowforge.data.prompts import load_prompts
 from flowforge.demo.paths import demo_world_dir
 from flowforge.models.world_model.adapter import load_world_model
 from flowforge.tools.export import ExportError, export_run, read_export_meta
-from tests.cli.test_errors import assert_one_line_error, run_cli
+from tests.cli.harness import assert_one_line_error, run_cli
 from tests.tools.test_export import tree_digest
 from tests.train.test_world_model_train import LORA, _trainer
 

@@ -161,7 +161,7 @@ def test_marker_is_written_last_and_uncommitted_is_never_trusted(tmp_path, monke
                                         if p.is_file()))
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "_write_marker", failing_marker)
+    monkeypatch.setattr(ckpt.save, "_write_marker", failing_marker)
     model, opt = _trained_adamw()
     with pytest.raises(OSError, match="disk full"):
         _save(tmp_path, 40, optimizer_state=opt.state_dict())
@@ -201,7 +201,7 @@ def hook(s, rel):
     if (s, rel) == (stage, target):
         print("STOPPED", flush=True)
         time.sleep(600)
-ckpt._test_hook = hook
+ckpt.save._test_hook = hook
 big = {"w": torch.randn(1 << 20), "b": torch.randn(1 << 18)}
 ckpt.save_checkpoint(run_dir, 20, tensors={"live": big, "ema": big}, optimizer_state={"state": {}, "x": torch.ones(3)},
                      trainer_state={"step": 20}, keep=3)

@@ -18,7 +18,7 @@ import pytest
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import OWNER_FILE
 from flowforge.train import checkpoint as ckpt
-from tests.cli.test_errors import EXAMPLE, assert_one_line_error, run_cli
+from tests.cli.harness import EXAMPLE, assert_one_line_error, run_cli
 from tests.tools.test_export import tree_digest
 
 
@@ -131,7 +131,7 @@ def test_a_rotation_killed_after_demoting_a_checkpoint_is_finished_by_the_resume
         def die(stage, relpath):
             if stage == "demoted" and relpath == "step_000001":
                 os.kill(os.getpid(), signal.SIGKILL)
-        checkpoint._test_hook = die
+        checkpoint.save._test_hook = die
         sys.exit(main({args!r}))
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}

@@ -281,7 +281,7 @@ class NewStyleLoader(OldStyleLoader):
 
 
 def test_bring_your_own_factory_gets_task_only_if_it_takes_it(monkeypatch):
-    import flowforge.models as models
+    import flowforge.models.registry as models  # build_adapter's module: the FlowModel it checks against
 
     monkeypatch.setattr(models, "FlowModel", object)  # these stand-ins are not FlowModels; only the call matters
     old = models.build_adapter("tests.train.test_families_loop:OldStyleLoader", "p", task="i2v", dtype="d", device="c")

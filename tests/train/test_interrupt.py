@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowforge.runtime.run_dir import committed_checkpoints
-from tests.cli.test_errors import EXAMPLE, assert_one_line_error, run_cli
+from tests.cli.harness import EXAMPLE, assert_one_line_error, run_cli
 
 RESUME_LINE = "train.resume=auto"
 

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from tests.cli.test_errors import EXAMPLE, PROGRESS_LINE, assert_one_line_error, run_cli
+from tests.cli.harness import EXAMPLE, PROGRESS_LINE, assert_one_line_error, run_cli
 from tests.rewards import loopback
 
 EVAL_PROMPTS, SAMPLES, PROMPTS_PER_STEP, STEPS = 2, 2, 2, 1

@@ -99,7 +99,7 @@ def test_sigkill_during_checkpoint_write_then_auto_resume_completes(tiny_model_d
                 seen.append(relpath)
                 if len(seen) == 2:
                     os.kill(os.getpid(), signal.SIGKILL)
-        checkpoint._test_hook = die
+        checkpoint.save._test_hook = die
         Trainer(load_config(None, {overrides!r}), progress=False).train()
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -8,7 +8,7 @@ import torch
 
 from flowforge.runtime.errors import UserError
 from flowforge.train.preflight import PreflightError
-from tests.cli.test_errors import assert_one_line_error, run_cli
+from tests.cli.harness import assert_one_line_error, run_cli
 from tests.train.test_world_model_train import EXAMPLE, _metrics, _trainer, straight_and_resumed
 
 B = "latent_state_rollout.transition"
@@ -107,7 +107,7 @@ def test_a_lora_layer_inside_a_trained_module_is_refused_after_loading_too(tmp_p
     bad = ("lora.trainable=module+lora", f"lora.modules=[{B},blocks.2.coupling]")
     with pytest.raises(PreflightError, match="'blocks.2.coupling' contains the LoRA layer 'blocks.2.coupling.q'"):
         _trainer(tmp_path, encode_cache_dir, "nft", *bad)
-    monkeypatch.setattr(pf, "module_path_problems", lambda cfg, problems: None)
+    monkeypatch.setattr(pf.check, "module_path_problems", lambda cfg, problems: None)
     # the after-load preflight names it (a UserError), not the policy bank's own check further on (a ValueError)
     with pytest.raises(UserError, match="after loading model.path.*'blocks.2.coupling' contains the LoRA layer"):
         _trainer(tmp_path, encode_cache_dir, "nft", *bad)

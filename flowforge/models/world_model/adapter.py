@@ -47,11 +47,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.data.atari import ACTIONS
 from flowforge.models.base import AdapterMixin, Conditioning
 from flowforge.models.common import check_velocity_inputs, require_negative
 from flowforge.models.world_model import provenance as prov
-from flowforge.models.world_model.config import WorldModelConfig
+from flowforge.models.world_model.config import ACTIONS, WorldModelConfig
 from flowforge.models.world_model.dit import COUPLING_LINEARS
 from flowforge.models.world_model.network import WorldModel
 

@@ -42,6 +42,11 @@ import dataclasses
 import math
 from typing import Any
 
+ACTIONS = ("NOOP", "LEFT", "RIGHT")
+"""The reduced Atari action set of the demo world (:mod:`flowforge.data.atari` records its clips with it): an action
+id is an index into it; the default ``action_names`` of
+:class:`~flowforge.models.world_model.adapter.WorldModelAdapter`."""
+
 
 @dataclasses.dataclass(frozen=True)
 class WorldModelConfig:

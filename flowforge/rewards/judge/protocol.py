@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flowforge.media import to_uint8
+
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[1] / "judge_templates" / "group_v2.txt"
 """The shipped group-judge template (``group_v2``: ``group_v1`` plus the condition frame's note). Shipped templates
 are never edited (their sha256 is in every request key: an edit would re-send every recorded group); ``group_v3``
@@ -164,7 +166,7 @@ def jpeg_bytes(image: Tensor, max_side: int, quality: int = 90) -> bytes:
         raise ValueError(f"a frame must be [3, H, W], got {tuple(image.shape)}")
     if max_side < 1:
         raise ValueError(f"max_side must be >= 1, got {max_side}")
-    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    pixels = to_uint8(image).permute(1, 2, 0).cpu().numpy()
     pil = Image.fromarray(pixels, mode="RGB")
     longest = max(pil.size)
     if longest > max_side:

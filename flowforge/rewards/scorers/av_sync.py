@@ -26,7 +26,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from flowforge.rewards.base import AudioBatch, check_media_batch
+from flowforge.media import AudioBatch
+from flowforge.rewards.base import check_media_batch
 
 
 def video_motion(video: Tensor) -> Tensor:

@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowforge.rewards.base import AudioBatch, check_batch_size
+from flowforge.media import AudioBatch
+from flowforge.rewards.base import check_batch_size
 from flowforge.rewards.scorers.clip_common import load_cached, resolve_device, resolve_dtype
 
 DEFAULT_MODEL = "laion/clap-htsat-unfused"

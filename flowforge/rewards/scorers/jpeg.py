@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from flowforge.media import to_uint8
 from flowforge.rewards.base import check_inputs, check_media
 
 JPEG_QUALITY = 95
@@ -44,7 +45,7 @@ def jpeg_size_kb(media: Tensor, *, quality: int = JPEG_QUALITY) -> Tensor:
     """
     _check_quality(quality)
     check_media(media)
-    pixels = (media.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).cpu().permute(0, 2, 3, 1)
+    pixels = to_uint8(media).cpu().permute(0, 2, 3, 1)
     sizes = []
     for image in pixels.numpy():
         buffer = io.BytesIO()

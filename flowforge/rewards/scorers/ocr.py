@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flowforge.media import to_uint8
 from flowforge.rewards.base import check_inputs
 
 MODES = ("detect", "recognize")
@@ -134,7 +135,7 @@ class OcrScorer:
             ValueError: bad shapes / lengths, or a non-string ``metadata["text"]``.
         """
         check_inputs(media, prompts, metadata)
-        pixels = (media.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).cpu().permute(0, 2, 3, 1)
+        pixels = to_uint8(media).cpu().permute(0, 2, 3, 1)
         scores = []
         for image, prompt, meta in zip(pixels.numpy(), prompts, metadata):
             target = target_text(prompt, meta)

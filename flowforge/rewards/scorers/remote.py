@@ -2,7 +2,7 @@
 
 A reward whose dependencies or devices clash with training runs in another process or machine; this client sends it
 the batch and reads back the scores. Wire format and routes: :mod:`flowforge.serve.reward_server`; media encoding:
-:mod:`flowforge.rewards.media` (lossless by default, so a deterministic scorer gives the same bits as in process).
+:mod:`flowforge.rewards.wire` (lossless by default, so a deterministic scorer gives the same bits as in process).
 
 The score of one sample is ``r = sum_c w_c * s_c`` over the requested server components ``c`` (``components``: a
 list means every ``w_c = 1``; one component gives its score unchanged). A component the server scores ``null``
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from flowforge.rewards.base import check_batch_size, check_inputs
-from flowforge.rewards.media import ENCODINGS, encode_images
+from flowforge.rewards.wire import ENCODINGS, encode_images
 
 log = logging.getLogger("flowforge")
 

@@ -221,7 +221,7 @@ def test_flowforge_check_warns_from_the_weights_file(tmp_path, caplog, overrides
     from flowforge.models.world_model.adapter import read_coupling_gates
     from flowforge.train.preflight import preflight
     from flowforge.train.preflight.loaded import check_loaded_model
-    from tests.cli.test_errors import run_cli
+    from tests.cli.harness import run_cli
 
     example = pathlib.Path(__file__).resolve().parents[3] / "examples" / "worldmodel" / "nft.yaml"
     closed = _closed_copy(tmp_path)

@@ -12,6 +12,10 @@ One media item is a JSON object:
 ``B64`` is standard base64 (RFC 4648, with padding). Decoded images are ``[3, H, W]`` float32: 8-bit formats map a
 byte ``u`` to ``u / 255`` (float32 division), ``float32`` is taken as sent.
 
+Sending is :func:`encode_images` (a batch) / :func:`encode_image`; receiving :func:`decode_wire_media` (a request's
+list of items) / :func:`decode_image`. The rollout's decode of latents into media tensors is another thing
+(:func:`flowforge.rollout.decode_media`); the media tensors themselves are :mod:`flowforge.media`.
+
 Lossless sending (:func:`encode_images` with ``encoding="auto"``): an image whose every value is exactly
 ``float32(u) / 255`` for a byte ``u`` is sent as PNG (bit-identical after decoding, and small); any other image is
 sent as ``float32``. A deterministic scorer therefore scores the same bits remotely as in process.
@@ -30,6 +34,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from flowforge.media import to_uint8
+
 IMAGE_FORMATS = ("png", "jpeg", "float32")
 ENCODINGS = ("auto", "png", "float32")
 
@@ -47,7 +53,7 @@ def _unb64(data: str, where: str) -> bytes:
 
 def to_bytes_grid(image: Tensor) -> Tensor:
     """``[3, H, W]`` float in [0, 1] -> ``[3, H, W]`` uint8 ``round(clamp(x, 0, 1) * 255)`` on the CPU."""
-    return (image.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).cpu()
+    return to_uint8(image).cpu()
 
 
 def on_byte_grid(image: Tensor) -> bool:
@@ -137,7 +143,7 @@ def decode_image(item: dict[str, Any], where: str = "media", *, max_pixels: int 
     return torch.from_numpy(pixels.copy()).permute(2, 0, 1).float() / 255.0
 
 
-def decode_media(items: Sequence[dict[str, Any]], *, max_pixels: int | None = None,
+def decode_wire_media(items: Sequence[dict[str, Any]], *, max_pixels: int | None = None,
                  max_frames: int | None = None) -> Tensor:
     """A list of media items -> ``[B, 3, H, W]`` (all images) or ``[B, 3, F, H, W]`` (all videos) float32.
 
