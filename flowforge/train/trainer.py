@@ -259,12 +259,10 @@ class Trainer(RunDirectory):
         return conditioned.index(inverse)
 
     def score(self, traj: Trajectory, batch: StepBatch):
-        """Stage 3: the rollout's media (what :meth:`media_needs` names, decoded ``reward.batch_size`` rows at a time)
-        and every reward component ``[B]`` of them (latent scorers: of ``traj.final``), plus the reward metrics.
-        With ``reward.overlap`` :meth:`sample` decoded the media and sent the groups; this waits for their scores.
-        Also ``time/reward_wait`` and ``perf/reward_overlap`` (:mod:`flowforge.rewards.stream`; 0 without overlap).
-        Returns ``(media, components, metrics)``: media ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) in [0, 1], None
-        when nothing reads pixels (no decode ran)."""
+        """Stage 3: ``(media, components, metrics)``: the media :meth:`media_needs` names (``[B, 3, H, W]`` or video
+        ``[B, 3, F, H, W]`` in [0, 1]; None when nothing reads pixels), every reward component ``[B]`` (latent scorers:
+        of ``traj.final``), the reward metrics with ``time/reward_wait`` and ``perf/reward_overlap`` (with
+        ``reward.overlap`` :meth:`sample` already sent the groups; this waits for their scores)."""
         stream, self._stream = self._stream, None
         if stream is not None:  # reward.overlap: the groups were sent during the rollout
             return stream.finish()
