@@ -171,6 +171,7 @@ def _saved(savings: dict) -> str:
 _STATUS = {"done": ("good", "finished"), "partial": ("flat", "partly run"),
            "gate_failed": ("bad", "stopped at the quality gate"),
            "audit_stopped": ("bad", "stopped by a teacher audit"),
+           "unaudited_stopped": ("bad", "stopped: the teacher could not order the audited groups"),
            "budget_exhausted": ("bad", "stopped: the teacher budget would be exceeded")}
 
 

@@ -120,7 +120,8 @@ def on_main(fn: Any) -> Any:
 @dataclasses.dataclass
 class Outcome:
     """How a pipeline invocation ended: ``status`` is ``done`` (stage C finished: the pipeline is), ``partial``
-    (``--stage A`` / ``--stage B`` finished; the later stages have not run), ``gate_failed``, ``audit_stopped`` or
+    (``--stage A`` / ``--stage B`` finished; the later stages have not run), ``gate_failed``, ``audit_stopped``,
+    ``unaudited_stopped`` (more audited steps than ``audit.max_unaudited`` the teacher could not order) or
     ``budget_exhausted`` (``teacher.max_requests`` would have been exceeded); ``reason`` says why it stopped;
     ``last_good`` is the checkpoint to use after an audit stop; ``stages_run`` the stages this invocation ran (in
     order; a stage B attempt counts once)."""
@@ -325,10 +326,12 @@ def audit_outcome(pcfg: Any, ledger: ConditionLedger) -> Outcome | None:
     from flowforge.orchestrate.stage_trainer import read_audits
 
     audits = read_audits(pipeline_dir(pcfg) / "C")
-    failed = [a for a in audits if a["passed"] is False]  # None: a pooled audit still pending, no verdict
-    if not failed:
+    # passed None: a pooled audit still pending, no verdict; an unaudited step stops C only once the budget is spent
+    stops = [a for a in audits if a["passed"] is False or a.get("stop") == "unaudited"]
+    if not stops:
         return None
-    return Outcome("audit_stopped", f"audit at step {failed[0]['step']}: {'; '.join(failed[0]['reasons'])}",
+    status = "unaudited_stopped" if stops[0].get("stop") == "unaudited" else "audit_stopped"
+    return Outcome(status, f"audit at step {stops[0]['step']}: {'; '.join(stops[0]['reasons'])}",
                    last_good_checkpoint(pcfg, ledger, audits))
 
 
@@ -387,7 +390,8 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
         _train(trainer)
     except AuditStop as stop:
         log.warning("stage C stopped: %s", stop)
-        return on_main(lambda: audit_outcome(pcfg, ledger)) or Outcome("audit_stopped", str(stop))
+        return on_main(lambda: audit_outcome(pcfg, ledger)) or Outcome(
+            "unaudited_stopped" if stop.record.get("stop") == "unaudited" else "audit_stopped", str(stop))
     return Outcome("done")
 
 
