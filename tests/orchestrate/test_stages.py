@@ -97,11 +97,12 @@ def test_audit_below_threshold_stops_stage_c_at_the_last_good_checkpoint(pipelin
     assert len((directory / "C" / "audit.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow  # ~40 s of CPU here: A, B and two steps of C
 def test_steps_the_teacher_cannot_order_stop_stage_c_once_the_unaudited_budget_is_spent(pipeline):
     """Issue 39: audited groups whose marks all tie within audit.tie_margin gave no verdict and no stop, for ever.
     The brightness teacher's marks of one group lie within 0.9: steps 2 and 3 are audited (first_groups 4 of M 2),
     step 2 spends the budget of 1, step 3 stops C before its update."""
-    _, pcfg, directory = pipeline(stages={"n_a": 4, "c_steps": 3, "student_serving": "in_process"},
+    _, pcfg, directory = pipeline(stages={"n_a": 4, "c_steps": 2, "student_serving": "in_process"},
                                   teacher={"scorer": "tests.serve.judge_support:Brightness"},
                                   audit={"first_groups": 4, "every": 0, "tie_margin": 0.9, "max_unaudited": 1})
     outcome = run_pipeline(pcfg, progress=False)
@@ -116,6 +117,10 @@ def test_steps_the_teacher_cannot_order_stop_stage_c_once_the_unaudited_budget_i
     assert (directory / "C" / "checkpoints").is_dir() is False or newest_step(directory / "C") <= 2
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["status"] == "unaudited_stopped"
+    _, text = read_report(directory)
+    assert "pipeline stopped: the teacher could not order the audited groups: " + outcome.reason in text
+    assert [p["verdict"] for p in summary["agreement"]] == ["passed", "pending", "pending"]  # the gate, 2 audits
+    assert "(pending: the teacher could not order the audited groups)" in text
     again = run_pipeline(pcfg, progress=False)  # the stop is read back, nothing runs again
     assert (again.status, again.reason) == (outcome.status, outcome.reason)
     assert len((directory / "C" / "audit.jsonl").read_text().splitlines()) == 2
