@@ -149,7 +149,7 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
         "A": {"run_dir": "A", "eval": last_eval(directory / "A"), "headline": _plain_headline(directory / "A")},
         "B": {"attempts": attempts},
         "C": {"run_dir": "C", "eval": last_eval(directory / "C"), "audits": audits,
-              "headline": _plain_headline(directory / "C")},
+              "headline": _plain_headline(directory / "C"), "audit_design": _audit_design(directory / "C")},
         "timeline": timeline(directory, attempts),
         "agreement": agreement_points(ledger, attempts, audits),
         "teacher": teacher,
@@ -159,6 +159,14 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
 
 
 # ------------------------------------------------------------------------------------------------ the page
+def _audit_design(run_dir: Path) -> dict[str, Any] | None:
+    """``C/audit_design.json`` (the audits' size and power on stage A's marks), or None."""
+    try:
+        return json.loads((run_dir / "audit_design.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _saved(savings: dict) -> str:
     """The savings in words: a C stopped early can have audited more groups than it trained on, which is a cost,
     not a negative saving."""
@@ -399,6 +407,11 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
         facts.append(esc(f"teacher-student agreement, latest ({last['label']}): Spearman {_num(last['spearman'])}, "
                          f"pairwise accuracy {_num(last['pairwise_accuracy'])} on {_num(last['groups'])} groups "
                          f"({verdict_words(last)})"))
+    design = summary["C"].get("audit_design")
+    if design:
+        facts.append(esc(f"audits, simulated from {design['source']}: a random student passes "
+                         f"{100 * design['size']:.2f} % of verdicts, a student at the gate's bar is stopped "
+                         f"{100 * design['power']:.1f} % ({design['groups']} groups per verdict)"))
     sv = summary["savings"]
     facts.append(esc(f"C trained on {sv['c_groups']} groups with the student's reward: {_saved(sv)}"))
     if summary["last_good_checkpoint"]:

@@ -382,6 +382,9 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
                                max_billed=left if budget else 0)
         auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=prompts_per_step(pcfg, "C"),
                           run_dir=run_dir)
+        from flowforge.orchestrate.thresholds import record_audit_design
+
+        on_main(lambda: record_audit_design(pcfg, run_dir))
     log.info("stage C: steps %d..%d on %d conditions, student %s", start, start + steps, ledger.budget("C"),
              student_dir)
     trainer = StageTrainer(cfg, ledger=ledger, stage="C", reward_name=name, auditor=auditor, progress=progress,

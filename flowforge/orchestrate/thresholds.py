@@ -249,3 +249,36 @@ def threshold_problems(pcfg: Any, test_groups: int | None = None, audited: tuple
     if "audit" not in skip and k >= 2:
         problems += _audit_problems(pcfg, notes)
     return problems, warnings
+
+
+AUDIT_DESIGN_FILE = "audit_design.json"
+
+
+def record_audit_design(pcfg: Any, run_dir: Any) -> dict[str, Any] | None:
+    """At stage C's start: the audits' size and power simulated from stage A's judged marks (:func:`audit_design`;
+    ``flowforge check`` before A ran had only the default mark model), written to ``C/audit_design.json`` and logged; a warning when they miss ``audit.max_null_pass`` / ``audit.min_power`` (C
+    still runs: the config passed its check, and the unaudited budget and the verdicts still stop a bad student).
+    None when both checks are opted out."""
+    import json
+    import logging
+
+    from flowforge.runtime.durable import write_bytes
+
+    log = logging.getLogger("flowforge")
+    a = pcfg.audit
+    if a.max_null_pass >= 1 and a.min_power <= 0:
+        return None
+    try:
+        design = audit_design(pcfg)
+    except ValueError as exc:  # A's teacher ordered no group at the audits' tie margin
+        log.warning("stage C audits: %s (audit.tie_margin=%g): every audited step will be unaudited", exc,
+                    a.tie_margin)
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_bytes(run_dir / AUDIT_DESIGN_FILE, json.dumps(design, indent=1, default=float).encode())
+    log.info("stage C %s", design_line(design))
+    if (a.max_null_pass < 1 and not design["size"] < a.max_null_pass) or (
+            a.min_power > 0 and not design["power"] >= a.min_power):
+        log.warning("stage C audits on stage A's marks miss their bounds (audit.max_null_pass=%g, audit.min_power="
+                    "%g): %s", a.max_null_pass, a.min_power, design_line(design))
+    return design

@@ -231,7 +231,9 @@ def test_check_prints_the_audits_size_and_power_and_refuses_an_audit_a_random_st
 def test_the_audit_simulation_uses_stage_a_s_judged_marks_once_they_exist(tmp_path):
     """With stage A's judge ledger in the pipeline directory the verdicts are simulated from its marks; marks the
     teacher cannot order at audit.tie_margin leave no verdict possible: refused."""
-    from flowforge.orchestrate.thresholds import audit_design
+    import json
+
+    from flowforge.orchestrate.thresholds import audit_design, record_audit_design
     from flowforge.rewards.judge.ledger import RequestLedger
 
     def ledger_with(marks):
@@ -249,6 +251,9 @@ def test_the_audit_simulation_uses_stage_a_s_judged_marks_once_they_exist(tmp_pa
     spread = ledger_with([[i / 7 for i in range(8)] for _ in range(16)])
     design = audit_design(spread)
     assert design["source"] == "the teacher's marks of stage A's 16 judged groups" and design["orderable"] == 1.0
+    assert record_audit_design(spread, tmp_path / "C") == design  # what stage C records at its start
+    assert json.loads((tmp_path / "C" / "audit_design.json").read_text())["power"] == design["power"]
     flat = ledger_with([[0.9 + 0.001 * i for i in range(8)] for _ in range(16)])  # all within tie_margin 0.01
     with pytest.raises(ConfigError, match="none of the 16 teacher mark vectors of 8 candidates has an order"):
         check_pipeline(flat)
+    assert record_audit_design(flat, tmp_path / "C2") is None and not (tmp_path / "C2").exists()
