@@ -256,9 +256,10 @@ AUDIT_DESIGN_FILE = "audit_design.json"
 
 def record_audit_design(pcfg: Any, run_dir: Any) -> dict[str, Any] | None:
     """At stage C's start: the audits' size and power simulated from stage A's judged marks (:func:`audit_design`;
-    ``flowforge check`` before A ran had only the default mark model), written to ``C/audit_design.json`` and logged; a warning when they miss ``audit.max_null_pass`` / ``audit.min_power`` (C
-    still runs: the config passed its check, and the unaudited budget and the verdicts still stop a bad student).
-    None when both checks are opted out."""
+    ``flowforge check`` before A ran had only the default mark model), written to ``C/audit_design.json`` and
+    logged; a warning when they miss ``audit.max_null_pass`` / ``audit.min_power`` (C still runs: the config passed
+    its check, and the unaudited budget and the verdicts still stop a bad student). None when both checks are opted
+    out, or when A's teacher ordered no group (a warning: every audited step will be unaudited)."""
     import json
     import logging
 
