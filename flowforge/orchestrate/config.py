@@ -299,6 +299,13 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
     if not this_machine and not Path(prompts).exists():  # --portable: the GPU machine's data, counted there
         warnings.append(f"data.prompts={pcfg.data.prompts!r} is not on this machine: the budgets and the gate's "
                         "permutation null are checked where it is (flowforge check without --portable)")
+        if pcfg.data.group_size >= 2:  # the audits' size and power need no prompt: checked here all the same
+            from flowforge.orchestrate.thresholds import audit_problems
+
+            found = audit_problems(pcfg, notes)
+            problems += [p for p in found if not p.startswith(LATER_CHECKS.get(stage or "", ()))]
+            warnings += [f"for a later stage than --stage {stage}: {p}" for p in found
+                         if p.startswith(LATER_CHECKS.get(stage or "", ()))]
     else:
         try:
             total = len(conditions_from_records(load_prompts(prompts)))

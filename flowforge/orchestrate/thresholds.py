@@ -175,7 +175,7 @@ def design_line(design: dict[str, Any]) -> str:
             f"simulated from {design['source']})")
 
 
-def _audit_problems(pcfg: Any, notes: list[str] | None) -> list[str]:
+def audit_problems(pcfg: Any, notes: list[str] | None = None) -> list[str]:
     """The size and power problems of :func:`audit_design` (one line naming the fields); its line to ``notes``."""
     a, g = pcfg.audit, pcfg.student.gate
     if a.max_null_pass >= 1 and a.min_power <= 0:  # both opted out: nothing to simulate
@@ -247,7 +247,7 @@ def threshold_problems(pcfg: Any, test_groups: int | None = None, audited: tuple
             warnings.append(f"{name}: min_spearman={rho:g} / min_pairwise_accuracy={pairs:g} are below the floors "
                             f"{floors[0]:g} / {floors[1]:g}")
     if "audit" not in skip and k >= 2:
-        problems += _audit_problems(pcfg, notes)
+        problems += audit_problems(pcfg, notes)
     return problems, warnings
 
 

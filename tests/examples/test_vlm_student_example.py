@@ -72,4 +72,4 @@ def test_gate_and_audit_thresholds_are_ones_a_random_student_fails(pcfg):
     assert gate_p == 0.0  # the header: no random student of 20,000 passes
     assert audit_p == 0.0  # one verdict of 8 groups of 8 at 0.55 / 0.74
     design = audit_design(pcfg)  # the audit section's comment: before A ran, from the default mark model
-    assert design["size"] == 0.0 and design["power"] == pytest.approx(0.84, abs=0.01), design
+    assert design["size"] == 0.0 and design["power"] == pytest.approx(0.832, abs=0.001), design

@@ -226,6 +226,13 @@ def test_check_prints_the_audits_size_and_power_and_refuses_an_audit_a_random_st
     # an explicit opt-out
     check_pipeline(load_pipeline(EXAMPLE, ["audit.min_spearman=0.35", "audit.min_pairwise_accuracy=0.63",
                                            "audit.min_power=0"]))
+    # --portable without the prompt file: the audits need none, so they are checked all the same
+    gpu = ROOT / "examples" / "gpu" / "wan21_t2v_qwen35_9b_student_stages.yaml"
+    rc, out, _ = run_cli(["check", "--portable", gpu], tmp_path, in_process=True)
+    assert rc == 0 and "a student at the gate's bar is stopped 83.2 %" in out, out
+    rc, _, err = run_cli(["check", "--portable", gpu, "audit.min_spearman=0.35", "audit.min_pairwise_accuracy=0.62"],
+                         tmp_path, in_process=True)
+    assert_one_line_error(rc, err, ["is stopped 5.5 % < audit.min_power=0.8"])
 
 
 def test_the_audit_simulation_uses_stage_a_s_judged_marks_once_they_exist(tmp_path):
