@@ -85,7 +85,10 @@ def _check_one(path: Path, overrides: list[str], args: argparse.Namespace, *, na
         from flowforge.settings.schema import dump
 
         pcfg = load_pipeline(path, overrides, quick=args.quick)
-        warnings, text = check_pipeline(pcfg, this_machine=not args.portable, stage=args.stage), dump(pcfg)
+        notes: list[str] = []
+        warnings, text = check_pipeline(pcfg, this_machine=not args.portable, stage=args.stage, notes=notes), dump(pcfg)
+        for line in notes:  # the audits' size and power
+            print(f"{path}: {line}" if name_it else line, file=sys.stderr if args.print_config else sys.stdout)
     else:
         if args.stage or args.quick:
             raise ValueError(f"check: --stage / --quick apply to pipeline configs (a 'stages' section); {path} is a "

@@ -126,29 +126,34 @@ class TeacherConfig(Section):
 class AuditConfig(Section):
     """``audit``: stage C's teacher audits. The teacher re-judges every group of C's steps until ``first_groups``
     groups were audited, then the groups of every step that is a multiple of ``every`` (0: no periodic audit).
-    An audit whose agreement falls below a threshold stops stage C at the last good checkpoint. ``pool_groups: N``
-    takes each verdict on the last N audited groups (this step's and earlier audits'; pending until N were
-    audited), its thresholds checked against the null at N groups (0: one step's groups alone). ``tie_margin``: teacher
-    marks this close tie (:func:`flowforge.reward_model.evaluate.tie_blocks`); a group the teacher cannot order at
-    all is recorded but counts toward no verdict."""
+    A verdict is taken once ``pool_groups`` audited groups the teacher can order have gathered since the last
+    verdict (0: one step's groups alone; every group counts toward one verdict only); one below a threshold stops
+    stage C at the last good checkpoint. ``tie_margin``: teacher marks this close tie
+    (:func:`flowforge.reward_model.evaluate.tie_blocks`); a step whose audited groups the teacher cannot order at all
+    is unaudited: recorded, no verdict, and the ``max_unaudited + 1``-th such step stops C. ``flowforge check``
+    simulates a verdict's size (a random student passes < ``max_null_pass``) and power (a student at the gate's bar
+    is stopped >= ``min_power``) from the teacher's marks (:func:`flowforge.orchestrate.thresholds.audit_design`)."""
 
     section_name = "audit"
 
     first_groups: int = 8
     every: int = 5
-    min_spearman: float = 0.45  # mean within-group Spearman of student vs teacher on the audited groups
-    min_pairwise_accuracy: float = 0.67  # teacher-ordered pairs the student orders the same way
-    max_null_pass: float = 0.01  # a random student passes one verdict's groups with p < this (check_pipeline)
-    pool_groups: int = 0  # > 0: each verdict on the last pool_groups audited groups (>= M); 0: the step's M alone
+    min_spearman: float = 0.55  # mean within-group Spearman of student vs teacher on a verdict's groups
+    min_pairwise_accuracy: float = 0.74  # teacher-ordered pairs the student orders the same way
+    max_null_pass: float = 0.01  # size: a random student passes a verdict with p < this (1: not checked)
+    min_power: float = 0.8  # power: a student at student.gate's bar is stopped with p >= this (0: not checked)
+    pool_groups: int = 8  # > 0: each verdict on the next pool_groups orderable audited groups (>= M); 0: a step's M
     tie_margin: float = 0.0  # teacher marks this close are a tie (its retest noise); 0: exact ties only
+    max_unaudited: int = 2  # audited steps the teacher cannot order at all that C may take; one more stops it
 
     def problems(self) -> list[str]:
         c = Checks(self)
-        c.positive("first_groups", "every", "pool_groups", allow_zero=True)
+        c.positive("first_groups", "every", "pool_groups", "max_unaudited", allow_zero=True)
         c.require(-1.0 <= self.min_spearman <= 1.0, f"audit.min_spearman={self.min_spearman} must be in [-1, 1]")
         c.require(0.0 <= self.min_pairwise_accuracy <= 1.0,
                   f"audit.min_pairwise_accuracy={self.min_pairwise_accuracy} must be in [0, 1]")
         c.require(0.0 < self.max_null_pass <= 1.0, f"audit.max_null_pass={self.max_null_pass} must be in (0, 1]")
+        c.require(0.0 <= self.min_power < 1.0, f"audit.min_power={self.min_power} must be in [0, 1)")
         c.require(0.0 <= self.tie_margin < 1.0, f"audit.tie_margin={self.tie_margin} must be in [0, 1)")
         return c.problems
 
@@ -270,12 +275,14 @@ LATER_CHECKS = {"A": ("student.gate", "audit"), "B": ("audit",)}
 after ``--stage X``: warnings, not problems, when only stage X runs."""
 
 
-def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = None) -> list[str]:
+def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = None,
+                   notes: list[str] | None = None) -> list[str]:
     """Check a pipeline config as a whole before anything loads: the budgets against the prompt file, the student
     and audit rules, the teacher's scorer, and both stage run configs through
     :func:`flowforge.train.preflight.preflight` (with a placeholder endpoint; ``this_machine`` as there). Returns the
     warnings. ``stage`` (``--stage``): the gate and audit thresholds of later stages (:data:`LATER_CHECKS`) are
-    warnings (stage A alone needs no reachable gate).
+    warnings (stage A alone needs no reachable gate). ``notes``: gets what ``flowforge check`` prints besides
+    (the audits' size and power, :func:`flowforge.orchestrate.thresholds.design_line`).
 
     Raises:
         ConfigError: every problem found, in one error.
@@ -292,6 +299,13 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
     if not this_machine and not Path(prompts).exists():  # --portable: the GPU machine's data, counted there
         warnings.append(f"data.prompts={pcfg.data.prompts!r} is not on this machine: the budgets and the gate's "
                         "permutation null are checked where it is (flowforge check without --portable)")
+        if pcfg.data.group_size >= 2:  # the audits' size and power need no prompt: checked here all the same
+            from flowforge.orchestrate.thresholds import audit_problems
+
+            found = audit_problems(pcfg, notes)
+            problems += [p for p in found if not p.startswith(LATER_CHECKS.get(stage or "", ()))]
+            warnings += [f"for a later stage than --stage {stage}: {p}" for p in found
+                         if p.startswith(LATER_CHECKS.get(stage or "", ()))]
     else:
         try:
             total = len(conditions_from_records(load_prompts(prompts)))
@@ -308,7 +322,7 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
             drawn = stage_steps(pcfg, "A", pcfg.stages.n_a) * prompts_per_step(pcfg, "A")  # A's conditions
             found, warned = threshold_problems(  # gate and audit thresholds a random student fails
                 pcfg, None if drawn == pcfg.stages.n_a else test_groups_at_budget(pcfg, drawn),
-                audited=audited_groups(pcfg, total))
+                audited=audited_groups(pcfg, total), notes=notes)
             later = LATER_CHECKS.get(stage or "", ())
             problems += [p for p in found if not p.startswith(later)]
             warnings += [f"for a later stage than --stage {stage}: {p}" for p in found if p.startswith(later)]

@@ -146,7 +146,7 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
               "headline": _plain_headline(layout.a_run)},
         "B": {"attempts": attempts},
         "C": {"run_dir": layout.relative(layout.c_run).as_posix(), "eval": last_eval(layout.c_run), "audits": audits,
-              "headline": _plain_headline(layout.c_run)},
+              "headline": _plain_headline(layout.c_run), "audit_design": _audit_design(layout.c_run)},
         "timeline": timeline(layout.root, attempts),
         "agreement": agreement_points(ledger, attempts, audits),
         "teacher": teacher,
@@ -156,6 +156,14 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
 
 
 # ------------------------------------------------------------------------------------------------ the page
+def _audit_design(run_dir: Path) -> dict[str, Any] | None:
+    """``C/audit_design.json`` (the audits' size and power on stage A's marks), or None."""
+    try:
+        return json.loads((run_dir / "audit_design.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _saved(savings: dict) -> str:
     """The savings in words: a C stopped early can have audited more groups than it trained on, which is a cost,
     not a negative saving."""
@@ -168,6 +176,7 @@ def _saved(savings: dict) -> str:
 _STATUS = {"done": ("good", "finished"), "partial": ("flat", "partly run"),
            "gate_failed": ("bad", "stopped at the quality gate"),
            "audit_stopped": ("bad", "stopped by a teacher audit"),
+           "unaudited_stopped": ("bad", "stopped: the teacher could not order the audited groups"),
            "budget_exhausted": ("bad", "stopped: the teacher budget would be exceeded")}
 
 
@@ -220,15 +229,37 @@ def agreement_points(ledger: ConditionLedger, attempts: list[dict[str, Any]],
         out.append({"kind": "gate", "label": f"gate {record['attempt']}", "position": record.get("budget_a"),
                     "groups": test.get("groups"), "spearman": test.get("spearman"),
                     "pairwise_accuracy": test.get("pairwise_accuracy"), "mae": test.get("mae"),
-                    "passed": record.get("passed")})
+                    "passed": record.get("passed"), "verdict": "passed" if record.get("passed") else "failed"})
     c_takes = sorted((step, len(t.get("ids") or [])) for (stage, step), t in ledger.takes.items() if stage == "C")
     for audit in audits:
         used_c = sum(n for step, n in c_takes if step <= audit["step"])
         out.append({"kind": "audit", "label": f"audit at C step {audit['step']}",
                     "position": ledger.used["A"] + used_c, "groups": audit.get("groups"),
                     "spearman": audit.get("spearman"), "pairwise_accuracy": audit.get("pairwise_accuracy"),
-                    "mae": audit.get("mae"), "passed": audit.get("passed")})
+                    "mae": audit.get("mae"), "passed": audit.get("passed"), "verdict": audit_verdict(audit),
+                    "unaudited": bool(audit.get("unaudited")), "pooled_groups": audit.get("pooled_groups"),
+                    "pairs_compared": audit.get("pairs_compared"), "pairs_tied": audit.get("pairs_tied"),
+                    "spearman_raw": audit.get("spearman_raw"),
+                    "pairwise_accuracy_raw": audit.get("pairwise_accuracy_raw")})
     return out
+
+
+def audit_verdict(record: dict[str, Any]) -> str:
+    """``passed``, ``failed`` or ``pending`` of an ``audit.jsonl`` record (its ``verdict``; records written before
+    it existed: ``passed`` true / false / null)."""
+    if record.get("verdict") in ("passed", "failed", "pending"):
+        return record["verdict"]
+    passed = record.get("passed")
+    return "pending" if passed is None else "passed" if passed else "failed"
+
+
+def verdict_words(point: dict[str, Any]) -> str:
+    """A point's verdict as the report says it: a pending audit is never called failed."""
+    verdict = point.get("verdict") or ("passed" if point.get("passed") else "failed")
+    if verdict == "pending":
+        return ("pending: the teacher could not order the audited groups" if point.get("unaudited")
+                else f"pending: {_num(point.get('pooled_groups'))} groups gathered, no verdict yet")
+    return verdict
 
 
 def _num(value: Any) -> str:
@@ -239,6 +270,18 @@ def _num(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def _pairs(point: dict[str, Any]) -> str:
+    if point.get("pairs_compared") is None:
+        return "–"
+    return f"{point['pairs_compared']} ({_num(point.get('pairs_tied'))})"
+
+
+def _raw(point: dict[str, Any]) -> str:
+    if point.get("spearman_raw") is None:
+        return "–"
+    return f"{_num(point['spearman_raw'])} / {_num(point.get('pairwise_accuracy_raw'))}"
 
 
 def _plot_agreement(points: list[dict[str, Any]], pcfg: Any) -> Figure:
@@ -262,6 +305,7 @@ def _plot_agreement(points: list[dict[str, Any]], pcfg: Any) -> Figure:
                    Line2D([], [], marker="o", color="grey", linestyle="", label="audit"),
                    Line2D([], [], marker="o", color="C2", linestyle="", label="passed"),
                    Line2D([], [], marker="o", color="C3", linestyle="", label="failed"),
+                   Line2D([], [], marker="o", color="C7", linestyle="", label="pending"),
                    Line2D([], [], color="C0", linestyle="--", label=f"gate min {gate_min:g}"),
                    Line2D([], [], color="C1", linestyle=":", label=f"audit min {audit_min:g}")]
         ax.margins(x=0.12, y=0.1)  # points at the first / last position stay inside the frame
@@ -362,7 +406,12 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
         last = points[-1]
         facts.append(esc(f"teacher-student agreement, latest ({last['label']}): Spearman {_num(last['spearman'])}, "
                          f"pairwise accuracy {_num(last['pairwise_accuracy'])} on {_num(last['groups'])} groups "
-                         f"({'passed' if last['passed'] else 'failed'})"))
+                         f"({verdict_words(last)})"))
+    design = summary["C"].get("audit_design")
+    if design:
+        facts.append(esc(f"audits, simulated from {design['source']}: a random student passes "
+                         f"{100 * design['size']:.2f} % of verdicts, a student at the gate's bar is stopped "
+                         f"{100 * design['power']:.1f} % ({design['groups']} groups per verdict)"))
     sv = summary["savings"]
     facts.append(esc(f"C trained on {sv['c_groups']} groups with the student's reward: {_saved(sv)}"))
     if summary["last_good_checkpoint"]:
@@ -390,9 +439,14 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
             f"<tr><td>{esc(p['label'])}</td><td class=\"num\">{esc(_num(p['position']))}</td>"
             f"<td class=\"num\">{esc(_num(p['groups']))}</td><td class=\"num\">{esc(_num(p['spearman']))}</td>"
             f"<td class=\"num\">{esc(_num(p['pairwise_accuracy']))}</td><td class=\"num\">{esc(_num(p['mae']))}"
-            f"</td><td>{esc(_num(p['passed']))}</td></tr>" for p in points)
+            f"</td><td class=\"num\">{esc(_pairs(p))}</td><td class=\"num\">{esc(_raw(p))}</td>"
+            f"<td>{esc(verdict_words(p))}</td></tr>" for p in points)
         sections.append("<table><tr><th>measured at</th><th>conditions handed out</th><th>groups</th>"
-                        f"<th>Spearman</th><th>pairwise accuracy</th><th>MAE</th><th>passed</th></tr>{body}</table>")
+                        "<th>Spearman</th><th>pairwise accuracy</th><th>MAE</th><th>pairs compared (tied)</th>"
+                        f"<th>without the tie margin</th><th>verdict</th></tr>{body}</table>")
+        sections.append(note("An audit's Spearman and pairwise accuracy are those of the groups its verdict is (or "
+                             "will be) taken on: those gathered since the last verdict; pairs the teacher's tie "
+                             "margin ties are not compared (the raw values compare every pair)."))
     else:
         sections.append(note("No gate or audit has run yet."))
 

@@ -26,14 +26,22 @@ Audits (:class:`Auditor`): the teacher scores every group of an audited step; ag
 the same candidates (:func:`flowforge.reward_model.evaluate.agreement`: within-group Spearman, pairwise accuracy,
 MAE) is logged as ``audit/<metric>`` in ``metrics.jsonl`` and appended to ``audit.jsonl`` in the run directory. An
 audit below ``audit.min_spearman`` or ``audit.min_pairwise_accuracy`` raises :class:`AuditStop` before the step's
-update, so the stage ends without training on the student's verdict. With ``audit.pool_groups: N`` the verdict is
-taken on the last ``N`` audited groups (this step's and the newest of earlier audits', read back from
-``audit.jsonl``, which keeps each group's two score vectors) at thresholds a random student fails at ``N`` groups:
-one step's ``M`` groups measure a student's agreement with a standard error of ~0.15 in Spearman, too noisy to tell
-a good student from a degraded one at a threshold the null allows. Until ``N`` groups were audited the record is
-``pending`` (``passed: null``): no verdict, no stop, and not a passed audit for the last good checkpoint. With
-``audit.tie_margin`` teacher marks that close are ties (its retest noise): only groups the teacher can order at all
-count toward the ``N`` (a group whose marks all tie is kept in ``audit.jsonl`` but judges nothing).
+update, so the stage ends without training on the student's verdict. With ``audit.pool_groups: N`` a verdict is
+taken once ``N`` audited groups gathered since the last verdict (this step's and those of the pending audits before
+it, read back from ``audit.jsonl``, which keeps each group's two score vectors); every group counts toward one
+verdict only, none is reused by a later one: one step's ``M`` groups measure a student's agreement with a standard
+error of ~0.15 in Spearman, too noisy to tell a good student from one at the gate's bar. Until then the record is
+``pending`` (``verdict: pending``, ``passed: null``): no verdict, no stop, and not a passed audit for the last good
+checkpoint. ``flowforge check`` states a verdict's size and power (:func:`flowforge.orchestrate.thresholds.
+audit_design`). With ``audit.tie_margin`` teacher marks that close are ties (its retest noise): only groups the
+teacher can order at all count toward the ``N`` (a group whose marks all tie is kept in ``audit.jsonl`` but judges
+nothing); a step none of whose answered groups the teacher can order is *unaudited* (``unaudited: true``), and
+the ``audit.max_unaudited + 1``-th such step stops the stage (``stop: unaudited``).
+
+Each record keeps the verdict (``passed`` / ``failed`` / ``pending``), the agreement of the verdict's groups with
+the tie margin (``spearman``, ``pairwise_accuracy``) and without it (``spearman_raw``, ``pairwise_accuracy_raw``),
+the teacher-ordered pairs it compared (``pairs_compared``; ``pairs_compared_raw`` without the margin) and the pairs
+the margin tied (``pairs_tied``), and the step's own agreement (``step_*``).
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ log = logging.getLogger("flowforge")
 
 
 class AuditStop(Exception):
-    """An audit found the student below a threshold at ``step``: stage C stops (``record`` is the audit's line)."""
+    """An audit stops stage C at ``step`` (``record`` is the audit's line; ``record["stop"]``: ``agreement``, the
+    student below a threshold, or ``unaudited``, the budget of steps the teacher could not order is spent)."""
 
     def __init__(self, step: int, record: dict[str, Any]) -> None:
         super().__init__(f"audit at step {step}: {'; '.join(record['reasons'])}")
@@ -158,51 +167,75 @@ class Auditor:
         scores = [[s.tolist(), t.tolist()] for s, t in kept]  # per kept group: [student, teacher]
         margin = self.cfg.tie_margin
         own = agreement([s for s, _ in kept], [t for _, t in kept], margin) if kept else {}
-        pooled, steps = self._pool(step, scores)
-        result = agreement([torch.tensor(s) for s, _ in pooled],
-                           [torch.tensor(t) for _, t in pooled], margin) if kept else {}
-        # no verdict while too few groups the teacher can order were audited, nor on a step with none of its own: a
-        # teacher that cannot tell the candidates apart cannot tell a good student from a bad one either (and an
-        # earlier step's groups say nothing of this step's checkpoint)
-        pending = bool(kept) and (step not in steps or len(pooled) < max(self.cfg.pool_groups, 1))
-        reasons = []
+        earlier = [a for a in read_audits(self.path.parent) if a["step"] < step]
+        pooled, steps = self._pool(step, scores, earlier)
+        result, raw = ({}, {}) if not kept else (
+            agreement([torch.tensor(s) for s, _ in pooled], [torch.tensor(t) for _, t in pooled], m)
+            for m in (margin, 0.0))
+        # a step whose groups the teacher answered but cannot order at all is unaudited: no verdict (a teacher that
+        # cannot tell the candidates apart cannot tell a good student from a bad one either), but a bounded budget
+        unaudited = bool(kept) and step not in steps
+        spent = sum(bool(a.get("unaudited")) for a in earlier) + unaudited
+        # no verdict while too few orderable groups gathered since the last verdict (and an earlier step's groups
+        # say nothing of this step's checkpoint)
+        pending = bool(kept) and (unaudited or len(pooled) < max(self.cfg.pool_groups, 1))
+        reasons, stop = [], None
         for metric, bound in (("spearman", self.cfg.min_spearman),
                               ("pairwise_accuracy", self.cfg.min_pairwise_accuracy)):
             value = result.get(metric, math.nan)
             if not pending and not value >= bound:  # NaN fails: nothing to compare is not agreement
                 reasons.append(f"{metric}={value:.4g} < audit.min_{metric}={bound:g}"
                                + (f" (pooled over {len(pooled)} groups)" if self.cfg.pool_groups else ""))
+        if reasons:
+            stop = "agreement"
+        elif unaudited and spent > self.cfg.max_unaudited:
+            stop = "unaudited"
+            reasons.append(f"the teacher could not order any of the {len(kept)} audited groups (marks within "
+                           f"audit.tie_margin={margin:g}) at {spent} audited steps > audit.max_unaudited="
+                           f"{self.cfg.max_unaudited}")
+        pairs = self._pairs(pooled)
+        verdict = "pending" if pending else "failed" if stop == "agreement" else "passed"
         record = {"step": step, "policy_version": policy_version, "groups": len(groups),
                   "teacher_failures": len(groups) - len(kept), "teacher_requests_sent": sent["requests_sent"],
                   "teacher_served_from_ledger": sent["served_from_ledger"],
                   **{k: result.get(k, math.nan) for k in ("spearman", "pairwise_accuracy", "mae")},
+                  **{f"{k}_raw": raw.get(k, math.nan) for k in ("spearman", "pairwise_accuracy")},
+                  "pairs_compared": int(result.get("pairs", 0)), "pairs_tied": pairs - int(result.get("pairs", 0)),
+                  "pairs_compared_raw": int(raw.get("pairs", 0)),
                   **{f"step_{k}": own.get(k, math.nan) for k in ("spearman", "pairwise_accuracy", "mae")},
                   "pooled_groups": len(pooled), "pooled_steps": steps,
-                  "passed": None if pending else not reasons, "pending": pending, "reasons": reasons,
+                  "verdict": verdict, "passed": None if pending else verdict == "passed", "pending": pending,
+                  "unaudited": unaudited, "unaudited_steps": spent, "stop": stop, "reasons": reasons,
                   "conditions": sorted({r.metadata["sample_id"] for r in records}), "scores": scores}
         self._append(record)
-        if reasons:
+        if stop is not None:
             raise AuditStop(step, record)
         return {f"audit/{k}": float(record[k]) for k in ("spearman", "pairwise_accuracy", "mae", "groups",
-                                                           "teacher_requests_sent")}
+                                                           "teacher_requests_sent", "unaudited_steps")}
+
+    @staticmethod
+    def _pairs(groups: list[list[list[float]]]) -> int:
+        """All candidate pairs of the ``[student, teacher]`` groups ``groups`` (``K (K - 1) / 2`` each)."""
+        return sum(len(g[1]) * (len(g[1]) - 1) // 2 for g in groups)
 
     def _orderable(self, scores: list[list[list[float]]]) -> list[list[list[float]]]:
         """The ``[student, teacher]`` groups whose teacher marks form more than one tie block (``audit.tie_margin``)."""
         return [g for g in scores if tie_blocks(torch.tensor(g[1]), self.cfg.tie_margin).max() > 0]
 
-    def _pool(self, step: int, scores: list[list[list[float]]]) -> tuple[list[list[list[float]]], list[int]]:
+    def _pool(self, step: int, scores: list[list[list[float]]],
+              earlier: list[dict[str, Any]]) -> tuple[list[list[list[float]]], list[int]]:
         """The groups the verdict of step ``step`` is taken on and their steps, counting only groups the teacher
-        can order (:meth:`_orderable`): ``scores``' alone without pooling, else those plus the newest ones of earlier
-        audits (``audit.jsonl``) up to ``audit.pool_groups``."""
+        can order (:meth:`_orderable`): ``scores``' alone without pooling, else those plus the groups of the
+        ``earlier`` audits since the last verdict (pending ones): every group counts toward one verdict only,
+        never again in a later one."""
         pooled = self._orderable(scores)
         steps = [step] if pooled else []
         if self.cfg.pool_groups <= 0:
             return pooled, steps
-        for record in reversed([a for a in read_audits(self.path.parent) if a["step"] < step]):
-            if len(pooled) >= self.cfg.pool_groups:
+        for record in reversed(earlier):
+            if record.get("passed") is not None:  # a verdict was taken on its groups (and those before)
                 break
-            earlier = self._orderable(record.get("scores") or [])
-            take = earlier[max(0, len(earlier) - (self.cfg.pool_groups - len(pooled))):]
+            take = self._orderable(record.get("scores") or [])
             if take:
                 pooled.extend(take)
                 steps.append(record["step"])

@@ -121,7 +121,8 @@ def on_main(fn: Any) -> Any:
 @dataclasses.dataclass
 class Outcome:
     """How a pipeline invocation ended: ``status`` is ``done`` (stage C finished: the pipeline is), ``partial``
-    (``--stage A`` / ``--stage B`` finished; the later stages have not run), ``gate_failed``, ``audit_stopped`` or
+    (``--stage A`` / ``--stage B`` finished; the later stages have not run), ``gate_failed``, ``audit_stopped``,
+    ``unaudited_stopped`` (more audited steps than ``audit.max_unaudited`` the teacher could not order) or
     ``budget_exhausted`` (``teacher.max_requests`` would have been exceeded); ``reason`` says why it stopped;
     ``last_good`` is the checkpoint to use after an audit stop; ``stages_run`` the stages this invocation ran (in
     order; a stage B attempt counts once)."""
@@ -326,10 +327,12 @@ def audit_outcome(pcfg: Any, ledger: ConditionLedger) -> Outcome | None:
     from flowforge.orchestrate.stage_trainer import read_audits
 
     audits = read_audits(PipelineLayout.of(pcfg).c_run)
-    failed = [a for a in audits if a["passed"] is False]  # None: a pooled audit still pending, no verdict
-    if not failed:
+    # passed None: a pooled audit still pending, no verdict; an unaudited step stops C only once the budget is spent
+    stops = [a for a in audits if a["passed"] is False or a.get("stop") == "unaudited"]
+    if not stops:
         return None
-    return Outcome("audit_stopped", f"audit at step {failed[0]['step']}: {'; '.join(failed[0]['reasons'])}",
+    status = "unaudited_stopped" if stops[0].get("stop") == "unaudited" else "audit_stopped"
+    return Outcome(status, f"audit at step {stops[0]['step']}: {'; '.join(stops[0]['reasons'])}",
                    last_good_checkpoint(pcfg, ledger, audits))
 
 
@@ -380,6 +383,9 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
                                max_billed=left if budget else 0)
         auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=prompts_per_step(pcfg, "C"),
                           run_dir=run_dir)
+        from flowforge.orchestrate.thresholds import record_audit_design
+
+        on_main(lambda: record_audit_design(pcfg, run_dir))
     log.info("stage C: steps %d..%d on %d conditions, student %s", start, start + steps, ledger.budget("C"),
              student_dir)
     trainer = StageTrainer(cfg, ledger=ledger, stage="C", reward_name=name, auditor=auditor, progress=progress,
@@ -388,7 +394,8 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
         _train(trainer)
     except AuditStop as stop:
         log.warning("stage C stopped: %s", stop)
-        return on_main(lambda: audit_outcome(pcfg, ledger)) or Outcome("audit_stopped", str(stop))
+        return on_main(lambda: audit_outcome(pcfg, ledger)) or Outcome(
+            "unaudited_stopped" if stop.record.get("stop") == "unaudited" else "audit_stopped", str(stop))
     return Outcome("done")
 
 

@@ -10,10 +10,16 @@ gate        the test groups stage B gets at ``stages.n_a`` (the first ``n_a`` co
             ``student.gate.max_null_pass``; the problem names the smallest ``stages.n_a`` that passes
             (:func:`smallest_passing_n_a`); below the floors Spearman 0.5 / pairwise 0.7 a warning
 audit       ``audit.pool_groups`` groups when audits are pooled, else ``data.prompts_per_step`` (one audited step),
-            of ``data.group_size`` candidates: a random student must pass ``audit.min_spearman`` and
-            ``audit.min_pairwise_accuracy`` with probability < ``audit.max_null_pass``; below the floors Spearman
-            0.2 / pairwise 0.6 a warning; a pool of fewer groups than one step's is a problem
+            of ``data.group_size`` candidates, simulated from the teacher's marks (:func:`audit_design`,
+            :mod:`flowforge.reward_model.power`): a random student must pass ``audit.min_spearman`` and
+            ``audit.min_pairwise_accuracy`` with probability < ``audit.max_null_pass`` (the size; 1: not checked),
+            and a student at the gate's bar (``student.gate``'s thresholds met in expectation, no more) must be
+            stopped with probability >= ``audit.min_power`` (the power; 0: not checked); below the floors
+            Spearman 0.2 / pairwise 0.6 a warning; a pool of fewer groups than one step's is a problem
 ==========  =======================================================================================================
+
+The audit simulation draws its groups from stage A's judged marks (``A/judge/ledger.sqlite``) once they exist, else
+from the default mark model (:func:`flowforge.reward_model.power.default_marks`: ``K`` independent uniform marks).
 """
 
 from __future__ import annotations
@@ -116,12 +122,93 @@ def _gate_hint(pcfg: Any) -> str:
     return f"; the smallest stages.n_a that passes is {found[0]} ({found[1]} test groups)"
 
 
-def threshold_problems(pcfg: Any, test_groups: int | None = None,
-                       audited: tuple[int, str] | None = None) -> tuple[list[str], list[str]]:
+def teacher_marks(pcfg: Any) -> tuple[list[Any], str]:
+    """``(marks, source in words)``: the teacher's mark vectors of stage A's answered groups (``[K]`` float64 tensors,
+    in presented order, from ``A/judge/ledger.sqlite``) when that ledger has any, else the default mark model's
+    (:func:`flowforge.reward_model.power.default_marks`)."""
+    from pathlib import Path
+
+    import torch
+
+    from flowforge.reward_model.power import default_marks
+    from flowforge.rewards.judge.ledger import RequestLedger
+
+    path = Path(pcfg.run.output_dir) / pcfg.run.name / "A" / "judge" / "ledger.sqlite"  # the pipeline directory
+    marks = []
+    if path.is_file():
+        ledger = RequestLedger(path)
+        try:
+            entries = [ledger.get(key) for key in ledger.keys()]
+        finally:
+            ledger.close()
+        marks = [torch.tensor([float(e.scores[label]) for label in e.request["labels"]], dtype=torch.float64)
+                 for e in entries if e is not None and e.status == "ok" and e.scores]
+    if marks:
+        return marks, f"the teacher's marks of stage A's {len(marks)} judged groups"
+    return default_marks(pcfg.data.group_size), "the default mark model (K independent uniform marks)"
+
+
+def audit_design(pcfg: Any) -> dict[str, Any]:
+    """Size and power of one audit verdict of ``pcfg`` (:func:`flowforge.reward_model.power.size_and_power` on
+    ``audit.pool_groups`` groups, else one step's ``data.prompts_per_step``, of ``data.group_size``, with
+    ``audit.tie_margin``, the bar student at ``student.gate``'s thresholds, marks from :func:`teacher_marks`): its
+    dict plus ``groups`` and ``source``.
+
+    Raises:
+        ValueError: the teacher's marks have no group it can order (no verdict can be taken), or ``K < 2``.
+    """
+    from flowforge.reward_model.power import DEFAULT_TRIALS, size_and_power
+
+    a, g = pcfg.audit, pcfg.student.gate
+    groups = a.pool_groups or pcfg.data.prompts_per_step
+    marks, source = teacher_marks(pcfg)
+    out = size_and_power(marks, pcfg.data.group_size, groups, min_spearman=a.min_spearman,
+                         min_pairwise_accuracy=a.min_pairwise_accuracy, gate_spearman=g.min_spearman,
+                         gate_pairwise_accuracy=g.min_pairwise_accuracy, tie_margin=a.tie_margin)
+    return {**out, "groups": groups, "source": source, "trials": DEFAULT_TRIALS}
+
+
+def design_line(design: dict[str, Any]) -> str:
+    """What ``flowforge check`` prints of :func:`audit_design`."""
+    return (f"audit: a random student passes {100 * design['size']:.2f} %; a student at the gate's bar is stopped "
+            f"{100 * design['power']:.1f} % ({design['groups']} groups per verdict; {design['trials']} verdicts "
+            f"simulated from {design['source']})")
+
+
+def audit_problems(pcfg: Any, notes: list[str] | None = None) -> list[str]:
+    """The size and power problems of :func:`audit_design` (one line naming the fields); its line to ``notes``."""
+    a, g = pcfg.audit, pcfg.student.gate
+    if a.max_null_pass >= 1 and a.min_power <= 0:  # both opted out: nothing to simulate
+        return []
+    try:
+        design = audit_design(pcfg)
+    except ValueError as exc:
+        return [f"audit: {exc} (audit.tie_margin={a.tie_margin:g})"]
+    if notes is not None:
+        notes.append(design_line(design))
+    bad = []
+    if a.max_null_pass < 1 and not design["size"] < a.max_null_pass:
+        bad.append(f"a random student passes {100 * design['size']:.2f} % >= audit.max_null_pass="
+                   f"{a.max_null_pass:g}")
+    if a.min_power > 0 and not design["power"] >= a.min_power:
+        bad.append(f"a student at the gate's bar (student.gate.min_spearman={g.min_spearman:g}, "
+                   f"min_pairwise_accuracy={g.min_pairwise_accuracy:g}) is stopped {100 * design['power']:.1f} % < "
+                   f"audit.min_power={a.min_power:g}")
+    if not bad:
+        return []
+    return [f"audit: on {design['groups']} groups per verdict (audit.pool_groups, K={pcfg.data.group_size}) "
+            f"{' and '.join(bad)} at audit.min_spearman={a.min_spearman:g} / audit.min_pairwise_accuracy="
+            f"{a.min_pairwise_accuracy:g}; move the thresholds or audit.pool_groups (opt out: audit.max_null_pass=1, "
+            "audit.min_power=0)"]
+
+
+def threshold_problems(pcfg: Any, test_groups: int | None = None, audited: tuple[int, str] | None = None,
+                       notes: list[str] | None = None) -> tuple[list[str], list[str]]:
     """``(problems, warnings)`` of the module table. ``test_groups``: the gate's group count (default:
     :func:`test_groups_at_budget`; then a gate problem names the smallest ``stages.n_a`` that passes,
     :func:`smallest_passing_n_a`). ``audited``: ``(groups, plan in words)`` stage C's audits see
-    (:func:`flowforge.orchestrate.plan.audited_groups`): a larger ``audit.pool_groups`` never reaches a verdict."""
+    (:func:`flowforge.orchestrate.plan.audited_groups`): a larger ``audit.pool_groups`` never reaches a verdict.
+    ``notes``: gets :func:`design_line` (what ``flowforge check`` prints)."""
     problems, warnings = [], []
     k = pcfg.data.group_size
     g, a = pcfg.student.gate, pcfg.audit
@@ -149,7 +236,9 @@ def threshold_problems(pcfg: Any, test_groups: int | None = None,
         if name == "student.gate" and groups < g.min_groups:
             problems.append(f"{name}: {where} are fewer than student.gate.min_groups={g.min_groups}{hint}")
             continue
-        p = null_pass(k, groups, rho, pairs)
+        if name == "audit":  # its size (and power) simulated from the teacher's marks above
+            alpha = 1.0
+        p = null_pass(k, groups, rho, pairs) if alpha < 1 else 0.0
         if alpha < 1 and not p < alpha:  # max_null_pass 1: no null check (a test of the mechanics)
             problems.append(f"{name}: a random student passes min_spearman={rho:g} and min_pairwise_accuracy="
                             f"{pairs:g} on {where} with probability {p:.3g} >= max_null_pass={alpha:g}; raise the "
@@ -157,4 +246,40 @@ def threshold_problems(pcfg: Any, test_groups: int | None = None,
         if rho < floors[0] or pairs < floors[1]:
             warnings.append(f"{name}: min_spearman={rho:g} / min_pairwise_accuracy={pairs:g} are below the floors "
                             f"{floors[0]:g} / {floors[1]:g}")
+    if "audit" not in skip and k >= 2:
+        problems += audit_problems(pcfg, notes)
     return problems, warnings
+
+
+AUDIT_DESIGN_FILE = "audit_design.json"
+
+
+def record_audit_design(pcfg: Any, run_dir: Any) -> dict[str, Any] | None:
+    """At stage C's start: the audits' size and power simulated from stage A's judged marks (:func:`audit_design`;
+    ``flowforge check`` before A ran had only the default mark model), written to ``C/audit_design.json`` and
+    logged; a warning when they miss ``audit.max_null_pass`` / ``audit.min_power`` (C still runs: the config passed
+    its check, and the unaudited budget and the verdicts still stop a bad student). None when both checks are opted
+    out, or when A's teacher ordered no group (a warning: every audited step will be unaudited)."""
+    import json
+    import logging
+
+    from flowforge.runtime.durable import write_bytes
+
+    log = logging.getLogger("flowforge")
+    a = pcfg.audit
+    if a.max_null_pass >= 1 and a.min_power <= 0:
+        return None
+    try:
+        design = audit_design(pcfg)
+    except ValueError as exc:  # A's teacher ordered no group at the audits' tie margin
+        log.warning("stage C audits: %s (audit.tie_margin=%g): every audited step will be unaudited", exc,
+                    a.tie_margin)
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_bytes(run_dir / AUDIT_DESIGN_FILE, json.dumps(design, indent=1, default=float).encode())
+    log.info("stage C %s", design_line(design))
+    if (a.max_null_pass < 1 and not design["size"] < a.max_null_pass) or (
+            a.min_power > 0 and not design["power"] >= a.min_power):
+        log.warning("stage C audits on stage A's marks miss their bounds (audit.max_null_pass=%g, audit.min_power="
+                    "%g): %s", a.max_null_pass, a.min_power, design_line(design))
+    return design

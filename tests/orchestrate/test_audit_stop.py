@@ -1,7 +1,8 @@
 """A random student swapped in mid-C is stopped by the audits (thresholds a random student passes with p < 0.01 at
-the groups one verdict is taken on: one audited step's 4 groups of 8, or the last 8 audited groups when audits are
-pooled) within two audits, at the last checkpoint an audit passed; the student it replaced passed every audit before
-the swap."""
+the groups one verdict is taken on: one audited step's 4 groups of 8, or 8 audited groups when audits are pooled)
+within two audits, at the last checkpoint an audit passed; the student it replaced passed every audit before the
+swap. The power against a student at the gate's bar is not this test's subject (min_power 0: its small student sits
+near such thresholds)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ SWAP_AFTER = 3  # student calls (one per C step) before the random student takes
 
 
 AUDITS = {  # (audit section, C steps): one step's groups alone; pooled over the last 8 audited groups
-    "per_step": ({"first_groups": 4, "every": 2, "min_spearman": 0.45, "min_pairwise_accuracy": 0.67}, 6),
-    "pooled": ({"first_groups": 8, "every": 2, "pool_groups": 8, "min_spearman": 0.35,
-                "min_pairwise_accuracy": 0.63}, 8),  # C steps 4..11: audits 4 (pending), 5, 6 | swap | 8, 10
+    "per_step": ({"first_groups": 4, "every": 2, "pool_groups": 0, "min_spearman": 0.45,
+                  "min_pairwise_accuracy": 0.67}, 6),
+    "pooled": ({"first_groups": 4, "every": 2, "pool_groups": 8, "min_spearman": 0.35,
+                "min_pairwise_accuracy": 0.63}, 8),  # C steps 4..11: audits 4 (pending), 6 | swap | 8 (pending), 10
 }
 
 
@@ -37,7 +39,7 @@ def test_a_random_student_swapped_in_mid_c_is_stopped_within_two_audits(tiny_mod
         # a teacher a small CNN can learn from 16 groups: the candidates' brightness
         teacher={"scorer": "tests.serve.judge_support:Brightness"},
         student={"epochs": 15, "lr": 3e-3, "split": [0.5, 0.25, 0.25]},
-        audit={**section, "max_null_pass": 0.01},
+        audit={**section, "max_null_pass": 0.01, "min_power": 0.0},
         checkpoint={"keep": 10})
     pcfg = load_pipeline(path)
     check_pipeline(pcfg)  # the audit thresholds pass the null check at their group count

@@ -183,8 +183,8 @@ def test_audit_pool_beyond_what_stage_c_audits_is_refused_in_one_line(tmp_path):
     from tests.cli.harness import assert_one_line_error, run_cli
 
     rc, _, err = run_cli(["check", _bad(tmp_path), "audit.pool_groups=100000"], tmp_path, in_process=True)
-    assert_one_line_error(rc, err, ["audit.pool_groups=100000 exceeds the 20 groups stage C audits", "at most 20"])
-    check_pipeline(load_pipeline(EXAMPLE, ["audit.pool_groups=20"]))
+    assert_one_line_error(rc, err, ["audit.pool_groups=100000 exceeds the 24 groups stage C audits", "at most 24"])
+    check_pipeline(load_pipeline(EXAMPLE, ["audit.pool_groups=24"]))
     for overrides in ([], ["audit.every=3", "audit.first_groups=9"], ["stages.c_steps=5", "audit.every=0"],
                       ["stages.c_overrides=[data.prompts_per_step=2]", "audit.every=4"]):
         pcfg = load_pipeline(EXAMPLE, overrides)
@@ -204,3 +204,63 @@ def test_the_null_s_normal_approximation_meets_the_permutation_draws():
     n = SIMULATED_GROUPS
     for rho, pairs in ((0.04, 0.0), (0.0, 0.51), (0.02, 0.505)):
         assert abs(null_pass(8, n + 1, rho, pairs) - null_pass(8, n, rho, pairs)) < 0.03, (rho, pairs)
+
+
+def test_check_prints_the_audits_size_and_power_and_refuses_an_audit_a_random_student_passes(tmp_path):
+    """Issue 39: the former 0.35 / 0.63 audits caught only an almost random student. check prints a verdict's size
+    and power (simulated from the default mark model before stage A ran) and refuses, in one line naming the
+    fields, thresholds a random student passes >= 1 % of the time or that stop a student at the gate's bar < 80 %."""
+    from tests.cli.test_errors import assert_one_line_error, run_cli
+
+    rc, out, _ = run_cli(["check", EXAMPLE], tmp_path, in_process=True)
+    assert rc == 0 and ("audit: a random student passes 0.00 %; a student at the gate's bar is stopped 84.2 % (8 "
+                        "groups per verdict; 2000 verdicts simulated from the default mark model") in out, out
+    rc, _, err = run_cli(["check", _bad(tmp_path), "audit.min_spearman=0.1", "audit.min_pairwise_accuracy=0.55"],
+                         tmp_path, in_process=True)
+    assert_one_line_error(rc, err, ["a random student passes", ">= audit.max_null_pass=0.01",
+                                    "audit.min_spearman=0.1", "audit.min_pairwise_accuracy=0.55"])
+    rc, _, err = run_cli(["check", _bad(tmp_path), "audit.min_spearman=0.35", "audit.min_pairwise_accuracy=0.63"],
+                         tmp_path, in_process=True)  # the former thresholds: the size holds, the power does not
+    assert_one_line_error(rc, err, ["is stopped 6.", "< audit.min_power=0.8", "student.gate.min_spearman=0.5"])
+    assert "random student passes" not in err
+    # an explicit opt-out
+    check_pipeline(load_pipeline(EXAMPLE, ["audit.min_spearman=0.35", "audit.min_pairwise_accuracy=0.63",
+                                           "audit.min_power=0"]))
+    # --portable without the prompt file: the audits need none, so they are checked all the same
+    gpu = ROOT / "examples" / "gpu" / "wan21_t2v_qwen35_9b_student_stages.yaml"
+    rc, out, _ = run_cli(["check", "--portable", gpu], tmp_path, in_process=True)
+    assert rc == 0 and "a student at the gate's bar is stopped 83.2 %" in out, out
+    rc, _, err = run_cli(["check", "--portable", gpu, "audit.min_spearman=0.35", "audit.min_pairwise_accuracy=0.62"],
+                         tmp_path, in_process=True)
+    assert_one_line_error(rc, err, ["is stopped 5.5 % < audit.min_power=0.8"])
+
+
+def test_the_audit_simulation_uses_stage_a_s_judged_marks_once_they_exist(tmp_path):
+    """With stage A's judge ledger in the pipeline directory the verdicts are simulated from its marks; marks the
+    teacher cannot order at audit.tie_margin leave no verdict possible: refused."""
+    import json
+
+    from flowforge.orchestrate.thresholds import audit_design, record_audit_design
+    from flowforge.rewards.judge.ledger import RequestLedger
+
+    def ledger_with(marks):
+        out = tmp_path / f"runs{len(list(tmp_path.iterdir()))}"
+        path = out / "digits-stages" / "A" / "judge" / "ledger.sqlite"
+        path.parent.mkdir(parents=True)
+        ledger = RequestLedger(path)
+        labels = [chr(65 + i) for i in range(8)]
+        for g, group in enumerate(marks):
+            ledger.begin(f"k{g}", model="m", template_sha256="t", request={"labels": labels})
+            ledger.finish(f"k{g}", "ok", scores=dict(zip(labels, group, strict=True)), response=[])
+        ledger.close()
+        return load_pipeline(EXAMPLE, [f"run.output_dir={out}"])
+
+    spread = ledger_with([[i / 7 for i in range(8)] for _ in range(16)])
+    design = audit_design(spread)
+    assert design["source"] == "the teacher's marks of stage A's 16 judged groups" and design["orderable"] == 1.0
+    assert record_audit_design(spread, tmp_path / "C") == design  # what stage C records at its start
+    assert json.loads((tmp_path / "C" / "audit_design.json").read_text())["power"] == design["power"]
+    flat = ledger_with([[0.9 + 0.001 * i for i in range(8)] for _ in range(16)])  # all within tie_margin 0.01
+    with pytest.raises(ConfigError, match="none of the 16 teacher mark vectors of 8 candidates has an order"):
+        check_pipeline(flat)
+    assert record_audit_design(flat, tmp_path / "C2") is None and not (tmp_path / "C2").exists()

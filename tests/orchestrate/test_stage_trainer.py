@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -48,32 +49,49 @@ def _step(auditor, step, student):
     return auditor.audit(step, step, torch.zeros(32, 3, 4, 4), batch, student)
 
 
-def test_pooled_audits_pend_until_the_pool_fills_then_judge_the_last_n_groups(tmp_path):
+def test_pooled_audits_pend_until_the_pool_fills_and_never_reuse_a_judged_group(tmp_path):
+    """Issue 39: a verdict used to be taken on the last N audited groups, refilled from older audits (each group
+    judged again and again); now each group counts toward one verdict only."""
     cfg = AuditConfig(first_groups=8, every=7, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63)
     auditor = Auditor(_RankJudge(), cfg, first_step=24, prompts_per_step=4, run_dir=tmp_path)
     teacher_order = torch.arange(8.0).repeat(4)
     _step(auditor, 24, teacher_order)  # 4 of 8 groups: pending, whatever the agreement
-    _step(auditor, 25, teacher_order)
+    _step(auditor, 25, teacher_order)  # the first verdict, on 24's and 25's groups
     reverse = -teacher_order  # a student that ranks every group backwards: Spearman -1 on this step alone
-    _step(auditor, 28, torch.cat([teacher_order[:24], reverse[24:]]))  # 3 good + 1 reversed, pooled with 25's 4
+    _step(auditor, 28, torch.cat([teacher_order[:24], reverse[24:]]))  # 3 good + 1 reversed: pending again
     with pytest.raises(AuditStop, match=r"spearman=-0.25 < audit.min_spearman=0.35 \(pooled over 8 groups\)"):
         _step(auditor, 35, reverse)  # 4 reversed + the 4 of step 28 (one reversed): pooled 8 of which 5 reversed
     audits = read_audits(tmp_path)
-    assert [(a["step"], a["passed"], a["pooled_groups"], a["pooled_steps"]) for a in audits] == [
-        (24, None, 4, [24]), (25, True, 8, [24, 25]), (28, True, 8, [25, 28]), (35, False, 8, [28, 35])]
+    assert [(a["step"], a["verdict"], a["passed"], a["pooled_groups"], a["pooled_steps"]) for a in audits] == [
+        (24, "pending", None, 4, [24]), (25, "passed", True, 8, [24, 25]), (28, "pending", None, 4, [28]),
+        (35, "failed", False, 8, [28, 35])]
     assert audits[0]["pending"] and audits[0]["reasons"] == [] and audits[0]["spearman"] == 1.0
-    assert audits[2]["step_spearman"] == pytest.approx(0.5) and audits[2]["spearman"] == pytest.approx(0.75)
-    assert audits[3]["spearman"] == pytest.approx(-1 * 5 / 8 + 3 / 8)
+    assert audits[2]["step_spearman"] == pytest.approx(0.5) and audits[2]["spearman"] == pytest.approx(0.5)
+    assert audits[3]["spearman"] == pytest.approx(-1 * 5 / 8 + 3 / 8) and audits[3]["stop"] == "agreement"
     assert all(len(a["scores"]) == 4 and len(a["scores"][0][0]) == 8 for a in audits)  # per group [student, teacher]
+    # the pair counts of the verdict's groups: 28 pairs a group, none tied (distinct marks, no margin)
+    assert [(a["pairs_compared"], a["pairs_tied"], a["pairs_compared_raw"]) for a in audits] == [
+        (112, 0, 112), (224, 0, 224), (112, 0, 112), (224, 0, 224)]
+    assert audits[3]["spearman_raw"] == audits[3]["spearman"]
 
 
 def test_without_pooling_each_step_is_judged_alone(tmp_path):
-    auditor = Auditor(_RankJudge(), AuditConfig(first_groups=4, every=0), first_step=0, prompts_per_step=4,
-                      run_dir=tmp_path)
+    alone = AuditConfig(first_groups=4, every=1, pool_groups=0, min_spearman=0.45, min_pairwise_accuracy=0.67)
+    auditor = Auditor(_RankJudge(), alone, first_step=0, prompts_per_step=4, run_dir=tmp_path)
     with pytest.raises(AuditStop, match=r"spearman=-1 < audit.min_spearman=0.45;"):
         _step(auditor, 0, -torch.arange(8.0).repeat(4))
     (record,) = read_audits(tmp_path)
-    assert (record["passed"], record["pending"], record["pooled_groups"]) == (False, False, 4)
+    assert (record["verdict"], record["passed"], record["pending"], record["pooled_groups"]) == ("failed", False,
+                                                                                                  False, 4)
+    # marks 0, 1/7, ..., 1 tied within 0.15 pair up: 4 of each group's 28 pairs tie, counted apart from the rest
+    (tmp_path / "margin").mkdir()
+    margin = Auditor(_RankJudge(), dataclasses.replace(alone, tie_margin=0.15), first_step=0, prompts_per_step=4,
+                     run_dir=tmp_path / "margin")
+    _step(margin, 0, torch.arange(8.0).repeat(4))
+    (record,) = read_audits(tmp_path / "margin")
+    assert (record["verdict"], record["pairs_compared"], record["pairs_tied"], record["pairs_compared_raw"]) == (
+        "passed", 96, 16, 112)
+    assert record["spearman"] < record["spearman_raw"] == 1.0 and record["pairwise_accuracy"] == 1.0
 
 
 class _NearTieJudge(_RankJudge):
@@ -100,16 +118,19 @@ def test_groups_the_teacher_cannot_order_count_toward_no_verdict(tmp_path):
         return _step(auditor, n, student)
 
     step(24, good)
-    step(25, reverse)  # near-tied marks: reversed or not, nothing to judge; no verdict
+    step(25, reverse)  # near-tied marks: reversed or not, nothing to judge; no verdict, one unaudited step
     step(28, good)  # with step 24's 4: the first verdict
     step(35, reverse)  # near-tied again: no verdict (not a passed audit for the last good checkpoint)
-    with pytest.raises(AuditStop, match=r"spearman=0 < audit.min_spearman=0.35 \(pooled over 8 groups\)"):
-        step(42, reverse)  # 4 reversed + step 28's 4 good
+    step(42, reverse)  # 4 reversed groups: pending (step 28's were judged already)
+    with pytest.raises(AuditStop, match=r"spearman=-1 < audit.min_spearman=0.35 \(pooled over 8 groups\)"):
+        step(49, reverse)
     audits = read_audits(tmp_path)
-    assert [(a["step"], a["passed"], a["pooled_groups"], a["pooled_steps"]) for a in audits] == [
-        (24, None, 4, [24]), (25, None, 4, [24]), (28, True, 8, [24, 28]), (35, None, 8, [24, 28]),
-        (42, False, 8, [28, 42])]
+    assert [(a["step"], a["verdict"], a["pooled_groups"], a["pooled_steps"], a["unaudited"]) for a in audits] == [
+        (24, "pending", 4, [24], False), (25, "pending", 4, [24], True), (28, "passed", 8, [24, 28], False),
+        (35, "pending", 0, [], True), (42, "pending", 4, [42], False), (49, "failed", 8, [42, 49], False)]
+    assert [a["unaudited_steps"] for a in audits] == [0, 1, 1, 2, 2, 2]
     assert all(len(a["scores"]) == 4 for a in audits)  # every group is kept in the file, orderable or not
+    assert (audits[1]["pairs_compared"], audits[1]["pairs_tied"]) == (112, 0)  # its pending pool: step 24's groups
     # without the margin the same near-tied marks are an order, and the reversed step 25 would count
     (tmp_path / "exact").mkdir()
     exact = Auditor(_NearTieJudge(flat={25}), AuditConfig(first_groups=8, every=7, pool_groups=8,
@@ -120,3 +141,22 @@ def test_groups_the_teacher_cannot_order_count_toward_no_verdict(tmp_path):
     exact.judge.step = 25
     with pytest.raises(AuditStop):
         _step(exact, 25, reverse)
+
+
+def test_steps_the_teacher_cannot_order_spend_a_bounded_budget_then_stop(tmp_path):
+    """Issue 39: a teacher that could order none of the audited groups gave no verdict and no stop, for ever."""
+    judge = _NearTieJudge(flat={25, 28, 35})
+    cfg = AuditConfig(first_groups=8, every=7, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63,
+                      tie_margin=0.01, max_unaudited=1)
+    auditor = Auditor(judge, cfg, first_step=24, prompts_per_step=4, run_dir=tmp_path)
+    for n in (24, 25):
+        judge.step = n
+        _step(auditor, n, torch.arange(8.0).repeat(4))
+    judge.step = 28
+    with pytest.raises(AuditStop, match=r"audit at step 28: the teacher could not order any of the 4 audited groups "
+                                        r"\(marks within audit.tie_margin=0.01\) at 2 audited steps > "
+                                        r"audit.max_unaudited=1") as stop:
+        _step(auditor, 28, torch.arange(8.0).repeat(4))
+    assert stop.value.record["stop"] == "unaudited" and stop.value.record["verdict"] == "pending"
+    assert [(a["step"], a["verdict"], a["unaudited"]) for a in read_audits(tmp_path)] == [
+        (24, "pending", False), (25, "pending", True), (28, "pending", True)]

@@ -97,6 +97,35 @@ def test_audit_below_threshold_stops_stage_c_at_the_last_good_checkpoint(pipelin
     assert len((directory / "C" / "audit.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow  # ~40 s of CPU here: A, B and two steps of C
+def test_steps_the_teacher_cannot_order_stop_stage_c_once_the_unaudited_budget_is_spent(pipeline):
+    """Issue 39: audited groups whose marks all tie within audit.tie_margin gave no verdict and no stop, for ever.
+    The brightness teacher's marks of one group lie within 0.9: steps 2 and 3 are audited (first_groups 4 of M 2),
+    step 2 spends the budget of 1, step 3 stops C before its update."""
+    _, pcfg, directory = pipeline(stages={"n_a": 4, "c_steps": 2, "student_serving": "in_process"},
+                                  teacher={"scorer": "tests.serve.judge_support:Brightness"},
+                                  audit={"first_groups": 4, "every": 0, "tie_margin": 0.9, "max_unaudited": 1})
+    outcome = run_pipeline(pcfg, progress=False)
+    assert outcome.status == "unaudited_stopped", outcome
+    assert outcome.reason == ("audit at step 3: the teacher could not order any of the 2 audited groups (marks "
+                              "within audit.tie_margin=0.9) at 2 audited steps > audit.max_unaudited=1")
+    audits = [json.loads(line) for line in (directory / "C" / "audit.jsonl").read_text().splitlines()]
+    assert [(a["step"], a["verdict"], a["unaudited"], a["stop"]) for a in audits] == [
+        (2, "pending", True, None), (3, "pending", True, "unaudited")]
+    assert [a["step"] for a in audits if a["passed"] is False] == []  # no agreement verdict failed
+    assert open_ledger(pcfg).with_state("trained_on", "C") != []  # step 2 trained, step 3 did not
+    assert (directory / "C" / "checkpoints").is_dir() is False or newest_step(directory / "C") <= 2
+    summary = json.loads((directory / "summary.json").read_text())
+    assert summary["status"] == "unaudited_stopped"
+    _, text = read_report(directory)
+    assert "pipeline stopped: the teacher could not order the audited groups: " + outcome.reason in text
+    assert [p["verdict"] for p in summary["agreement"]] == ["passed", "pending", "pending"]  # the gate, 2 audits
+    assert "(pending: the teacher could not order the audited groups)" in text
+    again = run_pipeline(pcfg, progress=False)  # the stop is read back, nothing runs again
+    assert (again.status, again.reason) == (outcome.status, outcome.reason)
+    assert len((directory / "C" / "audit.jsonl").read_text().splitlines()) == 2
+
+
 def _in_flight(db: Path) -> int:
     """Attempts of a judge ledger recorded as sent and not (yet) as answered, read-only."""
     if not db.is_file():

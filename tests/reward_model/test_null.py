@@ -70,7 +70,7 @@ def test_thresholds_a_random_student_passes_are_refused():
                           "student.gate.min_spearman=0.1", "student.gate.min_pairwise_accuracy=0.55"])
     problems, warnings = thresholds.threshold_problems(pcfg)
     assert len(problems) == 2 and "student.gate" in problems[0] and "audit" in problems[1]
-    assert "with probability" in problems[1] and len(warnings) == 1  # the audit floors are met, the gate's not
+    assert "a random student passes" in problems[1] and len(warnings) == 1  # the audit floors are met, the gate's not
 
 
 def test_pooled_audit_thresholds_are_checked_at_the_pooled_group_count():
@@ -79,7 +79,7 @@ def test_pooled_audit_thresholds_are_checked_at_the_pooled_group_count():
     assert pcfg.audit.pool_groups == 8 and thresholds.threshold_problems(pcfg) == ([], [])
     alone = load_pipeline(example, ["audit.pool_groups=0"])  # the same thresholds on one step's 4 groups
     problems, _ = thresholds.threshold_problems(alone)
-    assert len(problems) == 1 and "on 4 groups per audit verdict" in problems[0]
+    assert len(problems) == 1 and "on 4 groups per verdict" in problems[0]
     small = load_pipeline(example, ["audit.pool_groups=2"])
     assert any("audit.pool_groups=2 must be 0 or at least data.prompts_per_step=4" in p
                for p in thresholds.threshold_problems(small)[0])
