@@ -23,7 +23,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
-TIME_WORDS = ("time", "_at", "timestamp", "elapsed", "wall", "created", "started", "ended", "duration", "date")
+TIME_WORDS = ("time", "_at", "timestamp", "elapsed", "wall", "created", "started", "ended", "duration", "date", "latency",
+              "unix")
 
 
 def _timeless(value):
@@ -47,8 +48,12 @@ def _sqlite(path: Path) -> dict:
         for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY name"):
             cur = con.execute(f"SELECT * FROM {table}")
             cols = [d[0] for d in cur.description]
-            keep = [i for i, c in enumerate(cols) if not any(w in c.lower() for w in TIME_WORDS)]
-            out[table] = sorted(json.dumps([cols[i] for i in keep] and [row[i] for i in keep], default=str)
+            # not compared: clocks, latencies, the writing process (owner) and the server's reply envelope (a random
+            # completion id and its clock; the scores it carried are in scores_json / status)
+            # (nor the attempts' row ids: two requests in flight at once are numbered in the order they leave)
+            keep = [i for i, c in enumerate(cols) if not any(w in c.lower() for w in TIME_WORDS)
+                    and c not in ("owner", "response_json", "id")]
+            out[table] = sorted(json.dumps([row[i] for i in keep], default=str)
                                 for row in cur.fetchall())
         return out
     finally:
