@@ -103,8 +103,6 @@ class Trainer(RunDirectory):
         PreflightError: the config is invalid (every violation listed), before any model loads.
     """
 
-    expected_resume_changes: tuple[str, ...] = ()
-
     def __init__(self, cfg: Config, *, progress: bool = True, overwrite: bool = False,
                  prompts: PromptSource | None = None, hooks: Sequence[StepHook] = (), own_area: Path | None = None,
                  expected_resume_changes: tuple[str, ...] = ()):
