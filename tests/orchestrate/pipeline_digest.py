@@ -11,7 +11,14 @@
 
 and writes one JSON object: every JSONL line (the condition ledger, metrics, eval, audits; timing keys and
 timestamps left out), every row of every SQLite judge ledger (time columns left out) and the sha256 of every
-tensor of every checkpoint. Two digests are compared with ``diff``; nothing of it is a test (minutes of CPU).
+tensor of every checkpoint. ``python -m tests.orchestrate.pipeline_digest OUT.json WORKDIR digest`` digests an
+existing WORKDIR again without running anything. Two digests are compared with
+``python tests/orchestrate/digest_diff.py A.json A_WORKDIR B.json B_WORKDIR`` (work directories and loopback ports
+normalised). Nothing of it is a test: about 3 minutes of CPU on one thread.
+
+Issue 40 (the trainer's seams) was checked with it: the pipeline's digests before and after were identical; plain
+``flowforge train`` kept a byte-identical ``eval.jsonl`` and checkpoints, its ``metrics.jsonl`` gained
+``reward/judge_failed_groups`` and ``reward/total_mean`` became the float64 mean of the kept rows (last float32 digit).
 """
 
 from __future__ import annotations
