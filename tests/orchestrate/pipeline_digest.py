@@ -30,8 +30,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
-TIME_WORDS = ("time", "_at", "timestamp", "elapsed", "wall", "created", "started", "ended", "duration", "date", "latency",
-              "unix")
+TIME_WORDS = ("time", "_at", "timestamp", "elapsed", "wall", "created", "started", "ended", "duration", "date",
+              "latency", "unix")
 
 
 def _timeless(value):
