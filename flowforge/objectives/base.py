@@ -43,15 +43,22 @@ class TrainBatch:
     rewards: torch.Tensor  # [B] fp32 weighted total reward (for objectives that transform scores themselves)
     candidate_ids: torch.Tensor  # [B] int64 stable per-candidate ids (seed training-time noise)
     step: int = 0  # the training step this rollout belongs to (seeds forward-process visit noise)
+    # [b] int64 the rows trained on (None: every row); the others (failed groups, flowforge.train.seams) carry zero
+    # weight: every objective trains on kept() only
+    keep: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.advantages.shape[0])
 
     def select(self, rows: torch.Tensor) -> "TrainBatch":
-        """The rows ``rows`` ([b] int64) of every per-row field; ``step`` is kept."""
+        """The rows ``rows`` ([b] int64) of every per-row field, all of them kept; ``step`` is kept."""
         return replace(self, traj=self.traj.select(rows), cond=self.cond.index(rows),
                        advantages=self.advantages[rows], group_ids=self.group_ids[rows],
-                       rewards=self.rewards[rows], candidate_ids=self.candidate_ids[rows])
+                       rewards=self.rewards[rows], candidate_ids=self.candidate_ids[rows], keep=None)
+
+    def kept(self) -> "TrainBatch":
+        """The rows :attr:`keep` (the batch itself when every row is kept)."""
+        return self if self.keep is None else self.select(self.keep)
 
 
 @dataclass(frozen=True)
@@ -222,7 +229,8 @@ class Objective:
         raise NotImplementedError
 
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        """Every update of one scored batch; returns 0-d metrics, identical on every rank."""
+        """Every update of one scored batch, on its rows :meth:`TrainBatch.kept` (the others carry zero weight);
+        returns 0-d metrics, identical on every rank."""
         raise NotImplementedError
 
     def optimizer_step(self) -> dict[str, torch.Tensor]:

@@ -226,9 +226,11 @@ class ForwardProcessObjective(Objective):
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """Every inner epoch and update of the batch (see the class docstring). Each micro-batch's loss is scaled by
         ``rows * world / rows of the update over all ranks``, so the data-parallel mean gradient is the mean over
-        every rank's trained rows; a rank that dropped more rows backpropagates :meth:`padding` times 0."""
+        every rank's trained rows; a rank that dropped more rows backpropagates :meth:`padding` times 0. Rows outside
+        ``batch.keep`` leave before :meth:`prepare`; the padding is drawn from the whole batch (a rank can lose every
+        row of its share while another trains)."""
         source = batch
-        batch, extras, out = self.prepare(batch)
+        batch, extras, out = self.prepare(batch.kept())
         order = self._row_order(batch)
         batch = batch.select(order)
         extras = {k: v[order] for k, v in extras.items()}

@@ -64,6 +64,7 @@ class ReplayObjective(Objective):
         raise NotImplementedError
 
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        batch = batch.kept()
         spec = self.rollout_spec_of(batch)
         n_updates = self.ctx.num_updates_per_batch
         per_update = len(batch) // n_updates

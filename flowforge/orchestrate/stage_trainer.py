@@ -1,26 +1,28 @@
-"""The trainer of stages A and C: the ordinary :class:`~flowforge.train.trainer.Trainer`, with its prompts drawn
-from the condition ledger and, in stage C, teacher audits of the student.
+"""The trainers of stages A and C: the ordinary :class:`~flowforge.train.trainer.Trainer`, composed with the
+pipeline's prompt source and step hooks (:mod:`flowforge.train.seams`); no method of it is overridden.
 
-:class:`StageTrainer` changes these stages and nothing else:
+:func:`stage_trainer` plugs in:
 
-1. **prompts** -- the K-repeat sampler still fixes the step's layout (candidate ids, which seed each candidate's
-   noise; group ids; the training order), but the ``M`` prompts are the next ``M`` conditions of the ledger's one
-   pass (:meth:`ConditionLedger.take <flowforge.orchestrate.ledger.ConditionLedger.take>`, recorded for the
-   trainer's step before the rollout; a resumed step gets the same conditions back); the judges are bound to the
-   step (:meth:`VLMJudge.bind <flowforge.rewards.judge.client.VLMJudge.bind>`: stage, ``train``, step, policy
-   version), so a resumed step re-uses the recorded answers of its groups even when its media are re-generated;
-2. **sample** / **reward** -- the conditions are marked ``rolled_out`` and, for groups the reward scored (not NaN),
-   ``judged``; in stage C an :class:`Auditor` has the teacher re-judge the step's groups when an audit is due;
-4. **advantage** / 5. **optimize** -- a group whose weighted reward is NaN (the judge gave it no marks after its
-   bounded attempts, or its answer was lost in a crash) is dropped: advantage 0 and its rows left out of the update
-   (zero weight), counted as ``reward/judge_failed_groups``; a step with no usable group is skipped;
-6. **finish** -- the conditions are marked ``trained_on`` with the policy version after the update (the optimizer
-   steps so far), unless the step was skipped.
+1. **prompts** -- :class:`LedgerPrompts`: the K-repeat sampler still fixes the step's layout (candidate ids, which
+   seed each candidate's noise; group ids; the training order), but the ``M`` prompts are the next ``M`` conditions
+   of the ledger's one pass (:meth:`ConditionLedger.take <flowforge.orchestrate.ledger.ConditionLedger.take>`,
+   recorded for the trainer's step before the rollout; a resumed step gets the same conditions back); the
+   conditions are marked ``rolled_out`` after the rollout, ``judged`` for the groups the reward scored (not NaN)
+   and ``trained_on`` with the policy version after the update (the optimizer steps so far), unless the step was
+   skipped. A stage A whose teacher judged none of a step's groups nor any before stops (:func:`nothing_judged`);
+2. **judges bound to the step** -- :class:`~flowforge.train.seams.BindScorers`
+   (:meth:`VLMJudge.bind <flowforge.rewards.judge.client.VLMJudge.bind>`: stage, ``train`` / ``eval``, step,
+   policy version), so a resumed step re-uses the recorded answers of its groups even when its media are
+   re-generated, and the evaluation's requests are recorded as the stage's ``eval``;
+3. **audits** (stage C) -- :class:`AuditHook`: an :class:`Auditor` has the teacher re-judge the step's groups when an
+   audit is due, after scoring and before the update.
 
-Evaluation, as in every run, never calls a paid judge (a scorer with ``paid = True``: the teacher) unless
-``eval.teacher_groups`` asks for it: then it scores the groups of the first that many held-out prompts, billed against
-the budget (:class:`~flowforge.rewards.processor.RewardProcessor`, ``paid_groups``); here its requests are bound as
-the stage's ``eval``.
+What every run does anyway (:mod:`flowforge.train.seams`): a group whose weighted reward is NaN (the judge gave it no
+marks after its bounded attempts, or its answer was lost in a crash) is dropped -- advantage 0 and its rows left out
+of the update (zero weight), counted as ``reward/judge_failed_groups``; a step with no usable group is skipped.
+Evaluation never calls a paid judge (a scorer with ``paid = True``: the teacher) unless ``eval.teacher_groups`` asks
+for it: then it scores the groups of the first that many held-out prompts, billed against the budget
+(:class:`~flowforge.rewards.processor.RewardProcessor`, ``paid_groups``).
 
 Audits (:class:`Auditor`): the teacher scores every group of an audited step; agreement with the student's scores of
 the same candidates (:func:`flowforge.reward_model.evaluate.agreement`: within-group Spearman, pairwise accuracy,
@@ -46,7 +48,6 @@ the margin tied (``pairs_tied``), and the step's own agreement (``step_*``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -59,10 +60,10 @@ import torch
 from flowforge.orchestrate.directory import AUDIT_FILE
 from flowforge.orchestrate.ledger import ConditionLedger
 from flowforge.reward_model.evaluate import agreement, tie_blocks
-from flowforge.runtime.distributed import (all_gather_objects, all_reduce_processes, broadcast_from_main,
-                                            portable_error)
+from flowforge.runtime.distributed import all_gather_objects, broadcast_from_main, portable_error
 from flowforge.runtime.durable import fsync_path
 from flowforge.runtime.errors import UserError
+from flowforge.train.seams import BindScorers, StepHook, bind_scorers
 from flowforge.train.trainer import StepBatch, Trainer
 
 log = logging.getLogger("flowforge")
@@ -155,9 +156,7 @@ class Auditor:
         """:meth:`audit` in one process: ``records`` / ``group_ids`` / ``student`` row by row with ``media``."""
         groups = torch.unique(group_ids).tolist()
         rows = [torch.nonzero(group_ids == g).view(-1) for g in groups]
-        bind = getattr(self.judge, "bind", None)
-        if callable(bind):
-            bind(stage="C", purpose="audit", step=step, policy_version=policy_version)
+        bind_scorers([self.judge], stage="C", purpose="audit", step=step, policy_version=policy_version)
         requests = [(media[r], [records[i].prompt for i in r.tolist()],
                      [records[i].metadata for i in r.tolist()]) for r in rows]
         teacher = [t.detach().float().cpu() for t in self.judge.score_groups(requests)]
@@ -262,15 +261,6 @@ def nothing_judged(step: int, groups: int, cause: str | None) -> UserError:
                      f"{step} with the same conditions")
 
 
-def _pads(objective: Any) -> bool:
-    """Whether ``objective`` runs data-parallel padding for rows its ``prepare`` dropped (it implements
-    ``padding``: ``nft``, ``dpo``)."""
-    from flowforge.objectives.forward import ForwardProcessObjective
-
-    own = getattr(type(objective), "padding", None)
-    return own is not None and own is not ForwardProcessObjective.padding
-
-
 def every_rank(ids: Any) -> list[str]:
     """``ids`` of every process (rank order, each once, in order of first appearance): under ``torchrun`` every
     rank marks the whole step's conditions in its ledger (rank 0 writes, the others' mirrors apply the same record).
@@ -278,7 +268,85 @@ def every_rank(ids: Any) -> list[str]:
     return list(dict.fromkeys(i for part in all_gather_objects(list(ids)) for i in part))
 
 
-class StageTrainer(Trainer):
+class AuditHook(StepHook):
+    """Stage C's audits as a step hook: after scoring, when ``auditor`` says the step is due, the teacher re-judges
+    the step's groups against the student's scores (component ``reward_name``); the ``audit/*`` metrics join the
+    step's, and an audit below a threshold raises :class:`AuditStop` before the update."""
+
+    needs = frozenset({"pixels"})  # the teacher is sent the step's media, whatever the student reads
+
+    def __init__(self, auditor: Auditor, reward_name: str) -> None:
+        self.auditor, self.reward_name = auditor, reward_name
+
+    def on_scored(self, trainer: Trainer, step: int, batch: StepBatch, media: torch.Tensor,
+                  components: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
+        if self.auditor.due(step):
+            metrics.update(self.auditor.audit(step, trainer.policy.optimizer_steps, media, batch,
+                                              components[self.reward_name].detach().cpu()))
+
+
+def condition_ids(batch: StepBatch) -> list[str]:
+    """The step's condition ids, each once, in order of first appearance (under ``torchrun``: of every rank's share,
+    rank by rank; a collective)."""
+    return every_rank(r.metadata["sample_id"] for r in batch.records)
+
+
+class LedgerPrompts:
+    """The pipeline's prompt source (:class:`~flowforge.train.seams.PromptSource`, module docstring): the conditions
+    of ``ledger`` for ``stage``; ``reward_name`` is the reward component whose NaN marks a group as not judged."""
+
+    def __init__(self, ledger: ConditionLedger, stage: str, reward_name: str) -> None:
+        self.ledger, self.stage, self.reward_name = ledger, stage, reward_name
+        self.index: dict[str, int] = {}
+
+    def check(self, trainer: Trainer) -> None:
+        """Index the trainer's prompt rows by condition id.
+
+        Raises:
+            ValueError: a condition of the ledger is not a row of ``data.prompts`` (another prompt file).
+        """
+        self.index = {r.metadata.get("sample_id"): i for i, r in enumerate(trainer.train_prompts)}
+        missing = [c.id for c in self.ledger.order if c.id not in self.index]
+        if missing:
+            raise ValueError(f"conditions {missing[:3]} of the ledger are not rows of data.prompts="
+                             f"{trainer.cfg.data.prompts!r}; the pipeline's prompt file changed")
+
+    def groups(self, trainer: Trainer, step: int, sampled: torch.Tensor) -> torch.Tensor:
+        m = trainer.cfg.data.prompts_per_step
+        taken = self.ledger.take(self.stage, m, step=step, policy_version=trainer.policy.optimizer_steps)
+        ids = [c.id for c in taken]
+        if broadcast_from_main(ids) != ids:  # rank 0 wrote the take; a mirror that disagrees must not train
+            raise RuntimeError(f"stage {self.stage} step {step}: this rank's condition ledger took {ids[:3]}..., "
+                               "rank 0's another (the ledger file changed under the run)")
+        if len(taken) != m:
+            raise RuntimeError(f"stage {self.stage} step {step}: the condition ledger had {len(taken)} of the "
+                               f"{m} conditions a step needs (budget or pass used up)")
+        return torch.tensor([self.index[c.id] for c in taken], dtype=torch.int64)
+
+    def rolled_out(self, trainer: Trainer, step: int, batch: StepBatch) -> None:
+        self.ledger.mark("rolled_out", condition_ids(batch), stage=self.stage, step=step,
+                         policy_version=trainer.policy.optimizer_steps)
+
+    def scored(self, trainer: Trainer, step: int, batch: StepBatch, components: dict[str, torch.Tensor]) -> None:
+        scores = components[self.reward_name].detach().cpu()
+        judged = every_rank(r.metadata["sample_id"] for r, s in zip(batch.records, scores.tolist(), strict=True)
+                            if not math.isnan(s))
+        if judged:
+            self.ledger.mark("judged", dict.fromkeys(judged), stage=self.stage, step=step,
+                             policy_version=trainer.policy.optimizer_steps)
+        elif self.stage == "A" and not self.ledger.with_state("judged", "A"):
+            raise nothing_judged(step, trainer.cfg.data.prompts_per_step,
+                                 getattr(trainer.rewards.scorers.get(self.reward_name), "last_error", None))
+
+    def trained_on(self, trainer: Trainer, step: int, batch: StepBatch) -> None:
+        # before the checkpoint: a crash after it would otherwise never record the step (it is not replayed)
+        self.ledger.mark("trained_on", condition_ids(batch), stage=self.stage, step=step,
+                         policy_version=trainer.policy.optimizer_steps)
+
+
+def stage_trainer(cfg: Any, *, ledger: ConditionLedger, stage: str, reward_name: str,
+                  auditor: Auditor | None = None, progress: bool = True,
+                  expected_changes: tuple[str, ...] = ()) -> Trainer:
     """A :class:`~flowforge.train.trainer.Trainer` whose prompts come from ``ledger`` for ``stage`` (module
     docstring).
 
@@ -293,140 +361,17 @@ class StageTrainer(Trainer):
     Raises:
         ValueError: a prompt row is not a condition of the ledger (another prompt file).
     """
-
-    def __init__(self, cfg: Any, *, ledger: ConditionLedger, stage: str, reward_name: str,
-                 auditor: Auditor | None = None, progress: bool = True,
-                 expected_changes: tuple[str, ...] = ()) -> None:
-        self.ledger, self.stage, self.reward_name, self.auditor = ledger, stage, reward_name, auditor
-        self.expected_resume_changes = tuple(expected_changes)
-        super().__init__(cfg, progress=progress)
-        self.index = {r.metadata.get("sample_id"): i for i, r in enumerate(self.train_prompts)}
-        missing = [c.id for c in ledger.order if c.id not in self.index]
-        if missing:
-            self.close()
-            raise ValueError(f"conditions {missing[:3]} of the ledger are not rows of data.prompts="
-                             f"{cfg.data.prompts!r}; the pipeline's prompt file changed")
-
-    @property
-    def own_area(self) -> Path:
-        """The pipeline directory (the ledger's): the stage's run directory lies in it, the write rule allows that
-        to the pipeline's own stages only (:func:`flowforge.runtime.run_dir.check_run_dir_place`)."""
-        return self.ledger.path.parent
-
-    @property
-    def policy_version(self) -> int:
-        """Optimizer steps taken so far (the version of the live policy)."""
-        return self.policy.optimizer_steps
-
-    @staticmethod
-    def condition_ids(batch: StepBatch) -> list[str]:
-        """The step's condition ids, each once, in order of first appearance (under ``torchrun``: of every rank's
-        share, rank by rank; a collective)."""
-        return every_rank(r.metadata["sample_id"] for r in batch.records)
-
-    def next_prompts(self) -> StepBatch:
-        batch = super().next_prompts()
-        m = self.cfg.data.prompts_per_step
-        taken = self.ledger.take(self.stage, m, step=self.step, policy_version=self.policy_version)
-        ids = [c.id for c in taken]
-        if broadcast_from_main(ids) != ids:  # rank 0 wrote the take; a mirror that disagrees must not train
-            raise RuntimeError(f"stage {self.stage} step {self.step}: this rank's condition ledger took {ids[:3]}..., "
-                               "rank 0's another (the ledger file changed under the run)")
-        if len(taken) != m:
-            raise RuntimeError(f"stage {self.stage} step {self.step}: the condition ledger had {len(taken)} of the "
-                               f"{m} conditions a step needs (budget or pass used up)")
-        for scorer in self.rewards.scorers.values():
-            bind = getattr(scorer, "bind", None)
-            if callable(bind):
-                bind(stage=self.stage, purpose="train", step=self.step, policy_version=self.policy_version)
-        chosen = torch.tensor([self.index[c.id] for c in taken], dtype=torch.int64)
-        prompt_indices = chosen[batch.group_ids]
-        return dataclasses.replace(batch, prompt_indices=prompt_indices,
-                                   records=[self.train_prompts[i] for i in prompt_indices.tolist()])
-
-    def sample(self, batch: StepBatch, step: int):
-        out = super().sample(batch, step)
-        self.ledger.mark("rolled_out", self.condition_ids(batch), stage=self.stage, step=step,
-                         policy_version=self.policy_version)
-        return out
-
-    def media_needs(self) -> frozenset[str]:
-        """The base's, plus pixels when stage C audits the student against the teacher (the audit sends media)."""
-        return super().media_needs() | ({"pixels"} if self.auditor is not None else frozenset())
-
-    def score(self, traj, batch: StepBatch):
-        media, components, metrics = super().score(traj, batch)
-        scores = components[self.reward_name].detach().cpu()
-        judged = every_rank(r.metadata["sample_id"] for r, s in zip(batch.records, scores.tolist(), strict=True)
-                            if not math.isnan(s))
-        if judged:
-            self.ledger.mark("judged", dict.fromkeys(judged), stage=self.stage, step=self.step,
-                             policy_version=self.policy_version)
-        elif self.stage == "A" and not self.ledger.with_state("judged", "A"):
-            raise nothing_judged(self.step, self.cfg.data.prompts_per_step,
-                                 getattr(self.rewards.scorers.get(self.reward_name), "last_error", None))
-        if self.auditor is not None and self.auditor.due(self.step):
-            metrics.update(self.auditor.audit(self.step, self.policy_version, media, batch, scores))
-        return media, components, metrics
-
-    def advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
-        """Stage 4 with failed groups dropped (module docstring): ``(adv, total, metrics)`` as the base, the dropped
-        rows' advantage 0 and total NaN; :meth:`optimize` leaves them out."""
-        weights = self.cfg.reward.weights
-        bad = torch.zeros(len(batch.records), dtype=torch.bool)
-        for name in weights:
-            bad |= ~torch.isfinite(components[name].detach().cpu())
-        failed = set(batch.group_ids[bad].tolist())
-        drop = torch.tensor([g in failed for g in batch.group_ids.tolist()], dtype=torch.bool)
-        clean = {k: torch.nan_to_num(v, nan=0.0) if k in weights else v for k, v in components.items()}
-        adv, total, metrics = super().advantages(clean, batch)
-        self._dropped = drop
-        flags = torch.zeros(int(batch.global_group_ids.max()) + 1)
-        flags[sorted(failed)] = 1.0
-        flags = all_reduce_processes(flags, "max")  # a group straddling ranks counts once
-        kept = torch.stack([total[~drop.to(total.device)].double().sum().cpu(),
-                            torch.tensor(float((~drop).sum()), dtype=torch.float64)])
-        kept = all_reduce_processes(kept, "sum")
-        metrics["reward/judge_failed_groups"] = flags.sum()
-        metrics["reward/total_mean"] = (kept[0] / kept[1]).float() if kept[1] > 0 else torch.tensor(math.nan)
-        return adv.masked_fill(drop.to(adv.device), 0.0), total.masked_fill(drop.to(total.device), math.nan), metrics
-
-    def optimize(self, batch):
-        """Stage 5 on the rows of the groups that were not dropped (zero weight for the others); a step whose groups
-        were all dropped is skipped (its advantages are all 0).
-
-        Under torchrun a rank can lose all of its rows (its groups failed) while another trains: for the
-        objectives with data-parallel padding (``nft``, ``dpo``) the rows then leave inside the objective's ``prepare``,
-        so its data-parallel padding (zero-weight forwards drawn from the whole batch) keeps the ranks in lockstep."""
-        drop = getattr(self, "_dropped", None)
-        if drop is None or not bool(drop.any()):
-            return super().optimize(batch)
-        keep = torch.nonzero(~drop).view(-1)
-        objective = self.objective
-        if not self.dist.enabled or not _pads(objective):
-            return super().optimize(batch.select(keep))
-        prepare = objective.prepare
-        objective.prepare = lambda b: prepare(b.select(keep))  # this step only: the class's method comes back after
-        try:
-            return super().optimize(batch)
-        finally:
-            del objective.prepare
-
-    @torch.no_grad()
-    def evaluate(self, step: int) -> dict[str, float]:
-        """The held-out eval of every run (paid judges on the first ``eval.teacher_groups`` groups only:
-        :meth:`Trainer.evaluate <flowforge.train.trainer.Trainer.evaluate>`), its judge requests bound as ``eval``
-        of this stage and step: a paid judge's are billed against the budget, a free judge's (C's student) are
-        recorded in its ledger as well."""
-        for scorer in self.rewards.scorers.values():
-            bind = getattr(scorer, "bind", None)
-            if callable(bind):
-                bind(stage=self.stage, purpose="eval", step=step, policy_version=self.policy_version)
-        return super().evaluate(step)
-
-    def finish_step(self, step, batch, media, local, adv_metrics, times):
-        if not local.get("train/skipped", 0.0):
-            # before the checkpoint: a crash after it would otherwise never record the step (it is not replayed)
-            self.ledger.mark("trained_on", self.condition_ids(batch), stage=self.stage, step=step,
-                             policy_version=self.policy_version)
-        return super().finish_step(step, batch, media, local, adv_metrics, times)
+    source = LedgerPrompts(ledger, stage, reward_name)
+    hooks: list[StepHook] = [BindScorers(stage)]
+    if auditor is not None:
+        hooks.append(AuditHook(auditor, reward_name))
+    # own_area: the pipeline directory (the ledger's): the stage's run directory lies in it, the write rule allows
+    # that to the pipeline's own stages only (flowforge.runtime.run_dir.check_run_dir_place)
+    trainer = Trainer(cfg, progress=progress, prompts=source, hooks=hooks, own_area=ledger.path.parent,
+                      expected_resume_changes=tuple(expected_changes))
+    try:
+        source.check(trainer)
+    except ValueError:
+        trainer.close()
+        raise
+    return trainer

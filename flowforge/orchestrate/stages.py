@@ -212,7 +212,7 @@ class Endpoints:
 # ------------------------------------------------------------------------------------------------ stage A
 def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, progress: bool = True) -> Path:
     """Train stage A up to its current budget (nothing when its last checkpoint is already there)."""
-    from flowforge.orchestrate.stage_trainer import StageTrainer
+    from flowforge.orchestrate.stage_trainer import stage_trainer
     from flowforge.report.run import REPORT_FILE as RUN_REPORT_FILE, write_report
 
     steps = a_steps(pcfg, ledger)
@@ -231,7 +231,7 @@ def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, pro
     cfg = stage_config(pcfg, "A", steps=steps, reward=reward)
     log.info("stage A: %d steps on %d conditions (teacher %s)", steps, ledger.budget("A"), reward["options"][JUDGE]
              ["base_url"])
-    _train(StageTrainer(cfg, ledger=ledger, stage="A", reward_name=JUDGE, progress=progress))
+    _train(stage_trainer(cfg, ledger=ledger, stage="A", reward_name=JUDGE, progress=progress))
     return run_dir
 
 
@@ -356,7 +356,7 @@ def stage_c_changes(pcfg: Any) -> tuple[str, ...]:
 def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, student_dir: Path, *,
                 progress: bool = True) -> Outcome:
     """Train stage C on the rest of the pass with the student as the reward, audited by the teacher."""
-    from flowforge.orchestrate.stage_trainer import AuditStop, Auditor, StageTrainer
+    from flowforge.orchestrate.stage_trainer import AuditStop, Auditor, stage_trainer
     from flowforge.rewards.registry import build_scorer
 
     stopped = on_main(lambda: audit_outcome(pcfg, ledger))
@@ -388,7 +388,7 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
         on_main(lambda: record_audit_design(pcfg, run_dir))
     log.info("stage C: steps %d..%d on %d conditions, student %s", start, start + steps, ledger.budget("C"),
              student_dir)
-    trainer = StageTrainer(cfg, ledger=ledger, stage="C", reward_name=name, auditor=auditor, progress=progress,
+    trainer = stage_trainer(cfg, ledger=ledger, stage="C", reward_name=name, auditor=auditor, progress=progress,
                            expected_changes=stage_c_changes(pcfg))
     try:
         _train(trainer)

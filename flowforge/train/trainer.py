@@ -10,6 +10,11 @@
         metrics = optimize(traj, adv)          # 5 optimize   the objective's updates
         finish_step(step, ...)                 # 6 log / eval / checkpoint
 
+Seams, not methods to override (:mod:`flowforge.train.seams`): a *prompt source* picks each step's prompts and is told
+what became of them (the sampler's by default; the pipeline's condition ledger), and *step hooks* are called at fixed
+points (before the step, rolled out, scored, trained, before / after an evaluation). A group whose weighted reward
+failed (NaN) is dropped with zero weight and counted, in every run.
+
 Rows are put in a seeded training order *before* the rollout, chunked exactly like the training micro-batches, so
 replaying the first update runs the same computations as the rollout (ratio exactly 1).
 
@@ -22,8 +27,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +46,11 @@ from flowforge.config import Config
 from flowforge.data.preprocess import StreamedConditioning, encode_run_prompts
 from flowforge.data.images import condition_inputs
 from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, condition_images
-from flowforge.train.metrics import StageTimer, group_diversities, to_scalars, within_group_diversity
-from flowforge.train.sample_change import StartSamples, eval_fingerprint
-from flowforge.runtime.run_dir import SAMPLES_DIR, START_SAMPLES_FILE, sample_grid_path, sha256_of_path
-from flowforge.report.grids import save_eval_grid
-from flowforge.report.world_strips import real_clips, write_real_strips
+from flowforge.train import evaluation
+from flowforge.train.metrics import StageTimer, to_scalars, within_group_diversity
+from flowforge.train.sample_change import StartSamples
+from flowforge.train.seams import PromptSource, SamplerPrompts, StepHook, drop_failed_groups, dropped_metrics
+from flowforge.runtime.run_dir import sha256_of_path
 from flowforge.demo.paths import resolve_demo_path
 from flowforge.models import build_adapter, configure_sampling
 from flowforge.models.base import Conditioning
@@ -52,8 +59,7 @@ from flowforge.objectives.anchors import anchor_policy_bank, build_anchor
 from flowforge.policy import OptimizerSettings, Policy, TrainableWeights
 from flowforge.settings import resume_fingerprint
 from flowforge.train.preflight import check_loaded_model, preflight
-from flowforge.rollout import (Trajectory, candidate_noise, decode_needed, generate, rollout_chunked, rollout_grouped,
-                              sigmas_for)
+from flowforge.rollout import Trajectory, decode_needed, rollout_chunked, rollout_grouped, sigmas_for
 from flowforge.runtime.lock import RunLock
 from flowforge.train.checkpoint.manager import CheckpointManager, TrainerState, training_contract
 from flowforge.train.guard import RewardHackingGuard
@@ -83,14 +89,25 @@ class StepBatch:
 class Trainer(RunDirectory):
     """Builds everything a run needs from a validated config, then runs :meth:`train`.
 
+    Args:
+        cfg: the run's config. progress: a progress bar (rank 0). overwrite: move an existing run aside.
+        prompts: the prompt source (:class:`~flowforge.train.seams.PromptSource`); default the sampler's prompts.
+        hooks: step hooks (:class:`~flowforge.train.seams.StepHook`), called in order at fixed points of each step.
+        own_area: the area around the run its owner writes (a pipeline stage: the pipeline directory).
+        expected_resume_changes: config keys / sections changed on purpose against the checkpoint the run resumes
+            (no warning about them).
+
     Raises:
         PreflightError: the config is invalid (every violation listed), before any model loads.
     """
 
-    expected_resume_changes: tuple[str, ...] = ()
-    """Config keys / sections a subclass changes on purpose against the checkpoint it resumes (no warning)."""
-
-    def __init__(self, cfg: Config, *, progress: bool = True, overwrite: bool = False):
+    def __init__(self, cfg: Config, *, progress: bool = True, overwrite: bool = False,
+                 prompts: PromptSource | None = None, hooks: Sequence[StepHook] = (), own_area: Path | None = None,
+                 expected_resume_changes: tuple[str, ...] = ()):
+        self.prompts: PromptSource = prompts if prompts is not None else SamplerPrompts()
+        self.hooks: tuple[StepHook, ...] = tuple(hooks)
+        self.own_area = own_area
+        self.expected_resume_changes = tuple(expected_resume_changes)
         self.overwrite = overwrite  # --overwrite: move an existing run in the run directory aside
         self.run_lock: RunLock | None = None
         self._created_run_dir = False
@@ -193,8 +210,9 @@ class Trainer(RunDirectory):
                                           cfg.artifacts.keep)
 
     def media_needs(self) -> frozenset[str]:
-        """What a step's readers read (``RewardProcessor.inputs``, + pixels for sidecars); no pixels: no decode."""
-        return self.rewards.inputs() | ({"pixels"} if self.sidecars is not None else frozenset())
+        """What a step's readers read (``RewardProcessor.inputs``, the hooks' ``needs``, pixels for sidecars)."""
+        return self.rewards.inputs().union(*(h.needs for h in self.hooks),
+                                           {"pixels"} if self.sidecars is not None else ())
 
     def _schedule(self) -> torch.Tensor:
         """The sampling schedule; a dynamic-shift family's own pipeline schedule when the adapter provides one."""
@@ -207,11 +225,12 @@ class Trainer(RunDirectory):
 
     # ------------------------------------------------------------------------------------------------ stages
     def next_prompts(self) -> StepBatch:
-        """Stage 1: this rank's M x K candidates, put in a seeded training order."""
+        """Stage 1: this rank's M x K candidates, put in a seeded training order; the sampler fixes the layout, the
+        prompt source the prompt of each group (:meth:`~flowforge.train.seams.PromptSource.groups`)."""
         kb = self.sampler.next_batch()
         order = torch.randperm(kb.local_group_ids.numel(),
                                generator=torch.Generator().manual_seed(self.cfg.run.seed * 7919 + kb.step))
-        prompt_indices = kb.local_prompt_indices[order]
+        prompt_indices = self.prompts.groups(self, self.step, kb.prompt_indices)[kb.local_group_ids][order]
         return StepBatch(prompt_indices=prompt_indices, group_ids=kb.local_group_ids[order],
                          candidate_ids=kb.local_candidate_ids[order], order=order, global_group_ids=kb.group_ids,
                          rank_slice=kb.rank_slice, records=[self.train_prompts[i] for i in prompt_indices.tolist()])
@@ -287,10 +306,18 @@ class Trainer(RunDirectory):
         both ``[B]`` in this rank's training order, plus statistics of the whole step.
 
         The components of every rank are gathered in the sampler's canonical order, so every group is seen whole
-        and every rank computes the same advantages; each keeps its own share."""
+        and every rank computes the same advantages; each keeps its own share. A failed group (a weighted component
+        NaN, :func:`~flowforge.train.seams.drop_failed_groups`) gets advantage 0 and total NaN, counted in
+        ``reward/judge_failed_groups``; ``reward/total_mean`` is over the other rows."""
+        components, drop, failed = drop_failed_groups(components, self.cfg.reward.weights, batch.group_ids)
+        adv, total, metrics = self._advantages(components, batch)
+        metrics.update(dropped_metrics(total, drop, failed, int(batch.global_group_ids.max()) + 1))
+        return adv.masked_fill(drop.to(adv.device), 0.0), total.masked_fill(drop.to(total.device), math.nan), metrics
+
+    def _advantages(self, components: dict[str, torch.Tensor], batch: StepBatch):
+        """:meth:`advantages` of finite components."""
         a = self.cfg.advantage
         weights = self.cfg.reward.weights
-        self.rewards.check_finite(components, [k for k, w in weights.items() if w])  # names why (a judge down)
         canonical = torch.argsort(batch.order)
         every = {k: dist_lib.all_gather_cat(components[k][canonical], self.data) for k in weights}
         gids = batch.global_group_ids
@@ -368,12 +395,20 @@ class Trainer(RunDirectory):
             timer = StageTimer()
             self.perf.begin_step()
             with timer("prompts"):
+                for hook in self.hooks:
+                    hook.before_step(self, step)
                 batch = self.next_prompts()
             with timer("sample"):
                 traj, cond = self.sample(batch, step)
+                self.prompts.rolled_out(self, step, batch)
+                for hook in self.hooks:
+                    hook.on_rolled_out(self, step, batch)
             self.perf.end_rollout()
             with timer("reward"):
                 media, components, reward_metrics = self.score(traj, batch)
+                self.prompts.scored(self, step, batch, components)  # may stop the run before the update
+                for hook in self.hooks:
+                    hook.on_scored(self, step, batch, media, components, reward_metrics)
             with timer("advantage"):
                 adv, total, adv_metrics = self.advantages(components, batch)
             if self.sidecars is not None:  # media_needs asked for pixels
@@ -381,13 +416,19 @@ class Trainer(RunDirectory):
                     self.sidecars.write(step, traj, batch.group_ids, [r.prompt for r in batch.records],
                                         media if media.ndim == 4 else media[:, :, 0],
                                         candidate_ids=batch.candidate_ids, extras={"rewards": total, "advantages": adv})
+            kept = torch.isfinite(total.detach().cpu())  # a failed group's rows: total NaN (advantages)
             with timer("optimize"):
-                train_metrics = self.optimize(TrainBatch(traj=traj, cond=cond, advantages=adv,
-                                                         group_ids=batch.group_ids, rewards=total,
-                                                         candidate_ids=batch.candidate_ids, step=step))
+                train_metrics = self.optimize(TrainBatch(
+                    traj=traj, cond=cond, advantages=adv, group_ids=batch.group_ids, rewards=total,
+                    candidate_ids=batch.candidate_ids, step=step,
+                    keep=None if bool(kept.all()) else torch.nonzero(kept).view(-1)))
             times = timer.scalars()
             local = {**reward_metrics, **to_scalars(train_metrics), **engine_metrics(self.engine),
                      **self.perf.metrics(times)}
+            if not local.get("train/skipped", 0.0):
+                self.prompts.trained_on(self, step, batch)
+                for hook in self.hooks:
+                    hook.on_trained(self, step, batch, local)
             scalars = self.finish_step(step, batch, media, local, adv_metrics, times)
             bar.set_postfix(reward=f"{scalars['reward/total_mean']:.3f}")
             if not self.progress and self.dist.is_main:  # --no-progress: a line every metrics.log_every steps
@@ -438,62 +479,18 @@ class Trainer(RunDirectory):
     @functools.cached_property
     def start_samples(self) -> StartSamples:
         """The step-0 eval's samples of this run (:mod:`flowforge.train.sample_change`), for ``eval/sample_change``."""
-        e = self.cfg.eval
-        return StartSamples(self.run_dir / SAMPLES_DIR / START_SAMPLES_FILE,
-                            eval_fingerprint(self.eval_prompts, e.seed, e.samples_per_prompt, self.sigmas.tolist(),
-                                             self.cfg.sampler.guidance_scale))
+        return evaluation.start_samples(self)
 
-    @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out eval with fixed noise (eval seed, prompt index, sample index) and the ODE sampler: the mean of
-        every reward component and eval scorer (paid ones on the first ``eval.teacher_groups`` prompts only, their
-        billed requests as ``eval/billed/<name>``), within-prompt diversity, the change since the step-0 eval
-        (``eval/sample_change``), and a sample grid ``samples/step_N.png``.
-        Every rank generates (sharded forwards run in lockstep); rank 0 scores and logs."""
-        e = self.cfg.eval
-        k = e.samples_per_prompt
-        n_prompts = len(self.eval_prompts)
-        prompt_idx = torch.arange(n_prompts).repeat_interleave(k)
-        ids = (prompt_idx * k + torch.arange(k).repeat(n_prompts)).tolist()
-        x_T = candidate_noise(ids, self.latent_shape, e.seed, -1).to(self.device)
-        finals = []
-        with self.policy.using(self.objective.eval_policy):
-            for start in range(0, len(ids), e.batch_size):
-                rows = prompt_idx[start:start + e.batch_size]
-                cond = self._conditioning(self.eval_cond, self.eval_prompts, rows)
-                finals.append(generate(self.adapter, cond, x_T[start:start + e.batch_size], self.sigmas,
-                                       self.cfg.sampler.guidance_scale))
-        latents = torch.cat(finals)  # always decoded: the grid, eval/diversity and sample_change are of pixels
-        images, audio = decode_needed(self.adapter, latents, self.cfg.reward.batch_size, ("pixels", "audio"))
-        if not self.dist.is_main:
-            return {}
-        records = [self.eval_prompts[i] for i in prompt_idx.tolist()]
-        components, metrics = self.score_media(images, records, prompt_idx, audio=audio, paid_groups=e.teacher_groups,
-                                               latents=latents)
-        scalars = {f"eval/{name}": float(torch.nanmean(v)) for name, v in components.items()}
-        scalars.update({f"eval/billed/{n}": metrics[f"reward/{n}_billed"] for n in components
-                        if f"reward/{n}_billed" in metrics})
-        scalars["eval/diversity"] = float(within_group_diversity(images, prompt_idx))
-        change = self.start_samples.measure(step, images)
-        if change is not None:
-            scalars["eval/sample_change"] = change
-        scalars.update(self.guard.observe_eval(step, scalars))  # eval/guard_* when the guard stops the run
-        self.logger.log_eval(step, scalars)
-        # the first sample of each prompt; its prompt and scores go to a sidecar that captions the report's cells
-        shown = [r.prompt for r in records[::k]]
-        labeller = getattr(self.adapter, "frame_labels", None)  # e.g. a world model: each frame's action
-        grid = sample_grid_path(self.run_dir, step)
-        # a world model's eval rows name their real clip: the report shows it frame by frame beside the generated one
-        real = (real_clips([r.metadata for r in records[::k]], images.shape[2])
-                if labeller is not None and images.ndim == 5 else None)
-        save_eval_grid(images[::k], grid, shown,
-                       {name: v[::k] for name, v in components.items()}, step,
-                       [labeller(p) for p in shown] if labeller is not None else None,
-                       all_scores=components, samples_per_prompt=k,  # every sample: the report's standard error
-                       audio=None if audio is None else audio.index(list(range(0, len(audio), k))),
-                       cell_extras=write_real_strips(grid, real) if real is not None else None,
-                       diversity=group_diversities(images, prompt_idx))  # per prompt: the curve's SE
-        self.logger.log_grid(step, grid)  # to TensorBoard / W&B, captioned
-        log.info("eval step %d: %s", step, ", ".join(f"{k_}={v:.4f}" for k_, v in scalars.items()))
+        """Held-out eval (:func:`flowforge.train.evaluation.evaluate`): fixed noise (eval seed, prompt index, sample
+        index) and the ODE sampler; the mean of every reward component and eval scorer (paid ones on the first
+        ``eval.teacher_groups`` prompts only, their billed requests as ``eval/billed/<name>``), within-prompt
+        diversity, ``eval/sample_change`` and a sample grid ``samples/step_N.png``. Every rank generates; rank 0
+        scores and logs and returns the scalars (``{}`` elsewhere). The hooks' ``before_eval`` runs first,
+        ``on_evaluated`` last."""
+        for hook in self.hooks:
+            hook.before_eval(self, step)
+        scalars = evaluation.evaluate(self, step)
+        for hook in self.hooks:
+            hook.on_evaluated(self, step, scalars)
         return scalars
-

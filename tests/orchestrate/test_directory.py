@@ -87,7 +87,7 @@ def test_stage_c_moved_onto_an_existing_run_by_c_overrides_is_refused(tiny_model
 
     from flowforge.config import ConfigError
     from flowforge.orchestrate.config import JUDGE, PLACEHOLDER_URL, judge_options, load_pipeline, stage_config
-    from flowforge.orchestrate.stage_trainer import StageTrainer
+    from flowforge.orchestrate.stage_trainer import stage_trainer
     from flowforge.orchestrate.stages import open_ledger
     from tests.orchestrate.support import write_pipeline
 
@@ -114,7 +114,7 @@ def test_stage_c_moved_onto_an_existing_run_by_c_overrides_is_refused(tiny_model
     before = tree_digest(runs)
     with pytest.raises(UserError, match=f"belongs to the run {runs / 'p' / 'A'}.*names the existing run {vx}.*"
                                         "choose a fresh run.name"):
-        StageTrainer(cfg, ledger=ledger, stage="C", reward_name=JUDGE, progress=False)
+        stage_trainer(cfg, ledger=ledger, stage="C", reward_name=JUDGE, progress=False)
     assert tree_digest(runs) == before
 
 

@@ -160,3 +160,25 @@ def test_steps_the_teacher_cannot_order_spend_a_bounded_budget_then_stop(tmp_pat
     assert stop.value.record["stop"] == "unaudited" and stop.value.record["verdict"] == "pending"
     assert [(a["step"], a["verdict"], a["unaudited"]) for a in read_audits(tmp_path)] == [
         (24, "pending", False), (25, "pending", True), (28, "pending", True)]
+
+
+def test_the_pipeline_trains_with_the_plain_trainer_and_overrides_nothing():
+    """Issue 40: stages A and C compose the trainer's seams (a prompt source, step hooks) instead of a Trainer
+    subclass overriding its stages and passing state between them through hidden attributes."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import flowforge.orchestrate as package
+    from flowforge.orchestrate import stage_trainer
+    from flowforge.train.trainer import Trainer
+
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        subclasses = [v for v in vars(module).values()
+                      if isinstance(v, type) and issubclass(v, Trainer) and v is not Trainer]
+        assert not subclasses, (info.name, subclasses)
+    source = inspect.getsource(stage_trainer)
+    assert "Trainer(cfg" in source  # the plain trainer, configured
+    for hidden in ("_dropped", "_eval_step", "objective.prepare", "def next_prompts", "def optimize"):
+        assert hidden not in source, hidden
