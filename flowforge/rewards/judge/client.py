@@ -398,8 +398,7 @@ class VLMJudge:
                 break
             self._count(requests_sent=1, retries=int(kind != "first"))
             try:
-                text, body, used, seconds = send(self.client, self._openai, messages, model=self.model, settings=self.settings,
-                                                  seed=self.seed, api_key_env=self.api_key_env)
+                text, body, used, seconds = self._send(messages)
             except Unanswered as exc:
                 outcomes.append(exc.outcome)
                 ledger.finish_attempt(row, exc.outcome, billed=exc.billed, http_status=exc.status, error=str(exc),
@@ -447,3 +446,8 @@ class VLMJudge:
         ledger.finish(group.key, status, scores=None, response=answers, tokens=(usage[0], usage[1]),
                       latency_s=latency, request={**group.request, "repairs": [m["content"] for m in messages[2::2]]})
         return None
+
+    def _send(self, messages: list[dict]) -> tuple[str | None, str, tuple[int, int], float]:
+        """One HTTP attempt (:func:`flowforge.rewards.judge.transport.send`) with this judge's client and settings."""
+        return send(self.client, self._openai, messages, model=self.model, settings=self.settings, seed=self.seed,
+                    api_key_env=self.api_key_env)
