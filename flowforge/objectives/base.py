@@ -13,7 +13,14 @@ Class attributes read by :mod:`flowforge.train.preflight` and the trainer (one s
 ``sections``          the config section classes this objective owns (each becomes ``cfg.<section_name>``)
 ``uses_log_probs``    replays stored SDE steps and needs per-step log-probs (a stochastic kernel)
 ``clipped_ratio``     clips an importance ratio against the rollout policy (so 1 update per batch is moot)
+``uses_advantages``   learns from the group-relative advantages (the trainer skips a step where all are 0)
+``needs_reward_fn``   differentiates the reward: the trainer sets :attr:`Objective.reward_fn` before training
 ====================  ==============================================================================
+
+The one seam for reward-gradient objectives (``draft``): ``reward_fn(media, prompts, metadata) -> [B]`` float32,
+the ``reward.weights``-weighted sum of differentiable scorers evaluated *with* gradient
+(:class:`flowforge.rewards.differentiable.DifferentiableReward`), and the rows' prompt records (prompt, metadata)
+in :class:`TrainBatch`; the objective decodes with ``adapter.decode`` itself.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class TrainBatch:
     rewards: torch.Tensor  # [B] fp32 weighted total reward (for objectives that transform scores themselves)
     candidate_ids: torch.Tensor  # [B] int64 stable per-candidate ids (seed training-time noise)
     step: int = 0  # the training step this rollout belongs to (seeds forward-process visit noise)
+    records: tuple | None = None  # [B] each row's PromptRecord (.prompt, .metadata): reward-gradient objectives score
 
     def __len__(self) -> int:
         return int(self.advantages.shape[0])
@@ -51,7 +59,8 @@ class TrainBatch:
         """The rows ``rows`` ([b] int64) of every per-row field; ``step`` is kept."""
         return replace(self, traj=self.traj.select(rows), cond=self.cond.index(rows),
                        advantages=self.advantages[rows], group_ids=self.group_ids[rows],
-                       rewards=self.rewards[rows], candidate_ids=self.candidate_ids[rows])
+                       rewards=self.rewards[rows], candidate_ids=self.candidate_ids[rows],
+                       records=None if self.records is None else tuple(self.records[i] for i in rows.tolist()))
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,9 @@ class Objective:
     sections: ClassVar[tuple[type, ...]] = ()
     uses_log_probs: ClassVar[bool] = False
     clipped_ratio: ClassVar[bool] = False
+    uses_advantages: ClassVar[bool] = True
+    needs_reward_fn: ClassVar[bool] = False
+    reward_fn = None  # needs_reward_fn: (media, prompts, metadata) -> [B] float32 with gradient, set by the trainer
     sampling_policy: str = "live"  # the bank policy that rolls out (see flowforge.policy)
     eval_policy: str = "live"
     anchor = None  # extra supervised terms added before every optimizer step (flowforge.objectives.anchors)

@@ -112,6 +112,7 @@ class FunctionScorer:
     def __init__(self, fn: Callable[..., Any], spec: str, options: Mapping[str, Any]) -> None:
         self.fn, self.spec, self.options = fn, spec, dict(options)
         self.name = fn.__name__
+        self.differentiable = getattr(fn, "differentiable", False) is True  # f.differentiable = True declares it
 
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         out = self.fn(media, prompts, metadata, **self.options)
