@@ -107,14 +107,3 @@ def renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor | float) 
     s = torch.as_tensor(sigma, dtype=torch.float32, device=x0.device)
     return (1 - s) * x0.float() + s * noise.float()
 
-
-def draft_tail_sigmas(sigmas: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
-    """The start index ``T - k`` and the ``[k+1]`` noise levels of DRaFT-K's gradient steps.
-
-    Raises:
-        ValueError: ``k`` not in ``1..T`` (``T = len(sigmas) - 1``).
-    """
-    t = sigmas.shape[0] - 1
-    if not 1 <= k <= t:
-        raise ValueError(f"DRaFT-K needs 1 <= K <= {t} (the schedule's steps), got K={k}")
-    return t - k, sigmas[t - k:]

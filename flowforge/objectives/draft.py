@@ -93,7 +93,7 @@ class Draft(Objective):
 
     @classmethod
     def preflight_problems(cls, cfg, *, world_size: int) -> list[str]:
-        from flowforge.models import ADAPTER_CLASSES, adapter_class
+        from flowforge.models import ADAPTER_CLASSES
         from flowforge.rewards.differentiable import declares_differentiable, non_differentiable
         from flowforge.rewards.registry import SCORERS
 
@@ -107,11 +107,8 @@ class Draft(Objective):
         if d.variant == "refl" and d.refl_range[1] > n:
             problems.append(f"draft.refl_range={list(d.refl_range)} reaches past sampler.num_steps={n}; allowed: "
                             f"1 <= t1 <= t2 <= {n}")
-        try:
-            decodes = getattr(adapter_class(cfg.model.adapter), "differentiable_decode", False) is True
-        except ValueError:  # an unknown adapter: named by the model checks
-            decodes = True
-        if not decodes:
+        known = cfg.model.adapter in ADAPTER_CLASSES or ":" in cfg.model.adapter  # else named by the model checks
+        if known and not _decodes(cfg.model.adapter):
             problems.append(f"model.adapter={cfg.model.adapter!r}: its decode is not differentiable (no "
                             "differentiable_decode = True); train.algorithm='draft' backpropagates through it; "
                             f"allowed: {sorted(a for a in ADAPTER_CLASSES if _decodes(a))}")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flowforge.algorithms.reward_grad import draft_tail_sigmas, ode_tail, predict_x0, renoise
+from flowforge.algorithms.reward_grad import ode_tail, predict_x0, renoise
 from flowforge.algorithms.sde import euler_step
 
 
@@ -47,14 +47,7 @@ def test_predict_x0_is_one_euler_step_to_zero_and_recovers_x0_from_the_true_velo
                        ode_tail(linear_field(w), x_s, torch.tensor([s, 0.0]), use_checkpoint=False))
 
 
-@pytest.mark.parametrize("k", [0, -1, 5])
-def test_draft_tail_sigmas_refuses_k_outside_1_to_T(k):
-    with pytest.raises(ValueError, match="1 <= K <= 4"):
-        draft_tail_sigmas(torch.linspace(1, 0, 5), k)
 
-
-def test_draft_tail_sigmas_and_no_step():
-    start, sig = draft_tail_sigmas(torch.tensor([1.0, 0.7, 0.4, 0.2, 0.0]), 2)
-    assert start == 2 and sig.tolist() == pytest.approx([0.4, 0.2, 0.0])
+def test_ode_tail_needs_a_step():
     with pytest.raises(ValueError, match="at least 2"):
         ode_tail(lambda x, s: x, torch.zeros(1, 1, 2, 2), torch.tensor([0.0]))

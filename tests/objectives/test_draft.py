@@ -109,6 +109,7 @@ def test_two_step_run_trains_and_logs(make):
     (("draft.variant=refl", "draft.refl_range=[2,6]"), ["draft.refl_range", "sampler.num_steps=4"]),
     (("reward.weights={digit_eval: 1.0}",), ["reward.weights", "['digit_eval']", "differentiable scorers: ['digit']"]),
     (("sampler.sde_kind=sde",), ["sampler.sde_kind='sde'", "allowed: 'ode'"]),
+    (("model.adapter=flux",), ["model.adapter='flux'", "decode is not differentiable", "allowed: ['sd3']"]),
 ])
 def test_preflight_refuses(tiny_model_dir, tmp_path, encode_cache_dir, extra, names):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, *DRAFT, *extra)
