@@ -120,6 +120,7 @@ class SD3Adapter(AdapterMixin):
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
     export_pipeline: str | None = "StableDiffusion3Pipeline"
     tasks: tuple[str, ...] = ("t2i",)
+    differentiable_decode: bool = True  # decode runs with gradient when called with it (reward-gradient: draft)
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str = ""):
@@ -232,9 +233,11 @@ class SD3Adapter(AdapterMixin):
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
         return v_u + g * (v_c - v_u)
 
-    @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
-        """Latents (or pixels in [-1, 1]) ``[B, C, H, W]`` → images ``[B, 3, H', W']`` float32 in [0, 1]."""
+        """Latents (or pixels in [-1, 1]) ``[B, C, H, W]`` → images ``[B, 3, H', W']`` float32 in [0, 1].
+
+        Differentiable (no ``no_grad``: the VAE is frozen, so latents without grad build no graph; rollouts decode
+        under :func:`flowforge.rollout.decode_media`'s ``no_grad``); the clamp to [0, 1] passes no gradient outside."""
         if self.vae is None:
             images = ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
         else:

@@ -13,7 +13,14 @@ Class attributes read by :mod:`flowforge.train.preflight` and the trainer (one s
 ``sections``          the config section classes this objective owns (each becomes ``cfg.<section_name>``)
 ``uses_log_probs``    replays stored SDE steps and needs per-step log-probs (a stochastic kernel)
 ``clipped_ratio``     clips an importance ratio against the rollout policy (so 1 update per batch is moot)
+``uses_advantages``   learns from the group-relative advantages (the trainer skips a step where all are 0)
+``needs_reward_fn``   differentiates the reward: the trainer sets :attr:`Objective.reward_fn` before training
 ====================  ==============================================================================
+
+The one seam for reward-gradient objectives (``draft``): ``reward_fn(media, prompts, metadata) -> [B]`` float32,
+the ``reward.weights``-weighted sum of differentiable scorers evaluated *with* gradient
+(:class:`flowforge.rewards.differentiable.DifferentiableReward`), and the rows' prompt records (prompt, metadata)
+in :class:`TrainBatch`; the objective decodes with ``adapter.decode`` itself.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class TrainBatch:
     # [b] int64 the rows trained on (None: every row); the others (failed groups, flowforge.train.seams) carry zero
     # weight: every objective trains on kept() only
     keep: torch.Tensor | None = None
+    records: tuple | None = None  # [B] each row's PromptRecord (.prompt, .metadata): reward-gradient objectives score
 
     def __len__(self) -> int:
         return int(self.advantages.shape[0])
@@ -54,7 +62,8 @@ class TrainBatch:
         """The rows ``rows`` ([b] int64) of every per-row field, all of them kept; ``step`` is kept."""
         return replace(self, traj=self.traj.select(rows), cond=self.cond.index(rows),
                        advantages=self.advantages[rows], group_ids=self.group_ids[rows],
-                       rewards=self.rewards[rows], candidate_ids=self.candidate_ids[rows], keep=None)
+                       rewards=self.rewards[rows], candidate_ids=self.candidate_ids[rows], keep=None,
+                       records=None if self.records is None else tuple(self.records[i] for i in rows.tolist()))
 
     def kept(self) -> "TrainBatch":
         """The rows :attr:`keep` (the batch itself when every row is kept)."""
@@ -157,6 +166,9 @@ class Objective:
     sections: ClassVar[tuple[type, ...]] = ()
     uses_log_probs: ClassVar[bool] = False
     clipped_ratio: ClassVar[bool] = False
+    uses_advantages: ClassVar[bool] = True
+    needs_reward_fn: ClassVar[bool] = False
+    reward_fn = None  # needs_reward_fn: (media, prompts, metadata) -> [B] float32 with gradient, set by the trainer
     sampling_policy: str = "live"  # the bank policy that rolls out (see flowforge.policy)
     eval_policy: str = "live"
     anchor = None  # extra supervised terms added before every optimizer step (flowforge.objectives.anchors)

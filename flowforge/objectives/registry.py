@@ -14,6 +14,7 @@ from flowforge.objectives.crd import CRD
 from flowforge.objectives.dgpo import DGPO
 from flowforge.objectives.dpo import DPO
 from flowforge.objectives.dppo import DPPO
+from flowforge.objectives.draft import Draft
 from flowforge.objectives.grpo import GRPO
 from flowforge.objectives.grpo_guard import GRPOGuard
 from flowforge.objectives.nft import NFT
@@ -27,6 +28,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "dpo": DPO,
     "crd": CRD,
     "dppo": DPPO,
+    "draft": Draft,
 }
 """Every algorithm, by its ``train.algorithm`` name (each key equals its class's ``name``)."""
 

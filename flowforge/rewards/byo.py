@@ -116,6 +116,7 @@ class FunctionScorer:
         self.fn, self.spec, self.options = fn, spec, dict(options)
         self.name = fn.__name__
         self.takes_latents = (_required_left(fn, options) or [None])[0] == "latents"
+        self.differentiable = getattr(fn, "differentiable", False) is True  # f.differentiable = True declares it
 
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         out = self.fn(media, prompts, metadata, **self.options)

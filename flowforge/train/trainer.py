@@ -69,6 +69,7 @@ from flowforge.train.trackers import TRAIN_LOG, log_progress, run_logging
 from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
 from flowforge.train.run_lifecycle import RunDirectory
 from flowforge.train.scorer_checks import build_reward_processor
+from flowforge.rewards.differentiable import DifferentiableReward
 
 log = logging.getLogger("flowforge")
 
@@ -198,9 +199,11 @@ class Trainer(RunDirectory):
         return self.state.step
 
     def _build_outputs(self) -> None:
-        """Reward processor (training components + eval scorers), metrics logger (rank 0), trajectory sidecars."""
+        """Reward processor (training components, eval scorers, draft's reward_fn), metrics logger, sidecars."""
         cfg = self.cfg
         self.rewards = build_reward_processor(cfg, self.adapter, self.run_dir)
+        if self.objective.needs_reward_fn:
+            self.objective.reward_fn = DifferentiableReward(self.rewards.scorers, cfg.reward.weights)
         self.guard = RewardHackingGuard.from_config(cfg, self.run_dir, is_main=self.dist.is_main)  # guard.patience
         self.logger = None  # opened by _accept_run: nothing is written before the command is accepted
         self.sidecars = None
@@ -335,9 +338,9 @@ class Trainer(RunDirectory):
 
     def optimize(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """Stage 5: the objective's updates; skipped (and said so) when no group of the step, on any rank, has
-        reward variance (one decision for every rank: data-parallel ranks must all train or all skip)."""
+        reward variance and the objective ``uses_advantages`` (one decision for every rank: all train or all skip)."""
         active = torch.tensor([float(bool((batch.advantages != 0).any()))])
-        if not bool(dist_lib.all_reduce_processes(active, "max")[0]):
+        if self.objective.uses_advantages and not bool(dist_lib.all_reduce_processes(active, "max")[0]):
             return {"train/skipped": torch.ones(())}
         metrics = self.objective.optimize(batch)
         out = {f"train/{k}": v for k, v in metrics.items()}
@@ -420,7 +423,7 @@ class Trainer(RunDirectory):
             with timer("optimize"):
                 train_metrics = self.optimize(TrainBatch(
                     traj=traj, cond=cond, advantages=adv, group_ids=batch.group_ids, rewards=total,
-                    candidate_ids=batch.candidate_ids, step=step,
+                    candidate_ids=batch.candidate_ids, step=step, records=tuple(batch.records),
                     keep=None if bool(kept.all()) else torch.nonzero(kept).view(-1)))
             times = timer.scalars()
             local = {**reward_metrics, **to_scalars(train_metrics), **engine_metrics(self.engine),

@@ -68,6 +68,7 @@ class DigitScorer:
 
     name = "digit"
     needs_group: ClassVar[bool] = False
+    differentiable: ClassVar[bool] = True  # softmax of a CNN, gathered and capped: no argmax or rounding on the way
 
     def __init__(self, model: nn.Module | None = None, batch_size: int = 256, cap: float | None = None) -> None:
         check_batch_size(batch_size)
@@ -89,9 +90,11 @@ class DigitScorer:
             self._per_device[device] = model
         return self._per_device[device]
 
-    @torch.no_grad()
     def _probabilities(self, media: Tensor, prompts, metadata) -> tuple[Tensor, Tensor]:
-        """``[B, 10]`` float32 softmax of the classifier and the ``[B]`` requested digits."""
+        """``[B, 10]`` float32 softmax of the classifier and the ``[B]`` requested digits.
+
+        Differentiable in ``media`` (no ``no_grad`` here: the classifier's weights are frozen, so media without grad
+        build no graph; the reward-gradient objectives call it on media that have one)."""
         check_inputs(media, prompts, metadata)
         digits = requested_digits(metadata, prompts).to(media.device)
         model = self._model_on(media.device)
@@ -103,6 +106,8 @@ class DigitScorer:
 
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         """``media [B, 3, H, W]`` in [0, 1] -> ``[B]`` float32 probabilities on ``media``'s device (at most ``cap``).
+
+        Differentiable in ``media`` (``differentiable = True``); above ``cap`` the gradient is 0.
 
         Raises:
             ValueError: bad shapes or lengths; a ``"digit"`` that is not an int in 0..9; a row without one whose
@@ -123,6 +128,7 @@ class DigitEvalScorer(DigitScorer):
     """
 
     name = "digit_eval"
+    differentiable: ClassVar[bool] = False  # an argmax: no gradient
 
     def __init__(self, model: nn.Module | None = None, batch_size: int = 256) -> None:
         if model is None:
