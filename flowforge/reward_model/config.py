@@ -76,6 +76,9 @@ class ScalarHeadOptions:
     augment_scale: float = 0.0
     augment_shift: float = 0.0
     init: str = ""  # pretrained weights (.safetensors of the net's tensors, or demo:digit-tower); "": random init
+    # > 0: a candidate is one clip of exactly clip_frames frames, stacked in order along the channels (3 x clip_frames
+    # input channels), so the net sees the motion and its order; 0: each frame scored alone, the scores averaged
+    clip_frames: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ class StudentConfig(Section):
         c.require(s.pairwise_weight >= 0 and s.regression_weight >= 0 and s.pairwise_weight + s.regression_weight > 0,
                   "student.scalar_head.pairwise_weight and regression_weight must be >= 0, not both 0")
         c.require(s.tie_margin >= 0, f"student.scalar_head.tie_margin={s.tie_margin} must be >= 0")
+        c.require(s.clip_frames >= 0, f"student.scalar_head.clip_frames={s.clip_frames} must be >= 0 (0: per frame)")
         c.require(0 <= s.augment_rotate <= 180 and 0 <= s.augment_scale < 1 and 0 <= s.augment_shift <= 0.5,
                   f"student.scalar_head.augment_rotate={s.augment_rotate} / augment_scale={s.augment_scale} / "
                   f"augment_shift={s.augment_shift} must be in [0, 180] / [0, 1) / [0, 0.5]")
