@@ -98,6 +98,10 @@ class GateThresholds:
     # teacher marks this close are a tie in every agreement measure (epoch selection on val, gate, probes, null):
     # the teacher's own retest noise (flowforge.reward_model.evaluate.tie_blocks); 0: exact ties only
     tie_margin: float = 0.0
+    # reward scorers without a teacher (registry names or pkg.module:Factory, e.g. action_idm) whose agreement with
+    # the teacher on the test groups is recorded beside the student's, with its initialisation's and a constant's
+    # (flowforge.reward_model.baselines)
+    baselines: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,10 @@ class StudentConfig(Section):
                   f"student.scalar_head.augment_rotate={s.augment_rotate} / augment_scale={s.augment_scale} / "
                   f"augment_shift={s.augment_shift} must be in [0, 180] / [0, 1) / [0, 0.5]")
         g = self.gate
+        if g.baselines:
+            from flowforge.rewards.registry import check_scorer_spec
+
+            c.problems += [f"student.gate.baselines: {p}" for name in g.baselines for p in check_scorer_spec(name, {})]
         c.require(g.min_groups >= 1 and 0 <= g.max_failure_rate <= 1 and g.max_mae >= 0,
                   "student.gate needs min_groups >= 1, max_failure_rate in [0, 1] and max_mae >= 0")
         c.require(0 <= g.tie_margin < 1, f"student.gate.tie_margin={g.tie_margin} must be in [0, 1)")
