@@ -238,9 +238,9 @@ class ScalarHeadStudent:
         if self.options.clip_frames:
             flat, counts = self.clips(flat, counts), [1] * len(counts)
         text = None
-        if self.text_dim:
-            prompts = [g.prompt for g, per_group in zip(groups, frames) for f in per_group for _ in range(len(f))]
-            text = self.embed(prompts)
+        if self.text_dim:  # one prompt per input: per frame, or per clip (counts are then all 1)
+            prompts = [g.prompt for g, per_group in zip(groups, frames) for _ in per_group]
+            text = self.embed([p for p, c in zip(prompts, counts) for _ in range(c)])
         frame_scores = torch.sigmoid(self.net(flat, text))
         per_candidate = torch.stack([s.mean() for s in torch.split(frame_scores, counts)])
         sizes = [len(per_group) for per_group in frames]

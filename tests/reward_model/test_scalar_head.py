@@ -256,7 +256,9 @@ def test_a_clip_student_sees_frame_order_and_serves_whole_videos(tmp_path):
     split = [1.0, 0.0, 0.0]
     per_frame = train_student(student_config({**FAST, "split": split}), train, tmp_path / "frames")
     assert evaluate(load_student(per_frame.student_dir), held)["pairwise_accuracy"] < 0.7  # noise only
-    clip_cfg = {**FAST, "split": split, "scalar_head": {**FAST["scalar_head"], "clip_frames": 4}}
+    # with a prompt embedding: one per clip (the per-frame student has one per frame)
+    clip_cfg = {**FAST, "split": split, "scalar_head": {
+        **FAST["scalar_head"], "clip_frames": 4, "text_encoder": "tests.reward_model.test_scalar_head:hash_embedding"}}
     result = train_student(student_config(clip_cfg), train, tmp_path / "clips")
     student = load_student(result.student_dir)
     assert evaluate(student, held)["pairwise_accuracy"] > 0.9
