@@ -138,7 +138,7 @@ def _wall_row(condition: Tensor) -> int:
     return int(rows[-1]) if len(rows) else -1
 
 
-def _first_event(paddle: Tensor, ball: Tensor, low_row: float) -> tuple[str, int] | None:
+def _first_event(ball: Tensor, low_row: float) -> tuple[str, int] | None:
     """The first contact or miss (module docstring) as ``(kind, frame)``, or None."""
     n = len(ball)
     seen = ~torch.isnan(ball[:, 0])
@@ -207,7 +207,7 @@ def _marks(cand: tuple[Tensor, Tensor], ref: tuple[Tensor, Tensor], moves: list[
     plausible = _plausible(pb, 1.5 * scale)
     if plausible is None:
         plausible = float(_plausible(rb, 1.5 * scale) is None)
-    ev_c, ev_r = _first_event(px, pb, low_row), _first_event(rx, rb, low_row)
+    ev_c, ev_r = _first_event(pb, low_row), _first_event(rb, low_row)
     if ev_c is None or ev_r is None:
         events = float(ev_c is None and ev_r is None)
     else:
