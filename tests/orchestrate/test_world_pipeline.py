@@ -16,7 +16,7 @@ from flowforge.rewards.judge.ledger import RequestLedger
 from flowforge.rewards.judge.protocol import billed_per_group, read_request_log
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["run.num_threads=1", "stages.n_a=16", "stages.c_steps=1", "sampler.num_steps=2", "eval.max_prompts=2",
+TINY = ["run.num_threads=1", "stages.n_a=16", "stages.c_steps=1", "sampler.num_steps=4", "eval.max_prompts=2",
         "eval.samples_per_prompt=1", "student.epochs=1",
         # the mechanics, not the result: thresholds any ranking meets, at the few test groups 16 conditions give
         "student.gate.min_groups=1", "student.gate.max_null_pass=1.0", "student.gate.min_spearman=-1.0",
