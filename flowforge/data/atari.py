@@ -294,7 +294,9 @@ def write_prompt_file(clips: AtariClips, indices: torch.Tensor | list[int], dire
     """Write clips ``indices`` as i2v prompts: ``<directory>/<name>.jsonl`` (one row per clip: ``prompt`` = the
     action names joined by spaces, ``metadata`` = task ``i2v``, ``sample_id``, ``image`` = the first frame's PNG,
     ``actions`` = the names, ``clip`` = the clip index, ``episode`` = its episode (split by it: a clip's neighbours
-    share it), ``real_clip`` = the file name, in the image's directory, of
+    share it), ``cluster`` = ``"episode:<episode>"`` (a condition's cluster, :mod:`flowforge.data.clusters`: a
+    pipeline student's train / held-out split keeps each episode whole), ``real_clip`` = the file name, in the
+    image's directory, of
     the real clip's frames side by side), ``<directory>/<name>/<clip>.png`` (RGB, ``size x size``) and
     ``<directory>/<name>/<clip>-clip.png`` (grey, ``size x F size``). Returns the JSONL path."""
     from PIL import Image
@@ -310,8 +312,9 @@ def write_prompt_file(clips: AtariClips, indices: torch.Tensor | list[int], dire
         strip = root / name / f"{clip:06d}-clip.png"  # the real clip, frames side by side: the real future
         Image.fromarray(frames.permute(1, 0, 2).flatten(1).numpy(), mode="L").save(strip)
         names = [ACTIONS[a] for a in acts[i].tolist()]
+        episode = int(clips.episode[clips.clip_starts[clip]])
         meta = {"task": "i2v", "sample_id": f"atari-{name}-{clip:06d}", "image": f"{name}/{png.name}",
-                "actions": names, "clip": clip, "episode": int(clips.episode[clips.clip_starts[clip]]),
+                "actions": names, "clip": clip, "episode": episode, "cluster": f"episode:{episode}",
                 "real_clip": strip.name}
         lines.append(json.dumps({"prompt": " ".join(names), "metadata": meta}))
     path = root / f"{name}.jsonl"

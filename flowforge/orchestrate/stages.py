@@ -268,6 +268,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     Raises:
         ValueError: stage A has judged nothing yet.
     """
+    from flowforge.reward_model.baselines import baselines_on_test
     from flowforge.reward_model.data import read_judged_groups, split_groups
     from flowforge.reward_model.gate import gate_on_test
     from flowforge.reward_model.students import load_student
@@ -299,7 +300,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
               "groups": len(groups),
               "split_sizes": result.split_sizes, "best_epoch": result.best_epoch, "val": result.val,
               "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"],
-              "probes": verdict["probes"], "passed": passed,
+              "probes": verdict["probes"], "baselines": baselines_on_test(s, splits["test"]), "passed": passed,
               "reasons": reasons,
               "budget_a": ledger.budget("A")}
     write_bytes(gate, json.dumps(record, indent=1, default=float).encode())

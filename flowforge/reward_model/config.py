@@ -76,6 +76,9 @@ class ScalarHeadOptions:
     augment_scale: float = 0.0
     augment_shift: float = 0.0
     init: str = ""  # pretrained weights (.safetensors of the net's tensors, or demo:digit-tower); "": random init
+    # > 0: a candidate is one clip of exactly clip_frames frames, stacked in order along the channels (3 x clip_frames
+    # input channels), so the net sees the motion and its order; 0: each frame scored alone, the scores averaged
+    clip_frames: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,10 @@ class GateThresholds:
     # teacher marks this close are a tie in every agreement measure (epoch selection on val, gate, probes, null):
     # the teacher's own retest noise (flowforge.reward_model.evaluate.tie_blocks); 0: exact ties only
     tie_margin: float = 0.0
+    # reward scorers without a teacher (registry names or pkg.module:Factory, e.g. action_idm) whose agreement with
+    # the teacher on the test groups is recorded beside the student's, with its initialisation's and a constant's
+    # (flowforge.reward_model.baselines)
+    baselines: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -144,10 +151,15 @@ class StudentConfig(Section):
         c.require(s.pairwise_weight >= 0 and s.regression_weight >= 0 and s.pairwise_weight + s.regression_weight > 0,
                   "student.scalar_head.pairwise_weight and regression_weight must be >= 0, not both 0")
         c.require(s.tie_margin >= 0, f"student.scalar_head.tie_margin={s.tie_margin} must be >= 0")
+        c.require(s.clip_frames >= 0, f"student.scalar_head.clip_frames={s.clip_frames} must be >= 0 (0: per frame)")
         c.require(0 <= s.augment_rotate <= 180 and 0 <= s.augment_scale < 1 and 0 <= s.augment_shift <= 0.5,
                   f"student.scalar_head.augment_rotate={s.augment_rotate} / augment_scale={s.augment_scale} / "
                   f"augment_shift={s.augment_shift} must be in [0, 180] / [0, 1) / [0, 0.5]")
         g = self.gate
+        if g.baselines:
+            from flowforge.rewards.registry import check_scorer_spec
+
+            c.problems += [f"student.gate.baselines: {p}" for name in g.baselines for p in check_scorer_spec(name, {})]
         c.require(g.min_groups >= 1 and 0 <= g.max_failure_rate <= 1 and g.max_mae >= 0,
                   "student.gate needs min_groups >= 1, max_failure_rate in [0, 1] and max_mae >= 0")
         c.require(0 <= g.tie_margin < 1, f"student.gate.tie_margin={g.tie_margin} must be in [0, 1)")

@@ -9,6 +9,10 @@ Model, for a frame ``x`` (``[3, H, W]`` in [0, 1], resized to ``S x S``, scaled 
     z = W_i pool(CNN(x)),   u = W_t e,   l = MLP([z, u, z * u])   (just MLP(z) without a prompt embedding)
     frame score σ(l);   candidate score s = mean over its frames of σ(l)   (the trainer's rule for videos)
 
+With ``clip_frames: N`` > 0 the input ``x`` is a candidate's whole clip instead: its ``N`` frames in order, stacked
+along the channels (``[3 N, S, S]``), and ``s = σ(l)`` -- the net sees motion and order (a video judge's marks of
+moves and their timing), where a per-frame mean is blind to both.
+
 Loss over a batch of groups, with teacher scores ``t`` on [0, 1] and ``r = logit(s)``:
 
     L = w_pair * mean_{(i, j): t_i - t_j > margin} softplus(-(r_i - r_j))  +  w_reg * mean (s - t)^2
@@ -49,10 +53,10 @@ class ScalarHeadNet(nn.Module):
     """The CNN + prompt-embedding head (module docstring): ``(images [N, 3, S, S], text [N, E] | None) -> [N]``
     logits (float32)."""
 
-    def __init__(self, channels: Sequence[int], hidden: int, text_dim: int) -> None:
+    def __init__(self, channels: Sequence[int], hidden: int, text_dim: int, in_channels: int = 3) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        c_in = 3
+        c_in = in_channels
         for c in channels:  # GroupNorm(1, c): per-sample normalisation, so a score never depends on its batch
             layers += [nn.Conv2d(c_in, c, 3, stride=2, padding=1), nn.GroupNorm(1, c), nn.SiLU()]
             c_in = c
@@ -94,6 +98,8 @@ class ScalarHeadStudent:
 
     def __init__(self, options: ScalarHeadOptions, *, device: str = "cpu", seed: int = 0,
                  text_dim: int | None = None, pretrained: bool = True) -> None:
+        if options.clip_frames < 0:
+            raise ValueError(f"student.scalar_head.clip_frames={options.clip_frames} must be >= 0")
         self.options, self.device = options, torch.device(device)
         self._encoder: Any = None
         self._text_cache: dict[str, Tensor] = {}
@@ -103,7 +109,8 @@ class ScalarHeadStudent:
             text_dim = 0 if probe is None else int(probe.shape[-1])
         self.text_dim = text_dim
         torch.manual_seed(seed)
-        self.net = ScalarHeadNet(options.channels, options.hidden, text_dim).to(self.device)
+        self.net = ScalarHeadNet(options.channels, options.hidden, text_dim,
+                                 3 * max(1, options.clip_frames)).to(self.device)
         if options.init and pretrained:
             self.load_init(options.init)
 
@@ -209,6 +216,21 @@ class ScalarHeadStudent:
         grid = F.affine_grid(theta, list(frames.shape), align_corners=False)
         return F.grid_sample(frames, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
+    def clips(self, frames: Tensor, counts: Sequence[int]) -> Tensor:
+        """Preprocessed frames ``[N, 3, S, S]`` of candidates with ``counts`` frames each -> the net's inputs: the
+        frames as they are (``clip_frames`` 0), or one ``[3 F, S, S]`` clip per candidate, frames in order.
+
+        Raises:
+            ValueError: a candidate whose frame count is not ``clip_frames``.
+        """
+        n = self.options.clip_frames
+        if not n:
+            return frames
+        if any(c != n for c in counts):
+            raise ValueError(f"this scalar_head student scores clips of clip_frames={n} frames, got candidates of "
+                             f"{sorted(set(counts))} frames (send every frame: the judge's frames option)")
+        return frames.reshape(len(counts), n * 3, *frames.shape[-2:])
+
     def candidate_scores(self, groups: Sequence[JudgedGroup]) -> list[Tensor]:
         """One ``[K]`` float32 tensor of candidate scores in (0, 1) per group (presented order), with gradients."""
         frames = [self._group_frames(g) for g in groups]
@@ -216,10 +238,12 @@ class ScalarHeadStudent:
         counts = [f.shape[0] for per_group in frames for f in per_group]
         if self.net.training:
             flat = self.augment(flat, counts)
+        if self.options.clip_frames:
+            flat, counts = self.clips(flat, counts), [1] * len(counts)
         text = None
-        if self.text_dim:
-            prompts = [g.prompt for g, per_group in zip(groups, frames) for f in per_group for _ in range(len(f))]
-            text = self.embed(prompts)
+        if self.text_dim:  # one prompt per input: per frame, or per clip (counts are then all 1)
+            prompts = [g.prompt for g, per_group in zip(groups, frames) for _ in per_group]
+            text = self.embed([p for p, c in zip(prompts, counts) for _ in range(c)])
         frame_scores = torch.sigmoid(self.net(flat, text))
         per_candidate = torch.stack([s.mean() for s in torch.split(frame_scores, counts)])
         sizes = [len(per_group) for per_group in frames]
@@ -272,8 +296,17 @@ class ScalarHeadStudent:
 
     @torch.no_grad()
     def score_images(self, media: Tensor, prompts: Sequence[str]) -> Tensor:
-        """``[B, 3, H, W]`` in [0, 1] + ``B`` prompts -> ``[B]`` float32 frame scores in (0, 1)."""
+        """``[B, 3, H, W]`` in [0, 1] + ``B`` prompts -> ``[B]`` float32 frame scores in (0, 1); with
+        ``clip_frames`` > 0, videos ``[B, 3, F, H, W]`` -> ``[B]`` clip scores.
+
+        Raises:
+            ValueError: a video whose ``F`` is not ``clip_frames``.
+        """
         text = self.embed(prompts) if self.text_dim else None
+        if self.options.clip_frames:
+            b, _, f = media.shape[:3]
+            frames = self.preprocess(media.transpose(1, 2).flatten(0, 1))  # [B F, 3, S, S]
+            return torch.sigmoid(self.net(self.clips(frames, [f] * b), text)).float()
         return torch.sigmoid(self.net(self.preprocess(media), text)).float()
 
     # ------------------------------------------------------------------------------------------------ files
@@ -310,7 +343,8 @@ class ScalarHeadStudent:
 
 class ScalarHeadScorer:
     """A saved ``scalar_head`` student as a flowforge reward scorer: ``[B, 3, H, W]`` in [0, 1] -> ``[B]`` float32
-    scores in (0, 1), higher is better, one image at a time (``needs_group = False``).
+    scores in (0, 1), higher is better, one image at a time (``needs_group = False``); a clip student
+    (``clip_frames`` > 0) takes whole videos ``[B, 3, F, H, W]`` (``takes_video``).
 
     In a training config: ``reward.weights: {"flowforge.reward_model.scalar_head:ScalarHeadScorer": 1.0}`` with
     ``reward.options: {"flowforge.reward_model.scalar_head:ScalarHeadScorer": {path: STUDENT_DIR}}``.
@@ -327,9 +361,16 @@ class ScalarHeadScorer:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.student = ScalarHeadStudent.load(path, device=device)
         self.batch_size = batch_size
+        # a clip student scores whole videos [B, 3, F, H, W] (the trainer and the judge server then send them whole)
+        self.takes_video = bool(self.student.options.clip_frames)
 
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
-        check_inputs(media, prompts, metadata)
+        if self.takes_video:
+            if media.dim() != 5:
+                raise ValueError(f"this scalar_head student scores videos [B, 3, F, H, W], got {tuple(media.shape)}")
+            check_inputs(media[:, :, 0], prompts, metadata)
+        else:
+            check_inputs(media, prompts, metadata)
         chunks = [self.student.score_images(media[i:i + self.batch_size], prompts[i:i + self.batch_size])
                   for i in range(0, media.shape[0], self.batch_size)]
         return torch.cat(chunks).to(media.device)

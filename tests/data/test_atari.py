@@ -61,6 +61,7 @@ def test_prompt_file_round_trips_through_the_prompt_loader(clips, tmp_path):
     assert len(records) == 2 and records[0].metadata["task"] == "i2v"
     assert records[0].prompt.split() == records[0].metadata["actions"]
     assert {r.metadata["episode"] for r in records} <= set(clips.episode[clips.clip_starts[held]].tolist())
+    assert all(r.metadata["cluster"] == f"episode:{r.metadata['episode']}" for r in records)  # split by episode
     assert set(records[0].prompt.split()) <= set(ACTIONS)
 
 

@@ -214,3 +214,64 @@ def test_training_augmentation_moves_each_candidate_alike_and_never_touches_infe
     assert not torch.allclose(on.candidate_scores(groups)[0].detach(), off.predict(groups)[0], atol=1e-6)
     with pytest.raises(ValueError, match="augment_rotate"):
         student_config({"scalar_head": {"augment_shift": 0.7}})
+
+
+def _order_groups(root, n, *, frames=4, size=16, seed=0):
+    """Judged video groups whose teacher marks depend on frame order only: every candidate shows the same frames (a
+    bright square at positions 0..F-1 along the diagonal), played forwards (mark 0.9) or backwards (0.1)."""
+    from flowforge.reward_model.data import JudgedGroup
+
+    root.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.zeros(frames, 3, size, size)
+    for f in range(frames):
+        base[f, :, 3 * f:3 * f + 4, 3 * f:3 * f + 4] = 1.0
+    groups = []
+    for g in range(n):
+        forwards = (torch.randperm(4, generator=gen) < 2).tolist()
+        paths, hashes = [], []
+        for fwd in forwards:
+            clip = base if fwd else base.flip(0)
+            clip = (clip + 0.03 * torch.randn(clip.shape, generator=gen)).clamp(0, 1)
+            data = [P.jpeg_bytes(frame, size, 95) for frame in clip]
+            digests = [P.sha256_hex(d) for d in data]
+            for d, h in zip(data, digests):
+                (root / f"{h}.jpg").write_bytes(d)
+            paths.append(tuple(str(root / f"{h}.jpg") for h in digests))
+            hashes.append(tuple(digests))
+        groups.append(JudgedGroup(
+            key=f"o{seed}-{g}", condition_id=f"c{g}", cluster=f"cl-{g}", prompt="p", instructions="Score.",
+            labels=tuple(P.candidate_labels(4)), permutation=(0, 1, 2, 3), candidates=tuple(paths),
+            scores=tuple(0.9 if fwd else 0.1 for fwd in forwards), hashes=tuple(hashes)))
+    return groups
+
+
+def test_a_clip_student_sees_frame_order_and_serves_whole_videos(tmp_path):
+    """Candidates that differ only in frame order: a per-frame student scores them alike (up to the noise), a
+    ``clip_frames`` student separates them; saved, it scores whole videos as a scorer and behind the judge server's
+    scorer backend with the scores it predicts."""
+    torch.set_num_threads(1)
+    train = _order_groups(tmp_path / "train", 24, seed=0)
+    held = _order_groups(tmp_path / "held", 8, seed=1)
+    split = [1.0, 0.0, 0.0]
+    per_frame = train_student(student_config({**FAST, "split": split}), train, tmp_path / "frames")
+    assert evaluate(load_student(per_frame.student_dir), held)["pairwise_accuracy"] < 0.7  # noise only
+    # with a prompt embedding: one per clip (the per-frame student has one per frame)
+    clip_cfg = {**FAST, "split": split, "scalar_head": {
+        **FAST["scalar_head"], "clip_frames": 4, "text_encoder": "tests.reward_model.test_scalar_head:hash_embedding"}}
+    result = train_student(student_config(clip_cfg), train, tmp_path / "clips")
+    student = load_student(result.student_dir)
+    assert evaluate(student, held)["pairwise_accuracy"] > 0.9
+
+    from flowforge.reward_model.data import decode_frame, group_frames
+    from flowforge.serve.judge_backends import student_backend
+
+    scorer = ScalarHeadScorer(result.student_dir)
+    assert scorer.takes_video
+    _, frames = group_frames(held[0])
+    video = torch.stack([torch.stack([decode_frame(f) for f in c], 1) for c in frames])  # [K, 3, F, H, W]
+    torch.testing.assert_close(scorer(video, ["p"] * 4, [{}] * 4), student.predict([held[0]])[0], atol=1e-5, rtol=0)
+    served = P.parse_scores(student_backend(result.student_dir).complete(group_message(held[0])).text, held[0].labels)
+    assert served == pytest.approx(student.predict([held[0]])[0].tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="clip_frames=4"):
+        scorer(video[:, :, :3], ["p"] * 4, [{}] * 4)

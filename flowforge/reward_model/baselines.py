@@ -1,0 +1,80 @@
+"""What the student is measured against beside its gate: the agreement with the teacher, on the same test groups, of
+scores that never saw a teacher mark.
+
+================  =================================================================================================
+baseline          scores of a test group's ``K`` candidates (presented order)
+================  =================================================================================================
+``init``          the student before stage B: :func:`~flowforge.reward_model.students.create_student` of the same
+                  ``student`` section (its ``init`` weights, or its seeded random start)
+``constant``      0.5 for every candidate: a ranking of all ties (Spearman 0, pairwise accuracy 0.5)
+``<scorer>``      each name in ``student.gate.baselines``: a flowforge reward scorer (a registry name such as
+                  ``action_idm``, or ``pkg.module:Factory``) -- the reward a user has without a teacher -- on the
+                  candidates' judged frames (decoded from the group's stored JPEGs, a video ``[K, 3, F, H, W]`` for
+                  a ``takes_video`` scorer, else each frame scored and the frames averaged), the group's prompt
+                  and empty metadata
+================  =================================================================================================
+
+Each entry is :func:`flowforge.reward_model.evaluate.agreement` (``spearman``, ``pairwise_accuracy``, ``mae``,
+``groups``, ...) with the gate's ``tie_margin``; the gate record keeps them under ``baselines``, where the student's
+own ``test`` agreement is to be read against them. A scorer's scores are compared by rank only (its ``mae`` is on
+its own scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowforge.reward_model.data import JudgedGroup, decode_frame, group_frames
+from flowforge.reward_model.evaluate import agreement
+
+
+def _teacher(groups: Sequence[JudgedGroup]) -> list[Tensor]:
+    return [torch.tensor(g.scores, dtype=torch.float64) for g in groups]
+
+
+def scorer_predictions(scorer: Any, groups: Sequence[JudgedGroup]) -> list[Tensor]:
+    """``[K]`` float64 scores of ``scorer`` per group (module table, ``<scorer>``); NaN where it gave none."""
+    from flowforge.rewards.base import takes_video
+
+    out = []
+    with torch.no_grad():
+        for group in groups:
+            _, candidates = group_frames(group)
+            frames = [torch.stack([decode_frame(f) for f in frames]) for frames in candidates]  # [F, 3, H, W] each
+            k = len(frames)
+            if takes_video(scorer):
+                video = torch.stack([f.transpose(0, 1) for f in frames])  # [K, 3, F, H, W]
+                scores = scorer(video, [group.prompt] * k, [{} for _ in range(k)])
+            else:
+                flat = torch.cat(frames)
+                per_frame = scorer(flat, [group.prompt] * len(flat), [{} for _ in range(len(flat))])
+                scores = torch.stack([s.mean() for s in torch.split(per_frame, [len(f) for f in frames])])
+            out.append(scores.detach().double().cpu().view(-1))
+    return out
+
+
+def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup]) -> dict[str, dict[str, float]]:
+    """``{"init": ..., "constant": ..., <scorer>: ...}``: the module table's agreements on ``groups`` for the
+    :class:`~flowforge.reward_model.config.StudentConfig` ``cfg`` (``{}`` without groups).
+
+    Raises:
+        ValueError: a name in ``cfg.gate.baselines`` that is no scorer (the registry lists the allowed ones).
+    """
+    if not groups:
+        return {}
+    from flowforge.reward_model.students import create_student
+    from flowforge.rewards.registry import build_scorer
+
+    margin, teacher = cfg.gate.tie_margin, _teacher(groups)
+    init = create_student(cfg)
+    init.eval()
+    out = {"init": agreement(init.predict(groups), teacher, margin),
+           "constant": agreement([torch.full((len(g.scores),), 0.5, dtype=torch.float64) for g in groups], teacher,
+                                 margin)}
+    for name in cfg.gate.baselines:
+        out[name] = agreement(scorer_predictions(build_scorer(name), groups), teacher, margin)
+    return out
