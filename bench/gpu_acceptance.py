@@ -167,11 +167,15 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: float) -> dict:
-    """One timed GRPO LoRA step (after one warm-up step) of part ``name``; returns its measurements."""
-    import torch
+def grpo_stepper(name: str, config: dict, r: dict, device: torch.device):
+    """Build part ``name``'s model of ``config`` on ``device`` with run settings ``r`` (the keys of :data:`PARTS`'
+    run dicts; ``timed`` is not read) behind a LoRA :class:`~flowforge.policy.Policy` and the ``grpo`` objective.
 
-    from torch.utils.flop_counter import FlopCounterMode
+    Returns ``(adapter, policy, latent_shape, step)``: ``step(step_index)`` is one GRPO LoRA step (rollout, then
+    ``optimize`` on random advantages ``[B]``) and returns ``(rollout_s, update_s, trained_steps, metrics)``, where
+    ``metrics`` is the objective's dict (``loss``, ``first_update_ratio_dev``, ...). Used by :func:`grpo_step_part`
+    and by the real-size CPU test (tests/bench/test_real_size_cpu.py)."""
+    import torch
 
     from flowforge.config import load_config
     from flowforge.objectives import OBJECTIVES, TrainBatch
@@ -180,19 +184,12 @@ def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: floa
     from flowforge.rollout import rollout_chunked
     from flowforge.rollout.loop import sigmas_for
 
-    model_cfg, tiny_cfg, run, tiny_run = PARTS[name]
-    config, r = (tiny_cfg, tiny_run) if tiny else (model_cfg, run)
     batch = r["prompts"] * r["group"]
-    gc.collect()  # the previous part's model, before this part's peak memory is counted
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     cfg = load_config(None, ["train.algorithm=grpo", f"sampler.num_steps={r['steps']}",
                              f"sampler.num_sde_steps={r['steps'] - 1}", "sampler.guidance_scale=1.0",
                              f"data.prompts_per_step={r['prompts']}", f"data.group_size={r['group']}",
                              f"train.micro_batch_size={r['micro']}", "train.num_updates_per_batch=1",
                              "lora.rank=32", "lora.alpha=64", "train.lr=3e-4", "grpo.clip_low=1e-4"])
-    started = time.perf_counter()
     adapter = build(name, config, device)
     if r["checkpointing"]:
         adapter.enable_gradient_checkpointing()
@@ -201,9 +198,6 @@ def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: floa
     policy = Policy(adapter, TrainableWeights.from_section(cfg.lora), OptimizerSettings.from_section(cfg.train),
                     total_optimizer_steps=4, **anchor_policy_bank(cfg.anchor, objective_cls.policy_bank(ctx)))
     objective = objective_cls(ctx, adapter, policy)
-    build_s = time.perf_counter() - started
-    params = sum(p.numel() for p in adapter.transformer.parameters())
-    trainable = sum(p.numel() for p in adapter.transformer.parameters() if p.requires_grad)
     side = r["px"] // VAE_FACTOR
     latent_shape = (config["in_channels"] // (4 if name.startswith("qwen") else 1), side, side)
     cond = conditioning(name, config, batch, r["text_tokens"], device)
@@ -226,6 +220,29 @@ def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: floa
         sync(device)
         return t1 - t0, time.perf_counter() - t1, len(traj.trained_steps), metrics
 
+    return adapter, policy, latent_shape, step
+
+
+def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: float) -> dict:
+    """One timed GRPO LoRA step (after one warm-up step) of part ``name``; returns its measurements."""
+    import torch
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model_cfg, tiny_cfg, run, tiny_run = PARTS[name]
+    config, r = (tiny_cfg, tiny_run) if tiny else (model_cfg, run)
+    batch = r["prompts"] * r["group"]
+    gc.collect()  # the previous part's model, before this part's peak memory is counted
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    adapter, _, latent_shape, step = grpo_stepper(name, config, r, device)
+    build_s = time.perf_counter() - started
+    params = sum(p.numel() for p in adapter.transformer.parameters())
+    trainable = sum(p.numel() for p in adapter.transformer.parameters() if p.requires_grad)
+    cond = conditioning(name, config, r["micro"], r["text_tokens"], device)  # the FLOP count's micro-batch
+
     first = step(0)  # warm-up (kernel selection, allocator); its first update's ratio must be exactly 1
     timed = [step(i) for i in range(1, 1 + r["timed"])]
     rollout_s = sum(t[0] for t in timed) / len(timed)  # means over the timed steps
@@ -233,7 +250,7 @@ def grpo_step_part(name: str, tiny: bool, device: torch.device, peak_flops: floa
     trained, metrics = timed[-1][2], timed[-1][3]
     x = torch.zeros(r["micro"], *latent_shape, device=device)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        adapter.velocity(x, torch.full((r["micro"],), 0.5, device=device), cond.index(torch.arange(r["micro"])), 1.0)
+        adapter.velocity(x, torch.full((r["micro"],), 0.5, device=device), cond, 1.0)
     chunks = batch // r["micro"]
     step_flops = counter.get_total_flops() * chunks * (r["steps"] + 3 * trained)
     step_s = rollout_s + update_s
