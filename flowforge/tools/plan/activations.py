@@ -21,6 +21,7 @@ activation checkpointing on (``adapter.enable_gradient_checkpointing``), and for
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -138,6 +139,26 @@ def frozen_safe_tracker(*modules):
     return tracker
 
 
+@contextlib.contextmanager
+def tracking(tracker, root):
+    """Enter ``tracker`` while ``root`` (the transformer) may be called many times: MemTracker refuses a second
+    forward of a root module in one session ("multiple iterative calls"), so its per-module table is cleared before
+    each forward of ``root`` (a global pre-forward hook registered before the tracker's own). Only the per-module
+    table is cleared: the session's peak and every tracked tensor stay."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def reset(module, _inputs):
+        if module is root and not tracker._mod_tracker.is_bw:
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(reset)
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        handle.remove()
+
+
 def _measure(adapter, spec: ModelSpec, latent, text_tokens: int, dtype, guidance: float, grad: bool) -> int:
     """Transient bytes of one row: peak - gradients at the peak - bytes before the forward."""
     import torch
@@ -147,7 +168,7 @@ def _measure(adapter, spec: ModelSpec, latent, text_tokens: int, dtype, guidance
     sigma = torch.full((1,), 0.7)
     cond = _conditioning(spec, 1, text_tokens, dtype, negative)
     tracker = frozen_safe_tracker(adapter.transformer)
-    with tracker:
+    with tracking(tracker, adapter.transformer):
         before = tracker.get_tracker_snapshot("current")
         if grad:
             v = adapter.velocity(x, sigma, cond, guidance)
