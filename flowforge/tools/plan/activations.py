@@ -83,18 +83,38 @@ def image_tokens(spec: ModelSpec, latent: tuple[int, ...]) -> int:
     return _tokens(latent, patch)
 
 
+@contextlib.contextmanager
+def _no_random_init():
+    """``torch.nn.init``'s random fills as no-ops (the tensors keep ``torch.empty``'s memory)."""
+    import torch
+
+    names = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "orthogonal_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def build_adapter(spec: ModelSpec, dtype):
     """The family adapter around a CPU transformer of ``spec`` (no VAE, no text encoder), random init."""
     import torch
 
     from flowforge.models import adapter_class
 
-    # built on the meta device, then given zero-filled CPU storage: memory is what is measured, not values, and a
-    # random init of a real-width model costs tens of seconds on two cores
-    transformer = build_transformer(spec, "meta", dtype).to_empty(device="cpu")
+    # built with torch.nn.init's random fills turned off, then zero-filled: memory is what is measured, not values,
+    # and a random init of a real-width model costs tens of seconds on two cores (the meta device + to_empty would
+    # lose tensors some models keep as plain attributes, e.g. Qwen-Image's rotary tables)
+    with _no_random_init():
+        transformer = build_transformer(spec, "cpu", dtype)
     with torch.no_grad():
         for t in itertools.chain(transformer.parameters(), transformer.buffers()):
-            t.zero_()
+            if t.is_floating_point():
+                t.zero_()
     return adapter_class(spec.adapter)(transformer)
 
 
