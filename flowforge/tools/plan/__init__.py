@@ -16,7 +16,8 @@ from dataclasses import replace
 from flowforge.tools.plan.activations import ActivationModel, image_tokens, latent_for, measure
 from flowforge.tools.plan.budget import (DTYPE_BYTES, GPUS, Plan, Setting, check_gpu, items_for, render,
                                          suggest)
-from flowforge.tools.plan.sizes import ModelSpec, count_params, lora_targets, published, spec_for
+from flowforge.tools.plan.sizes import (ModelSpec, component_params, count_params, lora_targets, published,
+                                        spec_for)
 
 __all__ = ["GPUS", "Plan", "ModelSpec", "check_gpu", "plan_config", "render", "published", "spec_for"]
 
@@ -106,7 +107,12 @@ def plan_config(cfg, gpus: int = 1, gpu: str = "h100-80gb", spec: ModelSpec | No
     tokens = image_tokens(spec, latent)
     buffers = _buffers(spec, dtype)
     n = spec.transformers
-    plan = _evaluate(cfg, s, spec, counts, act, latent, tokens, buffers, gpu, gpu_gb, facts)
+    # text encoders / VAE of a local model directory: resident with the transformer while it loads and encodes
+    components = {name: component_params(path) for name, path in spec.components.items()}
+    facts["components"] = {k: {"class": c, "params": p} for k, (c, p) in components.items()} or \
+        "text encoders / VAE not counted: no local model directory"
+    other = sum(p for _, p in components.values())
+    plan = _evaluate(cfg, s, spec, counts, act, latent, tokens, buffers, gpu, gpu_gb, facts, other)
     plan.facts.update({"source": spec.source, "params": counts.total * n, "lora_params": counts.lora * n,
                        "latent": list(latent), "image_tokens": tokens, "text_tokens": spec.text_tokens,
                        "depth": {k: spec.config[k] for k in spec.depth_keys}, "transformers": n})
@@ -123,11 +129,11 @@ def plan_config(cfg, gpus: int = 1, gpu: str = "h100-80gb", spec: ModelSpec | No
             alts[f"a smaller micro-batch (train.micro_batch_size={max(1, s.micro // 2)})"] = replace(
                 s, micro=max(1, s.micro // 2), rollout_rows=max(1, s.rollout_rows // 2))
         plan.fix = suggest(plan, {k: _evaluate(cfg, v, spec, counts, act, latent, tokens, buffers, gpu, gpu_gb,
-                                               facts) for k, v in alts.items()})
+                                               facts, other) for k, v in alts.items()})
     return plan
 
 
-def _evaluate(cfg, s: Setting, spec, counts, act, latent, tokens, buffers, gpu, gpu_gb, facts) -> Plan:
+def _evaluate(cfg, s: Setting, spec, counts, act, latent, tokens, buffers, gpu, gpu_gb, facts, other=0) -> Plan:
     n = spec.transformers
     depth = {k: spec.config[k] for k in spec.depth_keys}
     rollout_rows = s.rollout_rows * (2 if facts["rollout_cfg"] and facts["train_guidance"] == 1.0 else 1)
@@ -137,7 +143,7 @@ def _evaluate(cfg, s: Setting, spec, counts, act, latent, tokens, buffers, gpu, 
     trained = counts.lora * n if s.lora else counts.total * n
     items, phases = items_for(s, params=counts.total * n, buffer_bytes=buffers * n, trained=trained,
                               largest_block=counts.largest_block, latent_numel=math.prod(latent),
-                              activations=activations, other_components=0)
+                              activations=activations, other_components=other)
     return Plan(model=spec.source, algorithm=cfg.train.algorithm, trainable=cfg.lora.trainable, gpus=s.gpus,
                 gpu=gpu, gpu_gb=gpu_gb, strategy=("fsdp" if s.fsdp else ("ddp" if s.gpus > 1 else "single")),
                 items=items, phases=phases, facts=dict(facts, checkpointing=s.checkpointing, micro=s.micro,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from flowforge.tools.plan.sizes import ModelSpec, build_transformer
 
-IMAGE_SIDE = 16  # token cells a side at the first point (x2 along the width at the second): memory is linear from ~256 tokens on
+IMAGE_SIDE = 16  # token cells a side at the first point (x2 along the width at the second); linear from ~256 tokens
 TEXT_TOKENS = 32
 
 

@@ -24,7 +24,6 @@ before the verdict, as an assumption, and shown as its own line).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -175,7 +174,3 @@ def render(plan: Plan) -> str:
         lines.append(f"to fit: {plan.fix}")
     lines.append("not counted: reward models, VAE decode activations, allocator fragmentation")
     return "\n".join(lines)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)
