@@ -1,5 +1,6 @@
 """The memory planner against a measurement on the CPU: one GRPO LoRA step of a real-architecture transformer at real
-width and reduced depth, under torch's ``MemTracker``, beside ``flowforge plan``'s prediction for the same setting.
+width and reduced depth (2 layers; an extra case at 6), under torch's ``MemTracker``, beside ``flowforge plan``'s
+prediction for the same setting.
 
     python bench/plan_check.py [--cases sd35m,wan21_1_3b,qwen_image] [--out results.json]
 
@@ -27,11 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# name -> (published entry, adapter, px, frames, prompts, group, micro, steps, text tokens)
+# name -> (published entry, px, frames, prompts, group, micro, steps, text tokens, layers)
 CASES = {
-    "sd35m": ("sd35-medium", 256, None, 2, 4, 4, 2, 333),
-    "wan21_1_3b": ("wan21-t2v-1.3b", 128, 9, 2, 2, 2, 2, 512),
-    "qwen_image": ("qwen-image", 256, None, 2, 2, 2, 2, 128),
+    "sd35m": ("sd35-medium", 256, None, 2, 4, 4, 2, 333, 2),
+    "wan21_1_3b": ("wan21-t2v-1.3b", 128, 9, 2, 2, 2, 2, 512, 2),
+    "qwen_image": ("qwen-image", 256, None, 2, 2, 2, 2, 128, 2),
+}
+EXTRA_CASES = {  # beyond the acceptance: 6 layers, so the plan extrapolates in depth from its 1- and 2-block measure
+    "sd35m_6_layers": ("sd35-medium", 256, None, 2, 4, 4, 2, 333, 6),
 }
 LORA_RANK = 32
 
@@ -39,13 +43,13 @@ LORA_RANK = 32
 def case_config(name: str):
     """``(spec, cfg)`` of case ``name``: the 2-layer spec and the run config (grpo, LoRA r32, bf16)."""
     from flowforge.config import load_config
-    from flowforge.tools.plan.activations import _depth_overrides
+    from flowforge.tools.plan.activations import depth_overrides
     from flowforge.tools.plan.sizes import published, spec_for
 
-    entry, px, frames, prompts, group, micro, steps, tokens = CASES[name]
+    entry, px, frames, prompts, group, micro, steps, tokens, layers = {**CASES, **EXTRA_CASES}[name]
     e = published()[entry]
     spec = spec_for(e["adapter"], e["hub_id"])
-    spec = dataclasses.replace(spec.with_config(**_depth_overrides(spec, {"num_layers": 2})), text_tokens=tokens)
+    spec = dataclasses.replace(spec.with_config(**depth_overrides(spec, {"num_layers": layers})), text_tokens=tokens)
     overrides = [f"model.adapter={e['adapter']}", "model.dtype=bfloat16", f"model.height={px}", f"model.width={px}",
                  "train.algorithm=grpo", f"sampler.num_steps={steps}", f"sampler.num_sde_steps={steps - 1}",
                  "sampler.guidance_scale=1.0", f"data.prompts_per_step={prompts}", f"data.group_size={group}",
@@ -124,13 +128,13 @@ def check(name: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES) + list(EXTRA_CASES)}")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     names = args.cases.split(",")
-    bad = [n for n in names if n not in CASES]
+    bad = [n for n in names if n not in {**CASES, **EXTRA_CASES}]
     if bad:
-        print(f"error: --cases: {bad} not in {list(CASES)}", file=sys.stderr)
+        print(f"error: --cases: {bad} not in {list(CASES) + list(EXTRA_CASES)}", file=sys.stderr)
         return 2
     results = []
     for name in names:

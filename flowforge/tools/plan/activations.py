@@ -231,7 +231,7 @@ def measure(spec: ModelSpec, *, dtype, lora: tuple[int, tuple[str, ...]] | None,
     variants = [("base", {k: 1 for k in spec.depth_keys})]
     variants += [(k, {**{j: 1 for j in spec.depth_keys}, k: 2}) for k in spec.depth_keys]
     for name, depth in variants:
-        sub = spec.with_config(**_depth_overrides(spec, depth))
+        sub = spec.with_config(**depth_overrides(spec, depth))
         adapter = build_adapter(sub, torch.float32 if lora is None else dtype)
         if lora is None:
             adapter.transformer.requires_grad_(True)
@@ -256,7 +256,7 @@ def measure(spec: ModelSpec, *, dtype, lora: tuple[int, tuple[str, ...]] | None,
     return ActivationModel(**results)
 
 
-def _depth_overrides(spec: ModelSpec, depth: dict[str, int]) -> dict:
+def depth_overrides(spec: ModelSpec, depth: dict[str, int]) -> dict:
     """Config overrides for a reduced depth; per-layer lists (SD3.5's ``dual_attention_layers``) are cut to it."""
     out = dict(depth)
     if "dual_attention_layers" in spec.config and "num_layers" in depth:
