@@ -24,6 +24,13 @@ TINY_SD3 = {"sample_size": 32, "patch_size": 2, "in_channels": 16, "out_channels
 SD35M_YAML = "examples/gpu/sd35m_pickscore_grpo.yaml"
 
 
+@pytest.fixture(autouse=True)
+def plan_cache(tmp_path, monkeypatch):
+    """Measured activation models go to a fresh directory (never the user's cache)."""
+    monkeypatch.setenv("FLOWFORGE_PLAN_CACHE", str(tmp_path / "plan-cache"))
+    return tmp_path / "plan-cache"
+
+
 def tiny_spec(**over) -> ModelSpec:
     return ModelSpec("sd3", "SD3Transformer2DModel", {**TINY_SD3, **over}, ("num_layers",), text_tokens=16,
                      source="tiny")
@@ -85,6 +92,18 @@ def test_tiny_plan_is_within_20_percent_of_the_measured_step():
     predicted = max(plan.phases["rollout"], plan.phases["train"])
     measured = measure_step(spec, cfg)["measured_peak_bytes"]
     assert 0.8 <= predicted / measured <= 1.2, (predicted, measured)
+
+
+def test_a_measured_model_is_cached_on_disk_and_read_back(plan_cache, monkeypatch):
+    import flowforge.tools.plan as plan_mod
+
+    spec, cfg = tiny_spec(num_layers=3), tiny_cfg()
+    monkeypatch.setattr(plan_mod, "_ACTIVATIONS", {})
+    first = plan_config(cfg, 1, "h100-80gb", spec=spec)
+    assert len(list(plan_cache.glob("*.json"))) == 1
+    monkeypatch.setattr(plan_mod, "_ACTIVATIONS", {})
+    monkeypatch.setattr(plan_mod, "measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
+    assert plan_config(cfg, 1, "h100-80gb", spec=spec).items == first.items
 
 
 def test_what_does_not_fit_names_the_largest_items_and_a_change_that_fits(monkeypatch):

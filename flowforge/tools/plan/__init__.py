@@ -9,11 +9,16 @@ would make it fit when it does not.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
 import math
+import os
 from dataclasses import replace
+from pathlib import Path
 
-from flowforge.tools.plan.activations import ActivationModel, image_tokens, latent_for, measure
+from flowforge.tools.plan.activations import ActivationModel, Linear, image_tokens, latent_for, measure
 from flowforge.tools.plan.budget import (DTYPE_BYTES, GPUS, Plan, Setting, check_gpu, items_for, render,
                                          suggest)
 from flowforge.tools.plan.sizes import (ModelSpec, component_params, count_params, lora_targets, published,
@@ -21,15 +26,43 @@ from flowforge.tools.plan.sizes import (ModelSpec, component_params, count_param
 
 __all__ = ["GPUS", "Plan", "ModelSpec", "check_gpu", "plan_config", "render", "published", "spec_for"]
 
+MEASURE_VERSION = 1  # bump when the measurement changes: cached models of older versions are not read
 _ACTIVATIONS: dict[str, ActivationModel] = {}  # measured models, keyed by what they depend on (one process)
 _COUNTS: dict[str, object] = {}
 
 
+def cache_dir() -> Path:
+    """Where measured activation models are kept between runs: ``$FLOWFORGE_PLAN_CACHE``, else
+    ``$XDG_CACHE_HOME/flowforge/plan`` (``~/.cache/flowforge/plan``)."""
+    if os.environ.get("FLOWFORGE_PLAN_CACHE"):
+        return Path(os.environ["FLOWFORGE_PLAN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowforge" / "plan"
+
+
 def _activation_model(spec: ModelSpec, dtype, lora, guidance: float, video: bool) -> ActivationModel:
-    key = json.dumps([spec.class_name, spec.config, str(dtype), lora, guidance, video], sort_keys=True, default=str)
-    if key not in _ACTIVATIONS:
-        _ACTIVATIONS[key] = measure(spec, dtype=dtype, lora=lora, guidance=guidance, video=video)
-    return _ACTIVATIONS[key]
+    """The measured :class:`ActivationModel`, from this process's memo, else the on-disk cache (keyed by everything
+    the measurement depends on, torch and diffusers versions included), else measured now and cached."""
+    import diffusers
+    import torch
+
+    from flowforge.runtime.durable import write_bytes
+
+    key = json.dumps([spec.class_name, spec.config, str(dtype), lora, guidance, video, torch.__version__,
+                      diffusers.__version__, MEASURE_VERSION], sort_keys=True, default=str)
+    if key in _ACTIVATIONS:
+        return _ACTIVATIONS[key]
+    path = cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    try:
+        data = json.loads(path.read_text())
+        model = ActivationModel(**{k: {n: Linear(**v) for n, v in parts.items()} for k, parts in data.items()})
+    except (OSError, ValueError, TypeError):  # absent or unreadable: measure again
+        model = measure(spec, dtype=dtype, lora=lora, guidance=guidance, video=video)
+        with contextlib.suppress(OSError):  # a read-only home only costs the next run a measurement
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(path, json.dumps({k: {n: dataclasses.asdict(v) for n, v in getattr(model, k).items()}
+                                          for k in ("train", "checkpointed", "rollout")}).encode())
+    _ACTIVATIONS[key] = model
+    return model
 
 
 def _counts(spec: ModelSpec, rank, targets):

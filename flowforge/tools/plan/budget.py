@@ -135,8 +135,10 @@ def items_for(s: Setting, *, params: int, buffer_bytes: int, trained: int, large
              * s.dtype_bytes, f"{s.text_tokens} tokens x {s.text_dim}"),
     ]
     kind = "checkpointed" if s.checkpointing else "train"
+    other = "checkpointed" if kind == "train" else "train"
     items.append(Item("activations", activations[kind],
-                      f"{s.micro} rows, measured, {'with' if s.checkpointing else 'without'} checkpointing"))
+                      f"{s.micro} rows, measured, {'with' if s.checkpointing else 'without'} checkpointing "
+                      f"({'with' if other == 'checkpointed' else 'without'}: {activations[other] / 1e9:.3f} GB)"))
     resident = sum(i.bytes for i in items[:-1])
     full_weights = params * (s.dtype_bytes if s.lora else 4) + buffer_bytes
     phases = {"load": full_weights + other_components * s.dtype_bytes,
