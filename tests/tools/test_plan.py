@@ -126,3 +126,24 @@ def test_what_does_not_fit_names_the_largest_items_and_a_change_that_fits(monkey
 def test_real_width_plan_is_within_20_percent_of_the_measured_step(case):
     result = check(case)
     assert 0.8 <= result["ratio"] <= 1.2, result
+
+
+def test_the_cli_plans_a_local_model_directory_as_json(tmp_path, capsys):
+    from diffusers import AutoencoderKL
+
+    model = tmp_path / "model"
+    for name, cfg in (("transformer", {"_class_name": "SD3Transformer2DModel", **TINY_SD3}),
+                      ("vae", {"_class_name": "AutoencoderKL", "latent_channels": 16,
+                               "block_out_channels": [8, 16], "down_block_types": ["DownEncoderBlock2D"] * 2,
+                               "up_block_types": ["UpDecoderBlock2D"] * 2, "norm_num_groups": 4})):
+        (model / name).mkdir(parents=True)
+        (model / name / "config.json").write_text(json.dumps(cfg))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{adapter: sd3, path: {model}, dtype: bfloat16, height: 256, width: 256}}\n"
+                      "lora: {rank: 8}\ntrain: {micro_batch_size: 4}\n")
+    assert main(["plan", str(config), "--json", "--gpus", "2", "--gpu", "l20"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    vae = AutoencoderKL.from_config(json.loads((model / "vae" / "config.json").read_text()))
+    assert out["facts"]["components"]["vae"]["params"] == sum(p.numel() for p in vae.parameters())
+    assert out["gpu"] == "l20" and out["gpus"] == 2 and out["strategy"] == "ddp" and out["fits"] is True
+    assert out["model"].endswith("transformer/config.json") and set(out["phases_gb"]) == {"load", "rollout", "train"}
