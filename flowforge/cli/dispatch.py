@@ -27,14 +27,14 @@ import os
 import sys
 
 from flowforge import __version__
-from flowforge.cli import check, compare, data, export, report, sample, serve, sft, stages, train
+from flowforge.cli import check, compare, data, export, plan, report, sample, serve, sft, stages, train
 from flowforge.cli.common import TRAILING
 from flowforge.cli.errors import error_message, is_user_error
 from flowforge.runtime.interrupt import Interrupted
 from flowforge.runtime.quiet import library_progress_bars_off
 
 VERBS = {"train": train, "sft": sft, "check": check, "compare": compare, "report": report, "export": export,
-         "sample": sample, "serve": serve, "data": data, "stages": stages}
+         "sample": sample, "serve": serve, "data": data, "stages": stages, "plan": plan}
 """Verb -> its module (``add_parser(subparsers)``, ``run(args) -> exit status``), in ``--help`` order."""
 DEBUG_ENV = "FLOWFORGE_DEBUG"
 DESCRIPTION = """\
