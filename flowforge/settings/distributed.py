@@ -14,8 +14,8 @@ key                                         meaning
                                             parallelism is enabled (None: the model's own, ``native`` SDPA)
 ==========================================  =========================================================================
 
-Context parallelism runs through diffusers' own hooks (:mod:`flowforge.runtime.context_parallel`, docs/
-context_parallel.md); which families support it and whether the sizes split evenly is checked by preflight.
+Context parallelism runs through diffusers' own hooks (:mod:`flowforge.runtime.context_parallel`,
+docs/guides/context-parallel.md); which families support it and whether the sizes split evenly is checked by preflight.
 """
 
 from __future__ import annotations

@@ -97,13 +97,17 @@ class JudgeTemplate:
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> JudgeTemplate:
-        """Read a template file (``None``: :data:`DEFAULT_TEMPLATE`).
+        """Read a template file (``None``: :data:`DEFAULT_TEMPLATE`; a bare shipped name such as ``group_v3``: that
+        shipped file).
 
         Raises:
             OSError: the file cannot be read.
             ValueError: it uses a placeholder outside :data:`PLACEHOLDERS` (the message lists the allowed ones).
         """
         path = Path(DEFAULT_TEMPLATE if path is None else path)
+        if path.parent == Path(".") and not path.suffix and not path.exists():
+            shipped = DEFAULT_TEMPLATE.with_name(f"{path.name}.txt")
+            path = shipped if shipped.is_file() else path
         data = path.read_bytes()
         text = data.decode("utf-8")
         unknown = sorted(set(_PLACEHOLDER.findall(text)) - PLACEHOLDERS)

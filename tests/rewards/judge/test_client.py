@@ -114,8 +114,8 @@ def test_static_example_images_have_their_own_slot_and_key(tmp_path):
 
     for i, colour in enumerate([(250, 10, 10), (10, 10, 250)]):
         Image.new("RGB", (8, 8), colour).save(tmp_path / f"sprite{i}.png")
-    template = Path(P.DEFAULT_TEMPLATE).with_name("group_v3.txt")
-    judge = _judge(frames=2, max_side=16, reference_root=tmp_path, template=template)
+    judge = _judge(frames=2, max_side=16, reference_root=tmp_path, template="group_v3")  # a shipped one, by name
+    assert judge.template.sha256 == P.JudgeTemplate.load(Path(P.DEFAULT_TEMPLATE).with_name("group_v3.txt")).sha256
     video = torch.rand(2, 3, 4, 8, 8)
     meta = [{"image": "sprite0.png", "examples": ["sprite0.png", "sprite1.png"]}] * 2
     with_examples = judge._prepare(video, ["a", "a"], meta)
