@@ -30,9 +30,9 @@ PROMPTS = ["a red cat sitting under a tree", "two dogs"]
 def build(name: str):
     """(adapter, latent shape without batch) of a tiny family."""
     if name in ("wan", "qwen_image", "flux"):
-        from tests.models.test_families import _build
+        from tests.models.families import build_family
 
-        fam = _build(name)  # Wan's test latent has 3 tokens: 12 here (3 latent frames of 4 x 4, patch 1 x 2 x 2)
+        fam = build_family(name)  # Wan's test latent has 3 tokens: 12 here (3 latent frames of 4 x 4, patch 1 x 2 x 2)
         return fam.adapter, {"wan": (4, 3, 4, 4)}.get(name, fam.latent)
     if name == "flux2":
         from flowforge.models.flux2 import Flux2KleinAdapter, flux2_klein_text

@@ -11,9 +11,9 @@ from flowforge.train.preflight.parallel import loaded_context_parallel_problems
 
 @pytest.fixture(scope="module")
 def wan():
-    from tests.models.test_families import _build
+    from tests.models.families import build_family
 
-    return _build("wan").adapter
+    return build_family("wan").adapter
 
 
 def test_accelerator_count_shim_is_scoped():
