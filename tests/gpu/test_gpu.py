@@ -46,18 +46,9 @@ def test_grpo_first_update_ratio_is_exactly_one_in_bf16(make, device, trainable)
 
 
 def test_replayed_log_probs_equal_rollout_bitwise_in_bf16(make):
-    from flowforge.rollout import replay_log_prob
-    from tests.train.test_trainer import one_step
+    from tests.train.test_trainer import assert_replay_equals_rollout
 
-    trainer = make("replay", *BF16)
-    _, traj, cond, _, _ = one_step(trainer)
-    spec = trainer.objective.rollout_spec(0)
-    mb = trainer.cfg.train.micro_batch_size  # the rollout was chunked like the micro-batches: same GEMM shapes
-    for start in range(0, len(traj.final), mb):
-        rows = torch.arange(start, start + mb)
-        for slot in range(len(traj.trained_steps)):
-            tr = replay_log_prob(trainer.adapter, traj.select(rows), slot, cond.index(rows), spec)
-            assert torch.equal(tr.log_prob.detach(), traj.log_probs[rows, slot])
+    assert_replay_equals_rollout(make("replay", *BF16))
 
 
 def test_rollout_engine_workers_equal_the_trainer_in_bf16(make):

@@ -10,6 +10,7 @@ import torch
 
 from flowforge.models.base import Conditioning
 from tests.models import tiny_families as tiny
+from tests.models.test_sd3 import FakeText
 
 FAMILIES = ["sd3", "flux", "qwen_image", "wan"]
 PIPELINE_FAMILIES = ["flux", "qwen_image", "wan"]
@@ -29,14 +30,6 @@ class Family:
     pipeline_kwargs: dict
 
 
-class FakeSD3Text:
-    encoder_id = "fake"
-
-    def encode(self, prompts):
-        rows = [torch.Generator().manual_seed(sum(map(ord, p)) + 7 * len(p)) for p in prompts]
-        embeds = torch.stack([torch.randn(16, 384, generator=g) for g in rows])
-        pooled = torch.stack([torch.randn(384, generator=g) for g in rows])
-        return embeds, torch.ones(len(prompts), 16, dtype=torch.long), pooled
 
 
 def build_family(name: str) -> Family:
@@ -44,7 +37,7 @@ def build_family(name: str) -> Family:
         from flowforge.demo.model import build_tiny_sd3, test_sd3_config
         from flowforge.models.sd3 import SD3Adapter
 
-        return Family(name, SD3Adapter(build_tiny_sd3(test_sd3_config(), seed=0), FakeSD3Text()), None,
+        return Family(name, SD3Adapter(build_tiny_sd3(test_sd3_config(), seed=0), FakeText()), None,
                       (32, 32, None), (1, 32, 32), 1000.0, {})
     if name == "flux":
         from flowforge.models.flux import FluxAdapter, flux_text

@@ -26,15 +26,17 @@ def digit_means(tmp_path_factory):
     return path
 
 
-def counted_run(trainer):
-    """Train ``trainer`` with its adapter's decode counted: ``(run_dir, decodes outside evaluate, inside)``."""
+def counted_run(trainer, owner=None):
+    """Train ``trainer`` with ``owner.decode`` counted (default: the adapter's): ``(run_dir, decodes outside
+    evaluate, inside)``."""
+    owner = trainer.adapter if owner is None else owner
     counts = {"train": 0, "eval": 0}
     where = ["train"]
-    decode, evaluate = trainer.adapter.decode, trainer.evaluate
+    decode, evaluate = owner.decode, trainer.evaluate
 
-    def counting_decode(latents):
+    def counting_decode(*args, **kwargs):
         counts[where[0]] += 1
-        return decode(latents)
+        return decode(*args, **kwargs)
 
     def counting_evaluate(step):
         where[0] = "eval"
@@ -43,7 +45,7 @@ def counted_run(trainer):
         finally:
             where[0] = "train"
 
-    trainer.adapter.decode, trainer.evaluate = counting_decode, counting_evaluate
+    owner.decode, trainer.evaluate = counting_decode, counting_evaluate
     run_dir = trainer.train()
     return run_dir, counts["train"], counts["eval"]
 
@@ -100,24 +102,8 @@ def test_a_latent_only_video_run_never_calls_the_vae_decode(wan_dir, tmp_path, w
                      {("t2v", s): prompts for s in ("train", "eval")}, f"run.name=wan-{weights}-{overlap}", *reward,
                      f"reward.overlap={str(overlap).lower()}", "eval.scorers=[]")
     trainer = Trainer(cfg, progress=False)
-    vae = trainer.adapter.vae
-    calls = {"train": 0, "eval": 0}
-    where = ["train"]
-    decode, evaluate = vae.decode, trainer.evaluate
-
-    def counting_decode(*args, **kwargs):
-        calls[where[0]] += 1
-        return decode(*args, **kwargs)
-
-    def counting_evaluate(step):
-        where[0] = "eval"
-        try:
-            return evaluate(step)
-        finally:
-            where[0] = "train"
-
-    vae.decode, trainer.evaluate = counting_decode, counting_evaluate
-    run_dir = trainer.train()
+    run_dir, train_calls, eval_calls = counted_run(trainer, trainer.adapter.vae)  # the real VAE's decode
+    calls = {"train": train_calls, "eval": eval_calls}
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     if weights == "latent":

@@ -69,9 +69,13 @@ def test_first_update_ratio_is_exactly_one(make_trainer, trainable):
 
 
 def test_replayed_log_probs_equal_rollout_bitwise(make_trainer):
+    assert_replay_equals_rollout(make_trainer())
+
+
+def assert_replay_equals_rollout(trainer) -> None:
+    """One step of ``trainer``; every stored per-step log-prob equals its replay exactly (``torch.equal``)."""
     from flowforge.rollout import replay_log_prob
 
-    trainer = make_trainer()
     _, traj, cond, _, _ = one_step(trainer)
     spec = trainer.objective.rollout_spec(0)
     mb = trainer.cfg.train.micro_batch_size  # the rollout was chunked like the micro-batches: same GEMM shapes
