@@ -95,7 +95,7 @@ def test_tiny_plan_is_within_20_percent_of_the_measured_step():
 
 
 def test_a_measured_model_is_cached_on_disk_and_read_back(plan_cache, monkeypatch):
-    import flowforge.tools.plan as plan_mod
+    import flowforge.tools.plan.plan as plan_mod
 
     spec, cfg = tiny_spec(num_layers=3), tiny_cfg()
     monkeypatch.setattr(plan_mod, "_ACTIVATIONS", {})
