@@ -77,6 +77,7 @@ def test_world_sft_gate_init_paddle_weight_and_checkpoints(tmp_path):
     assert not SFTConfig(paddle_rows=0).problems()
 
 
+@pytest.mark.slow  # 15-30 s of training on 2 cores: CI runs it in the slow set (the default run stays near 10 min)
 def test_world_sft_lr_schedule_decays_after_the_first_step(tmp_path):
     """``sft.lr_schedule`` is the RL trainer's ``lr_lambda``: without warmup, linear decay leaves step 1 at the
     full LR (the same weights as a constant run) and scales step 2 by 2/3 (other weights)."""

@@ -66,6 +66,7 @@ def test_nft_guard_skips_tied_groups_and_counts_them(make):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow  # 15-30 s of training on 2 cores: CI runs it in the slow set (the default run stays near 10 min)
 def test_nft_samples_with_old_policy(make):
     trainer = make("train.algorithm=nft", "forward.decay_rate=0.0")
     trainer.train()  # decay 0: old tracks live exactly after every batch

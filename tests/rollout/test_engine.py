@@ -40,6 +40,7 @@ def out_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("engine")
 
 
+@pytest.mark.slow  # 15-30 s of training on 2 cores: CI runs it in the slow set (the default run stays near 10 min)
 def test_lora_workers_match_local_step_by_step_and_the_first_ratio_is_one(tiny_model_dir, out_dir,
                                                                           encode_cache_dir):
     """2 workers, GRPO on LoRA: step 0's trajectory and log-probs equal the local rollout's bit for bit, the first

@@ -175,6 +175,7 @@ def test_sample_and_train_load_a_merged_world_model_export(world_runs, tmp_path,
     assert torch.equal(probe(trainer.adapter), trained)
 
 
+@pytest.mark.slow  # 15-30 s of training on 2 cores: CI runs it in the slow set (the default run stays near 10 min)
 def test_module_lora_run_exports_merged_and_both_adapter_files(tmp_path):
     """``lora.trainable: module+lora`` (B in full + the coupling LoRA): merged = B overlaid and the LoRA folded in,
     verified and reloaded equal within the merged tolerance; adapter = the module file and peft's, verified; the

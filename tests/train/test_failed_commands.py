@@ -118,6 +118,7 @@ def test_a_resume_that_fails_at_its_first_score_leaves_every_file_as_it_was(trai
     assert _steps(run) == [1, 2, 3]
 
 
+@pytest.mark.slow  # 15-30 s of training on 2 cores: CI runs it in the slow set (the default run stays near 10 min)
 def test_a_rotation_killed_after_demoting_a_checkpoint_is_finished_by_the_resume(tiny_model_dir, encode_cache_dir,
                                                                                  tmp_path):
     """checkpoint.keep=1: saving step 2 removes step 1; SIGKILL right after step 1 was demoted (its COMMITTED gone,

@@ -43,6 +43,7 @@ def hv_dirs(tmp_path_factory):
     return dirs
 
 
+@pytest.mark.slow  # 15-30 s of training on 2 cores: CI runs it in the slow set (the default run stays near 10 min)
 @pytest.mark.parametrize("task,algorithm", [("t2v", "grpo"), ("t2v", "nft"), ("i2v", "grpo")])
 def test_hunyuan_video15_trains_on_the_real_loop(task, algorithm, hv_dirs, prompt_files, tmp_path):
     from flowforge.config import load_config

@@ -62,6 +62,7 @@ def ltx2_cfg(model_dir, tmp_path, prompts, *extra):
         *extra])
 
 
+@pytest.mark.slow  # 15-30 s of training on 2 cores: CI runs it in the slow set (the default run stays near 10 min)
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
 def test_ltx2_trains_on_the_real_loop(algorithm, ltx2_dir, prompt_files, tmp_path):
     from flowforge.train.trainer import Trainer
@@ -131,6 +132,7 @@ def test_preflight_refuses_audio_rewards_without_sound(prompt_files, tmp_path):
     preflight(cfg("model.adapter=ltx2"), this_machine=False)
 
 
+@pytest.mark.slow  # 15-30 s of training on 2 cores: CI runs it in the slow set (the default run stays near 10 min)
 def test_ltx2_run_exports_and_verifies(ltx2_dir, prompt_files, tmp_path):
     """A 2-step LoRA NFT run exports as a diffusers LoRA (LTX2Pipeline.save_lora_weights) and as a merged
     transformer; both reload and match the trained policy's joint velocity (flowforge export --verify)."""
