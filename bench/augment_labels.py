@@ -55,10 +55,12 @@ def main() -> None:
         ordered += int(pairs.sum())
         flipped += int((pairs & (diff_after < 0)).sum())
     shift = torch.cat(shifts)
+    se = shift.std() / shift.numel() ** 0.5
+    share = flipped / max(ordered, 1)
     print(f"augmentation at rotate {options.augment_rotate} deg, scale {options.augment_scale}, shift "
-          f"{options.augment_shift}: mean |mark change| {shift.mean():.4f} (SE {shift.std() / shift.numel() ** 0.5:.4f},"
-          f" {shift.numel()} marks); teacher-ordered pairs flipped {flipped}/{ordered} = {flipped / max(ordered, 1):.3f}"
-          f" ({args.groups} groups x {args.k} from demo:base, {args.draws} draws)")
+          f"{options.augment_shift}: mean |mark change| {shift.mean():.4f} (SE {se:.4f}, {shift.numel()} marks); "
+          f"teacher-ordered pairs flipped {flipped}/{ordered} = {share:.3f} ({args.groups} groups x {args.k} from "
+          f"demo:base, {args.draws} draws)")
 
 
 if __name__ == "__main__":

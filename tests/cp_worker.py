@@ -8,9 +8,11 @@ weights of the loss ``sum(v * w)`` (``w`` fixed; averaged over the context group
 (no parallelism, every group's samples), then with the sequence split over the ranks of each context group
 (:func:`flowforge.runtime.context_parallel.enable`). With one context group (world = ULYSSES x RING) the gradients
 are summed over it (:func:`~flowforge.runtime.context_parallel.sum_context_gradients`); with several, each group
-takes its own samples and DDP (``replicate``; FSDP2 over the flattened mesh with ``:fsdp``) averages over every rank, the gathered output's gradient scaled by the
+takes its own samples and DDP (``replicate``; FSDP2 over the flattened mesh with ``:fsdp``) averages over every rank,
+the gathered output's gradient scaled by the
 degree (:func:`~flowforge.runtime.context_parallel.scale_gathered_gradients`). Rank r
-writes ``OUT_DIR/<spec with - for :>.rank<r>.json``: the largest absolute differences, the sizes the plan split, the number of
+writes ``OUT_DIR/<spec with - for :>.rank<r>.json``: the largest absolute differences, the sizes the plan split, the
+number of
 tokens this rank's attention saw, or the one-line error the run raised.
 """
 

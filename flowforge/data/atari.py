@@ -220,7 +220,8 @@ def record_clips(config: AtariDataConfig) -> AtariClips:
             starts.append(offset + s)
             heldout.append(e % config.heldout_every == config.heldout_every - 1)
         offset += len(a)
-    return AtariClips(frames=torch.from_numpy(np.concatenate(frames)), actions=torch.from_numpy(np.concatenate(actions)),
+    return AtariClips(frames=torch.from_numpy(np.concatenate(frames)),
+                      actions=torch.from_numpy(np.concatenate(actions)),
                       episode=torch.from_numpy(np.concatenate(episode)),
                       clip_starts=torch.as_tensor(starts, dtype=torch.long),
                       heldout=torch.as_tensor(heldout, dtype=torch.bool), config=config)

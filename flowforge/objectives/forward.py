@@ -6,7 +6,8 @@ kept: ``ode`` (Euler, the default), ``dpm2`` (the deterministic 2nd-order DPM-So
 ``dance``, ``cps``: every step but the degenerate last one stochastic, at ``sampler.noise_level``). The update noises
 it, ``x_sigma = (1 - sigma) x0 + sigma noise``, and compares policies' velocities there. Noise and sigma of a visit
 are functions of (run seed, candidate or group id, training step, inner epoch, visit) only, so a resumed run draws
-the same ones; group objectives share them within a prompt group and train on whole groups. The losses compare conditional velocities (guidance 1), as DiffusionNFT trains; guidance
+the same ones; group objectives share them within a prompt group and train on whole groups. The losses compare
+conditional velocities (guidance 1), as DiffusionNFT trains; guidance
 only shapes the samples.
 
 After each batch the old policy follows DiffusionNFT's soft update (NVlabs ``train_nft_sd3.py`` ``return_decay``),

@@ -16,7 +16,8 @@ write rule, and the paths its state files record.
   pipeline claims its directory; from then on the shared write rule (:mod:`flowforge.runtime.write_guard`) refuses
   every other writer in it or below it (``data prepare --output``, ``serve judge --request-log``, ``sample --out``,
   ``export``, ``flowforge train``), as it does for a run directory. The pipeline's own writers are let in: its stage
-  trainers (``Trainer(own_area=...)`` of :func:`~flowforge.orchestrate.stage_trainer.stage_trainer`) and the judge servers it starts
+  trainers (``Trainer(own_area=...)`` of :func:`~flowforge.orchestrate.stage_trainer.stage_trainer`) and the judge
+  servers it starts
   (which prove it by the pipeline's lock: :func:`flowforge.runtime.lock.held_by_parent`).
 - :func:`check_pipeline_dir` is the rule for the pipeline directory itself.
 - :func:`record_path` / :func:`recorded_path`: paths in the pipeline's state files (``gate.json``'s student, the

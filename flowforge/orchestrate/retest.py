@@ -28,7 +28,8 @@ BIN_EDGES = (0.0, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 1.01)
 def retest_pairs(groups: Sequence[Any], scorers: Sequence[Any]) -> tuple[Tensor, Tensor]:
     """``(|t_i - t_j| [P], same order [P])`` float64 over every within-group pair ``i < j`` of ``groups``
     (:class:`~flowforge.reward_model.data.JudgedGroup`, first frame of each candidate) and every retest scorer
-    (``P = pairs x len(scorers)``, group by group, each group's pairs once per scorer): the recorded marks' distance and whether the retest orders the pair alike (a
+    (``P = pairs x len(scorers)``, group by group, each group's pairs once per scorer): the recorded marks' distance
+    and whether the retest orders the pair alike (a
     retest tie counts as not alike)."""
     from flowforge.reward_model.data import decode_frame, group_frames
 

@@ -78,7 +78,8 @@ class ScorerBackend:
     over its frames, as the trainer does. The scorer's score ``s`` maps to ``100 (s - low) / (high - low)`` clamped
     to ``[0, 100]``. Each candidate's metadata carries ``label`` and, when the request has them, ``reference_media``
     (``[3, H, W]``, or ``[3, F, H, W]`` for several frames of one size), ``condition_media`` (``[3, H, W]``) and
-    ``example_media`` (a list of ``[3, H, W]``: the static example images) for scorers that compare against them. Usage reports the number of images as ``prompt_tokens`` and the number of
+    ``example_media`` (a list of ``[3, H, W]``: the static example images) for scorers that compare against them. Usage
+    reports the number of images as ``prompt_tokens`` and the number of
     scores as ``completion_tokens``.
 
     Raises:

@@ -15,7 +15,8 @@ ones runs no VAE decode in its rollout. The references come from one safetensors
 
 Both are computed in float32 on the latents' device. On the embedded digits default (a pixel-space model: its
 latents are the pixels in [-1, 1], ``[1, 32, 32]``) a file of the ten per-digit mean images with ``key: digit``
-rewards samples near the typical shape of the requested digit (``docs/guides/latent-and-audio-rewards.md`` builds that file).
+rewards samples near the typical shape of the requested digit (``docs/guides/latent-and-audio-rewards.md`` builds that
+file).
 """
 
 from __future__ import annotations
