@@ -5,7 +5,7 @@ only), within-prompt diversity, the change since the step-0 eval, and a sample g
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -16,13 +16,12 @@ from flowforge.runtime.run_dir import SAMPLES_DIR, START_SAMPLES_FILE, sample_gr
 from flowforge.train.metrics import group_diversities, within_group_diversity
 from flowforge.train.sample_change import StartSamples, eval_fingerprint
 
-if TYPE_CHECKING:
-    from flowforge.train.trainer import Trainer
+RunningTrainer = Any  # the running flowforge.train.trainer.Trainer, named only (it imports this module)
 
 log = logging.getLogger("flowforge")
 
 
-def start_samples(trainer: Trainer) -> StartSamples:
+def start_samples(trainer: RunningTrainer) -> StartSamples:
     """The step-0 eval's samples of this run (:mod:`flowforge.train.sample_change`), for ``eval/sample_change``."""
     e = trainer.cfg.eval
     return StartSamples(trainer.run_dir / SAMPLES_DIR / START_SAMPLES_FILE,
@@ -31,7 +30,7 @@ def start_samples(trainer: Trainer) -> StartSamples:
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
+def evaluate(trainer: RunningTrainer, step: int) -> dict[str, float]:
     """Held-out eval with fixed noise (eval seed, prompt index, sample index) and the ODE sampler: the mean of
     every reward component and eval scorer (paid ones on the first ``eval.teacher_groups`` prompts only, their
     billed requests as ``eval/billed/<name>``), within-prompt diversity, the change since the step-0 eval

@@ -38,35 +38,38 @@ the run (this process) started, naming why.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from flowforge.runtime.distributed import all_reduce_processes
 
-if TYPE_CHECKING:
-    from flowforge.train.trainer import StepBatch, Trainer
+from flowforge.train.step_batch import StepBatch
+
+RunningTrainer = Any
+"""What the seams are handed: the running :class:`flowforge.train.trainer.Trainer` (named, not imported: the trainer
+imports the seams)."""
 
 
 class PromptSource(Protocol):
     """Where a step's prompts come from, and what it is told about them (module docstring). Every method gets the
     trainer (its ``cfg``, ``train_prompts``, ``policy``, ``rewards``, ``dist``) and the trainer step ``step``."""
 
-    def groups(self, trainer: Trainer, step: int, sampled: torch.Tensor) -> torch.Tensor:
+    def groups(self, trainer: RunningTrainer, step: int, sampled: torch.Tensor) -> torch.Tensor:
         """The prompts of the step's ``M`` groups: ``[M]`` int64 row indices into ``trainer.train_prompts``.
         ``sampled`` (``[M]`` int64) is the K-repeat sampler's choice; the sampler still fixes everything else of the
         step (candidate ids, which seed each candidate's noise; group ids; the training order). Called on every
         rank; the answer must be the same on every rank."""
 
-    def rolled_out(self, trainer: Trainer, step: int, batch: StepBatch) -> None:
+    def rolled_out(self, trainer: RunningTrainer, step: int, batch: StepBatch) -> None:
         """The step's candidates were rolled out (``batch``: this rank's rows). Called on every rank."""
 
-    def scored(self, trainer: Trainer, step: int, batch: StepBatch, components: dict[str, torch.Tensor]) -> None:
+    def scored(self, trainer: RunningTrainer, step: int, batch: StepBatch, components: dict[str, torch.Tensor]) -> None:
         """The step was scored: ``components`` ``[B]`` per reward component, this rank's rows (NaN: no score; a group
         whose weighted components are not all finite, :func:`scored_rows`, is dropped). Called on every rank.
         Raising stops the run before the step is trained or saved."""
 
-    def trained_on(self, trainer: Trainer, step: int, batch: StepBatch) -> None:
+    def trained_on(self, trainer: RunningTrainer, step: int, batch: StepBatch) -> None:
         """The policy was updated on the step (not called for a skipped step); ``trainer.policy.optimizer_steps`` is
         the version after the update. Called on every rank, before the step is counted and checkpointed."""
 
@@ -79,20 +82,20 @@ class SamplerPrompts:
     def __init__(self) -> None:
         self.any_scored = False  # a group of this run (since this process started) had finite rewards
 
-    def groups(self, trainer: Trainer, step: int, sampled: torch.Tensor) -> torch.Tensor:
+    def groups(self, trainer: RunningTrainer, step: int, sampled: torch.Tensor) -> torch.Tensor:
         return sampled
 
-    def rolled_out(self, trainer: Trainer, step: int, batch: StepBatch) -> None:
+    def rolled_out(self, trainer: RunningTrainer, step: int, batch: StepBatch) -> None:
         pass
 
-    def scored(self, trainer: Trainer, step: int, batch: StepBatch, components: dict[str, torch.Tensor]) -> None:
+    def scored(self, trainer: RunningTrainer, step: int, batch: StepBatch, components: dict[str, torch.Tensor]) -> None:
         weights = trainer.cfg.reward.weights
         here = float(bool(scored_rows(components, weights).any()))
         self.any_scored = self.any_scored or bool(all_reduce_processes(torch.tensor([here]), "max")[0])
         if not self.any_scored:
             trainer.rewards.check_finite(components, weighted(weights))
 
-    def trained_on(self, trainer: Trainer, step: int, batch: StepBatch) -> None:
+    def trained_on(self, trainer: RunningTrainer, step: int, batch: StepBatch) -> None:
         pass
 
 
@@ -105,26 +108,26 @@ class StepHook:
 
     needs: frozenset[str] = frozenset()
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: RunningTrainer, step: int) -> None:
         """Before the step's prompts are drawn (e.g. bind the scorers to the step)."""
 
-    def on_rolled_out(self, trainer: Trainer, step: int, batch: StepBatch) -> None:
+    def on_rolled_out(self, trainer: RunningTrainer, step: int, batch: StepBatch) -> None:
         """After the rollout (with ``reward.overlap`` the group scorers already have the groups)."""
 
-    def on_scored(self, trainer: Trainer, step: int, batch: StepBatch, media: torch.Tensor,
+    def on_scored(self, trainer: RunningTrainer, step: int, batch: StepBatch, media: torch.Tensor,
                   components: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
         """After scoring: ``media`` ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) in [0, 1], ``components`` ``[B]``
         per reward component (NaN: no score), ``metrics`` the step's reward metrics, which the hook may extend (they
         are logged with the step). Raising stops the run before the step is trained or saved."""
 
-    def on_trained(self, trainer: Trainer, step: int, batch: StepBatch, metrics: dict[str, float]) -> None:
+    def on_trained(self, trainer: RunningTrainer, step: int, batch: StepBatch, metrics: dict[str, float]) -> None:
         """After the update (not called for a skipped step), before the step is counted, logged and checkpointed;
         ``metrics`` the step's local metrics so far."""
 
-    def before_eval(self, trainer: Trainer, step: int) -> None:
+    def before_eval(self, trainer: RunningTrainer, step: int) -> None:
         """At the start of the evaluation of ``step`` (completed steps; 0: before the first)."""
 
-    def on_evaluated(self, trainer: Trainer, step: int, scalars: dict[str, float]) -> None:
+    def on_evaluated(self, trainer: RunningTrainer, step: int, scalars: dict[str, float]) -> None:
         """After the evaluation of ``step``: ``scalars`` the logged ``eval/*`` values (rank 0; ``{}`` elsewhere)."""
 
 
@@ -146,11 +149,11 @@ class BindScorers(StepHook):
     def __init__(self, stage: str) -> None:
         self.stage = stage
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: RunningTrainer, step: int) -> None:
         bind_scorers(trainer.rewards.scorers.values(), stage=self.stage, purpose="train", step=step,
                      policy_version=trainer.policy.optimizer_steps)
 
-    def before_eval(self, trainer: Trainer, step: int) -> None:
+    def before_eval(self, trainer: RunningTrainer, step: int) -> None:
         bind_scorers(trainer.rewards.scorers.values(), stage=self.stage, purpose="eval", step=step,
                      policy_version=trainer.policy.optimizer_steps)
 

@@ -31,7 +31,6 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,6 +48,7 @@ from flowforge.data.prompts import IMAGE_TASKS, KRepeatSampler, PromptRecord, co
 from flowforge.train import evaluation
 from flowforge.train.metrics import StageTimer, to_scalars, within_group_diversity
 from flowforge.train.sample_change import StartSamples
+from flowforge.train.step_batch import StepBatch  # noqa: F401 -- also imported from here
 from flowforge.train.seams import PromptSource, SamplerPrompts, StepHook, drop_failed_groups, dropped_metrics
 from flowforge.runtime.run_dir import sha256_of_path
 from flowforge.demo.paths import resolve_demo_path
@@ -72,19 +72,6 @@ from flowforge.train.scorer_checks import build_reward_processor
 from flowforge.rewards.differentiable import DifferentiableReward
 
 log = logging.getLogger("flowforge")
-
-
-@dataclass
-class StepBatch:
-    """Stage 1's output: this rank's candidates of one step, in training order."""
-
-    prompt_indices: torch.Tensor  # [B] int64 index into the prompt list
-    group_ids: torch.Tensor  # [B] int64
-    candidate_ids: torch.Tensor  # [B] int64 stable per-candidate sample ids (noise seeds)
-    order: torch.Tensor  # [B] int64 training order of this rank's canonical share (row i = share[order[i]])
-    global_group_ids: torch.Tensor  # [M*K] int64 group of every candidate of the step, canonical order
-    rank_slice: slice  # this rank's share of the canonical order
-    records: list[PromptRecord]  # [B] the prompt record of each candidate
 
 
 class Trainer(RunDirectory):
