@@ -1,4 +1,4 @@
-"""``flowforge stages CONFIG [--stage A|B|C] [section.key=value ...]``: the three-stage pipeline
+"""``flowforge stages CONFIG [--stage A|B|C | --arm teacher|proxy] [section.key=value ...]``: the three-stage pipeline
 (:mod:`flowforge.orchestrate.stages`): teacher-judge RL (A) -> student reward model (B) -> student-reward RL (C).
 
 Every stage is checked as a whole before anything loads (:func:`flowforge.orchestrate.config.check_pipeline`).
@@ -8,7 +8,9 @@ ledgers and reports (:mod:`flowforge.orchestrate.stages`). ``--quick`` applies t
 overrides (a short run in its own directory; the command line's overrides still win). ``--stage A`` does not need
 stage B's gate to be reachable (its check is a warning). Exit status: 0 when the stages asked for are done;
 3 when the pipeline stopped early (the quality gate failed, or an audit stopped stage C: the reason and the last good
-checkpoint are printed and written to ``<pipeline>/summary.json``); 2 for bad input.
+checkpoint are printed and written to ``<pipeline>/summary.json``); 2 for bad input. ``--arm teacher|proxy``
+runs a control arm (:mod:`flowforge.orchestrate.arms`): stage C with the teacher, or with ``stages.proxy_reward``,
+instead of the student, so the student's gain can be read against what it replaces.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_config_args(parser, "pipeline config (YAML with a 'stages' section)")
     parser.add_argument("--stage", choices=["A", "B", "C"], default=None,
                         help="run one stage only (its predecessors must be done); default: A -> B -> C")
+    parser.add_argument("--arm", choices=["teacher", "proxy"], default=None,
+                        help="run a control arm beside the pipeline: stage C from A's last checkpoint with the teacher "
+                             "(teacher) or stages.proxy_reward (proxy) as the reward instead of the student, in "
+                             "<pipeline>/arms/<arm>/; prints every arm's held-out eval beside the base and A's hand-off")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: apply the config's stages.quick overrides (examples/stages/digits.yaml: "
                              "each stage in minutes on 2 CPU cores)")
@@ -50,6 +56,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     from flowforge.orchestrate.stages import is_main, run_pipeline
     from flowforge.runtime.distributed import exit_now, shutdown
+
+    if args.arm is not None:
+        if args.stage is not None:
+            raise ValueError("--arm runs stage A (when not done) and the arm's own stage C: give --arm or --stage, "
+                             "not both")
+        from flowforge.orchestrate.arms import format_arm_table, run_arm_pipeline
+
+        try:
+            table = run_arm_pipeline(pcfg, args.arm, progress=not args.no_progress, inputs={"config": args.config})
+            main = is_main()
+        finally:
+            shutdown()
+        if main:
+            print(f"held-out eval of each arm (gain over A's hand-off in brackets):\n{format_arm_table(table)}\n"
+                  f"table: {pipeline_dir(pcfg) / 'arms' / 'arms.json'}")
+        exit_now(0)
+        return 0
 
     try:
         outcome = run_pipeline(pcfg, stage=args.stage, progress=not args.no_progress, inputs={"config": args.config})

@@ -70,6 +70,10 @@ class StagesConfig(Section):
     a_overrides: tuple[str, ...] = ()  # section.key=value for stage A only
     c_overrides: tuple[str, ...] = ()  # section.key=value for stage C only
     quick: tuple[str, ...] = ()  # section.key=value that `--quick` applies (before the command line's): a short run
+    # the proxy arm's stage C reward (flowforge stages --arm proxy, flowforge.orchestrate.arms): a reward scorer
+    # that never saw a teacher mark (a registry name such as action_idm, or pkg.module:Factory), and its options
+    proxy_reward: str = ""
+    proxy_options: dict[str, Any] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         c = Checks(self)
@@ -224,9 +228,12 @@ def judge_options(pcfg: Any, *, base_url: str, model: str, api_key_env: str | No
     return {**pcfg.teacher.judge, "model": model, "base_url": base_url, "api_key_env": api_key_env}
 
 
-def stage_config(pcfg: Any, stage: str, *, steps: int, reward: Mapping[str, Any], resume: str = "auto") -> Config:
+def stage_config(pcfg: Any, stage: str, *, steps: int, reward: Mapping[str, Any], resume: str = "auto",
+                 output_dir: str | Path | None = None) -> Config:
     """The run config of stage ``stage`` (``"A"`` or ``"C"``): the shared sections with the keys of the module
-    table set (``reward`` = ``{"weights": ..., "options": ...}``), then the stage's overrides.
+    table set (``reward`` = ``{"weights": ..., "options": ...}``), then the stage's overrides. ``output_dir``: where
+    the stage's run directory goes instead of the pipeline directory (a control arm's folder,
+    :mod:`flowforge.orchestrate.arms`).
 
     Raises:
         ConfigError: the stage's overrides do not parse or give a bad config.
@@ -235,7 +242,7 @@ def stage_config(pcfg: Any, stage: str, *, steps: int, reward: Mapping[str, Any]
     if stage not in ("A", "C"):
         raise ValueError(f"stage must be 'A' or 'C', got {stage!r}")
     s = pcfg.stages
-    set_here: dict[str, Any] = {"run": {"output_dir": str(pipeline_dir(pcfg)), "name": stage},
+    set_here: dict[str, Any] = {"run": {"output_dir": str(output_dir or pipeline_dir(pcfg)), "name": stage},
                                 "train": {"steps": steps, "resume": resume}}
     if stage == "C" and pcfg.audit.every > 0:
         set_here["checkpoint"] = {"every": pcfg.audit.every}
@@ -334,6 +341,9 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
     if pcfg.stages.student_serving == "in_process" and pcfg.student.kind != "scalar_head":
         problems.append(f"stages.student_serving='in_process' needs student.kind='scalar_head' (a vlm_json student "
                         f"is served with `flowforge serve judge --student`), got {pcfg.student.kind!r}")
+    if pcfg.stages.proxy_reward:
+        problems += [f"stages.proxy_reward: {p}" for p in check_scorer_spec(pcfg.stages.proxy_reward,
+                                                                            dict(pcfg.stages.proxy_options))]
     if pcfg.teacher.scorer and not pcfg.teacher.url:
         problems += [f"teacher.scorer: {p}" for p in check_scorer_spec(pcfg.teacher.scorer, {})]
     init = pcfg.student.scalar_head.init

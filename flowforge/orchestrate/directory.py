@@ -11,6 +11,7 @@ write rule, and the paths its state files record.
         A/  judge/ledger.sqlite                           stage A's run directory, its teacher requests
         B/attempt_<n>/  gate.json  student/               each gate attempt: its verdict, its student
         C/  audit.jsonl  audit/judge/ledger.sqlite        stage C's run directory, its audits and their requests
+        arms/<arm>/conditions.jsonl  arms/<arm>/C/        a control arm's ledger and stage C (orchestrate.arms)
 
 - :func:`mark_pipeline_dir` writes ``pipeline.json`` (:data:`~flowforge.runtime.write_guard.PIPELINE_MARKER`) when the
   pipeline claims its directory; from then on the shared write rule (:mod:`flowforge.runtime.write_guard`) refuses
@@ -141,6 +142,15 @@ class PipelineLayout:
         """The gate records present, by attempt number."""
         found = self.stage("B").glob(f"{ATTEMPT_PREFIX}*/{GATE_FILE}")
         return sorted(found, key=lambda p: int(p.parent.name.removeprefix(ATTEMPT_PREFIX)))
+
+    # ---- control arms (flowforge.orchestrate.arms)
+    def arm_dir(self, arm: str) -> Path:
+        """``arms/<arm>``: a control arm's condition ledger and its stage C run directory ``C/``."""
+        return self.root / "arms" / arm
+
+    def arm_judge_ledger(self, arm: str) -> Path:
+        """The teacher requests of a control arm's stage C (its judge's request ledger)."""
+        return self.arm_dir(arm) / "C" / JUDGE_LEDGER_FILE
 
     # ---- the judge servers the pipeline starts
     def server_dir(self, name: str) -> Path:

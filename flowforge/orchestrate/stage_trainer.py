@@ -346,7 +346,7 @@ class LedgerPrompts:
 
 def stage_trainer(cfg: Any, *, ledger: ConditionLedger, stage: str, reward_name: str,
                   auditor: Auditor | None = None, progress: bool = True,
-                  expected_changes: tuple[str, ...] = ()) -> Trainer:
+                  expected_changes: tuple[str, ...] = (), own_area: Path | None = None) -> Trainer:
     """A :class:`~flowforge.train.trainer.Trainer` whose prompts come from ``ledger`` for ``stage`` (module
     docstring).
 
@@ -357,6 +357,8 @@ def stage_trainer(cfg: Any, *, ledger: ConditionLedger, stage: str, reward_name:
         auditor: stage C's :class:`Auditor`, or None.
         expected_changes: config keys / sections this stage changes on purpose against the checkpoint it resumes
             (stage C against stage A's: the reward, the stage's own overrides); its resume does not warn about them.
+        own_area: the pipeline directory the stage's run directory lies in (default: the ledger's folder, which is
+            the pipeline directory except for a control arm's ledger: :mod:`flowforge.orchestrate.arms`).
 
     Raises:
         ValueError: a prompt row is not a condition of the ledger (another prompt file).
@@ -367,7 +369,7 @@ def stage_trainer(cfg: Any, *, ledger: ConditionLedger, stage: str, reward_name:
         hooks.append(AuditHook(auditor, reward_name))
     # own_area: the pipeline directory (the ledger's): the stage's run directory lies in it, the write rule allows
     # that to the pipeline's own stages only (flowforge.runtime.run_dir.check_run_dir_place)
-    trainer = Trainer(cfg, progress=progress, prompts=source, hooks=hooks, own_area=ledger.path.parent,
+    trainer = Trainer(cfg, progress=progress, prompts=source, hooks=hooks, own_area=own_area or ledger.path.parent,
                       expected_resume_changes=tuple(expected_changes))
     try:
         source.check(trainer)

@@ -63,15 +63,15 @@ from typing import Any
 
 from flowforge.data.prompts import load_prompts
 from flowforge.demo.paths import resolve_demo_path
-from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, judge_options, stage_config
+from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, stage_config
 from flowforge.orchestrate.directory import (PipelineLayout, check_pipeline_dir, mark_pipeline_dir, record_path,
                                             student_dir)
+from flowforge.orchestrate.endpoints import Endpoints, is_main, on_main
 from flowforge.orchestrate.ledger import ConditionLedger, conditions_from_records
 from flowforge.orchestrate.plan import prompts_per_step, stage_steps
-from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
-from flowforge.rewards.judge.ledger import BudgetExhausted
+from flowforge.orchestrate.servers import pipeline_token
+from flowforge.rewards.judge.ledger import BudgetExhausted, adopt_answers
 from flowforge.runtime import distributed as dist_lib
-from flowforge.runtime.distributed import broadcast_from_main
 from flowforge.runtime.durable import write_bytes
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.lock import RunLock
@@ -83,39 +83,6 @@ log = logging.getLogger("flowforge")
 STAGES = ("A", "B", "C")
 RANK_WAIT_S = 6 * 3600.0
 """Under torchrun: how long a rank waits in a collective for the others (stage B trains on rank 0 meanwhile)."""
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def is_main() -> bool:
-    """Whether this process is rank 0 (or the only process)."""
-    import torch.distributed as dist
-
-    return not _distributed() or dist.get_rank() == 0
-
-
-def on_main(fn: Any) -> Any:
-    """``fn()`` run on rank 0 only and its result broadcast to every rank (``fn()`` itself on one process): file
-    reads that steer the collectives, and work with one writer. An exception on rank 0 is raised there and as a
-    RuntimeError quoting it on the other ranks, so no rank is left waiting in a collective. A collective."""
-    if not _distributed():
-        return fn()
-    result, error = None, None
-    if is_main():
-        try:
-            result = ("ok", fn())
-        except BaseException as exc:
-            error, result = exc, ("error", f"{type(exc).__name__}: {exc}")
-    kind, value = broadcast_from_main(result)
-    if error is not None:
-        raise error
-    if kind == "error":
-        raise RuntimeError(f"rank 0 failed: {value}")
-    return value
 
 
 @dataclasses.dataclass
@@ -140,10 +107,20 @@ def open_ledger(pcfg: Any, *, writer: bool = True) -> ConditionLedger:
     Raises:
         ValueError: the ledger was made for another prompt file, seed or budget; rows without unique sample ids.
     """
+    return open_ledger_at(pcfg, PipelineLayout.of(pcfg).conditions, writer=writer)
+
+
+def open_ledger_at(pcfg: Any, path: Path, *, writer: bool = True) -> ConditionLedger:
+    """The condition ledger at ``path`` over the rows of ``data.prompts`` with the pipeline's seed and budgets (the
+    pipeline's own, or a control arm's: :mod:`flowforge.orchestrate.arms`).
+
+    Raises:
+        ValueError: as :func:`open_ledger`.
+    """
     records = load_prompts(resolve_demo_path(pcfg.data.prompts))
     s = pcfg.stages
-    return ConditionLedger(PipelineLayout.of(pcfg).conditions, conditions_from_records(records), seed=s.seed,
-                           n_a=s.n_a, extend_delta=s.extend_delta, extend_cap=s.extend_cap or None, writer=writer)
+    return ConditionLedger(path, conditions_from_records(records), seed=s.seed, n_a=s.n_a,
+                           extend_delta=s.extend_delta, extend_cap=s.extend_cap or None, writer=writer)
 
 
 def a_steps(pcfg: Any, ledger: ConditionLedger) -> int:
@@ -162,51 +139,6 @@ def newest_step(run_dir: Path) -> int:
     """The step of the newest committed checkpoint of ``run_dir`` (-1: none)."""
     found = committed_checkpoints(run_dir)
     return step_of(found[-1]) if found else -1
-
-
-class Endpoints:
-    """The judge endpoints of one invocation: the teacher (``teacher.url``, or a server started on first use) and
-    the student's server; every started server is stopped by :meth:`close`."""
-
-    def __init__(self, pcfg: Any, layout: PipelineLayout) -> None:
-        self.pcfg, self.layout = pcfg, layout
-        self.stack = contextlib.ExitStack()
-        self._teacher: dict[str, Any] | None = None
-        self.token_file = pipeline_token(layout.token)
-
-    def teacher(self) -> dict[str, Any]:
-        """``reward.options.vlm_judge`` for the teacher (under torchrun a collective: rank 0 starts the server,
-        every rank gets its address)."""
-        if self._teacher is None:
-            t = self.pcfg.teacher
-            if t.url:
-                self._teacher = judge_options(self.pcfg, base_url=t.url, model=t.model,
-                                              api_key_env=t.api_key_env or None)
-            else:
-                backend = ["--scorer", t.scorer] if t.scorer else ["--model", t.model_dir]
-                backend += ["--score-range", str(t.score_range[0]), str(t.score_range[1])]
-                api_root = on_main(lambda: self._start(backend, t.model, "teacher", request_log=True).api_root)
-                self._teacher = judge_options(self.pcfg, base_url=api_root, model=t.model, api_key_env=TOKEN_ENV)
-        return self._teacher
-
-    def student(self, student_dir: Path) -> dict[str, Any]:
-        """``reward.options.vlm_judge`` for a ``flowforge serve judge --student`` server of ``student_dir`` (under
-        torchrun a collective, as :meth:`teacher`)."""
-        backend = ["--student", str(student_dir), "--device", self.pcfg.student.device]  # a GPU student on the GPU
-        api_root = on_main(lambda: self._start(backend, "student", "student", request_log=True).api_root)
-        return {**judge_options(self.pcfg, base_url=api_root, model="student", api_key_env=TOKEN_ENV), "paid": False}
-
-    def _start(self, backend: list[str], model: str, name: str, *, request_log: bool) -> JudgeServer:
-        log.info("starting the %s judge server (%s)", name, " ".join(backend))
-        server = JudgeServer(backend, token_file=self.token_file, model_name=model, num_threads=1,
-                             request_log=self.layout.request_log(name) if request_log else None,
-                             log_file=self.layout.server_log(name))
-        self.stack.callback(server.stop)
-        log.info("%s judge at %s", name, server.api_root)
-        return server
-
-    def close(self) -> None:
-        self.stack.close()
 
 
 # ------------------------------------------------------------------------------------------------ stage A
@@ -380,6 +312,8 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
         if budget and left <= 0:
             return Outcome("budget_exhausted", f"teacher.max_requests={budget} was spent by stage A; stage C's "
                                                "audits cannot be paid")
+        # the teacher arm (flowforge.orchestrate.arms) may have paid for these groups already: answered, not resent
+        on_main(lambda: adopt_answers(layout.audit_judge_ledger, layout.arm_judge_ledger("teacher")))
         teacher = build_scorer(JUDGE, run_dir=layout.audit_dir, **endpoints.teacher(),
                                max_billed=left if budget else 0)
         auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=prompts_per_step(pcfg, "C"),
@@ -430,6 +364,39 @@ def _a_and_b(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, stage: st
         return None, Outcome("gate_failed", reason)
 
 
+@contextlib.contextmanager
+def pipeline_session(pcfg: Any, inputs: Mapping[str, str | Path] | None = None):
+    """Hold the pipeline directory for one invocation: the write rule and the lock (rank 0), the marker, the judge
+    token and the condition ledger; yields ``(ledger, endpoints)`` and stops every judge server it started on exit.
+    Under torchrun every rank enters it (rank 0 claims; the others get a read-only ledger mirror).
+
+    Raises:
+        UserError: the pipeline directory lies inside a run, a checkpoint, the base model or an input.
+    """
+    dist_lib.init(pcfg.run.device, timeout_s=RANK_WAIT_S)  # torchrun: the group A and C train in (no-op alone)
+    layout = PipelineLayout.of(pcfg)
+    lock = RunLock(layout.root)
+
+    def claim() -> None:  # rank 0: the write rule, the lock, the marker, the token and the ledger's file
+        check_pipeline_dir(pcfg, inputs)
+        layout.root.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+        mark_pipeline_dir(layout.root)
+        pipeline_token(layout.token)
+        open_ledger(pcfg)
+
+    endpoints = None
+    try:
+        on_main(claim)
+        endpoints = Endpoints(pcfg, layout)
+        yield open_ledger(pcfg, writer=is_main()), endpoints
+    finally:
+        if endpoints is not None:
+            endpoints.close()
+        if is_main():
+            lock.release()
+
+
 def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
                  inputs: Mapping[str, str | Path] | None = None) -> Outcome:
     """Run the pipeline (every stage, or only ``stage``), then write its report. Holds the pipeline directory's
@@ -445,24 +412,7 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
 
     if stage is not None and stage not in STAGES:
         raise ValueError(f"--stage must be one of {list(STAGES)}, got {stage!r}")
-    dist_lib.init(pcfg.run.device, timeout_s=RANK_WAIT_S)  # torchrun: the group A and C train in (no-op alone)
-    layout = PipelineLayout.of(pcfg)
-    directory = layout.root
-    lock = RunLock(directory)
-
-    def claim() -> None:  # rank 0: the write rule, the lock, the marker, the token and the ledger's file
-        check_pipeline_dir(pcfg, inputs)
-        directory.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-        mark_pipeline_dir(directory)
-        pipeline_token(layout.token)
-        open_ledger(pcfg)
-
-    endpoints = None
-    try:
-        on_main(claim)
-        endpoints = Endpoints(pcfg, layout)
-        ledger = open_ledger(pcfg, writer=is_main())
+    with pipeline_session(pcfg, inputs) as (ledger, endpoints):
         record, outcome, ran = None, None, []
         try:
             if stage != "C":
@@ -481,11 +431,6 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
         if is_main():
             write_pipeline_report(pcfg, ledger, outcome)
         return outcome
-    finally:
-        if endpoints is not None:
-            endpoints.close()
-        if is_main():
-            lock.release()
 
 
 def _passed_gate(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:

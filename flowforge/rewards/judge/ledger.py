@@ -342,6 +342,25 @@ class RequestLedger:
                 raise
             self._db.execute("COMMIT")
 
+    def adopt(self, other: str | Path) -> int:
+        """Copy the answered (``ok``) requests of the ledger file ``other`` into this one, unbilled here (the other
+        file paid for them), keeping every key already present: a request whose body another ledger of the same
+        judge already paid for is then answered from this file, never sent again (a pipeline's teacher arm and its
+        audits judge the same groups: :mod:`flowforge.orchestrate.arms`). Returns how many were added; 0 when
+        ``other`` does not exist."""
+        if not Path(other).is_file():
+            return 0
+        source = RequestLedger(other)
+        try:
+            found = source.entries(statuses=("ok",))
+        finally:
+            source.close()
+        known = set(self.keys(statuses=STATUSES))
+        fresh = [e for e in found if e.key not in known]
+        for entry in fresh:
+            self.record(dataclasses.replace(entry, attempts=0))
+        return len(fresh)
+
     # ------------------------------------------------------------------------------------------------ reads
     def _entry(self, row: tuple | None) -> LedgerEntry | None:
         if row is None:
@@ -402,3 +421,18 @@ class RequestLedger:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def adopt_answers(into: str | Path, source: str | Path) -> int:
+    """:meth:`RequestLedger.adopt` of the ledger file ``source`` into the one at ``into`` (created if needed; nothing
+    when ``source`` does not exist). A pipeline's teacher arm and stage C's audits judge the same groups when both
+    start from stage A's hand-off: each adopts the other's answers before it sends anything, so a group judged by
+    both is paid once (:mod:`flowforge.orchestrate.arms`). Returns how many answers were copied."""
+    if not Path(source).is_file():
+        return 0
+    book = RequestLedger(into)
+    try:
+        return book.adopt(source)
+    finally:
+        book.close()
+

@@ -1,0 +1,253 @@
+"""Control arms of the three-stage pipeline: what stage C would have given with another reward than the student.
+
+A distilled student is worth having only if RL with it beats RL with what a user has without it. ``flowforge stages
+CONFIG --arm NAME`` runs one arm beside the pipeline (same config, same seeds, same stage A):
+
+===========  =====================================================================================================
+arm          stage C's reward (from A's last checkpoint, on the same conditions as the student's stage C)
+===========  =====================================================================================================
+``student``  the distilled student, audited by the teacher: the pipeline itself (A -> B -> C)
+``teacher``  the teacher for C's budget too ("A only": the teacher for the whole budget), billed against
+             ``teacher.max_requests`` with everything else the pipeline billed
+``proxy``    ``stages.proxy_reward`` (a reward scorer that never saw a teacher mark, e.g. ``action_idm`` for a world
+             model, or ``scalar_head`` with the student's own initialisation), with ``stages.proxy_options``
+===========  =====================================================================================================
+
+The base (no training) is stage A's step-0 evaluation and the hand-off is A's last one: both are read from A's run
+directory, not run again. An arm has no stage B and no audits (the audits guard the student's agreement with the
+teacher; an arm is a control to compare against, not a policy to ship).
+
+Layout: ``<pipeline>/arms/<arm>/`` holds the arm's condition ledger and its stage C run directory ``C/`` (with the
+teacher arm's request ledger ``C/judge/ledger.sqlite``). The arm's ledger starts as the pipeline ledger's records of
+stages A and B (:func:`handoff_records`), so the arm's C draws exactly the conditions the student's C draws, in the
+same order. If stage A later changes (the gate extended it), a rerun of the arm is refused (its hand-off is stale).
+
+``arms.json`` (:func:`arm_table`) puts the independent evaluation of each arm beside the base and the hand-off: the
+comparison a user reads to see whether distillation helped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from flowforge.orchestrate.config import JUDGE, stage_config
+from flowforge.orchestrate.directory import CONDITIONS_FILE, PipelineLayout
+from flowforge.orchestrate.ledger import ConditionLedger
+from flowforge.orchestrate.stages import (_train, a_steps, c_steps, is_main, newest_step, on_main, open_ledger_at,
+                                          pipeline_session, run_stage_a, stage_c_changes)
+from flowforge.rewards.judge.ledger import adopt_answers
+from flowforge.runtime.durable import write_bytes
+from flowforge.runtime.errors import UserError
+
+log = logging.getLogger("flowforge")
+
+ARMS = ("student", "teacher", "proxy")
+"""The arms ``flowforge stages --arm`` runs (module table); ``student`` is the pipeline itself."""
+ARMS_DIR = "arms"
+ARM_TABLE_FILE = "arms.json"
+
+
+def arm_dir(pcfg: Any, arm: str) -> Path:
+    """``<pipeline>/arms/<arm>``: the arm's condition ledger and its stage C run directory."""
+    return PipelineLayout.of(pcfg).arm_dir(arm)
+
+
+def handoff_records(lines: list[str]) -> list[str]:
+    """The lines of a condition ledger (JSON Lines) that stage C did not write: the header, stage A's takes and
+    marks, stage B's marks and the extensions -- the state stage C starts from."""
+    kept = []
+    for line in lines:
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("stage") != "C":
+            kept.append(line)
+    return kept
+
+
+def _a_takes(lines: list[str]) -> list[str]:
+    """The records that fix stage A's conditions (its takes and the extensions), for the staleness check."""
+    out = []
+    for line in handoff_records(lines):
+        record = json.loads(line)
+        if record.get("kind") == "extend" or (record.get("kind") == "take" and record.get("stage") == "A"):
+            out.append(line)
+    return out
+
+
+def open_arm_ledger(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger) -> ConditionLedger:
+    """The arm's condition ledger: created from the pipeline ledger's hand-off records on the arm's first run,
+    reopened after that.
+
+    Raises:
+        UserError: stage A's conditions changed since the arm started (the gate extended A).
+    """
+    path = arm_dir(pcfg, arm) / CONDITIONS_FILE
+    source = pipeline_ledger.path.read_text(encoding="utf-8").splitlines()
+    if path.is_file():
+        if _a_takes(path.read_text(encoding="utf-8").splitlines()) != _a_takes(source):
+            raise UserError(f"--arm {arm}", f"stage A changed since this arm started ({path} holds an older "
+                                            "hand-off: the quality gate extended A)",
+                            f"move {path.parent} aside (mv {path.parent} {path.parent}.stale) and rerun the arm")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes(path, ("\n".join(handoff_records(source)) + "\n").encode("utf-8"))
+    return open_ledger_at(pcfg, path)
+
+
+def teacher_spent(pcfg: Any) -> int:
+    """Billed teacher requests of the whole pipeline directory: stage A, stage C's audits and the teacher arm."""
+    layout = PipelineLayout.of(pcfg)
+    total = 0
+    for path in (layout.a_judge_ledger, layout.audit_judge_ledger, layout.arm_judge_ledger("teacher")):
+        total += _billed(path)
+    return total
+
+
+def arm_reward(pcfg: Any, arm: str, endpoints: Any) -> tuple[dict[str, Any], str]:
+    """``(reward section, the component whose NaN drops a group)`` of an arm's stage C.
+
+    Raises:
+        ValueError: an unknown arm; ``proxy`` without ``stages.proxy_reward``.
+    """
+    if arm == "teacher":
+        budget = pcfg.teacher.max_requests
+        own = PipelineLayout.of(pcfg).arm_judge_ledger("teacher")
+        adopt_answers(own, PipelineLayout.of(pcfg).audit_judge_ledger)  # a group both judged is paid once
+        # max_billed counts the arm's own request ledger: what the rest of the pipeline has not spent, plus what
+        # this arm already billed (a rerun continues under the same cap)
+        spent_elsewhere = teacher_spent(pcfg) - _billed(own)
+        left = budget - spent_elsewhere
+        if budget and left <= 0:
+            raise UserError("--arm teacher", f"teacher.max_requests={budget} is spent ({spent_elsewhere} billed by "
+                                             "stage A and the audits)",
+                            "raise teacher.max_requests on the command line to pay for the teacher arm")
+        teacher = {**endpoints.teacher(), "max_billed": left if budget else 0}
+        return {"weights": {JUDGE: 1.0}, "options": {JUDGE: teacher}}, JUDGE
+    if arm == "proxy":
+        name = pcfg.stages.proxy_reward
+        if not name:
+            raise ValueError("--arm proxy needs stages.proxy_reward (a reward scorer that never saw a teacher mark, "
+                             "e.g. action_idm)")
+        return {"weights": {name: 1.0}, "options": {name: dict(pcfg.stages.proxy_options)}}, name
+    raise ValueError(f"--arm must be one of {list(ARMS)}, got {arm!r}")
+
+
+def _billed(path: Path) -> int:
+    from flowforge.rewards.judge.ledger import RequestLedger
+
+    if not path.is_file():
+        return 0
+    book = RequestLedger(path)
+    try:
+        return book.billed()
+    finally:
+        book.close()
+
+
+def run_arm(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger, endpoints: Any, *, progress: bool = True) -> Path:
+    """Run the control arm ``arm`` (``teacher`` / ``proxy``) after stage A: its stage C from A's last checkpoint on
+    the hand-off's conditions (module docstring). Returns the arm's C run directory.
+
+    Raises:
+        ValueError: stage A has not finished; an unknown arm.
+        UserError: the hand-off is stale; the teacher's budget is spent.
+    """
+    from flowforge.orchestrate.stage_trainer import stage_trainer
+
+    layout = PipelineLayout.of(pcfg)
+    start = a_steps(pcfg, pipeline_ledger)
+    if on_main(lambda: newest_step(layout.a_run)) != start:
+        raise ValueError(f"--arm {arm} needs stage A finished ({start} steps); run `flowforge stages CONFIG "
+                         "--stage A` (or the whole pipeline) first")
+    ledger = open_arm_ledger(pcfg, arm, pipeline_ledger)
+    steps = c_steps(pcfg, ledger)
+    root = arm_dir(pcfg, arm)
+    run_dir = root / "C"
+    newest = on_main(lambda: newest_step(run_dir))
+    if steps == 0 or newest == start + steps:
+        return run_dir
+    reward, name = arm_reward(pcfg, arm, endpoints)
+    resume = "auto" if newest > start else str(layout.a_checkpoint(start))
+    cfg = stage_config(pcfg, "C", steps=start + steps, reward=reward, resume=resume, output_dir=root)
+    # an arm's C trains without audits: it is a control, not a policy to ship (module docstring)
+    log.info("arm %s: stage C steps %d..%d on %d conditions, reward %s", arm, start, start + steps,
+             ledger.budget("C"), name)
+    _train(stage_trainer(cfg, ledger=ledger, stage="C", reward_name=name, progress=progress,
+                         expected_changes=stage_c_changes(pcfg), own_area=layout.root))
+    return run_dir
+
+
+def run_arm_pipeline(pcfg: Any, arm: str, *, progress: bool = True,
+                     inputs: dict[str, str | Path] | None = None) -> dict[str, Any]:
+    """``flowforge stages CONFIG --arm ARM``: stage A (shared with the pipeline; nothing when it is done), then the
+    arm's stage C, under the pipeline directory's lock (:func:`~flowforge.orchestrate.stages.pipeline_session`).
+    Returns :func:`arm_table` (rank 0; ``{}`` on the other ranks).
+
+    Raises:
+        ValueError: an unknown arm; ``proxy`` without ``stages.proxy_reward``.
+        UserError: as :func:`run_arm` and :func:`~flowforge.orchestrate.stages.run_pipeline`.
+    """
+    if arm not in ARMS or arm == "student":
+        raise ValueError(f"--arm must be one of {[a for a in ARMS if a != 'student']} (the student arm is the "
+                         f"pipeline itself: run without --arm), got {arm!r}")
+    if arm == "proxy" and not pcfg.stages.proxy_reward:
+        raise ValueError("--arm proxy needs stages.proxy_reward (a reward scorer that never saw a teacher mark, "
+                         "e.g. action_idm)")
+    with pipeline_session(pcfg, inputs) as (ledger, endpoints):
+        run_stage_a(pcfg, ledger, endpoints, progress=progress)
+        run_arm(pcfg, arm, ledger, endpoints, progress=progress)
+        return arm_table(pcfg) if is_main() else {}
+
+
+def arm_table(pcfg: Any) -> dict[str, Any]:
+    """The last held-out evaluation of every arm that ran, beside the base (A's step 0) and the hand-off (A's last
+    evaluation); each entry's ``gain`` is its metrics minus the hand-off's. Written to
+    ``<pipeline>/arms/arms.json``."""
+    from flowforge.orchestrate.report import last_eval
+    from flowforge.report.run import read_jsonl
+
+    layout = PipelineLayout.of(pcfg)
+    rows: dict[str, dict[str, Any]] = {}
+    a_eval = layout.a_run / "eval.jsonl"
+    if a_eval.is_file():
+        evals, _ = read_jsonl(a_eval)
+        if evals:
+            rows["base"] = evals[0]
+            rows["handoff"] = evals[-1]
+    runs = {"student": layout.c_run, **{arm: arm_dir(pcfg, arm) / "C" for arm in ARMS if arm != "student"}}
+    for arm, run_dir in runs.items():
+        found = last_eval(run_dir)
+        if found:
+            rows[arm] = found
+    handoff = rows.get("handoff", {})
+    table = {}
+    for name, row in rows.items():
+        metrics = {k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        gain = {k: v - handoff[k] for k, v in metrics.items() if isinstance(handoff.get(k), (int, float))}
+        table[name] = {"step": row.get("step"), "metrics": metrics, "gain": gain}
+    out = layout.root / ARMS_DIR / ARM_TABLE_FILE
+    if out.parent.is_dir():
+        write_bytes(out, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    return table
+
+
+def format_arm_table(table: dict[str, Any]) -> str:
+    """The arm table as text: one row per arm, one column per eval metric (the value, then the gain over the
+    hand-off in brackets)."""
+    metrics = sorted({k for row in table.values() for k in row["metrics"]})
+    if not metrics:
+        return "no evaluation yet"
+    head = ["arm", "step", *[m.removeprefix("eval/") for m in metrics]]
+    lines = ["  ".join(f"{h:>14}" for h in head)]
+    for name, row in table.items():
+        cells = [name, str(row["step"])]
+        for m in metrics:
+            v, g = row["metrics"].get(m), row["gain"].get(m)
+            cells.append("-" if v is None else f"{v:.4f}" + ("" if g is None or name in ("handoff", "base")
+                                                               else f" ({g:+.4f})"))
+        lines.append("  ".join(f"{c:>14}" for c in cells))
+    return "\n".join(lines)

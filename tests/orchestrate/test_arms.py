@@ -1,0 +1,108 @@
+"""Control arms of the pipeline (flowforge.orchestrate.arms): the arm's ledger starts from stage A's hand-off, its
+stage C draws the student's C conditions, the teacher arm bills each group once within the pipeline's budget, and
+the arm table puts every arm beside the base and the hand-off."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flowforge.orchestrate.arms import _a_takes, arm_dir, arm_table, handoff_records, run_arm_pipeline
+from flowforge.orchestrate.config import check_pipeline, load_pipeline
+from flowforge.orchestrate.stages import run_pipeline
+from flowforge.rewards.judge.protocol import billed_per_group, read_request_log
+from flowforge.runtime.errors import UserError
+from tests.orchestrate.support import write_pipeline
+
+LEDGER = [
+    {"kind": "header", "version": 1, "seed": 0},
+    {"kind": "take", "stage": "A", "step": 0, "policy_version": 0, "n": 2, "ids": ["a", "b"]},
+    {"kind": "mark", "state": "judged", "stage": "A", "step": 0, "policy_version": 0, "ids": ["a", "b"]},
+    {"kind": "mark", "state": "used_for_rm", "stage": "B", "step": 0, "policy_version": 0, "ids": ["a"]},
+    {"kind": "take", "stage": "C", "step": 1, "policy_version": 1, "n": 2, "ids": ["c", "d"]},
+    {"kind": "mark", "state": "trained_on", "stage": "C", "step": 1, "policy_version": 1, "ids": ["c", "d"]},
+]
+
+
+def test_the_hand_off_keeps_everything_but_stage_c_and_a_changed_a_is_seen():
+    lines = [json.dumps(r) for r in LEDGER]
+    kept = [json.loads(line) for line in handoff_records(lines)]
+    assert [r.get("stage") for r in kept] == [None, "A", "A", "B"]
+    extended = lines + [json.dumps({"kind": "extend", "key": "gate-1", "amount": 2, "budget_a": 4})]
+    assert _a_takes(lines) != _a_takes(extended)  # an extension of A makes an arm's hand-off stale
+    assert _a_takes(lines) == _a_takes(lines[:2])  # B's marks and C's records do not
+
+
+@pytest.fixture
+def pipeline(tiny_model_dir, tmp_path, encode_cache_dir):
+    def make(**sections):
+        path = write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, tmp_path / "runs", encode_cache_dir,
+                              **sections)
+        pcfg = load_pipeline(path)
+        check_pipeline(pcfg)
+        return path, pcfg, tmp_path / "runs" / "p"
+    return make
+
+
+def _takes(path, stage):
+    return [(r["step"], r["ids"]) for r in map(json.loads, path.read_text().splitlines())
+            if r.get("kind") == "take" and r.get("stage") == stage]
+
+
+@pytest.mark.slow  # three stage-C runs of the tiny pipeline (a minute of CPU): CI runs it in the slow set
+def test_the_teacher_and_proxy_arms_train_stage_c_on_the_students_conditions(pipeline):
+    sections = {"stages": {"n_a": 4, "c_steps": 2, "proxy_reward": "digit"}, "teacher": {"max_requests": 12},
+                "eval": {"every": 0}}
+    _, pcfg, directory = pipeline(**sections)
+    assert run_pipeline(pcfg, progress=False).status == "done"
+    student_takes = _takes(directory / "conditions.jsonl", "C")
+    assert len(student_takes) == 2
+    billed_a = len(read_request_log(directory / "teacher" / "requests.log"))
+
+    table = run_arm_pipeline(pcfg, "teacher", progress=False)
+    teacher_ledger = arm_dir(pcfg, "teacher") / "conditions.jsonl"
+    assert _takes(teacher_ledger, "C") == student_takes  # the same conditions, in the same order
+    assert _takes(teacher_ledger, "A") == _takes(directory / "conditions.jsonl", "A")
+    records = read_request_log(directory / "teacher" / "requests.log")
+    # C's 2 steps x 2 groups, on top of A's and the audits'; the first step's 2 groups are the ones the audits
+    # judged (same policy, noise and conditions): answered from the audit ledger, not sent again
+    assert len(records) == billed_a + 2
+    assert set(billed_per_group(records).values()) == {1}  # no group billed twice
+    assert (arm_dir(pcfg, "teacher") / "C" / "judge" / "ledger.sqlite").is_file()
+
+    table = run_arm_pipeline(pcfg, "proxy", progress=False)
+    assert _takes(arm_dir(pcfg, "proxy") / "conditions.jsonl", "C") == student_takes
+    assert len(read_request_log(directory / "teacher" / "requests.log")) == len(records)  # the proxy pays nothing
+    assert set(table) == {"base", "handoff", "student", "teacher", "proxy"}
+    assert table["base"]["step"] == 0 and table["handoff"]["step"] == 2
+    assert all(row["step"] == 4 for name, row in table.items() if name in ("student", "teacher", "proxy"))
+    for row in table.values():
+        assert "eval/digit_eval" in row["metrics"]
+    gain = table["proxy"]["metrics"]["eval/digit_eval"] - table["handoff"]["metrics"]["eval/digit_eval"]
+    assert table["proxy"]["gain"]["eval/digit_eval"] == pytest.approx(gain)
+    assert json.loads((directory / "arms" / "arms.json").read_text()) == json.loads(json.dumps(table))
+    assert arm_table(pcfg) == table  # rerun: every arm is done, nothing trains again
+    assert run_arm_pipeline(pcfg, "teacher", progress=False) == table
+    assert len(read_request_log(directory / "teacher" / "requests.log")) == len(records)
+
+    # the gate extends A after the arm started: the arm's hand-off is stale and a rerun says so
+    ledger = directory / "conditions.jsonl"
+    ledger.write_text(ledger.read_text() + json.dumps({"kind": "extend", "key": "gate-9", "amount": 0,
+                                                       "budget_a": 4}) + "\n")
+    with pytest.raises(UserError, match="stage A changed since this arm started"):
+        run_arm_pipeline(pcfg, "proxy", progress=False)
+
+
+def test_arm_command_line_errors_are_one_line(tmp_path, tiny_model_dir, encode_cache_dir):
+    path = write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, tmp_path / "runs", encode_cache_dir)
+    for extra, expected in ((["--arm", "proxy"], "--arm proxy needs stages.proxy_reward"),
+                            (["--arm", "teacher", "--stage", "A"], "give --arm or --stage, not both"),
+                            (["--arm", "proxy", "stages.proxy_reward=no_such_scorer"], "stages.proxy_reward: unknown")):
+        proc = subprocess.run([sys.executable, "-m", "flowforge.cli", "stages", str(path), *extra],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs" / "p" / "arms").exists()
