@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from flowforge.rewards.judge.ledger import BudgetExhausted, LedgerEntry, RequestLedger, Slot
+from flowforge.rewards.judge.ledger import BudgetExhausted, LedgerEntry, RequestLedger, Slot, adopt_answers
 
 
 def _entry(key: str, score: float = 0.5, status: str = "ok") -> LedgerEntry:
@@ -35,6 +35,29 @@ def test_record_get_reopen_and_first_answer_wins(tmp_path):
     assert again.keys() == ["k1", "k2"] and again.get("k2").status == "malformed" and again.get("k2").scores is None
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     again.close()
+
+
+def test_adopted_answers_are_served_unbilled_and_keep_what_is_there(tmp_path):
+    """A ledger adopts another's answered requests without their bill (the other file paid): a claim of the same
+    key is answered from it and costs nothing here; keys it already holds and unanswered ones are not copied."""
+    paid = RequestLedger(tmp_path / "audit.sqlite")
+    paid.record(_entry("k1", 0.25))
+    paid.record(_entry("k2", 0.5))
+    paid.record(_entry("k3", status="malformed"))
+    paid.close()
+    mine = RequestLedger(tmp_path / "arm.sqlite")
+    mine.record(_entry("k2", 0.9))
+    mine.close()
+    assert adopt_answers(tmp_path / "arm.sqlite", tmp_path / "audit.sqlite") == 1
+    assert adopt_answers(tmp_path / "arm.sqlite", tmp_path / "audit.sqlite") == 0  # idempotent
+    assert adopt_answers(tmp_path / "arm.sqlite", tmp_path / "missing.sqlite") == 0
+    assert not (tmp_path / "missing.sqlite").exists()
+    mine = RequestLedger(tmp_path / "arm.sqlite")
+    entry, billed = mine.claim("k1", Slot("C", "train", 3, 0, "c1"))
+    assert entry.scores == {"A": 0.25, "B": 0.75} and billed == 0
+    assert mine.get("k2").scores == _entry("k2", 0.9).scores and mine.get("k3") is None
+    assert mine.billed() == 1  # only its own k2
+    mine.close()
 
 
 def test_a_request_is_pending_before_its_attempt_and_every_attempt_is_a_row(tmp_path):
