@@ -9,6 +9,8 @@
 ``clip_score``    CLIP score: cosine, CLIPScore, flow_grpo's scaled logit
 ``aesthetic``     LAION improved-aesthetic-predictor head on CLIP-L/14 image embeddings
 ``hps``           HPSv2 (optional ``open_clip``)
+``vlm_pointwise`` one ledgered chat completion per sample (the group judge's transport, ledger, retry rules)
+``unified_reward`` UnifiedReward's pointwise 1-5 image score through an OpenAI-compatible server
 ================  ===================================================================================
 
 Scorers are looked up by name through :mod:`flowforge.rewards.registry`; this package imports nothing itself, so
