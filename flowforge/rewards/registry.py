@@ -32,6 +32,7 @@ from flowforge.rewards.scorers.ocr import OcrScorer
 from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
 from flowforge.rewards.scorers.unified_reward import UnifiedReward
+from flowforge.rewards.scorers.vqa_score import VQAScore
 from flowforge.rewards.scorers.world_eval import InverseDynamicsLift, InverseDynamicsScorer, WorldPSNR, WorldSSIM
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.option_types import option_type_problems
@@ -59,6 +60,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "av_onset_sync": AVOnsetSync,
     "clap": ClapScore,
     "unified_reward": UnifiedReward,
+    "vqa_score": VQAScore,
 }
 """Built-in scorer names and their factories."""
 

@@ -11,6 +11,7 @@
 ``hps``           HPSv2 (optional ``open_clip``)
 ``vlm_pointwise`` one ledgered chat completion per sample (the group judge's transport, ledger, retry rules)
 ``unified_reward`` UnifiedReward's pointwise 1-5 image score through an OpenAI-compatible server
+``vqa_score``     VQAScore: P("Yes") from a local VLM or from a server's ``top_logprobs``
 ================  ===================================================================================
 
 Scorers are looked up by name through :mod:`flowforge.rewards.registry`; this package imports nothing itself, so
