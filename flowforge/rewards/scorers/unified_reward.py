@@ -29,7 +29,7 @@ transport).
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from flowforge.rewards.judge.protocol import MalformedReply
 from flowforge.rewards.scorers.vlm_pointwise import PointwiseVLM
@@ -80,9 +80,5 @@ class UnifiedReward(PointwiseVLM):
     name: ClassVar[str] = "unified_reward"
     template: ClassVar[str] = TEMPLATE
 
-    def content(self, prompt: str, urls: list[str], metadata: dict[str, Any]) -> list[dict]:
-        return [*({"type": "image_url", "image_url": {"url": url}} for url in urls),
-                {"type": "text", "text": TEMPLATE.format(prompt=prompt)}]
-
-    def parse(self, text: str | None, body: str) -> float:
+    def parse(self, text: str | None, body: str, index: int) -> float:
         return parse_final_score(text) / SCORE_RANGE[1]

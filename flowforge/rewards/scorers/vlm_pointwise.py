@@ -32,7 +32,9 @@ parseable), ``tokens``, ``latency_s`` (mean seconds per HTTP attempt; NaN when n
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import logging
 import math
 import os
@@ -53,6 +55,8 @@ from flowforge.rewards.judge.transport import (RETRY_KINDS, UNBILLED_RETRIES, Ju
 
 log = logging.getLogger(__name__)
 
+IMAGE_FORMATS = ("jpeg", "png")
+
 
 def _counters() -> dict[str, float]:
     return dict(requests_sent=0, billed=0, served_from_ledger=0, retries=0, failures=0, malformed=0, tokens=0,
@@ -61,8 +65,9 @@ def _counters() -> dict[str, float]:
 
 class PointwiseVLM:
     """Base of the pointwise VLM scorers (module docstring). A subclass sets ``name`` and ``template`` (the official
-    prompt; its sha256 joins every request key) and implements :meth:`content` and :meth:`parse`; it may override
-    :meth:`images` (which images a sample shows) and :meth:`extra_body` (more request fields).
+    prompt; its sha256 joins every request key) and implements :meth:`parse`; it may override :meth:`requests` (the
+    requests of a sample: their images and texts), :meth:`content` (the message layout), :meth:`combine` (a sample's
+    reward from its requests' scores) and :meth:`extra_body` (more request fields).
 
     Args:
         model: model name sent in each request (what the server serves, e.g. ``CodeGoat24/UnifiedReward-qwen-7b``).
@@ -75,7 +80,7 @@ class PointwiseVLM:
             default ``["refused", "429"]``, which never pays twice.
         retry_backoff_s: first back-off in seconds (doubled per retry), >= 0.
         max_side: longest side of a sent image in pixels (downscaled only, bicubic), >= 1.
-        jpeg_quality: JPEG quality of the sent images, 1..100.
+        image_format: ``jpeg`` (at ``jpeg_quality``, 1..100) or ``png`` (lossless: the 8-bit pixels exactly).
         temperature, max_tokens, seed: generation settings sent with each request (part of the key).
         run_dir: the run directory; the ledger is ``run_dir/judge/<name>.sqlite``. ledger: an explicit path
             instead. Neither: an in-memory ledger (warned).
@@ -93,7 +98,8 @@ class PointwiseVLM:
     def __init__(self, *, model: str, base_url: str, api_key_env: str | None = "OPENAI_API_KEY",
                  timeout_s: float = 120.0, max_concurrency: int = 4, max_attempts: int = 3,
                  retry_on: Sequence[RetryKind] = UNBILLED_RETRIES, retry_backoff_s: float = 1.0,
-                 max_side: int = 1024, jpeg_quality: int = 95, temperature: float = 0.0, max_tokens: int = 1024,
+                 max_side: int = 1024, image_format: str = "jpeg", jpeg_quality: int = 95, temperature: float = 0.0,
+                 max_tokens: int = 1024,
                  seed: int = 0, run_dir: str | Path | None = None, ledger: str | Path | None = None,
                  max_billed: int = 0, paid: bool = True) -> None:
         import openai
@@ -105,6 +111,9 @@ class PointwiseVLM:
                 raise ValueError(f"{self.name} option {opt} must be an int >= {low}, got {value!r}")
         if jpeg_quality > 100:
             raise ValueError(f"{self.name} option jpeg_quality must be in 1..100, got {jpeg_quality!r}")
+        if image_format not in IMAGE_FORMATS:
+            raise ValueError(f"{self.name} option image_format must be one of {list(IMAGE_FORMATS)}, got "
+                             f"{image_format!r}")
         if not timeout_s > 0 or not retry_backoff_s >= 0 or not temperature >= 0:
             raise ValueError(f"{self.name} needs timeout_s > 0, retry_backoff_s >= 0 and temperature >= 0, got "
                              f"{timeout_s!r}, {retry_backoff_s!r}, {temperature!r}")
@@ -120,9 +129,10 @@ class PointwiseVLM:
         self.model, self.api_key_env, self.paid = model, api_key_env, bool(paid)
         self.max_concurrency, self.max_attempts, self.backoff = max_concurrency, max_attempts, retry_backoff_s
         self.retry_on, self.max_billed, self.seed = frozenset(retry_on), max_billed, seed
-        self.max_side, self.quality = max_side, jpeg_quality
+        self.max_side, self.quality, self.image_format = max_side, jpeg_quality, image_format
         self.settings = dict(temperature=float(temperature), max_tokens=max_tokens, seed=seed, max_side=max_side,
-                             jpeg_quality=jpeg_quality, **self.extra_body())
+                             jpeg_quality=jpeg_quality, **({"image_format": "png"} if image_format == "png" else {}),
+                             **self.extra_body())
         self.template_sha256 = hashlib.sha256(self.template.encode()).hexdigest()
         self.client = openai.OpenAI(base_url=base_url, api_key=key, timeout=timeout_s, max_retries=0)
         self._openai = openai
@@ -136,21 +146,27 @@ class PointwiseVLM:
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------------------------------------ subclass hooks
-    def images(self, media: Tensor, index: int, metadata: dict[str, Any]) -> list[Tensor]:
-        """The ``[3, H, W]`` images sample ``index`` shows, in order (default: the generated image alone)."""
-        return [media[index]]
+    def requests(self, image: Tensor, prompt: str, metadata: dict[str, Any]) -> list[tuple[list[Tensor], str]]:
+        """The requests that score one sample: per request its ``[3, H, W]`` images in order and its text (default:
+        one request, the generated ``image`` and ``template`` with ``{prompt}`` filled in)."""
+        return [([image], self.template.format(prompt=prompt))]
 
-    def content(self, prompt: str, urls: list[str], metadata: dict[str, Any]) -> list[dict]:
-        """The user message's content parts for one sample (``urls``: its images as data URLs, in order)."""
-        raise NotImplementedError
+    def content(self, urls: list[str], text: str) -> list[dict]:
+        """The user message's content parts of one request (default: the images, then the text)."""
+        return [*({"type": "image_url", "image_url": {"url": url}} for url in urls), {"type": "text", "text": text}]
 
-    def parse(self, text: str | None, body: str) -> float:
-        """The score in an answer (``text``: the reply, ``body``: the raw HTTP body).
+    def parse(self, text: str | None, body: str, index: int) -> float:
+        """The score in the answer to request ``index`` of a sample (``text``: the reply, ``body``: the raw HTTP
+        body).
 
         Raises:
             MalformedReply: no score can be read (the message says why).
         """
         raise NotImplementedError
+
+    def combine(self, scores: list[float]) -> float:
+        """A sample's reward from its requests' scores, in order (default: the one score). NaN in, NaN out."""
+        return scores[0]
 
     def extra_body(self) -> dict[str, Any]:
         """More request body fields (part of the request key through the settings)."""
@@ -179,11 +195,13 @@ class PointwiseVLM:
         from flowforge.rewards.base import check_inputs
 
         batch = check_inputs(media, prompts, metadata)
-        requests = [self._prepare(media, i, prompts[i], metadata[i]) for i in range(batch)]
+        per_sample = [[self._prepare(images, text, prompts[i], metadata[i], j)
+                       for j, (images, text) in enumerate(self.requests(media[i], prompts[i], metadata[i]))]
+                      for i in range(batch)]
         ledger = self.ledger
         decided: dict[str, float] = {}
         todo: dict[str, tuple[dict, int]] = {}
-        for req in requests:
+        for req in (r for sample in per_sample for r in sample):
             if req["key"] in decided or req["key"] in todo:
                 continue
             entry, billed = ledger.claim(req["key"])
@@ -206,7 +224,7 @@ class PointwiseVLM:
         else:
             answers = [self._ask(*item) for item in items]
         decided.update(zip(todo, answers, strict=True))
-        scores = [decided[req["key"]] for req in requests]
+        scores = [self.combine([decided[r["key"]] for r in sample]) for sample in per_sample]
         self._count(failures=sum(math.isnan(s) for s in scores))
         return torch.tensor(scores, dtype=torch.float32).to(media.device)
 
@@ -229,16 +247,34 @@ class PointwiseVLM:
             for k, v in deltas.items():
                 self._counts[k] += v
 
-    def _prepare(self, media: Tensor, index: int, prompt: str, metadata: dict[str, Any]) -> dict:
-        jpegs = [P.jpeg_bytes(image, self.max_side, self.quality) for image in self.images(media, index, metadata)]
-        hashes = [P.sha256_hex(j) for j in jpegs]
-        key = P.request_key(self.model, self.template_sha256, prompt, [], [hashes], self.settings)
-        content = self.content(prompt, [P.data_url(j) for j in jpegs], metadata)
-        texts = [part["text"] for part in content if part["type"] == "text"]
+    def encode(self, image: Tensor) -> tuple[bytes, str]:
+        """One ``[3, H, W]`` image in [0, 1] -> ``(bytes, data URL)`` as sent: 8-bit (``round(255 x)``), the longest
+        side at most ``max_side`` (bicubic, downscaled only), JPEG at ``jpeg_quality`` or PNG."""
+        if self.image_format == "jpeg":
+            data = P.jpeg_bytes(image, self.max_side, self.quality)
+            return data, P.data_url(data)
+        from PIL import Image
+
+        from flowforge.media import to_uint8
+
+        pil = Image.fromarray(to_uint8(image).permute(1, 2, 0).cpu().numpy(), mode="RGB")
+        if max(pil.size) > self.max_side:  # the rule of jpeg_bytes, so both formats show the same pixels
+            scale = self.max_side / max(pil.size)
+            pil = pil.resize((max(1, round(pil.width * scale)), max(1, round(pil.height * scale))), Image.BICUBIC)
+        out = io.BytesIO()
+        pil.save(out, format="PNG")
+        data = out.getvalue()
+        return data, "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+    def _prepare(self, images: list[Tensor], text: str, prompt: str, metadata: dict[str, Any], index: int) -> dict:
+        encoded = [self.encode(image) for image in images]
+        hashes = [P.sha256_hex(data) for data, _ in encoded]
+        key = P.request_key(self.model, self.template_sha256, text, [], [hashes], self.settings)
         record = {"model": self.model, "scorer": self.name, "template_sha256": self.template_sha256,
-                  "settings": self.settings, "prompt": prompt, "text": texts, "images": hashes,
+                  "settings": self.settings, "prompt": prompt, "text": text, "images": hashes,
                   "sample_id": metadata.get("sample_id")}
-        return {"key": key, "content": content, "record": record}
+        return {"key": key, "content": self.content([url for _, url in encoded], text), "record": record,
+                "index": index}
 
     def _ask(self, req: dict, attempts_left: int) -> float:
         """Send one request (retrying as ``retry_on`` allows), every attempt recorded before it leaves; its score or
@@ -275,7 +311,7 @@ class PointwiseVLM:
                 raise JudgeError(str(exc).replace("vlm_judge:", f"{self.name}:", 1)) from exc
             self._count(billed=1, latency_total=seconds, tokens=sum(used))
             try:
-                score = self.parse(text, body)
+                score = self.parse(text, body, req["index"])
             except P.MalformedReply as exc:
                 self._count(malformed=1)
                 answers = [{"body": body, "verdict": f"malformed: {exc}"}]

@@ -111,29 +111,29 @@ class LocalVQAScore:
 class ServerVQAScore(PointwiseVLM):
     """VQAScore through an OpenAI-compatible server's ``top_logprobs`` (module docstring): ``[B]`` float32 in [0, 1],
     NaN without a score. Options: :class:`~flowforge.rewards.scorers.vlm_pointwise.PointwiseVLM` (``max_tokens``
-    is 1) plus ``question_template``, ``answer`` and ``top_logprobs`` (1..20, default 20)."""
+    is 1; ``image_format`` png: the pixels the local path sees) plus ``question_template``, ``answer`` and
+    ``top_logprobs`` (1..20, default 20)."""
 
     name: ClassVar[str] = "vqa_score"
     template: ClassVar[str] = QUESTION
 
     def __init__(self, *, question_template: str = QUESTION, answer: str = ANSWER, top_logprobs: int = 20,
-                 **options: Any) -> None:
+                 image_format: str = "png", **options: Any) -> None:
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 1 <= top_logprobs <= 20:
             raise ValueError(f"vqa_score option top_logprobs must be an int in 1..20, got {top_logprobs!r}")
         if not isinstance(answer, str) or not answer.strip():
             raise ValueError(f"vqa_score option answer must be a non-empty string, got {answer!r}")
         self.question, self.answer, self.top_logprobs = _check_template(question_template), answer, top_logprobs
         self.template = self.question  # the request key covers the question actually asked
-        super().__init__(**{"max_tokens": 1, **options})
+        super().__init__(**{"max_tokens": 1, **options}, image_format=image_format)
 
     def extra_body(self) -> dict[str, Any]:
         return {"logprobs": True, "top_logprobs": self.top_logprobs}
 
-    def content(self, prompt: str, urls: list[str], metadata: dict[str, Any]) -> list[dict]:
-        return [*({"type": "image_url", "image_url": {"url": url}} for url in urls),
-                {"type": "text", "text": self.question.format(prompt)}]
+    def requests(self, image: Tensor, prompt: str, metadata: dict[str, Any]) -> list[tuple[list[Tensor], str]]:
+        return [([image], self.question.format(prompt))]
 
-    def parse(self, text: str | None, body: str) -> float:
+    def parse(self, text: str | None, body: str, index: int) -> float:
         try:
             first = json.loads(body)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
             listed = {str(e["token"]).strip(): float(e["logprob"]) for e in first}
