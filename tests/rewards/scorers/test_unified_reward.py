@@ -136,3 +136,22 @@ def test_options_are_checked(monkeypatch):
                      jpeg_quality=101)
     with pytest.raises(ValueError, match="FF_NOT_SET_ANYWHERE"):
         build_scorer("unified_reward", model="m", base_url="http://127.0.0.1:9/v1", api_key_env="FF_NOT_SET_ANYWHERE")
+
+
+def test_through_the_reward_processor(server, tmp_path):
+    from flowforge.rewards.processor import RewardProcessor
+
+    url, _, log = server
+    media = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    processor = RewardProcessor({"unified_reward": scorer(url, tmp_path)}, {"unified_reward": 1.0})
+    components, metrics = processor(media, ["a", "b", "MALFORMED", "d"], [{}] * 4)
+    scores = components["unified_reward"]
+    assert math.isnan(float(scores[2])) and not scores[[0, 1, 3]].isnan().any()
+    assert (metrics["reward/unified_reward_billed"], metrics["reward/unified_reward_malformed"]) == (4.0, 1.0)
+    # a paid scorer at evaluation: only the groups allowed are asked (none here), nothing is sent
+    components, _ = processor(media, ["e", "f", "g", "h"], [{}] * 4, group_ids=torch.arange(4), paid_groups=0)
+    assert len(read_request_log(log)) == 4
+    required = RewardProcessor({"unified_reward": scorer(url, tmp_path)}, {"unified_reward": 1.0},
+                               required=["unified_reward"])
+    with pytest.raises(ValueError, match="unified_reward"):
+        required(media, ["a", "b", "MALFORMED", "d"], [{}] * 4)
