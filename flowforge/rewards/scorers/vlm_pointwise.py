@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from flowforge.rewards.base import check_inputs
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.ledger import BudgetExhausted, RequestLedger
 from flowforge.rewards.judge.transport import (RETRY_KINDS, UNBILLED_RETRIES, JudgeError, RetryKind, Unanswered,
@@ -192,8 +193,6 @@ class PointwiseVLM:
             JudgeError: the server refuses the credentials, URL or model (401 / 403 / 404).
             BudgetExhausted: ``max_billed`` cannot pay for the samples to send; nothing was sent.
         """
-        from flowforge.rewards.base import check_inputs
-
         batch = check_inputs(media, prompts, metadata)
         per_sample = [[self._prepare(images, text, prompts[i], metadata[i], j)
                        for j, (images, text) in enumerate(self.requests(media[i], prompts[i], metadata[i]))]

@@ -155,3 +155,15 @@ def test_through_the_reward_processor(server, tmp_path):
                                required=["unified_reward"])
     with pytest.raises(ValueError, match="unified_reward"):
         required(media, ["a", "b", "MALFORMED", "d"], [{}] * 4)
+
+
+def test_a_refused_token_is_an_error_and_not_billed(server, tmp_path, monkeypatch):
+    from flowforge.rewards.judge.transport import JudgeError
+
+    url, _, log = server
+    monkeypatch.setenv("FF_TEST_WRONG_TOKEN", "not-the-token")
+    score = build_scorer("unified_reward", model="UnifiedReward", base_url=url, api_key_env="FF_TEST_WRONG_TOKEN",
+                         ledger=str(tmp_path / "ledger.sqlite"))
+    with pytest.raises(JudgeError, match="unified_reward: .*refused the token from api_key_env=FF_TEST_WRONG_TOKEN"):
+        score(torch.rand(1, 3, 8, 8), ["p"], [{}])
+    assert RequestLedger(tmp_path / "ledger.sqlite").billed() == 0
