@@ -188,7 +188,7 @@ class VLMJsonStudent:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForImageTextToText
 
-        from flowforge.reward_model.vl_processor import load_vl_processor
+        from flowforge.rewards.vl_processor import load_vl_processor
 
         if options.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {options.dtype!r}")
@@ -423,7 +423,7 @@ class VLMJsonStudent:
         from peft import PeftModel
         from transformers import AutoModelForImageTextToText
 
-        from flowforge.reward_model.vl_processor import load_vl_processor
+        from flowforge.rewards.vl_processor import load_vl_processor
 
         path = Path(path)
         meta = json.loads((path / META_FILE).read_text())

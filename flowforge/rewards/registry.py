@@ -31,6 +31,9 @@ from flowforge.rewards.scorers.latent_reference import LatentReference
 from flowforge.rewards.scorers.ocr import OcrScorer
 from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
+from flowforge.rewards.scorers.unified_reward import UnifiedReward
+from flowforge.rewards.scorers.vqa_score import VQAScore
+from flowforge.rewards.scorers.edit_score import EditScore
 from flowforge.rewards.scorers.world_eval import InverseDynamicsLift, InverseDynamicsScorer, WorldPSNR, WorldSSIM
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.option_types import option_type_problems
@@ -57,6 +60,9 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "world_ssim": WorldSSIM,
     "av_onset_sync": AVOnsetSync,
     "clap": ClapScore,
+    "unified_reward": UnifiedReward,
+    "vqa_score": VQAScore,
+    "edit_score": EditScore,
 }
 """Built-in scorer names and their factories."""
 

@@ -2,9 +2,11 @@
 flowforge reward scorer wrapped as a group judge.
 
 A backend is an object with ``model_id: str`` and ``complete(messages, *, max_tokens, temperature, seed) ->
-Completion``; ``messages`` are OpenAI chat messages as plain dicts (``content`` a string or a list of ``text`` /
-``image_url`` parts with base64 ``data:image/...`` URLs). A backend raises ``ValueError`` for a request it cannot
-serve (the server answers 422 with the message) and :class:`BackendError` to answer with a chosen HTTP status.
+Completion`` (a backend that can give token log-probabilities also takes ``top_logprobs: int``, asked for only when a
+request sets ``logprobs: true``, and fills :attr:`Completion.logprobs`); ``messages`` are OpenAI chat messages as
+plain dicts (``content`` a string or a list of ``text`` / ``image_url`` parts with base64 ``data:image/...`` URLs). A
+backend raises ``ValueError`` for a request it cannot serve (the server answers 422 with the message) and
+:class:`BackendError` to answer with a chosen HTTP status.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from flowforge.runtime.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """One answer: the reply text and the token counts reported as ``usage``."""
+    """One answer: the reply text and the token counts reported as ``usage``; ``logprobs``: the choice's OpenAI
+    ``logprobs`` object (``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``, one entry per
+    generated token) when the request asked for it."""
 
     text: str
     prompt_tokens: int
     completion_tokens: int
+    logprobs: dict | None = None
 
 
 class BackendError(Exception):
@@ -169,7 +174,7 @@ class HFVisionLanguageBackend:
                  model_id: str | None = None) -> None:
         from transformers import AutoModelForImageTextToText
 
-        from flowforge.reward_model.vl_processor import load_vl_processor
+        from flowforge.rewards.vl_processor import load_vl_processor
         from flowforge.runtime.dtypes import DTYPES as dtypes
         if dtype not in dtypes:
             raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
@@ -184,7 +189,10 @@ class HFVisionLanguageBackend:
         return P.chat_from_messages(messages)
 
     def complete(self, messages: Sequence[dict], *, max_tokens: int | None = None, temperature: float = 0.0,
-                 seed: int | None = None) -> Completion:
+                 seed: int | None = None, top_logprobs: int | None = None) -> Completion:
+        """Answer ``messages``; with ``top_logprobs`` (0..20) also each generated token's log-probability and the
+        ``top_logprobs`` most likely tokens at its place, from the model's raw logits (``log_softmax`` in fp32,
+        before any sampling processor -- what vLLM returns by default)."""
         chat, images = self._chat(messages)
         text = self.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         inputs = self.processor(text=[text], images=images or None, return_tensors="pt").to(self.device)
@@ -193,11 +201,28 @@ class HFVisionLanguageBackend:
         with self._lock, torch.no_grad():
             if seed is not None:
                 torch.manual_seed(seed)
-            out = self.model.generate(**inputs, max_new_tokens=budget, **sampling)
+            out = self.model.generate(**inputs, max_new_tokens=budget, return_dict_in_generate=True,
+                                      output_logits=top_logprobs is not None, **sampling)
         prompt_len = inputs["input_ids"].shape[1]
-        new = out[0, prompt_len:]
+        new = out.sequences[0, prompt_len:]
         reply = self.processor.batch_decode(new[None], skip_special_tokens=True)[0]
-        return Completion(text=reply, prompt_tokens=int(prompt_len), completion_tokens=int(new.numel()))
+        logprobs = None if top_logprobs is None else self._logprobs(new, out.logits, top_logprobs)
+        return Completion(text=reply, prompt_tokens=int(prompt_len), completion_tokens=int(new.numel()),
+                          logprobs=logprobs)
+
+    def _logprobs(self, new: Tensor, logits: Sequence[Tensor], top: int) -> dict:
+        decode = self.processor.tokenizer.decode
+
+        def entry(token_id: int, row: Tensor) -> dict:
+            token = decode([token_id])
+            return {"token": token, "logprob": float(row[token_id]), "bytes": list(token.encode())}
+
+        content = []
+        for token_id, step in zip(new.tolist(), logits, strict=False):
+            row = torch.log_softmax(step[0].float(), dim=-1)
+            best = torch.topk(row, top).indices.tolist() if top else []
+            content.append({**entry(token_id, row), "top_logprobs": [entry(i, row) for i in best]})
+        return {"content": content}
 
 
 class StudentBackend:

@@ -10,8 +10,10 @@ Routes (bearer token as in :mod:`flowforge.serve.common`; ``GET /health`` is ope
 
 ``POST /v1/chat/completions`` with ``{"model", "messages": [{"role", "content": str | [{"type": "text", "text"} |
 {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}]}], "max_tokens" | "max_completion_tokens",
-"temperature", "seed", "n": 1, "stream": false}`` -> a ``chat.completion`` object with one choice and ``usage``
-(``prompt_tokens``, ``completion_tokens``, ``total_tokens``). Other OpenAI fields are accepted and ignored.
+"temperature", "seed", "n": 1, "stream": false, "logprobs", "top_logprobs"}`` -> a ``chat.completion`` object with
+one choice and ``usage`` (``prompt_tokens``, ``completion_tokens``, ``total_tokens``). With ``logprobs: true`` the
+choice carries OpenAI's ``logprobs`` object (``top_logprobs`` <= 20 alternatives per token) from a backend that can
+give them (``--model``), else 400 ``unsupported_parameter``. Other OpenAI fields are accepted and ignored.
 
 Errors come in OpenAI's error shape, so OpenAI clients show the message (the ``openai`` SDK: ``exc.message``,
 ``exc.body["message"]``, ``exc.code``, ``exc.param``)::
@@ -53,6 +55,7 @@ judge, billed), e.g. that a resumed run re-sent nothing::
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -113,6 +116,8 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     n: int = 1
     stream: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 def request_key(body: Any) -> str:
@@ -215,10 +220,12 @@ def refuse(status: int, message: str, *, param: str | None = None, code: str | N
     return HTTPException(status, {"message": message, "param": param, "code": code})
 
 
-def _completion(model: str, text: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def _completion(model: str, text: str, prompt_tokens: int, completion_tokens: int,
+                logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop",
+                         "logprobs": logprobs}],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
 
@@ -302,10 +309,15 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
         pixels = sum(b64_image_pixels(p.image_url.url) for m in req.messages if isinstance(m.content, list)
                      for p in m.content if isinstance(p, ImagePart))
         messages = [m.model_dump() for m in req.messages]
+        # token log-probabilities only when asked for (OpenAI's logprobs / top_logprobs), from a backend that has them
+        wants = {"top_logprobs": req.top_logprobs or 0} if req.logprobs else {}
+        if wants and "top_logprobs" not in inspect.signature(backend.complete).parameters:
+            raise refuse(400, f"the backend of {backend.model_id!r} gives no token log-probabilities",
+                         param="logprobs", code="unsupported_parameter")
         try:
             with budget.hold(pixels):  # 413 over the budget; decode + answer wait while others hold it
                 done = backend.complete(messages, max_tokens=req.max_completion_tokens or req.max_tokens,
-                                        temperature=req.temperature or 0.0, seed=req.seed)
+                                        temperature=req.temperature or 0.0, seed=req.seed, **wants)
         except HTTPException:
             raise
         except BackendError as exc:
@@ -314,7 +326,8 @@ def build_app(backend: Any, token: str | None, *, request_log: str | Path | None
             raise refuse(422, str(exc), param="messages") from None
         except Exception as exc:  # noqa: BLE001 - a backend failure is the server's (500), reported, never a reply
             raise refuse(500, f"backend failed: {type(exc).__name__}: {exc}") from exc
-        return _completion(backend.model_id, done.text, done.prompt_tokens, done.completion_tokens)
+        return _completion(backend.model_id, done.text, done.prompt_tokens, done.completion_tokens,
+                           getattr(done, "logprobs", None))
 
     return guard_app(app, token=token, max_bytes=max_bytes, body_timeout_s=body_timeout_s,
                      error_body=lambda status, message: openai_error(status, message))

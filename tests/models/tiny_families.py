@@ -23,18 +23,19 @@ SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|en
 
 
 def word_tokenizer(model_max_length: int, *, bos: bool = False, eos: bool = True, pad: str = "<pad>",
-                   lowercase: bool = True, extra_specials: tuple[str, ...] = ()):
+                   lowercase: bool = True, extra_specials: tuple[str, ...] = (), extra_words: tuple[str, ...] = ()):
     """A word-level fast tokenizer with optional ``<s>`` / ``</s>`` framing.
 
     Words and punctuation marks are tokens, spaces are dropped, a newline is a token of its own: Qwen-Image's chat
     template prefix (up to the user prompt) is then 34 tokens, the real ``prompt_template_encode_start_idx``.
-    ``extra_specials`` (e.g. Qwen2-VL's vision tokens) get ids after every other token and are never split.
+    ``extra_specials`` (e.g. Qwen2-VL's vision tokens) get ids after every other token and are never split;
+    ``extra_words`` (e.g. ``yes``, ``no`` for a VQA score) get ids after the punctuation.
     """
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(WORDS) + PUNCT + list(extra_specials))}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(WORDS) + PUNCT + list(extra_words) + list(extra_specials))}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase() if lowercase else None
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -208,16 +208,18 @@ def _drive(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------------------------ tiny Qwen2-VL
 
-def save_tiny_qwen2_vl(path: Path) -> Path:
+def save_tiny_qwen2_vl(path: Path, extra_words: tuple[str, ...] = ()) -> Path:
     """A random-init Qwen2-VL (hidden size 16, one layer) and its processor, saved as a real checkpoint directory
-    (``processor_class: Qwen2VLProcessor``, which transformers 5.x can load here only without its video part)."""
+    (``processor_class: Qwen2VLProcessor``, which transformers 5.x can load here only without its video part);
+    ``extra_words``: words its word-level tokenizer knows besides the shared tiny vocabulary."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from tests.models.tiny_families import QWEN_VISION_TOKENS, TinyQwen2VLProcessor, word_tokenizer
 
     torch.manual_seed(0)
-    tok = word_tokenizer(4096, eos=False, pad="<|endoftext|>", extra_specials=QWEN_VISION_TOKENS)
+    tok = word_tokenizer(4096, eos=False, pad="<|endoftext|>", extra_specials=QWEN_VISION_TOKENS,
+                         extra_words=extra_words)
     ids = tok.convert_tokens_to_ids(list(QWEN_VISION_TOKENS))
     config = Qwen2VLConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,

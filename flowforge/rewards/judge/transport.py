@@ -47,9 +47,10 @@ class Unanswered(Exception):
 
 
 def send(client: Any, openai: Any, messages: list[dict], *, model: str, settings: dict, seed: int,
-         api_key_env: str | None) -> tuple[str | None, str, tuple[int, int], float]:
+         api_key_env: str | None, extra: dict | None = None) -> tuple[str | None, str, tuple[int, int], float]:
     """One chat completion (one HTTP attempt) with ``client`` (an ``openai.OpenAI``; ``openai`` the module, for its
-    exception classes): ``(reply text, raw HTTP body, (prompt, completion) tokens, seconds)``.
+    exception classes): ``(reply text, raw HTTP body, (prompt, completion) tokens, seconds)``. ``extra``: more body
+    fields (e.g. ``{"logprobs": True, "top_logprobs": 20}``; the raw body then carries them back).
 
     Raises:
         Unanswered: no answer (a timeout, a connection error, an HTTP error other than the fatal ones, a 200 whose
@@ -64,7 +65,7 @@ def send(client: Any, openai: Any, messages: list[dict], *, model: str, settings
         # place: the body is byte-identical (tests/rewards/judge/test_client_http.py).
         raw = client.chat.completions.with_raw_response.create(
             model=model, messages=[], temperature=settings["temperature"],
-            max_tokens=settings["max_tokens"], seed=seed, extra_body={"messages": messages})
+            max_tokens=settings["max_tokens"], seed=seed, extra_body={**(extra or {}), "messages": messages})
     except openai.APITimeoutError as exc:
         raise Unanswered(f"timed out: {exc}", "timeout", billed=True, kind=retry_kind("timeout", None, True),
                          seconds=time.perf_counter() - start) from exc

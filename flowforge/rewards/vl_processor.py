@@ -1,5 +1,6 @@
-"""The processor of a local vision-language model directory, shared by the ``vlm_json`` student and the VLM judge
-backend of ``flowforge serve judge`` (it lives here, below both, so that neither imports the other)."""
+"""The processor of a local vision-language model directory, shared by the ``vlm_json`` student, the VLM judge
+backend of ``flowforge serve judge`` and the ``vqa_score`` reward (it lives in ``rewards``, below all three, so that
+none imports another)."""
 
 from __future__ import annotations
 
