@@ -26,6 +26,7 @@ from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
 from flowforge.rewards.scorers.hps import HPSv2Scorer
+from flowforge.rewards.scorers.image_reward import ImageRewardScorer
 from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressibility
 from flowforge.rewards.scorers.latent_reference import LatentReference
 from flowforge.rewards.scorers.ocr import OcrScorer
@@ -57,6 +58,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "world_ssim": WorldSSIM,
     "av_onset_sync": AVOnsetSync,
     "clap": ClapScore,
+    "image_reward": ImageRewardScorer,
 }
 """Built-in scorer names and their factories."""
 
