@@ -26,6 +26,7 @@ from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
 from flowforge.rewards.scorers.hps import HPSv2Scorer
+from flowforge.rewards.scorers.hpsv3 import HPSv3Scorer
 from flowforge.rewards.scorers.image_reward import ImageRewardScorer
 from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressibility
 from flowforge.rewards.scorers.latent_reference import LatentReference
@@ -59,6 +60,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "av_onset_sync": AVOnsetSync,
     "clap": ClapScore,
     "image_reward": ImageRewardScorer,
+    "hpsv3": HPSv3Scorer,
 }
 """Built-in scorer names and their factories."""
 
