@@ -26,6 +26,8 @@ from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
 from flowforge.rewards.scorers.hps import HPSv2Scorer
+from flowforge.rewards.scorers.hpsv3 import HPSv3Scorer
+from flowforge.rewards.scorers.image_reward import ImageRewardScorer
 from flowforge.rewards.scorers.jpeg import JpegCompressibility, JpegIncompressibility
 from flowforge.rewards.scorers.latent_reference import LatentReference
 from flowforge.rewards.scorers.ocr import OcrScorer
@@ -63,6 +65,8 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "unified_reward": UnifiedReward,
     "vqa_score": VQAScore,
     "edit_score": EditScore,
+    "image_reward": ImageRewardScorer,
+    "hpsv3": HPSv3Scorer,
 }
 """Built-in scorer names and their factories."""
 

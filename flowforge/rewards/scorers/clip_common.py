@@ -138,6 +138,9 @@ class ImagePreprocess:
     """Torch version of a CLIP image processor's resize / center crop / normalise (see the module docstring).
 
     ``shortest_edge`` and ``resize_hw`` are exclusive (neither = no resize); ``crop_hw`` None = no crop.
+    ``crop_offset``: ``"floor"`` puts the crop at ``(H - h) // 2`` (transformers' processors), ``"round"`` at
+    ``int(round((H - h) / 2))`` (torchvision's ``CenterCrop``; Python rounds halves to even, so a margin of 3 starts
+    the crop at 2, not 1).
     """
 
     shortest_edge: int | None
@@ -146,6 +149,7 @@ class ImagePreprocess:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     mode: str = "bicubic"
+    crop_offset: str = "floor"
 
     @classmethod
     def from_image_processor(cls, processor: Any) -> ImagePreprocess:
@@ -206,7 +210,10 @@ class ImagePreprocess:
             crop_h, crop_w = self.crop_hw
             if crop_h > height or crop_w > width:
                 raise ValueError(f"cannot center-crop {crop_h}x{crop_w} from a {height}x{width} resized image")
-            top, left = (height - crop_h) // 2, (width - crop_w) // 2
+            if self.crop_offset == "round":
+                top, left = int(round((height - crop_h) / 2)), int(round((width - crop_w) / 2))
+            else:
+                top, left = (height - crop_h) // 2, (width - crop_w) // 2
             pixels = pixels[..., top : top + crop_h, left : left + crop_w]
         mean = torch.tensor(self.mean, dtype=torch.float32, device=pixels.device).view(1, 3, 1, 1)
         std = torch.tensor(self.std, dtype=torch.float32, device=pixels.device).view(1, 3, 1, 1)
