@@ -138,11 +138,12 @@ class Policy:
             ``n``-th optimizer step, NVlabs DiffusionNFT's eval EMA): :func:`flowforge.algorithms.ema.ema_decay`.
         wrap: makes the transformer data-parallel in place (:func:`flowforge.runtime.distributed.wrap`); called after the
             bank is built and before the optimizer collects the (possibly sharded) trainable parameters.
-        offload: ``distributed.offload`` (``"none"`` | ``"optimizer"`` | ``"params"``, :mod:`flowforge.runtime.offload`):
-            other than ``"none"``, the frozen copies of full / module training (old, ref, EMA) live on the host and
-            are moved to ``device`` only while :meth:`using` evaluates them; ``"optimizer"`` also makes the optimizer
-            :class:`~flowforge.runtime.offload.HostOffloadAdamW` (``"params"``: FSDP's ``CPUOffloadPolicy``, set by
-            ``wrap``, puts the sharded weights, gradients and AdamW states on the host).
+        offload: ``distributed.offload`` (``"none"`` | ``"optimizer"`` | ``"params"``, see
+            :mod:`flowforge.runtime.offload`): other than ``"none"``, the frozen copies of full / module training
+            (old, ref, EMA) live on the host and are moved to ``device`` only while :meth:`using` evaluates them;
+            ``"optimizer"`` also makes the optimizer :class:`~flowforge.runtime.offload.HostOffloadAdamW`
+            (``"params"``: FSDP's ``CPUOffloadPolicy``, set by ``wrap``, puts the sharded weights, gradients and
+            AdamW states on the host).
         device: the compute device (where host copies go while in use); ``None``: the transformer's.
 
     Raises:

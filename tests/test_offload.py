@@ -137,3 +137,20 @@ def test_offload_trains_as_no_offload_and_its_checkpoint_resumes_without(no_offl
                                                    "train.resume=auto"), 2)
     assert len(resumed[0]["candidate_ids"]) == len(no_offload[0][0]["candidate_ids"]) // 2  # it trained step 2 only
     _assert_same(resumed, _rows(tmp_path / "part"), no_offload)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # three 2-rank end-to-end runs (about a minute each on 2 loaded cores)
+def test_lora_under_cpu_offload_policy_trains_as_no_offload_and_resumes_without(tiny_model_dir, tmp_path,
+                                                                                encode_cache_dir):
+    """LoRA + DiffusionNFT under ``params``: the frozen base, the live adapter and the ``old`` adapter are FSDP shards
+    under ``CPUOffloadPolicy`` (old blended shard by shard); step 1 runs with offload, step 2 resumes without it
+    (the old adapter's sharded weights loaded back into shards): both steps and the weights equal the run without."""
+    lora = ("train.algorithm=nft", "forward.decay_rate=0.25", "distributed.strategy=fsdp", "checkpoint.every=1")
+    ref = _run(tmp_path / "ref", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "ref", *lora), 2)
+    _run(tmp_path / "part", 1, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "part", *lora,
+                                          "distributed.offload=params"), 2)
+    resumed = _run(tmp_path / "res", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "part", *lora,
+                                                   "train.resume=auto"), 2)
+    assert any(".lora_A." in k for k in ref[0]["live"])
+    _assert_same(resumed, _rows(tmp_path / "part"), (ref, _rows(tmp_path / "ref")))

@@ -73,13 +73,24 @@ class ContextParallelSettings(Section):
 
 @dataclass(frozen=True)
 class DistributedConfig(Section):
+    """Data parallelism under torchrun (``strategy``: DDP or FSDP2), FSDP2's mixed precision, activation
+    checkpointing, offload to host memory and context parallelism. ``offload`` needs ``strategy: fsdp`` on >= 2 ranks
+    (otherwise a preflight error, not a silent no-op): ``none`` keeps everything on the GPU; ``optimizer`` keeps the
+    AdamW states, plus an fp32 host copy of each trained shard and of its gradient, in host (CPU) memory and runs the
+    optimizer step there (the sharded weights and the backward's gradients stay on the GPU); ``params`` applies
+    FSDP2's ``CPUOffloadPolicy``: every sharded parameter (frozen and trained), its gradient and the AdamW states live
+    in host memory and each block's shard is copied to the GPU for its all-gather. Under either mode the whole frozen
+    policy copies of full / module training (old, ref, EMA) live in host memory and are on the GPU only while
+    evaluated; LoRA's old / EMA adapters follow the transformer's weights. Results equal ``none``
+    (docs/guides/scaling.md); ``flowforge plan`` shows the offloaded items as host lines."""
+
     section_name = "distributed"
 
     strategy: str = "ddp"  # "ddp" | "fsdp"; used when launched by torchrun with WORLD_SIZE > 1
     param_dtype: str = "float32"  # FSDP2 MixedPrecisionPolicy param dtype ("bfloat16" on GPUs)
     reduce_dtype: str = "float32"
     activation_checkpointing: bool = False
-    offload: str = "none"  # "none" | "optimizer" | "params": what lives in host memory (FSDP only; see above)
+    offload: str = "none"  # "none" | "optimizer" (AdamW on the CPU) | "params" (FSDP2 CPUOffloadPolicy): see above
     context_parallel: ContextParallelSettings = field(default_factory=ContextParallelSettings)
 
     def problems(self) -> list[str]:
