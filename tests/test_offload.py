@@ -140,12 +140,13 @@ def test_offload_trains_as_no_offload_and_its_checkpoint_resumes_without(no_offl
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # three 2-rank end-to-end runs (about a minute each on 2 loaded cores)
+@pytest.mark.slow  # four 2-rank end-to-end runs (about a minute each on 2 loaded cores)
 def test_lora_under_cpu_offload_policy_trains_as_no_offload_and_resumes_without(tiny_model_dir, tmp_path,
                                                                                 encode_cache_dir):
     """LoRA + DiffusionNFT under ``params``: the frozen base, the live adapter and the ``old`` adapter are FSDP shards
     under ``CPUOffloadPolicy`` (old blended shard by shard); step 1 runs with offload, step 2 resumes without it
-    (the old adapter's sharded weights loaded back into shards): both steps and the weights equal the run without."""
+    (the old adapter's sharded weights loaded back into shards): both steps and the weights equal the run without.
+    The other way round, the no-offload run's step-1 checkpoint resumes under ``optimizer`` to the same step 2."""
     lora = ("train.algorithm=nft", "forward.decay_rate=0.25", "distributed.strategy=fsdp", "checkpoint.every=1")
     ref = _run(tmp_path / "ref", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "ref", *lora), 2)
     _run(tmp_path / "part", 1, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "part", *lora,
@@ -153,4 +154,14 @@ def test_lora_under_cpu_offload_policy_trains_as_no_offload_and_resumes_without(
     resumed = _run(tmp_path / "res", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "part", *lora,
                                                    "train.resume=auto"), 2)
     assert any(".lora_A." in k for k in ref[0]["live"])
-    _assert_same(resumed, _rows(tmp_path / "part"), (ref, _rows(tmp_path / "ref")))
+    ref_rows = _rows(tmp_path / "ref")
+    _assert_same(resumed, _rows(tmp_path / "part"), (ref, ref_rows))
+    step1 = tmp_path / "ref" / "checkpoints" / "step_000001"
+    reverse = _run(tmp_path / "rev", 0, _overrides(tiny_model_dir, tmp_path, encode_cache_dir, "rev", *lora,
+                                                   "distributed.offload=optimizer", f"train.resume={step1}"), 2)
+    rows = _rows(tmp_path / "rev")
+    assert [r["step"] for r in rows] == [2]
+    for key in ("train/loss", "train/grad_norm", "reward/total_mean"):
+        assert rows[0][key] == ref_rows[1][key], key
+    for k, v in ref[0]["live"].items():
+        assert torch.equal(reverse[0]["live"][k], v) and torch.equal(reverse[1]["live"][k], v), k
