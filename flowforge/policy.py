@@ -51,6 +51,8 @@ from torch import nn
 
 from flowforge.algorithms.ema import EMA_SCHEDULES, ema_decay as ema_decay_at
 from flowforge.models import trained_parts
+from flowforge.runtime import offload as offload_lib
+from flowforge.settings.distributed import OFFLOAD_MODES
 from flowforge.settings.sections import LORA_MODES, LR_SCHEDULES, TRAINABLE_MODES
 
 POLICY_NAMES = ("live", "old", "ref", "ema")
@@ -136,6 +138,13 @@ class Policy:
             ``n``-th optimizer step, NVlabs DiffusionNFT's eval EMA): :func:`flowforge.algorithms.ema.ema_decay`.
         wrap: makes the transformer data-parallel in place (:func:`flowforge.runtime.distributed.wrap`); called after the
             bank is built and before the optimizer collects the (possibly sharded) trainable parameters.
+        offload: ``distributed.offload`` (``"none"`` | ``"optimizer"`` | ``"params"``, see
+            :mod:`flowforge.runtime.offload`): other than ``"none"``, the frozen copies of full / module training
+            (old, ref, EMA) live on the host and are moved to ``device`` only while :meth:`using` evaluates them;
+            ``"optimizer"`` also makes the optimizer :class:`~flowforge.runtime.offload.HostOffloadAdamW`
+            (``"params"``: FSDP's ``CPUOffloadPolicy``, set by ``wrap``, puts the sharded weights, gradients and
+            AdamW states on the host).
+        device: the compute device (where host copies go while in use); ``None``: the transformer's.
 
     Raises:
         ValueError: ``trainable.mode`` is not one of ``TRAINABLE_MODES``; ``ema_schedule`` not one of
@@ -147,7 +156,8 @@ class Policy:
 
     def __init__(self, adapter, trainable: TrainableWeights, optim: OptimizerSettings, total_optimizer_steps: int,
                  *, keep_old: bool = False, keep_ref: bool = False, ema_decay: float = 0.0,
-                 ema_schedule: str = "constant", wrap: Callable[[], None] | None = None):
+                 ema_schedule: str = "constant", wrap: Callable[[], None] | None = None, offload: str = "none",
+                 device: torch.device | None = None):
         if trainable.mode not in TRAINABLE_MODES:
             raise ValueError(f"trainable mode {trainable.mode!r} is not one of {list(TRAINABLE_MODES)}")
         if ema_schedule not in EMA_SCHEDULES:
@@ -171,10 +181,18 @@ class Policy:
             self._add("ema")
         if keep_ref:
             self._add("ref")  # nothing is copied for LoRA: its reference is the base with the adapters off
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"distributed.offload={offload!r} is not one of {list(OFFLOAD_MODES)}")
+        self.offload = offload
+        self.device = torch.device(device) if device is not None else next(transformer.parameters()).device
+        if offload != "none":  # the copies' home is the host (the memory plan's host lines); before wrap shards
+            for module in self._copies.values():
+                module.to(offload_lib.HOST)
         if wrap is not None:
             wrap()
         self.params = [p for p in transformer.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+        optimizer_cls = offload_lib.HostOffloadAdamW if offload == "optimizer" else torch.optim.AdamW
+        self.optimizer = optimizer_cls(self.params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                            weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.schedule, optim.warmup_steps, total_optimizer_steps))
@@ -227,6 +245,8 @@ class Policy:
             raise RuntimeError(f"cannot switch to the {name!r} policy while a live forward's graph is pending; "
                                "evaluate other policies before the live forward or after backward")
         with contextlib.ExitStack() as stack:
+            if self.offload != "none" and name in self._copies:  # a host copy computes on the device while in use
+                stack.enter_context(offload_lib.on_device(self._copies[name], self.device))
             for part in self._parts:
                 stack.enter_context(part.using(name))
             yield
@@ -262,7 +282,10 @@ class Policy:
             if _is_dtensor(param):
                 from torch.distributed.tensor import distribute_tensor
 
-                value = distribute_tensor(value, param.device_mesh, param.placements)
+                # this rank's shard, written into the local tensor in place: under FSDP's CPUOffloadPolicy that
+                # local tensor is on the host while the mesh (where distribute_tensor puts the shard) is the device's
+                value = offload_lib.local(distribute_tensor(value, param.device_mesh, param.placements))
+                param = offload_lib.local(param)
             param.copy_(value)
 
     def _pairs(self, name: str):
@@ -276,7 +299,7 @@ class Policy:
         for target, source in self._pairs(name):
             # under FSDP full fine-tuning live is sharded (DTensor) while the old / EMA copy made before wrapping is
             # whole on every rank: gather live (a collective; every rank blends in lockstep)
-            source = source if _is_dtensor(target) else _full(source)
+            source = source if _is_dtensor(target) else _full(source).to(target.device)  # host copies: offload
             target.mul_(decay).add_(source, alpha=1.0 - decay)
 
     # ------------------------------------------------------------------------------------------------ optim

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config_file(args.config, args.overrides)
     from flowforge.train.preflight import preflight
 
-    preflight(cfg, this_machine=False)  # the config as a whole, before anything is built
+    preflight(cfg, world_size=args.gpus, this_machine=False)  # the config as a whole on --gpus ranks, first
     import torch
 
     from flowforge.tools.plan import plan_config, render

@@ -190,22 +190,34 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def wrap(adapter, strategy: str, *, param_dtype: str = "float32", reduce_dtype: str = "float32") -> None:
+def wrap(adapter, strategy: str, *, param_dtype: str = "float32", reduce_dtype: str = "float32",
+         offload: str = "none") -> None:
     """Make ``adapter.transformer`` data-parallel in place (call after LoRA injection, before the optimizer).
 
     ``"ddp"``: ``torch.distributed._composable.replicate`` (DDP's gradient all-reduce, keeps the module's class and
     attributes). ``"fsdp"``: FSDP2 ``fully_shard`` on each of ``adapter.blocks()`` then the root, with
     ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; trainable master weights stay fp32. (Activation
     checkpointing is the adapter's: diffusers' ``enable_gradient_checkpointing``, which keeps parameter names.)
+    ``offload="params"`` adds FSDP2's ``CPUOffloadPolicy`` to every ``fully_shard`` (shards, gradients and optimizer
+    states on the host: :func:`flowforge.runtime.offload.offload_policy`); ``"optimizer"`` changes nothing here (the
+    optimizer is :class:`flowforge.runtime.offload.HostOffloadAdamW`).
 
     Raises:
-        ValueError: unknown strategy / dtype (allowed values listed).
+        ValueError: unknown strategy / dtype / offload (allowed values listed); offload other than ``"none"`` without
+            ``strategy="fsdp"``.
     """
+    from flowforge.settings.distributed import OFFLOAD_MODES
+
     if strategy not in STRATEGIES:
         raise ValueError(f"distributed.strategy={strategy!r} is not one of {list(STRATEGIES)}")
     for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if value not in DTYPES:
             raise ValueError(f"distributed.{name}={value!r} is not one of {sorted(DTYPES)}")
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"distributed.offload={offload!r} is not one of {list(OFFLOAD_MODES)}")
+    if offload != "none" and strategy != "fsdp":
+        raise ValueError(f"distributed.offload={offload!r} needs distributed.strategy='fsdp' (got {strategy!r}); "
+                         "allowed without FSDP: ['none']")
     if strategy == "ddp":
         from torch.distributed._composable import replicate
 
@@ -213,7 +225,11 @@ def wrap(adapter, strategy: str, *, param_dtype: str = "float32", reduce_dtype: 
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    from flowforge.runtime.offload import offload_policy
+
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])}
+    if offload == "params":  # pinned host memory only when the compute device is an accelerator
+        kwargs["offload_policy"] = offload_policy(next(adapter.transformer.parameters()).device)
     for block in adapter.blocks():
-        fully_shard(block, mp_policy=mp)
-    fully_shard(adapter.transformer, mp_policy=mp)
+        fully_shard(block, **kwargs)
+    fully_shard(adapter.transformer, **kwargs)

@@ -469,6 +469,7 @@ RESUME_NEUTRAL_KEYS: tuple[str, ...] = (
     "checkpoint", "artifacts", "metrics",  # what is written or logged beside the run, and how much is kept
     "rollout",  # in-process or worker rollouts: bit-identical trajectories either way (tests/rollout/test_engine.py)
     "distributed.activation_checkpointing",  # recomputes activations to save memory; the values are the same
+    "distributed.offload",  # where weights / AdamW states live; the same AdamW arithmetic (tests/test_offload.py)
     "sft",  # read by `flowforge sft` only
 )
 """Config keys (dotted, or a whole section) that do not change what a resumed run computes: the config

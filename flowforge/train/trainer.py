@@ -151,11 +151,13 @@ class Trainer(RunDirectory):
         d = cfg.distributed
         wrap = cp.training_wrapper(self.adapter, self.context_mesh, d.context_parallel.attention_backend,
                                    functools.partial(dist_lib.wrap, self.adapter, d.strategy, param_dtype=d.param_dtype,
-                                                     reduce_dtype=d.reduce_dtype) if self.dist.enabled else None)
+                                                     reduce_dtype=d.reduce_dtype, offload=d.offload)
+                                   if self.dist.enabled else None)
         if d.activation_checkpointing:
             self.adapter.enable_gradient_checkpointing()
         self.policy = Policy(self.adapter, TrainableWeights.from_section(cfg.lora),
                              OptimizerSettings.from_section(cfg.train), total_optimizer_steps=total, wrap=wrap,
+                             offload=d.offload, device=self.device,
                              **anchor_policy_bank(cfg.anchor, objective_cls.policy_bank(context)))
         self.objective = objective_cls(context, self.adapter, self.policy)
         self.objective.anchor = build_anchor(cfg.anchor, self.adapter, self.policy, seed=cfg.run.seed,

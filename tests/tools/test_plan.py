@@ -14,7 +14,7 @@ import pytest
 from bench.plan_check import CASES, check, measure_step
 from flowforge.cli import main
 from flowforge.config import load_config
-from flowforge.tools.plan import plan_config
+from flowforge.tools.plan import plan_config, render
 from flowforge.tools.plan.sizes import ModelSpec, count_params, lora_targets, spec_for
 
 TINY_SD3 = {"sample_size": 32, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
@@ -147,3 +147,63 @@ def test_the_cli_plans_a_local_model_directory_as_json(tmp_path, capsys):
     assert out["facts"]["components"]["vae"]["params"] == sum(p.numel() for p in vae.parameters())
     assert out["gpu"] == "l20" and out["gpus"] == 2 and out["strategy"] == "ddp" and out["fits"] is True
     assert out["model"].endswith("transformer/config.json") and set(out["phases_gb"]) == {"load", "rollout", "train"}
+
+
+def _gpu_resident(plan) -> float:
+    return sum(i.bytes for i in plan.gpu_items if i.name != "activations")
+
+
+@pytest.mark.parametrize("trainable, algorithm", [("lora", "grpo"), ("full", "nft")])
+def test_offload_moves_its_items_to_host_lines_and_the_gpu_total_drops_by_them(trainable, algorithm):
+    spec = tiny_spec()
+    lora = ("lora.rank=8", "lora.alpha=16") if trainable == "lora" else ()
+    plans = {mode: plan_config(load_config(None, [
+        "model.adapter=sd3", "model.dtype=bfloat16", "model.height=256", "model.width=256", "sampler.num_steps=2",
+        "sampler.num_sde_steps=1", "sampler.guidance_scale=1.0", "data.prompts_per_step=2", "data.group_size=4",
+        "train.micro_batch_size=4", "train.num_updates_per_batch=1", f"train.algorithm={algorithm}", *lora,
+        f"lora.trainable={trainable}", "distributed.strategy=fsdp", f"distributed.offload={mode}"]),
+        2, "h100-80gb", spec=spec, alternatives=False) for mode in ("none", "optimizer", "params")}
+    none = {i.name: i.bytes for i in plans["none"].items}
+    assert not plans["none"].host_items and plans["none"].host_bytes == 0
+    moved = {"optimizer": {"AdamW states"},
+             "params": {"trained masters", "gradients", "AdamW states", "policy copies"}}
+    if trainable == "full":  # whole copies are host-homed under either mode; one is on the GPU while evaluated
+        assert none["policy copies"] > 0
+        moved["optimizer"].add("policy copies")
+    for mode, plan in plans.items():
+        if mode == "none":
+            continue
+        host = {i.name: i.bytes for i in plan.host_items}
+        expected = {name: none[name] for name in moved[mode]}
+        if mode == "optimizer":
+            expected["host AdamW buffers"] = 2 * none["trained masters"]  # fp32 weight + gradient shards
+        if mode == "params" and trainable == "lora":  # the frozen base's parameters (its buffers stay)
+            expected["weights"] = none["weights"] - plan.items[1].bytes
+        assert host == pytest.approx(expected), mode
+        in_use = next((i.bytes for i in plan.gpu_items if i.name == "policy copy in use"), 0.0)
+        assert (in_use > 0) == (trainable == "full")
+        drop = sum(v for k, v in expected.items() if k != "host AdamW buffers")
+        assert _gpu_resident(plans["none"]) - _gpu_resident(plan) == pytest.approx(drop - in_use)
+        assert plan.phases["train"] == pytest.approx(plans["none"].phases["train"] - drop + in_use)
+        assert plan.as_dict()["host_gb"] == round(plan.host_bytes / 1e9, 3) and "host memory" in render(plan)
+
+
+def test_offload_is_the_suggestion_when_it_makes_a_too_big_config_fit(monkeypatch):
+    from flowforge.tools.plan.budget import CONTEXT_GB, GPUS
+
+    spec = tiny_spec()
+    base = ("distributed.strategy=fsdp", "distributed.activation_checkpointing=true")  # checkpointing already on
+    plain = plan_config(tiny_cfg(*base), 2, "h100-80gb", spec=spec, alternatives=False)
+    params = plan_config(tiny_cfg(*base, "distributed.offload=params"), 2, "h100-80gb", spec=spec,
+                         alternatives=False)
+    optimizer = plan_config(tiny_cfg(*base, "distributed.offload=optimizer"), 2, "h100-80gb", spec=spec,
+                            alternatives=False)
+    assert params.peak < optimizer.peak < plain.peak
+    monkeypatch.setitem(GPUS, "test-gpu", CONTEXT_GB + (params.peak + optimizer.peak) / 2e9)  # only params fits
+    tight = plan_config(tiny_cfg(*base), 2, "test-gpu", spec=spec)
+    assert not tight.fits
+    assert tight.fix.startswith("offload weights, gradients and AdamW states to host memory "
+                                "(distributed.offload=params)"), tight.fix
+    monkeypatch.setitem(GPUS, "test-gpu", CONTEXT_GB + (optimizer.peak + plain.peak) / 2e9)  # optimizer fits
+    assert plan_config(tiny_cfg(*base), 2, "test-gpu", spec=spec).fix.startswith(
+        "offload the AdamW states to host memory (distributed.offload=optimizer)")

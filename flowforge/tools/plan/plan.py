@@ -20,6 +20,7 @@ from flowforge.tools.plan.sizes import (ModelSpec, component_params, count_param
 
 __all__ = ["GPUS", "Plan", "ModelSpec", "check_gpu", "plan_config", "render", "published", "spec_for"]
 
+OFFLOAD_ORDER = ("none", "optimizer", "params")  # distributed.offload, from the least to the most moved to the host
 MEASURE_VERSION = 1  # bump when the measurement changes: cached models of older versions are not read
 _ACTIVATIONS: dict[str, ActivationModel] = {}  # measured models, keyed by what they depend on (one process)
 _COUNTS: dict[str, object] = {}
@@ -98,7 +99,8 @@ def setting_of(cfg, gpus: int, spec: ModelSpec) -> tuple[Setting, dict]:
                 checkpointing=cfg.distributed.activation_checkpointing, stored_steps=stored,
                 text_tokens=spec.text_tokens,
                 text_dim=spec.config.get("joint_attention_dim") or spec.config.get("text_dim"),
-                pooled_dim=spec.config.get("pooled_projection_dim") or 0, cfg_negative=cfg_used)
+                pooled_dim=spec.config.get("pooled_projection_dim") or 0, cfg_negative=cfg_used,
+                offload=cfg.distributed.offload)
     facts = {"objective": cls.__name__, "policy_bank": bank, "replay": replay, "trained_steps": trained,
              "train_guidance": g if replay else 1.0, "rollout_cfg": cfg_used}
     return s, facts
@@ -148,6 +150,10 @@ def plan_config(cfg, gpus: int = 1, gpu: str = "h100-80gb", spec: ModelSpec | No
         if not s.checkpointing:
             alts["turn on gradient checkpointing (distributed.activation_checkpointing=true)"] = replace(
                 s, checkpointing=True)
+        if s.fsdp and s.gpus > 1:  # host memory before more GPUs: cheaper; optimizer states first (smaller cost)
+            for mode, what in (("optimizer", "the AdamW states"), ("params", "weights, gradients and AdamW states")):
+                if OFFLOAD_ORDER.index(mode) > OFFLOAD_ORDER.index(s.offload):
+                    alts[f"offload {what} to host memory (distributed.offload={mode})"] = replace(s, offload=mode)
         for more in (2, 4, 8, 16, 32):
             if more > gpus:
                 alts[f"FSDP on {more} GPUs (--gpus {more}, distributed.strategy=fsdp)"] = replace(

@@ -36,7 +36,7 @@ from flowforge.train.preflight.modules import module_path_problems
 from flowforge.train.preflight.parallel import context_parallel_problems, data_world
 from flowforge.train.preflight.rules import run_rules
 from flowforge.train.preflight.static import (_audio_problems, _batch_problems, _name_problems, _prompt_problems,
-                                              _task_problems, _trained_step_problems)
+                                              _task_problems, _trained_step_problems, offload_problems)
 
 
 class PreflightError(ConfigError):
@@ -77,6 +77,7 @@ def preflight(cfg: Config, *, world_size: int | None = None, this_machine: bool 
     _model_path_problems(cfg, problems, warnings, this_machine)
     _trained_step_problems(cfg, problems)
     problems += context_parallel_problems(cfg, world)
+    problems += offload_problems(cfg, world)  # FSDP's ranks: the whole world (context groups shard too)
     world = data_world(cfg, world)  # from here: ranks with samples of their own (a context group shares its samples)
     _batch_problems(cfg, world, problems)
     if this_machine:

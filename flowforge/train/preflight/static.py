@@ -212,6 +212,19 @@ def _name_problems(cfg: Config, problems: list[str]) -> None:
         problems.extend(f"eval.scorers: {p}" for p in check_scorer_spec(name, {}))
 
 
+def offload_problems(cfg: Config, world: int) -> list[str]:
+    """``distributed.offload`` other than ``none`` needs FSDP on >= 2 ranks (one line naming the field, its value and
+    what is allowed). An error, not a silent no-op: offload is asked for because the GPU is short of memory, and a
+    run that ignored it would keep everything on the GPU that the setting (and ``flowforge plan``) counted on the
+    host."""
+    d = cfg.distributed
+    if d.offload == "none" or (d.strategy == "fsdp" and world > 1):
+        return []
+    why = f"distributed.strategy={d.strategy!r}" if world > 1 else f"{world} process"
+    return [f"distributed.offload={d.offload!r} needs FSDP on >= 2 ranks (torchrun --nproc_per_node N with "
+            f"distributed.strategy=fsdp), got {why}; allowed here: ['none']"]
+
+
 def _batch_problems(cfg: Config, world: int, problems: list[str]) -> None:
     """The per-rank batch splits into disjoint updates of whole micro-batches."""
     t, d = cfg.train, cfg.data
