@@ -15,9 +15,9 @@ trainer updates; the trajectory may then lag its step by up to ``s`` versions. E
 that sampled it (``Trajectory.policy_version``).
 
 Metrics (logged every step): ``train/policy_version`` (of the step's rollout), ``train/staleness`` (the step minus
-that version), ``time/rollout`` (the rollout's own seconds, sync included), ``train/weight_sync_tensors``, ``train/weight_sync_mb``
-(per worker), ``time/weight_sync`` (seconds), ``train/weight_sync_failures`` and ``train/worker_restarts``
-(counts since the engine was built).
+that version), ``time/rollout`` (the rollout's own seconds, sync included), ``train/weight_sync_tensors``,
+``train/weight_sync_mb`` (per worker), ``time/weight_sync`` (seconds), ``train/weight_sync_failures`` and
+``train/worker_restarts`` (counts since the engine was built).
 """
 
 from __future__ import annotations
