@@ -13,6 +13,7 @@ from .losses import NFT_MODES, flow_grpo_kl, grpo_clip_loss, nft_loss, transitio
 from .schedules import SCHEDULE_KINDS, WAN_DEFAULT_SHIFT, calculate_shift, flow_match_sigmas, resolve_trained_steps
 from .sde import (CPS_LOG_PROB_MODES, TRANSITION_KINDS, Transition, euler_step, reference_std_dev_t,
                   sde_diffusion_coefficient, transition)
+from .staleness import policy_staleness
 from .solvers import data_prediction, dpm_solver_2_sample, dpm_solver_2m_step
 
 __all__ = ["flow_match_sigmas", "calculate_shift", "resolve_trained_steps", "SCHEDULE_KINDS", "WAN_DEFAULT_SHIFT",
@@ -21,4 +22,4 @@ __all__ = ["flow_match_sigmas", "calculate_shift", "resolve_trained_steps", "SCH
            "group_advantages", "group_stats", "GroupStats", "combine_components", "clip_advantages", "nft_optimality",
            "STD_MODES", "COMBINE_MODES", "grpo_clip_loss", "nft_loss", "velocity_mse_kl", "transition_mean_kl",
            "flow_grpo_kl", "NFT_MODES", "ema_decay", "old_policy_decay", "EMA_SCHEDULES", "OLD_DECAY_SCHEDULES",
-           "NFT_DECAY_TYPES"]
+           "NFT_DECAY_TYPES", "policy_staleness"]

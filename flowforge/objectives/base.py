@@ -13,6 +13,8 @@ Class attributes read by :mod:`flowforge.train.preflight` and the trainer (one s
 ``sections``          the config section classes this objective owns (each becomes ``cfg.<section_name>``)
 ``uses_log_probs``    replays stored SDE steps and needs per-step log-probs (a stochastic kernel)
 ``clipped_ratio``     clips an importance ratio against the rollout policy (so 1 update per batch is moot)
+``accepts_staleness`` its loss is an importance ratio against the recorded log-probs of the policy that sampled
+                      the batch, so a batch sampled versions ago is weighed correctly (``train.max_staleness > 0``)
 ``uses_advantages``   learns from the group-relative advantages (the trainer skips a step where all are 0)
 ``needs_reward_fn``   differentiates the reward: the trainer sets :attr:`Objective.reward_fn` before training
 ====================  ==============================================================================
@@ -166,6 +168,7 @@ class Objective:
     sections: ClassVar[tuple[type, ...]] = ()
     uses_log_probs: ClassVar[bool] = False
     clipped_ratio: ClassVar[bool] = False
+    accepts_staleness: ClassVar[bool] = False
     uses_advantages: ClassVar[bool] = True
     needs_reward_fn: ClassVar[bool] = False
     reward_fn = None  # needs_reward_fn: (media, prompts, metadata) -> [B] float32 with gradient, set by the trainer

@@ -50,6 +50,7 @@ class GRPO(ReplayObjective):
     name = "grpo"
     sections = (GRPOConfig,)
     clipped_ratio = True
+    accepts_staleness = True  # the ratio is against the rollout's recorded log-probs (also grpo_guard, dppo)
     grpo: GRPOConfig
 
     def __init__(self, ctx: ObjectiveContext, adapter, policy):

@@ -65,6 +65,7 @@ class Trajectory:
     next_latents: torch.Tensor | None  # [B, S, *latent] fp32 sampled x_next of each trained step
     log_probs: torch.Tensor | None  # [B, S] fp32 rollout log-prob of each trained step, mean over elements
     means: torch.Tensor | None = None  # [B, S, *generated] fp32 transition mean of each trained step (if stored)
+    policy_version: int | None = None  # the policy version that sampled it (optimizer rounds; None: not tagged)
 
     def select(self, rows: torch.Tensor) -> "Trajectory":
         def pick(t):

@@ -288,6 +288,7 @@ class TrainConfig(Section):
     num_updates_per_batch: int = 2
     micro_batch_size: int = 8
     allow_unit_ratio: bool = False  # allow num_updates_per_batch = 1 with a clipped objective
+    max_staleness: int = 0  # > 0: step k+1 rolls out (rollout workers) while step k updates; GRPO family only
     resume: str | None = None  # "auto" (the newest committed checkpoint, else from scratch), "must" (as auto,
     # refused when there is none) or a checkpoint path
 
@@ -295,7 +296,7 @@ class TrainConfig(Section):
         c = Checks(self)
         c.choice("lr_schedule", LR_SCHEDULES)
         c.positive("lr", "micro_batch_size", "num_updates_per_batch", "grad_clip", "adam_eps")
-        c.positive("steps", "warmup_steps", "weight_decay", allow_zero=True)
+        c.positive("steps", "warmup_steps", "weight_decay", "max_staleness", allow_zero=True)
         c.require(all(0 <= b < 1 for b in self.adam_betas),
                   f"train.adam_betas={list(self.adam_betas)} must both be in [0, 1) (e.g. [0.9, 0.999])")
         return c.problems

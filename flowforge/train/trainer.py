@@ -66,6 +66,7 @@ from flowforge.train.guard import RewardHackingGuard
 from flowforge.train.perf import PerfMeter, compute_dtype, set_cpu_threads
 from flowforge.train.sidecars import SidecarWriter
 from flowforge.train.trackers import TRAIN_LOG, log_progress, run_logging
+from flowforge.train.async_rollout import Lookahead
 from flowforge.train.rollout_workers import build_rollout_engine, closing_engine, engine_metrics
 from flowforge.train.run_lifecycle import RunDirectory
 from flowforge.train.scorer_checks import build_reward_processor
@@ -168,6 +169,7 @@ class Trainer(RunDirectory):
         self.perf = PerfMeter(lambda: self.adapter.transformer, self.device, compute_dtype(self.adapter, d, self.dist),
                               rollout_elsewhere=self.engine is not None)  # perf/mfu; the peak is logged here
         self._stream = None  # reward.overlap: the step's score stream, from sample() to score()
+        self.lookahead = Lookahead(self)  # train.max_staleness: the rollouts submitted ahead of their step
 
         self.sampler = KRepeatSampler(len(self.train_prompts), cfg.data.prompts_per_step, cfg.data.group_size,
                                       cfg.run.seed, num_replicas=self.data.world_size, rank=self.data.rank)
@@ -231,27 +233,30 @@ class Trainer(RunDirectory):
         """Stage 2: roll out the objective's declared trajectories, chunked like the training micro-batches; with
         ``reward.overlap`` group after group, each chunk decoded at once (:meth:`media_needs`) and its completed
         groups sent to the group scorers while the next chunks roll out (:mod:`flowforge.rewards.stream`)."""
-        spec = self.objective.rollout_spec(step)
-        cond = self._conditioning(self.train_cond, self.train_prompts, batch.prompt_indices)
-        chunk = self.cfg.sampler.batch_size or self.cfg.train.micro_batch_size
+        cond, request = self.rollout_request(batch, step)
         if self.engine is not None:  # rollout.engine=workers: the same loop in worker processes, same bits
-            return self.engine.sample(cond, batch.candidate_ids.tolist(), self.sigmas, spec, step=step,
-                                      batch_size=chunk, latent_shape=self.latent_shape, seed=self.cfg.run.seed), cond
+            return self.engine.sample(cond, **request, step=step), cond
         with self.policy.using(self.objective.sampling_policy):
             if not self.cfg.reward.overlap:
-                return rollout_chunked(self.adapter, cond, batch.candidate_ids.tolist(), self.sigmas, spec,
-                                       latent_shape=self.latent_shape, seed=self.cfg.run.seed, batch_size=chunk,
-                                       device=self.device), cond
+                return rollout_chunked(self.adapter, cond, **request, device=self.device), cond
             self._stream = stream = self.rewards.stream([r.prompt for r in batch.records],
                                                         [r.metadata for r in batch.records], batch.group_ids,
                                                         self.media_needs() | {"latents"})
             on_chunk = lambda rows, part: stream.add(rows, decode_needed(  # noqa: E731 (no audio: refused with overlap)
                 self.adapter, part.final, self.cfg.reward.batch_size, self.media_needs())[0], part.final)
             with stream.closed_on_error():
-                traj = rollout_grouped(self.adapter, cond, batch.candidate_ids.tolist(), batch.group_ids,
-                                       self.sigmas, spec, latent_shape=self.latent_shape, seed=self.cfg.run.seed,
-                                       batch_size=chunk, device=self.device, on_chunk=on_chunk)
+                traj = rollout_grouped(self.adapter, cond, request.pop("candidate_ids"), batch.group_ids,
+                                       **request, device=self.device, on_chunk=on_chunk)
         return traj, cond
+
+    def rollout_request(self, batch: StepBatch, step: int) -> tuple[Conditioning, dict]:
+        """``batch``'s conditioning rows and the arguments of its rollout as step ``step`` (``candidate_ids``,
+        ``sigmas``, ``spec``, ``latent_shape``, ``seed``, ``batch_size``: the chunk), one source for every engine."""
+        spec = self.objective.rollout_spec(step)
+        cond = self._conditioning(self.train_cond, self.train_prompts, batch.prompt_indices)
+        chunk = self.cfg.sampler.batch_size or self.cfg.train.micro_batch_size
+        return cond, {"candidate_ids": batch.candidate_ids.tolist(), "sigmas": self.sigmas, "spec": spec,
+                      "latent_shape": self.latent_shape, "seed": self.cfg.run.seed, "batch_size": chunk}
 
     def _conditioning(self, cond: Conditioning | StreamedConditioning, records, prompt_indices: torch.Tensor):
         """The conditioning rows of ``prompt_indices`` (``[B]`` int64 into ``records``, a PromptSet or list; a
@@ -386,12 +391,8 @@ class Trainer(RunDirectory):
         for step in bar:
             timer = StageTimer()
             self.perf.begin_step()
-            with timer("prompts"):
-                for hook in self.hooks:
-                    hook.before_step(self, step)
-                batch = self.next_prompts()
+            batch, traj, cond = self.lookahead.rollout(step, end, timer)  # stages 1-2 (train.max_staleness)
             with timer("sample"):
-                traj, cond = self.sample(batch, step)
                 self.prompts.rolled_out(self, step, batch)
                 for hook in self.hooks:
                     hook.on_rolled_out(self, step, batch)
@@ -430,6 +431,7 @@ class Trainer(RunDirectory):
             stopped = signals.agreed(self.dist.enabled)  # every rank: one decision at the step boundary
             if stopped is not None:
                 break
+        self.lookahead.drain()  # a stop before the end: queued rollouts discarded, the sampler rewound
         ended = self.step == cfg.train.steps or self.guard.stopped
         if (ended or stopped is not None) and self.checkpoints.saved_step != self.step:
             self.checkpoints.save()  # the trained model is never lost, also with checkpoint.every=0

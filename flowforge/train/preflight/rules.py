@@ -1,5 +1,6 @@
 """Cross-section preflight rules of the run-level features: the reward-hacking guard, the rollout chunking, the
-forward-process DPM-Solver-2 rollouts, what ``flowforge export`` can write and scoring overlapped with the rollout.
+forward-process DPM-Solver-2 rollouts, what ``flowforge export`` can write, scoring overlapped with the rollout and
+bounded-staleness asynchronous training.
 
 Called by :func:`flowforge.train.preflight.preflight` (which lists every problem at once); kept here so that each
 feature's rules live beside it.
@@ -26,6 +27,11 @@ Scoring overlapped with the rollout (``reward.overlap``)
     scorers (:mod:`flowforge.rewards.stream`). It needs ``rollout.engine: local`` (worker processes return the whole
     step at once) and one process (under ``torchrun`` a group may straddle ranks and is gathered by collectives
     after the rollout); both are errors. Without a ``needs_group`` component there is nothing to overlap: a warning.
+
+Bounded staleness (``train.max_staleness > 0``, :mod:`flowforge.train.async_rollout`)
+    The next steps roll out in the rollout workers while the trainer updates, so it needs ``rollout.engine:
+    workers``; and an objective whose loss is an importance ratio against the recorded log-probs of the sampling
+    policy (``accepts_staleness``: the GRPO family). Both are errors, one line each.
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ def run_rules(cfg, problems: list[str], warnings: list[str], *, world_size: int 
     problems += guard_p
     warnings += guard_w + chunking_warnings(cfg, world_size) + dpm2_warnings(cfg) + export_warnings(cfg)
     overlap_p, overlap_w = overlap_rules(cfg, world_size)
-    problems += overlap_p
+    problems += overlap_p + staleness_problems(cfg)
     warnings += overlap_w
 
 
@@ -108,3 +114,24 @@ def overlap_rules(cfg, world_size: int = 1) -> tuple[list[str], list[str]]:
     warnings = [] if grouped else ["reward.overlap is on but no reward component needs whole groups (e.g. vlm_judge): "
                                    "per-sample components are scored after the rollout, so nothing overlaps"]
     return problems, warnings
+
+
+def staleness_problems(cfg) -> list[str]:
+    """The problems of ``train.max_staleness`` (module docstring)."""
+    s = cfg.train.max_staleness
+    if not s:
+        return []
+    from flowforge.objectives import OBJECTIVES
+
+    problems = []
+    allowed = sorted(name for name, cls in OBJECTIVES.items() if cls.accepts_staleness)
+    objective = OBJECTIVES.get(cfg.train.algorithm)
+    if objective is not None and not objective.accepts_staleness:
+        problems.append(f"train.max_staleness={s} needs an algorithm whose loss clips the importance ratio against "
+                        f"the sampling policy's log-probs; train.algorithm={cfg.train.algorithm!r} does not: "
+                        f"allowed {allowed}, or train.max_staleness=0")
+    if cfg.rollout.engine != "workers":
+        problems.append(f"train.max_staleness={s} rolls the next steps out in rollout workers while the trainer "
+                        f"updates: needs rollout.engine='workers' (got {cfg.rollout.engine!r}), or "
+                        "train.max_staleness=0")
+    return problems
