@@ -152,7 +152,8 @@ TRANSFORMER_CLASSES: dict[str, str] = {
 
 CONTEXT_PARALLEL_FAMILIES: tuple[str, ...] = ("flux", "flux2", "qwen_image", "wan")
 """Families whose sequence diffusers' context parallelism splits (the transformer declares a ``_cp_plan``) and whose
-split velocity and LoRA gradients were measured equal to one rank's (tests/test_context_parallel.py). LTX-2's
+split velocity and LoRA gradients were measured equal to one rank's under Ulysses and ring (Wan 2.2's two experts
+included; tests/test_context_parallel.py). LTX-2's
 class declares a plan too, but it splits RoPE tensors of 3 dims only (``rope_type="interleaved"``; LTX-2 uses
 ``"split"``, 4 dims), so the split run fails: it is left out."""
 

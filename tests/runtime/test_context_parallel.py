@@ -68,6 +68,32 @@ def test_enable_refuses_a_transformer_without_a_plan():
         cp.enable(build_tiny_sd3(test_sd3_config(), seed=0), cp.ContextMesh(None, ulysses=2, ring=1))
 
 
+def test_ring_with_a_backend_without_log_sum_exp_is_refused_in_one_line():
+    """On CPU only ``native`` (switched to the CPU flash kernel) carries ring; another backend is refused before
+    diffusers' hooks are placed."""
+    from tests.models import tiny_families as tiny
+
+    t = tiny.wan_components()["transformer"]
+    with pytest.raises(ValueError) as err:
+        cp.enable(t, cp.ContextMesh(None, ulysses=1, ring=2), attention_backend="flex")
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("distributed.context_parallel.ring=2 needs an attention backend that returns "
+                                     "the log-sum-exp, one of ['flash',")
+    assert "(CUDA; 'native' on CPU); this model uses 'flex'" in str(err.value)
+
+
+def test_planned_modules_are_the_model_or_its_experts():
+    from flowforge.demo.model import build_tiny_sd3, test_sd3_config
+    from flowforge.models.wan_experts import WanExperts
+    from tests.models import tiny_families as tiny
+
+    one, two = tiny.wan_components(0)["transformer"], tiny.wan_components(1)["transformer"]
+    assert cp.planned_modules(one) == [one]
+    experts = WanExperts(one, two, boundary_ratio=0.5)
+    assert cp.planned_modules(experts) == [one, two]
+    assert cp.planned_modules(build_tiny_sd3(test_sd3_config(), seed=0)) == []
+
+
 def test_scale_gathered_gradients_scales_parameter_gradients_not_the_output(wan):
     t = wan.transformer
     x, cond = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0)), wan.encode([""])

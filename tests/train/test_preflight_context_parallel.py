@@ -40,8 +40,12 @@ def test_degrees_against_the_world_size_and_ring_backend():
     problems = _problems("distributed.context_parallel.ulysses=2", "distributed.context_parallel.ring=2", world=6)
     assert any("ulysses x ring = 2 x 2 = 4 does not divide the world size 6; launch a multiple of 4 ranks" in p
                for p in problems)
-    assert any("distributed.context_parallel.ring=2 needs distributed.context_parallel.attention_backend set to one "
-               "of ['flash'," in p and "got None" in p for p in problems)
+    assert not any("attention_backend" in p for p in problems)  # on CPU ring runs on PyTorch's CPU flash kernel
+    cuda = _problems("distributed.context_parallel.ring=2", "run.device=cuda", world=2)
+    assert any("distributed.context_parallel.ring=2 on run.device='cuda' needs distributed.context_parallel."
+               "attention_backend set to one of ['flash'," in p and "got None" in p for p in cuda)
+    other = _problems("distributed.context_parallel.ring=2", "distributed.context_parallel.attention_backend=flex")
+    assert any("ring=2 on run.device='cpu' needs" in p and "got 'flex'" in p for p in other)
     one = _problems("distributed.context_parallel.ulysses=2", world=1)
     assert any("2 ranks per sample, but 1 rank(s) run; launch with torchrun --nproc_per_node=2 (or a multiple)" in p
                for p in one)
