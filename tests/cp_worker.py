@@ -63,8 +63,8 @@ def build(name: str):
         text = ltx2_text(components={k: c[k] for k in ("tokenizer", "text_encoder", "connectors")},
                          max_sequence_length=16, min_tokenizer_size=10)
         adapter = LTX2Adapter(c["transformer"], text, c["vae"], c["audio_vae"], c["vocoder"],
-                              scheduler_config=dict(c["scheduler"].config), frame_rate=25.0)
-        return adapter, adapter.latent_shape(32, 32, 5)
+                              scheduler_config=dict(c["scheduler"].config), frame_rate=12.5)
+        return adapter, adapter.latent_shape(32, 32, 1)  # 256 video + 2 audio tokens (12.5 fps): both split evenly
     raise ValueError(name)
 
 

@@ -31,12 +31,12 @@ def _launch(out: Path, *specs: str, nproc: int = 2) -> dict[str, list[dict]]:
                    for rank in range(nproc)] for spec in specs}
 
 
-def _check_equal_to_one_rank(records: list[dict]) -> None:
+def _check_equal_to_one_rank(records: list[dict], tol: float = TOL) -> None:
     for rec in records:
         assert "error" not in rec and rec["problems"] == [], rec
         assert rec["degree"] == 2
-        assert rec["v_max_diff"] <= TOL, rec
-        assert rec["grad_max_diff"] <= TOL * max(1.0, rec["grad_max"]), rec
+        assert rec["v_max_diff"] <= tol, rec
+        assert rec["grad_max_diff"] <= tol * max(1.0, rec["grad_max"]), rec
         assert rec["grad_max"] > 0.1 and rec["n_params"] >= 8  # the LoRA weights do get gradients
         # the sequence really was split: every attention call of a rank saw half the tokens of the unsplit call
         assert rec["ref_attn_tokens"] and [2 * n for n in rec["attn_tokens"]] == rec["ref_attn_tokens"]
@@ -94,6 +94,27 @@ def test_wan22_both_experts_split_and_match_one_rank(wan22_runs, spec):
     for rec in records:  # both experts' plans were read, and their attention halved
         assert [where for where, _, _ in rec["sizes"]].count("blocks.0 input 'hidden_states'") == 2
         assert len(rec["attn_tokens"]) == 4 and rec["n_params"] == 32  # 2 attentions x 2 experts, LoRA on both
+
+
+@pytest.fixture(scope="module")
+def ltx2_runs(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("cp_ltx2"), "ltx2:1:2", "ltx2:2:1")
+
+
+@pytest.mark.slow  # one 2-rank launch (~45 s on 2 loaded cores)
+def test_ltx2_ring_2_matches_one_rank(ltx2_runs):
+    """flowforge's LTX-2 plan (video, audio, both texts, the four RoPE modules split; both outputs gathered). The
+    velocity tolerance is 5e-6, not 1e-6: on one process, swapping this tiny LTX-2's attention kernel (SDPA
+    ``native`` -> ``_native_math``) alone moves its velocity by 2.0e-6 (measured); the split run differs by 3.2e-6."""
+    _check_equal_to_one_rank(ltx2_runs["ltx2:1:2"], tol=5e-6)
+    assert all(len(rec["attn_tokens"]) == 12 for rec in ltx2_runs["ltx2:1:2"])  # 6 attentions, video and audio
+
+
+@pytest.mark.slow
+def test_ltx2_ulysses_is_refused_in_one_line(ltx2_runs):
+    for rec in ltx2_runs["ltx2:2:1"]:
+        assert rec["error"].startswith("distributed.context_parallel.ulysses=2 cannot split "
+                                       "LTX2VideoTransformer3DModel") and "\n" not in rec["error"]
 
 
 @pytest.mark.slow  # 4 ranks on gloo (~30 s on 2 loaded cores)

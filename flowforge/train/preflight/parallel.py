@@ -5,7 +5,7 @@ the token counts it would split at the configured size."""
 from __future__ import annotations
 
 from flowforge.config import Config
-from flowforge.runtime import context_parallel as cp
+from flowforge.runtime import context_parallel as cp, cp_plans
 
 
 def data_world(cfg: Config, world: int) -> int:
@@ -57,6 +57,9 @@ def loaded_context_parallel_problems(cfg: Config, adapter) -> list[str]:
     if not cp.planned_modules(t):
         return [f"distributed.context_parallel: {type(t).__name__} declares no _cp_plan, so diffusers cannot split "
                 "its sequence; set distributed.context_parallel.ulysses=1 and ring=1"]
+    refused = [p for p in (cp_plans.ulysses_problem(m, c.ulysses) for m in cp.planned_modules(t)) if p]
+    if refused:
+        return refused[:1]
     heads = getattr(getattr(t, "config", None), "num_attention_heads", None)
     if isinstance(heads, int) and heads % c.ulysses:
         return [f"distributed.context_parallel.ulysses={c.ulysses} does not divide the {heads} attention heads of "
