@@ -36,6 +36,16 @@ def build(name: str):
 
         fam = build_family(name)  # Wan's test latent has 3 tokens: 12 here (3 latent frames of 4 x 4, patch 1 x 2 x 2)
         return fam.adapter, {"wan": (4, 3, 4, 4)}.get(name, fam.latent)
+    if name == "wan22":  # two experts; the test's sigmas 0.37 / 0.81 fall on either side of the 0.5 boundary
+        from flowforge.models.wan import WanAdapter, wan_text
+        from flowforge.models.wan_experts import WanExperts
+        from tests.models import tiny_families as tiny
+
+        c, c2 = tiny.wan_components(0), tiny.wan_components(1)
+        text = wan_text(components={k: c[k] for k in ("tokenizer", "text_encoder")}, max_sequence_length=16,
+                        min_tokenizer_size=10)
+        experts = WanExperts(c["transformer"], c2["transformer"], boundary_ratio=0.5)
+        return WanAdapter(experts, text, c["vae"], scheduler_config=dict(c["scheduler"].config)), (4, 3, 4, 4)
     if name == "flux2":
         from flowforge.models.flux2 import Flux2KleinAdapter, flux2_klein_text
         from tests.models import tiny_image_families as tiny
@@ -53,8 +63,8 @@ def build(name: str):
         text = ltx2_text(components={k: c[k] for k in ("tokenizer", "text_encoder", "connectors")},
                          max_sequence_length=16, min_tokenizer_size=10)
         adapter = LTX2Adapter(c["transformer"], text, c["vae"], c["audio_vae"], c["vocoder"],
-                              scheduler_config=dict(c["scheduler"].config), frame_rate=25.0)
-        return adapter, adapter.latent_shape(32, 32, 5)
+                              scheduler_config=dict(c["scheduler"].config), frame_rate=12.5)
+        return adapter, adapter.latent_shape(32, 32, 1)  # 256 video + 2 audio tokens (12.5 fps): both split evenly
     raise ValueError(name)
 
 

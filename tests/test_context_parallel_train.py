@@ -112,6 +112,14 @@ def test_grpo_under_ulysses_matches_one_process(wan_setup, single, tmp_path, str
     _check_matches(records, _rows(wan_setup, f"cp-{strategy}"), single)
 
 
+@pytest.mark.slow  # a small training run on 2 ranks (about a minute on 2 loaded cores)
+def test_grpo_under_ring_matches_one_process(wan_setup, single, tmp_path):
+    """``flowforge train`` with ring 2 on CPU: preflight lets it through without an attention backend, and the
+    model runs on flowforge.runtime.cpu_ring_attention."""
+    records = _run(tmp_path / "cp", 0, _overrides(wan_setup, "cp-ring", "distributed.context_parallel.ring=2"), 2)
+    _check_matches(records, _rows(wan_setup, "cp-ring"), single)
+
+
 @pytest.mark.slow  # a run on 2 ranks, then one on 1 process (about a minute)
 def test_checkpoint_written_under_context_parallelism_resumes_without_it(wan_setup, single, tmp_path):
     one, ref = single

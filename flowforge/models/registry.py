@@ -150,11 +150,10 @@ TRANSFORMER_CLASSES: dict[str, str] = {
 }
 """Registered family -> the diffusers class of its transformer (the world model's is flowforge's own)."""
 
-CONTEXT_PARALLEL_FAMILIES: tuple[str, ...] = ("flux", "flux2", "qwen_image", "wan")
+CONTEXT_PARALLEL_FAMILIES: tuple[str, ...] = ("flux", "flux2", "ltx2", "qwen_image", "wan")
 """Families whose sequence diffusers' context parallelism splits (the transformer declares a ``_cp_plan``) and whose
-split velocity and LoRA gradients were measured equal to one rank's (tests/test_context_parallel.py). LTX-2's
-class declares a plan too, but it splits RoPE tensors of 3 dims only (``rope_type="interleaved"``; LTX-2 uses
-``"split"``, 4 dims), so the split run fails: it is left out."""
+split velocity and LoRA gradients were measured equal to one rank's under Ulysses and ring (Wan 2.2's two experts
+included; LTX-2 under ring only, with flowforge's plan: flowforge.runtime.cp_plans; tests/test_context_parallel.py)."""
 
 
 def context_parallel_problem(name: str) -> str | None:
@@ -163,8 +162,7 @@ def context_parallel_problem(name: str) -> str | None:
     once loaded)."""
     if name in CONTEXT_PARALLEL_FAMILIES or name not in ADAPTER_CLASSES:
         return None
-    why = {"ltx2": "its transformer's _cp_plan splits only interleaved RoPE; LTX-2 uses split RoPE"}.get(
-        name, f"{TRANSFORMER_CLASSES.get(name, 'its transformer')} declares no _cp_plan")
+    why = f"{TRANSFORMER_CLASSES.get(name, 'its transformer')} declares no _cp_plan"
     return (f"distributed.context_parallel needs a model whose sequence diffusers can split; model.adapter={name!r} "
             f"cannot ({why}); families that support it: {list(CONTEXT_PARALLEL_FAMILIES)}")
 

@@ -9,7 +9,8 @@ modules and hands the attention processors the config, so attention runs as
   attention call (needs ``U`` to divide the number of heads; works with the native SDPA backend, CPU included);
 * **ring** (degree ``R``): key / value chunks visit every rank and the partial outputs are merged with their
   log-sum-exp (needs a backend that returns it: ``flash``, ``_native_flash``, ``_native_cudnn``, ``sage``, ... on
-  CUDA; diffusers' ``native`` backend, the only one on CPU, does not).
+  CUDA; on CPU diffusers' ``native`` backend does not, so :func:`enable` switches a CPU model to
+  :mod:`~flowforge.runtime.cpu_ring_attention`, PyTorch's CPU flash kernel, which does).
 
 The gather hook at the model's output all-gathers the full sequence, so every rank of a context group ends with the
 same full velocity, and a loss computed from it is the same on every rank of the group. Its backward keeps each
@@ -47,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from flowforge.runtime import cp_plans, cpu_ring_attention
 
 MESH_DIMS = ("data", "ring", "ulysses")
 """Names of the device-mesh dimensions, outermost first."""
@@ -141,6 +144,22 @@ def supports_context_parallel(transformer_class: type) -> bool:
     return getattr(transformer_class, "_cp_plan", None) is not None
 
 
+def plan_of(module: torch.nn.Module) -> dict:
+    """The ``_cp_plan`` diffusers is given for ``module``: flowforge's correction for its class
+    (:data:`flowforge.runtime.cp_plans.PLANS`, e.g. LTX-2's), else the class's own."""
+    fix = cp_plans.PLANS.get(type(module).__name__)
+    return fix(module) if fix is not None else type(module)._cp_plan
+
+
+def planned_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules context parallelism is enabled on: ``[transformer]`` when its class declares a ``_cp_plan``,
+    else its direct children whose classes do (a container of experts, e.g. Wan 2.2's ``WanExperts``: each expert
+    gets its own hooks and splits its own calls); ``[]`` when neither."""
+    if supports_context_parallel(type(transformer)):
+        return [transformer]
+    return [m for m in transformer.children() if supports_context_parallel(type(m))]
+
+
 @contextlib.contextmanager
 def cpu_accelerator_count() -> Iterator[None]:
     """Within the block, ``torch.accelerator.device_count()`` answers 1 when this machine has no accelerator (it
@@ -179,23 +198,45 @@ def enable(transformer: torch.nn.Module, cm: ContextMesh, attention_backend: str
     (:func:`sum_context_gradients`).
 
     Raises:
-        ValueError: the class has no ``_cp_plan``; ring degree > 1 with an attention backend that returns no
-            log-sum-exp (the backend and :data:`LSE_BACKENDS` named).
+        ValueError: the class has no ``_cp_plan``; Ulysses on a class it cannot split
+            (:data:`~flowforge.runtime.cp_plans.ULYSSES_REFUSED`); ring degree > 1 with an attention backend that
+            returns no log-sum-exp (the backend and :data:`LSE_BACKENDS` named); on CPU ``native`` is switched to
+            :data:`~flowforge.runtime.cpu_ring_attention.BACKEND`, which returns it.
     """
     from diffusers import ContextParallelConfig
 
-    if not supports_context_parallel(type(transformer)):
+    modules = planned_modules(transformer)
+    if not modules:
         raise ValueError(f"{type(transformer).__name__} declares no _cp_plan: diffusers cannot split its sequence; "
                          "set distributed.context_parallel.ulysses=1 and ring=1")
-    if attention_backend is not None:
-        transformer.set_attention_backend(attention_backend)
-    if cm.ring > 1 and active_backend(transformer) not in LSE_BACKENDS:
-        raise ValueError(f"distributed.context_parallel.ring={cm.ring} needs an attention backend that returns the "
-                         f"log-sum-exp, one of {list(LSE_BACKENDS)} (CUDA); this model uses "
-                         f"{active_backend(transformer)!r}; use ulysses instead")
-    config = ContextParallelConfig(ulysses_degree=cm.ulysses, ring_degree=cm.ring, mesh=cm.context_mesh)
-    with cpu_accelerator_count():
-        transformer.enable_parallelism(config=config)
+    problems = [p for p in (cp_plans.ulysses_problem(m, cm.ulysses) for m in modules) if p]
+    if problems:
+        raise ValueError(problems[0])
+    for module in modules:
+        if attention_backend is not None:
+            _set_attention_backend(module, attention_backend)
+        backend = active_backend(module)
+        if cm.ring > 1 and backend not in LSE_BACKENDS:
+            on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+            if not (on_cpu and backend in ("native", cpu_ring_attention.BACKEND)):
+                raise ValueError(f"distributed.context_parallel.ring={cm.ring} needs an attention backend that "
+                                 f"returns the log-sum-exp, one of {list(LSE_BACKENDS)} (CUDA; 'native' on CPU); "
+                                 f"this model uses {backend!r}; use ulysses instead")
+            _set_attention_backend(module, cpu_ring_attention.register())  # PyTorch's CPU flash kernel + its LSE
+        config = ContextParallelConfig(ulysses_degree=cm.ulysses, ring_degree=cm.ring, mesh=cm.context_mesh)
+        with cpu_accelerator_count():
+            module.enable_parallelism(config=config, cp_plan=plan_of(module))
+
+
+def _set_attention_backend(module: torch.nn.Module, name: str) -> None:
+    """``module.set_attention_backend(name)`` for ``module``'s attention processors only: diffusers also makes
+    ``name`` the process-wide default of every other model's processors (``set_active_backend``), which is put
+    back."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    previous = _AttentionBackendRegistry._active_backend
+    module.set_attention_backend(name)
+    _AttentionBackendRegistry.set_active_backend(previous)
 
 
 def sum_context_gradients(params: Iterable[torch.nn.Parameter], cm: ContextMesh) -> None:
@@ -234,9 +275,10 @@ def scale_gathered_gradients(transformer: torch.nn.Module, cm: ContextMesh) -> l
             return _ScaleGradient.apply(output, float(cm.degree))
         return type(output)(_ScaleGradient.apply(o, float(cm.degree)) if torch.is_tensor(o) else o for o in output)
 
-    for module_id, plan in transformer._cp_plan.items():
-        if not isinstance(plan, dict):  # a ContextParallelOutput (or a list of them): gathered here
-            handles += [m.register_forward_hook(hook) for m in _planned_modules(transformer, module_id)]
+    for planned in planned_modules(transformer):
+        for module_id, plan in plan_of(planned).items():
+            if not isinstance(plan, dict):  # a ContextParallelOutput (or a list of them): gathered here
+                handles += [m.register_forward_hook(hook) for m in _planned_modules(planned, module_id)]
     return handles
 
 
@@ -294,13 +336,13 @@ def split_sizes(transformer: torch.nn.Module, run: Callable[[], object]) -> list
             if torch.is_tensor(v) and (s.expected_dims is None or v.dim() == s.expected_dims):
                 found.append((where if len(specs) == 1 else f"{where}[{i}]", s.split_dim, int(v.shape[s.split_dim])))
 
-    for module_id, plan in transformer._cp_plan.items():
+    for planned, module_id, plan in [(m, k, v) for m in planned_modules(transformer) for k, v in plan_of(m).items()]:
         if not isinstance(plan, dict):
             continue  # an output gathered, not split
-        modules = _planned_modules(transformer, module_id)
+        modules = _planned_modules(planned, module_id)
         inputs = {k: v for k, v in plan.items() if isinstance(k, str)}
         outputs = {k: v for k, v in plan.items() if isinstance(k, int)}
-        label = module_id or type(transformer).__name__
+        label = module_id or type(planned).__name__
         for m in modules:
             def pre(mod, args, kwargs, inputs=inputs, label=label):
                 import inspect

@@ -10,8 +10,9 @@ key                                         meaning
                                             memory instead of the GPU (below); needs ``strategy: fsdp`` on >= 2 ranks
 ``context_parallel.ulysses``                Ulysses degree: ranks that split one sample's sequence by all-to-all
                                             around attention (1 = off)
-``context_parallel.ring``                   ring-attention degree (1 = off; needs a CUDA attention backend that
-                                            returns the log-sum-exp, ``context_parallel.attention_backend``)
+``context_parallel.ring``                   ring-attention degree (1 = off; on CUDA needs an attention backend that
+                                            returns the log-sum-exp, ``context_parallel.attention_backend``; on
+                                            CPU PyTorch's CPU flash kernel, set by flowforge)
 ``context_parallel.attention_backend``      diffusers attention backend set on the transformer before context
                                             parallelism is enabled (None: the model's own, ``native`` SDPA)
 ==========================================  =========================================================================

@@ -61,11 +61,65 @@ def test_loaded_model_checks(wan):
         "(Ulysses gives each rank whole heads); use a divisor of 2"]
 
 
+def test_ltx2_gets_flowforge_plan_ring_only():
+    """LTX-2's own plan splits 3-dim RoPE and no audio; flowforge's splits every stream and RoPE in the split layout
+    (the sizes read at 32 x 32, 1 frame at 12.5 fps: 256 video + 2 audio tokens); Ulysses is refused in one line."""
+    from tests.cp_worker import build
+
+    adapter, _ = build("ltx2")
+
+    def problems(*overrides):
+        cfg = load_config(None, ["model.adapter=ltx2", "model.task=t2v", "model.height=32", "model.width=32",
+                                 "model.frames=1", *overrides])
+        return loaded_context_parallel_problems(cfg, adapter)
+
+    assert problems("distributed.context_parallel.ring=2") == []
+    (ulysses,) = problems("distributed.context_parallel.ulysses=2")
+    assert ulysses.startswith("distributed.context_parallel.ulysses=2 cannot split LTX2VideoTransformer3DModel: its "
+                              "cross-attentions") and ulysses.endswith("use distributed.context_parallel.ring instead")
+    assert "\n" not in ulysses
+    with pytest.raises(ValueError, match="ulysses=2 cannot split LTX2VideoTransformer3DModel"):
+        cp.enable(adapter.transformer, cp.ContextMesh(None, ulysses=2, ring=1))
+    x = torch.zeros(1, *adapter.latent_shape(32, 32, 1))
+    sizes = cp.split_sizes(adapter.transformer, lambda: adapter.velocity(x, torch.tensor([0.5]), adapter.encode([""]),
+                                                                         1.0))
+    split = {where: (dim, n) for where, dim, n in sizes}
+    assert split["LTX2VideoTransformer3DModel input 'audio_hidden_states'"] == (1, 2)
+    assert split["rope output 0"] == (2, 256) and split["cross_attn_audio_rope output 1"] == (2, 2)
+
+
 def test_enable_refuses_a_transformer_without_a_plan():
     from flowforge.demo.model import build_tiny_sd3, test_sd3_config
 
     with pytest.raises(ValueError, match="SD3Transformer2DModel declares no _cp_plan"):
         cp.enable(build_tiny_sd3(test_sd3_config(), seed=0), cp.ContextMesh(None, ulysses=2, ring=1))
+
+
+def test_ring_with_a_backend_without_log_sum_exp_is_refused_in_one_line():
+    """On CPU only ``native`` (switched to the CPU flash kernel) carries ring; another backend is refused before
+    diffusers' hooks are placed."""
+    from tests.models import tiny_families as tiny
+
+    t = tiny.wan_components()["transformer"]
+    with pytest.raises(ValueError) as err:
+        cp.enable(t, cp.ContextMesh(None, ulysses=1, ring=2), attention_backend="flex")
+    assert cp.active_backend(tiny.wan_components()["transformer"]) == "native"  # other models keep the default
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("distributed.context_parallel.ring=2 needs an attention backend that returns "
+                                     "the log-sum-exp, one of ['flash',")
+    assert "(CUDA; 'native' on CPU); this model uses 'flex'" in str(err.value)
+
+
+def test_planned_modules_are_the_model_or_its_experts():
+    from flowforge.demo.model import build_tiny_sd3, test_sd3_config
+    from flowforge.models.wan_experts import WanExperts
+    from tests.models import tiny_families as tiny
+
+    one, two = tiny.wan_components(0)["transformer"], tiny.wan_components(1)["transformer"]
+    assert cp.planned_modules(one) == [one]
+    experts = WanExperts(one, two, boundary_ratio=0.5)
+    assert cp.planned_modules(experts) == [one, two]
+    assert cp.planned_modules(build_tiny_sd3(test_sd3_config(), seed=0)) == []
 
 
 def test_scale_gathered_gradients_scales_parameter_gradients_not_the_output(wan):

@@ -28,10 +28,9 @@ def test_family_without_a_cp_plan_is_refused_in_one_line_listing_those_with_one(
     (family,) = [p for p in _problems("distributed.context_parallel.ulysses=2") if "model.adapter" in p]
     assert "\n" not in family
     assert "model.adapter='sd3' cannot (SD3Transformer2DModel declares no _cp_plan)" in family
-    assert "families that support it: ['flux', 'flux2', 'qwen_image', 'wan']" in family
-    ltx2 = _problems("distributed.context_parallel.ulysses=2", "model.adapter=ltx2", "model.task=t2v",
-                     "model.frames=5")
-    assert any("'ltx2' cannot (its transformer's _cp_plan splits only interleaved RoPE" in p for p in ltx2)
+    assert "families that support it: ['flux', 'flux2', 'ltx2', 'qwen_image', 'wan']" in family
+    preflight(load_config(None, ["distributed.context_parallel.ring=2", "model.adapter=ltx2", "model.task=t2v",
+                                 "model.frames=5"]), world_size=2, this_machine=False)  # Ulysses: once loaded
     preflight(load_config(None, ["distributed.context_parallel.ulysses=2", "model.adapter=wan", "model.task=t2v",
                                  "model.frames=5"]), world_size=2, this_machine=False)
 
@@ -40,8 +39,12 @@ def test_degrees_against_the_world_size_and_ring_backend():
     problems = _problems("distributed.context_parallel.ulysses=2", "distributed.context_parallel.ring=2", world=6)
     assert any("ulysses x ring = 2 x 2 = 4 does not divide the world size 6; launch a multiple of 4 ranks" in p
                for p in problems)
-    assert any("distributed.context_parallel.ring=2 needs distributed.context_parallel.attention_backend set to one "
-               "of ['flash'," in p and "got None" in p for p in problems)
+    assert not any("attention_backend" in p for p in problems)  # on CPU ring runs on PyTorch's CPU flash kernel
+    cuda = _problems("distributed.context_parallel.ring=2", "run.device=cuda", world=2)
+    assert any("distributed.context_parallel.ring=2 on run.device='cuda' needs distributed.context_parallel."
+               "attention_backend set to one of ['flash'," in p and "got None" in p for p in cuda)
+    other = _problems("distributed.context_parallel.ring=2", "distributed.context_parallel.attention_backend=flex")
+    assert any("ring=2 on run.device='cpu' needs" in p and "got 'flex'" in p for p in other)
     one = _problems("distributed.context_parallel.ulysses=2", world=1)
     assert any("2 ranks per sample, but 1 rank(s) run; launch with torchrun --nproc_per_node=2 (or a multiple)" in p
                for p in one)

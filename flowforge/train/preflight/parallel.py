@@ -5,7 +5,7 @@ the token counts it would split at the configured size."""
 from __future__ import annotations
 
 from flowforge.config import Config
-from flowforge.runtime import context_parallel as cp
+from flowforge.runtime import context_parallel as cp, cp_plans
 
 
 def data_world(cfg: Config, world: int) -> int:
@@ -32,11 +32,12 @@ def context_parallel_problems(cfg: Config, world: int) -> list[str]:
                         f"{world} rank(s) run; launch with torchrun --nproc_per_node={c.degree} (or a multiple)")
     else:
         problems += cp.degree_problems(c.ulysses, c.ring, world)
-    if c.ring > 1 and c.attention_backend not in cp.LSE_BACKENDS:
-        problems.append(f"{where}.ring={c.ring} needs {where}.attention_backend set to one of "
-                        f"{list(cp.LSE_BACKENDS)} (CUDA: ring attention merges partial results by their "
-                        f"log-sum-exp, which the native SDPA backend does not return); got {c.attention_backend!r}; "
-                        f"or use {where}.ulysses instead")
+    on_cpu = cfg.run.device == "cpu" and c.attention_backend in (None, "native", cp.cpu_ring_attention.BACKEND)
+    if c.ring > 1 and c.attention_backend not in cp.LSE_BACKENDS and not on_cpu:
+        problems.append(f"{where}.ring={c.ring} on run.device={cfg.run.device!r} needs {where}.attention_backend set "
+                        f"to one of {list(cp.LSE_BACKENDS)} (ring attention merges partial results by their "
+                        f"log-sum-exp, which the native SDPA backend does not return; on CPU leave it unset); got "
+                        f"{c.attention_backend!r}; or use {where}.ulysses instead")
     if cfg.rollout.engine != "local":  # worker processes would roll out unsplit, outside the context group
         problems.append(f"{where} needs rollout.engine=local (got {cfg.rollout.engine!r})")
     return problems
@@ -53,9 +54,12 @@ def loaded_context_parallel_problems(cfg: Config, adapter) -> list[str]:
     if c.degree == 1:
         return []
     t = adapter.transformer
-    if not cp.supports_context_parallel(type(t)):
+    if not cp.planned_modules(t):
         return [f"distributed.context_parallel: {type(t).__name__} declares no _cp_plan, so diffusers cannot split "
                 "its sequence; set distributed.context_parallel.ulysses=1 and ring=1"]
+    refused = [p for p in (cp_plans.ulysses_problem(m, c.ulysses) for m in cp.planned_modules(t)) if p]
+    if refused:
+        return refused[:1]
     heads = getattr(getattr(t, "config", None), "num_attention_heads", None)
     if isinstance(heads, int) and heads % c.ulysses:
         return [f"distributed.context_parallel.ulysses={c.ulysses} does not divide the {heads} attention heads of "
