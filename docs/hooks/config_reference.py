@@ -4,13 +4,17 @@ Walks :data:`flowforge.orchestrate.config.PipelineConfig` -- every run section (
 sections the registered objectives declare, the shared anchor section) plus the pipeline's own (``stages``,
 ``teacher``, ``audit``, ``student``) -- field by field, nested dataclasses included (``metrics.wandb.project``), and
 writes one table per section: key, type, default, allowed values, and the comment the field carries in the source.
+A scorer that declares its options as a section (:func:`flowforge.rewards.registry.option_sections`, e.g.
+``reward.options.vlm_judge``) gets its own table right after ``reward``.
 
 Allowed values come from the checks themselves: every section is built from its defaults and the default run config
 goes through preflight while :func:`flowforge.settings.schema.recorded_choices` records each choice check's allowed
 values (a section whose defaults it refuses, e.g. ``stages.n_a=0``, still records its checks before refusing).
 
 Run ``python docs/hooks/config_reference.py`` to print the page; ``mkdocs build`` writes it as
-``reference/config.md`` (:func:`on_files`).
+``reference/config.md`` (:func:`on_files`). The same rows, as a smaller table, sit in the guides between
+``<!-- options: SECTION -->`` and ``<!-- /options -->`` (:data:`GUIDE_TABLES`, :func:`guide_table`): a test
+compares them with the schema, and ``python docs/hooks/config_reference.py --write-guides`` rewrites them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import dataclasses
 import inspect
 import io
 import os
+import re
 import sys
 import tokenize
 import types
@@ -31,6 +36,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = "reference/config.md"
 PIPELINE_ONLY = ("stages", "teacher", "audit", "student")
+GUIDE_TABLES = {"docs/guides/rewards.md": ("reward.options.vlm_judge",)}
+"""Guide pages holding a generated option table, and the sections they hold."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +71,13 @@ def _yaml(value: Any) -> str:
 
     text = yaml.safe_dump(to_dict(value), default_flow_style=True, width=1 << 30)
     return text.removesuffix("\n").removesuffix("\n...")
+
+
+def _allowed(value: Any) -> str:
+    """An allowed value as a YAML literal; a range in words (:class:`flowforge.settings.schema.Bound`) as it is."""
+    from flowforge.settings.schema import Bound
+
+    return str(value) if isinstance(value, Bound) else _yaml(value)
 
 
 def _comments(cls: type) -> dict[str, str]:
@@ -113,18 +127,25 @@ def rows_of(cls: type, prefix: str, choices: dict[str, tuple]) -> list[Row]:
         default = _default(f)
         allowed = choices.get(key)
         out.append(Row(key, _type_name(tp), "" if nested or default is dataclasses.MISSING else _yaml(default),
-                       ", ".join(_yaml(v) for v in allowed) if allowed else "", notes.get(f.name, "")))
+                       ", ".join(_allowed(v) for v in allowed) if allowed else "", notes.get(f.name, "")))
         if nested:
             out.extend(rows_of(nested, key, choices))
     return out
 
 
 def sections() -> list[tuple[str, type]]:
-    """``(section name, section class)`` of every section a config file may hold, run sections first."""
+    """``(section name, section class)`` of every section a config file may hold, run sections first, each scorer's
+    option section (``reward.options.vlm_judge``) right after ``reward``."""
     from flowforge.orchestrate.config import PipelineConfig
+    from flowforge.rewards.registry import option_sections
 
     hints = typing.get_type_hints(PipelineConfig)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(PipelineConfig)]
+    out = []
+    for f in dataclasses.fields(PipelineConfig):
+        out.append((f.name, hints[f.name]))
+        if f.name == "reward":
+            out += option_sections()
+    return out
 
 
 def collect_choices() -> dict[str, tuple]:
@@ -157,6 +178,48 @@ def _section_doc(cls: type) -> str:
     return doc.split("\n\n", 1)[0].replace("\n", " ")
 
 
+def guide_table(section: str, choices: dict[str, tuple] | None = None) -> str:
+    """The option table of ``section`` (a name :func:`sections` lists) as it sits in a guide: option, type, default,
+    allowed values, what it does."""
+    cls = dict(sections())[section]
+    choices = collect_choices() if choices is None else choices
+    out = ["| option | type | default | allowed | what |", "|---|---|---|---|---|"]
+    for r in rows_of(cls, section, choices):
+        default = f"`{r.default}`" if r.default and "|" not in r.default else _cell(r.default)
+        out.append(f"| `{r.key.removeprefix(section + '.')}` | {_cell(r.type)} | {default} | {_cell(r.allowed)} | "
+                   f"{_cell(r.note)} |")
+    return "\n".join(out)
+
+
+def guide_block(section: str, table: str) -> str:
+    """The marked block of ``section``'s table in a guide page."""
+    return f"<!-- options: {section} (generated: python docs/hooks/config_reference.py --write-guides) -->\n" \
+           f"{table}\n<!-- /options -->"
+
+
+def write_guides() -> list[str]:
+    """Rewrite the marked tables of :data:`GUIDE_TABLES` from the schema; the pages changed.
+
+    Raises:
+        ValueError: a page lacks the marked block of a section it should hold.
+    """
+
+    choices = collect_choices()
+    changed = []
+    for page, names in GUIDE_TABLES.items():
+        path = ROOT / page
+        text = old = path.read_text()
+        for section in names:
+            pattern = re.compile(rf"<!-- options: {re.escape(section)} .*?<!-- /options -->", re.S)
+            if not pattern.search(text):
+                raise ValueError(f"{page} has no '<!-- options: {section} ...' block")
+            text = pattern.sub(lambda _: guide_block(section, guide_table(section, choices)), text)
+        if text != old:
+            path.write_text(text)
+            changed.append(page)
+    return changed
+
+
 def reference_markdown() -> str:
     """The whole page."""
     choices = collect_choices()
@@ -165,7 +228,8 @@ def reference_markdown() -> str:
            "may hold, with its type, default and -- where a check enforces a set of values -- the allowed values. "
            "Defaults < YAML < `section.key=value` on the command line (see [Configs](../guides/configs.md)). "
            "The sections " + ", ".join(f"`{s}`" for s in PIPELINE_ONLY) + " belong to a "
-           "[three-stage pipeline](../guides/pipeline.md) file only.", ""]
+           "[three-stage pipeline](../guides/pipeline.md) file only. A `reward.options.<scorer>` table lists the "
+           "options of a scorer that declares them as a section (the mapping under `reward.options.<scorer>`).", ""]
     for name, cls in sections():
         out += [f"## `{name}`", ""]
         doc = _section_doc(cls)
@@ -192,4 +256,7 @@ def on_files(files, config):  # noqa: ANN001 - mkdocs hook signature
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    print(reference_markdown())
+    if sys.argv[1:] == ["--write-guides"]:
+        print("\n".join(write_guides()) or "the guides' tables are current")
+    else:
+        print(reference_markdown())

@@ -359,12 +359,16 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
                                 "demo:digit-tower)")
     judge = judge_options(pcfg, base_url=PLACEHOLDER_URL, model=pcfg.teacher.model, api_key_env=None)
     reward = {"weights": {JUDGE: 1.0}, "options": {JUDGE: judge}}
+    # teacher.judge's problems once, under its own name (both stages would report them as reward.options.vlm_judge)
+    where = f"reward.options.{JUDGE}"
+    judged = [p.replace(where, "teacher.judge", 1) for p in check_scorer_spec(JUDGE, judge)]
+    problems += judged
     for stage in ("A", "C"):
         try:
             cfg = stage_config(pcfg, stage, steps=1, reward=reward)
             warnings += [f"stage {stage}: {w}" for w in preflight(cfg, this_machine=this_machine).warnings]
         except ConfigError as exc:
-            problems += [f"stage {stage}: {p}" for p in exc.problems]
+            problems += [f"stage {stage}: {p}" for p in exc.problems if not (judged and p.startswith(where))]
             continue
         if stage == "C" and pcfg.audit.every > 0 and cfg.checkpoint.keep < 2:
             problems.append(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 2 for stage C with audits every "

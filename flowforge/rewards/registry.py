@@ -1,7 +1,10 @@
 """Name -> factory table of the built-in reward scorers (an explicit dict, no import-time magic).
 
 ``build_scorer("digit")``, ``build_scorer("jpeg_compressibility", quality=95)``. Options are passed to the factory
-as keyword arguments; a wrong option raises the factory's own ``TypeError`` / ``ValueError``.
+as keyword arguments; a wrong option raises the factory's own ``TypeError`` / ``ValueError``. A factory that declares
+``options_class`` (a :class:`~flowforge.rewards.options.ScorerOptions` section, e.g. the ``vlm_judge``'s
+:class:`~flowforge.rewards.judge.options.JudgeOptions`) gets its options built and checked as that section instead,
+passed as its first argument; :func:`option_sections` lists those sections for the config reference.
 
 A new scorer is one module under :mod:`flowforge.rewards.scorers` plus one line in :data:`SCORERS`. Factories are
 only imported here, never called at import time: heavy dependencies (transformers, open_clip) load when a scorer is
@@ -18,6 +21,7 @@ from typing import Any
 from flowforge.rewards.base import RewardScorer
 from flowforge.rewards.byo import build_imported, check_import_spec, is_import_spec, load_factory
 from flowforge.rewards.judge.client import VLMJudge
+from flowforge.rewards.options import ScorerOptions
 from flowforge.rewards.scorers.action_following import ActionFollowingScorer, InverseDynamicsReward
 from flowforge.rewards.scorers.aesthetic import AestheticScorer
 from flowforge.rewards.scorers.av_sync import AVOnsetSync
@@ -71,6 +75,18 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
 """Built-in scorer names and their factories."""
 
 
+def options_class(name: str) -> type[ScorerOptions] | None:
+    """The option section the built-in scorer ``name`` declares (``options_class``), or None (keyword options)."""
+    declared = getattr(SCORERS.get(name), "options_class", None)
+    return declared if isinstance(declared, type) and issubclass(declared, ScorerOptions) else None
+
+
+def option_sections() -> list[tuple[str, type[ScorerOptions]]]:
+    """``(section name, section class)`` of every built-in scorer that declares its options as a section
+    (``("reward.options.vlm_judge", JudgeOptions)``), in registry order."""
+    return [(cls.section_name, cls) for cls in map(options_class, SCORERS) if cls is not None]
+
+
 def build_scorer(name: str, *, run_dir: str | Path | None = None, **options: Any) -> RewardScorer:
     """Build the scorer registered as ``name`` (or imported from ``name = "pkg.module:Factory"``,
     :mod:`flowforge.rewards.byo`) with keyword ``options``.
@@ -83,6 +99,8 @@ def build_scorer(name: str, *, run_dir: str | Path | None = None, **options: Any
             import or does not give a scorer.
         UserError: an option whose value does not fit its annotation in the factory's signature
             (:func:`flowforge.runtime.option_types.option_type_problems`), naming ``reward.options.<name>.<option>``.
+        ConfigError: for a scorer with an option section, every problem of its options
+            (:meth:`flowforge.rewards.options.ScorerOptions.from_options`).
     """
     if is_import_spec(name):
         if run_dir is not None and _accepts_run_dir(load_factory(name)):
@@ -90,6 +108,10 @@ def build_scorer(name: str, *, run_dir: str | Path | None = None, **options: Any
         return build_imported(name, options)
     if name not in SCORERS:
         raise ValueError(f"unknown reward scorer {name!r}; allowed names: {sorted(SCORERS)}")
+    section = options_class(name)
+    if section is not None:
+        built = section.from_options(options)
+        return SCORERS[name](built, **({"run_dir": run_dir} if run_dir is not None else {}))
     wrong = option_type_problems(SCORERS[name], options, f"reward.options.{name}")
     if wrong:
         what, _, why = wrong[0].partition(": ")
@@ -112,11 +134,15 @@ def check_scorer_spec(name: str, options: dict[str, Any]) -> list[str]:
     an import path that does not import or does not give a scorer (:func:`flowforge.rewards.byo.check_import_spec`),
     and options whose values do not fit the annotations of that signature
     (:func:`flowforge.runtime.option_types.option_type_problems`: ``reward.options.<name>.<option>: expected float,
-    got ...``). Preflight lists these."""
+    got ...``); for a scorer with an option section, every problem of building that section (unknown options, types,
+    values: :meth:`flowforge.rewards.options.ScorerOptions.option_problems`). Preflight lists these."""
     if is_import_spec(name):
         return check_import_spec(name, options)
     if name not in SCORERS:
         return [f"unknown component {name!r}; allowed: {sorted(SCORERS)} or an import path 'pkg.module:Factory'"]
+    section = options_class(name)
+    if section is not None:
+        return section.option_problems(options)
     try:
         inspect.signature(SCORERS[name]).bind(**options)
     except TypeError as exc:

@@ -102,6 +102,16 @@ def note_choice(where: str, allowed: Iterable[Any]) -> None:
         seen[where] = tuple(allowed)
 
 
+class Bound(str):
+    """An allowed range in words (``"an int >= 1"``), recorded by :func:`note_bound` where a choice records values:
+    the config reference prints it as it is."""
+
+
+def note_bound(where: str, allowed: str) -> None:
+    """Record that ``where`` must be ``allowed`` (a range in words) when :func:`recorded_choices` is active."""
+    note_choice(where, (Bound(allowed),))
+
+
 class Section:
     """Base of every config section (mix into a ``@dataclass(frozen=True)``).
 

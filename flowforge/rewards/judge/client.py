@@ -50,7 +50,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -60,9 +60,10 @@ from torch import Tensor
 
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.ledger import BudgetExhausted, LedgerEntry, RequestLedger, Slot
+from flowforge.rewards.judge.options import JudgeOptions
 from flowforge.rewards.judge.reference import load_reference  # noqa: F401 -- also imported from here
 from flowforge.rewards.judge.transport import (  # noqa: F401 -- JudgeError, FATAL_WHAT: also imported from here
-    FATAL_WHAT, RETRY_KINDS, UNBILLED_RETRIES, JudgeError, RetryKind, Unanswered, retry_kind, send)
+    FATAL_WHAT, JudgeError, Unanswered, retry_kind, send)
 
 log = logging.getLogger(__name__)
 
@@ -91,82 +92,58 @@ class VLMJudge:
     """Group VLM judge scorer (module docstring).
 
     Args:
-        model: model name sent in each request.
-        base_url: the API root, e.g. ``http://127.0.0.1:8000/v1``.
-        api_key_env: environment variable holding the API key / bearer token; ``None`` sends a placeholder (a server
-            run with ``--no-auth``).
-        timeout_s: seconds per HTTP request.
-        max_concurrency: groups in flight at once in :meth:`score_groups`.
-        template: template file (default: the shipped ``group_v2``).
-        frames: frames per video (``N``); images are one frame. max_side: longest side of a sent frame, pixels.
-        max_attempts: billed HTTP attempts per group at most, over every run (first send, retries, repairs).
-        retry_on: the failed attempts sent again (module docstring, step 4): a list of :data:`RETRY_KINDS`;
-            default :data:`UNBILLED_RETRIES`, which never pays twice.
-        retry_backoff_s: first back-off; doubled per retry.
-        seed: permutation seed (also sent as the request's ``seed``).
-        temperature, max_tokens: generation settings sent with each request (part of the request key).
-        jpeg_quality: JPEG quality of the frames (part of the key through the frame hashes).
-        reference_root: directory that relative ``metadata["reference"]`` / ``metadata["image"]`` paths are read from
-            (default: cwd).
+        options: the judge's options (:class:`~flowforge.rewards.judge.options.JudgeOptions`, each documented there
+            and in the config reference as ``reward.options.vlm_judge.<option>``), or a mapping of them. Without it,
+            the keyword arguments are the options (``VLMJudge(model="m", base_url=url, frames=1)``).
         run_dir: the run directory; the ledger is ``run_dir/judge/ledger.sqlite`` and frames go to
-            ``run_dir/judge/media``. ledger: an explicit ledger path instead (frames beside it in ``media/``).
-            Neither: an in-memory ledger (warned). The ledger is opened on first use (a rank that never judges
-            never opens it).
-        max_billed: budget: billed attempts the ledger file may hold at most (0: no limit).
-        paid: whether evaluation counts this judge as paid (``eval.teacher_groups``); False for a student.
+            ``run_dir/judge/media``, unless the ``ledger`` option names an explicit path (frames beside it in
+            ``media/``). Neither: an in-memory ledger (warned). The ledger is opened on first use (a rank that never
+            judges never opens it).
 
     Raises:
-        ValueError: a bad option, or ``api_key_env`` names an unset variable.
+        ConfigError: a bad option (a ``ValueError``, each problem naming ``reward.options.vlm_judge.<option>`` and
+            the allowed values).
+        ValueError: ``api_key_env`` names an unset variable.
+        TypeError: both ``options`` and keyword options.
     """
 
     name = "vlm_judge"
     needs_group: ClassVar[bool] = True
     takes_video: ClassVar[bool] = True
     single_client: ClassVar[bool] = True  # under torchrun rank 0 judges every group: one writer of the ledger
+    options_class: ClassVar[type[JudgeOptions]] = JudgeOptions  # reward.options.vlm_judge (flowforge.rewards.options)
 
-    def __init__(self, *, model: str, base_url: str, api_key_env: str | None = "OPENAI_API_KEY",
-                 timeout_s: float = 120.0, max_concurrency: int = 4, template: str | Path | None = None,
-                 frames: int = 24, max_side: int = 832, max_attempts: int = 3,
-                 retry_on: Sequence[RetryKind] = UNBILLED_RETRIES, retry_backoff_s: float = 1.0,
-                 seed: int = 0, temperature: float = 0.0, max_tokens: int = 512, jpeg_quality: int = 90,
-                 reference_root: str | Path | None = None, run_dir: str | Path | None = None,
-                 ledger: str | Path | None = None, max_billed: int = 0, paid: bool = True) -> None:
+    def __init__(self, options: JudgeOptions | Mapping[str, Any] | None = None, /, *,
+                 run_dir: str | Path | None = None, **keywords: Any) -> None:
         import openai
 
-        for opt, value, low in (("max_concurrency", max_concurrency, 1), ("frames", frames, 1),
-                                ("max_side", max_side, 1), ("max_attempts", max_attempts, 1),
-                                ("max_tokens", max_tokens, 1), ("jpeg_quality", jpeg_quality, 1),
-                                ("max_billed", max_billed, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"vlm_judge option {opt} must be an int >= {low}, got {value!r}")
-        if not timeout_s > 0 or retry_backoff_s < 0 or temperature < 0:
-            raise ValueError(f"vlm_judge needs timeout_s > 0, retry_backoff_s >= 0 and temperature >= 0, got "
-                             f"{timeout_s!r}, {retry_backoff_s!r}, {temperature!r}")
-        if not model or not base_url:
-            raise ValueError("vlm_judge needs a model name and a base_url")
-        if isinstance(retry_on, str) or any(k not in RETRY_KINDS for k in retry_on):
-            raise ValueError(f"vlm_judge option retry_on must be a list of {list(RETRY_KINDS)}, got {retry_on!r}")
-        self.retry_on = frozenset(retry_on)
+        if options is not None and keywords:
+            raise TypeError(f"VLMJudge takes its options or keyword options, not both (got {sorted(keywords)})")
+        o = options if isinstance(options, JudgeOptions) else JudgeOptions.from_options(
+            keywords if options is None else options)
+        self.options = o
+        self.retry_on = frozenset(o.retry_on)
         key = "unused"
-        if api_key_env is not None:
-            key = os.environ.get(api_key_env, "")
+        if o.api_key_env is not None:
+            key = os.environ.get(o.api_key_env, "")
             if not key:
-                raise ValueError(f"vlm_judge: environment variable {api_key_env} (api_key_env) is not set")
-        self.model, self.frames, self.max_side, self.quality = model, frames, max_side, jpeg_quality
-        self.max_attempts, self.backoff, self.paid = max_attempts, retry_backoff_s, bool(paid)
-        self.api_key_env, self.last_error = api_key_env, None  # last_error: why the last group without scores has none
-        self.max_concurrency, self.seed, self.max_billed = max_concurrency, seed, max_billed
-        self.settings = dict(temperature=float(temperature), max_tokens=max_tokens, seed=seed, frames=frames,
-                             max_side=max_side, jpeg_quality=jpeg_quality)
-        self.template = P.JudgeTemplate.load(template)
-        self.reference_root = Path(reference_root) if reference_root is not None else None
-        self.client = openai.OpenAI(base_url=base_url, api_key=key, timeout=timeout_s, max_retries=0)
+                raise ValueError(f"vlm_judge: environment variable {o.api_key_env} (api_key_env) is not set")
+        self.model, self.frames, self.max_side, self.quality = o.model, o.frames, o.max_side, o.jpeg_quality
+        self.max_attempts, self.backoff, self.paid = o.max_attempts, o.retry_backoff_s, o.paid
+        # last_error: why the last group without scores has none
+        self.api_key_env, self.last_error = o.api_key_env, None
+        self.max_concurrency, self.seed, self.max_billed = o.max_concurrency, o.seed, o.max_billed
+        self.settings = dict(temperature=float(o.temperature), max_tokens=o.max_tokens, seed=o.seed, frames=o.frames,
+                             max_side=o.max_side, jpeg_quality=o.jpeg_quality)
+        self.template = P.JudgeTemplate.load(o.template)
+        self.reference_root = Path(o.reference_root) if o.reference_root is not None else None
+        self.client = openai.OpenAI(base_url=o.base_url, api_key=key, timeout=o.timeout_s, max_retries=0)
         self._openai = openai
         root = Path(run_dir) if run_dir is not None else None
-        if ledger is None and root is None:
+        if o.ledger is None and root is None:
             log.warning("vlm_judge has no run_dir and no ledger path: its request ledger lives in memory only")
-        self.ledger_path = str(ledger if ledger is not None else (root / LEDGER_FILE if root else ":memory:"))
-        self.media_dir = (Path(ledger).parent / "media" if ledger is not None else
+        self.ledger_path = str(o.ledger if o.ledger is not None else (root / LEDGER_FILE if root else ":memory:"))
+        self.media_dir = (Path(o.ledger).parent / "media" if o.ledger is not None else
                           root / MEDIA_DIR if root is not None else None)
         self._ledger: RequestLedger | None = None
         self._context = Slot()
