@@ -4,7 +4,6 @@ trainer updates, tags and logs the version, trains with the ratio against it, an
 import json
 
 import pytest
-import torch
 
 from flowforge.train.preflight import preflight
 from flowforge.train.preflight.check import PreflightError
