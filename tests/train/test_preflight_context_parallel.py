@@ -85,3 +85,22 @@ def test_paid_reward_components_are_refused_under_context_parallelism(tmp_path):
                                         r"PaidBrightness'\] would be billed once per rank"):
         build_reward_processor(load_config(None, [*overrides, "distributed.context_parallel.ulysses=2"]), None,
                                tmp_path)
+
+
+def test_ring_off_cpu_is_refused_for_families_whose_attention_takes_a_key_mask():
+    """diffusers' ring loop hands a rank's own key mask to every visited chunk (corrected on CPU only): Qwen-Image and
+    LTX-2 under ring on CUDA are refused in one line; Ulysses for them, and ring for the unmasked families, are not."""
+    gpu = ["run.device=cuda", "distributed.context_parallel.attention_backend=flash"]
+    qwen = _problems("distributed.context_parallel.ring=2", "model.adapter=qwen_image", *gpu)
+    (line,) = [p for p in qwen if "key mask" in p]
+    assert "ring=2 on run.device='cuda' is refused for model.adapter='qwen_image'" in line and "\n" not in line
+    assert "['flux', 'flux2', 'wan']" in line
+    ltx = ["model.adapter=ltx2", "model.task=t2v", "model.frames=5"]
+    assert any("key mask" in p for p in _problems("distributed.context_parallel.ring=2", *ltx, *gpu))
+    for fine in (["distributed.context_parallel.ulysses=2", "model.adapter=qwen_image", *gpu],
+                 ["distributed.context_parallel.ring=2", "model.adapter=wan", "model.task=t2v", "model.frames=5", *gpu],
+                 ["distributed.context_parallel.ring=2", "model.adapter=qwen_image"]):  # on CPU: corrected
+        try:
+            preflight(load_config(None, fine), world_size=2, this_machine=False)
+        except PreflightError as err:  # other rules may object (a CUDA config checked here); not this one
+            assert not any("key mask" in p for p in err.problems)

@@ -8,6 +8,17 @@ from flowforge.config import Config
 from flowforge.runtime import context_parallel as cp, cp_plans
 
 
+RING_MASK_FAMILIES = ("qwen_image", "ltx2")
+"""Families whose attention takes a key mask (padded text): ring attention off CPU gives wrong results with diffusers
+0.42 (docs/guides/context-parallel.md, "What is not done"), so preflight refuses it there."""
+
+
+def cp_families() -> tuple[str, ...]:
+    from flowforge.models import CONTEXT_PARALLEL_FAMILIES
+
+    return tuple(CONTEXT_PARALLEL_FAMILIES)
+
+
 def data_world(cfg: Config, world: int) -> int:
     """Ranks with samples of their own: ``world`` divided by the context-parallel degree (``world`` when that does
     not divide it: reported by :func:`context_parallel_problems`)."""
@@ -38,6 +49,12 @@ def context_parallel_problems(cfg: Config, world: int) -> list[str]:
                         f"to one of {list(cp.LSE_BACKENDS)} (ring attention merges partial results by their "
                         f"log-sum-exp, which the native SDPA backend does not return; on CPU leave it unset); got "
                         f"{c.attention_backend!r}; or use {where}.ulysses instead")
+    if c.ring > 1 and not on_cpu and cfg.model.adapter in RING_MASK_FAMILIES:
+        problems.append(f"{where}.ring={c.ring} on run.device={cfg.run.device!r} is refused for "
+                        f"model.adapter={cfg.model.adapter!r}: its text attention carries a key mask, which "
+                        "diffusers' ring loop hands unsplit to every visited chunk (flowforge corrects that on CPU "
+                        f"only); use {where}.ulysses (allowed with ring off CPU: "
+                        f"{sorted(set(cp_families()) - set(RING_MASK_FAMILIES))})")
     if cfg.rollout.engine != "local":  # worker processes would roll out unsplit, outside the context group
         problems.append(f"{where} needs rollout.engine=local (got {cfg.rollout.engine!r})")
     return problems
