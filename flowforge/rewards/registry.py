@@ -33,6 +33,7 @@ from flowforge.rewards.scorers.latent_reference import LatentReference
 from flowforge.rewards.scorers.ocr import OcrScorer
 from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
+from flowforge.rewards.scorers.video_align import VideoAlignScorer
 from flowforge.rewards.scorers.world_eval import InverseDynamicsLift, InverseDynamicsScorer, WorldPSNR, WorldSSIM
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.option_types import option_type_problems
@@ -61,6 +62,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "clap": ClapScore,
     "image_reward": ImageRewardScorer,
     "hpsv3": HPSv3Scorer,
+    "video_align": VideoAlignScorer,
 }
 """Built-in scorer names and their factories."""
 
