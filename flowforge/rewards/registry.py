@@ -29,6 +29,7 @@ from flowforge.rewards.scorers.clap import ClapScore
 from flowforge.rewards.scorers.clip_score import ClipScore
 from flowforge.rewards.scorers.digit import DigitEvalScorer, DigitScorer
 from flowforge.rewards.scorers.diversity import GroupDiversity
+from flowforge.rewards.scorers.edit_score import EditScore
 from flowforge.rewards.scorers.hps import HPSv2Scorer
 from flowforge.rewards.scorers.hpsv3 import HPSv3Scorer
 from flowforge.rewards.scorers.image_reward import ImageRewardScorer
@@ -39,7 +40,7 @@ from flowforge.rewards.scorers.pickscore import PickScore
 from flowforge.rewards.scorers.remote import RemoteScorer
 from flowforge.rewards.scorers.unified_reward import UnifiedReward
 from flowforge.rewards.scorers.vqa_score import VQAScore
-from flowforge.rewards.scorers.edit_score import EditScore
+from flowforge.rewards.scorers.video_align import VideoAlignScorer
 from flowforge.rewards.scorers.world_eval import InverseDynamicsLift, InverseDynamicsScorer, WorldPSNR, WorldSSIM
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.option_types import option_type_problems
@@ -71,6 +72,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "edit_score": EditScore,
     "image_reward": ImageRewardScorer,
     "hpsv3": HPSv3Scorer,
+    "video_align": VideoAlignScorer,
 }
 """Built-in scorer names and their factories."""
 

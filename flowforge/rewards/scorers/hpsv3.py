@@ -135,29 +135,38 @@ class HPSv3Model(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, pixel_values: Tensor, grid_thw: Tensor) -> Tensor:
         """``input_ids`` / ``attention_mask [B, S]`` (right-padded, one ``<|Reward|>`` per row), ``pixel_values
         [N, 1176]``, ``grid_thw [B, 3]`` -> ``[B, 2]`` float32."""
-        language = self.backbone.language_model
-        embeds = language.embed_tokens(input_ids)
-        image = self.backbone.get_image_features(pixel_values.to(embeds.dtype), grid_thw).pooler_output
-        image = torch.cat(list(image)).to(embeds.dtype)
-        slots = (input_ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
-        embeds = embeds.masked_scatter(slots, image)
-        hidden = language(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=None).last_hidden_state
+        hidden = qwen2vl_hidden(self.backbone, input_ids, attention_mask, pixel_values, grid_thw, self.image_token_id)
         reward_slots = input_ids == self.reward_token_id
         if not bool((reward_slots.sum(dim=1) == 1).all()):
             raise ValueError(f"each row must hold exactly one {REWARD_TOKEN} token (a prompt containing it?)")
         return self.head(hidden[reward_slots].float())
 
 
+def qwen2vl_hidden(backbone: nn.Module, input_ids: Tensor, attention_mask: Tensor, pixels: Tensor, grid_thw: Tensor,
+                   media_token_id: int) -> Tensor:
+    """The final hidden states ``[B, S, D]`` of a transformers ``Qwen2VLModel`` on ``input_ids [B, S]`` with the
+    vision tower's merged embeddings of ``pixels [N, 3 * 2 * 14 * 14]`` (images or video, ``grid_thw [M, 3]``) in the
+    ``media_token_id`` slots, at *sequential* positions: HPSv3's and VideoAlign's forwards pass no M-RoPE ids (the
+    language model's default ``arange`` for all three rotary sections)."""
+    language = backbone.language_model
+    embeds = language.embed_tokens(input_ids)
+    media = backbone.visual(pixels.to(embeds.dtype), grid_thw=grid_thw).pooler_output.to(embeds.dtype)
+    slots = (input_ids == media_token_id).unsqueeze(-1).expand_as(embeds)
+    embeds = embeds.masked_scatter(slots, media)
+    return language(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=None).last_hidden_state
+
+
 def qwen2vl_patches(pixels: Tensor, patch: int = 14, merge: int = 2, temporal: int = 2) -> Tensor:
-    """``[3, H, W]`` normalised (H, W multiples of ``patch * merge``) -> ``[(H / patch) * (W / patch), 3 * temporal *
-    patch * patch]``: the Qwen2-VL image processor's patch layout (the frame repeated ``temporal`` times; patches
-    ordered by 2 x 2 merge window)."""
-    channels, height, width = pixels.shape
+    """An image ``[3, H, W]`` (repeated ``temporal`` times) or frames ``[T, 3, H, W]`` (``T`` a multiple of
+    ``temporal``), normalised, H and W multiples of ``patch * merge`` -> ``[(T / temporal) * (H / patch) * (W /
+    patch), 3 * temporal * patch * patch]``: the Qwen2-VL processor's patch layout (patches ordered by time step,
+    then by 2 x 2 merge window)."""
+    frames = pixels.unsqueeze(0).expand(temporal, -1, -1, -1) if pixels.dim() == 3 else pixels
+    steps, channels, height, width = frames.shape[0] // temporal, *frames.shape[1:]
     grid_h, grid_w = height // patch, width // patch
-    frames = pixels.unsqueeze(0).expand(temporal, -1, -1, -1)
-    frames = frames.reshape(1, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+    frames = frames.reshape(steps, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
     frames = frames.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return frames.reshape(grid_h * grid_w, channels * temporal * patch * patch)
+    return frames.reshape(steps * grid_h * grid_w, channels * temporal * patch * patch)
 
 
 def load_hpsv3(model_dir: str, base_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[HPSv3Model, Any]:
@@ -195,6 +204,8 @@ def load_hpsv3(model_dir: str, base_dir: str, device: torch.device, dtype: torch
                          f"({len(tokenizer)} tokens)")
     config.text_config.vocab_size = config.vocab_size = int(embed.shape[0])  # HPSv3 resized the embeddings
     config._attn_implementation = "sdpa"
+    for part in (config, config.text_config, config.vision_config):  # transformers builds each part in the dtype
+        part.dtype = dtype  # of its config (config.json's torch_dtype), not in the default dtype set below
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built on the device in its dtype: one copy of the 8B weights, not a float32 one
     try:

@@ -74,3 +74,13 @@ def test_build_errors_are_clear(hpsv3_dirs, tmp_path):
         HPSv3Scorer(tmp_path, base_dir)
     with pytest.raises(ValueError, match="batch_size"):
         HPSv3Scorer(model_dir, base_dir, batch_size=0)
+
+
+def test_bfloat16_builds_the_backbone_in_bfloat16(hpsv3_dirs):
+    """The tiny config.json says float32: the backbone must still be built in the requested dtype (transformers builds
+    each part in its config's dtype), the head in float32."""
+    scorer = HPSv3Scorer(*hpsv3_dirs)
+    assert {p.dtype for p in scorer.model.backbone.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in scorer.model.head.parameters()} == {torch.float32}
+    case = OFFICIAL["cases"][0]
+    assert abs(scorer(_media(case)[None], [case["prompt"]], [{}]).item() - case["mu"]) < 0.1
