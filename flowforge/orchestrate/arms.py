@@ -47,6 +47,7 @@ log = logging.getLogger("flowforge")
 ARMS = ("student", "teacher", "proxy")
 """The arms ``flowforge stages --arm`` runs (module table); ``student`` is the pipeline itself."""
 ARMS_DIR = "arms"
+PROXY_NEEDED = "--arm proxy needs stages.proxy_reward (a reward scorer that never saw a teacher mark, e.g. action_idm)"
 ARM_TABLE_FILE = "arms.json"
 
 
@@ -80,22 +81,27 @@ def _a_takes(lines: list[str]) -> list[str]:
 
 def open_arm_ledger(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger) -> ConditionLedger:
     """The arm's condition ledger: created from the pipeline ledger's hand-off records on the arm's first run,
-    reopened after that.
+    reopened after that. Under torchrun rank 0 writes it and the other ranks hold a read-only mirror (as the
+    pipeline's own ledger).
 
     Raises:
         UserError: stage A's conditions changed since the arm started (the gate extended A).
     """
     path = arm_dir(pcfg, arm) / CONDITIONS_FILE
-    source = pipeline_ledger.path.read_text(encoding="utf-8").splitlines()
-    if path.is_file():
-        if _a_takes(path.read_text(encoding="utf-8").splitlines()) != _a_takes(source):
-            raise UserError(f"--arm {arm}", f"stage A changed since this arm started ({path} holds an older "
-                                            "hand-off: the quality gate extended A)",
-                            f"move {path.parent} aside (mv {path.parent} {path.parent}.stale) and rerun the arm")
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes(path, ("\n".join(handoff_records(source)) + "\n").encode("utf-8"))
-    return open_ledger_at(pcfg, path)
+
+    def create() -> None:
+        source = pipeline_ledger.path.read_text(encoding="utf-8").splitlines()
+        if path.is_file():
+            if _a_takes(path.read_text(encoding="utf-8").splitlines()) != _a_takes(source):
+                raise UserError(f"--arm {arm}", f"stage A changed since this arm started ({path} holds an older "
+                                                "hand-off: the quality gate extended A)",
+                                f"move {path.parent} aside (mv {path.parent} {path.parent}.stale) and rerun the arm")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(path, ("\n".join(handoff_records(source)) + "\n").encode("utf-8"))
+
+    on_main(create)
+    return open_ledger_at(pcfg, path, writer=is_main())
 
 
 def teacher_spent(pcfg: Any) -> int:
@@ -116,10 +122,14 @@ def arm_reward(pcfg: Any, arm: str, endpoints: Any) -> tuple[dict[str, Any], str
     if arm == "teacher":
         budget = pcfg.teacher.max_requests
         own = PipelineLayout.of(pcfg).arm_judge_ledger("teacher")
-        adopt_answers(own, PipelineLayout.of(pcfg).audit_judge_ledger)  # a group both judged is paid once
+
+        def spent() -> int:  # rank 0: the one writer of the request ledgers
+            adopt_answers(own, PipelineLayout.of(pcfg).audit_judge_ledger)  # a group both judged is paid once
+            return teacher_spent(pcfg) - _billed(own)
+
         # max_billed counts the arm's own request ledger: what the rest of the pipeline has not spent, plus what
         # this arm already billed (a rerun continues under the same cap)
-        spent_elsewhere = teacher_spent(pcfg) - _billed(own)
+        spent_elsewhere = on_main(spent)
         left = budget - spent_elsewhere
         if budget and left <= 0:
             raise UserError("--arm teacher", f"teacher.max_requests={budget} is spent ({spent_elsewhere} billed by "
@@ -130,8 +140,7 @@ def arm_reward(pcfg: Any, arm: str, endpoints: Any) -> tuple[dict[str, Any], str
     if arm == "proxy":
         name = pcfg.stages.proxy_reward
         if not name:
-            raise ValueError("--arm proxy needs stages.proxy_reward (a reward scorer that never saw a teacher mark, "
-                             "e.g. action_idm)")
+            raise ValueError(PROXY_NEEDED)
         return {"weights": {name: 1.0}, "options": {name: dict(pcfg.stages.proxy_options)}}, name
     raise ValueError(f"--arm must be one of {list(ARMS)}, got {arm!r}")
 
@@ -195,8 +204,7 @@ def run_arm_pipeline(pcfg: Any, arm: str, *, progress: bool = True,
         raise ValueError(f"--arm must be one of {[a for a in ARMS if a != 'student']} (the student arm is the "
                          f"pipeline itself: run without --arm), got {arm!r}")
     if arm == "proxy" and not pcfg.stages.proxy_reward:
-        raise ValueError("--arm proxy needs stages.proxy_reward (a reward scorer that never saw a teacher mark, "
-                         "e.g. action_idm)")
+        raise ValueError(PROXY_NEEDED)
     with pipeline_session(pcfg, inputs) as (ledger, endpoints):
         run_stage_a(pcfg, ledger, endpoints, progress=progress)
         run_arm(pcfg, arm, ledger, endpoints, progress=progress)
