@@ -37,7 +37,7 @@ from flowforge.orchestrate.config import JUDGE, stage_config
 from flowforge.orchestrate.directory import CONDITIONS_FILE, PipelineLayout
 from flowforge.orchestrate.ledger import ConditionLedger
 from flowforge.orchestrate.stages import (_train, a_steps, c_steps, is_main, newest_step, on_main, open_ledger_at,
-                                          pipeline_session, run_stage_a, stage_c_changes)
+                                          pipeline_session, run_stage_a, stage_c_changes, teacher_cap)
 from flowforge.rewards.judge.ledger import adopt_answers
 from flowforge.runtime.durable import write_bytes
 from flowforge.runtime.errors import UserError
@@ -104,15 +104,6 @@ def open_arm_ledger(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger) -> Co
     return open_ledger_at(pcfg, path, writer=is_main())
 
 
-def teacher_spent(pcfg: Any) -> int:
-    """Billed teacher requests of the whole pipeline directory: stage A, stage C's audits and the teacher arm."""
-    layout = PipelineLayout.of(pcfg)
-    total = 0
-    for path in (layout.a_judge_ledger, layout.audit_judge_ledger, layout.arm_judge_ledger("teacher")):
-        total += _billed(path)
-    return total
-
-
 def arm_reward(pcfg: Any, arm: str, endpoints: Any) -> tuple[dict[str, Any], str]:
     """``(reward section, the component whose NaN drops a group)`` of an arm's stage C.
 
@@ -120,22 +111,13 @@ def arm_reward(pcfg: Any, arm: str, endpoints: Any) -> tuple[dict[str, Any], str
         ValueError: an unknown arm; ``proxy`` without ``stages.proxy_reward``.
     """
     if arm == "teacher":
-        budget = pcfg.teacher.max_requests
         own = PipelineLayout.of(pcfg).arm_judge_ledger("teacher")
 
-        def spent() -> int:  # rank 0: the one writer of the request ledgers
+        def cap() -> int:  # rank 0: the one writer of the request ledgers
             adopt_answers(own, PipelineLayout.of(pcfg).audit_judge_ledger)  # a group both judged is paid once
-            return teacher_spent(pcfg) - _billed(own)
+            return teacher_cap(pcfg, own, "the teacher arm")
 
-        # max_billed counts the arm's own request ledger: what the rest of the pipeline has not spent, plus what
-        # this arm already billed (a rerun continues under the same cap)
-        spent_elsewhere = on_main(spent)
-        left = budget - spent_elsewhere
-        if budget and left <= 0:
-            raise UserError("--arm teacher", f"teacher.max_requests={budget} is spent ({spent_elsewhere} billed by "
-                                             "stage A and the audits)",
-                            "raise teacher.max_requests on the command line to pay for the teacher arm")
-        teacher = {**endpoints.teacher(), "max_billed": left if budget else 0}
+        teacher = {**endpoints.teacher(), "max_billed": on_main(cap)}
         return {"weights": {JUDGE: 1.0}, "options": {JUDGE: teacher}}, JUDGE
     if arm == "proxy":
         name = pcfg.stages.proxy_reward
@@ -145,25 +127,14 @@ def arm_reward(pcfg: Any, arm: str, endpoints: Any) -> tuple[dict[str, Any], str
     raise ValueError(f"--arm must be one of {list(ARMS)}, got {arm!r}")
 
 
-def _billed(path: Path) -> int:
-    from flowforge.rewards.judge.ledger import RequestLedger
-
-    if not path.is_file():
-        return 0
-    book = RequestLedger(path)
-    try:
-        return book.billed()
-    finally:
-        book.close()
-
-
 def run_arm(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger, endpoints: Any, *, progress: bool = True) -> Path:
     """Run the control arm ``arm`` (``teacher`` / ``proxy``) after stage A: its stage C from A's last checkpoint on
     the hand-off's conditions (module docstring). Returns the arm's C run directory.
 
     Raises:
         ValueError: stage A has not finished; an unknown arm.
-        UserError: the hand-off is stale; the teacher's budget is spent.
+        UserError: the hand-off is stale.
+        BudgetExhausted: the teacher arm finds ``teacher.max_requests`` spent by the rest of the pipeline.
     """
     from flowforge.orchestrate.stage_trainer import stage_trainer
 

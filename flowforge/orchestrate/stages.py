@@ -158,7 +158,9 @@ def run_stage_a(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, *, pro
         if is_main() and not (run_dir / RUN_REPORT_FILE).is_file():
             write_report(run_dir)
         return run_dir
-    teacher = {**endpoints.teacher(), "max_billed": pcfg.teacher.max_requests}  # A spends first: the whole budget
+    layout = PipelineLayout.of(pcfg)  # A spends first; a gate extension after the audits / an arm spent shares
+    teacher = {**endpoints.teacher(),
+               "max_billed": on_main(lambda: teacher_cap(pcfg, layout.a_judge_ledger, "stage A"))}
     reward = {"weights": {JUDGE: 1.0}, "options": {JUDGE: teacher}}
     cfg = stage_config(pcfg, "A", steps=steps, reward=reward)
     log.info("stage A: %d steps on %d conditions (teacher %s)", steps, ledger.budget("A"), reward["options"][JUDGE]
@@ -178,11 +180,10 @@ def _train(trainer: Any) -> None:
         raise
 
 
-def teacher_billed(pcfg: Any) -> int:
-    """Billed teacher requests of stage A so far (its request ledger; 0 before A)."""
+def billed_at(path: Path) -> int:
+    """Billed attempts in the judge request ledger at ``path`` (0 when there is none)."""
     from flowforge.rewards.judge.ledger import RequestLedger
 
-    path = PipelineLayout.of(pcfg).a_judge_ledger
     if not path.is_file():
         return 0
     book = RequestLedger(path)
@@ -190,6 +191,32 @@ def teacher_billed(pcfg: Any) -> int:
         return book.billed()
     finally:
         book.close()
+
+
+def teacher_spent(pcfg: Any) -> int:
+    """Billed teacher requests of the whole pipeline directory: stage A, stage C's audits and the teacher arm
+    (:mod:`flowforge.orchestrate.arms`); ``teacher.max_requests`` caps this sum."""
+    layout = PipelineLayout.of(pcfg)
+    return sum(billed_at(p) for p in (layout.a_judge_ledger, layout.audit_judge_ledger,
+                                      layout.arm_judge_ledger("teacher")))
+
+
+def teacher_cap(pcfg: Any, own: Path, what: str) -> int:
+    """``max_billed`` for the teacher's request ledger at ``own``: ``teacher.max_requests`` less what the pipeline's
+    other teacher ledgers billed (0: no limit, when ``teacher.max_requests`` is 0). A ledger's cap counts its own
+    billed attempts, so a rerun continues under the same total.
+
+    Raises:
+        BudgetExhausted: the others spent the whole budget (``what`` names the spender that cannot be paid).
+    """
+    budget = pcfg.teacher.max_requests
+    if not budget:
+        return 0
+    elsewhere = teacher_spent(pcfg) - billed_at(own)
+    if budget - elsewhere <= 0:  # 0 would mean "no limit" to the ledger: never pass it
+        raise BudgetExhausted(f"teacher.max_requests={budget} was spent ({elsewhere} billed elsewhere in the "
+                              f"pipeline); {what} cannot be paid: rerun with a larger teacher.max_requests")
+    return budget - elsewhere
 
 
 # ------------------------------------------------------------------------------------------------ stage B
@@ -307,15 +334,13 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
     cfg = stage_config(pcfg, "C", steps=start + steps, reward=reward, resume=resume)
     auditor = None
     if pcfg.audit.first_groups > 0 or pcfg.audit.every > 0:
-        budget = pcfg.teacher.max_requests
-        left = budget - on_main(lambda: teacher_billed(pcfg))  # the audits spend what A left of max_requests
-        if budget and left <= 0:
-            return Outcome("budget_exhausted", f"teacher.max_requests={budget} was spent by stage A; stage C's "
-                                               "audits cannot be paid")
         # the teacher arm (flowforge.orchestrate.arms) may have paid for these groups already: answered, not resent
         on_main(lambda: adopt_answers(layout.audit_judge_ledger, layout.arm_judge_ledger("teacher")))
-        teacher = build_scorer(JUDGE, run_dir=layout.audit_dir, **endpoints.teacher(),
-                               max_billed=left if budget else 0)
+        try:  # the audits spend what A (and an arm) left of max_requests
+            left = on_main(lambda: teacher_cap(pcfg, layout.audit_judge_ledger, "stage C's audits"))
+        except BudgetExhausted as exc:
+            return Outcome("budget_exhausted", str(exc))
+        teacher = build_scorer(JUDGE, run_dir=layout.audit_dir, **endpoints.teacher(), max_billed=left)
         auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=prompts_per_step(pcfg, "C"),
                           run_dir=run_dir)
         from flowforge.orchestrate.thresholds import record_audit_design

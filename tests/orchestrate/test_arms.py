@@ -106,3 +106,38 @@ def test_arm_command_line_errors_are_one_line(tmp_path, tiny_model_dir, encode_c
         assert proc.returncode == 2, proc.stderr
         assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs" / "p" / "arms").exists()
+
+
+def test_one_teacher_budget_caps_stage_a_the_audits_and_the_teacher_arm_together(tmp_path):
+    """teacher.max_requests caps the sum of every teacher ledger of the pipeline: each spender's ledger gets the
+    budget less what the others billed, whichever ran first (an arm before C, an extension of A after both), and a
+    spender left nothing is refused, never handed max_billed=0 (no limit)."""
+    from flowforge.orchestrate.directory import PipelineLayout
+    from flowforge.orchestrate.stages import teacher_cap, teacher_spent
+    from flowforge.rewards.judge.ledger import BudgetExhausted, RequestLedger
+
+    path = write_pipeline(tmp_path / "p.yaml", tmp_path / "model", tmp_path / "runs", tmp_path / "cache",
+                          teacher={"max_requests": 10})
+    pcfg = load_pipeline(path)
+    layout = PipelineLayout.of(pcfg)
+
+    def bill(ledger_path, n):
+        book = RequestLedger(ledger_path)
+        for i in range(n):
+            key = f"{ledger_path.parent.parent.name}-{i}"
+            book.begin(key, model="m", template_sha256="t", request={})
+            book.finish_attempt(book.start_attempt(key, "first"), "timeout")
+            book.finish(key, "failed", scores=None, response=[])
+        book.close()
+
+    bill(layout.a_judge_ledger, 6)
+    bill(layout.arm_judge_ledger("teacher"), 3)
+    assert teacher_spent(pcfg) == 9
+    assert teacher_cap(pcfg, layout.audit_judge_ledger, "audits") == 1  # not 10 - 6 = 4: the arm spent 3
+    assert teacher_cap(pcfg, layout.a_judge_ledger, "A") == 7  # A's own 6 count inside its cap
+    assert teacher_cap(pcfg, layout.arm_judge_ledger("teacher"), "arm") == 4
+    bill(layout.audit_judge_ledger, 1)
+    with pytest.raises(BudgetExhausted, match="teacher.max_requests=10 was spent"):
+        teacher_cap(pcfg, layout.arm_judge_ledger("other"), "another spender")
+    unlimited = load_pipeline(path, ["teacher.max_requests=0"])
+    assert teacher_cap(unlimited, layout.audit_judge_ledger, "audits") == 0

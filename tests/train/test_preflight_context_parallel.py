@@ -96,7 +96,9 @@ def test_ring_off_cpu_is_refused_for_families_whose_attention_takes_a_key_mask()
     assert "ring=2 on run.device='cuda' is refused for model.adapter='qwen_image'" in line and "\n" not in line
     assert "['flux', 'flux2', 'wan']" in line
     ltx = ["model.adapter=ltx2", "model.task=t2v", "model.frames=5"]
-    assert any("key mask" in p for p in _problems("distributed.context_parallel.ring=2", *ltx, *gpu))
+    (line,) = [p for p in _problems("distributed.context_parallel.ring=2", *ltx, *gpu) if "key mask" in p]
+    assert "no context parallelism is left for it off CPU" in line and "ulysses instead" not in line
+    assert "use distributed.context_parallel.ulysses instead" in [p for p in qwen if "key mask" in p][0]
     for fine in (["distributed.context_parallel.ulysses=2", "model.adapter=qwen_image", *gpu],
                  ["distributed.context_parallel.ring=2", "model.adapter=wan", "model.task=t2v", "model.frames=5", *gpu],
                  ["distributed.context_parallel.ring=2", "model.adapter=qwen_image"]):  # on CPU: corrected

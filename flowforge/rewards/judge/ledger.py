@@ -343,16 +343,21 @@ class RequestLedger:
             self._db.execute("COMMIT")
 
     def adopt(self, other: str | Path) -> int:
-        """Copy the answered (``ok``) requests of the ledger file ``other`` into this one, unbilled here (the other
-        file paid for them), keeping every key already present: a request whose body another ledger of the same
-        judge already paid for is then answered from this file, never sent again (a pipeline's teacher arm and its
-        audits judge the same groups: :mod:`flowforge.orchestrate.arms`). Returns how many were added; 0 when
-        ``other`` does not exist."""
+        """Copy the decided requests of the ledger file ``other`` -- answered (``ok``, ``malformed``), ``lost``
+        (billed, answer unknown) or ``failed`` after a billed attempt (copied as ``lost``) -- into this one, unbilled here (the other file paid for them), keeping every key
+        already present: a request whose body another ledger of the same judge already paid for is then served from
+        this file as there (its scores, or NaN for a malformed or lost one), never sent again (a pipeline's teacher
+        arm and its audits judge the same groups: :mod:`flowforge.orchestrate.arms`). Returns how many were added;
+        0 when ``other`` does not exist."""
         if not Path(other).is_file():
             return 0
         source = RequestLedger(other)
         try:
-            found = source.entries(statuses=("ok",))
+            found = source.entries(statuses=(*ANSWERED, "lost"))
+            # a failed request whose attempts may have been billed (a timeout, a 5xx) is never sent again there;
+            # here it is lost: billed elsewhere, answer unknown
+            found += [dataclasses.replace(e, status="lost") for e in source.entries(statuses=("failed",))
+                      if source.billed_failures(e.key)]
         finally:
             source.close()
         known = set(self.keys(statuses=STATUSES))

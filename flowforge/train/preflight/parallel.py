@@ -9,6 +9,7 @@ from flowforge.runtime import context_parallel as cp, cp_plans
 
 
 RING_MASK_FAMILIES = ("qwen_image", "ltx2")
+ULYSSES_REFUSED_FAMILIES = ("ltx2",)  # its transformer is in runtime.cp_plans.ULYSSES_REFUSED
 """Families whose attention takes a key mask (padded text): ring attention off CPU gives wrong results with diffusers
 0.42 (docs/guides/context-parallel.md, "What is not done"), so preflight refuses it there."""
 
@@ -50,10 +51,14 @@ def context_parallel_problems(cfg: Config, world: int) -> list[str]:
                         f"log-sum-exp, which the native SDPA backend does not return; on CPU leave it unset); got "
                         f"{c.attention_backend!r}; or use {where}.ulysses instead")
     if c.ring > 1 and not on_cpu and cfg.model.adapter in RING_MASK_FAMILIES:
+        # what is left: Ulysses, unless the family refuses it too (LTX-2: runtime.cp_plans.ULYSSES_REFUSED)
+        instead = (f"no context parallelism is left for it off CPU with diffusers 0.42 (Ulysses is refused too); "
+                   f"set {where}.ring=1" if cfg.model.adapter in ULYSSES_REFUSED_FAMILIES
+                   else f"use {where}.ulysses instead")
         problems.append(f"{where}.ring={c.ring} on run.device={cfg.run.device!r} is refused for "
                         f"model.adapter={cfg.model.adapter!r}: its text attention carries a key mask, which "
                         "diffusers' ring loop hands unsplit to every visited chunk (flowforge corrects that on CPU "
-                        f"only); use {where}.ulysses (allowed with ring off CPU: "
+                        f"only); {instead} (ring is allowed off CPU for "
                         f"{sorted(set(cp_families()) - set(RING_MASK_FAMILIES))})")
     if cfg.rollout.engine != "local":  # worker processes would roll out unsplit, outside the context group
         problems.append(f"{where} needs rollout.engine=local (got {cfg.rollout.engine!r})")

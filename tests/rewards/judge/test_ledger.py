@@ -38,24 +38,36 @@ def test_record_get_reopen_and_first_answer_wins(tmp_path):
 
 
 def test_adopted_answers_are_served_unbilled_and_keep_what_is_there(tmp_path):
-    """A ledger adopts another's answered requests without their bill (the other file paid): a claim of the same
-    key is answered from it and costs nothing here; keys it already holds and unanswered ones are not copied."""
+    """A ledger adopts another's decided requests without their bill (the other file paid): a claim of the same
+    key is answered from it (a malformed or lost one as there: never sent again) and costs nothing here; keys it
+    already holds and pending ones are not copied."""
     paid = RequestLedger(tmp_path / "audit.sqlite")
     paid.record(_entry("k1", 0.25))
     paid.record(_entry("k2", 0.5))
     paid.record(_entry("k3", status="malformed"))
+    paid.record(_entry("k4", status="lost"))
+    paid.begin("k5", model="m", template_sha256="t", request={})  # pending: nothing decided, not copied
+    for key, billed in (("k6", True), ("k7", False)):  # failed after a timeout (billed) / a refused connection
+        paid.begin(key, model="m", template_sha256="t", request={})
+        attempt = paid.start_attempt(key, "first")
+        paid.finish_attempt(attempt, "timeout" if billed else "connection_error", billed=billed)
+        paid.finish(key, "failed", scores=None, response=[])
     paid.close()
     mine = RequestLedger(tmp_path / "arm.sqlite")
     mine.record(_entry("k2", 0.9))
     mine.close()
-    assert adopt_answers(tmp_path / "arm.sqlite", tmp_path / "audit.sqlite") == 1
+    assert adopt_answers(tmp_path / "arm.sqlite", tmp_path / "audit.sqlite") == 4
     assert adopt_answers(tmp_path / "arm.sqlite", tmp_path / "audit.sqlite") == 0  # idempotent
     assert adopt_answers(tmp_path / "arm.sqlite", tmp_path / "missing.sqlite") == 0
     assert not (tmp_path / "missing.sqlite").exists()
     mine = RequestLedger(tmp_path / "arm.sqlite")
     entry, billed = mine.claim("k1", Slot("C", "train", 3, 0, "c1"))
     assert entry.scores == {"A": 0.25, "B": 0.75} and billed == 0
-    assert mine.get("k2").scores == _entry("k2", 0.9).scores and mine.get("k3") is None
+    assert mine.get("k2").scores == _entry("k2", 0.9).scores and mine.get("k5") is None
+    assert mine.get("k7") is None  # never billed: may be sent
+    for key, status in (("k3", "malformed"), ("k4", "lost"), ("k6", "lost")):
+        entry, billed = mine.claim(key)
+        assert entry.status == status and entry.scores is None and billed == 0
     assert mine.billed() == 1  # only its own k2
     mine.close()
 
