@@ -37,7 +37,7 @@ def build(name: str):
         fam = build_family(name)  # Wan's test latent has 3 tokens: 12 here (3 latent frames of 4 x 4, patch 1 x 2 x 2)
         return fam.adapter, {"wan": (4, 3, 4, 4)}.get(name, fam.latent)
     if name == "flux2":
-        from flowforge.models.flux2 import Flux2KleinAdapter, flux2_klein_text
+        from flowforge.models.flux2.adapter import Flux2KleinAdapter, flux2_klein_text
         from tests.models import tiny_image_families as tiny
 
         c = tiny.flux2_klein_components()
@@ -46,7 +46,7 @@ def build(name: str):
         return Flux2KleinAdapter(c["transformer"], text, c["vae"], scheduler_config=dict(c["scheduler"].config)), \
             (16, 4, 4)
     if name == "ltx2":
-        from flowforge.models.ltx2 import LTX2Adapter, ltx2_text
+        from flowforge.models.ltx2.adapter import LTX2Adapter, ltx2_text
         from tests.models import tiny_av_families as tiny
 
         c = tiny.ltx2_components()

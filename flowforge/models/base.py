@@ -317,13 +317,6 @@ class AdapterMixin:
         of FLUX.1 / Qwen-Image)."""
         return "cfg" if float(guidance_scale) > 1.0 else "off"
 
-    export_pipeline: str | None = None
-    """Export fact (not a :class:`FlowModel` member): the diffusers pipeline class (a name in ``diffusers``) whose
-    ``save_lora_weights`` writes this family's LoRA for ``flowforge export --form adapter`` and whose
-    ``load_lora_weights`` loads it, when the base directory names no pipeline with a LoRA loader of its own. Default
-    ``None``: none of the family's pipelines has a LoRA loader, so the export writes the same diffusers file without
-    one and it is loaded on the transformer (``load_lora_adapter``, or peft's ``PeftModel.from_pretrained``)."""
-
     @property
     def config(self):
         return self.transformer.config

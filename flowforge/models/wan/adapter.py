@@ -46,7 +46,7 @@ prompt's first-frame image into :attr:`WanAdapter.condition_index` of the start 
 visit, steps only :attr:`WanAdapter.generated_index` (so the slot is re-pinned after every stochastic step) and takes
 log-probs and losses over the generated elements only. Not done here: last-frame conditioning (FLF2V:
 ``last_image``, ``pos_embed_seq_len``). Wan2.2 A14B's two experts (``transformer_2`` / ``boundary_ratio``):
-:func:`load_wan` loads both into one :class:`flowforge.models.wan_experts.WanExperts` transformer. The CLIP tokens
+:func:`load_wan` loads both into one :class:`flowforge.models.wan.experts.WanExperts` transformer. The CLIP tokens
 are computed from the images the adapter is given (the trainer's: already resized to the video size by
 ``load_condition_images``), while the pipeline hands CLIP the caller's original image; the two agree exactly when
 the source image already has the video size.
@@ -64,6 +64,7 @@ from torch import Tensor, nn
 
 from flowforge.media import to_uint8
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.wan.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
@@ -98,7 +99,7 @@ WAN_FALLBACK_SHIFT = 5.0
 WAN_I2V_TEXT_LEN = 512
 """Text tokens an ``image_dim`` transformer's cross-attention expects after the image tokens (diffusers
 ``transformer_wan.py`` ``WanAttnProcessor``: ``image_context_length = encoder_hidden_states.shape[1] - 512``)."""
-WAN_TASKS = ("t2v", "i2v")
+WAN_TASKS = FAMILY.tasks
 
 
 def _wan_encode_fn(max_sequence_length: int):
@@ -158,14 +159,12 @@ class WanAdapter(AdapterMixin):
     """
 
     lora_targets: tuple[str, ...] = WAN_LORA_TARGETS
-    export_pipeline: str | None = "WanPipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  task: str = "t2v", expand_timesteps: bool = False, negative_prompt: str | None = "",
                  scheduler_config: dict[str, Any] | None = None, image_encoder: nn.Module | None = None,
                  image_processor: Any = None):
-        if task not in WAN_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(WAN_TASKS)}")
+        FAMILY.check_task(task)
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
         self.vae = vae.eval().requires_grad_(False) if vae is not None else None
@@ -465,7 +464,7 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
         FileNotFoundError: not a pipeline directory. ValueError: a two-expert (Wan2.2 A14B) directory missing
         ``transformer_2`` or ``boundary_ratio``; an ``image_dim`` i2v directory without ``image_encoder`` /
         ``image_processor``. A complete two-expert directory gives an adapter whose ``transformer`` is a
-        :class:`~flowforge.models.wan_experts.WanExperts`.
+        :class:`~flowforge.models.wan.experts.WanExperts`.
     """
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
@@ -482,8 +481,8 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
     if text_encoder is None and has_component(root, "text_encoder"):
         text_encoder = wan_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
                                 min_tokenizer_size=min_tokenizer_size, pipeline_class=index["_class_name"])
-    if two_experts:  # Wan2.2 A14B: both experts in one module (flowforge.models.wan_experts)
-        from flowforge.models.wan_experts import load_wan_experts
+    if two_experts:  # Wan2.2 A14B: both experts in one module (flowforge.models.wan.experts)
+        from flowforge.models.wan.experts import load_wan_experts
 
         transformer = load_wan_experts(root, index, dtype=dtype, device=device)
     image_encoder = image_processor = None

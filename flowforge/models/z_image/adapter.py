@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.z_image.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PackedImageLatents,
@@ -63,7 +64,7 @@ from flowforge.models.common import (
     vae_encode_scaled,
 )
 
-Z_IMAGE_TASKS = ("t2i",)
+Z_IMAGE_TASKS = FAMILY.tasks
 
 Z_IMAGE_LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
 """Attention projections of every ``ZImageTransformerBlock`` (noise refiner, context refiner, main layers): the
@@ -130,13 +131,11 @@ class ZImageAdapter(AdapterMixin, PackedImageLatents):
     tasks: tuple[str, ...] = Z_IMAGE_TASKS
     cfg_rule = "guidance_scale > 1 (the pipeline's guidance_scale = flowforge's - 1 > 0)"
     lora_targets: tuple[str, ...] = Z_IMAGE_LORA_TARGETS
-    export_pipeline: str | None = "ZImagePipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,
                  task: str = "t2i"):
-        if task not in Z_IMAGE_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(Z_IMAGE_TASKS)}")
+        FAMILY.check_task(task)
         self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
@@ -248,8 +247,6 @@ def load_z_image(path: str | Path, *, dtype: torch.dtype = torch.float32, device
         FileNotFoundError: ``path`` is not a pipeline directory.
         ValueError: ``task`` is not ``"t2i"``.
     """
-    if task not in Z_IMAGE_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(Z_IMAGE_TASKS)}")
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
 
     root = pipeline_dir(path, "Z-Image")

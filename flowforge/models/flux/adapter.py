@@ -68,6 +68,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.flux.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PackedImageLatents,
@@ -124,7 +125,7 @@ def flux_text(*, path: str | Path | None = None, components: dict[str, Any] | No
                         min_tokenizer_size=min_tokenizer_size)
 
 
-FLUX_TASKS = ("t2i", "i2i")
+FLUX_TASKS = FAMILY.tasks
 """Tasks of :class:`FluxAdapter`: text-to-image and FLUX.1 Kontext image-to-image (same transformer class)."""
 
 
@@ -152,13 +153,11 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
     family = "FLUX"
     tasks: tuple[str, ...] = FLUX_TASKS
     lora_targets: tuple[str, ...] = FLUX_LORA_TARGETS
-    export_pipeline: str | None = "FluxPipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,
                  task: str = "t2i"):
-        if task not in FLUX_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(FLUX_TASKS)}")
+        FAMILY.check_task(task)
         self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
@@ -326,8 +325,6 @@ def load_flux(path: str | Path, *, dtype: torch.dtype = torch.float32, device: t
         FileNotFoundError: ``path`` is not a pipeline directory.
         ValueError: ``task`` not in ``("t2i", "i2i")``.
     """
-    if task not in FLUX_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(FLUX_TASKS)}")
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
     root = pipeline_dir(path, "FLUX")

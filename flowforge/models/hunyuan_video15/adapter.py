@@ -65,6 +65,7 @@ from torch import Tensor, nn
 
 from flowforge.media import to_uint8
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.hunyuan_video15.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     check_velocity_inputs,
@@ -75,9 +76,9 @@ from flowforge.models.common import (
     require_negative,
     to_unit_range,
 )
-from flowforge.models.hunyuan_video15_text import GLYPH_LENGTH, hunyuan_video15_text
+from flowforge.models.hunyuan_video15.text import GLYPH_LENGTH, hunyuan_video15_text
 
-HUNYUAN_VIDEO15_TASKS = ("t2v", "i2v")
+HUNYUAN_VIDEO15_TASKS = FAMILY.tasks
 VISION_TOKENS = 729
 """Image tokens of the t2v zero ``image_embeds`` (``HunyuanVideo15Pipeline.vision_num_semantic_tokens``)."""
 
@@ -144,14 +145,12 @@ class HunyuanVideo15Adapter(AdapterMixin):
 
         return "off" if math.isclose(float(guidance_scale), 1.0) else "cfg"
     lora_targets: tuple[str, ...] = HUNYUAN_VIDEO15_LORA_TARGETS
-    export_pipeline = None  # no HunyuanVideo 1.5 pipeline has a LoRA loader (diffusers 0.42)
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  task: str = "t2v", negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,
                  image_encoder: nn.Module | None = None, feature_extractor: Any = None,
                  glyph_length: int = GLYPH_LENGTH):
-        if task not in HUNYUAN_VIDEO15_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(HUNYUAN_VIDEO15_TASKS)}")
+        FAMILY.check_task(task)
         self.transformer = transformer.eval()
         cfg = self.config
         if int(cfg.in_channels) != 2 * int(cfg.out_channels) + 1:
@@ -236,7 +235,7 @@ class HunyuanVideo15Adapter(AdapterMixin):
         d1, d2, s2 = int(self.config.text_embed_dim), int(self.config.text_embed_2_dim), self.glyph_length
         if e.shape[1] <= s2 or e.shape[2] < max(d1, d2):
             raise ValueError(f"cond.prompt_embeds {tuple(e.shape)}: expected [B, S1 + {s2}, >= {max(d1, d2)}] "
-                             "(Qwen2.5-VL tokens then the ByT5 glyph tokens, flowforge.models.hunyuan_video15)")
+                             "(Qwen2.5-VL tokens then the ByT5 glyph tokens, flowforge.models.hunyuan_video15.adapter)")
         return e[:, :-s2, :d1], m[:, :-s2], e[:, -s2:, :d2], m[:, -s2:]
 
     def _image_embeds(self, cond: Conditioning, batch: int, device: torch.device) -> Tensor:
@@ -414,8 +413,6 @@ def load_hunyuan_video15(path: str | Path, *, dtype: torch.dtype = torch.float32
     index = read_json(root / "model_index.json")
     if task is None:
         task = "i2v" if index.get("_class_name") == PIPELINE_CLASSES["i2v"] else "t2v"
-    if task not in HUNYUAN_VIDEO15_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(HUNYUAN_VIDEO15_TASKS)}")
     transformer = HunyuanVideo15Transformer3DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                                    local_files_only=True).to(device)
     vae = None

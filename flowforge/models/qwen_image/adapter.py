@@ -117,6 +117,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.qwen_image.spec import FAMILY
 from flowforge.models.reference_images import by_image_layout, pad_rows, pil_rows, row_grids
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -134,7 +135,7 @@ from flowforge.models.common import (
     to_unit_range,
     unpack_2x2,
 )
-from flowforge.models.qwen_text import (
+from flowforge.models.qwen_image.text import (
     QwenImageEditPlusText,
     QwenImageEditText,
     edit_plus_sizes,
@@ -158,7 +159,7 @@ QWEN_IMAGE_LORA_TARGETS = (
 the module names of diffusers' Qwen-Image LoRA format (``QwenImagePipeline.load_lora_weights``)."""
 
 
-QWEN_IMAGE_TASKS = ("t2i", "i2i")
+QWEN_IMAGE_TASKS = FAMILY.tasks
 """Tasks of :class:`QwenImageAdapter`: text-to-image and Qwen-Image-Edit image-to-image (same transformer class)."""
 
 
@@ -190,7 +191,6 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     family = "Qwen-Image"
     tasks: tuple[str, ...] = QWEN_IMAGE_TASKS
     lora_targets: tuple[str, ...] = QWEN_IMAGE_LORA_TARGETS
-    export_pipeline: str | None = "QwenImagePipeline"
 
     @property
     def takes_original_images(self) -> bool:
@@ -205,8 +205,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = " ", cfg_renorm: bool = True,
                  scheduler_config: dict[str, Any] | None = None, task: str = "t2i", edit_plus: bool = False):
-        if task not in QWEN_IMAGE_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(QWEN_IMAGE_TASKS)}")
+        FAMILY.check_task(task)
         if edit_plus and task != "i2i":
             raise ValueError(f"edit_plus (QwenImageEditPlusPipeline) is image-to-image: task must be 'i2i', got "
                              f"{task!r}")
@@ -471,8 +470,6 @@ def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
     """
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
-    if task not in QWEN_IMAGE_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(QWEN_IMAGE_TASKS)}")
     root = pipeline_dir(path, "Qwen-Image")
     pipeline_class = read_json(root / "model_index.json").get("_class_name")
     edit_plus = pipeline_class == "QwenImageEditPlusPipeline"

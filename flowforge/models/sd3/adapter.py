@@ -118,7 +118,6 @@ class SD3Adapter(AdapterMixin):
     """
 
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
-    export_pipeline: str | None = "StableDiffusion3Pipeline"
     tasks: tuple[str, ...] = ("t2i",)
     differentiable_decode: bool = True  # decode runs with gradient when called with it (reward-gradient: draft)
 
@@ -270,7 +269,8 @@ class SD3Adapter(AdapterMixin):
 
 
 def load_sd3(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-             text_encoder: Any = None, negative_prompt: str = "", max_sequence_length: int = 256) -> SD3Adapter:
+             task: str = "t2i", text_encoder: Any = None, negative_prompt: str = "",
+             max_sequence_length: int = 256) -> SD3Adapter:
     """Load an SD3-family model from local files (never downloads).
 
     Args:
@@ -280,6 +280,7 @@ def load_sd3(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
             ``"demo:base"`` is resolved before this call (:func:`flowforge.demo.paths.resolve_demo_path`).
         dtype: dtype of the transformer, VAE and text encoders.
         device: where everything is placed.
+        task: ``"t2i"``, the one task of the family (checked by the registry, :meth:`Family.check_task`).
         text_encoder: overrides the text encoder chosen from the files.
         negative_prompt: CFG's unconditional prompt.
         max_sequence_length: T5 tokens (pipeline directories only).

@@ -72,6 +72,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.flux2.spec import FAMILY
 from flowforge.models.reference_images import by_image_layout, pad_rows, pil_rows, row_grids
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -86,7 +87,7 @@ from flowforge.models.common import (
     to_unit_range,
 )
 
-FLUX2_TASKS = ("t2i", "i2i")
+FLUX2_TASKS = FAMILY.tasks
 REFERENCE_MAX_AREA = 1024 * 1024
 """Both FLUX.2 pipelines shrink a reference image larger than this (pixels) to this area; so does flowforge."""
 
@@ -167,13 +168,11 @@ class Flux2Adapter(AdapterMixin):
     takes_original_images = True  # each reference image resized as the pipelines do, from the file's own size
     max_condition_images = None  # neither pipeline limits the number of reference images (diffusers 0.42)
     lora_targets: tuple[str, ...] = FLUX2_LORA_TARGETS
-    export_pipeline: str | None = "Flux2Pipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,
                  is_distilled: bool = False, task: str = "t2i"):
-        if task not in FLUX2_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(FLUX2_TASKS)}")
+        FAMILY.check_task(task)
         self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
@@ -386,8 +385,6 @@ def load_flux2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         FileNotFoundError: ``path`` is not a pipeline directory. ValueError: ``task`` not in ``("t2i", "i2i")``; a
         directory of another pipeline class.
     """
-    if task not in FLUX2_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(FLUX2_TASKS)}")
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
     root = pipeline_dir(path, "FLUX.2")

@@ -62,6 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.ltx2.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
@@ -75,7 +76,7 @@ from flowforge.models.common import (
     to_unit_range,
 )
 
-LTX2_TASKS = ("t2v",)
+LTX2_TASKS = FAMILY.tasks
 LTX2_TIMESTEP_SCALE = 1000.0
 LTX2_SHIFT_DEFAULTS = {"base_image_seq_len": 1024, "max_image_seq_len": 4096, "base_shift": 0.95,
                        "max_shift": 2.05}
@@ -179,7 +180,6 @@ class LTX2Adapter(AdapterMixin):
         # the pipeline's `audio_guidance_scale or guidance_scale`
         return float(self.audio_guidance_scale or guidance_scale)
     lora_targets: tuple[str, ...] = LTX2_LORA_TARGETS
-    export_pipeline: str | None = "LTX2Pipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None,
                  audio_vae: nn.Module | None = None, vocoder: nn.Module | None = None, *,
@@ -187,8 +187,7 @@ class LTX2Adapter(AdapterMixin):
                  frame_rate: float = 24.0, motion_speed: float = 1.0, audio_guidance_scale: float | None = 7.0,
                  guidance_rescale: float = 0.7, audio_guidance_rescale: float | None = 0.7,
                  use_cross_timestep: bool = True, video_text_dim: int | None = None, task: str = "t2v"):
-        if task not in LTX2_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(LTX2_TASKS)}")
+        FAMILY.check_task(task)
         if not frame_rate > 0 or not motion_speed > 0:
             raise ValueError(f"frame_rate and motion_speed must be > 0, got {frame_rate} and {motion_speed}")
         self.task = task
@@ -461,8 +460,6 @@ def load_ltx2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: t
         FileNotFoundError: ``path`` is not a pipeline directory.
         ValueError: ``task`` is not ``"t2v"``.
     """
-    if task not in LTX2_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(LTX2_TASKS)}")
     from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
