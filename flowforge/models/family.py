@@ -10,6 +10,8 @@ field               meaning
 ``loader``          the loader ``(path, *, task?, dtype, device, ...) -> FlowModel`` as ``"module:function"``
 ``tasks``           the ``model.task`` values the family runs (checked once, by :meth:`Family.check_task`)
 ``context_parallel`` whether ``distributed.context_parallel`` splits its sequence (measured equal to one rank's)
+``packed_latents``  its latents are packed 2x2 into the channel axis before the transformer (``in_channels`` counts
+                    2x2 cells)
 ``own_format``      saved in a file format of its own rather than as a diffusers transformer (the world model)
 ``transformer``     the diffusers class of its transformer (``None``: its own network)
 ``export_pipeline`` the diffusers pipeline whose ``save_lora_weights`` / ``load_lora_weights`` write and load the LoRA
@@ -19,14 +21,14 @@ field               meaning
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from flowforge.models.base import Conditioning, FlowModel
-from flowforge.runtime.imports import import_object
+from flowforge.models.base import AdapterMixin, Conditioning, FlowModel
 
 Randn = Callable[..., Tensor]
 """``randn(*shape) -> Tensor`` fp32 from the probe's seeded generator."""
@@ -60,6 +62,7 @@ class Family:
     default_task: str | None = None  # passed to the loader when no task is given (None: the loader decides)
     context_parallel: bool = False
     no_context_parallel_why: str = ""  # "": "<transformer> declares no _cp_plan"
+    packed_latents: bool = False
     own_format: bool = False
     transformer: str | None = None  # diffusers class name
     export_pipeline: str | None = None
@@ -82,7 +85,11 @@ class Family:
 
     def adapter_class(self) -> type:
         """The adapter class, imported (no weights loaded)."""
-        return import_object(self.adapter, f"model.adapter={self.name!r}")
+        return _resolve(self.adapter)
+
+    def loader_function(self) -> Callable[..., FlowModel]:
+        """The loader, imported."""
+        return _resolve(self.loader)
 
     def load(self, path: str, task: str | None = None, **kw: Any) -> FlowModel:
         """Load the family's model at local ``path``: ``task`` checked (:meth:`check_task`; ``None``: the
@@ -94,5 +101,25 @@ class Family:
         task = self.default_task if task is None else task
         if task is not None:
             self.check_task(task)
-        loader = import_object(self.loader, f"model.adapter={self.name!r}")
-        return loader(path, task=task, **kw)
+        return self.loader_function()(path, task=task, **kw)
+
+
+def _resolve(ref: str) -> Any:
+    """The object a spec's ``"module:attr"`` names (flowforge's own modules: imported as they are)."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class FamilyAdapter(AdapterMixin):
+    """The base of a registered family's adapter class: :class:`~flowforge.models.base.AdapterMixin`'s hooks and the
+    classmethod every family's adapter had, :meth:`from_pretrained`, read from the class's :attr:`family_spec` (its
+    :class:`Family`; ``family``, where an adapter has it, is the family's display name in messages). Bring-your-own
+    adapters inherit :class:`AdapterMixin` instead (a class without ``from_pretrained`` is built as ``Class(path,
+    **kw)`` by :func:`flowforge.models.build_adapter`)."""
+
+    family_spec: ClassVar[Family]
+
+    @classmethod
+    def from_pretrained(cls, path: Any, **kwargs: Any) -> FlowModel:
+        """Same as the family's loader (``load_<family>(path, **kwargs)``, :attr:`Family.loader`)."""
+        return cls.family_spec.loader_function()(path, **kwargs)

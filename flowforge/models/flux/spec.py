@@ -18,5 +18,5 @@ def probe_inputs(config, randn: Randn) -> tuple[Tensor, Conditioning]:
 
 FAMILY = Family(
     name="flux", adapter="flowforge.models.flux.adapter:FluxAdapter", loader="flowforge.models.flux.adapter:load_flux",
-    tasks=("t2i", "i2i"), default_task="t2i", context_parallel=True, transformer="FluxTransformer2DModel",
-    export_pipeline="FluxPipeline", probe=Probe(probe_inputs))
+    tasks=("t2i", "i2i"), default_task="t2i", context_parallel=True, packed_latents=True,
+    transformer="FluxTransformer2DModel", export_pipeline="FluxPipeline", probe=Probe(probe_inputs))

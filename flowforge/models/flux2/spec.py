@@ -18,5 +18,5 @@ def probe_inputs(config, randn: Randn) -> tuple[Tensor, Conditioning]:
 FAMILY = Family(
     name="flux2", adapter="flowforge.models.flux2.adapter:Flux2Adapter",
     loader="flowforge.models.flux2.adapter:load_flux2", tasks=("t2i", "i2i"), default_task="t2i",
-    context_parallel=True, transformer="Flux2Transformer2DModel", export_pipeline="Flux2Pipeline",
+    context_parallel=True, packed_latents=True, transformer="Flux2Transformer2DModel", export_pipeline="Flux2Pipeline",
     probe=Probe(probe_inputs))

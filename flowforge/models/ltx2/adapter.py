@@ -61,7 +61,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
 from flowforge.models.ltx2.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -137,7 +139,7 @@ def ltx2_text(*, path: str | Path | None = None, components: dict[str, Any] | No
                         encoder_id=encoder_id, min_tokenizer_size=min_tokenizer_size)
 
 
-class LTX2Adapter(AdapterMixin):
+class LTX2Adapter(FamilyAdapter):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``LTX2VideoTransformer3DModel``: video and audio
     generated together; the conventions are in the module docstring.
 
@@ -167,6 +169,8 @@ class LTX2Adapter(AdapterMixin):
         ValueError: unknown ``task``.
     """
 
+    family_spec = FAMILY
+
     family = "LTX-2"
     tasks: tuple[str, ...] = LTX2_TASKS
     cfg_rule = "guidance_scale > 1 or the audio scale (sampler.audio_guidance_scale, default 7) > 1"
@@ -193,9 +197,9 @@ class LTX2Adapter(AdapterMixin):
         self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
-        self.audio_vae = audio_vae.eval().requires_grad_(False) if audio_vae is not None else None
-        self.vocoder = vocoder.eval().requires_grad_(False) if vocoder is not None else None
+        self.vae = frozen(vae)
+        self.audio_vae = frozen(audio_vae)
+        self.vocoder = frozen(vocoder)
         self.negative_prompt = negative_prompt
         self.scheduler_config = dict(scheduler_config or {})
         self.frame_rate = float(frame_rate)
@@ -440,10 +444,6 @@ class LTX2Adapter(AdapterMixin):
         mel = self.audio_vae.decode(a.to(self.audio_vae.dtype), return_dict=False)[0]
         return self.vocoder(mel).float(), self.sample_rate
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> LTX2Adapter:
-        """Same as :func:`load_ltx2`."""
-        return load_ltx2(path, **kwargs)
 
 
 def load_ltx2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -460,25 +460,14 @@ def load_ltx2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: t
         FileNotFoundError: ``path`` is not a pipeline directory.
         ValueError: ``task`` is not ``"t2v"``.
     """
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers import LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 
     root = pipeline_dir(path, "LTX-2")
     transformer = LTX2VideoTransformer3DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                               local_files_only=True).to(device)
-    vae = audio_vae = vocoder = None
-    if has_component(root, "vae"):
-        vae = AutoencoderKLLTX2Video.from_pretrained(str(root / "vae"), torch_dtype=dtype,
-                                                     local_files_only=True).to(device)
-    if has_component(root, "audio_vae"):
-        audio_vae = AutoencoderKLLTX2Audio.from_pretrained(str(root / "audio_vae"), torch_dtype=dtype,
-                                                           local_files_only=True).to(device)
-    if has_component(root, "vocoder"):
-        name = read_json(root / "model_index.json")["vocoder"][1]
-        vocoder_cls = LTX2VocoderWithBWE if name == "LTX2VocoderWithBWE" else LTX2Vocoder
-        vocoder = vocoder_cls.from_pretrained(str(root / "vocoder"), torch_dtype=dtype,
-                                              local_files_only=True).to(device)
+    vae, audio_vae, vocoder = (load_component(root, name, dtype=dtype, device=device)
+                               for name in ("vae", "audio_vae", "vocoder"))
     video_text_dim = None
     if has_component(root, "connectors"):
         c = LTX2TextConnectors.load_config(str(root / "connectors"))

@@ -20,5 +20,5 @@ def probe_inputs(config, randn: Randn) -> tuple[Tensor, Conditioning]:
 FAMILY = Family(
     name="qwen_image", adapter="flowforge.models.qwen_image.adapter:QwenImageAdapter",
     loader="flowforge.models.qwen_image.adapter:load_qwen_image", tasks=("t2i", "i2i"), default_task="t2i",
-    context_parallel=True, transformer="QwenImageTransformer2DModel", export_pipeline="QwenImagePipeline",
-    probe=Probe(probe_inputs))
+    context_parallel=True, packed_latents=True, transformer="QwenImageTransformer2DModel",
+    export_pipeline="QwenImagePipeline", probe=Probe(probe_inputs))

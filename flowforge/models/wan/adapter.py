@@ -63,7 +63,9 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.media import to_uint8
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
 from flowforge.models.wan.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -133,7 +135,7 @@ def wan_text(*, path: str | Path | None = None, components: dict[str, Any] | Non
                         encoder_id=encoder_id, min_tokenizer_size=min_tokenizer_size)
 
 
-class WanAdapter(AdapterMixin):
+class WanAdapter(FamilyAdapter):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``WanTransformer3DModel`` (video).
 
     Args:
@@ -158,6 +160,8 @@ class WanAdapter(AdapterMixin):
             (FLF2V, ``pos_embed_seq_len``) transformer.
     """
 
+    family_spec = FAMILY
+
     lora_targets: tuple[str, ...] = WAN_LORA_TARGETS
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
@@ -167,12 +171,12 @@ class WanAdapter(AdapterMixin):
         FAMILY.check_task(task)
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.vae = frozen(vae)
         self.task = task
         self.expand_timesteps = bool(expand_timesteps)
         self.negative_prompt = negative_prompt
         self.scheduler_config = dict(scheduler_config or {})
-        self.image_encoder = image_encoder.eval().requires_grad_(False) if image_encoder is not None else None
+        self.image_encoder = frozen(image_encoder)
         self.image_processor = image_processor
         cfg = self.config
         self.concat_channels = int(cfg.in_channels) - int(cfg.out_channels)
@@ -430,8 +434,7 @@ class WanAdapter(AdapterMixin):
     def decode(self, latents: Tensor) -> Tensor:
         """Latents ``[B, C, F, h, w]`` → video ``[B, 3, frames, H, W]`` float32 in [0, 1] (only the first ``z``
         channels are decoded: the generated ones)."""
-        if self.vae is None:
-            raise RuntimeError("this WanAdapter has no VAE; decode is unavailable")
+        self.require_vae("decode")
         z = latents[:, : self.z_dim].to(self.vae.dtype)
         mean, inv_std = latent_stats(self.vae, z)
         return to_unit_range(self.vae.decode(z / inv_std + mean, return_dict=False)[0])
@@ -439,16 +442,11 @@ class WanAdapter(AdapterMixin):
     @torch.no_grad()
     def encode_video(self, video: Tensor) -> Tensor:
         """Video ``[B, 3, frames, H, W]`` in [0, 1] → normalised latents ``[B, z, F, h, w]`` fp32 (VAE mode)."""
-        if self.vae is None:
-            raise RuntimeError("this WanAdapter has no VAE")
+        self.require_vae()
         z = self.vae.encode(video.to(self.vae.dtype) * 2.0 - 1.0).latent_dist.mode()
         mean, inv_std = latent_stats(self.vae, z)
         return ((z - mean) * inv_std).float()
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> WanAdapter:
-        """Same as :func:`load_wan`."""
-        return load_wan(path, **kwargs)
 
 
 def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -466,18 +464,15 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
         ``image_processor``. A complete two-expert directory gives an adapter whose ``transformer`` is a
         :class:`~flowforge.models.wan.experts.WanExperts`.
     """
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from diffusers import WanTransformer3DModel
 
     root = pipeline_dir(path, "Wan")
     index = read_json(root / "model_index.json")
     two_experts = has_component(root, "transformer_2") or index.get("boundary_ratio") is not None
     transformer = None if two_experts else WanTransformer3DModel.from_pretrained(
         str(root / "transformer"), torch_dtype=dtype, local_files_only=True).to(device)
-    vae = None
-    if has_component(root, "vae"):
-        # The diffusers Wan examples keep the VAE in fp32.
-        vae = AutoencoderKLWan.from_pretrained(str(root / "vae"), torch_dtype=torch.float32,
-                                               local_files_only=True).to(device)
+    # The diffusers Wan examples keep the VAE in fp32.
+    vae = load_component(root, "vae", dtype=torch.float32, device=device)
     if text_encoder is None and has_component(root, "text_encoder"):
         text_encoder = wan_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
                                 min_tokenizer_size=min_tokenizer_size, pipeline_class=index["_class_name"])
