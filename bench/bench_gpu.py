@@ -42,7 +42,7 @@ def run(batch: int, iters: int, checkpointing: bool) -> tuple[float, float, floa
     from flowforge.algorithms import losses
     from flowforge.algorithms.sde import transition
     from flowforge.models.base import Conditioning
-    from flowforge.models.sd3 import SD3Adapter
+    from flowforge.models.sd3.adapter import SD3Adapter
 
     torch.cuda.reset_peak_memory_stats()
     model = SD3Transformer2DModel(**SD35_MEDIUM).to("cuda", torch.bfloat16).train()

@@ -128,8 +128,8 @@ def build(name: str, config: dict, device: torch.device):
     import torch
     from diffusers import QwenImageTransformer2DModel, SD3Transformer2DModel
 
-    from flowforge.models.qwen_image import QwenImageAdapter
-    from flowforge.models.sd3 import SD3Adapter
+    from flowforge.models.qwen_image.adapter import QwenImageAdapter
+    from flowforge.models.sd3.adapter import SD3Adapter
 
     torch.manual_seed(0)
     with torch.device(device), default_dtype(torch.bfloat16):

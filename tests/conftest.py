@@ -29,7 +29,7 @@ def golden_dir() -> pathlib.Path:
 def tiny_model_dir(tmp_path_factory) -> pathlib.Path:
     """A random-init tiny pixel-space SD3 transformer saved with diffusers' save_pretrained (+ MiniLM metadata)."""
     from flowforge.demo.model import build_tiny_sd3, test_sd3_config
-    from flowforge.models.sd3 import FLOWFORGE_META
+    from flowforge.models.sd3.adapter import FLOWFORGE_META
 
     path = tmp_path_factory.mktemp("tiny_sd3")
     build_tiny_sd3(test_sd3_config(), seed=0).save_pretrained(str(path), safe_serialization=True)

@@ -47,7 +47,7 @@ def build(name: str):
         experts = WanExperts(c["transformer"], c2["transformer"], boundary_ratio=0.5)
         return WanAdapter(experts, text, c["vae"], scheduler_config=dict(c["scheduler"].config)), (4, 3, 4, 4)
     if name == "flux2":
-        from flowforge.models.flux2 import Flux2KleinAdapter, flux2_klein_text
+        from flowforge.models.flux2.adapter import Flux2KleinAdapter, flux2_klein_text
         from tests.models import tiny_image_families as tiny
 
         c = tiny.flux2_klein_components()
@@ -56,7 +56,7 @@ def build(name: str):
         return Flux2KleinAdapter(c["transformer"], text, c["vae"], scheduler_config=dict(c["scheduler"].config)), \
             (16, 4, 4)
     if name == "ltx2":
-        from flowforge.models.ltx2 import LTX2Adapter, ltx2_text
+        from flowforge.models.ltx2.adapter import LTX2Adapter, ltx2_text
         from tests.models import tiny_av_families as tiny
 
         c = tiny.ltx2_components()

@@ -48,7 +48,7 @@ DEMO_DIR = Path(__file__).resolve().parent
 
 def demo_base_dir() -> Path:
     """Directory of the shipped demo base policy (``config.json`` + ``diffusion_pytorch_model.safetensors`` +
-    ``flowforge.json``), loadable by :func:`flowforge.models.sd3.load_sd3`."""
+    ``flowforge.json``), loadable by :func:`flowforge.models.sd3.adapter.load_sd3`."""
     return DEMO_DIR / "weights" / "base"
 
 

@@ -317,12 +317,17 @@ class AdapterMixin:
         of FLUX.1 / Qwen-Image)."""
         return "cfg" if float(guidance_scale) > 1.0 else "off"
 
-    export_pipeline: str | None = None
-    """Export fact (not a :class:`FlowModel` member): the diffusers pipeline class (a name in ``diffusers``) whose
-    ``save_lora_weights`` writes this family's LoRA for ``flowforge export --form adapter`` and whose
-    ``load_lora_weights`` loads it, when the base directory names no pipeline with a LoRA loader of its own. Default
-    ``None``: none of the family's pipelines has a LoRA loader, so the export writes the same diffusers file without
-    one and it is loaded on the transformer (``load_lora_adapter``, or peft's ``PeftModel.from_pretrained``)."""
+    def require_vae(self, use: str | None = None) -> nn.Module:
+        """The adapter's ``vae`` (the guard of every VAE call: an adapter may be built without one, e.g. around a bare
+        transformer for export verification).
+
+        Raises:
+            RuntimeError: ``this <Class> has no VAE`` (``; <use> is unavailable`` appended when ``use`` is given).
+        """
+        vae = getattr(self, "vae", None)
+        if vae is None:
+            raise RuntimeError(f"this {type(self).__name__} has no VAE" + (f"; {use} is unavailable" if use else ""))
+        return vae
 
     @property
     def config(self):
@@ -369,6 +374,12 @@ class AdapterMixin:
         on :attr:`transformer`, which keeps parameter names (so LoRA / FSDP / checkpoints are unaffected); override
         it for a transformer that is not a diffusers model."""
         self.transformer.enable_gradient_checkpointing()
+
+
+def frozen(module: nn.Module | None) -> nn.Module | None:
+    """``module`` in eval mode with ``requires_grad=False`` on every parameter (a frozen pipeline component: VAE,
+    image encoder, vocoder), or ``None`` for ``None``."""
+    return None if module is None else module.eval().requires_grad_(False)
 
 
 def missing_members(adapter: object) -> list[str]:

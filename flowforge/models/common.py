@@ -40,7 +40,7 @@ tokenizers lower it."""
 
 FLOWFORGE_META = "flowforge.json"
 """Optional file beside a transformer's ``config.json`` naming the text encoder it was trained with (written by
-:func:`flowforge.train.sft.run_sft`, read by :func:`flowforge.models.sd3.load_sd3`, copied by
+:func:`flowforge.train.sft.run_sft`, read by :func:`flowforge.models.sd3.adapter.load_sd3`, copied by
 :mod:`flowforge.tools.export`), e.g. ``{"text_encoder": "minilm", "max_length": 16}``."""
 
 DYNAMIC_SHIFT_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}

@@ -18,139 +18,58 @@ against the class — e.g. which tasks it runs (:func:`adapter_tasks`) — by im
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Mapping
 from typing import Any, Callable
 
 from flowforge.models.base import (HOOK_MEMBERS, REQUIRED_MEMBERS, FlowModel, check_condition_slot,
                                    missing_members)
+from flowforge.models.family import Family
 from flowforge.models.hub import resolve_model_path
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.imports import import_object
 
 
-def _check_task(family: str, task: str, allowed: tuple[str, ...]) -> None:
-    if task not in allowed:
-        raise ValueError(f"model.task={task!r}: the {family} adapter runs only {list(allowed)}")
+FAMILY_PACKAGES: tuple[str, ...] = (
+    "sd3",
+    "flux",
+    "qwen_image",
+    "wan",
+    "world_model",
+    "z_image",
+    "flux2",
+    "ltx2",
+    "hunyuan_video15",
+)
+"""The registered families, one line each: the package ``flowforge.models.<name>`` exports ``FAMILY``, its
+:class:`~flowforge.models.family.Family` (adding a family is its folder and one line here)."""
 
+FAMILIES: dict[str, Family] = {spec.name: spec for spec in (importlib.import_module(f"flowforge.models.{name}").FAMILY
+                                                            for name in FAMILY_PACKAGES)}
+"""Registered family name (``model.adapter``) -> its spec."""
 
-def _t2i_only(family: str, task: str) -> None:
-    _check_task(family, task, ("t2i",))
+# views of the specs, under the names the rest of flowforge imported before there were specs
+ADAPTERS: dict[str, Callable[..., FlowModel]] = {name: spec.load for name, spec in FAMILIES.items()}
+"""Registered model families: name -> loader ``(path, *, task, dtype, device, ...) -> FlowModel`` (the task checked
+by :meth:`~flowforge.models.family.Family.check_task`)."""
 
-
-def _load_sd3(path: str, task: str = "t2i", **kw: Any):
-    from flowforge.models.sd3 import load_sd3
-
-    _t2i_only("sd3", task)
-    return load_sd3(path, **kw)
-
-
-def _load_flux(path: str, task: str = "t2i", **kw: Any):
-    from flowforge.models.flux import FLUX_TASKS, load_flux
-
-    _check_task("flux", task, FLUX_TASKS)  # "i2i": FLUX.1 Kontext
-    return load_flux(path, task=task, **kw)
-
-
-def _load_qwen_image(path: str, task: str = "t2i", **kw: Any):
-    from flowforge.models.qwen_image import QWEN_IMAGE_TASKS, load_qwen_image
-
-    _check_task("qwen_image", task, QWEN_IMAGE_TASKS)  # "i2i": Qwen-Image-Edit
-    return load_qwen_image(path, task=task, **kw)
-
-
-def _load_wan(path: str, task: str | None = None, **kw: Any):
-    from flowforge.models.wan import load_wan
-
-    return load_wan(path, task=task, **kw)
-
-
-def _load_flux2(path: str, task: str = "t2i", **kw: Any):
-    from flowforge.models.flux2 import FLUX2_TASKS, load_flux2
-
-    _check_task("flux2", task, FLUX2_TASKS)  # "i2i": reference images
-    return load_flux2(path, task=task, **kw)
-
-
-def _load_z_image(path: str, task: str = "t2i", **kw: Any):
-    from flowforge.models.z_image import Z_IMAGE_TASKS, load_z_image
-
-    _check_task("z_image", task, Z_IMAGE_TASKS)
-    return load_z_image(path, task=task, **kw)
-
-
-def _load_ltx2(path: str, task: str = "t2v", **kw: Any):
-    from flowforge.models.ltx2 import LTX2_TASKS, load_ltx2
-
-    _check_task("ltx2", task, LTX2_TASKS)  # video with its audio
-    return load_ltx2(path, task=task, **kw)
-
-
-def _load_hunyuan_video15(path: str, task: str | None = None, **kw: Any):
-    from flowforge.models.hunyuan_video15 import HUNYUAN_VIDEO15_TASKS, load_hunyuan_video15
-
-    if task is not None:
-        _check_task("hunyuan_video15", task, HUNYUAN_VIDEO15_TASKS)
-    return load_hunyuan_video15(path, task=task, **kw)
-
-
-def _load_world_model(path: str, task: str = "i2v", **kw: Any):
-    from flowforge.models.world_model.adapter import load_world_model
-
-    return load_world_model(path, task=task, **kw)
-
-
-ADAPTERS: dict[str, Callable[..., FlowModel]] = {
-    "sd3": _load_sd3,
-    "flux": _load_flux,
-    "qwen_image": _load_qwen_image,
-    "wan": _load_wan,
-    "world_model": _load_world_model,
-    "z_image": _load_z_image,
-    "flux2": _load_flux2,
-    "ltx2": _load_ltx2,
-    "hunyuan_video15": _load_hunyuan_video15,
-}
-"""Registered model families: name → loader ``(path, *, task, dtype, device, ...) -> FlowModel``."""
-
-
-ADAPTER_CLASSES: dict[str, str] = {
-    "sd3": "flowforge.models.sd3:SD3Adapter",
-    "flux": "flowforge.models.flux:FluxAdapter",
-    "qwen_image": "flowforge.models.qwen_image:QwenImageAdapter",
-    "wan": "flowforge.models.wan:WanAdapter",
-    "world_model": "flowforge.models.world_model.adapter:WorldModelAdapter",
-    "z_image": "flowforge.models.z_image:ZImageAdapter",
-    "flux2": "flowforge.models.flux2:Flux2Adapter",
-    "ltx2": "flowforge.models.ltx2:LTX2Adapter",
-    "hunyuan_video15": "flowforge.models.hunyuan_video15:HunyuanVideo15Adapter",
-}
+ADAPTER_CLASSES: dict[str, str] = {name: spec.adapter for name, spec in FAMILIES.items()}
 """Registered family -> its adapter class as ``"module:Class"`` (imported on demand by :func:`adapter_class`)."""
 
-OWN_FORMAT_FAMILIES: tuple[str, ...] = ("world_model",)
+OWN_FORMAT_FAMILIES: tuple[str, ...] = tuple(name for name, spec in FAMILIES.items() if spec.own_format)
 """Registered families saved in a file format of their own rather than as a diffusers transformer (what ``flowforge
 export`` writes for them: :mod:`flowforge.tools.export.world`)."""
 
-FAMILY_TASKS: dict[str, tuple[str, ...]] = {
-    "wan": ("t2v", "i2v"),
-}
-"""Tasks of registered families whose class has no class-level ``tasks`` tuple: ``WanAdapter.tasks`` is a
-per-checkpoint property (T2V: t2v, I2V: i2v, TI2V: both), so the family runs the union."""
+FAMILY_TASKS: dict[str, tuple[str, ...]] = {name: spec.tasks for name, spec in FAMILIES.items()}
+"""Registered family -> the tasks it runs (``WanAdapter.tasks`` is a per-checkpoint property; the family runs the
+union)."""
 
-
-TRANSFORMER_CLASSES: dict[str, str] = {
-    "sd3": "SD3Transformer2DModel",
-    "flux": "FluxTransformer2DModel",
-    "qwen_image": "QwenImageTransformer2DModel",
-    "wan": "WanTransformer3DModel",
-    "z_image": "ZImageTransformer2DModel",
-    "flux2": "Flux2Transformer2DModel",
-    "ltx2": "LTX2VideoTransformer3DModel",
-    "hunyuan_video15": "HunyuanVideo15Transformer3DModel",
-}
+TRANSFORMER_CLASSES: dict[str, str] = {name: spec.transformer for name, spec in FAMILIES.items() if spec.transformer}
 """Registered family -> the diffusers class of its transformer (the world model's is flowforge's own)."""
 
-CONTEXT_PARALLEL_FAMILIES: tuple[str, ...] = ("flux", "flux2", "ltx2", "qwen_image", "wan")
+CONTEXT_PARALLEL_FAMILIES: tuple[str, ...] = tuple(sorted(name for name, spec in FAMILIES.items()
+                                                          if spec.context_parallel))
 """Families whose sequence diffusers' context parallelism splits (the transformer declares a ``_cp_plan``) and whose
 split velocity and LoRA gradients were measured equal to one rank's under Ulysses and ring (Wan 2.2's two experts
 included; LTX-2 under ring only, with flowforge's plan: flowforge.runtime.cp_plans; tests/test_context_parallel.py)."""
@@ -160,9 +79,9 @@ def context_parallel_problem(name: str) -> str | None:
     """Why ``model.adapter=name`` cannot run context parallelism (one line listing the families that can), or None
     for a family of :data:`CONTEXT_PARALLEL_FAMILIES` and for a ``"pkg.module:Class"`` (judged on its transformer
     once loaded)."""
-    if name in CONTEXT_PARALLEL_FAMILIES or name not in ADAPTER_CLASSES:
+    why = FAMILIES[name].context_parallel_problem() if name in FAMILIES else None
+    if why is None:
         return None
-    why = f"{TRANSFORMER_CLASSES.get(name, 'its transformer')} declares no _cp_plan"
     return (f"distributed.context_parallel needs a model whose sequence diffusers can split; model.adapter={name!r} "
             f"cannot ({why}); families that support it: {list(CONTEXT_PARALLEL_FAMILIES)}")
 
@@ -193,20 +112,19 @@ def adapter_class(name: str) -> type:
 
 
 def adapter_tasks(name: str) -> tuple[str, ...] | None:
-    """Tasks (``"t2i"``, ``"t2v"``, ``"i2v"``, ...) adapter ``name`` can run, read from its class's ``tasks`` tuple
-    (``FAMILY_TASKS`` for registered families without one); ``None`` when a ``"pkg.module:Class"`` declares none
-    (or only per instance).
+    """Tasks (``"t2i"``, ``"t2v"``, ``"i2v"``, ...) adapter ``name`` can run: a registered family's spec
+    (:attr:`~flowforge.models.family.Family.tasks`), else the ``"pkg.module:Class"``'s ``tasks`` tuple; ``None``
+    when such a class declares none (or only per instance).
 
     Raises:
         ValueError: as :func:`adapter_class`.
     """
-    import inspect
-
-    cls = adapter_class(name)
-    tasks = inspect.getattr_static(cls, "tasks", None)
+    if name in FAMILIES:
+        return FAMILIES[name].tasks
+    tasks = inspect.getattr_static(adapter_class(name), "tasks", None)
     if isinstance(tasks, (tuple, list, frozenset, set)) and all(isinstance(t, str) for t in tasks):
         return tuple(tasks)
-    return FAMILY_TASKS.get(name)
+    return None
 
 
 ADAPTER_METHODS: tuple[str, ...] = tuple(m for m in REQUIRED_MEMBERS if m != "transformer")

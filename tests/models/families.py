@@ -35,12 +35,12 @@ class Family:
 def build_family(name: str) -> Family:
     if name == "sd3":
         from flowforge.demo.model import build_tiny_sd3, test_sd3_config
-        from flowforge.models.sd3 import SD3Adapter
+        from flowforge.models.sd3.adapter import SD3Adapter
 
         return Family(name, SD3Adapter(build_tiny_sd3(test_sd3_config(), seed=0), FakeText()), None,
                       (32, 32, None), (1, 32, 32), 1000.0, {})
     if name == "flux":
-        from flowforge.models.flux import FluxAdapter, flux_text
+        from flowforge.models.flux.adapter import FluxAdapter, flux_text
 
         c = tiny.flux_components()
         text = flux_text(components={k: c[k] for k in ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")},
@@ -48,7 +48,7 @@ def build_family(name: str) -> Family:
         adapter = FluxAdapter(c["transformer"], text, c["vae"], scheduler_config=dict(c["scheduler"].config))
         return Family(name, adapter, c, (32, 32, None), (4, 16, 16), 1.0, dict(guidance_scale=3.5))
     if name == "qwen_image":
-        from flowforge.models.qwen_image import QwenImageAdapter, qwen_image_text
+        from flowforge.models.qwen_image.adapter import QwenImageAdapter, qwen_image_text
 
         c = tiny.qwen_components()
         text = qwen_image_text(components={k: c[k] for k in ("tokenizer", "text_encoder")},
@@ -57,7 +57,7 @@ def build_family(name: str) -> Family:
         return Family(name, adapter, c, (16, 16, None), (4, 8, 8), 1.0,
                       dict(true_cfg_scale=4.0, negative_prompt=" "))
     if name == "wan":
-        from flowforge.models.wan import WanAdapter, wan_text
+        from flowforge.models.wan.adapter import WanAdapter, wan_text
 
         c = tiny.wan_components()
         text = wan_text(components={k: c[k] for k in ("tokenizer", "text_encoder")},

@@ -175,7 +175,7 @@ def test_flux_guidance_reaches_embedding_single_forward():
 
 
 def test_flux_without_guidance_embeds_uses_true_cfg():
-    from flowforge.models.flux import FluxAdapter
+    from flowforge.models.flux.adapter import FluxAdapter
 
     c = tiny.flux_components(guidance_embeds=False)
     fake = FakeFluxText()
@@ -244,7 +244,7 @@ def test_schedule_mu_from_scheduler_config():
 
 
 def test_wan_default_shift():
-    from flowforge.models.wan import WanAdapter
+    from flowforge.models.wan.adapter import WanAdapter
 
     w = family("wan")
     assert w.adapter.default_shift == 3.0  # the tiny pipeline's scheduler config

@@ -126,7 +126,7 @@ def test_loader_rejects_non_pipeline_dir(pfam, tmp_path):
 
 
 def test_in_memory_text_encoder_cannot_reload_after_release():
-    from flowforge.models.wan import wan_text
+    from flowforge.models.wan.adapter import wan_text
 
     c = tiny.wan_components()
     text = wan_text(components={"tokenizer": c["tokenizer"], "text_encoder": c["text_encoder"]},
@@ -167,7 +167,7 @@ def _i2v_pipeline_run(adapter, components, *, expand_timesteps: bool, image: tor
 
 @pytest.mark.parametrize("layout", ["pin", "concat"])
 def test_wan_i2v_matches_image_to_video_pipeline(layout):
-    from flowforge.models.wan import WanAdapter, wan_text
+    from flowforge.models.wan.adapter import WanAdapter, wan_text
     from flowforge.rollout import generate, with_condition
 
     c = tiny.wan_components(i2v=layout == "concat")
@@ -215,7 +215,7 @@ def test_wan_i2v_matches_image_to_video_pipeline(layout):
 
 
 def test_wan_i2v_pin_layout_timesteps_per_token():
-    from flowforge.models.wan import WanAdapter
+    from flowforge.models.wan.adapter import WanAdapter
 
     c = tiny.wan_components()
     a = WanAdapter(c["transformer"], None, c["vae"], task="i2v", expand_timesteps=True)

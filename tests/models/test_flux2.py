@@ -1,4 +1,4 @@
-"""FLUX.2 Klein adapter (flowforge/models/flux2.py) against diffusers' ``Flux2KleinPipeline`` on a tiny random
+"""FLUX.2 Klein adapter (flowforge/models/flux2/adapter.py) against diffusers' ``Flux2KleinPipeline`` on a tiny random
 pipeline (tests/models/tiny_image_families.py): velocity == the pipeline's transformer call, a whole ODE generation
 (flowforge's Euler transition over the pipeline's sigmas) == the pipeline's latents and images, bitwise in fp32;
 the few-step grid's first SDE step."""
@@ -22,7 +22,7 @@ SIZE = (16, 16)  # pixels; patchified latent [16, 4, 4]
 def parts():
     from diffusers import Flux2KleinPipeline
 
-    from flowforge.models.flux2 import Flux2KleinAdapter, flux2_klein_text
+    from flowforge.models.flux2.adapter import Flux2KleinAdapter, flux2_klein_text
 
     c = tiny.flux2_klein_components()
     text = flux2_klein_text(components={k: c[k] for k in ("tokenizer", "text_encoder")},
@@ -92,7 +92,7 @@ def test_whole_generation_matches_the_pipeline(parts, guidance):
 
 
 def test_distilled_ignores_guidance(parts):
-    from flowforge.models.flux2 import Flux2KleinAdapter
+    from flowforge.models.flux2.adapter import Flux2KleinAdapter
 
     a = parts["adapter"]
     d = Flux2KleinAdapter(a.transformer, is_distilled=True)

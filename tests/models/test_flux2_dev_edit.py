@@ -1,9 +1,10 @@
 """FLUX.2 [dev] (``Flux2Pipeline``: Mistral-3 text, guidance embedding) and FLUX.2 reference-image editing
 (``task="i2i"``, the ``image=`` argument of ``Flux2Pipeline`` and ``Flux2KleinPipeline``) of
-flowforge/models/flux2.py against diffusers' pipelines on tiny random parts (tests/models/tiny_image_families.py):
-velocity == the pipeline's transformer call, and a whole 4-step ODE generation (flowforge's Euler transition over
-the pipeline's sigmas) == the pipeline's latents and images, bitwise in fp32. The reference images are given to the
-pipeline as 8-bit PIL images at the output size (what flowforge loads from such files), the same images for every
+flowforge/models/flux2/adapter.py against diffusers' pipelines on tiny random parts
+(tests/models/tiny_image_families.py): velocity == the pipeline's transformer call, and a whole 4-step ODE generation
+(flowforge's Euler transition over the pipeline's sigmas) == the pipeline's latents and images, bitwise in fp32. The
+reference images are given to the pipeline as 8-bit PIL images at the output size (what flowforge loads from such
+files), the same images for every
 prompt (the pipelines repeat one image list over the batch)."""
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _one_thread():
 def parts():
     from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-    from flowforge.models.flux2 import Flux2Adapter, flux2_dev_text, flux2_klein_text
+    from flowforge.models.flux2.adapter import Flux2Adapter, flux2_dev_text, flux2_klein_text
 
     built = {}
     for name, components, make_text, pipeline in (("dev", tiny.flux2_dev_components(), flux2_dev_text, Flux2Pipeline),
@@ -158,7 +159,7 @@ def test_reference_image_errors(parts):
 
 
 def test_dev_directory_loads_through_the_registry(parts, tmp_path):
-    from flowforge.models.flux2 import Flux2Adapter
+    from flowforge.models.flux2.adapter import Flux2Adapter
 
     p = parts["dev"]
     p["pipe"].save_pretrained(str(tmp_path))

@@ -1,5 +1,5 @@
-"""HunyuanVideo 1.5 adapter (flowforge/models/hunyuan_video15.py) against diffusers' ``HunyuanVideo15Pipeline`` and
-``HunyuanVideo15ImageToVideoPipeline`` on tiny random pipelines (tests/models/tiny_hunyuan_video15.py): the
+"""HunyuanVideo 1.5 adapter (flowforge/models/hunyuan_video15/adapter.py) against diffusers' ``HunyuanVideo15Pipeline``
+and ``HunyuanVideo15ImageToVideoPipeline`` on tiny random pipelines (tests/models/tiny_hunyuan_video15.py): the
 encodings are the pipeline's (Qwen2.5-VL and ByT5, glyph text included), the velocity is the pipeline's transformer
 call, and a whole ODE generation (flowforge's Euler transition over the adapter's pipeline_sigmas) equals the
 pipeline's latents and decoded video, bitwise in fp32, with and without CFG; i2v likewise from the same image."""
@@ -36,8 +36,8 @@ def _pipe(cls_name: str, parts: dict):
 
 
 def _adapter(parts: dict, task: str = "t2v"):
-    from flowforge.models.hunyuan_video15 import HunyuanVideo15Adapter
-    from flowforge.models.hunyuan_video15_text import TEXT_COMPONENTS, hunyuan_video15_text
+    from flowforge.models.hunyuan_video15.adapter import HunyuanVideo15Adapter
+    from flowforge.models.hunyuan_video15.text import TEXT_COMPONENTS, hunyuan_video15_text
 
     text = hunyuan_video15_text(components={k: parts[k] for k in TEXT_COMPONENTS}, max_sequence_length=SEQ_LEN,
                                 glyph_length=GLYPH, min_tokenizer_size=MIN_TOK)
@@ -204,7 +204,7 @@ def test_few_step_sde_first_sigma(t2v):
 
 
 def test_refusals():
-    from flowforge.models.hunyuan_video15 import HunyuanVideo15Adapter
+    from flowforge.models.hunyuan_video15.adapter import HunyuanVideo15Adapter
 
     parts = tiny.components()
     with pytest.raises(ValueError, match="task"):

@@ -5,7 +5,7 @@ import torch
 from flowforge.demo.model import build_tiny_sd3, test_sd3_config
 from flowforge.models import lora
 from flowforge.models.base import Conditioning
-from flowforge.models.sd3 import SD3_LORA_TARGETS, SD3Adapter
+from flowforge.models.sd3.adapter import SD3_LORA_TARGETS, SD3Adapter
 
 
 def _setup():

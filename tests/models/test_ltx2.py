@@ -1,8 +1,8 @@
-"""LTX-2 audio-video adapter (flowforge/models/ltx2.py) against diffusers' ``LTX2Pipeline`` on a tiny random pipeline
-(tests/models/tiny_av_families.py): the velocity of the joint (video | audio) latent == the pipeline's transformer
-call taken through its x0 round trip, and a whole ODE generation (flowforge's Euler transition over the adapter's
-pipeline_sigmas) == the pipeline's video and audio latents, frames and waveform -- bitwise in fp32, with and without
-CFG."""
+"""LTX-2 audio-video adapter (flowforge/models/ltx2/adapter.py) against diffusers' ``LTX2Pipeline`` on a tiny random
+pipeline (tests/models/tiny_av_families.py): the velocity of the joint (video | audio) latent == the pipeline's
+transformer call taken through its x0 round trip, and a whole ODE generation (flowforge's Euler transition over the
+adapter's pipeline_sigmas) == the pipeline's video and audio latents, frames and waveform -- bitwise in fp32, with and
+without CFG."""
 from __future__ import annotations
 
 import copy
@@ -28,7 +28,7 @@ NO_EXTRA_GUIDANCE = dict(stg_scale=0.0, modality_scale=1.0, audio_stg_scale=0.0,
 def parts():
     from diffusers import LTX2Pipeline
 
-    from flowforge.models.ltx2 import LTX2Adapter, ltx2_text
+    from flowforge.models.ltx2.adapter import LTX2Adapter, ltx2_text
 
     c = tiny.ltx2_components()
     text = ltx2_text(components={k: c[k] for k in ("tokenizer", "text_encoder", "connectors")},
@@ -169,7 +169,7 @@ def test_whole_generation_matches_the_pipeline(parts, guidance, options):
 def test_schedule_counts_video_tokens(parts):
     """mu = calculate_shift(F h w video tokens, 1024, 4096, 0.95, 2.05): a longer video shifts harder."""
     from flowforge.algorithms.schedules import calculate_shift
-    from flowforge.models.ltx2 import LTX2Adapter
+    from flowforge.models.ltx2.adapter import LTX2Adapter
 
     c = parts["components"]
     a = LTX2Adapter(c["transformer"], vae=c["vae"], audio_vae=c["audio_vae"], vocoder=c["vocoder"],
@@ -211,7 +211,7 @@ def test_sampler_option_defaults_are_the_pipelines():
 
     from diffusers import LTX2Pipeline
 
-    from flowforge.models.ltx2 import LTX2Adapter, load_ltx2
+    from flowforge.models.ltx2.adapter import LTX2Adapter, load_ltx2
 
     call = inspect.signature(LTX2Pipeline.__call__).parameters
     assert LTX2Adapter.sampler_options == ("audio_guidance_scale", "guidance_rescale", "audio_guidance_rescale",

@@ -2,11 +2,11 @@
 
 The tiny random Qwen-Image-Edit parts (``tests/models/tiny_families.py::qwen_components(edit=True)``: a Qwen2.5-VL
 with a vision tower and a ``Qwen2VLProcessor``) build both the pipeline and the adapter. The pipeline resizes its
-condition image to about 1024^2 pixels (``calculate_dimensions``); flowforge loads condition images at
-model.height x model.width and does not replicate that resize (see flowforge/models/qwen_image.py). So the parity test
-patches the pipeline module's ``calculate_dimensions`` to return the output size and gives it 8-bit PIL images of
-that size: its own ``resize`` / ``preprocess`` then leave them unchanged, and its VAE and processor see the images
-flowforge sees. Fixed noise latents, two different images (one per prompt), 2 steps, true CFG; the final latents
+condition image to about 1024^2 pixels (``calculate_dimensions``); flowforge loads condition images at model.height x
+model.width and does not replicate that resize (see flowforge/models/qwen_image/adapter.py). So the parity test patches
+the pipeline module's ``calculate_dimensions`` to return the output size and gives it 8-bit PIL images of that size: its
+own ``resize`` / ``preprocess`` then leave them unchanged, and its VAE and processor see the images flowforge sees.
+Fixed noise latents, two different images (one per prompt), 2 steps, true CFG; the final latents
 come from ``callback_on_step_end``.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ _BUILT: dict[str, tuple] = {}
 
 def _edit():
     """``(adapter (task i2i), components)`` of the tiny Qwen-Image-Edit, built once."""
-    from flowforge.models.qwen_image import QwenImageAdapter, QwenImageEditText
+    from flowforge.models.qwen_image.adapter import QwenImageAdapter, QwenImageEditText
 
     if "edit" not in _BUILT:
         c = tiny.qwen_components(edit=True)
@@ -118,7 +118,7 @@ def test_edit_matches_qwen_image_edit_pipeline(monkeypatch, guidance):
 
 
 def test_the_image_changes_text_conditioning_and_velocity():
-    from flowforge.models.qwen_image import QwenImageAdapter
+    from flowforge.models.qwen_image.adapter import QwenImageAdapter
 
     a, c = _edit()
     shape, x = _noise(a)
@@ -157,7 +157,7 @@ def test_the_image_changes_text_conditioning_and_velocity():
 
 
 def test_edit_errors():
-    from flowforge.models.qwen_image import QwenImageAdapter, QwenImageEditText, qwen_image_text
+    from flowforge.models.qwen_image.adapter import QwenImageAdapter, QwenImageEditText, qwen_image_text
 
     a, c = _edit()
     shape, x = _noise(a)
@@ -172,8 +172,8 @@ def test_edit_errors():
         a.condition_on_images(text_only, PROMPTS, torch.rand(2, 3, 2 * H, 2 * W), shape)
     with pytest.raises(ValueError, match="one of each per row"):
         a.condition_on_images(text_only, PROMPTS, images[:1], shape)
-    with pytest.raises(ValueError, match="allowed"):
-        QwenImageAdapter(c["transformer"], task="i2v")
+    with pytest.raises(ValueError, match=r"model.task='i2v': the \w+ adapter runs only \['t2i', 'i2i'\]"):
+        QwenImageAdapter(c["transformer"], task="i2v")  # the spec's check (Family.check_task)
     t2i_text = qwen_image_text(components={k: c[k] for k in ("tokenizer", "text_encoder")},
                                max_sequence_length=SEQ_LEN, min_tokenizer_size=MIN_TOK)
     with pytest.raises(RuntimeError, match="must be a QwenImageEditText"):
@@ -190,7 +190,7 @@ def test_edit_directory_loads_through_the_registry(tmp_path):
 
     from diffusers import QwenImageEditPipeline, QwenImagePipeline
 
-    from flowforge.models.qwen_image import QwenImageEditText
+    from flowforge.models.qwen_image.adapter import QwenImageEditText
 
     a, c = _edit()
     edit_dir, t2i_dir = tmp_path / "edit", tmp_path / "t2i"

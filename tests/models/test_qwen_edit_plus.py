@@ -40,7 +40,7 @@ def _small_areas(monkeypatch):
 
 @pytest.fixture(scope="module")
 def parts():
-    from flowforge.models.qwen_image import QwenImageAdapter, QwenImageEditPlusText
+    from flowforge.models.qwen_image.adapter import QwenImageAdapter, QwenImageEditPlusText
 
     c = tiny.qwen_edit_plus_components()
     text = QwenImageEditPlusText(components={k: c[k] for k in ("tokenizer", "text_encoder", "processor")},
@@ -68,7 +68,7 @@ def _noise(adapter, seed: int = 11):
 def test_sizes_follow_the_pipeline_constants(parts, monkeypatch):
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
 
-    from flowforge.models.qwen_image import edit_plus_sizes
+    from flowforge.models.qwen_image.adapter import edit_plus_sizes
 
     a = parts["adapter"]
     assert edit_plus_sizes(H, W) == ((32, 32), (64, 32))
@@ -151,7 +151,7 @@ def test_whole_generation_matches_the_pipeline(parts, k):
 
 
 def test_plus_conditioning_depends_on_each_image_and_checks_shapes(parts):
-    from flowforge.models.qwen_image import QwenImageAdapter
+    from flowforge.models.qwen_image.adapter import QwenImageAdapter
 
     a, c = parts["adapter"], parts["c"]
     shape, x = _noise(a)
@@ -182,7 +182,7 @@ def test_plus_directory_loads_through_the_registry(parts, tmp_path):
 
     from diffusers import QwenImageEditPlusPipeline
 
-    from flowforge.models.qwen_image import QwenImageEditPlusText
+    from flowforge.models.qwen_image.adapter import QwenImageEditPlusText
 
     a, c = parts["adapter"], parts["c"]
     QwenImageEditPlusPipeline(**c).save_pretrained(str(tmp_path))

@@ -53,7 +53,7 @@ def _grab():
 def test_flux2_odd_size_references_match_a_separate_pipeline(guidance):
     from diffusers import Flux2KleinPipeline
 
-    from flowforge.models.flux2 import Flux2Adapter, flux2_klein_text
+    from flowforge.models.flux2.adapter import Flux2Adapter, flux2_klein_text
 
     ours, theirs = tiny.flux2_klein_components(0), tiny.flux2_klein_components(0)  # same seed, separate modules
     text = flux2_klein_text(components={k: ours[k] for k in ("tokenizer", "text_encoder")}, max_sequence_length=32,
@@ -104,7 +104,7 @@ def _small_qwen_areas(monkeypatch):
 def test_qwen_edit_plus_odd_size_images_match_a_separate_pipeline(_small_qwen_areas):
     from diffusers import QwenImageEditPlusPipeline
 
-    from flowforge.models.qwen_image import QwenImageAdapter, QwenImageEditPlusText
+    from flowforge.models.qwen_image.adapter import QwenImageAdapter, QwenImageEditPlusText
 
     ours, theirs = tiny.qwen_edit_plus_components(0), tiny.qwen_edit_plus_components(0)
     text = QwenImageEditPlusText(components={k: ours[k] for k in ("tokenizer", "text_encoder", "processor")},

@@ -5,7 +5,7 @@ import torch
 from flowforge.demo.model import build_tiny_sd3, test_sd3_config, tiny_sd3_config
 from flowforge.models import ADAPTERS, build_adapter
 from flowforge.models.base import Conditioning, FlowModel
-from flowforge.models.sd3 import SD3_LORA_TARGETS, SD3Adapter, load_sd3
+from flowforge.models.sd3.adapter import SD3_LORA_TARGETS, SD3Adapter, load_sd3
 
 
 class FakeText:
@@ -126,7 +126,7 @@ def test_registry_errors_and_bring_your_own(tmp_path):
     with pytest.raises(ValueError, match="allowed"):
         build_adapter("nope", "demo:base")
     with pytest.raises(ValueError, match="no attribute"):
-        build_adapter("flowforge.models.sd3:Nope", "demo:base")
+        build_adapter("flowforge.models.sd3.adapter:Nope", "demo:base")
     with pytest.raises(TypeError, match="FlowModel"):
         build_adapter("builtins:list", "x")
     with pytest.raises(FileNotFoundError):
@@ -141,7 +141,7 @@ def test_load_bare_transformer_dir_with_meta(tmp_path):
     with pytest.raises(ValueError, match="text_encoder"):
         load_sd3(tmp_path)
     (tmp_path / "flowforge.json").write_text('{"text_encoder": "minilm", "max_length": 8}')
-    a = build_adapter("flowforge.models.sd3:SD3Adapter", str(tmp_path))
+    a = build_adapter("flowforge.models.sd3.adapter:SD3Adapter", str(tmp_path))
     assert a.text_encoder.max_length == 8 and not a.text_encoder.loaded
     x, s = _inputs()
     cond = Conditioning(torch.randn(3, 8, 384), torch.randn(3, 384))

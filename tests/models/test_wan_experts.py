@@ -9,8 +9,8 @@ import torch
 
 from flowforge.models import build_adapter
 from flowforge.models.lora import inject_lora, lora_parameters
-from flowforge.models.wan import WanAdapter, wan_text
-from flowforge.models.wan_experts import EXPERTS, WanExperts, expert_lora_targets
+from flowforge.models.wan.adapter import WanAdapter, wan_text
+from flowforge.models.wan.experts import EXPERTS, WanExperts, expert_lora_targets
 from tests.models import tiny_families as tiny
 
 PROMPTS = ["a red cat sitting under a tree", "two dogs"]

@@ -58,7 +58,7 @@ _PARTS: dict = {}
 def _parts():
     """``(components, adapter)`` built once per session (random init is seeded, so identical either way)."""
     if not _PARTS:
-        from flowforge.models.wan import WanAdapter, wan_text
+        from flowforge.models.wan.adapter import WanAdapter, wan_text
 
         c = with_clip(tiny.wan_components(i2v=True))
         text = wan_text(components={k: c[k] for k in ("tokenizer", "text_encoder")}, max_sequence_length=TEXT_LEN,
@@ -193,7 +193,7 @@ def test_saved_pipeline_loads_with_its_image_encoder(tmp_path):
 
 
 def test_clip_transformer_errors():
-    from flowforge.models.wan import WanAdapter, wan_text
+    from flowforge.models.wan.adapter import WanAdapter, wan_text
 
     c, a = _parts()
     with pytest.raises(ValueError, match="image_encoder"):

@@ -1,4 +1,4 @@
-"""Z-Image / Z-Image-Turbo adapter (flowforge/models/z_image.py) against diffusers' ``ZImagePipeline`` on a tiny
+"""Z-Image / Z-Image-Turbo adapter (flowforge/models/z_image/adapter.py) against diffusers' ``ZImagePipeline`` on a tiny
 random pipeline (tests/models/tiny_image_families.py): velocity == the pipeline's transformer call, a whole ODE
 generation (flowforge's Euler transition over the pipeline's sigmas) == the pipeline's latents and images, bitwise in
 fp32; the few-step (Turbo) schedule's first SDE step."""
@@ -22,7 +22,7 @@ SIZE = (16, 16)  # pixels; latent [4, 8, 8]
 def parts():
     from diffusers import ZImagePipeline
 
-    from flowforge.models.z_image import ZImageAdapter, z_image_text
+    from flowforge.models.z_image.adapter import ZImageAdapter, z_image_text
 
     c = tiny.z_image_components()
     text = z_image_text(components={k: c[k] for k in ("tokenizer", "text_encoder")}, max_sequence_length=SEQ_LEN,
@@ -110,7 +110,7 @@ def test_dynamic_shift_config_schedule():
     from diffusers import ZImagePipeline
 
     from flowforge.algorithms.schedules import calculate_shift
-    from flowforge.models.z_image import ZImageAdapter
+    from flowforge.models.z_image.adapter import ZImageAdapter
 
     c = tiny.z_image_components(dynamic=True)
     a = ZImageAdapter(c["transformer"], vae=c["vae"], scheduler_config=dict(c["scheduler"].config))

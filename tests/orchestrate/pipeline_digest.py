@@ -123,7 +123,7 @@ def main(out: str, work: str, only_digest: bool = False) -> None:
 
     torch.set_num_threads(1)
     from flowforge.demo.model import build_tiny_sd3, test_sd3_config
-    from flowforge.models.sd3 import FLOWFORGE_META
+    from flowforge.models.sd3.adapter import FLOWFORGE_META
     from flowforge.orchestrate.config import check_pipeline, load_pipeline
     from flowforge.orchestrate.stages import run_pipeline
     from tests.orchestrate.support import write_pipeline

@@ -16,7 +16,7 @@ from flowforge.config import dump_config
 from flowforge.tools.export import ExportError, export_run, read_export_meta
 from flowforge.models import lora as lora_lib
 from flowforge.models.base import Conditioning
-from flowforge.models.sd3 import SD3Adapter
+from flowforge.models.sd3.adapter import SD3Adapter
 from tests.train.test_trainer import tiny_cfg
 
 RANK, ALPHA = 4, 8

@@ -190,14 +190,15 @@ def test_every_registered_family_exports():
     (their pipeline's ``save_lora_weights`` / ``load_lora_weights``, or none declared), the others their own."""
     import diffusers
 
-    from flowforge.models import ADAPTERS, OWN_FORMAT_FAMILIES, adapter_class
+    from flowforge.models import ADAPTERS, OWN_FORMAT_FAMILIES
+    from flowforge.models.registry import FAMILIES
     from flowforge.tools.export.source import SUPPORTED_ADAPTERS
 
     assert sorted((*SUPPORTED_ADAPTERS, *OWN_FORMAT_FAMILIES)) == sorted(ADAPTERS)
     for family in SUPPORTED_ADAPTERS:
-        name = adapter_class(family).export_pipeline
+        name = FAMILIES[family].export_pipeline
         if name is not None:
             cls = getattr(diffusers, name)
             assert hasattr(cls, "save_lora_weights") and hasattr(cls, "load_lora_weights"), family
-    assert adapter_class("hunyuan_video15").export_pipeline is None
+    assert FAMILIES["hunyuan_video15"].export_pipeline is None
     assert not hasattr(diffusers.HunyuanVideo15Pipeline, "load_lora_weights")  # else declare it

@@ -104,7 +104,7 @@ def run_loop(family, algorithm, family_dirs, prompt_files, tmp_path):
                      f"run.name={family}-{algorithm}", f"train.algorithm={algorithm}",
                      f"sampler.guidance_scale={guidance}")
     trainer = Trainer(cfg, progress=False)
-    assert type(trainer.adapter).__module__ == f"flowforge.models.{family}"
+    assert type(trainer.adapter).__module__ == f"flowforge.models.{family}.adapter"
     if family in ("flux", "qwen_image"):  # dynamic schedule: the family pipeline's own sigmas
         torch.testing.assert_close(trainer.sigmas, trainer.adapter.pipeline_sigmas(4, *SIZES[family][:2]))
     train_and_check(trainer, algorithm)

@@ -80,7 +80,7 @@ def test_image_family_trains_on_the_real_loop(family, variant, algorithm, image_
         f"train.algorithm={algorithm}", f"sampler.guidance_scale={guidance if algorithm == 'grpo' else 1.0}",
         "forward.sigma_mode=uniform_schedule", *extra])
     trainer = Trainer(cfg, progress=False)
-    assert type(trainer.adapter).__module__ == f"flowforge.models.{adapter}"
+    assert type(trainer.adapter).__module__ == f"flowforge.models.{adapter}.adapter"
     if family == "flux2_dev":
         assert trainer.adapter.guidance_embeds and trainer.train_cond.negative is None  # no CFG branch
     steps = cfg.sampler.num_steps

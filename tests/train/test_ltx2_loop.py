@@ -71,7 +71,7 @@ def test_ltx2_trains_on_the_real_loop(algorithm, ltx2_dir, prompt_files, tmp_pat
     cfg = ltx2_cfg(ltx2_dir, tmp_path, prompt_files, f"run.name=ltx2-{algorithm}", f"train.algorithm={algorithm}",
                    f"sampler.guidance_scale={guidance}")
     trainer = Trainer(cfg, progress=False)
-    assert type(trainer.adapter).__module__ == "flowforge.models.ltx2"
+    assert type(trainer.adapter).__module__ == "flowforge.models.ltx2.adapter"
     assert trainer.latent_shape == (3 * 16 * 16 + 5, 4)  # video tokens | audio tokens
     torch.testing.assert_close(trainer.sigmas, trainer.adapter.pipeline_sigmas(4, 32, 32))
     AudioProbe.seen.clear()

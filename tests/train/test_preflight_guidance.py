@@ -29,9 +29,9 @@ def test_guidance_below_one_warns_that_it_means_no_cfg(sd3):
 def test_each_family_rule_decides_the_warning():
     """Guidance-embedding FLUX.1-dev uses every value (no warning); HunyuanVideo's guider guides at 0.5 (no
     warning); a step-distilled FLUX.2 Klein ignores any value (a warning at 4)."""
-    from flowforge.models.flux import FluxAdapter
-    from flowforge.models.flux2 import Flux2Adapter
-    from flowforge.models.hunyuan_video15 import HunyuanVideo15Adapter
+    from flowforge.models.flux.adapter import FluxAdapter
+    from flowforge.models.flux2.adapter import Flux2Adapter
+    from flowforge.models.hunyuan_video15.adapter import HunyuanVideo15Adapter
 
     from types import SimpleNamespace
 

@@ -7,7 +7,7 @@ import torch
 
 from flowforge.demo.model import build_tiny_sd3, test_sd3_config
 from flowforge.models.base import Conditioning
-from flowforge.models.sd3 import SD3Adapter, load_sd3
+from flowforge.models.sd3.adapter import SD3Adapter, load_sd3
 from flowforge.config import DataConfig, RunConfig, SFTConfig
 from flowforge.algorithms.schedules import sample_sigmas
 from flowforge.train.sft import flow_matching_loss, run_sft

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowforge.models.wan_experts import EXPERTS, WanExperts
+from flowforge.models.wan.experts import EXPERTS, WanExperts
 from tests.train.test_families_loop import (EXTRA_WORDS, GUIDANCE, family_cfg, prompt_files,  # noqa: F401 (fixture)
                                             train_and_check)
 from tests.models import tiny_families as tiny

@@ -12,11 +12,13 @@ module              contents
 ``adapter``         :class:`WorldModelAdapter` (FlowModel + ImageConditioned, parameter modes), load / save
 ``provenance``      provenance rows of a load, source-checkpoint protection
 ``tiny``            the demo's tiny config and builder
+``spec``            ``FAMILY``: the family's :class:`~flowforge.models.family.Family`
 ==================  ==============================================================================================
 """
 
 from flowforge.models.world_model.adapter import (PARAMETER_MODES, WorldModelAdapter, load_world_model)
 from flowforge.models.world_model.config import WorldModelConfig
 from flowforge.models.world_model.network import WorldModel
+from flowforge.models.world_model.spec import FAMILY
 
-__all__ = ["PARAMETER_MODES", "WorldModel", "WorldModelAdapter", "WorldModelConfig", "load_world_model"]
+__all__ = ["FAMILY", "PARAMETER_MODES", "WorldModel", "WorldModelAdapter", "WorldModelConfig", "load_world_model"]

@@ -42,12 +42,13 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.world_model.spec import FAMILY
 from flowforge.models.common import check_velocity_inputs, require_negative
 from flowforge.models.world_model import provenance as prov
 from flowforge.models.world_model.config import ACTIONS, WorldModelConfig
@@ -117,7 +118,7 @@ def read_coupling_gates(path: str | Path) -> list[float] | None:
         return [float(f.get_tensor(found[i]).abs().max()) for i in sorted(found)]
 
 
-class WorldModelAdapter(AdapterMixin):
+class WorldModelAdapter(FamilyAdapter):
     """:class:`~flowforge.models.base.FlowModel` + ``ImageConditioned`` around a :class:`WorldModel`.
 
     Args:
@@ -131,7 +132,9 @@ class WorldModelAdapter(AdapterMixin):
         ValueError: unknown mode; a trainable module that does not exist; action names that do not fit.
     """
 
-    tasks: tuple[str, ...] = ("i2v",)
+    family_spec = FAMILY
+
+    tasks: tuple[str, ...] = FAMILY.tasks
     cfg_rule = "guidance_scale != 1 (flowforge's own world model, no pipeline)"
 
     def guidance_use(self, guidance_scale: float) -> str:
@@ -354,10 +357,6 @@ class WorldModelAdapter(AdapterMixin):
         save_file(state, str(root / WEIGHTS_NAME), metadata={"format": "pt"})
         return root
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> WorldModelAdapter:
-        """Same as :func:`load_world_model`."""
-        return load_world_model(path, **kwargs)
 
 
 def load_world_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowforge.models import adapter_class
+from flowforge.models.registry import FAMILIES
 from flowforge.models.base import Conditioning
 from flowforge.models.common import FLOWFORGE_META
 from flowforge.runtime.errors import one_line
@@ -136,7 +136,8 @@ def write_merged(src: Source, work: Path, verify: bool) -> VerifyReport | None:
 def _lora_pipeline(src: Source):
     """The diffusers pipeline class whose ``save_lora_weights`` writes this run's adapter: the base directory's own
     (``model_index.json`` ``_class_name``) when it has one, else the family's (its adapter class's
-    ``export_pipeline``); ``None`` when the family declares that none of its pipelines has a LoRA loader."""
+    spec's :attr:`~flowforge.models.family.Family.export_pipeline`); ``None`` when the family declares that none of
+    its pipelines has a LoRA loader."""
     import diffusers
 
     name = None
@@ -151,7 +152,7 @@ def _lora_pipeline(src: Source):
     if cls is not None and hasattr(cls, "save_lora_weights"):
         return cls
     if src.adapter in PROBES:
-        family_pipeline = adapter_class(src.adapter).export_pipeline
+        family_pipeline = FAMILIES[src.adapter].export_pipeline
         return None if family_pipeline is None else getattr(diffusers, family_pipeline)
     raise ExportError(f"model.adapter={src.adapter!r}", "no diffusers pipeline with save_lora_weights is known for "
                       f"it (base model_index.json names {name!r})", "export it with --form merged")

@@ -5,8 +5,8 @@ What and why
 A checkpoint (:mod:`flowforge.train.checkpoint`) stores only what flowforge needs to resume: the LoRA weights keyed
 without the adapter name, and the contract ``{trainable, rank, alpha, targets, dropout}`` in ``trainer_state.json``.
 Users want a model diffusers can load. :func:`export_run` writes one of two forms, for every registered family (the
-table below; the adapter class's ``export_pipeline`` names the pipeline, :mod:`flowforge.tools.export.probes` the
-verification inputs) and, in the ``merged`` form, for any diffusers transformer class (a ``pkg.module:Class`` adapter's
+table below; the family's spec, :class:`flowforge.models.family.Family`, names the pipeline and the verification
+inputs) and, in the ``merged`` form, for any diffusers transformer class (a ``pkg.module:Class`` adapter's
 base included: the class is read from the base's ``transformer/config.json`` ``_class_name``):
 
 ===================  ================================  =========================================================

@@ -1,4 +1,4 @@
-"""The export writer of a two-expert Wan 2.2 A14B run (:mod:`flowforge.models.wan_experts`): both experts, always.
+"""The export writer of a two-expert Wan 2.2 A14B run (:mod:`flowforge.models.wan.experts`): both experts, always.
 
 A base pipeline directory with ``transformer_2/`` (and ``model_index.json`` ``boundary_ratio``) trains a
 ``WanExperts`` module whose checkpoint keys start ``transformer.`` (high-noise expert) or ``transformer_2.``
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from flowforge.models import lora as lora_lib
-from flowforge.models.wan_experts import EXPERTS, WanExperts, load_wan_experts
+from flowforge.models.wan.experts import EXPERTS, WanExperts, load_wan_experts
 from flowforge.tools.export.card import OUT_LINE, base_expr
 from flowforge.tools.export.out import ExportError
 from flowforge.tools.export.portable import drop_name_or_path
@@ -81,7 +81,7 @@ def _probe(experts: WanExperts):
 
 @torch.no_grad()
 def _velocity(experts: WanExperts, inputs) -> torch.Tensor:
-    from flowforge.models.wan import WanAdapter
+    from flowforge.models.wan.adapter import WanAdapter
 
     _, x, sigma, cond = inputs
     cfg = experts.config

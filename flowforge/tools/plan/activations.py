@@ -25,6 +25,7 @@ import contextlib
 import itertools
 from dataclasses import dataclass
 
+from flowforge.models.registry import FAMILIES
 from flowforge.tools.plan.sizes import ModelSpec, build_transformer
 
 IMAGE_SIDE = 16  # token cells a side at the first point (x2 along the width at the second); linear from ~256 tokens
@@ -204,7 +205,8 @@ def _measure(adapter, spec: ModelSpec, latent, text_tokens: int, dtype, guidance
     return peak[dev]["Total"] - grads - before.get(dev, {}).get("Total", 0)
 
 
-PACKED = ("qwen_image", "flux", "flux2")  # families whose latents are packed 2x2 into the channel axis
+PACKED = tuple(name for name, family in FAMILIES.items() if family.packed_latents)
+"""Families whose latents are packed 2x2 into the channel axis (their spec's ``packed_latents``)."""
 
 
 def latent_for(spec: ModelSpec, height: int, width: int, frames: int | None) -> tuple[int, ...]:

@@ -120,7 +120,7 @@ def _setup(sft: SFTConfig, seed: int, data: DataConfig, model_config: dict[str, 
     from flowforge.data.prompts import load_prompts
     from flowforge.demo.data import load_split
     from flowforge.demo.model import build_tiny_sd3, tiny_sd3_config
-    from flowforge.models.sd3 import SD3Adapter
+    from flowforge.models.sd3.adapter import SD3Adapter
     from flowforge.models.text import MiniLMEncoder
 
     config = tiny_sd3_config() if model_config is None else dict(model_config)

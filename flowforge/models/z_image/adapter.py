@@ -46,7 +46,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
+from flowforge.models.z_image.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PackedImageLatents,
@@ -63,7 +66,7 @@ from flowforge.models.common import (
     vae_encode_scaled,
 )
 
-Z_IMAGE_TASKS = ("t2i",)
+Z_IMAGE_TASKS = FAMILY.tasks
 
 Z_IMAGE_LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
 """Attention projections of every ``ZImageTransformerBlock`` (noise refiner, context refiner, main layers): the
@@ -107,7 +110,7 @@ def z_image_pipeline_sigmas(scheduler_config: dict[str, Any], num_steps: int, mu
     return flow_match_pipeline_sigmas(config, num_steps, mu)
 
 
-class ZImageAdapter(AdapterMixin, PackedImageLatents):
+class ZImageAdapter(FamilyAdapter, PackedImageLatents):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``ZImageTransformer2DModel`` (Z-Image,
     Z-Image-Turbo); the conventions are in the module docstring.
 
@@ -126,21 +129,21 @@ class ZImageAdapter(AdapterMixin, PackedImageLatents):
         ValueError: unknown ``task``.
     """
 
+    family_spec = FAMILY
+
     family = "Z-Image"
     tasks: tuple[str, ...] = Z_IMAGE_TASKS
     cfg_rule = "guidance_scale > 1 (the pipeline's guidance_scale = flowforge's - 1 > 0)"
     lora_targets: tuple[str, ...] = Z_IMAGE_LORA_TARGETS
-    export_pipeline: str | None = "ZImagePipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,
                  task: str = "t2i"):
-        if task not in Z_IMAGE_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(Z_IMAGE_TASKS)}")
+        FAMILY.check_task(task)
         self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.vae = frozen(vae)
         self.negative_prompt = negative_prompt
         self.scheduler_config = dict(scheduler_config or {})
 
@@ -220,21 +223,15 @@ class ZImageAdapter(AdapterMixin, PackedImageLatents):
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Latents ``[B, C, h, w]`` → images ``[B, 3, h f, w f]`` float32 in [0, 1]."""
-        if self.vae is None:
-            raise RuntimeError("this ZImageAdapter has no VAE; decode is unavailable")
+        self.require_vae("decode")
         return vae_decode_scaled(self.vae, latents)
 
     @torch.no_grad()
     def encode_images(self, images: Tensor) -> Tensor:
         """Images ``[B, 3, H, W]`` in [0, 1] → model latents ``(mode(z) - shift_factor) * scaling_factor`` fp32."""
-        if self.vae is None:
-            raise RuntimeError("this ZImageAdapter has no VAE")
+        self.require_vae()
         return vae_encode_scaled(self.vae, images)
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> ZImageAdapter:
-        """Same as :func:`load_z_image`."""
-        return load_z_image(path, **kwargs)
 
 
 def load_z_image(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -248,16 +245,12 @@ def load_z_image(path: str | Path, *, dtype: torch.dtype = torch.float32, device
         FileNotFoundError: ``path`` is not a pipeline directory.
         ValueError: ``task`` is not ``"t2i"``.
     """
-    if task not in Z_IMAGE_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(Z_IMAGE_TASKS)}")
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    from diffusers import ZImageTransformer2DModel
 
     root = pipeline_dir(path, "Z-Image")
     transformer = ZImageTransformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                            local_files_only=True).to(device)
-    vae = None
-    if has_component(root, "vae"):
-        vae = AutoencoderKL.from_pretrained(str(root / "vae"), torch_dtype=dtype, local_files_only=True).to(device)
+    vae = load_component(root, "vae", dtype=dtype, device=device)
     if text_encoder is None and has_component(root, "text_encoder"):
         text_encoder = z_image_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
                                     min_tokenizer_size=min_tokenizer_size)

@@ -1,6 +1,6 @@
 """Qwen-Image's text conditioning: the Qwen2.5-VL of a Qwen-Image / -Edit / -Edit-Plus pipeline, called through the
-pipeline's own ``encode_prompt`` (see :mod:`flowforge.models.qwen_image` for the conventions and the pipeline lines
-they were checked against), and the condition-image helpers the Edit pipelines and FLUX.2 share.
+pipeline's own ``encode_prompt`` (see :mod:`flowforge.models.qwen_image.adapter` for the conventions and the pipeline
+lines they were checked against), and the condition-image helpers the Edit pipelines and FLUX.2 share.
 
 Embeddings: ``[N, max_sequence_length, D]`` in the text encoder's dtype, masks ``[N, max_sequence_length]`` int64
 (zero-padded rows; the pipelines do not truncate, so a longer encoding raises ``ValueError``).

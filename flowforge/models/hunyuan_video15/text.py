@@ -1,6 +1,6 @@
 """HunyuanVideo 1.5's text conditioning: its Qwen2.5-VL and ByT5 glyph encoder, called through the pipeline's own
 ``encode_prompt`` in a text-only pipeline, their outputs joined into one record (:func:`join_text`); see
-:mod:`flowforge.models.hunyuan_video15` for the conventions and the pipeline lines they were checked against."""
+:mod:`flowforge.models.hunyuan_video15.adapter` for the conventions and the pipeline lines they were checked against."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.models.common import DEFAULT_MIN_TOKENIZER_SIZE, PipelineText, read_json
-
-GLYPH_LENGTH = 256
-"""ByT5 tokens per prompt (``HunyuanVideo15Pipeline.tokenizer_2_max_length``)."""
+from flowforge.models.hunyuan_video15.spec import GLYPH_LENGTH
 
 
 def _hunyuan_encode_fn(max_sequence_length: int | None, glyph_length: int):

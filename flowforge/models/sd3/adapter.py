@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.sd3.spec import FAMILY
 from flowforge.models.common import FLOWFORGE_META, check_velocity_inputs, read_flowforge_meta
 
 logger = logging.getLogger(__name__)
@@ -106,7 +108,7 @@ class SD3PipelineTextEncoder:
         return embeds, None, pooled
 
 
-class SD3Adapter(AdapterMixin):
+class SD3Adapter(FamilyAdapter):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``SD3Transformer2DModel``.
 
     Args:
@@ -117,16 +119,17 @@ class SD3Adapter(AdapterMixin):
         negative_prompt: the prompt whose encoding is ``Conditioning.negative`` (CFG's unconditional branch).
     """
 
+    family_spec = FAMILY
+
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
-    export_pipeline: str | None = "StableDiffusion3Pipeline"
-    tasks: tuple[str, ...] = ("t2i",)
+    tasks: tuple[str, ...] = FAMILY.tasks
     differentiable_decode: bool = True  # decode runs with gradient when called with it (reward-gradient: draft)
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str = ""):
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.vae = frozen(vae)
         self.negative_prompt = negative_prompt
 
     # ------------------------------------------------------------------ properties
@@ -263,14 +266,11 @@ class SD3Adapter(AdapterMixin):
         z = self.vae.encode(images.to(self.vae.dtype) * 2.0 - 1.0).latent_dist.mean
         return ((z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor).float()
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> SD3Adapter:
-        """Same as :func:`load_sd3`."""
-        return load_sd3(path, **kwargs)
 
 
 def load_sd3(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-             text_encoder: Any = None, negative_prompt: str = "", max_sequence_length: int = 256) -> SD3Adapter:
+             task: str = "t2i", text_encoder: Any = None, negative_prompt: str = "",
+             max_sequence_length: int = 256) -> SD3Adapter:
     """Load an SD3-family model from local files (never downloads).
 
     Args:
@@ -280,6 +280,7 @@ def load_sd3(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
             ``"demo:base"`` is resolved before this call (:func:`flowforge.demo.paths.resolve_demo_path`).
         dtype: dtype of the transformer, VAE and text encoders.
         device: where everything is placed.
+        task: ``"t2i"``, the one task of the family (checked by the registry, :meth:`Family.check_task`).
         text_encoder: overrides the text encoder chosen from the files.
         negative_prompt: CFG's unconditional prompt.
         max_sequence_length: T5 tokens (pipeline directories only).

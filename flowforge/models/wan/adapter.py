@@ -46,7 +46,7 @@ prompt's first-frame image into :attr:`WanAdapter.condition_index` of the start 
 visit, steps only :attr:`WanAdapter.generated_index` (so the slot is re-pinned after every stochastic step) and takes
 log-probs and losses over the generated elements only. Not done here: last-frame conditioning (FLF2V:
 ``last_image``, ``pos_embed_seq_len``). Wan2.2 A14B's two experts (``transformer_2`` / ``boundary_ratio``):
-:func:`load_wan` loads both into one :class:`flowforge.models.wan_experts.WanExperts` transformer. The CLIP tokens
+:func:`load_wan` loads both into one :class:`flowforge.models.wan.experts.WanExperts` transformer. The CLIP tokens
 are computed from the images the adapter is given (the trainer's: already resized to the video size by
 ``load_condition_images``), while the pipeline hands CLIP the caller's original image; the two agree exactly when
 the source image already has the video size.
@@ -63,7 +63,10 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.media import to_uint8
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
+from flowforge.models.wan.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
@@ -98,7 +101,7 @@ WAN_FALLBACK_SHIFT = 5.0
 WAN_I2V_TEXT_LEN = 512
 """Text tokens an ``image_dim`` transformer's cross-attention expects after the image tokens (diffusers
 ``transformer_wan.py`` ``WanAttnProcessor``: ``image_context_length = encoder_hidden_states.shape[1] - 512``)."""
-WAN_TASKS = ("t2v", "i2v")
+WAN_TASKS = FAMILY.tasks
 
 
 def _wan_encode_fn(max_sequence_length: int):
@@ -132,7 +135,7 @@ def wan_text(*, path: str | Path | None = None, components: dict[str, Any] | Non
                         encoder_id=encoder_id, min_tokenizer_size=min_tokenizer_size)
 
 
-class WanAdapter(AdapterMixin):
+class WanAdapter(FamilyAdapter):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``WanTransformer3DModel`` (video).
 
     Args:
@@ -157,23 +160,23 @@ class WanAdapter(AdapterMixin):
             (FLF2V, ``pos_embed_seq_len``) transformer.
     """
 
+    family_spec = FAMILY
+
     lora_targets: tuple[str, ...] = WAN_LORA_TARGETS
-    export_pipeline: str | None = "WanPipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  task: str = "t2v", expand_timesteps: bool = False, negative_prompt: str | None = "",
                  scheduler_config: dict[str, Any] | None = None, image_encoder: nn.Module | None = None,
                  image_processor: Any = None):
-        if task not in WAN_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(WAN_TASKS)}")
+        FAMILY.check_task(task)
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.vae = frozen(vae)
         self.task = task
         self.expand_timesteps = bool(expand_timesteps)
         self.negative_prompt = negative_prompt
         self.scheduler_config = dict(scheduler_config or {})
-        self.image_encoder = image_encoder.eval().requires_grad_(False) if image_encoder is not None else None
+        self.image_encoder = frozen(image_encoder)
         self.image_processor = image_processor
         cfg = self.config
         self.concat_channels = int(cfg.in_channels) - int(cfg.out_channels)
@@ -431,8 +434,7 @@ class WanAdapter(AdapterMixin):
     def decode(self, latents: Tensor) -> Tensor:
         """Latents ``[B, C, F, h, w]`` → video ``[B, 3, frames, H, W]`` float32 in [0, 1] (only the first ``z``
         channels are decoded: the generated ones)."""
-        if self.vae is None:
-            raise RuntimeError("this WanAdapter has no VAE; decode is unavailable")
+        self.require_vae("decode")
         z = latents[:, : self.z_dim].to(self.vae.dtype)
         mean, inv_std = latent_stats(self.vae, z)
         return to_unit_range(self.vae.decode(z / inv_std + mean, return_dict=False)[0])
@@ -440,16 +442,11 @@ class WanAdapter(AdapterMixin):
     @torch.no_grad()
     def encode_video(self, video: Tensor) -> Tensor:
         """Video ``[B, 3, frames, H, W]`` in [0, 1] → normalised latents ``[B, z, F, h, w]`` fp32 (VAE mode)."""
-        if self.vae is None:
-            raise RuntimeError("this WanAdapter has no VAE")
+        self.require_vae()
         z = self.vae.encode(video.to(self.vae.dtype) * 2.0 - 1.0).latent_dist.mode()
         mean, inv_std = latent_stats(self.vae, z)
         return ((z - mean) * inv_std).float()
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> WanAdapter:
-        """Same as :func:`load_wan`."""
-        return load_wan(path, **kwargs)
 
 
 def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -465,25 +462,22 @@ def load_wan(path: str | Path, *, dtype: torch.dtype = torch.float32, device: to
         FileNotFoundError: not a pipeline directory. ValueError: a two-expert (Wan2.2 A14B) directory missing
         ``transformer_2`` or ``boundary_ratio``; an ``image_dim`` i2v directory without ``image_encoder`` /
         ``image_processor``. A complete two-expert directory gives an adapter whose ``transformer`` is a
-        :class:`~flowforge.models.wan_experts.WanExperts`.
+        :class:`~flowforge.models.wan.experts.WanExperts`.
     """
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from diffusers import WanTransformer3DModel
 
     root = pipeline_dir(path, "Wan")
     index = read_json(root / "model_index.json")
     two_experts = has_component(root, "transformer_2") or index.get("boundary_ratio") is not None
     transformer = None if two_experts else WanTransformer3DModel.from_pretrained(
         str(root / "transformer"), torch_dtype=dtype, local_files_only=True).to(device)
-    vae = None
-    if has_component(root, "vae"):
-        # The diffusers Wan examples keep the VAE in fp32.
-        vae = AutoencoderKLWan.from_pretrained(str(root / "vae"), torch_dtype=torch.float32,
-                                               local_files_only=True).to(device)
+    # The diffusers Wan examples keep the VAE in fp32.
+    vae = load_component(root, "vae", dtype=torch.float32, device=device)
     if text_encoder is None and has_component(root, "text_encoder"):
         text_encoder = wan_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
                                 min_tokenizer_size=min_tokenizer_size, pipeline_class=index["_class_name"])
-    if two_experts:  # Wan2.2 A14B: both experts in one module (flowforge.models.wan_experts)
-        from flowforge.models.wan_experts import load_wan_experts
+    if two_experts:  # Wan2.2 A14B: both experts in one module (flowforge.models.wan.experts)
+        from flowforge.models.wan.experts import load_wan_experts
 
         transformer = load_wan_experts(root, index, dtype=dtype, device=device)
     image_encoder = image_processor = None

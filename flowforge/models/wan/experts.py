@@ -15,12 +15,12 @@ replay              the expert is a function of the row's sigma alone, so a repl
 CFG                 ``guidance_scale`` for both experts: the pipeline's ``guidance_scale_2`` defaults to
                     ``guidance_scale`` (517-518); a different low-noise scale is not expressible in flowforge's one
                     ``sampler.guidance_scale`` (see "Not done").
-everything else     as :mod:`flowforge.models.wan` (timestep unit, VAE scaling, UMT5 text, i2v layouts): both experts
-                    are called exactly like the single Wan transformer (``hidden_states``, ``timestep``,
+everything else     as :mod:`flowforge.models.wan.adapter` (timestep unit, VAE scaling, UMT5 text, i2v layouts): both
+                    experts are called exactly like the single Wan transformer (``hidden_states``, ``timestep``,
                     ``encoder_hidden_states``, 620-635).
 ==================  ================================================================================================
 
-:func:`flowforge.models.wan.load_wan` (``model.adapter: wan``) loads such a directory as a ``WanAdapter`` whose
+:func:`flowforge.models.wan.adapter.load_wan` (``model.adapter: wan``) loads such a directory as a ``WanAdapter`` whose
 ``transformer`` is a :class:`WanExperts`; every Wan convention (timestep unit, VAE scaling, UMT5 text, i2v layouts,
 CFG) is then ``WanAdapter``'s, unchanged. Training: ``adapter.transformer`` is a :class:`WanExperts` module holding
 both experts as ``transformer`` (high noise) and ``transformer_2`` (low noise), so LoRA injection, the policy bank,

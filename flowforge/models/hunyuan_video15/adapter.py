@@ -64,7 +64,10 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.media import to_uint8
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
+from flowforge.models.hunyuan_video15.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     check_velocity_inputs,
@@ -75,9 +78,9 @@ from flowforge.models.common import (
     require_negative,
     to_unit_range,
 )
-from flowforge.models.hunyuan_video15_text import GLYPH_LENGTH, hunyuan_video15_text
+from flowforge.models.hunyuan_video15.text import GLYPH_LENGTH, hunyuan_video15_text
 
-HUNYUAN_VIDEO15_TASKS = ("t2v", "i2v")
+HUNYUAN_VIDEO15_TASKS = FAMILY.tasks
 VISION_TOKENS = 729
 """Image tokens of the t2v zero ``image_embeds`` (``HunyuanVideo15Pipeline.vision_num_semantic_tokens``)."""
 
@@ -113,7 +116,7 @@ def hunyuan_video15_pipeline_sigmas(scheduler_config: dict[str, Any], num_steps:
     return scheduler.sigmas.to(torch.float32).cpu()
 
 
-class HunyuanVideo15Adapter(AdapterMixin):
+class HunyuanVideo15Adapter(FamilyAdapter):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``HunyuanVideo15Transformer3DModel`` (t2v,
     i2v); the conventions are in the module docstring.
 
@@ -135,6 +138,8 @@ class HunyuanVideo15Adapter(AdapterMixin):
             a VAE but no ``image_encoder`` / ``feature_extractor``.
     """
 
+    family_spec = FAMILY
+
     tasks: tuple[str, ...] = HUNYUAN_VIDEO15_TASKS
     cfg_rule = "guidance_scale != 1 (the pipeline's ClassifierFreeGuidance guider)"
 
@@ -144,14 +149,12 @@ class HunyuanVideo15Adapter(AdapterMixin):
 
         return "off" if math.isclose(float(guidance_scale), 1.0) else "cfg"
     lora_targets: tuple[str, ...] = HUNYUAN_VIDEO15_LORA_TARGETS
-    export_pipeline = None  # no HunyuanVideo 1.5 pipeline has a LoRA loader (diffusers 0.42)
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  task: str = "t2v", negative_prompt: str | None = "", scheduler_config: dict[str, Any] | None = None,
                  image_encoder: nn.Module | None = None, feature_extractor: Any = None,
                  glyph_length: int = GLYPH_LENGTH):
-        if task not in HUNYUAN_VIDEO15_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(HUNYUAN_VIDEO15_TASKS)}")
+        FAMILY.check_task(task)
         self.transformer = transformer.eval()
         cfg = self.config
         if int(cfg.in_channels) != 2 * int(cfg.out_channels) + 1:
@@ -165,11 +168,11 @@ class HunyuanVideo15Adapter(AdapterMixin):
                              "(SiglipImageProcessor), e.g. a HunyuanVideo15ImageToVideoPipeline directory's "
                              "image_encoder/ and feature_extractor/")
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.vae = frozen(vae)
         self.task = task
         self.negative_prompt = negative_prompt
         self.scheduler_config = dict(scheduler_config or {})
-        self.image_encoder = image_encoder.eval().requires_grad_(False) if image_encoder is not None else None
+        self.image_encoder = frozen(image_encoder)
         self.feature_extractor = feature_extractor
         self.glyph_length = int(glyph_length)
 
@@ -236,7 +239,7 @@ class HunyuanVideo15Adapter(AdapterMixin):
         d1, d2, s2 = int(self.config.text_embed_dim), int(self.config.text_embed_2_dim), self.glyph_length
         if e.shape[1] <= s2 or e.shape[2] < max(d1, d2):
             raise ValueError(f"cond.prompt_embeds {tuple(e.shape)}: expected [B, S1 + {s2}, >= {max(d1, d2)}] "
-                             "(Qwen2.5-VL tokens then the ByT5 glyph tokens, flowforge.models.hunyuan_video15)")
+                             "(Qwen2.5-VL tokens then the ByT5 glyph tokens, flowforge.models.hunyuan_video15.adapter)")
         return e[:, :-s2, :d1], m[:, :-s2], e[:, -s2:, :d2], m[:, -s2:]
 
     def _image_embeds(self, cond: Conditioning, batch: int, device: torch.device) -> Tensor:
@@ -370,8 +373,7 @@ class HunyuanVideo15Adapter(AdapterMixin):
     def decode(self, latents: Tensor) -> Tensor:
         """Latents ``[B, C, F, h, w]`` -> video ``[B, 3, frames, H, W]`` float32 in [0, 1]: ``vae.decode(z /
         scaling_factor)`` of the first ``z`` channels (the generated ones)."""
-        if self.vae is None:
-            raise RuntimeError("this HunyuanVideo15Adapter has no VAE; decode is unavailable")
+        self.require_vae("decode")
         z = latents[:, : self.z_dim].to(self.vae.dtype) / self.vae.config.scaling_factor
         # one row at a time: the VAE's mid-block attention fails for batch > 1 in diffusers 0.42 (its causal mask
         # [B, S, S] is not unsqueezed for the head dim; huggingface/diffusers PR #13133)
@@ -380,8 +382,7 @@ class HunyuanVideo15Adapter(AdapterMixin):
     @torch.no_grad()
     def encode_video(self, video: Tensor) -> Tensor:
         """Video ``[B, 3, frames, H, W]`` in [0, 1] -> model latents ``mode(z) * scaling_factor`` fp32."""
-        if self.vae is None:
-            raise RuntimeError("this HunyuanVideo15Adapter has no VAE")
+        self.require_vae()
         z = self._vae_encode(video.to(self.vae.device, self.vae.dtype) * 2.0 - 1.0)
         return (z * self.vae.config.scaling_factor).float()
 
@@ -389,10 +390,6 @@ class HunyuanVideo15Adapter(AdapterMixin):
         """``mode(vae.encode(pixels))`` one row at a time (the batch > 1 failure of :meth:`decode`)."""
         return torch.cat([self.vae.encode(row).latent_dist.mode() for row in pixels.split(1)])
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> HunyuanVideo15Adapter:
-        """Same as :func:`load_hunyuan_video15`."""
-        return load_hunyuan_video15(path, **kwargs)
 
 
 def load_hunyuan_video15(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -408,20 +405,15 @@ def load_hunyuan_video15(path: str | Path, *, dtype: torch.dtype = torch.float32
         FileNotFoundError: not a pipeline directory. ValueError: unknown task; i2v without ``image_encoder`` /
         ``feature_extractor``; see :class:`HunyuanVideo15Adapter`.
     """
-    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+    from diffusers import HunyuanVideo15Transformer3DModel
 
     root = pipeline_dir(path, "HunyuanVideo 1.5")
     index = read_json(root / "model_index.json")
     if task is None:
         task = "i2v" if index.get("_class_name") == PIPELINE_CLASSES["i2v"] else "t2v"
-    if task not in HUNYUAN_VIDEO15_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(HUNYUAN_VIDEO15_TASKS)}")
     transformer = HunyuanVideo15Transformer3DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                                    local_files_only=True).to(device)
-    vae = None
-    if has_component(root, "vae"):
-        vae = AutoencoderKLHunyuanVideo15.from_pretrained(str(root / "vae"), torch_dtype=torch.float32,
-                                                          local_files_only=True).to(device)
+    vae = load_component(root, "vae", dtype=torch.float32, device=device)
     pipeline_class = index.get("_class_name", PIPELINE_CLASSES["t2v"])
     if text_encoder is None and has_component(root, "text_encoder"):
         text_encoder = hunyuan_video15_text(path=root, max_sequence_length=max_sequence_length,

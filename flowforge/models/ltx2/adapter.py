@@ -61,7 +61,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
+from flowforge.models.ltx2.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PipelineText,
@@ -75,7 +78,7 @@ from flowforge.models.common import (
     to_unit_range,
 )
 
-LTX2_TASKS = ("t2v",)
+LTX2_TASKS = FAMILY.tasks
 LTX2_TIMESTEP_SCALE = 1000.0
 LTX2_SHIFT_DEFAULTS = {"base_image_seq_len": 1024, "max_image_seq_len": 4096, "base_shift": 0.95,
                        "max_shift": 2.05}
@@ -136,7 +139,7 @@ def ltx2_text(*, path: str | Path | None = None, components: dict[str, Any] | No
                         encoder_id=encoder_id, min_tokenizer_size=min_tokenizer_size)
 
 
-class LTX2Adapter(AdapterMixin):
+class LTX2Adapter(FamilyAdapter):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``LTX2VideoTransformer3DModel``: video and audio
     generated together; the conventions are in the module docstring.
 
@@ -166,6 +169,8 @@ class LTX2Adapter(AdapterMixin):
         ValueError: unknown ``task``.
     """
 
+    family_spec = FAMILY
+
     family = "LTX-2"
     tasks: tuple[str, ...] = LTX2_TASKS
     cfg_rule = "guidance_scale > 1 or the audio scale (sampler.audio_guidance_scale, default 7) > 1"
@@ -179,7 +184,6 @@ class LTX2Adapter(AdapterMixin):
         # the pipeline's `audio_guidance_scale or guidance_scale`
         return float(self.audio_guidance_scale or guidance_scale)
     lora_targets: tuple[str, ...] = LTX2_LORA_TARGETS
-    export_pipeline: str | None = "LTX2Pipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None,
                  audio_vae: nn.Module | None = None, vocoder: nn.Module | None = None, *,
@@ -187,16 +191,15 @@ class LTX2Adapter(AdapterMixin):
                  frame_rate: float = 24.0, motion_speed: float = 1.0, audio_guidance_scale: float | None = 7.0,
                  guidance_rescale: float = 0.7, audio_guidance_rescale: float | None = 0.7,
                  use_cross_timestep: bool = True, video_text_dim: int | None = None, task: str = "t2v"):
-        if task not in LTX2_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(LTX2_TASKS)}")
+        FAMILY.check_task(task)
         if not frame_rate > 0 or not motion_speed > 0:
             raise ValueError(f"frame_rate and motion_speed must be > 0, got {frame_rate} and {motion_speed}")
         self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
-        self.audio_vae = audio_vae.eval().requires_grad_(False) if audio_vae is not None else None
-        self.vocoder = vocoder.eval().requires_grad_(False) if vocoder is not None else None
+        self.vae = frozen(vae)
+        self.audio_vae = frozen(audio_vae)
+        self.vocoder = frozen(vocoder)
         self.negative_prompt = negative_prompt
         self.scheduler_config = dict(scheduler_config or {})
         self.frame_rate = float(frame_rate)
@@ -441,10 +444,6 @@ class LTX2Adapter(AdapterMixin):
         mel = self.audio_vae.decode(a.to(self.audio_vae.dtype), return_dict=False)[0]
         return self.vocoder(mel).float(), self.sample_rate
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> LTX2Adapter:
-        """Same as :func:`load_ltx2`."""
-        return load_ltx2(path, **kwargs)
 
 
 def load_ltx2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -461,27 +460,14 @@ def load_ltx2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: t
         FileNotFoundError: ``path`` is not a pipeline directory.
         ValueError: ``task`` is not ``"t2v"``.
     """
-    if task not in LTX2_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(LTX2_TASKS)}")
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers import LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 
     root = pipeline_dir(path, "LTX-2")
     transformer = LTX2VideoTransformer3DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                               local_files_only=True).to(device)
-    vae = audio_vae = vocoder = None
-    if has_component(root, "vae"):
-        vae = AutoencoderKLLTX2Video.from_pretrained(str(root / "vae"), torch_dtype=dtype,
-                                                     local_files_only=True).to(device)
-    if has_component(root, "audio_vae"):
-        audio_vae = AutoencoderKLLTX2Audio.from_pretrained(str(root / "audio_vae"), torch_dtype=dtype,
-                                                           local_files_only=True).to(device)
-    if has_component(root, "vocoder"):
-        name = read_json(root / "model_index.json")["vocoder"][1]
-        vocoder_cls = LTX2VocoderWithBWE if name == "LTX2VocoderWithBWE" else LTX2Vocoder
-        vocoder = vocoder_cls.from_pretrained(str(root / "vocoder"), torch_dtype=dtype,
-                                              local_files_only=True).to(device)
+    vae, audio_vae, vocoder = (load_component(root, name, dtype=dtype, device=device)
+                               for name in ("vae", "audio_vae", "vocoder"))
     video_text_dim = None
     if has_component(root, "connectors"):
         c = LTX2TextConnectors.load_config(str(root / "connectors"))

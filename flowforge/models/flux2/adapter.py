@@ -71,7 +71,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
+from flowforge.models.flux2.spec import FAMILY
 from flowforge.models.reference_images import by_image_layout, pad_rows, pil_rows, row_grids
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -86,7 +89,7 @@ from flowforge.models.common import (
     to_unit_range,
 )
 
-FLUX2_TASKS = ("t2i", "i2i")
+FLUX2_TASKS = FAMILY.tasks
 REFERENCE_MAX_AREA = 1024 * 1024
 """Both FLUX.2 pipelines shrink a reference image larger than this (pixels) to this area; so does flowforge."""
 
@@ -142,7 +145,7 @@ def flux2_klein_text(*, path: str | Path | None = None, components: dict[str, An
                         min_tokenizer_size=min_tokenizer_size)
 
 
-class Flux2Adapter(AdapterMixin):
+class Flux2Adapter(FamilyAdapter):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``Flux2Transformer2DModel`` driven as
     ``Flux2KleinPipeline`` (no guidance embedding) or ``Flux2Pipeline`` (FLUX.2 [dev]: ``config.guidance_embeds``)
     does (module docstring); ``task="i2i"``: reference images (``ImageConditioned``, consumed in the velocity).
@@ -162,22 +165,22 @@ class Flux2Adapter(AdapterMixin):
         ValueError: unknown ``task``.
     """
 
+    family_spec = FAMILY
+
     family = "FLUX.2"
     tasks: tuple[str, ...] = FLUX2_TASKS
     takes_original_images = True  # each reference image resized as the pipelines do, from the file's own size
     max_condition_images = None  # neither pipeline limits the number of reference images (diffusers 0.42)
     lora_targets: tuple[str, ...] = FLUX2_LORA_TARGETS
-    export_pipeline: str | None = "Flux2Pipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,
                  is_distilled: bool = False, task: str = "t2i"):
-        if task not in FLUX2_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(FLUX2_TASKS)}")
+        FAMILY.check_task(task)
         self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.vae = frozen(vae)
         if negative_prompt == "default":
             negative_prompt = None if self.guidance_embeds else ""
         self.negative_prompt = negative_prompt
@@ -313,8 +316,7 @@ class Flux2Adapter(AdapterMixin):
         """
         from diffusers import Flux2KleinPipeline
 
-        if self.vae is None:
-            raise RuntimeError("this Flux2Adapter has no VAE")
+        self.require_vae()
         pipe = Flux2KleinPipeline(scheduler=None, vae=self.vae, text_encoder=None, tokenizer=None, transformer=None)
         multiple = 2 * self.vae_scale_factor
         tokens, grids = [], []
@@ -357,18 +359,13 @@ class Flux2Adapter(AdapterMixin):
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Patchified latents ``[B, 4C, h, w]`` → images ``[B, 3, 2 f h, 2 f w]`` float32 in [0, 1]."""
-        if self.vae is None:
-            raise RuntimeError("this Flux2Adapter has no VAE; decode is unavailable")
+        self.require_vae("decode")
         from diffusers import Flux2KleinPipeline
 
         mean, std = self._bn(latents)
         z = Flux2KleinPipeline._unpatchify_latents(latents * std + mean)
         return to_unit_range(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> Flux2Adapter:
-        """Same as :func:`load_flux2`."""
-        return load_flux2(path, **kwargs)
 
 
 Flux2KleinAdapter = Flux2Adapter
@@ -386,9 +383,7 @@ def load_flux2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         FileNotFoundError: ``path`` is not a pipeline directory. ValueError: ``task`` not in ``("t2i", "i2i")``; a
         directory of another pipeline class.
     """
-    if task not in FLUX2_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(FLUX2_TASKS)}")
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from diffusers import Flux2Transformer2DModel
 
     root = pipeline_dir(path, "FLUX.2")
     index = json.loads((root / "model_index.json").read_text())
@@ -398,10 +393,7 @@ def load_flux2(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
                          "Flux2Pipeline directory")
     transformer = Flux2Transformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                           local_files_only=True).to(device)
-    vae = None
-    if has_component(root, "vae"):
-        vae = AutoencoderKLFlux2.from_pretrained(str(root / "vae"), torch_dtype=dtype,
-                                                 local_files_only=True).to(device)
+    vae = load_component(root, "vae", dtype=dtype, device=device)
     if text_encoder is None and has_component(root, "text_encoder"):
         make = flux2_dev_text if pipeline_class == "Flux2Pipeline" else flux2_klein_text
         text_encoder = make(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,

@@ -67,7 +67,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
+from flowforge.models.flux.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
     PackedImageLatents,
@@ -124,11 +127,11 @@ def flux_text(*, path: str | Path | None = None, components: dict[str, Any] | No
                         min_tokenizer_size=min_tokenizer_size)
 
 
-FLUX_TASKS = ("t2i", "i2i")
+FLUX_TASKS = FAMILY.tasks
 """Tasks of :class:`FluxAdapter`: text-to-image and FLUX.1 Kontext image-to-image (same transformer class)."""
 
 
-class FluxAdapter(AdapterMixin, PackedImageLatents):
+class FluxAdapter(FamilyAdapter, PackedImageLatents):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``FluxTransformer2DModel``; image-to-image
     (FLUX.1 Kontext) through :class:`~flowforge.models.base.ImageConditioned` with the image consumed inside the
     velocity (``condition_index = None``; see the module docstring).
@@ -149,20 +152,20 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
         ValueError: unknown ``task``.
     """
 
+    family_spec = FAMILY
+
     family = "FLUX"
     tasks: tuple[str, ...] = FLUX_TASKS
     lora_targets: tuple[str, ...] = FLUX_LORA_TARGETS
-    export_pipeline: str | None = "FluxPipeline"
 
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = "default", scheduler_config: dict[str, Any] | None = None,
                  task: str = "t2i"):
-        if task not in FLUX_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(FLUX_TASKS)}")
+        FAMILY.check_task(task)
         self.task = task
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.vae = frozen(vae)
         if negative_prompt == "default":
             negative_prompt = None if self.guidance_embeds else ""
         self.negative_prompt = negative_prompt
@@ -295,21 +298,15 @@ class FluxAdapter(AdapterMixin, PackedImageLatents):
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Unpacked latents ``[B, C, h, w]`` → images ``[B, 3, h f, w f]`` float32 in [0, 1]."""
-        if self.vae is None:
-            raise RuntimeError("this FluxAdapter has no VAE; decode is unavailable")
+        self.require_vae("decode")
         return vae_decode_scaled(self.vae, latents)
 
     @torch.no_grad()
     def encode_images(self, images: Tensor) -> Tensor:
         """Images ``[B, 3, H, W]`` in [0, 1] → model latents ``(mode(z) - shift_factor) * scaling_factor`` fp32."""
-        if self.vae is None:
-            raise RuntimeError("this FluxAdapter has no VAE")
+        self.require_vae()
         return vae_encode_scaled(self.vae, images)
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> FluxAdapter:
-        """Same as :func:`load_flux`."""
-        return load_flux(path, **kwargs)
 
 
 def load_flux(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -326,16 +323,12 @@ def load_flux(path: str | Path, *, dtype: torch.dtype = torch.float32, device: t
         FileNotFoundError: ``path`` is not a pipeline directory.
         ValueError: ``task`` not in ``("t2i", "i2i")``.
     """
-    if task not in FLUX_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(FLUX_TASKS)}")
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel
 
     root = pipeline_dir(path, "FLUX")
     transformer = FluxTransformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                          local_files_only=True).to(device)
-    vae = None
-    if has_component(root, "vae"):
-        vae = AutoencoderKL.from_pretrained(str(root / "vae"), torch_dtype=dtype, local_files_only=True).to(device)
+    vae = load_component(root, "vae", dtype=dtype, device=device)
     if text_encoder is None and has_component(root, "text_encoder_2"):
         text_encoder = flux_text(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
                                  min_tokenizer_size=min_tokenizer_size)

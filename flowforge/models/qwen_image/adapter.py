@@ -116,7 +116,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.models.base import AdapterMixin, Conditioning
+from flowforge.models.base import Conditioning, frozen
+from flowforge.models.family import FamilyAdapter
+from flowforge.models.load import load_component
+from flowforge.models.qwen_image.spec import FAMILY
 from flowforge.models.reference_images import by_image_layout, pad_rows, pil_rows, row_grids
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -134,7 +137,7 @@ from flowforge.models.common import (
     to_unit_range,
     unpack_2x2,
 )
-from flowforge.models.qwen_text import (
+from flowforge.models.qwen_image.text import (
     QwenImageEditPlusText,
     QwenImageEditText,
     edit_plus_sizes,
@@ -158,11 +161,11 @@ QWEN_IMAGE_LORA_TARGETS = (
 the module names of diffusers' Qwen-Image LoRA format (``QwenImagePipeline.load_lora_weights``)."""
 
 
-QWEN_IMAGE_TASKS = ("t2i", "i2i")
+QWEN_IMAGE_TASKS = FAMILY.tasks
 """Tasks of :class:`QwenImageAdapter`: text-to-image and Qwen-Image-Edit image-to-image (same transformer class)."""
 
 
-class QwenImageAdapter(AdapterMixin, PackedImageLatents):
+class QwenImageAdapter(FamilyAdapter, PackedImageLatents):
     """:class:`~flowforge.models.base.FlowModel` around a diffusers ``QwenImageTransformer2DModel``; image-to-image
     (Qwen-Image-Edit) through :class:`~flowforge.models.base.ImageConditioned` with the image consumed inside the
     velocity and the text encoder (``condition_index = None``; see the module docstring).
@@ -187,10 +190,11 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
             guidance embeds; ``edit_plus`` without ``task="i2i"``.
     """
 
+    family_spec = FAMILY
+
     family = "Qwen-Image"
     tasks: tuple[str, ...] = QWEN_IMAGE_TASKS
     lora_targets: tuple[str, ...] = QWEN_IMAGE_LORA_TARGETS
-    export_pipeline: str | None = "QwenImagePipeline"
 
     @property
     def takes_original_images(self) -> bool:
@@ -205,8 +209,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     def __init__(self, transformer: nn.Module, text_encoder: Any = None, vae: nn.Module | None = None, *,
                  negative_prompt: str | None = " ", cfg_renorm: bool = True,
                  scheduler_config: dict[str, Any] | None = None, task: str = "t2i", edit_plus: bool = False):
-        if task not in QWEN_IMAGE_TASKS:
-            raise ValueError(f"task={task!r}; allowed: {list(QWEN_IMAGE_TASKS)}")
+        FAMILY.check_task(task)
         if edit_plus and task != "i2i":
             raise ValueError(f"edit_plus (QwenImageEditPlusPipeline) is image-to-image: task must be 'i2i', got "
                              f"{task!r}")
@@ -221,7 +224,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         self.edit_plus = bool(edit_plus)
         self.transformer = transformer.eval()
         self.text_encoder = text_encoder
-        self.vae = vae.eval().requires_grad_(False) if vae is not None else None
+        self.vae = frozen(vae)
         self.negative_prompt = negative_prompt
         self.cfg_renorm = bool(cfg_renorm)
         self.scheduler_config = dict(scheduler_config or {})
@@ -410,8 +413,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
         """
         from diffusers import QwenImageEditPlusPipeline
 
-        if self.vae is None:
-            raise RuntimeError("this QwenImageAdapter has no VAE")
+        self.require_vae()
         pipe = QwenImageEditPlusPipeline(scheduler=None, vae=self.vae, text_encoder=None, tokenizer=None,
                                          processor=None, transformer=None)
         tokens, grids = [], []
@@ -430,8 +432,7 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Unpacked latents ``[B, C, h, w]`` → images ``[B, 3, h f, w f]`` float32 in [0, 1]."""
-        if self.vae is None:
-            raise RuntimeError("this QwenImageAdapter has no VAE; decode is unavailable")
+        self.require_vae("decode")
         z = latents.unsqueeze(2).to(self.vae.dtype)
         mean, inv_std = latent_stats(self.vae, z)
         z = z / inv_std + mean
@@ -440,17 +441,12 @@ class QwenImageAdapter(AdapterMixin, PackedImageLatents):
     @torch.no_grad()
     def encode_images(self, images: Tensor) -> Tensor:
         """Images ``[B, 3, H, W]`` in [0, 1] → model latents ``(mode(z) - mean) / std`` fp32 ``[B, C, h, w]``."""
-        if self.vae is None:
-            raise RuntimeError("this QwenImageAdapter has no VAE")
+        self.require_vae()
         pixels = (images.to(device=self.vae.device, dtype=torch.float32) * 2.0 - 1.0).to(self.vae.dtype)
         z = self.vae.encode(pixels.unsqueeze(2)).latent_dist.mode()
         mean, inv_std = latent_stats(self.vae, z)
         return ((z - mean) * inv_std)[:, :, 0].float()
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> QwenImageAdapter:
-        """Same as :func:`load_qwen_image`."""
-        return load_qwen_image(path, **kwargs)
 
 
 def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -469,10 +465,8 @@ def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         ValueError: ``task`` not in ``("t2i", "i2i")``; an i2i directory that is not a Qwen-Image-Edit one or a t2i
             directory that is.
     """
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusers import QwenImageTransformer2DModel
 
-    if task not in QWEN_IMAGE_TASKS:
-        raise ValueError(f"task={task!r}; allowed: {list(QWEN_IMAGE_TASKS)}")
     root = pipeline_dir(path, "Qwen-Image")
     pipeline_class = read_json(root / "model_index.json").get("_class_name")
     edit_plus = pipeline_class == "QwenImageEditPlusPipeline"
@@ -483,10 +477,7 @@ def load_qwen_image(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         raise ValueError(f"{path!s} holds a {pipeline_class} (Qwen-Image-Edit): load it with task='i2i'")
     transformer = QwenImageTransformer2DModel.from_pretrained(str(root / "transformer"), torch_dtype=dtype,
                                                               local_files_only=True).to(device)
-    vae = None
-    if has_component(root, "vae"):
-        vae = AutoencoderKLQwenImage.from_pretrained(str(root / "vae"), torch_dtype=dtype,
-                                                     local_files_only=True).to(device)
+    vae = load_component(root, "vae", dtype=dtype, device=device)
     if text_encoder is None and has_component(root, "text_encoder"):
         make = (QwenImageEditPlusText if edit_plus else QwenImageEditText) if task == "i2i" else qwen_image_text
         text_encoder = make(path=root, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
