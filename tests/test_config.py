@@ -111,8 +111,8 @@ def test_root_sections_in_dump_order():
     assert [f.name for f in dataclasses.fields(C.Config)] == [
         "run", "model", "lora", "data", "sampler", "reward", "advantage", "train", "rollout", "grpo", "grpo_guard",
         "forward",
-        "nft", "awm", "dgpo", "dpo", "crd", "dppo", "draft", "anchor", "eval", "guard", "checkpoint", "distributed",
-        "artifacts", "metrics", "sft"]
+        "nft", "awm", "dgpo", "dpo", "crd", "dppo", "draft", "dmd2", "anchor", "eval", "guard", "checkpoint",
+        "distributed", "artifacts", "metrics", "sft"]
     assert list(yaml.safe_load(C.dump_config(C.Config()))) == [f.name for f in dataclasses.fields(C.Config)]
 
 

@@ -12,6 +12,7 @@ from flowforge.objectives.awm import AWM
 from flowforge.objectives.base import Objective
 from flowforge.objectives.crd import CRD
 from flowforge.objectives.dgpo import DGPO
+from flowforge.objectives.dmd2 import DMD2
 from flowforge.objectives.dpo import DPO
 from flowforge.objectives.dppo import DPPO
 from flowforge.objectives.draft import Draft
@@ -29,6 +30,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "crd": CRD,
     "dppo": DPPO,
     "draft": Draft,
+    "dmd2": DMD2,
 }
 """Every algorithm, by its ``train.algorithm`` name (each key equals its class's ``name``)."""
 

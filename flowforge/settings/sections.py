@@ -245,9 +245,6 @@ class RewardConfig(Section):
                       f"reward.options.{name}.max_concurrency={value!r} must be an int >= 1 (calls in flight at once)")
         for name in self.required:
             c.require(name in self.weights, f"reward.required lists {name!r} but reward.weights has no weight for it")
-        for name in self.options:
-            c.require(name in self.weights, f"reward.options.{name}: not a weighted component (reward.weights: "
-                                            f"{sorted(self.weights)})")
         if not self.weights:
             c.problems.append("reward.weights is empty: give at least one component")
         elif all(w == 0 for w in self.weights.values()):

@@ -30,8 +30,9 @@ def test_example_passes_flowforge_check(path, capsys):
         compare = load_compare(path)
         for arm, overrides in compare.arms.items():
             assert main(["check", str(compare.base), *compare.overrides, *overrides]) == 0, arm
-    elif path.parent.name == "gpu":
-        # GPU examples name devices, models and data of a GPU machine: checked as configs, not against this one
+    elif (yaml.safe_load(path.read_text()).get("run") or {}).get("device", "cpu") != "cpu":
+        # GPU examples (gpu/, multi_reward/) name devices, models and data of a GPU machine: checked as configs,
+        # not against this one
         assert main(["check", str(path), "--portable"]) == 0, capsys.readouterr().err
     else:
         assert main(["check", str(path)]) == 0, capsys.readouterr().err
@@ -103,3 +104,29 @@ def test_every_shipped_config_checkpoints_periodically(path):
     else:
         cfg = load_config(path)
         assert 0 < cfg.checkpoint.every < cfg.train.steps and cfg.checkpoint.keep >= 1  # saves before the end too
+
+
+MULTI_REWARD = sorted((EXAMPLES / "multi_reward").glob("*.yaml"))
+MULTI_REWARD_SOURCES = {"sd35m_ocr_pickscore_grpo.yaml": ("flow_grpo", {"ocr": 0.8, "pickscore": 0.2}),
+                        "sd35m_pickscore_aesthetic_ocr_grpo.yaml": ("flow_grpo",
+                                                                    {"pickscore": 0.5, "aesthetic": 0.3, "ocr": 0.2}),
+                        "digits_digit_jpeg_grpo.yaml": ("grpo.yaml", {"digit": 0.8, "jpeg_compressibility": 0.2})}
+"""Recipe -> a source its header comment names and the weights it ships."""
+
+
+@pytest.mark.parametrize("path", MULTI_REWARD, ids=[p.name for p in MULTI_REWARD])
+def test_multi_reward_recipe_states_its_source_and_guards_with_an_independent_judge(path):
+    """Issue 45 item 1: each shipped mix says what it follows, weights summing to 1 over >= 2 components, and runs
+    with the reward-hacking guard watching a held-out judge that is not one of its training rewards."""
+    source, weights = MULTI_REWARD_SOURCES[path.name]
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    assert source in header and "recipe" in header
+    cfg = load_config(path)
+    assert dict(cfg.reward.weights) == weights and abs(sum(weights.values()) - 1) < 1e-9
+    assert cfg.guard.patience > 0 and cfg.eval.every > 0
+    judge = cfg.guard.judge.removeprefix("eval/")
+    assert judge in cfg.eval.scorers and judge not in cfg.reward.weights
+
+
+def test_every_multi_reward_recipe_is_listed():
+    assert {p.name for p in MULTI_REWARD} == set(MULTI_REWARD_SOURCES)

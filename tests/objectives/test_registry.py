@@ -28,7 +28,7 @@ def test_registry_keys_are_names_and_sections_are_config_fields():
         for section in cls.sections:
             assert fields[section.section_name] is section, (key, section)
     assert [s.section_name for s in objective_sections()] == [
-        "grpo", "grpo_guard", "forward", "nft", "awm", "dgpo", "dpo", "crd", "dppo", "draft", "anchor"]
+        "grpo", "grpo_guard", "forward", "nft", "awm", "dgpo", "dpo", "crd", "dppo", "draft", "dmd2", "anchor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Dummy(ForwardProcessObjective):
 def test_a_registered_objective_adds_its_section_to_the_root_config():
     root = C.config_class({**OBJECTIVES, "dummy": Dummy})
     names = [f.name for f in dataclasses.fields(root)]
-    assert names[names.index("draft") + 1] == "dummy" and names[-7:] == ["eval", "guard", "checkpoint",
+    assert names[names.index("anchor") - 1] == "dummy" and names[-7:] == ["eval", "guard", "checkpoint",
                                                                           "distributed", "artifacts", "metrics", "sft"]
     from flowforge.settings import build
 

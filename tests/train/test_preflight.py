@@ -393,3 +393,17 @@ def test_module_mode_with_another_familys_tree_is_not_a_crash(tmp_path):
     preflight(load_config(None, ["model.adapter=world_model", "model.task=i2v", "model.frames=5",
                                  "lora.trainable=module", "lora.modules=[transformer_blocks.0]",
                                  "data.prompts=demo:world-train", "data.eval_prompts=demo:world-eval"]), world_size=1)
+
+
+def test_an_eval_only_scorer_takes_its_options_and_options_must_name_a_scorer():
+    """A held-out judge (the reward-hacking guard's, the multi-reward recipes') is an eval-only scorer that needs its
+    own options (model paths); options naming neither a component nor an eval scorer are refused, naming both."""
+    judge = ("eval.scorers=[jpeg_incompressibility]", "reward.options={jpeg_incompressibility: {quality: 80}}")
+    preflight(load_config(None, list(judge)), world_size=1)  # raises PreflightError on a problem
+    problems = _problems("eval.scorers=[jpeg_incompressibility]", "reward.options={jpeg_incompressibility: "
+                         "{qualty: 80}, jpeg_compressibility: {quality: 80}}")
+    text = "\n".join(problems)
+    assert len(problems) == 2, problems
+    assert "reward.options.jpeg_incompressibility: unknown option ['qualty']; allowed: ['quality']" in text
+    assert ("reward.options.jpeg_compressibility: neither a weighted component nor an eval scorer; allowed: "
+            "['digit', 'jpeg_incompressibility']") in text

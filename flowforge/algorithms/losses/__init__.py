@@ -14,6 +14,8 @@ tensors. Each module's docstring gives its equations, notation and sources.
     ``dgpo``        ``dgpo_loss`` (Direct Group Preference Optimization)
     ``dpo``         ``diffusion_dpo_loss`` + ``best_worst_pairs`` (online Diffusion-DPO)
     ``crd``         ``crd_loss`` + ``cfg_velocity`` (Centered Reward Distillation)
+    ``dmd2``        ``dmd_gradient`` + ``dmd_loss`` + ``fake_score_loss`` (DMD2 few-step distillation: the
+                    distribution-matching gradient, the online fake score's denoising loss), GAN terms
     ``anchors``     ``anchor_fm_loss``, ``transition_ce_loss``, ``combine_anchor_terms``, ``training_sigmas``
                     (world-model anchor losses on real clips)
     ==============  =====================================================================================
@@ -29,6 +31,7 @@ from .anchors import anchor_fm_loss, combine_anchor_terms, transition_ce_loss
 from .awm import AWM_WEIGHTINGS, awm_loss
 from .crd import CRD_LOSS_TYPES, cfg_velocity, crd_loss
 from .dgpo import DGPO_MODES, dgpo_loss
+from .dmd2 import dmd_gradient, dmd_loss, fake_score_loss, gan_discriminator_loss, gan_generator_loss
 from .dpo import best_worst_pairs, diffusion_dpo_loss
 from .dppo import dppo_loss
 from .grpo import flow_grpo_kl, grpo_clip_loss, transition_mean_kl
@@ -51,8 +54,8 @@ __all__ = [
     "dppo_loss",
     "diffusion_dpo_loss",
     "best_worst_pairs",
-    "crd_loss",
-    "CRD_LOSS_TYPES",
+    "crd_loss", "dmd_gradient", "dmd_loss", "fake_score_loss",
+    "CRD_LOSS_TYPES", "gan_generator_loss", "gan_discriminator_loss",
     "cfg_velocity",
     "anchor_fm_loss",
     "transition_ce_loss",

@@ -169,9 +169,10 @@ def _audio_problems(cfg: Config, problems: list[str]) -> None:
                         "carry; set reward.overlap=false")
 
 
-def _scorer_problems(name: str, options: dict) -> list[str]:
-    """:func:`flowforge.rewards.registry.check_scorer_spec` of one reward component, each problem naming its key
-    (``reward.options.<name>`` with the allowed option names, or ``reward.weights``); no scorer is built."""
+def _scorer_problems(name: str, options: dict, key: str = "reward.weights") -> list[str]:
+    """:func:`flowforge.rewards.registry.check_scorer_spec` of one scorer, each problem naming its key
+    (``reward.options.<name>`` with the allowed option names, or ``key``: where the name is listed); no scorer is
+    built."""
     import inspect
 
     from flowforge.rewards.registry import SCORERS, check_scorer_spec
@@ -179,7 +180,7 @@ def _scorer_problems(name: str, options: dict) -> list[str]:
     out = []
     for problem in check_scorer_spec(name, options):
         if not problem.startswith("reward.options."):
-            out.append(f"reward.weights: {problem}")
+            out.append(f"{key}: {problem}")
             continue
         if "unexpected keyword argument" in problem and name in SCORERS:
             params = inspect.signature(SCORERS[name]).parameters
@@ -193,7 +194,6 @@ def _scorer_problems(name: str, options: dict) -> list[str]:
 def _name_problems(cfg: Config, problems: list[str]) -> None:
     """Values whose allowed names are owned by other modules (the sections cannot import them)."""
     from flowforge.objectives import OBJECTIVES
-    from flowforge.rewards.registry import check_scorer_spec
     from flowforge.runtime.distributed import STRATEGIES
 
     _choice(problems, "train.algorithm", cfg.train.algorithm, sorted(OBJECTIVES))
@@ -209,7 +209,13 @@ def _name_problems(cfg: Config, problems: list[str]) -> None:
     for name in cfg.reward.weights:
         problems.extend(_scorer_problems(name, cfg.reward.options.get(name, {})))
     for name in cfg.eval.scorers:
-        problems.extend(f"eval.scorers: {p}" for p in check_scorer_spec(name, {}))
+        # an eval-only scorer is built with its reward.options too (a held-out judge needs its model paths)
+        problems.extend(_scorer_problems(name, cfg.reward.options.get(name, {}), "eval.scorers"))
+    scored = [*cfg.reward.weights, *(n for n in cfg.eval.scorers if n not in cfg.reward.weights)]
+    for name in cfg.reward.options:
+        if name not in scored:
+            problems.append(f"reward.options.{name}: neither a weighted component nor an eval scorer; allowed: "
+                            f"{scored} (reward.weights, eval.scorers)")
 
 
 def offload_problems(cfg: Config, world: int) -> list[str]:

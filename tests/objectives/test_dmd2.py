@@ -1,0 +1,101 @@
+"""DMD2 distillation on the real loop (tiny random SD3): the teacher / fake score wiring (identical at the start, so
+the distribution-matching gradient is exactly 0), the fake score learns without touching the policy, a two-step run
+trains and logs, refusals, and RL (GRPO, SDE rollouts) accepts the exported few-step student."""
+
+import json
+
+import pytest
+import torch
+
+from flowforge.config import ConfigError, load_config
+from flowforge.algorithms import losses
+from flowforge.objectives.dmd2 import renoise_rows
+from flowforge.train.preflight import PreflightError, preflight
+from flowforge.train.trainer import Trainer
+from tests.train.test_trainer import one_step, tiny_cfg, train_batch
+
+DMD2 = ("train.algorithm=dmd2", "sampler.sde_kind=ode", "lora.trainable=full", "advantage.std_mode=none",
+        "train.num_updates_per_batch=1", "dmd2.fake_updates=2")
+
+
+def test_rollout_stores_every_step_and_the_last_prediction_is_the_sample(make):
+    trainer = make(*DMD2)
+    sb, traj, cond, adv, total = one_step(trainer)
+    n = trainer.cfg.sampler.num_steps
+    assert traj.trained_steps == tuple(range(n)) and traj.latents.shape[1] == n
+    batch = train_batch(sb, traj, cond, adv, total)
+    last = traj.sigmas[n - 1].expand(len(batch))
+    with torch.no_grad():  # the generator's prediction at its last input is the Euler step to 0: the sample
+        x = trainer.objective._predict(batch, traj.latents[:, n - 1], last)
+    torch.testing.assert_close(x, traj.final, atol=1e-5, rtol=0)
+
+
+def test_teacher_and_fake_score_agree_at_the_start_then_only_the_fake_score_learns(make):
+    trainer = make(*DMD2)
+    obj = trainer.objective
+    sb, traj, cond, adv, total = one_step(trainer)
+    batch = train_batch(sb, traj, cond, adv, total)
+    x = traj.final
+    s = torch.full((len(batch),), 0.5)
+    x_s = renoise_rows(x, torch.randn_like(x), s)
+    with obj.policy.using("ref"):
+        real = obj._x0(batch, x_s, s, 1.0)
+    with obj._fake_score():
+        fake = obj._x0(batch, x_s, s, 1.0)
+    assert torch.equal(losses.dmd_gradient(x, real, fake), torch.zeros_like(x))  # the fake starts as the teacher
+    live = [p.detach().clone() for p in obj.policy.params]
+    ref = {k: v.clone() for k, v in obj.policy.named_weights("ref").items()}
+    m = obj.fake_step(batch, x, torch.Generator().manual_seed(0))
+    assert torch.isfinite(m["loss_fake"]) and m["fake_grad_norm"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(live, obj.policy.params))  # the generator did not move
+    assert all(torch.equal(v, obj.policy.named_weights("ref")[k]) for k, v in ref.items())  # nor the teacher
+    assert obj.adapter.transformer is obj.policy.live_module  # the swap is undone
+    with obj._fake_score():
+        moved = obj._x0(batch, x_s, s, 1.0)
+    assert not torch.equal(moved, fake)
+
+
+def test_two_step_run_trains_the_generator_and_logs(make):
+    trainer = make(*DMD2)
+    before = [p.detach().clone() for p in trainer.policy.params]
+    run_dir = trainer.train()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("train/loss_dm", "train/dm_grad_abs", "train/loss_fake", "train/fake_grad_norm", "train/grad_norm",
+                "reward/digit_mean"):
+        assert key in rows[0] and rows[0][key] == rows[0][key], key  # present and not NaN
+    assert rows[0]["train/skipped"] == 0.0 and rows[1]["train/loss_dm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.params))
+
+
+def test_rl_accepts_the_exported_few_step_student(make, tiny_model_dir, tmp_path, encode_cache_dir):
+    """Issue 45: the distilled generator is an ordinary model: exported, GRPO trains it with SDE rollouts at the
+    student's step count (per-step log-probs, first ratio exactly 1)."""
+    from flowforge.tools.export import export_run
+
+    run_dir = make(*DMD2, "sampler.num_steps=2", "sampler.num_sde_steps=1", "train.steps=1").train()
+    out = export_run(run_dir, tmp_path / "student", form="merged")
+    cfg = tiny_cfg(out / "transformer", tmp_path, encode_cache_dir, "run.name=rl", "sampler.num_steps=2",
+                   "sampler.num_sde_steps=1", "sampler.sde_window=[0.0, 0.5]", "train.steps=1")
+    rl = Trainer(cfg, progress=False).train()
+    row = json.loads((rl / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["train/skipped"] == 0.0 and row["train/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("extra, names", [
+    (("lora.trainable=lora",), ["lora.trainable='lora'", "allowed: 'full'"]),
+    (("train.resume=auto",), ["train.resume='auto'", "fake score is not checkpointed"]),
+])
+def test_preflight_refuses(tiny_model_dir, tmp_path, encode_cache_dir, extra, names):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, *DMD2, *extra)
+    with pytest.raises(PreflightError) as err:
+        preflight(cfg, this_machine=False)
+    line = next(p for p in err.value.problems if names[0] in p)
+    assert all(n in line for n in names), line
+
+
+@pytest.mark.parametrize("extra, key", [("dmd2.sigma_range=[0.5, 0.2]", "dmd2.sigma_range"),
+                                        ("dmd2.fake_updates=0", "dmd2.fake_updates")])
+def test_section_refuses_bad_values(extra, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [*DMD2, extra])
