@@ -314,8 +314,10 @@ class PointwiseVLM:
             except P.MalformedReply as exc:
                 self._count(malformed=1)
                 answers = [{"body": body, "verdict": f"malformed: {exc}"}]
-                ledger.finish_attempt(row, "answered", latency_s=seconds, tokens=used, response=answers)
-                ledger.finish(key, "malformed", scores=None, response=answers, tokens=used, latency_s=seconds)
+                # the answer and the request's end commit together: an answered attempt beside a pending request
+                # would be sent again by the next run (claim finds no answer and no billed failure)
+                ledger.finish(key, "malformed", scores=None, response=answers, tokens=used, latency_s=seconds,
+                              answered=(row, seconds, used))
                 self.last_error = f"{self.name}: the server at {self.client.base_url} answered malformed: {exc}"
                 log.warning("%s: request %s answered malformed: %s", self.name, key[:12], exc)
                 return math.nan
