@@ -155,7 +155,8 @@ class ServerVQAScore(PointwiseVLM):
 
 class VQAScore:
     """The registered ``vqa_score`` factory: :class:`LocalVQAScore` with option ``path``, :class:`ServerVQAScore`
-    with ``base_url`` (and ``model``); ``VQAScore(**options)`` returns an instance of the chosen one.
+    with ``base_url`` (and ``model``); ``VQAScore(**options)`` returns an instance of the chosen one, whose signature
+    the registry checks the options against (:meth:`choose`).
 
     Raises:
         ValueError: both or neither of ``path`` and ``base_url``.
@@ -165,8 +166,17 @@ class VQAScore:
     name: ClassVar[str] = "vqa_score"
     needs_group: ClassVar[bool] = False
 
-    def __new__(cls, **options: Any) -> LocalVQAScore | ServerVQAScore:  # type: ignore[misc]
+    @staticmethod
+    def choose(options: dict[str, Any]) -> type[LocalVQAScore] | type[ServerVQAScore]:
+        """The class that ``options`` build.
+
+        Raises:
+            ValueError: both or neither of ``path`` and ``base_url``.
+        """
         if ("path" in options) == ("base_url" in options):
             raise ValueError("vqa_score needs exactly one of the options path (a local model directory) and base_url "
                              "(an OpenAI-compatible server that returns logprobs)")
-        return LocalVQAScore(**options) if "path" in options else ServerVQAScore(**options)
+        return LocalVQAScore if "path" in options else ServerVQAScore
+
+    def __new__(cls, **options: Any) -> LocalVQAScore | ServerVQAScore:  # type: ignore[misc]
+        return cls.choose(options)(**options)
