@@ -114,13 +114,25 @@ def build_scorer(name: str, *, run_dir: str | Path | None = None, **options: Any
     if section is not None:
         built = section.from_options(options)
         return SCORERS[name](built, **({"run_dir": run_dir} if run_dir is not None else {}))
-    wrong = option_type_problems(SCORERS[name], options, f"reward.options.{name}")
+    wrong = option_type_problems(_chosen(name, options), options, f"reward.options.{name}")
     if wrong:
         what, _, why = wrong[0].partition(": ")
         raise UserError(what, "; ".join([why, *wrong[1:]]))
-    if run_dir is not None and _accepts_run_dir(SCORERS[name]):
+    if run_dir is not None and _accepts_run_dir(_chosen(name, options)):
         options = {**options, "run_dir": run_dir}
     return SCORERS[name](**options)
+
+
+def _chosen(name: str, options: dict[str, Any]) -> Callable[..., Any]:
+    """The factory whose signature the options of built-in ``name`` are checked against: the registered one, or
+    the one its ``choose(options)`` picks (``vqa_score``: local model or server).
+
+    Raises:
+        ValueError: ``choose`` refuses the options (e.g. conflicting ones).
+    """
+    factory = SCORERS[name]
+    choose = getattr(factory, "choose", None)
+    return choose(options) if callable(choose) else factory
 
 
 def _accepts_run_dir(factory: Callable[..., Any]) -> bool:
@@ -132,7 +144,9 @@ def _accepts_run_dir(factory: Callable[..., Any]) -> bool:
 
 def check_scorer_spec(name: str, options: dict[str, Any]) -> list[str]:
     """Problems with the reward component ``name`` and its ``options`` without building a built-in scorer ([] when
-    none): an unknown built-in name (the allowed names listed), options that do not fit its factory's signature, or
+    none): an unknown built-in name (the allowed names listed), options that do not fit its factory's signature
+    (unknown ones named with the allowed; a factory with ``choose(options)`` is checked as the one it picks, and
+    what ``choose`` refuses, e.g. conflicting options, is one problem), or
     an import path that does not import or does not give a scorer (:func:`flowforge.rewards.byo.check_import_spec`),
     and options whose values do not fit the annotations of that signature
     (:func:`flowforge.runtime.option_types.option_type_problems`: ``reward.options.<name>.<option>: expected float,
@@ -146,7 +160,17 @@ def check_scorer_spec(name: str, options: dict[str, Any]) -> list[str]:
     if section is not None:
         return section.option_problems(options)
     try:
-        inspect.signature(SCORERS[name]).bind(**options)
+        factory = _chosen(name, options)
+    except ValueError as exc:
+        return [f"reward.options.{name}: {exc}"]
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(str(k) for k in options if k not in params)
+        if unknown:
+            allowed = [p for p in params if p != "run_dir"]
+            return [f"reward.options.{name}: unknown option{'s' * (len(unknown) > 1)} {unknown}; allowed: {allowed}"]
+    try:
+        inspect.signature(factory).bind(**options)
     except TypeError as exc:
         return [f"reward.options.{name}: {exc}"]
-    return option_type_problems(SCORERS[name], options, f"reward.options.{name}")
+    return option_type_problems(factory, options, f"reward.options.{name}")

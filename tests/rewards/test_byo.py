@@ -38,7 +38,8 @@ def test_an_import_path_builds_a_scorer_like_a_builtin():
     (f"{MOD}:make_brightness", {}, None),
     ("digit", {}, None),
     ("jpeg_compressibility", {"quality": 80}, None),
-    ("jpeg_compressibility", {"qualty": 80}, "reward.options.jpeg_compressibility: got an unexpected keyword"),
+    ("jpeg_compressibility", {"qualty": 80},
+     "reward.options.jpeg_compressibility: unknown option \\['qualty'\\]; allowed: \\['quality'\\]"),
     ("sharpness", {}, "unknown component 'sharpness'; allowed: .*'digit'.*or an import path"),
     (f"{MOD}:Brightness", {"colour": 1}, "options \\['colour'\\] do not fit Brightness"),
     ("tests.rewards.no_such_module:X", {}, "no module 'tests.rewards.no_such_module' in the working directory "

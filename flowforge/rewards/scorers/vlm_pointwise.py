@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import inspect
 import io
 import logging
 import math
@@ -95,6 +96,18 @@ class PointwiseVLM:
     name: ClassVar[str] = "pointwise_vlm"
     template: ClassVar[str] = ""
     needs_group: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass whose ``__init__`` passes ``**options`` on to this one gets the explicit signature of both (its
+        own keywords, then the others of :class:`PointwiseVLM`) as ``__signature__``: the registry checks options
+        against it (``flowforge check`` names an unknown one before any model loads)."""
+        super().__init_subclass__(**kwargs)
+        own = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        if not own or own[-1].kind is not inspect.Parameter.VAR_KEYWORD:
+            return
+        names = {p.name for p in own}
+        base = [p for p in inspect.signature(PointwiseVLM).parameters.values() if p.name not in names]
+        cls.__signature__ = inspect.Signature([*own[:-1], *base])
 
     def __init__(self, *, model: str, base_url: str, api_key_env: str | None = "OPENAI_API_KEY",
                  timeout_s: float = 120.0, max_concurrency: int = 4, max_attempts: int = 3,
@@ -314,8 +327,10 @@ class PointwiseVLM:
             except P.MalformedReply as exc:
                 self._count(malformed=1)
                 answers = [{"body": body, "verdict": f"malformed: {exc}"}]
-                ledger.finish_attempt(row, "answered", latency_s=seconds, tokens=used, response=answers)
-                ledger.finish(key, "malformed", scores=None, response=answers, tokens=used, latency_s=seconds)
+                # the answer and the request's end commit together: an answered attempt beside a pending request
+                # would be sent again by the next run (claim finds no answer and no billed failure)
+                ledger.finish(key, "malformed", scores=None, response=answers, tokens=used, latency_s=seconds,
+                              answered=(row, seconds, used))
                 self.last_error = f"{self.name}: the server at {self.client.base_url} answered malformed: {exc}"
                 log.warning("%s: request %s answered malformed: %s", self.name, key[:12], exc)
                 return math.nan

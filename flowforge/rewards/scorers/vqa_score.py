@@ -21,7 +21,8 @@ Two ways to run it (one registered name; :class:`VQAScore` picks by the options)
 * ``path``: a local checkpoint directory (``AutoModelForImageTextToText`` and its processor), on ``device``;
 * ``base_url`` + ``model``: any OpenAI-compatible server that returns token log-probabilities (vLLM,
   ``flowforge serve judge --model``): the request asks ``max_tokens: 1, logprobs: true, top_logprobs: k`` and
-  ``r = exp(logprob)`` of the listed alternative whose token is ``answer`` (surrounding spaces ignored). An answer
+  ``r = exp(logprob)`` of the listed alternative whose token is exactly ``answer`` (t2v_metrics' token), or else of
+  the likeliest one equal to it up to surrounding spaces (e.g. ``" Yes"``). An answer
   not among the ``k`` listed is malformed (NaN, recorded, never re-sent): its probability is only bounded, never
   guessed. Billing, ledger and retries: :mod:`flowforge.rewards.scorers.vlm_pointwise`.
 """
@@ -136,13 +137,17 @@ class ServerVQAScore(PointwiseVLM):
     def parse(self, text: str | None, body: str, index: int) -> float:
         try:
             first = json.loads(body)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-            listed = {str(e["token"]).strip(): float(e["logprob"]) for e in first}
+            listed = [(str(e["token"]), float(e["logprob"])) for e in first]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise MalformedReply(f"the answer has no top_logprobs for its first token ({type(exc).__name__}: "
                                  f"{exc}); the server must support logprobs") from None
-        if self.answer.strip() not in listed:
+        # t2v_metrics scores exactly the token ``answer``; "Yes" and " Yes" are different tokens of different
+        # probability, so a spaced variant counts only when the exact token is not listed (then the likeliest one)
+        exact = [lp for token, lp in listed if token == self.answer]
+        variants = [lp for token, lp in listed if token.strip() == self.answer.strip()]
+        if not variants:
             raise MalformedReply(f"{self.answer!r} is not among the {len(listed)} top_logprobs of the first token")
-        logprob = listed[self.answer.strip()]
+        logprob = exact[0] if exact else max(variants)
         if not math.isfinite(logprob) or logprob > 0:
             raise MalformedReply(f"the log-probability of {self.answer!r} is {logprob!r}, not a log-probability")
         return math.exp(logprob)
@@ -150,7 +155,8 @@ class ServerVQAScore(PointwiseVLM):
 
 class VQAScore:
     """The registered ``vqa_score`` factory: :class:`LocalVQAScore` with option ``path``, :class:`ServerVQAScore`
-    with ``base_url`` (and ``model``); ``VQAScore(**options)`` returns an instance of the chosen one.
+    with ``base_url`` (and ``model``); ``VQAScore(**options)`` returns an instance of the chosen one, whose signature
+    the registry checks the options against (:meth:`choose`).
 
     Raises:
         ValueError: both or neither of ``path`` and ``base_url``.
@@ -160,8 +166,17 @@ class VQAScore:
     name: ClassVar[str] = "vqa_score"
     needs_group: ClassVar[bool] = False
 
-    def __new__(cls, **options: Any) -> LocalVQAScore | ServerVQAScore:  # type: ignore[misc]
+    @staticmethod
+    def choose(options: dict[str, Any]) -> type[LocalVQAScore] | type[ServerVQAScore]:
+        """The class that ``options`` build.
+
+        Raises:
+            ValueError: both or neither of ``path`` and ``base_url``.
+        """
         if ("path" in options) == ("base_url" in options):
             raise ValueError("vqa_score needs exactly one of the options path (a local model directory) and base_url "
                              "(an OpenAI-compatible server that returns logprobs)")
-        return LocalVQAScore(**options) if "path" in options else ServerVQAScore(**options)
+        return LocalVQAScore if "path" in options else ServerVQAScore
+
+    def __new__(cls, **options: Any) -> LocalVQAScore | ServerVQAScore:  # type: ignore[misc]
+        return cls.choose(options)(**options)

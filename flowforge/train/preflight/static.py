@@ -171,24 +171,11 @@ def _audio_problems(cfg: Config, problems: list[str]) -> None:
 
 def _scorer_problems(name: str, options: dict, key: str = "reward.weights") -> list[str]:
     """:func:`flowforge.rewards.registry.check_scorer_spec` of one scorer, each problem naming its key
-    (``reward.options.<name>`` with the allowed option names, or ``key``: where the name is listed); no scorer is
-    built."""
-    import inspect
+    (``reward.options.<name>``, unknown options with the allowed names, or ``key``: where the name is listed); no
+    scorer is built."""
+    from flowforge.rewards.registry import check_scorer_spec
 
-    from flowforge.rewards.registry import SCORERS, check_scorer_spec
-
-    out = []
-    for problem in check_scorer_spec(name, options):
-        if not problem.startswith("reward.options."):
-            out.append(f"{key}: {problem}")
-            continue
-        if "unexpected keyword argument" in problem and name in SCORERS:
-            params = inspect.signature(SCORERS[name]).parameters
-            allowed = [p for p in params if p != "run_dir" and params[p].kind is not inspect.Parameter.VAR_KEYWORD]
-            unknown = sorted(set(options) - set(params))
-            problem = f"reward.options.{name}: unknown option{'s' * (len(unknown) > 1)} {unknown}; allowed: {allowed}"
-        out.append(problem)
-    return out
+    return [p if p.startswith("reward.options.") else f"{key}: {p}" for p in check_scorer_spec(name, options)]
 
 
 def _name_problems(cfg: Config, problems: list[str]) -> None:

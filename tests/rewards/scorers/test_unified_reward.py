@@ -167,3 +167,42 @@ def test_a_refused_token_is_an_error_and_not_billed(server, tmp_path, monkeypatc
     with pytest.raises(JudgeError, match="unified_reward: .*refused the token from api_key_env=FF_TEST_WRONG_TOKEN"):
         score(torch.rand(1, 3, 8, 8), ["p"], [{}])
     assert RequestLedger(tmp_path / "ledger.sqlite").billed() == 0
+
+
+def test_killed_after_any_ledger_commit_the_rerun_sends_no_body_twice(server, tmp_path, monkeypatch):
+    """Every state a kill can leave: the run stops right after each of the ledger's commits in turn (claims, begin,
+    attempt recorded, answer + end) of a malformed and a parseable sample; a new process (another owner token)
+    reruns both. The server never receives one body twice. Found in review: the malformed answer and the request's
+    end were two commits; a kill between them left an answered attempt beside a pending request, and the rerun sent
+    it again (paid twice)."""
+    from flowforge.rewards.judge import ledger as ledger_module
+    from tests.serve.test_judge_crash import _DieAfterCommit, _Killed
+
+    url, _, log = server
+    media = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    prompts = ["MALFORMED", "fine"]
+    commits, stop = None, 1
+    while commits is None or stop <= commits:
+        before = len(read_request_log(log))
+        root = tmp_path / f"stop_{stop}"
+        killed = scorer(url, root, max_concurrency=1)  # one at a time: the commits come in one order
+        killed.ledger._db = _DieAfterCommit(killed.ledger._db, stop)
+        try:
+            killed(media, prompts, [{}] * 2)
+        except _Killed:
+            pass
+        else:  # ran to the end: every commit has been a stopping point
+            commits = killed.ledger._db.commits
+        killed.close()
+        monkeypatch.setattr(ledger_module, "OWNER", f"rerun-{stop}")
+        rerun = scorer(url, root, max_concurrency=1)
+        out = rerun(media, prompts, [{}] * 2)
+        keys = [r["key"] for r in read_request_log(log)[before:]]
+        assert len(keys) == len(set(keys)), f"stopped after commit {stop}: a body was sent twice"
+        assert math.isnan(float(out[0]))  # malformed (or lost): never a reward
+        lost = [f for f in rerun.ledger.failures() if f["status"] == "lost"]
+        # the ledger's bill agrees with the server's log (a lost attempt is billed: it may have left)
+        assert len(lost) <= 1 and len(keys) <= rerun.ledger.billed() <= len(keys) + len(lost)
+        rerun.close()
+        stop += 1
+    assert commits == 8  # claim, claim; begin, attempt, answer + end (malformed); begin, attempt, answer + end

@@ -80,8 +80,10 @@ def test_server_top_logprobs_equal_the_local_probability(tiny_vl, local, tmp_pat
 
 
 class Listed:
-    """A backend answering one token with ``top_logprobs``: "Yes" at the image's mean brightness and "No", or only
-    "No" when the question contains NOYES; as text only (no logprobs) when it contains TEXTONLY."""
+    """A backend answering one token with ``top_logprobs``: " Yes" at the image's mean brightness and "No", or only
+    "No" when the question contains NOYES; as text only (no logprobs) when it contains TEXTONLY. BOTH lists the exact
+    "Yes" at the brightness and then " Yes" at a quarter of it; VARIANTS lists " Yes" at the brightness and then
+    "Yes " at a quarter (no exact token)."""
 
     model_id = "listed"
 
@@ -91,8 +93,12 @@ class Listed:
         pictures, text = images_and_text(messages)
         p = float(pictures[0].mean())
         top = [{"token": "No", "logprob": math.log(1 - p), "bytes": None}]
+        spellings = {"BOTH": ("Yes", " Yes"), "VARIANTS": (" Yes", "Yes ")}
+        likely, unlikely = next((v for k, v in spellings.items() if k in text), (" Yes", None))
         if "NOYES" not in text:
-            top.append({"token": " Yes", "logprob": math.log(p), "bytes": None})
+            top.append({"token": likely, "logprob": math.log(p), "bytes": None})
+        if unlikely is not None:
+            top.append({"token": unlikely, "logprob": math.log(p / 4), "bytes": None})
         logprobs = None if "TEXTONLY" in text else {"content": [{"token": "No", "logprob": top[0]["logprob"],
                                                                  "bytes": None, "top_logprobs": top}]}
         return Completion(text="No", prompt_tokens=1, completion_tokens=1, logprobs=logprobs)
@@ -113,6 +119,18 @@ def test_server_answers_without_the_answer_token_are_malformed(tmp_path, monkeyp
         sent = read_request_log(log)
         score(media, ["fine", "NOYES", "TEXTONLY"], [{}] * 3)
         assert len(read_request_log(log)) == len(sent) == 3
+
+
+def test_server_scores_the_exact_answer_token_before_a_spaced_variant(tmp_path, monkeypatch):
+    """ "Yes" and " Yes" both listed: the exact token (t2v_metrics' ``tokenizer.encode("Yes")[0]``) is scored; only
+    spaced variants listed: the likeliest of them. Found in review: the variants were merged and the last listed
+    (the least likely) kept."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    with pointwise_server(Listed(), tmp_path / "requests.jsonl") as url:
+        score = build_scorer("vqa_score", base_url=url, model="listed", api_key_env=TOKEN_ENV,
+                             ledger=str(tmp_path / "ledger.sqlite"))
+        out = score(torch.full((2, 3, 8, 8), 0.5), ["BOTH", "VARIANTS"], [{}] * 2)
+        assert torch.allclose(out, torch.tensor([0.5, 0.5]), atol=0.01), out
 
 
 def test_options(tiny_vl, monkeypatch):
