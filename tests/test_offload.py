@@ -81,7 +81,8 @@ def test_host_adamw_loads_its_states_straight_to_the_host_never_through_the_para
         st = host.state[p]
         assert set(st) == set(saved["state"][i])
         assert all(v.device.type == "cpu" for v in st.values())
-        assert st["step"].dtype == saved["state"][i]["step"].dtype and torch.equal(st["step"], saved["state"][i]["step"])
+        step = saved["state"][i]["step"]
+        assert st["step"].dtype == step.dtype and torch.equal(st["step"], step)
         for k in ("exp_avg", "exp_avg_sq"):
             assert st[k].dtype == torch.bfloat16 and torch.equal(st[k], saved["state"][i][k].to(torch.bfloat16))
 
