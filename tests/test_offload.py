@@ -64,6 +64,29 @@ def test_host_adamw_is_bit_identical_to_adamw_and_their_checkpoints_swap():
     assert all(v.device.type == "cpu" for st in host2.state.values() for v in st.values())
 
 
+def test_host_adamw_loads_its_states_straight_to_the_host_never_through_the_parameters_device():
+    """A resume must not move the AdamW states to the parameters' device (the memory offload saves): parameters on
+    the meta device stand in for the accelerator (was: torch's load cast every state to ``param.device``, then copied
+    it back, here failing on a meta tensor; on a GPU, the whole state on the device). The states arrive bit for bit,
+    in the parameters' dtype, ``step`` in its own."""
+    model, adam, _, _ = _adam_pair()
+    _steps(model, adam, 2)
+    saved = copy.deepcopy(adam.state_dict())
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+    host = HostOffloadAdamW(meta.parameters(), lr=1e-2)
+    host.load_state_dict(copy.deepcopy(saved))
+    assert host.param_groups[0]["betas"] == (0.9, 0.99)
+    for i, p in enumerate(meta.parameters()):
+        st = host.state[p]
+        assert set(st) == set(saved["state"][i])
+        assert all(v.device.type == "cpu" for v in st.values())
+        step = saved["state"][i]["step"]
+        assert st["step"].dtype == step.dtype and torch.equal(st["step"], step)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert st[k].dtype == torch.bfloat16 and torch.equal(st[k], saved["state"][i][k].to(torch.bfloat16))
+
+
 def test_host_adamw_refuses_device_side_modes():
     with pytest.raises(ValueError, match="fused=True"):
         HostOffloadAdamW([torch.nn.Parameter(torch.zeros(2))], fused=True)

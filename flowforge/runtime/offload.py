@@ -21,7 +21,9 @@ copy; the AdamW arithmetic is torch's own (``torch.optim.adam.adam``), on ``host
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterable, Iterator
+from itertools import chain
 
 import torch
 from torch import nn
@@ -139,13 +141,40 @@ class HostOffloadAdamW(torch.optim.AdamW):
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """``AdamW.load_state_dict`` (which casts the states to each parameter's device), then the states moved back
-        to the host: a checkpoint of a plain AdamW resumes here, and this one's resumes there."""
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    state[key] = _to_host(value)
+        """``AdamW.load_state_dict`` with the per-parameter states put straight on the host: a checkpoint of a plain
+        AdamW resumes here, and this one's resumes there.
+
+        torch's own load casts every state to its parameter's device (``Optimizer._cast`` calls
+        ``Optimizer._process_value_according_to_param_policy`` by class name, so a subclass cannot override it), which
+        would make the whole AdamW state transit the device at resume: the memory this optimizer exists to save. So
+        the parameter groups load through torch with no state, and each state is then copied to the host with
+        torch's dtype rule (floating states take their parameter's dtype; ``step`` keeps its own).
+
+        Raises:
+            ValueError: as ``Optimizer.load_state_dict`` (group count or sizes differ).
+        """
+        states = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})
+        saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        by_id = dict(zip(saved, params, strict=True))  # super() checked the groups' sizes
+        for key, state in states.items():
+            p = by_id.get(key)
+            if p is None:  # state of no parameter: kept as is, as torch does
+                self.state[key] = state
+                continue
+            self.state[p] = {name: _host_state(p, name, value) if torch.is_tensor(value) else copy.deepcopy(value)
+                             for name, value in state.items()}
+
+
+def _host_state(p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (state ``name`` of parameter ``p``, on any device) on the host, never through ``p``'s device: torch's
+    ``_process_value_according_to_param_policy`` with the host for the device (``fused`` / ``capturable``, the cases
+    where torch moves ``step`` too, are refused here)."""
+    value = _to_host(value)
+    if name != "step" and p.is_floating_point():
+        value = value.to(dtype=p.dtype)
+    return value
 
 
 @contextlib.contextmanager

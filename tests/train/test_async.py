@@ -2,9 +2,12 @@
 trainer updates, tags and logs the version, trains with the ratio against it, and resumes exactly."""
 
 import json
+import signal
 
 import pytest
+import torch
 
+from flowforge.runtime.interrupt import Interrupted
 from flowforge.train.preflight import preflight
 from flowforge.train.preflight.check import PreflightError
 from flowforge.train.trainer import Trainer
@@ -78,20 +81,51 @@ def test_async_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny_model_
     assert got == expected
 
 
-def test_a_stop_between_checkpoints_discards_the_queued_rollout_and_rewinds_the_sampler(tiny_model_dir, tmp_path,
-                                                                                       encode_cache_dir):
-    """stop_at=1 with step 1's rollout already queued: it is discarded and the sampler rewound to after step 0's
-    draw, so a checkpoint saved then (as a signal's stop saves one) resumes with step 1's candidates drawn again and
-    rolled out on-policy (the resumed run's first step)."""
-    trainer = _trainer(tiny_model_dir, tmp_path, encode_cache_dir, *ASYNC)
-    before = trainer.sampler.state_dict()["steps"]
-    trainer.train(stop_at=1)
-    assert not trainer.lookahead.pending
-    assert trainer.sampler.state_dict()["steps"] == before + 1
-    trainer.checkpoints.save()
-    resumed = _trainer(tiny_model_dir, tmp_path, encode_cache_dir, *ASYNC, "train.resume=auto")
-    assert resumed.sampler.state_dict()["steps"] == before + 1
+def _record(trainer, after=None):
+    """``{step: StepBatch}`` of the steps ``trainer`` rolls out (its lookahead's ``rollout`` wrapped), ``after(step)``
+    called after each."""
+    batches, rollout = {}, trainer.lookahead.rollout
+
+    def recorded(step, end, timer):
+        batch, traj, cond = rollout(step, end, timer)
+        batches[step] = batch
+        if after is not None:
+            after(step)
+        return batch, traj, cond
+
+    trainer.lookahead.rollout = recorded
+    return batches
+
+
+def test_a_signal_between_checkpoints_discards_the_queued_rollout_and_rewinds_the_sampler(tiny_model_dir, tmp_path,
+                                                                                        encode_cache_dir):
+    """A SIGTERM during step 0 with step 1's rollout queued (``checkpoint.every=0``: nothing stops the lookahead):
+    the run stops after step 0, discards the queued rollout and rewinds the sampler, so the checkpoint the stop
+    commits resumes with step 1's candidates drawn again -- the uninterrupted run's step 1 batch -- rolled out
+    on-policy (where the uninterrupted run used a version-0 rollout)."""
+    extra = (*ASYNC, "checkpoint.every=0")
+    whole = _trainer(tiny_model_dir, tmp_path / "whole", encode_cache_dir, *extra)
+    expected = _record(whole)
+    whole.train()
+    part = _trainer(tiny_model_dir, tmp_path / "part", encode_cache_dir, *extra)
+    queued = []
+
+    def signal_with_a_rollout_queued(step):
+        queued.append(sorted(part.lookahead.pending))
+        signal.raise_signal(signal.SIGTERM)  # a real one, to train()'s handlers: the loop stops after this step
+
+    _record(part, after=signal_with_a_rollout_queued)
+    with pytest.raises(Interrupted):
+        part.train()
+    assert queued == [[1]]  # step 1's rollout was queued when the stop came
+    assert part.step == 1 and not part.lookahead.pending
+    resumed = _trainer(tiny_model_dir, tmp_path / "part", encode_cache_dir, *extra, "train.resume=auto")
+    assert resumed.step == 1
+    got = _record(resumed)
     resumed.train()
-    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["train/staleness"], r["train/policy_version"]) for r in rows] == [(1, 0.0, 0.0),
-                                                                                       (2, 0.0, 1.0)]
+    for field in ("prompt_indices", "candidate_ids", "group_ids"):
+        assert torch.equal(getattr(got[1], field), getattr(expected[1], field)), field
+    assert [r.prompt for r in got[1].records] == [r.prompt for r in expected[1].records]
+    rows = [(r["step"], r["train/staleness"], r["train/policy_version"]) for r in _rows(resumed.run_dir)]
+    assert rows == [(1, 0.0, 0.0), (2, 0.0, 1.0)]
+    assert [r["train/staleness"] for r in _rows(whole.run_dir)] == [0.0, 1.0]
