@@ -37,8 +37,8 @@ def build(name: str):
         fam = build_family(name)  # Wan's test latent has 3 tokens: 12 here (3 latent frames of 4 x 4, patch 1 x 2 x 2)
         return fam.adapter, {"wan": (4, 3, 4, 4)}.get(name, fam.latent)
     if name == "wan22":  # two experts; the test's sigmas 0.37 / 0.81 fall on either side of the 0.5 boundary
-        from flowforge.models.wan import WanAdapter, wan_text
-        from flowforge.models.wan_experts import WanExperts
+        from flowforge.models.wan.adapter import WanAdapter, wan_text
+        from flowforge.models.wan.experts import WanExperts
         from tests.models import tiny_families as tiny
 
         c, c2 = tiny.wan_components(0), tiny.wan_components(1)

@@ -29,9 +29,10 @@ def test_registry_tables_are_views_of_the_specs():
     assert models.ADAPTER_CLASSES == {n: s.adapter for n, s in specs.items()}
     assert models.FAMILY_TASKS == {n: s.tasks for n, s in specs.items()}
     assert models.OWN_FORMAT_FAMILIES == ("world_model",)
-    assert models.CONTEXT_PARALLEL_FAMILIES == ("flux", "flux2", "qwen_image", "wan")
+    assert models.CONTEXT_PARALLEL_FAMILIES == ("flux", "flux2", "ltx2", "qwen_image", "wan")
     assert set(models.TRANSFORMER_CLASSES) == set(specs) - {"world_model"}
-    assert "split RoPE" in models.context_parallel_problem("ltx2")
+    assert "declares no _cp_plan" in models.context_parallel_problem("sd3")
+    assert models.context_parallel_problem("ltx2") is None  # ring, with flowforge's plan (runtime.cp_plans)
     assert "SD3Transformer2DModel declares no _cp_plan" in models.context_parallel_problem("sd3")
     assert models.context_parallel_problem("wan") is None
 

@@ -112,7 +112,7 @@ def test_ring_with_a_backend_without_log_sum_exp_is_refused_in_one_line():
 
 def test_planned_modules_are_the_model_or_its_experts():
     from flowforge.demo.model import build_tiny_sd3, test_sd3_config
-    from flowforge.models.wan_experts import WanExperts
+    from flowforge.models.wan.experts import WanExperts
     from tests.models import tiny_families as tiny
 
     one, two = tiny.wan_components(0)["transformer"], tiny.wan_components(1)["transformer"]
