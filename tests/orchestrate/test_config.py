@@ -283,6 +283,9 @@ def test_check_refuses_bounded_staleness_in_the_stages_in_one_line(tiny_model_di
                          tmp_path, in_process=True)
     assert_one_line_error(rc, err, ["(1 problem)", "stage C: train.max_staleness=2: ", "allowed: "])
     assert "stage A: train" not in err
+    # an algorithm and engine a plain run refuses staleness for: still the one line (preflight's are not repeated)
+    rc, _, err = run_cli(["check", path, "train.algorithm=nft", "rollout.engine=local"], tmp_path, in_process=True)
+    assert_one_line_error(rc, err, ["(1 problem)", "stage A: train.max_staleness=1, stage C: train.max_staleness=1"])
     rc, _, err = run_cli(["check", path, "train.max_staleness=0"], tmp_path, in_process=True)
     assert rc == 0, err
     assert not (tmp_path / "runs").exists()
