@@ -363,16 +363,23 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
     where = f"reward.options.{JUDGE}"
     judged = [p.replace(where, "teacher.judge", 1) for p in check_scorer_spec(JUDGE, judge)]
     problems += judged
+    stale: dict[str, int] = {}  # stage -> its train.max_staleness > 0: refused once below, not per preflight rule
     for stage in ("A", "C"):
         try:
             cfg = stage_config(pcfg, stage, steps=1, reward=reward)
+            stale.update({stage: cfg.train.max_staleness} if cfg.train.max_staleness else {})
             warnings += [f"stage {stage}: {w}" for w in preflight(cfg, this_machine=this_machine).warnings]
         except ConfigError as exc:
-            problems += [f"stage {stage}: {p}" for p in exc.problems if not (judged and p.startswith(where))]
+            problems += [f"stage {stage}: {p}" for p in exc.problems if not (judged and p.startswith(where))
+                         and not (stage in stale and p.startswith("train.max_staleness="))]
             continue
         if stage == "C" and pcfg.audit.every > 0 and cfg.checkpoint.keep < 2:
             problems.append(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 2 for stage C with audits every "
                             f"{pcfg.audit.every} steps (the last good checkpoint must outlive the next one)")
+    if stale:  # the trainer refuses it too (Lookahead), but only once the model has loaded
+        problems.append(", ".join(f"stage {k}: train.max_staleness={v}" for k, v in stale.items()) + ": the "
+                        "stages' condition ledger and judges see each step in order, so a stage rolls out on-policy; "
+                        "allowed: train.max_staleness=0")
     if problems:
         raise ConfigError(problems, header="invalid pipeline config")
     return warnings

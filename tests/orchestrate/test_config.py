@@ -264,3 +264,28 @@ def test_the_audit_simulation_uses_stage_a_s_judged_marks_once_they_exist(tmp_pa
     with pytest.raises(ConfigError, match="none of the 16 teacher mark vectors of 8 candidates has an order"):
         check_pipeline(flat)
     assert record_audit_design(flat, tmp_path / "C2") is None and not (tmp_path / "C2").exists()
+
+
+def test_check_refuses_bounded_staleness_in_the_stages_in_one_line(tiny_model_dir, encode_cache_dir, tmp_path):
+    """``train.max_staleness > 0`` (with GRPO and rollout workers, which a plain run accepts) was refused only once
+    stage A's model had loaded (the trainer's lookahead takes no ledger prompts); now by ``flowforge check``, once
+    for the stages that set it, naming the field and the allowed value."""
+    from tests.cli.harness import assert_one_line_error, run_cli
+    from tests.orchestrate.support import write_pipeline
+
+    async_run = {"train": {"algorithm": "grpo", "max_staleness": 1, "num_updates_per_batch": 2},
+                 "rollout": {"engine": "workers"}}
+    path = write_pipeline(tmp_path / "p.yaml", tiny_model_dir, tmp_path / "runs", encode_cache_dir, **async_run)
+    rc, _, err = run_cli(["check", path], tmp_path, in_process=True)
+    assert_one_line_error(rc, err, ["(1 problem)", "stage A: train.max_staleness=1, stage C: train.max_staleness=1",
+                                    "allowed: train.max_staleness=0"])
+    rc, _, err = run_cli(["check", path, "train.max_staleness=0", "stages.c_overrides=[train.max_staleness=2]"],
+                         tmp_path, in_process=True)
+    assert_one_line_error(rc, err, ["(1 problem)", "stage C: train.max_staleness=2: ", "allowed: "])
+    assert "stage A: train" not in err
+    # an algorithm and engine a plain run refuses staleness for: still the one line (preflight's are not repeated)
+    rc, _, err = run_cli(["check", path, "train.algorithm=nft", "rollout.engine=local"], tmp_path, in_process=True)
+    assert_one_line_error(rc, err, ["(1 problem)", "stage A: train.max_staleness=1, stage C: train.max_staleness=1"])
+    rc, _, err = run_cli(["check", path, "train.max_staleness=0"], tmp_path, in_process=True)
+    assert rc == 0, err
+    assert not (tmp_path / "runs").exists()
