@@ -434,6 +434,9 @@ class SFTConfig(Section):
     paddle_rows: int = 2
     paddle_weight: float = 1.0
     coupling_gate_init: float = 0.0  # world models only: every coupling gate's value before the first step
+    # world models only: this share of clips gives the direct action path (modulation, context) the null actions,
+    # so their actions reach the video only through B -> coupling (0: every clip uses both paths, as before)
+    direct_action_dropout: float = 0.0
 
     def problems(self) -> list[str]:
         c = Checks(self)
@@ -443,6 +446,8 @@ class SFTConfig(Section):
                   f"sft.coupling_gate_init={self.coupling_gate_init!r} must be a finite number")
         c.positive("steps", "warmup_steps", "eval_every", "weight_decay", "grad_clip", allow_zero=True)
         c.require(0.0 <= self.cond_dropout < 1.0, f"sft.cond_dropout={self.cond_dropout} must be in [0, 1)")
+        c.require(0.0 <= self.direct_action_dropout <= 1.0,
+                  f"sft.direct_action_dropout={self.direct_action_dropout!r} must be in [0, 1]")
         c.choice("sigma_sampling", SIGMA_SAMPLINGS)
         c.choice("lr_schedule", LR_SCHEDULES)
         return c.problems

@@ -99,3 +99,47 @@ def test_world_sft_lr_schedule_decays_after_the_first_step(tmp_path):
 
     with pytest.raises(ConfigError, match=r"sft.lr_schedule='step' is not one of \['constant', 'linear', 'cosine'\]"):
         SFTConfig(lr_schedule="step")
+
+
+def test_world_sft_direct_action_dropout_routes_every_clip_through_the_latent_state(tmp_path):
+    """``sft.direct_action_dropout=1``: no clip's actions enter the direct path, so ``action_embed.weight`` gets no
+    gradient and stays at its seeded init (AdamW, no weight decay) while the gates move; the evaluation logs the
+    state-only action following. Out-of-range values are refused naming the field."""
+    from flowforge.models.world_model.tiny import build_world_model
+    from flowforge.settings.schema import ConfigError
+    from flowforge.train.sft.world import run_world_sft
+
+    out = tmp_path / "world"
+    sft = SFTConfig(steps=2, batch_size=2, eval_every=0, output=str(out), warmup_steps=1, coupling_gate_init=0.1,
+                    direct_action_dropout=1.0, save_checkpoints=False)
+    small = AtariDataConfig(episodes=2, heldout_every=2, max_steps=24, seed=2)
+    history = run_world_sft(sft, run=RunConfig(seed=0), data=DataConfig(cache_dir=str(tmp_path / "cache")),
+                            sampler=SamplerConfig(num_steps=2), eval_clips=2, clips_config=small)
+    assert "action_following_state_only" in history[-1]
+    trained = build_adapter("world_model", str(out), task="i2v").transformer
+    init = build_world_model(seed=0)
+    assert torch.equal(trained.action_embed.weight, init.action_embed.weight)
+    assert not torch.equal(trained.latent_state_rollout.transition.action_embed.weight,
+                           init.latent_state_rollout.transition.action_embed.weight)
+    assert all(not torch.equal(b.coupling.gate, torch.full_like(b.coupling.gate, 0.1)) for b in trained.blocks)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match=r"sft.direct_action_dropout=.* must be in \[0, 1\]"):
+            SFTConfig(direct_action_dropout=bad)
+
+
+def test_world_sft_loss_with_every_direct_path_kept_is_todays_loss():
+    """``direct_keep`` all 1 gives the same loss, bit for bit, as the default path (``adapter.velocity``), so
+    ``sft.direct_action_dropout=0`` (no mask drawn at all) trains exactly as before."""
+    from flowforge.models.world_model.adapter import WorldModelAdapter
+    from flowforge.models.world_model.tiny import build_world_model, test_config
+    from flowforge.train.sft.world import world_sft_loss
+
+    adapter = WorldModelAdapter(build_world_model(test_config(), seed=0))
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.rand(2, 1, 8, 32, 32, generator=gen) * 2 - 1
+    actions = torch.nn.functional.one_hot(torch.randint(0, 3, (2, 8), generator=gen), 3).float()
+    noise, sigma = torch.randn(x0.shape, generator=gen), torch.rand(2, generator=gen)
+    today, _ = world_sft_loss(adapter, x0, actions, noise, sigma)
+    kept, _ = world_sft_loss(adapter, x0, actions, noise, sigma, direct_keep=torch.ones(2))
+    dropped, _ = world_sft_loss(adapter, x0, actions, noise, sigma, direct_keep=torch.zeros(2))
+    assert torch.equal(today, kept) and not torch.equal(today, dropped)

@@ -100,15 +100,21 @@ class WorldModel(nn.Module):
             cond = cond + self.history_embed(before)
         return cond
 
-    def forward(self, x: Tensor, sigma: Tensor, actions: Tensor, first_frame: Tensor) -> Tensor:
+    def forward(self, x: Tensor, sigma: Tensor, actions: Tensor, first_frame: Tensor,
+                direct_keep: Tensor | None = None) -> Tensor:
         """Velocity ``[B, C, f, H, W]`` fp32 (0 on latent frame 0) at ``x [B, C, f, H, W]``, ``sigma [B]`` in [0, 1],
-        ``actions [B, frames, A]`` and ``first_frame [B, C, 1, H, W]`` (the clean condition slot)."""
+        ``actions [B, frames, A]`` and ``first_frame [B, C, 1, H, W]`` (the clean condition slot).
+        ``direct_keep [B]`` (0 / 1; None = all 1): a row with 0 gives the direct action path (modulation, context,
+        history) the null actions while the latent state still rolls the real ones, so that row's actions reach the
+        video only through B -> coupling (``sft.direct_action_dropout``; :func:`without_direct_actions`)."""
         b, c, f, h, w = x.shape
         cfg = self.config
         dtype = self.patch_embed.weight.dtype
         bins = self.bin_actions(actions, f).to(dtype)
         states = self.latent_state_rollout(first_frame.to(dtype), bins)
         state_kv = self.latent_state_rollout.out_proj(states)
+        if direct_keep is not None:  # null actions (as cond_dropout's) on the direct path only
+            bins = bins * direct_keep.to(dtype)[:, None, None]
         frame_embed = self.frame_embed[:f]
         tokens = self.patch_embed(patchify(x.to(dtype), cfg.patch_size)) + self.pos_embed + frame_embed[:, None]
         cond = self.frame_conditioning(sigma, bins).to(dtype)
@@ -137,3 +143,17 @@ class WorldModel(nn.Module):
     def transition_labels(self, video: Tensor) -> Tensor:
         """The tokenizer's transition codes ``[B, f - 1, M]`` int64 of clean latents ``video [B, C, f, H, W]``."""
         return self.transition_tokenizer.labels(video.to(self.patch_embed.weight.dtype))
+
+
+def without_direct_actions(model: WorldModel) -> WorldModel:
+    """A copy of ``model`` whose direct action path reads the null actions for every row (its ``action_embed`` /
+    ``history_embed`` weights zeroed, biases kept: ``direct_keep = 0`` everywhere), so the actions reach the video
+    only through the latent state. The original is untouched; a model without ``direct_actions`` is copied as is."""
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in (out.action_embed, out.history_embed):
+            if layer is not None:
+                layer.weight.zero_()
+    return out

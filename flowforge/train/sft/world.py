@@ -13,7 +13,9 @@ term        definition
             :func:`flowforge.algorithms.losses.anchor_fm_loss`); slot 0 of ``x_sigma`` is the clean first frame
             and never enters the loss. ``sigma`` is logit-normal (``sft.sigma_sampling``); with probability
             ``sft.cond_dropout`` a clip's actions are replaced by the null (all-zero) actions, the unconditional
-            branch of guidance
+            branch of guidance; with probability ``sft.direct_action_dropout`` (default 0) a clip's direct action path
+            (modulation, context) gets the null actions while the latent state rolls the real ones, so its actions
+            reach the video only through B -> coupling and the coupling gates must open
 ``L_tok``   the transition tokenizer's reconstruction MSE (its codes must carry what changed between frames)
 ``L_pred``  cross-entropy of the transition predictor against the tokenizer's current codes (no gradient into the
             tokenizer through the labels) -- :func:`flowforge.algorithms.losses.transition_ce_loss`
@@ -50,10 +52,13 @@ logger = logging.getLogger(__name__)
 
 
 def world_sft_loss(adapter, x0: torch.Tensor, actions: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
-                   row_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                   row_weight: torch.Tensor | None = None,
+                   direct_keep: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """``L_FM + L_tok + L_pred`` (module table) of clean clips ``x0 [B, C, F, H, W]`` in [-1, 1] with per-frame
     actions ``[B, F, A]`` (one-hot, or zeros for dropped conditions), ``noise`` like ``x0`` and ``sigma [B]``;
-    ``row_weight [H]`` (:func:`~flowforge.algorithms.losses.anchors.row_weights`) weighs ``L_FM`` per pixel row."""
+    ``row_weight [H]`` (:func:`~flowforge.algorithms.losses.anchors.row_weights`) weighs ``L_FM`` per pixel row;
+    ``direct_keep [B]`` (0 / 1, None = all 1; ``sft.direct_action_dropout``): rows with 0 feed the direct action
+    path the null actions (:meth:`~flowforge.models.world_model.network.WorldModel.forward`)."""
     from flowforge.models.base import Conditioning
     from flowforge.rollout import generated_index, with_condition
 
@@ -63,7 +68,11 @@ def world_sft_loss(adapter, x0: torch.Tensor, actions: torch.Tensor, noise: torc
     x_sigma = with_condition(adapter, anchor_math.noised(x0, noise, sigma), cond)
     gen = generated_index(adapter)
     weight = None if row_weight is None else row_weight.view(1, 1, 1, -1, 1)
-    fm, _ = anchor_fm_loss(adapter.velocity(x_sigma, sigma, cond, 1.0)[gen], x0[gen], noise[gen], weight)
+    if direct_keep is None:
+        v = adapter.velocity(x_sigma, sigma, cond, 1.0)
+    else:  # the FlowModel contract has no per-row path switch: the network's forward (guidance 1 is one forward)
+        v = model(x_sigma, sigma, actions, first, direct_keep=direct_keep)
+    fm, _ = anchor_fm_loss(v[gen], x0[gen], noise[gen], weight)
     tok = model.transition_tokenizer.reconstruction_loss(x0)
     pred, m = transition_ce_loss(model.transition_logits(first, actions, x0.shape[2]), model.transition_labels(x0))
     loss = fm + tok + pred
@@ -76,20 +85,31 @@ def evaluate_world(adapter, video: torch.Tensor, actions: torch.Tensor, *, seed:
                    batch_size: int = 32) -> dict[str, float]:
     """Generate every clip of ``video [N, 1, F, H, W]`` (in [0, 1]) from its first frame and ``actions [N, F]`` with
     fixed noise (``seed``) and the ODE sampler; returns the mean ``action_following`` (the game rule) and ``psnr``
-    (dB, generated frames 1..F-1 against the real ones)."""
+    (dB, generated frames 1..F-1 against the real ones); a model with the direct action path also gets
+    ``action_following_state_only``: the same noise with that path fed the null actions
+    (:func:`~flowforge.models.world_model.network.without_direct_actions`), what the latent state alone carries."""
     from flowforge.algorithms.video_metrics import psnr
     from flowforge.demo.world_reward import generate_clips
+    from flowforge.models.world_model.adapter import WorldModelAdapter
+    from flowforge.models.world_model.network import without_direct_actions
     from flowforge.rewards.scorers.action_following import ActionFollowingScorer
+
+    def rule(clips: torch.Tensor, prompts: list[str]) -> float:
+        return float(ActionFollowingScorer()(clips, prompts, [{} for _ in prompts]).mean())
 
     fake, names = generate_clips(adapter, video, actions, seed=seed, num_steps=num_steps, shift=shift,
                                  batch_size=batch_size)
-    rule = ActionFollowingScorer()(fake, names, [{} for _ in names])
     other = names[1:] + names[:1]  # the same generations against another clip's actions: the rule's null
-    rule_other = ActionFollowingScorer()(fake, other, [{} for _ in other])
     frames_db = psnr(fake.mean(1), video[:, 0])[:, 1:]
     gates = [float(b.coupling.gate.detach().abs().max()) for b in adapter.transformer.blocks]
-    return {"action_following": float(rule.mean()), "action_following_other": float(rule_other.mean()),
-            "psnr": float(frames_db.mean()), "coupling_gate_max": max(gates)}
+    out = {"action_following": rule(fake, names), "action_following_other": rule(fake, other),
+           "psnr": float(frames_db.mean()), "coupling_gate_max": max(gates)}
+    if adapter.transformer.action_embed is not None:
+        blind = WorldModelAdapter(without_direct_actions(adapter.transformer), action_names=adapter.action_names)
+        state_only, _ = generate_clips(blind, video, actions, seed=seed, num_steps=num_steps, shift=shift,
+                                       batch_size=batch_size)
+        out["action_following_state_only"] = rule(state_only, names)
+    return out
 
 
 def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataConfig = DataConfig(),
@@ -153,7 +173,10 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
 
         sigma = sample_sigmas(rows.numel(), gen, kind=sft.sigma_sampling)
         noise = torch.randn(x0.shape, generator=gen)
-        loss, metrics = world_sft_loss(adapter, x0, onehot * keep[:, None, None], noise, sigma, row_weight)
+        # drawn last and only when on, so 0 leaves every other draw (and the run) exactly as before
+        direct = ((torch.rand(rows.numel(), generator=gen) >= sft.direct_action_dropout).float()
+                  if sft.direct_action_dropout else None)
+        loss, metrics = world_sft_loss(adapter, x0, onehot * keep[:, None, None], noise, sigma, row_weight, direct)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if sft.grad_clip:
@@ -173,8 +196,10 @@ def run_world_sft_from_config(cfg) -> list[dict[str, Any]]:
     ``data`` and ``sampler`` sections; prints the history."""
     history = run_world_sft(cfg.sft, run=cfg.run, data=cfg.data, sampler=cfg.sampler)
     for e in history:
+        state_only = (f"  state only {e['action_following_state_only']:.3f}"
+                      if "action_following_state_only" in e else "")
         print(f"step {e['step']:>6d}  action_following {e['action_following']:.3f} (another clip's actions "
-              f"{e['action_following_other']:.3f})  psnr {e['psnr']:.2f} dB  max |coupling gate| "
+              f"{e['action_following_other']:.3f}){state_only}  psnr {e['psnr']:.2f} dB  max |coupling gate| "
               f"{e['coupling_gate_max']:.2e}")
     print(f"saved to {cfg.sft.output}")
     return history

@@ -142,3 +142,29 @@ def test_action_history_conditions_each_frame_on_the_commands_before_it():
         test_config(direct_actions=False, action_history=True)
     with pytest.raises(ValueError, match="action_history must be"):
         test_config(action_history="yes")
+
+
+def test_direct_keep_zero_sends_the_actions_only_through_the_latent_state():
+    """``direct_keep`` 0 gives a row's direct action path the null actions: that row's velocity no longer depends on
+    ``action_embed`` / ``history_embed`` (equal to :func:`without_direct_actions`), the direct path gets no gradient
+    and the coupling gates do; 1 (and None) is today's forward, bit for bit; rows are independent."""
+    from flowforge.models.world_model.network import without_direct_actions
+
+    model = build_world_model(test_config(action_history=True), seed=0)
+    x, sigma, actions, first = _inputs(model)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.coupling.gate.fill_(0.1)
+        plain = model(x, sigma, actions, first)
+        assert torch.equal(model(x, sigma, actions, first, direct_keep=torch.ones(2)), plain)
+        mixed = model(x, sigma, actions, first, direct_keep=torch.tensor([1.0, 0.0]))
+        assert torch.equal(mixed[0], plain[0]) and not torch.allclose(mixed[1], plain[1])
+        blind = without_direct_actions(model)
+        assert torch.equal(blind(x, sigma, actions, first), model(x, sigma, actions, first, direct_keep=torch.zeros(2)))
+        assert not torch.equal(model.action_embed.weight, torch.zeros_like(model.action_embed.weight))  # a copy
+    model.train()
+    model(x, sigma, actions, first, direct_keep=torch.zeros(2)).square().mean().backward()
+    for layer in (model.action_embed, model.history_embed):
+        assert torch.count_nonzero(layer.weight.grad) == 0
+    assert all(float(b.coupling.gate.grad.abs().max()) > 0 for b in model.blocks)
+    assert float(model.latent_state_rollout.transition.action_embed.weight.grad.abs().max()) > 0  # B still reads them
