@@ -75,10 +75,11 @@ class DMD2(Objective):
 
     def __init__(self, ctx, adapter, policy):
         super().__init__(ctx, adapter, policy)
-        # the fake score starts as the teacher (DMD2 initialises it from the real score); fp32, trainable, no dropout
-        self.fake = copy.deepcopy(adapter.transformer).float().requires_grad_(True).eval()
-        self.fake_params = [p for p in self.fake.parameters() if p.requires_grad]
-        self.fake_optimizer = torch.optim.AdamW(self.fake_params, lr=self.dmd2.fake_lr)
+        # the fake score starts as the teacher (DMD2 initialises it from the real score); fp32, trainable, no dropout.
+        # Without a model (an objective built to read its declarations) there is nothing to copy and nothing trains.
+        self.fake = None if adapter is None else copy.deepcopy(adapter.transformer).float().requires_grad_(True).eval()
+        self.fake_params = [] if self.fake is None else [p for p in self.fake.parameters() if p.requires_grad]
+        self.fake_optimizer = torch.optim.AdamW(self.fake_params, lr=self.dmd2.fake_lr) if self.fake_params else None
 
     @classmethod
     def policy_bank(cls, ctx) -> dict:
