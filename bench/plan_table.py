@@ -1,12 +1,13 @@
 """The memory plan of every ``examples/gpu/*.yaml`` run config, as a Markdown table written into
 ``docs/guides/memory_plan.md`` (between its ``plan-table`` markers), so it can be regenerated after a change.
 
-    python bench/plan_table.py [--gpu h100-80gb] [--check]
+    python bench/plan_table.py [--gpu h100-80gb] [--check] [--only a.yaml b.yaml ...]
 
 GPUs per config: the ``torchrun --nproc_per_node N`` of the config's header comment (1 when it names none). Each row
 is planned, not measured on a GPU. A config whose model the planner cannot size offline (no local
 ``config.json``, no published entry) is listed with the reason. Pipeline configs (a ``stages`` section) are skipped.
-``--check`` exits 1 when the page's table differs from a fresh one (nothing is written).
+``--check`` exits 1 when the page's table differs from a fresh one (nothing is written). ``--only`` plans just the
+named configs and keeps the page's other rows as they are (a measurement at real width takes minutes on a small CPU).
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def gpus_of(path: Path) -> int:
     return int(m.group(1)) if m else 1
 
 
-def rows(gpu: str) -> list[str]:
+def page_rows() -> dict[str, str]:
+    """The page's current table rows, by config file name."""
+    table = PAGE.read_text().split(START, 1)[1].split(END, 1)[0]
+    return {line.split("|")[1].strip(): line for line in table.strip().splitlines()[2:]}
+
+
+def rows(gpu: str, only: list[str] | None = None) -> list[str]:
     import torch
 
     from flowforge.config import load_config
@@ -36,10 +43,14 @@ def rows(gpu: str) -> list[str]:
     from flowforge.tools.plan import plan_config
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    kept = page_rows() if only is not None else {}
     out = [f"| config | model | algorithm | trains | GPUs | per-rank peak (GB) | fits on {gpu}? |",
            "|---|---|---|---|---:|---:|---|"]
     for path in sorted((ROOT / "examples" / "gpu").glob("*.yaml")):
         if is_pipeline_file(path):
+            continue
+        if only is not None and path.name not in only:
+            out.append(kept[path.name])
             continue
         cfg = load_config(path)
         n = gpus_of(path)
@@ -62,8 +73,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", default="h100-80gb")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--only", nargs="+", metavar="CONFIG", help="plan only these examples/gpu file names")
     args = p.parse_args(argv)
-    table = "\n".join(rows(args.gpu))
+    table = "\n".join(rows(args.gpu, args.only))
     text = PAGE.read_text()
     before, rest = text.split(START, 1)
     _, after = rest.split(END, 1)

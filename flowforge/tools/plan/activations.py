@@ -26,7 +26,7 @@ import itertools
 from dataclasses import dataclass
 
 from flowforge.models.registry import FAMILIES
-from flowforge.tools.plan.sizes import ModelSpec, build_transformer
+from flowforge.tools.plan.sizes import ModelSpec, build_transformer, text_dim
 
 IMAGE_SIDE = 16  # token cells a side at the first point (x2 along the width at the second); linear from ~256 tokens
 TEXT_TOKENS = 32
@@ -78,7 +78,7 @@ def _tokens(latent: tuple[int, ...], patch) -> int:
 
 def image_tokens(spec: ModelSpec, latent: tuple[int, ...]) -> int:
     """Image tokens of one sample of ``latent`` shape (packed families' latents are already in token cells)."""
-    patch = spec.config.get("patch_size", 1)
+    patch = spec.config.get("patch_size") or (spec.config.get("all_patch_size") or [1])[0]  # Z-Image: a list
     if spec.adapter in PACKED:  # latents are packed 2x2 before the transformer
         patch = 2
     return _tokens(latent, patch)
@@ -124,7 +124,7 @@ def _conditioning(spec: ModelSpec, rows: int, tokens: int, dtype, negative: bool
 
     from flowforge.models.base import Conditioning
 
-    dim = spec.config.get("joint_attention_dim") or spec.config.get("text_dim")
+    dim = text_dim(spec)
     pooled_dim = spec.config.get("pooled_projection_dim")
 
     def one():
@@ -210,11 +210,13 @@ PACKED = tuple(name for name, family in FAMILIES.items() if family.packed_latent
 
 
 def latent_for(spec: ModelSpec, height: int, width: int, frames: int | None) -> tuple[int, ...]:
-    """One sample's latent ``[C, H/8, W/8]`` (video ``[C, (F - 1) / 4 + 1, H/8, W/8]``): the VAEs of the planned
-    families downsample 8x in space and 4x in time; packed families' ``in_channels`` counts 2x2 cells."""
+    """One sample's latent ``[C, H/s, W/s]`` (video ``[C, (F - 1) / t + 1, H/s, W/s]``) for the VAE's
+    ``spec.latent_scale = (s, t)`` (8x / 4x for most families; Wan2.2 TI2V-5B 16x / 4x); packed families'
+    ``in_channels`` counts 2x2 cells."""
     c = spec.config["in_channels"] // (4 if spec.adapter in PACKED else 1)
-    spatial = (height // 8, width // 8)
-    return (c, (frames - 1) // 4 + 1, *spatial) if frames else (c, *spatial)
+    s, t = spec.latent_scale
+    spatial = (height // s, width // s)
+    return (c, (frames - 1) // t + 1, *spatial) if frames else (c, *spatial)
 
 
 def measure(spec: ModelSpec, *, dtype, lora: tuple[int, tuple[str, ...]] | None, guidance: float,
@@ -250,7 +252,7 @@ def measure(spec: ModelSpec, *, dtype, lora: tuple[int, tuple[str, ...]] | None,
             adapter.transformer.train(grad)
             ys = []
             for h, w, t in points:
-                latent = latent_for(sub, 16 * h, 16 * w, frames)
+                latent = latent_for(sub, 2 * sub.latent_scale[0] * h, 2 * sub.latent_scale[0] * w, frames)
                 ys.append((image_tokens(sub, latent), t,
                            _measure(adapter, sub, latent, t, adapter.transformer.dtype, guidance, grad)))
             results[kind][name] = _fit(ys)

@@ -16,7 +16,7 @@ from flowforge.tools.plan.activations import ActivationModel, Linear, image_toke
 from flowforge.tools.plan.budget import (DTYPE_BYTES, GPUS, Plan, Setting, check_gpu, items_for, render,
                                          suggest)
 from flowforge.tools.plan.sizes import (ModelSpec, component_params, count_params, lora_targets, published,
-                                        spec_for)
+                                        spec_for, text_dim)
 
 __all__ = ["GPUS", "Plan", "ModelSpec", "check_gpu", "plan_config", "render", "published", "spec_for"]
 
@@ -98,7 +98,7 @@ def setting_of(cfg, gpus: int, spec: ModelSpec) -> tuple[Setting, dict]:
                 rollout_rows=min(cfg.sampler.batch_size or cfg.train.micro_batch_size, rows),
                 checkpointing=cfg.distributed.activation_checkpointing, stored_steps=stored,
                 text_tokens=spec.text_tokens,
-                text_dim=spec.config.get("joint_attention_dim") or spec.config.get("text_dim"),
+                text_dim=text_dim(spec),
                 pooled_dim=spec.config.get("pooled_projection_dim") or 0, cfg_negative=cfg_used,
                 offload=cfg.distributed.offload)
     facts = {"objective": cls.__name__, "policy_bank": bank, "replay": replay, "trained_steps": trained,

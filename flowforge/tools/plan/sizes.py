@@ -27,7 +27,9 @@ class ModelSpec:
     ``config`` is the transformer's config (diffusers keys), ``class_name`` its diffusers class, ``depth_keys`` the
     config keys that count blocks, ``transformers`` how many such transformers the pipeline holds (Wan 2.2 A14B: 2),
     ``text_tokens`` the text-embedding length the adapter feeds, ``source`` where the config came from (a path or
-    ``families.yaml:<name> (<hub id>)``), ``components`` the other components' config paths (text encoders, VAE)."""
+    ``families.yaml:<name> (<hub id>)``), ``components`` the other components' config paths (text encoders, VAE),
+    ``latent_scale`` the VAE's ``(spatial, temporal)`` downsampling (8x / 4x unless the entry's ``latent`` says
+    otherwise: Wan2.2 TI2V-5B's VAE is 16x in space)."""
 
     adapter: str
     class_name: str
@@ -37,11 +39,12 @@ class ModelSpec:
     transformers: int = 1
     source: str = ""
     components: dict[str, Path] = field(default_factory=dict)
+    latent_scale: tuple[int, int] = (8, 4)
 
     def with_config(self, **overrides: Any) -> "ModelSpec":
         """The same spec with some config values replaced (e.g. ``num_layers=2`` for a reduced-depth check)."""
         return ModelSpec(self.adapter, self.class_name, {**self.config, **overrides}, self.depth_keys,
-                         self.text_tokens, self.transformers, self.source, dict(self.components))
+                         self.text_tokens, self.transformers, self.source, dict(self.components), self.latent_scale)
 
 
 def published() -> dict[str, dict[str, Any]]:
@@ -77,17 +80,28 @@ def spec_for(adapter: str, path: str, frames: int | None = None) -> ModelSpec:
         n = 1 + sum((root / f"transformer_{i}" / "config.json").is_file() for i in range(2, 9))
         comps = {name: root / name / "config.json" for name in ("text_encoder", "text_encoder_2", "text_encoder_3",
                                                                   "vae") if (root / name / "config.json").is_file()}
+        named = next((v for v in same_family.values() if _hub_tail(v["hub_id"]) == _hub_tail(path)), base)
         return ModelSpec(adapter, class_name, cfg, depth_keys, int(base["text_tokens"]) if base else 512, n,
-                         str(local), comps)
+                         str(local), comps, tuple(named.get("latent", (8, 4))) if named else (8, 4))
     tail = _hub_tail(path)
     for name, entry in same_family.items():
         if _hub_tail(entry["hub_id"]) == tail:
             return ModelSpec(adapter, entry["class"], copy.deepcopy(entry["config"]), tuple(entry["depth_keys"]),
                              int(entry["text_tokens"]), int(entry.get("transformers", 1)),
-                             f"{FAMILIES_FILE}:{name} ({entry['hub_id']})")
+                             f"{FAMILIES_FILE}:{name} ({entry['hub_id']})", {},
+                             tuple(entry.get("latent", (8, 4))))
     known = sorted(f"{v['hub_id']} ({v['adapter']})" for v in table.values())
     raise ValueError(f"model.path={path!r}: no transformer/config.json there and no published config of the "
                      f"{adapter!r} family for it; the planner knows offline: {known}")
+
+
+TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim", "cap_feat_dim")  # the text-embedding width, by class
+
+
+def text_dim(spec: ModelSpec) -> int | None:
+    """The width ``D`` of the text embeddings ``[B, S, D]`` the transformer reads (its config key differs by class:
+    ``joint_attention_dim`` for MMDiTs, ``text_dim`` for Wan, ``cap_feat_dim`` for Z-Image)."""
+    return next((spec.config[k] for k in TEXT_DIM_KEYS if spec.config.get(k)), None)
 
 
 def build_transformer(spec: ModelSpec, device: str = "meta", dtype=None):
