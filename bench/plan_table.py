@@ -1,5 +1,6 @@
 """The memory plan of every ``examples/gpu/*.yaml`` run config, as a Markdown table written into
-``docs/guides/memory_plan.md`` (between its ``plan-table`` markers), so it can be regenerated after a change.
+``docs/guides/memory_plan.md`` and ``README.md`` (between their ``plan-table`` markers), so it can be regenerated after
+a change.
 
     python bench/plan_table.py [--gpu h100-80gb] [--check] [--only a.yaml b.yaml ...]
 
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 PAGE = ROOT / "docs" / "guides" / "memory_plan.md"
+PAGES = (PAGE, ROOT / "README.md")  # the same table in both; tests/docs checks they agree
 START, END = "<!-- plan-table:start -->", "<!-- plan-table:end -->"
 
 
@@ -76,13 +78,18 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", metavar="CONFIG", help="plan only these examples/gpu file names")
     args = p.parse_args(argv)
     table = "\n".join(rows(args.gpu, args.only))
-    text = PAGE.read_text()
-    before, rest = text.split(START, 1)
-    _, after = rest.split(END, 1)
-    new = f"{before}{START}\n{table}\n{END}{after}"
+    changed = {}
+    for page in PAGES:
+        text = page.read_text()
+        before, rest = text.split(START, 1)
+        _, after = rest.split(END, 1)
+        new = f"{before}{START}\n{table}\n{END}{after}"
+        if new != text:
+            changed[page] = new
     if args.check:
-        return 0 if new == text else 1
-    PAGE.write_text(new)
+        return 1 if changed else 0
+    for page, new in changed.items():
+        page.write_text(new)
     return 0
 
 

@@ -37,3 +37,20 @@ def test_links_lead_to_files_and_cover_every_guide():
     assert not missing, f"README links to files that do not exist: {missing}"
     guides = {f"docs/guides/{p.name}" for p in (ROOT / "docs" / "guides").glob("*.md")}
     assert guides - set(targets) == set(), f"guide pages README does not link: {sorted(guides - set(targets))}"
+
+
+def test_the_gpu_plan_table_is_the_guides_and_covers_every_gpu_example():
+    """README's memory-plan table is the one bench/plan_table.py writes into the memory-plan guide (the same rows),
+    one row per examples/gpu run config."""
+    start, end = "<!-- plan-table:start -->", "<!-- plan-table:end -->"
+
+    def table(path: pathlib.Path) -> str:
+        text = path.read_text()
+        return text[text.index(start):text.index(end)]
+
+    readme = table(ROOT / "README.md")
+    assert readme == table(ROOT / "docs" / "guides" / "memory_plan.md")
+    for config in sorted((ROOT / "examples" / "gpu").glob("*.yaml")):
+        if "stages:" in config.read_text():  # a pipeline config: planned per stage, not in this table
+            continue
+        assert f"| {config.name} |" in readme, config.name

@@ -97,6 +97,7 @@ def _record(trainer, after=None):
     return batches
 
 
+@pytest.mark.slow  # three short runs with rollout workers (~30 s): CI runs it in the slow set
 def test_a_signal_between_checkpoints_discards_the_queued_rollout_and_rewinds_the_sampler(tiny_model_dir, tmp_path,
                                                                                         encode_cache_dir):
     """A SIGTERM during step 0 with step 1's rollout queued (``checkpoint.every=0``: nothing stops the lookahead):
