@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from flowforge.orchestrate.arms import _a_takes, arm_dir, arm_table, handoff_records, run_arm_pipeline
-from flowforge.orchestrate.config import check_pipeline, load_pipeline
+from flowforge.orchestrate.config import load_pipeline
 from flowforge.orchestrate.stages import run_pipeline
 from flowforge.rewards.judge.protocol import billed_per_group, read_request_log
 from flowforge.runtime.errors import UserError
@@ -34,17 +34,6 @@ def test_the_hand_off_keeps_everything_but_stage_c_and_a_changed_a_is_seen():
     extended = lines + [json.dumps({"kind": "extend", "key": "gate-1", "amount": 2, "budget_a": 4})]
     assert _a_takes(lines) != _a_takes(extended)  # an extension of A makes an arm's hand-off stale
     assert _a_takes(lines) == _a_takes(lines[:2])  # B's marks and C's records do not
-
-
-@pytest.fixture
-def pipeline(tiny_model_dir, tmp_path, encode_cache_dir):
-    def make(**sections):
-        path = write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, tmp_path / "runs", encode_cache_dir,
-                              **sections)
-        pcfg = load_pipeline(path)
-        check_pipeline(pcfg)
-        return path, pcfg, tmp_path / "runs" / "p"
-    return make
 
 
 def _takes(path, stage):

@@ -16,21 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from flowforge.orchestrate.config import check_pipeline, load_pipeline
 from flowforge.orchestrate.stages import newest_step, open_ledger, run_pipeline
 from flowforge.rewards.judge.protocol import billed_per_group, read_request_log
-from tests.orchestrate.support import read_report, write_pipeline
-
-
-@pytest.fixture
-def pipeline(tiny_model_dir, tmp_path, encode_cache_dir):
-    def make(**sections):
-        path = write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, tmp_path / "runs", encode_cache_dir,
-                              **sections)
-        pcfg = load_pipeline(path)
-        check_pipeline(pcfg)
-        return path, pcfg, tmp_path / "runs" / "p"
-    return make
+from tests.orchestrate.support import read_report
 
 
 def log_keys(path: Path) -> list[str]:

@@ -49,7 +49,6 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,7 +62,7 @@ from flowforge.rewards.judge.ledger import BudgetExhausted, LedgerEntry, Request
 from flowforge.rewards.judge.options import JudgeOptions
 from flowforge.rewards.judge.reference import load_reference  # noqa: F401 -- also imported from here
 from flowforge.rewards.judge.transport import (  # noqa: F401 -- JudgeError, FATAL_WHAT: also imported from here
-    FATAL_WHAT, JudgeError, Unanswered, retry_kind, send)
+    FATAL_WHAT, JudgeError, Unanswered, retry_kind, send, settle_unanswered)
 
 log = logging.getLogger(__name__)
 
@@ -378,15 +377,11 @@ class VLMJudge:
                 text, body, used, seconds = self._send(messages)
             except Unanswered as exc:
                 outcomes.append(exc.outcome)
-                ledger.finish_attempt(row, exc.outcome, billed=exc.billed, http_status=exc.status, error=str(exc),
-                                      latency_s=exc.seconds)
-                self._count(billed=int(exc.billed), latency_total=exc.seconds)
                 error = str(exc)
-                if exc.kind not in self.retry_on:  # may have been billed: never paid for twice unless opted in
+                if not settle_unanswered(ledger, row, exc, self.retry_on, self._count, attempt=attempt,
+                                         attempts_left=attempts_left, backoff=self.backoff):
                     break
                 kind = "retry"
-                if attempt + 1 < attempts_left:
-                    time.sleep(self.backoff * 2 ** attempt)
                 continue
             except JudgeError as exc:  # refused before any work: not billed
                 ledger.finish_attempt(row, "http_error", billed=False, error=str(exc))

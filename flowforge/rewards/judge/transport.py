@@ -46,6 +46,22 @@ class Unanswered(Exception):
         self.outcome, self.billed, self.kind, self.status, self.seconds = outcome, billed, kind, status, seconds
 
 
+def settle_unanswered(ledger: Any, attempt_id: int, exc: Unanswered, retry_on: Any, count: Any, *, attempt: int,
+                      attempts_left: int, backoff: float) -> bool:
+    """Record attempt ``attempt_id`` that got no answer (``exc``) in ``ledger`` and count it (``count(billed=...,
+    latency_total=...)``); returns whether to send again: only when its kind is in ``retry_on`` (what may have been
+    billed is never paid for twice unless opted in), after the back-off ``backoff * 2 ** attempt`` when an attempt
+    is left. Shared by the group judge and the pointwise scorers, so both follow one rule."""
+    ledger.finish_attempt(attempt_id, exc.outcome, billed=exc.billed, http_status=exc.status, error=str(exc),
+                          latency_s=exc.seconds)
+    count(billed=int(exc.billed), latency_total=exc.seconds)
+    if exc.kind not in retry_on:
+        return False
+    if attempt + 1 < attempts_left:
+        time.sleep(backoff * 2 ** attempt)
+    return True
+
+
 def send(client: Any, openai: Any, messages: list[dict], *, model: str, settings: dict, seed: int,
          api_key_env: str | None, extra: dict | None = None) -> tuple[str | None, str, tuple[int, int], float]:
     """One chat completion (one HTTP attempt) with ``client`` (an ``openai.OpenAI``; ``openai`` the module, for its

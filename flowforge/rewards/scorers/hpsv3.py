@@ -169,6 +169,23 @@ def qwen2vl_patches(pixels: Tensor, patch: int = 14, merge: int = 2, temporal: i
     return frames.reshape(steps * grid_h * grid_w, channels * temporal * patch * patch)
 
 
+def check_chat_tokenizer(tokenizer: Any, base_dir: str, base_name: str) -> None:
+    """Give ``tokenizer`` (read from the base model ``base_dir``) the base's chat template from its
+    ``chat_template.json`` when there is one (the processor's file, which the tokenizer does not read itself).
+
+    Raises:
+        ValueError: a stub tokenizer (under 10 tokens), or no chat template at all (naming ``base_name``'s file).
+    """
+    if len(tokenizer) < 10:
+        raise ValueError(f"the tokenizer in {base_dir!r} has only {len(tokenizer)} tokens (a stub)")
+    template_file = os.path.join(base_dir, "chat_template.json")
+    if os.path.isfile(template_file):
+        with open(template_file) as handle:
+            tokenizer.chat_template = json.load(handle)["chat_template"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"base_path={base_dir!r} has no chat template (chat_template.json of {base_name})")
+
+
 def load_hpsv3(model_dir: str, base_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[HPSv3Model, Any]:
     """``(model, tokenizer)``: the frozen eval-mode :class:`HPSv3Model` (built on ``device``, the head float32) from
     ``model_dir/HPSv3.safetensors`` and the base's ``config.json``; the base tokenizer with ``<|Reward|>`` added and
@@ -189,14 +206,7 @@ def load_hpsv3(model_dir: str, base_dir: str, device: torch.device, dtype: torch
         official = load_file(checkpoint, device="cpu")
     except (OSError, ValueError) as error:
         raise ValueError(f"could not read HPSv3 from {model_dir!r} / base {base_dir!r}: {error}") from error
-    if len(tokenizer) < 10:
-        raise ValueError(f"the tokenizer in {base_dir!r} has only {len(tokenizer)} tokens (a stub)")
-    template_file = os.path.join(base_dir, "chat_template.json")
-    if os.path.isfile(template_file):
-        with open(template_file) as handle:
-            tokenizer.chat_template = json.load(handle)["chat_template"]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"base_path={base_dir!r} has no chat template (chat_template.json of Qwen2-VL-7B-Instruct)")
+    check_chat_tokenizer(tokenizer, base_dir, "Qwen2-VL-7B-Instruct")
     tokenizer.add_tokens([REWARD_TOKEN], special_tokens=True)
     embed = official.get("model.embed_tokens.weight")
     if embed is None or embed.shape[0] != len(tokenizer):

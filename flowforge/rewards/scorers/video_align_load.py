@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.rewards.scorers.hpsv3 import qwen2vl_hidden
+from flowforge.rewards.scorers.hpsv3 import check_chat_tokenizer, qwen2vl_hidden
 
 DIMENSIONS = ("VQ", "MQ", "TA")
 SPECIAL_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
@@ -176,14 +176,7 @@ def load_video_align(model_dir: str, base_dir: str, step: int | None, device: to
         state = _state(model_dir, base_dir, step, run)
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"could not read VideoAlign from {model_dir!r} / base {base_dir!r}: {error}") from error
-    if len(tokenizer) < 10:
-        raise ValueError(f"the tokenizer in {base_dir!r} has only {len(tokenizer)} tokens (a stub)")
-    template_file = os.path.join(base_dir, "chat_template.json")
-    if os.path.isfile(template_file):
-        with open(template_file) as handle:
-            tokenizer.chat_template = json.load(handle)["chat_template"]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"base_path={base_dir!r} has no chat template (chat_template.json of Qwen2-VL-2B-Instruct)")
+    check_chat_tokenizer(tokenizer, base_dir, "Qwen2-VL-2B-Instruct")
     tokenizer.add_tokens(list(SPECIAL_TOKENS), special_tokens=True)
     embed = state.get("backbone.language_model.embed_tokens.weight")
     if embed is None or embed.shape[0] != len(tokenizer):

@@ -40,7 +40,6 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,7 +52,7 @@ from flowforge.rewards.base import check_inputs
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.ledger import BudgetExhausted, RequestLedger
 from flowforge.rewards.judge.transport import (RETRY_KINDS, UNBILLED_RETRIES, JudgeError, RetryKind, Unanswered,
-                                               retry_kind, send)
+                                               retry_kind, send, settle_unanswered)
 
 log = logging.getLogger(__name__)
 
@@ -307,15 +306,11 @@ class PointwiseVLM:
                                                  settings=self.settings, seed=self.seed,
                                                  api_key_env=self.api_key_env, extra=self.extra_body())
             except Unanswered as exc:
-                ledger.finish_attempt(row, exc.outcome, billed=exc.billed, http_status=exc.status, error=str(exc),
-                                      latency_s=exc.seconds)
-                self._count(billed=int(exc.billed), latency_total=exc.seconds)
                 error = str(exc)
-                if exc.kind not in self.retry_on:  # may have been billed: never paid for twice unless opted in
+                if not settle_unanswered(ledger, row, exc, self.retry_on, self._count, attempt=attempt,
+                                         attempts_left=attempts_left, backoff=self.backoff):
                     break
                 kind = "retry"
-                if attempt + 1 < attempts_left:
-                    time.sleep(self.backoff * 2 ** attempt)
                 continue
             except JudgeError as exc:  # refused before any work: not billed
                 ledger.finish_attempt(row, "http_error", billed=False, error=str(exc))
