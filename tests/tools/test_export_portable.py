@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -58,6 +59,7 @@ def test_card_config_has_the_runs_own_sections_only():
     assert set(own_sections(data, "dppo")) == {"run", "model", "train", "rollout", "grpo", "dppo", "anchor", "eval"}
 
 
+@pytest.mark.slow  # a few short runs (10-15 s each on 2 cores): CI runs it in the slow set
 def test_exports_moved_with_their_base_load_elsewhere_and_name_no_machine_path(lora_run, tiny_model_dir, tmp_path):
     from flowforge.tools.sample import run_sample
 

@@ -21,6 +21,7 @@ def _trainer(tiny_model_dir, out, cache, *extra):
     return Trainer(tiny_cfg(tiny_model_dir, out, cache, *extra), progress=False)
 
 
+@pytest.mark.slow  # a few short runs (10-15 s each on 2 cores): CI runs it in the slow set
 def test_staleness_zero_is_bit_identical_to_a_run_without_the_option(tiny_model_dir, tmp_path, encode_cache_dir):
     runs = []
     for name, extra in (("plain", ()), ("s0", ("train.max_staleness=0",))):
@@ -47,6 +48,7 @@ def test_preflight_refuses_staleness_for_other_algorithms_and_the_local_engine(t
     assert "needs rollout.engine='workers' (got 'local')" in text
 
 
+@pytest.mark.slow  # a few short runs (10-15 s each on 2 cores): CI runs it in the slow set
 def test_two_step_async_run_with_workers_tags_versions_and_the_first_ratio_is_one(tiny_model_dir, tmp_path,
                                                                                   encode_cache_dir):
     """Step 0 rolls out on-policy (version 0, first ratio exactly 1); step 1 was rolled out by version 0 while step

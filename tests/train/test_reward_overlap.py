@@ -33,6 +33,7 @@ def _checkpoint(run_dir):
     return {f"{p.name}/{k}": v for p in sorted(newest.rglob("*.safetensors")) for k, v in load_file(p).items()}
 
 
+@pytest.mark.slow  # a few short runs (10-15 s each on 2 cores): CI runs it in the slow set
 @pytest.mark.parametrize("algorithm", ["grpo", "nft"])
 def test_overlap_on_and_off_give_the_same_metrics_evals_and_checkpoints(tiny_model_dir, tmp_path, encode_cache_dir,
                                                                          monkeypatch, algorithm):
