@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -186,6 +186,25 @@ def check_chat_tokenizer(tokenizer: Any, base_dir: str, base_name: str) -> None:
         raise ValueError(f"base_path={base_dir!r} has no chat template (chat_template.json of {base_name})")
 
 
+def build_qwen2vl_in_dtype(config: Any, vocab_rows: int, device: torch.device, dtype: torch.dtype,
+                           build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` of a reward model around a Qwen2-VL backbone described by ``config`` (a ``Qwen2VLConfig``, set
+    here: ``vocab_rows`` embedding rows -- the checkpoint's, resized for its reward tokens --, sdpa attention, every
+    part in ``dtype``), constructed on ``device`` in ``dtype``: one copy of the weights, never a float32 one first.
+    Shared by HPSv3 and VideoAlign."""
+    config.text_config.vocab_size = config.vocab_size = vocab_rows
+    config._attn_implementation = "sdpa"
+    for part in (config, config.text_config, config.vision_config):  # transformers builds each part in the dtype
+        part.dtype = dtype  # of its config (config.json's torch_dtype), not in the default dtype set below
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return build()
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
 def load_hpsv3(model_dir: str, base_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[HPSv3Model, Any]:
     """``(model, tokenizer)``: the frozen eval-mode :class:`HPSv3Model` (built on ``device``, the head float32) from
     ``model_dir/HPSv3.safetensors`` and the base's ``config.json``; the base tokenizer with ``<|Reward|>`` added and
@@ -212,17 +231,9 @@ def load_hpsv3(model_dir: str, base_dir: str, device: torch.device, dtype: torch
     if embed is None or embed.shape[0] != len(tokenizer):
         raise ValueError(f"{checkpoint!r} does not fit the base tokenizer plus {REWARD_TOKEN} "
                          f"({len(tokenizer)} tokens)")
-    config.text_config.vocab_size = config.vocab_size = int(embed.shape[0])  # HPSv3 resized the embeddings
-    config._attn_implementation = "sdpa"
-    for part in (config, config.text_config, config.vision_config):  # transformers builds each part in the dtype
-        part.dtype = dtype  # of its config (config.json's torch_dtype), not in the default dtype set below
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built on the device in its dtype: one copy of the 8B weights, not a float32 one
-    try:
-        with torch.device(device):
-            model = HPSv3Model(config, tokenizer.convert_tokens_to_ids(REWARD_TOKEN))
-    finally:
-        torch.set_default_dtype(default_dtype)
+    # HPSv3 resized the embeddings to the base tokenizer plus its token
+    model = build_qwen2vl_in_dtype(config, int(embed.shape[0]), device, dtype,
+                                   lambda: HPSv3Model(config, tokenizer.convert_tokens_to_ids(REWARD_TOKEN)))
     model.head.to(dtype=torch.float32)
     missing, unexpected = model.load_state_dict(transformers_state(official), strict=False)
     if missing or unexpected:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.rewards.scorers.hpsv3 import check_chat_tokenizer, qwen2vl_hidden
+from flowforge.rewards.scorers.hpsv3 import build_qwen2vl_in_dtype, check_chat_tokenizer, qwen2vl_hidden
 
 DIMENSIONS = ("VQ", "MQ", "TA")
 SPECIAL_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
@@ -182,18 +182,9 @@ def load_video_align(model_dir: str, base_dir: str, step: int | None, device: to
     if embed is None or embed.shape[0] != len(tokenizer):
         raise ValueError(f"the checkpoint in {model_dir!r} does not fit the base tokenizer plus the reward tokens "
                          f"({len(tokenizer)} tokens)")
-    config.text_config.vocab_size = config.vocab_size = int(embed.shape[0])  # VideoAlign resized the embeddings
-    config._attn_implementation = "sdpa"
-    for part in (config, config.text_config, config.vision_config):  # transformers builds each part in the dtype
-        part.dtype = dtype  # of its config (config.json's torch_dtype), not in the default dtype set below
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built on the device in its dtype: one copy of the weights
-    try:
-        with torch.device(device):
-            model = VideoAlignModel(config, settings["output_dim"],
-                                    tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)))
-    finally:
-        torch.set_default_dtype(default_dtype)
+    # VideoAlign resized the embeddings to the base tokenizer plus its reward tokens
+    model = build_qwen2vl_in_dtype(config, int(embed.shape[0]), device, dtype, lambda: VideoAlignModel(
+        config, settings["output_dim"], tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"the checkpoint in {model_dir!r} does not fit VideoAlign: missing {missing[:5]}, "
