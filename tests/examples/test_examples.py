@@ -29,7 +29,7 @@ def test_example_passes_flowforge_check(path, capsys):
     if is_compare_file(path):
         compare = load_compare(path)
         for arm, overrides in compare.arms.items():
-            assert main(["check", str(compare.base), *compare.overrides, *overrides]) == 0, arm
+            assert main(["check", str(compare.config_of(arm)), *compare.overrides, *overrides]) == 0, arm
     elif (yaml.safe_load(path.read_text()).get("run") or {}).get("device", "cpu") != "cpu":
         # GPU examples (gpu/, multi_reward/) name devices, models and data of a GPU machine: checked as configs,
         # not against this one
@@ -89,8 +89,8 @@ def test_every_shipped_config_checkpoints_periodically(path):
     data = yaml.safe_load(path.read_text()) or {}
     if is_compare_file(path):
         compare = load_compare(path)
-        cfg = load_config(compare.base)
-        assert cfg.checkpoint.every > 0
+        for arm in compare.arms:
+            assert load_config(compare.config_of(arm)).checkpoint.every > 0, arm
     elif is_pipeline_file(path):
         from flowforge.orchestrate.config import load_pipeline, stage_config
 

@@ -1,7 +1,7 @@
 """``flowforge compare``: several algorithms (and seeds) on the same model, prompts, rewards and sample budget.
 
-A compare file names a base run config, the arms (each a list of ``section.key=value`` overrides on the base) and
-the seeds. Every (arm, seed) is an ordinary run directory ``<output_dir>/<arm>-s<seed>/``, trained one after the
+A compare file names a base run config, the arms (each a list of ``section.key=value`` overrides on the base, or
+``{config: FILE, overrides: [...]}``: its own run config) and the seeds. Every (arm, seed) is an ordinary run directory ``<output_dir>/<arm>-s<seed>/``, trained one after the
 other (never in parallel: two torch jobs on two cores slow each other down by an order of magnitude, and each arm's
 wall time is measured alone). The budget is counted in generated training samples,
 ``steps * prompts_per_step * group_size``, so arms with different batch shapes see the same number of samples.
@@ -47,13 +47,18 @@ from flowforge.report.verdict import standard_error
 @dataclass(frozen=True)
 class CompareConfig:
     base: Path
-    arms: dict[str, tuple[str, ...]]
+    arms: dict[str, tuple[str, ...]]  # arm -> its overrides, applied to its config (``base`` unless named)
     output_dir: Path
     budget_samples: int
     target_metric: str = "eval/digit_eval"
     target_values: tuple[float, ...] = (0.8, 0.9)  # ascending
     seeds: tuple[int, ...] = (0,)
     overrides: tuple[str, ...] = field(default_factory=tuple)  # applied to every arm
+    arm_configs: dict[str, Path] = field(default_factory=dict)  # arm -> its own run config (else ``base``)
+    diversity_metric: str = "eval/diversity"
+
+    def config_of(self, arm: str) -> Path:
+        return self.arm_configs.get(arm, self.base)
 
 
 REACH_TOLERANCE = 1e-6
@@ -84,18 +89,32 @@ def load_compare(path: str | Path, overrides: tuple[str, ...] = ()) -> CompareCo
         raw = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError([f"cannot read compare file {path}: {exc}"]) from None
-    allowed = {"base", "arms", "output_dir", "budget_samples", "target", "seeds"}
+    allowed = {"base", "arms", "output_dir", "budget_samples", "target", "seeds", "diversity_metric"}
     problems = [f"unknown key '{k}'; allowed: {sorted(allowed)}" for k in raw if k not in allowed]
-    base = path.parent / str(raw.get("base", ""))
-    if "base" not in raw or not base.is_file():
-        problems.append(f"base: a run config file is required (got {raw.get('base')!r}, looked for {base})")
     arms = raw.get("arms")
     if not isinstance(arms, dict) or not arms:
-        problems.append("arms: a mapping of arm name -> list of overrides is required")
+        problems.append("arms: a mapping of arm name -> list of overrides (or {config: FILE, overrides: [...]}) "
+                        "is required")
         arms = {}
-    for name, ov in arms.items():
+    overrides_of, arm_configs = {}, {}
+    for name, spec in arms.items():
+        ov = spec
+        if isinstance(spec, dict):  # {config: its own run config, overrides: [...]}
+            if set(spec) - {"config", "overrides"} or not isinstance(spec.get("config"), str):
+                problems.append(f"arms.{name}: expected {{config: FILE, overrides: [...]}} (config required)")
+                continue
+            arm_configs[name] = path.parent / spec["config"]
+            if not arm_configs[name].is_file():
+                problems.append(f"arms.{name}.config: no run config at {arm_configs[name]}")
+            ov = spec.get("overrides", [])
         if not isinstance(ov, list) or not all(isinstance(o, str) for o in ov):
             problems.append(f"arms.{name}: expected a list of 'section.key=value' strings")
+            continue
+        overrides_of[name] = tuple(ov)
+    base = path.parent / str(raw.get("base", ""))
+    if ("base" in raw or len(arm_configs) < len(arms)) and not base.is_file():
+        problems.append(f"base: a run config file is required unless every arm names its config "
+                        f"(got {raw.get('base')!r}, looked for {base})")
     budget = raw.get("budget_samples")
     if not isinstance(budget, int) or budget < 1:
         problems.append(f"budget_samples: expected an int >= 1, got {budget!r}")
@@ -110,18 +129,20 @@ def load_compare(path: str | Path, overrides: tuple[str, ...] = ()) -> CompareCo
         problems.append(f"seeds: expected a non-empty list of distinct ints, got {seeds!r}")
     if problems:
         raise ConfigError(problems, header=f"invalid compare file {path}")
-    return CompareConfig(base=base, arms={k: tuple(v) for k, v in arms.items()},
+    return CompareConfig(base=base, arms=overrides_of, arm_configs=arm_configs,
                          output_dir=Path(raw.get("output_dir", "runs/compare")), budget_samples=budget,
                          target_metric=str(target.get("metric", "eval/digit_eval")), target_values=values,
-                         seeds=tuple(seeds), overrides=tuple(overrides))
+                         seeds=tuple(seeds), overrides=tuple(overrides),
+                         diversity_metric=str(raw.get("diversity_metric", "eval/diversity")))
 
 
 def _run_config(cc: CompareConfig, arm: str, seed: int):
-    """The run config of one (arm, seed): base < arm overrides < command-line overrides < name / seed / budget."""
-    probe = load_config(cc.base, [*cc.arms[arm], *cc.overrides])
+    """The run config of one (arm, seed): the arm's config (``base`` unless it names one) < arm overrides <
+    command-line overrides < name / seed / budget."""
+    probe = load_config(cc.config_of(arm), [*cc.arms[arm], *cc.overrides])
     per_step = probe.data.prompts_per_step * probe.data.group_size
     steps = max(1, cc.budget_samples // per_step)
-    return load_config(cc.base, [*cc.arms[arm], *cc.overrides, f"run.name={arm}-s{seed}",
+    return load_config(cc.config_of(arm), [*cc.arms[arm], *cc.overrides, f"run.name={arm}-s{seed}",
                                  f"run.output_dir={cc.output_dir}", f"run.seed={seed}", f"train.steps={steps}"])
 
 
@@ -131,8 +152,8 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...], arm: str | None = None
-              ) -> dict[str, Any]:
+def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...], arm: str | None = None,
+              diversity_metric: str = "eval/diversity") -> dict[str, Any]:
     """Curves and summary of one finished run directory.
 
     Samples generated after ``n`` steps are ``n * M * K`` (read from its config); wall time is the sum of the
@@ -142,7 +163,9 @@ def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...
         ``run``, ``arm`` (default: the run name before ``-s<seed>``), ``algorithm``, ``seed``, ``curve`` ``[(samples,
         seconds, metric)]`` per evaluation, ``reward`` ``[(samples, seconds, reward/total_mean)]`` per step,
         ``samples_to`` / ``seconds_to`` ``{value: first evaluation reaching it, or None}``, ``final_metric``,
-        ``final_reward``, ``samples``.
+        ``final_reward``, ``samples``; ``best_metric`` (the highest evaluation within the budget), and the
+        diversity metric at the first and the last evaluation: ``base_diversity``, ``final_diversity`` and
+        ``diversity_ratio`` (last / first; NaN where the run logs no diversity).
     """
     cfg = load_config(run_dir / "config.yaml")
     per_step = cfg.data.prompts_per_step * cfg.data.group_size
@@ -158,12 +181,17 @@ def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...
               math.nan if e.get(target_metric) is None else e[target_metric]) for e in evals]
     # the logged metric is a float32 mean: 216 of 240 correct logs as 0.89999998, which must count as 0.9
     hits = {v: next(((s, t) for s, t, m in curve if m >= v - REACH_TOLERANCE), (None, None)) for v in target_values}
+    finite = [m for _, _, m in curve if math.isfinite(m)]
+    diversity = [e[diversity_metric] for e in evals if isinstance(e.get(diversity_metric), (int, float))]
+    base_div, final_div = (diversity[0], diversity[-1]) if diversity else (math.nan, math.nan)
     return {"run": run_dir.name, "arm": arm or run_dir.name.rsplit("-s", 1)[0], "algorithm": cfg.train.algorithm,
             "seed": cfg.run.seed, "curve": curve, "reward": reward,
             "samples_to": {v: h[0] for v, h in hits.items()}, "seconds_to": {v: h[1] for v, h in hits.items()},
             "final_metric": curve[-1][2] if curve else math.nan,
             "final_reward": reward[-1][2] if reward else math.nan,
-            "samples": rows[-1]["step"] * per_step if rows else 0}
+            "samples": rows[-1]["step"] * per_step if rows else 0,
+            "best_metric": max(finite) if finite else math.nan, "base_diversity": base_div,
+            "final_diversity": final_div, "diversity_ratio": final_div / base_div if base_div else math.nan}
 
 
 def aggregate(summaries: list[dict[str, Any]], target_values: tuple[float, ...]) -> dict[str, dict[str, Any]]:
@@ -181,7 +209,10 @@ def aggregate(summaries: list[dict[str, Any]], target_values: tuple[float, ...])
         arms.setdefault(s["arm"], []).append(s)
     out: dict[str, dict[str, Any]] = {}
     for arm, runs in arms.items():
-        entry: dict[str, Any] = {"n_seeds": len(runs), "targets": {}}
+        entry: dict[str, Any] = {"n_seeds": len(runs), "targets": {}, "algorithm": runs[0].get("algorithm", "")}
+        for key, name in (("best_metric", "best"), ("final_diversity", "diversity"),
+                          ("diversity_ratio", "diversity_ratio")):
+            entry[name] = _mean_se([r.get(key, math.nan) for r in runs])
         finals = [r["final_metric"] for r in runs if math.isfinite(r["final_metric"])]
         entry["finals"] = finals
         entry["final_mean"] = statistics.fmean(finals) if finals else math.nan
@@ -200,6 +231,21 @@ def aggregate(summaries: list[dict[str, Any]], target_values: tuple[float, ...])
             t["ratio"] = t["median"] / ref if t["median"] is not None and ref else None
         entry["vs_first"] = None if entry is first else _difference(entry, first)
     return out
+
+
+def _mean_se(values: list[float]) -> tuple[float, float | None] | None:
+    """``(mean, standard error)`` of the finite values (SE None for one value), None when there are none."""
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not finite:
+        return None
+    return statistics.fmean(finite), standard_error(finite) if len(finite) > 1 else None
+
+
+def _mean_se_cell(pair: tuple[float, float | None] | None, fmt: str = ".3f") -> str:
+    if pair is None:
+        return "-"
+    mean, se = pair
+    return f"{mean:{fmt}}" + ("" if se is None else f" ± {se:{fmt}}")
 
 
 def _difference(arm: dict[str, Any], first: dict[str, Any]) -> dict[str, Any]:
@@ -245,10 +291,14 @@ def arm_table(arms: dict[str, dict[str, Any]], target_metric: str, target_values
     lines = [f"Samples generated until {target_metric} first reaches each target: median over seeds (min-max), "
              f"seeds that reached it; ratio = the arm's median / {first}'s. Final metric: mean over seeds ± its "
              f"standard error; vs {first}: the difference of the means ± Welch's SE (from the per-seed values), "
-             "significant when over 2 SE.", "",
+             "significant when over 2 SE. Wall seconds: the logged step times (evaluation excluded), median over "
+             "the seeds that reached the target. Best, diversity at the end and its ratio to the step-0 evaluation's: "
+             "mean over seeds ± SE.", "",
              "| arm | seeds | " + " | ".join(f"samples to {v:g}" for v in target_values)
-             + " | " + " | ".join(f"ratio at {v:g}" for v in target_values) + f" | final metric | vs {first} |",
-             "|" + "---|" * (4 + 2 * len(target_values))]
+             + " | " + " | ".join(f"ratio at {v:g}" for v in target_values) + f" | final metric | vs {first} | "
+             + " | ".join(f"wall s to {v:g}" for v in target_values)
+             + " | best in budget | diversity at the end | diversity / step 0's | algorithm |",
+             "|" + "---|" * (8 + 3 * len(target_values))]
     for arm, a in arms.items():
         cells = []
         for v in target_values:
@@ -257,8 +307,11 @@ def arm_table(arms: dict[str, dict[str, Any]], target_metric: str, target_values
                          f"{t['median']:g} ({t['min']}-{t['max']}), {t['n_reached']}/{a['n_seeds']}")
         ratios = [_fmt(a["targets"][v]["ratio"]) if a["targets"][v]["ratio"] is not None else "-"
                   for v in target_values]
+        seconds = [_fmt(a["targets"][v]["median_seconds"]) for v in target_values]
         lines.append(f"| {arm} | {a['n_seeds']} | " + " | ".join(cells) + " | " + " | ".join(ratios)
-                     + f" | {final_cell(a)} | {vs_first_cell(a)} |")
+                     + f" | {final_cell(a)} | {vs_first_cell(a)} | " + " | ".join(seconds)
+                     + f" | {_mean_se_cell(a.get('best'))} | {_mean_se_cell(a.get('diversity'))}"
+                     + f" | {_mean_se_cell(a.get('diversity_ratio'), '.2f')} | {a.get('algorithm', '')} |")
     return lines
 
 
@@ -269,7 +322,8 @@ def write_tables(summaries: list[dict[str, Any]], arms: dict[str, dict[str, Any]
     the first arm's (:func:`arm_table`); then per run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     per_target = [f"{kind}_to_{v:g}" for v in target_values for kind in ("samples", "seconds")]
-    header = ["run", "arm", "algorithm", "seed", "samples", *per_target, "final_metric", "final_reward"]
+    header = ["run", "arm", "algorithm", "seed", "samples", *per_target, "final_metric", "final_reward", "best_metric",
+              "base_diversity", "final_diversity", "diversity_ratio"]
     rows = []
     for s in summaries:
         cells = {f"{kind}_to_{v:g}": s[f"{kind}_to"][v] for v in target_values for kind in ("samples", "seconds")}
@@ -303,7 +357,8 @@ def run_compare(cc: CompareConfig, *, progress: bool = True) -> Path:
                                    "output_dir"], header="compare cannot reuse a run directory")
         if not (run_dir / "report.html").is_file():
             Trainer(cfg, progress=progress).train()
-        summaries.append(summarize(run_dir, cc.target_metric, cc.target_values, arm=arm))
+        summaries.append(summarize(run_dir, cc.target_metric, cc.target_values, arm=arm,
+                                   diversity_metric=cc.diversity_metric))
     arms = aggregate(summaries, cc.target_values)
     write_tables(summaries, arms, cc.output_dir, cc.target_metric, cc.target_values)
     return write_plot(summaries, arms, cc.output_dir, cc.target_metric, cc.target_values)
