@@ -55,3 +55,27 @@ def test_the_legibility_teacher_grades_alike_whatever_the_group_and_prefers_clea
     assert bool((teacher(blurred, ["a handwritten seven"] * 8, [{}] * 8) < marks).float().mean() >= 0.75)
     with pytest.raises(ValueError, match="augmentations must be an int >= 1"):
         LegibilityScorer(augmentations=0)
+
+
+def test_the_fine_stroke_teacher_is_legibility_times_thinness_and_prefers_a_fine_pen():
+    """Issue 39 (digits demo): :class:`FineStrokeScorer` = the legibility mark x clamp(1 - ink / ink_scale, 0, 1),
+    ink the share of grey pixels above 0.5. The same real sevens drawn with a thicker pen (a 3 x 3 max filter: the
+    same digit, more ink) are marked lower, though the classifier still reads them; a blank image (no ink, the
+    classifier's chance) earns less than every real seven."""
+    from flowforge.demo import data
+    from flowforge.demo.classifiers import to_gray32
+    from flowforge.orchestrate.demo import FineStrokeScorer, LegibilityScorer
+
+    images, labels = data.load_split("eval_clf")
+    sevens = images[labels == 7][:8].expand(-1, 3, -1, -1)
+    prompts, meta = ["a handwritten seven"] * 8, [{}] * 8
+    teacher = FineStrokeScorer(augmentations=16, ink_scale=0.4)
+    marks = teacher(sevens, prompts, meta)
+    ink = (to_gray32(sevens) > 0.5).float().mean(dim=(1, 2, 3))
+    expected = LegibilityScorer(augmentations=16)(sevens, prompts, meta) * (1 - ink / 0.4).clamp(0, 1)
+    assert torch.allclose(marks, expected) and marks.dtype == torch.float32
+    bold = torch.nn.functional.max_pool2d(sevens, 3, stride=1, padding=1)
+    assert bool((teacher(bold, prompts, meta) < marks).all())
+    assert float(teacher(torch.zeros(1, 3, 32, 32), prompts[:1], meta[:1])) < float(marks.min())
+    with pytest.raises(ValueError, match=r"ink_scale must be a number in \(0, 1\]"):
+        FineStrokeScorer(ink_scale=0)
