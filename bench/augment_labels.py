@@ -4,12 +4,14 @@ The ``scalar_head`` student can train on randomly rotated / scaled / shifted cop
 (``student.scalar_head.augment_*``), which is sound only if the teacher would give a distorted image the mark of the
 original. This measures it where it matters, on the images stage A judges: ``--groups`` prompts of ``demo:train``,
 ``--k`` candidates each from the demo's base model (ODE sampler, seed 0), marked by the demo teacher
-(:class:`flowforge.orchestrate.demo.LegibilityScorer`) as they are and after the student's augmentation (the same
+(``teacher.scorer`` of ``--config``: :class:`flowforge.orchestrate.demo.FineStrokeScorer` in the shipped demo) as they are and after the student's augmentation (the same
 function, :meth:`flowforge.reward_model.scalar_head.ScalarHeadStudent.augment`, at ``examples/stages/digits.yaml``'s
 settings; one draw per candidate, ``--draws`` draws). Prints the mean absolute change of a mark and the share of the
 teacher-ordered pairs of a group (marks differing by more than ``--margin``) whose order the augmentation flips.
+The teacher is the config's (``teacher.scorer``), built as the pipeline builds it.
 
-    python bench/augment_labels.py [--groups 40] [--k 4] [--draws 4] [--margin 0.0]
+    python bench/augment_labels.py [--config examples/stages/digits.yaml] [--groups 40] [--k 4] [--draws 4]
+                                   [--margin 0.0]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="examples/stages/digits.yaml")
     parser.add_argument("--groups", type=int, default=40)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--draws", type=int, default=4)
@@ -29,19 +32,20 @@ def main() -> None:
     args = parser.parse_args()
     from flowforge.data.prompts import load_prompts
     from flowforge.orchestrate.config import load_pipeline
-    from flowforge.orchestrate.demo import LegibilityScorer
+    from flowforge.rewards.registry import build_scorer
     from flowforge.reward_model.scalar_head import ScalarHeadStudent
     from flowforge.tools.sample import sample
     from flowforge.tools.sample.load import load_for_sampling
 
     torch.set_num_threads(1)
-    options = load_pipeline("examples/stages/digits.yaml").student.scalar_head
+    pcfg = load_pipeline(args.config)
+    options = pcfg.student.scalar_head
     model = load_for_sampling("demo:base", device="cpu")
     records = load_prompts("demo:train")[:args.groups]
     media = sample(model, records, num=args.k, seed=0)  # [G * K, 3, H, W], prompt-major
     prompts = [r.prompt for r in records for _ in range(args.k)]
     meta = [{} for _ in prompts]
-    teacher = LegibilityScorer()
+    teacher = build_scorer(pcfg.teacher.scorer)
     marks = teacher(media, prompts, meta).double().view(args.groups, args.k)
     shifts, flipped, ordered = [], 0, 0
     holder = types.SimpleNamespace(options=options)

@@ -254,6 +254,17 @@ class Objective:
         metrics = self.anchor.backward() if self.anchor is not None else {}
         return {**metrics, "grad_norm": self.policy.step()}
 
+    # -------------------------------------------------------------------------------- its own state
+    def checkpoint_state(self) -> dict:
+        """State the objective owns outside the policy bank, saved in every checkpoint: ``{"tensors": {group:
+        {name: Tensor}}, "optimizer": a state dict or None}`` (``{}``: none, the default). The checkpoint stores the
+        groups as ``objective.<group>`` weight files and the optimizer under ``optimizer.pt["objective"]``; the
+        group names follow :func:`flowforge.train.checkpoint.save.save_checkpoint`'s rule."""
+        return {}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Restore what :meth:`checkpoint_state` returned (``{}`` from a checkpoint that holds none)."""
+
     def micro_batches(self, rows: torch.Tensor, size: int | None = None) -> list[torch.Tensor]:
         """``rows`` ([n] int64) in consecutive chunks of ``size`` (default ``ctx.micro_batch_size``)."""
         mb = size or self.ctx.micro_batch_size

@@ -25,8 +25,8 @@ draws come from a generator seeded by (run seed, step, update): a run is reprodu
 
 Not yet: the GAN term (DMD2 Sec. 4.2: a discriminator head on the fake score's features, trained on real images;
 the losses exist in :mod:`flowforge.algorithms.losses.dmd2`), LoRA / module training (``lora.trainable: full``
-only), data parallelism (one process), and checkpointing the fake score (``train.resume`` is refused: a resumed run
-would restart the fake score from the teacher). The policy's checkpoints and the export are the usual ones.
+only) and data parallelism (one process). Checkpoints hold the fake score and its optimizer beside the policy's
+(:meth:`DMD2.checkpoint_state`), so ``train.resume`` continues a run bit for bit; the export is the usual one.
 """
 
 from __future__ import annotations
@@ -94,11 +94,30 @@ class DMD2(Objective):
         if world_size > 1:
             problems.append(f"train.algorithm='dmd2' runs on one process (the fake score is not data-parallel "
                             f"yet); got {world_size} ranks")
-        if cfg.train.resume is not None:
-            problems.append(f"train.resume={cfg.train.resume!r} with train.algorithm='dmd2': the fake score is not "
-                            "checkpointed yet, a resumed run would restart it from the teacher; start the run "
-                            "again (train.resume unset)")
         return problems
+
+    # ------------------------------------------------------------------------------------------------ its state
+    def checkpoint_state(self) -> dict:
+        """The fake score's weights (group ``fake``, fp32) and its AdamW state: a resumed run continues the fake
+        score where it stopped instead of restarting it from the teacher."""
+        if self.fake is None:
+            return {}
+        return {"tensors": {"fake": self.fake.state_dict()}, "optimizer": self.fake_optimizer.state_dict()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Restore :meth:`checkpoint_state`.
+
+        Raises:
+            ValueError: a checkpoint without the fake score (one written before dmd2 saved it): resuming from it
+                would silently restart the fake score from the teacher.
+        """
+        if self.fake is None:
+            return
+        if "fake" not in (state.get("tensors") or {}) or state.get("optimizer") is None:
+            raise ValueError("this checkpoint holds no DMD2 fake score (written before dmd2 saved it); start the run "
+                             "again (train.resume unset)")
+        self.fake.load_state_dict(state["tensors"]["fake"])
+        self.fake_optimizer.load_state_dict(state["optimizer"])
 
     # ------------------------------------------------------------------------------------------------ rollout
     def rollout_spec(self, step: int) -> RolloutSpec:

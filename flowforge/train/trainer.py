@@ -179,7 +179,7 @@ class Trainer(RunDirectory):
                                   config_fingerprint=resume_fingerprint(cfg), config=config_lib.to_dict(cfg),
                                   expected_changes=self.expected_resume_changes)
         self.checkpoints = CheckpointManager(self.run_dir, policy=self.policy, record=self.state, sampler=self.sampler,
-                                             keep=cfg.checkpoint.keep, dist=self.dist)
+                                             keep=cfg.checkpoint.keep, dist=self.dist, objective=self.objective)
         if cfg.train.resume:
             self.checkpoints.restore(cfg.train.resume, max_step=cfg.train.steps)
         self._accept_run()

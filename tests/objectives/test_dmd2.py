@@ -84,7 +84,6 @@ def test_rl_accepts_the_exported_few_step_student(make, tiny_model_dir, tmp_path
 
 @pytest.mark.parametrize("extra, names", [
     (("lora.trainable=lora",), ["lora.trainable='lora'", "allowed: 'full'"]),
-    (("train.resume=auto",), ["train.resume='auto'", "fake score is not checkpointed"]),
 ])
 def test_preflight_refuses(tiny_model_dir, tmp_path, encode_cache_dir, extra, names):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, encode_cache_dir, *DMD2, *extra)
@@ -99,3 +98,39 @@ def test_preflight_refuses(tiny_model_dir, tmp_path, encode_cache_dir, extra, na
 def test_section_refuses_bad_values(extra, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, [*DMD2, extra])
+
+
+@pytest.mark.slow  # three short dmd2 runs (~50 s on 2 cores): CI runs it in the slow set
+def test_a_resumed_run_continues_the_fake_score_bit_for_bit(tiny_model_dir, tmp_path, encode_cache_dir):
+    """Issue 45 (DMD2 resume): the checkpoint holds the fake score and its AdamW state (weight group
+    ``objective.fake``, ``optimizer.pt["objective"]``), so a run stopped after step 1's checkpoint and resumed ends
+    with the uninterrupted run's generator, fake score and both optimizers; a checkpoint without a fake score is
+    refused rather than resumed with the fake score restarted from the teacher."""
+    from flowforge.train.checkpoint import load_checkpoint
+
+    extra = (*DMD2, "sampler.num_steps=2", "sampler.num_sde_steps=1", "train.steps=2", "checkpoint.every=1")
+    whole = Trainer(tiny_cfg(tiny_model_dir, tmp_path / "whole", encode_cache_dir, *extra), progress=False)
+    whole.train()
+    part = Trainer(tiny_cfg(tiny_model_dir, tmp_path / "part", encode_cache_dir, *extra), progress=False)
+    part.train(stop_at=1)
+    ckpt = load_checkpoint(part.run_dir / "checkpoints" / "step_000001")
+    assert "objective.fake" in ckpt.tensors and "objective" in ckpt.optimizer_state
+    resumed = Trainer(tiny_cfg(tiny_model_dir, tmp_path / "part", encode_cache_dir, *extra, "train.resume=auto"),
+                      progress=False)
+    assert resumed.step == 1
+    resumed.train()
+    for a, b in ((whole.objective.fake.state_dict(), resumed.objective.fake.state_dict()),
+                 (whole.policy.named_weights("live"), resumed.policy.named_weights("live"))):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    fa, fb = (t.objective.fake_optimizer.state_dict()["state"] for t in (whole, resumed))
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[i]["exp_avg"], fb[i]["exp_avg"]) for i in fa)
+
+    def rows(trainer):  # the logged values, timings left out
+        lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items()
+                 if not (k.startswith(("time/", "perf/")) or k.endswith("_time"))} for line in lines]
+
+    assert rows(whole) == rows(resumed)
+    # a checkpoint without the fake score (written before dmd2 saved it) is refused
+    with pytest.raises(ValueError, match="holds no DMD2 fake score"):
+        resumed.objective.load_checkpoint_state({})

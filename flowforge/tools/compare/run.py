@@ -1,8 +1,8 @@
 """``flowforge compare``: several algorithms (and seeds) on the same model, prompts, rewards and sample budget.
 
 A compare file names a base run config, the arms (each a list of ``section.key=value`` overrides on the base, or
-``{config: FILE, overrides: [...]}``: its own run config) and the seeds. Every (arm, seed) is an ordinary run directory ``<output_dir>/<arm>-s<seed>/``, trained one after the
-other (never in parallel: two torch jobs on two cores slow each other down by an order of magnitude, and each arm's
+``{config: FILE, overrides: [...]}``: its own run config) and the seeds. Every (arm, seed) is an ordinary run
+directory ``<output_dir>/<arm>-s<seed>/``, trained one after the other (never in parallel: two torch jobs on two cores slow each other down by an order of magnitude, and each arm's
 wall time is measured alone). The budget is counted in generated training samples,
 ``steps * prompts_per_step * group_size``, so arms with different batch shapes see the same number of samples.
 

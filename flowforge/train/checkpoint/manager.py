@@ -51,6 +51,7 @@ log = logging.getLogger("flowforge")
 
 CONTRACT_KEYS = ("lora", "base_model_sha256")
 SAMPLER_KEY = "sampler"
+OBJECTIVE_PREFIX = "objective."  # weight groups of the objective's own state (Objective.checkpoint_state)
 
 
 # ------------------------------------------------------------------------------------------------ contract
@@ -164,13 +165,17 @@ class CheckpointManager:
             ``optimizer_steps`` and either ``optimizer`` or (FSDP) ``sharded``.
         record: the trainer's :class:`TrainerState`; its ``step`` names the checkpoint.
         sampler: the prompt sampler (``KRepeatSampler``), stored under ``trainer_state.json["sampler"]``.
+        objective: the objective, whose :meth:`~flowforge.objectives.base.Objective.checkpoint_state` (state it
+            owns outside the bank, e.g. DMD2's fake score) is saved as weight groups ``objective.<group>`` and
+            ``optimizer.pt["objective"]``, and restored through ``load_checkpoint_state``; None: nothing.
         keep: committed checkpoints kept (``checkpoint.keep``).
         dist: this process's rank / world size (every rank calls :meth:`save` and :meth:`restore`).
     """
 
     def __init__(self, run_dir: Path, *, policy: Stateful, record: TrainerState, sampler: Stateful, keep: int,
-                 dist: dist_lib.DistInfo):
+                 dist: dist_lib.DistInfo, objective: Any = None):
         self.run_dir = Path(run_dir)
+        self.objective = objective
         self.policy, self.record, self.sampler = policy, record, sampler
         self.keep = keep
         self.dist = dist
@@ -194,10 +199,19 @@ class CheckpointManager:
         else:
             optim["optimizer"] = bank["optimizer"]
         steps = bank["optimizer_steps"]
+        weights = dict(bank["weights"])
+        own = self.objective.checkpoint_state() if self.objective is not None else {}
+        for group, tensors in (own.get("tensors") or {}).items():
+            weights[OBJECTIVE_PREFIX + group] = tensors
+        if own.get("optimizer") is not None:
+            if "optimizer" not in optim:
+                raise ValueError("an objective with its own optimizer state is not supported with sharded (FSDP) "
+                                 "checkpoints")
+            optim["objective"] = own["optimizer"]
         trainer_state = {**self.record.state_dict(), "optimizer_steps": steps, "policy_version": steps,
                          "lr_schedule_step": bank["scheduler"]["last_epoch"], SAMPLER_KEY: self.sampler.state_dict()}
         d = self.dist
-        path = save_checkpoint(self.run_dir, self.record.step, tensors=bank["weights"], optimizer_state=optim,
+        path = save_checkpoint(self.run_dir, self.record.step, tensors=weights, optimizer_state=optim,
                                trainer_state=trainer_state, keep=self.keep, protect=self.resumed_from, rank=d.rank,
                                world_size=d.world_size,
                                barrier=(lambda: dist_lib.barrier(d)) if d.enabled else None, sharded_writer=writer)
@@ -236,10 +250,16 @@ class CheckpointManager:
         ckpt = load_checkpoint(path, rank=self.dist.rank)
         ts = ckpt.trainer_state
         self.record.load_state_dict(ts)
-        bank = {"weights": ckpt.tensors, **(ckpt.optimizer_state or {}), "optimizer_steps": ts["optimizer_steps"]}
+        weights = {g: t for g, t in ckpt.tensors.items() if not g.startswith(OBJECTIVE_PREFIX)}
+        optim = dict(ckpt.optimizer_state or {})
+        own = {"tensors": {g.removeprefix(OBJECTIVE_PREFIX): t for g, t in ckpt.tensors.items()
+                           if g.startswith(OBJECTIVE_PREFIX)}, "optimizer": optim.pop("objective", None)}
+        bank = {"weights": weights, **optim, "optimizer_steps": ts["optimizer_steps"]}
         if "optimizer" not in bank:
             bank["sharded"] = self._load_sharded(path / SHARDED_DIR)
         self.policy.load_state_dict(bank)
+        if self.objective is not None:
+            self.objective.load_checkpoint_state(own if own["tensors"] or own["optimizer"] is not None else {})
         self.sampler.load_state_dict(ts[SAMPLER_KEY])
         if ckpt.rng is not None:
             restore_rng(ckpt.rng)
