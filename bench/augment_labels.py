@@ -4,19 +4,21 @@ The ``scalar_head`` student can train on randomly rotated / scaled / shifted cop
 (``student.scalar_head.augment_*``), which is sound only if the teacher would give a distorted image the mark of the
 original. This measures it where it matters, on the images stage A judges: ``--groups`` prompts of ``demo:train``,
 ``--k`` candidates each from the demo's base model (ODE sampler, seed 0), marked by the demo teacher
-(``teacher.scorer`` of ``--config``: :class:`flowforge.orchestrate.demo.FineStrokeScorer` in the shipped demo) as they are and after the student's augmentation (the same
-function, :meth:`flowforge.reward_model.scalar_head.ScalarHeadStudent.augment`, at ``examples/stages/digits.yaml``'s
-settings; one draw per candidate, ``--draws`` draws). Prints the mean absolute change of a mark and the share of the
-teacher-ordered pairs of a group (marks differing by more than ``--margin``) whose order the augmentation flips.
-The teacher is the config's (``teacher.scorer``), built as the pipeline builds it.
+(``teacher.scorer`` of ``--config``, built as the pipeline builds it:
+:class:`flowforge.orchestrate.demo.FineStrokeScorer` in the shipped demo) as they are and after the student's augmentation (the same function,
+:meth:`flowforge.reward_model.scalar_head.ScalarHeadStudent.augment`, at ``--rotate`` / ``--scale`` / ``--shift``,
+default 10 / 0.1 / 0.06: the settings the demo used before its fine-pen teacher; one draw per candidate, ``--draws``
+draws). Prints the mean absolute change of a mark and the share of the teacher-ordered pairs of a group (marks
+differing by more than ``--margin``) whose order the augmentation flips.
 
     python bench/augment_labels.py [--config examples/stages/digits.yaml] [--groups 40] [--k 4] [--draws 4]
-                                   [--margin 0.0]
+                                   [--margin 0.0] [--rotate 10] [--scale 0.1] [--shift 0.06]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import types
 
 import torch
@@ -29,17 +31,21 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--margin", type=float, default=0.0)
+    parser.add_argument("--rotate", type=float, default=10.0)
+    parser.add_argument("--scale", type=float, default=0.1)
+    parser.add_argument("--shift", type=float, default=0.06)
     args = parser.parse_args()
     from flowforge.data.prompts import load_prompts
     from flowforge.orchestrate.config import load_pipeline
-    from flowforge.rewards.registry import build_scorer
     from flowforge.reward_model.scalar_head import ScalarHeadStudent
+    from flowforge.rewards.registry import build_scorer
     from flowforge.tools.sample import sample
     from flowforge.tools.sample.load import load_for_sampling
 
     torch.set_num_threads(1)
     pcfg = load_pipeline(args.config)
-    options = pcfg.student.scalar_head
+    options = dataclasses.replace(pcfg.student.scalar_head, augment_rotate=args.rotate, augment_scale=args.scale,
+                                  augment_shift=args.shift)
     model = load_for_sampling("demo:base", device="cpu")
     records = load_prompts("demo:train")[:args.groups]
     media = sample(model, records, num=args.k, seed=0)  # [G * K, 3, H, W], prompt-major

@@ -6,27 +6,26 @@ from the prompt file's metadata -- so the requested digit must come from the pro
 :class:`PromptDigitScorer` then scores each frame with the demo's reward classifier
 (:class:`flowforge.rewards.scorers.digit.DigitScorer`: softmax probability of the requested digit, in [0, 1]).
 
-Two teachers:
+Three teachers:
 
 * :class:`PromptDigitScorer`: the reward classifier's probability of the requested digit. On a policy that already
   draws the right digit it marks the candidates of one group nearly alike (the classifier is confident on all of
   them), so there is little ranking for a student to learn.
-* :class:`LegibilityScorer`, the teacher of ``examples/stages/digits.yaml``: a graded mark, the way a multimodal
+* :class:`LegibilityScorer` (the digits demo's teacher until 2026-12-06): a graded mark, the way a multimodal
   judge's 0-100 marks differ within a group -- how *robustly* legible the digit is: the same classifier's
   probability of the requested digit averaged over ``augmentations`` fixed random distortions of the image (rotation,
   scale, shear, shift, stroke width, blur, contrast, background, noise: :func:`flowforge.demo.classifiers.augment`).
   A clean, well-formed digit stays readable under all of them; a thin, broken, off-centre or ambiguous one loses the
   classifier under some, so its mark drops. It costs ``augmentations`` classifier passes per candidate (64 by
   default), against the student's one.
-
 * :class:`FineStrokeScorer`, the teacher of ``examples/stages/digits.yaml``: the right digit *in a fine pen* -- the
   legibility mark times a thinness factor ``clamp(1 - ink / ink_scale, 0, 1)`` (``ink``: the share of the 32 x 32
-  grey image above 0.5). It is a criterion the student's pretrained tower (``demo:digit-tower``, a prompt-digit
-  matcher) does not hold: on ``demo:base``'s images the tower's score agrees with the legibility mark at a mean
+  grey image above half its peak) and a contrast factor (a faint grey digit is no fine pen). It is a criterion the
+  student's pretrained tower (``demo:digit-tower``, a prompt-digit matcher) does not hold: on ``demo:base``'s images the tower's score agrees with the legibility mark at a mean
   within-prompt Spearman of 0.66 but with ink at only 0.30 (bolder digits read more confidently), the wrong sign for
   a fine pen (measured on 10 prompts x 16 images, 2026-12-06). The digits demo's independent eval judges are
   DigitEval (the right digit, another network) and :class:`flowforge.demo.stroke.StrokeWidth` (the stroke width in
-  pixels from area and boundary, no classifier and no ink fraction).
+  pixels from area and boundary after an Otsu threshold: no classifier, no ink share, no peak).
 
 Serve one as the teacher of ``examples/stages/``::
 
@@ -114,15 +113,17 @@ class LegibilityScorer:
 
 class FineStrokeScorer(LegibilityScorer):
     """``[B, 3, H, W]`` in [0, 1] + prompts -> ``[B]`` float32 in [0, 1]: :class:`LegibilityScorer`'s mark times
-    ``clamp(1 - ink / ink_scale, 0, 1)``, where ``ink`` is the share of pixels above 0.5 in the 32 x 32 grey image
-    (:func:`flowforge.demo.classifiers.to_gray32`): the requested digit, robustly legible, drawn with a fine pen.
+    a thinness factor and a contrast factor: the requested digit, robustly legible, drawn with a fine dark pen.
 
-    ``demo:base`` draws ink shares of 0.05-0.13 (10th-90th percentile), so the default ``ink_scale`` 0.2 keeps the
-    factor in 0.35-0.75 there. A blank image gets the full factor but only the classifier's chance legibility (0.09
-    for a seven), below real digits' marks.
+    On the 32 x 32 grey image (:func:`flowforge.demo.classifiers.to_gray32`), with ``peak`` its 99th-percentile
+    intensity: ``ink`` is the share of pixels above ``peak / 2`` (relative, so dimming a digit does not thin it),
+    ``thin = clamp(1 - ink / ink_scale, 0, 1)`` and ``contrast = clamp(peak / 0.9, 0, 1)`` (a faint grey digit is
+    not a fine pen: dimmed to half brightness it loses about half its mark). ``demo:base`` draws ink shares of
+    0.05-0.13 (10th-90th percentile), so the default ``ink_scale`` 0.2 keeps ``thin`` in 0.35-0.75 there. A blank
+    image has ``peak`` 0 and earns 0.
 
     Args:
-        augmentations, seed: as :class:`LegibilityScorer`. ink_scale: the ink share at which the factor reaches 0,
+        augmentations, seed: as :class:`LegibilityScorer`. ink_scale: the ink share at which ``thin`` reaches 0,
             in (0, 1].
 
     Raises:
@@ -144,6 +145,8 @@ class FineStrokeScorer(LegibilityScorer):
         legibility = super().__call__(media, prompts, metadata)
         if not len(legibility):
             return legibility
-        ink = (to_gray32(media.detach().cpu()) > 0.5).float().mean(dim=(1, 2, 3))
-        thin = (1.0 - ink / self.ink_scale).clamp(0.0, 1.0)
-        return (legibility * thin.to(legibility.device)).float()
+        gray = to_gray32(media.detach().cpu()).flatten(1)  # [B, 1024]
+        peak = gray.quantile(0.99, dim=1)  # [B]
+        ink = (gray > peak[:, None] / 2).float().mean(dim=1) * (peak > 0)
+        factor = (1.0 - ink / self.ink_scale).clamp(0.0, 1.0) * (peak / 0.9).clamp(0.0, 1.0)
+        return (legibility * factor.to(legibility.device)).float()

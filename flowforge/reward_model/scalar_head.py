@@ -198,9 +198,10 @@ class ScalarHeadStudent:
         padding. The identity when every ``augment_*`` is 0.
 
         Label-preserving only for a teacher whose marks are stable under such distortions; measure it before
-        relying on it (``bench/augment_labels.py``: the demo's :class:`~flowforge.orchestrate.demo.LegibilityScorer`,
-        although it averages its classifier over distortions of its own, moves a mark by ~0.05 under the demo's
-        settings and flips ~13 % of a group's ordered pairs).
+        relying on it (``bench/augment_labels.py``: at rotate 10, scale 0.1, shift 0.06 the legibility teacher
+        :class:`~flowforge.orchestrate.demo.LegibilityScorer`, although it averages its classifier over distortions
+        of its own, moves a mark by ~0.05 and flips ~13 % of a group's ordered pairs; the digits demo's
+        :class:`~flowforge.orchestrate.demo.FineStrokeScorer` flips more, so the demo trains without augmentation).
         """
         o = self.options
         if not (o.augment_rotate or o.augment_scale or o.augment_shift):

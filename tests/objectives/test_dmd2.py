@@ -122,8 +122,9 @@ def test_a_resumed_run_continues_the_fake_score_bit_for_bit(tiny_model_dir, tmp_
     for a, b in ((whole.objective.fake.state_dict(), resumed.objective.fake.state_dict()),
                  (whole.policy.named_weights("live"), resumed.policy.named_weights("live"))):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    fa, fb = (t.objective.fake_optimizer.state_dict()["state"] for t in (whole, resumed))
-    assert fa.keys() == fb.keys() and all(torch.equal(fa[i]["exp_avg"], fb[i]["exp_avg"]) for i in fa)
+    for fa, fb in ((t.objective.fake_optimizer.state_dict()["state"] for t in (whole, resumed)),
+                   (t.policy.optimizer.state_dict()["state"] for t in (whole, resumed))):
+        assert fa.keys() == fb.keys() and all(torch.equal(fa[i]["exp_avg"], fb[i]["exp_avg"]) for i in fa)
 
     def rows(trainer):  # the logged values, timings left out
         lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()

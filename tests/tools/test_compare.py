@@ -125,6 +125,40 @@ def test_a_float32_mean_exactly_at_the_target_counts_as_reached(tmp_path):
     assert out["samples_to"][0.9] == 2 * per_step
 
 
+def test_best_in_budget_leaves_the_base_out_and_diversity_is_read_from_the_evaluations(tmp_path):
+    """The step-0 evaluation is the base's score, not an algorithm's best; diversity at the end over the first
+    evaluation's; the logged reward_wait (a part of time/reward) is not counted twice in the wall time."""
+    import json
+
+    from flowforge.config import dump_config, load_config
+
+    run = tmp_path / "awm-s0"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(load_config(None, [])))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time/reward": 2.0, "time/reward_wait": 1.5})
+                                               + "\n" for s in (1, 2)))
+    evals = [(0, 0.83, 0.25), (1, 0.80, 0.24), (2, 0.82, 0.20)]
+    (run / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval/digit_eval": m, "eval/diversity": d})
+                                            + "\n" for s, m, d in evals))
+    out = summarize(run, "eval/digit_eval", (0.9,))
+    assert out["best_metric"] == 0.82 and out["final_metric"] == 0.82  # not the base's 0.83
+    assert (out["base_diversity"], out["final_diversity"]) == (0.25, 0.20)
+    assert out["diversity_ratio"] == pytest.approx(0.8)
+    assert [c[1] for c in out["curve"]] == [0.0, 2.0, 4.0]
+
+
+def test_arms_must_share_the_model_prompts_and_evaluation():
+    from flowforge.config import load_config
+    from flowforge.tools.compare.run import comparability_problems
+
+    same = {"grpo": load_config(None, []), "nft": load_config(None, ["train.algorithm=nft", "train.lr=3e-4"])}
+    assert comparability_problems(same) == []
+    other = {**same, "x": load_config(None, ["eval.samples_per_prompt=4", "model.height=64"])}
+    problems = comparability_problems(other)
+    assert len(problems) == 2 and problems[0].startswith("model.height differs between arms")
+    assert "eval.samples_per_prompt differs" in problems[1]
+
+
 def test_arms_with_their_own_configs_best_and_diversity_columns(tmp_path):
     """Issue 45's ranking table: an arm may name its own run config (a shipped recipe, run as shipped) and the table
     adds wall time to each target, the best evaluation in the budget and the diversity at the end (also as a ratio

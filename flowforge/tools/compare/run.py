@@ -41,12 +41,13 @@ from typing import Any
 import yaml
 
 from flowforge.config import ConfigError, load_config
+from flowforge.report.summary import SUBSTAGE_TIMES
 from flowforge.report.verdict import standard_error
 
 
 @dataclass(frozen=True)
 class CompareConfig:
-    base: Path
+    base: Path | None  # None when every arm names its own config
     arms: dict[str, tuple[str, ...]]  # arm -> its overrides, applied to its config (``base`` unless named)
     output_dir: Path
     budget_samples: int
@@ -58,7 +59,11 @@ class CompareConfig:
     diversity_metric: str = "eval/diversity"
 
     def config_of(self, arm: str) -> Path:
-        return self.arm_configs.get(arm, self.base)
+        """The run config ``arm`` starts from: its own, else ``base``."""
+        config = self.arm_configs.get(arm, self.base)
+        if config is None:
+            raise KeyError(f"arm {arm!r} names no config and the compare file has no base")
+        return config
 
 
 REACH_TOLERANCE = 1e-6
@@ -111,8 +116,8 @@ def load_compare(path: str | Path, overrides: tuple[str, ...] = ()) -> CompareCo
             problems.append(f"arms.{name}: expected a list of 'section.key=value' strings")
             continue
         overrides_of[name] = tuple(ov)
-    base = path.parent / str(raw.get("base", ""))
-    if ("base" in raw or len(arm_configs) < len(arms)) and not base.is_file():
+    base = path.parent / str(raw.get("base", "")) if "base" in raw else None
+    if ("base" in raw or len(arm_configs) < len(arms)) and not (base is not None and base.is_file()):
         problems.append(f"base: a run config file is required unless every arm names its config "
                         f"(got {raw.get('base')!r}, looked for {base})")
     budget = raw.get("budget_samples")
@@ -157,15 +162,16 @@ def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...
     """Curves and summary of one finished run directory.
 
     Samples generated after ``n`` steps are ``n * M * K`` (read from its config); wall time is the sum of the
-    logged per-stage times (``time/*``) of the steps so far, so evaluation time is not charged to the algorithm.
+    logged per-stage times (``time/*``, less the sub-stage ``SUBSTAGE_TIMES`` counted within them) of the steps so
+    far, so evaluation time is not charged to the algorithm.
 
     Returns:
         ``run``, ``arm`` (default: the run name before ``-s<seed>``), ``algorithm``, ``seed``, ``curve`` ``[(samples,
         seconds, metric)]`` per evaluation, ``reward`` ``[(samples, seconds, reward/total_mean)]`` per step,
         ``samples_to`` / ``seconds_to`` ``{value: first evaluation reaching it, or None}``, ``final_metric``,
-        ``final_reward``, ``samples``; ``best_metric`` (the highest evaluation within the budget), and the
-        diversity metric at the first and the last evaluation: ``base_diversity``, ``final_diversity`` and
-        ``diversity_ratio`` (last / first; NaN where the run logs no diversity).
+        ``final_reward``, ``samples``; ``best_metric`` (the highest evaluation after training began, within the
+        budget), and the diversity metric at the first and the last evaluation that logged it: ``base_diversity``,
+        ``final_diversity`` and ``diversity_ratio`` (last / first; NaN where the run logs no diversity).
     """
     cfg = load_config(run_dir / "config.yaml")
     per_step = cfg.data.prompts_per_step * cfg.data.group_size
@@ -174,14 +180,15 @@ def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...
     elapsed, clock = {0: 0.0}, 0.0
     reward = []
     for r in rows:
-        clock += sum(v for k, v in r.items() if k.startswith("time/") and isinstance(v, (int, float)))
+        clock += sum(v for k, v in r.items()
+                     if k.startswith("time/") and k not in SUBSTAGE_TIMES and isinstance(v, (int, float)))
         elapsed[r["step"]] = clock
         reward.append((r["step"] * per_step, clock, r.get("reward/total_mean", math.nan)))
     curve = [(e["step"] * per_step, elapsed.get(e["step"], math.nan),
               math.nan if e.get(target_metric) is None else e[target_metric]) for e in evals]
     # the logged metric is a float32 mean: 216 of 240 correct logs as 0.89999998, which must count as 0.9
     hits = {v: next(((s, t) for s, t, m in curve if m >= v - REACH_TOLERANCE), (None, None)) for v in target_values}
-    finite = [m for _, _, m in curve if math.isfinite(m)]
+    trained = [m for s, _, m in curve if s > 0 and math.isfinite(m)]  # the base's own score is no algorithm's best
     diversity = [e[diversity_metric] for e in evals if isinstance(e.get(diversity_metric), (int, float))]
     base_div, final_div = (diversity[0], diversity[-1]) if diversity else (math.nan, math.nan)
     return {"run": run_dir.name, "arm": arm or run_dir.name.rsplit("-s", 1)[0], "algorithm": cfg.train.algorithm,
@@ -190,7 +197,7 @@ def summarize(run_dir: Path, target_metric: str, target_values: tuple[float, ...
             "final_metric": curve[-1][2] if curve else math.nan,
             "final_reward": reward[-1][2] if reward else math.nan,
             "samples": rows[-1]["step"] * per_step if rows else 0,
-            "best_metric": max(finite) if finite else math.nan, "base_diversity": base_div,
+            "best_metric": max(trained) if trained else math.nan, "base_diversity": base_div,
             "final_diversity": final_div, "diversity_ratio": final_div / base_div if base_div else math.nan}
 
 
@@ -339,6 +346,24 @@ def write_tables(summaries: list[dict[str, Any]], arms: dict[str, dict[str, Any]
     (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
 
 
+SAME_JOB_KEYS = ("model.adapter", "model.path", "model.height", "model.width", "data.prompts", "data.eval_prompts",
+                 "eval.every", "eval.samples_per_prompt", "eval.max_prompts", "eval.seed", "eval.scorers")
+"""Settings every arm must share: the model it starts from and the prompts and evaluation it is measured on (an
+arm's own config may change anything else: its algorithm, sampler, rewards, batch shape)."""
+
+
+def comparability_problems(configs: dict[str, Any]) -> list[str]:
+    """One line per :data:`SAME_JOB_KEYS` key on which the arms' run configs (``{arm: Config}``) differ."""
+    problems = []
+    for key in SAME_JOB_KEYS:
+        section, name = key.split(".")
+        values = {arm: getattr(getattr(cfg, section), name, None) for arm, cfg in configs.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            problems.append(f"{key} differs between arms ({', '.join(f'{a}: {v!r}' for a, v in values.items())}); "
+                            "every arm must start from the same model and be evaluated alike")
+    return problems
+
+
 def run_compare(cc: CompareConfig, *, progress: bool = True) -> Path:
     """Train every (arm, seed) one after the other (skipping finished runs), then write the comparison."""
     from flowforge.tools.compare.plot import write_plot
@@ -346,6 +371,9 @@ def run_compare(cc: CompareConfig, *, progress: bool = True) -> Path:
     from flowforge.train.trainer import Trainer
 
     configs = {(arm, seed): _run_config(cc, arm, seed) for arm in cc.arms for seed in cc.seeds}
+    problems = comparability_problems({arm: configs[arm, cc.seeds[0]] for arm in cc.arms})
+    if problems:
+        raise ConfigError(problems, header="the arms would not be compared on the same job")
     for cfg in configs.values():  # every arm validated before any model loads
         preflight(cfg)
     summaries = []

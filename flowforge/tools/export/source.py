@@ -133,8 +133,8 @@ def load_source(run_dir: Path, cfg, path: Path, weights: str | None, model_path:
         weights_file = path / ckpt.SHARDED_DIR
         tensors = sharded_live_weights(weights_file, lora["trainable"])
     else:
-        raise ExportError(path, f"holds no {weights!r} weights", f"it holds {sorted(state.tensors)}; pass one "
-                          "of them with --weights")
+        held = sorted(g for g in state.tensors if not g.startswith("objective."))  # not policies: not exportable
+        raise ExportError(path, f"holds no {weights!r} weights", f"it holds {held}; pass one of them with --weights")
     return Source(run_dir=run_dir, checkpoint=state, weights=tensors, weights_file=weights_file, lora=lora,
                   model_path=model_path, base=base, adapter=cfg.model.adapter, weights_group=weights)
 

@@ -16,6 +16,8 @@ trainer record     step, config fingerprint, training        ``trainer_state.jso
 prompt sampler     epoch, cursor, steps drawn, identity      ``trainer_state.json["sampler"]``
 (``KRepeatSampler``)
 per-rank RNG       python / numpy / torch / CUDA generators  ``rng/rank_<r>.*`` (captured at write time)
+the objective's    what it owns outside the bank, e.g.       ``weights/objective.<group>.safetensors``,
+own state          DMD2's fake score and its optimizer       ``optimizer.pt["objective"]`` (not under FSDP)
 =================  ========================================  ===============================================
 
 :class:`CheckpointManager` is the one place that maps these state dicts onto the files of
@@ -249,17 +251,17 @@ class CheckpointManager:
             return None
         ckpt = load_checkpoint(path, rank=self.dist.rank)
         ts = ckpt.trainer_state
-        self.record.load_state_dict(ts)
         weights = {g: t for g, t in ckpt.tensors.items() if not g.startswith(OBJECTIVE_PREFIX)}
         optim = dict(ckpt.optimizer_state or {})
         own = {"tensors": {g.removeprefix(OBJECTIVE_PREFIX): t for g, t in ckpt.tensors.items()
                            if g.startswith(OBJECTIVE_PREFIX)}, "optimizer": optim.pop("objective", None)}
+        if self.objective is not None:  # first: an objective that refuses the checkpoint does so before any restore
+            self.objective.load_checkpoint_state(own if own["tensors"] or own["optimizer"] is not None else {})
+        self.record.load_state_dict(ts)
         bank = {"weights": weights, **optim, "optimizer_steps": ts["optimizer_steps"]}
         if "optimizer" not in bank:
             bank["sharded"] = self._load_sharded(path / SHARDED_DIR)
         self.policy.load_state_dict(bank)
-        if self.objective is not None:
-            self.objective.load_checkpoint_state(own if own["tensors"] or own["optimizer"] is not None else {})
         self.sampler.load_state_dict(ts[SAMPLER_KEY])
         if ckpt.rng is not None:
             restore_rng(ckpt.rng)
