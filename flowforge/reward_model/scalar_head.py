@@ -200,8 +200,8 @@ class ScalarHeadStudent:
         Label-preserving only for a teacher whose marks are stable under such distortions; measure it before
         relying on it (``bench/augment_labels.py``: at rotate 10, scale 0.1, shift 0.06 the legibility teacher
         :class:`~flowforge.orchestrate.demo.LegibilityScorer`, although it averages its classifier over distortions
-        of its own, moves a mark by ~0.05 and flips ~13 % of a group's ordered pairs; the digits demo's
-        :class:`~flowforge.orchestrate.demo.FineStrokeScorer` flips more, so the demo trains without augmentation).
+        of its own, moves a mark by ~0.05 and flips ~13 % of a group's ordered pairs;
+        :class:`~flowforge.orchestrate.demo.FineStrokeScorer` ~20 %).
         """
         o = self.options
         if not (o.augment_rotate or o.augment_scale or o.augment_shift):
