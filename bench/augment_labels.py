@@ -5,11 +5,11 @@ The ``scalar_head`` student can train on randomly rotated / scaled / shifted cop
 original. This measures it where it matters, on the images stage A judges: ``--groups`` prompts of ``demo:train``,
 ``--k`` candidates each from the demo's base model (ODE sampler, seed 0), marked by the demo teacher
 (``teacher.scorer`` of ``--config``, built as the pipeline builds it:
-:class:`flowforge.orchestrate.demo.LegibilityScorer` in the shipped demo) as they are and after the student's augmentation (the same function,
-:meth:`flowforge.reward_model.scalar_head.ScalarHeadStudent.augment`, at ``--rotate`` / ``--scale`` / ``--shift``,
-default 10 / 0.1 / 0.06, the shipped demo's settings; one draw per candidate, ``--draws``
-draws). Prints the mean absolute change of a mark and the share of the teacher-ordered pairs of a group (marks
-differing by more than ``--margin``) whose order the augmentation flips.
+:class:`flowforge.orchestrate.demo.LegibilityScorer` in the shipped demo) as they are and after the student's
+augmentation (the same function, :meth:`flowforge.reward_model.scalar_head.ScalarHeadStudent.augment`, at
+``--rotate`` / ``--scale`` / ``--shift``, default 10 / 0.1 / 0.06, the shipped demo's settings; one draw per
+candidate, ``--draws`` draws). Prints the mean absolute change of a mark and the share of the teacher-ordered pairs
+of a group (marks differing by more than ``--margin``) whose order the augmentation flips.
 
     python bench/augment_labels.py [--config examples/stages/digits.yaml] [--groups 40] [--k 4] [--draws 4]
                                    [--margin 0.0] [--rotate 10] [--scale 0.1] [--shift 0.06]

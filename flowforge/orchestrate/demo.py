@@ -19,15 +19,15 @@ Three teachers:
   classifier under some, so its mark drops. It costs ``augmentations`` classifier passes per candidate (64 by
   default), against the student's one.
 * :class:`FineStrokeScorer`, a teacher whose criterion the student's initialisation lacks: the right digit *in a fine
-  pen* -- the
-  legibility mark times a thinness factor ``clamp(1 - ink / ink_scale, 0, 1)`` (``ink``: the share of the 32 x 32
-  grey image above half its peak) and a contrast factor (a faint grey digit is no fine pen). It is a criterion the
-  student's pretrained tower (``demo:digit-tower``, a prompt-digit matcher) does not hold: on ``demo:base``'s images the tower's score agrees with the legibility mark at a mean
-  within-prompt Spearman of 0.66 but with ink at only 0.30 (bolder digits read more confidently), the wrong sign for
-  a fine pen (measured on 10 prompts x 16 images, 2026-12-06). Its independent eval judges are DigitEval (the right
-  digit, another network) and :class:`flowforge.demo.stroke.StrokeWidth` (the stroke width in pixels from area and
-  boundary after an Otsu threshold: no classifier, no ink share, no peak). Tried as the digits demo's teacher on the
-  development seed (``docs/guides/pipeline.md``, "A teacher the tower does not know"): the gate failed.
+  pen* -- the legibility mark times a thinness factor ``clamp(1 - ink / ink_scale, 0, 1)`` (``ink``: the share of
+  the 32 x 32 grey image above half its peak) and a contrast factor (a faint grey digit is no fine pen). The
+  student's pretrained tower (``demo:digit-tower``, a prompt-digit matcher) does not hold it: on ``demo:base``'s
+  images the tower's score agrees with the legibility mark at a mean within-prompt Spearman of 0.66 but with ink at
+  only 0.30 (bolder digits read more confidently), the wrong sign for a fine pen (10 prompts x 16 images,
+  2026-12-06). Its independent eval judges are DigitEval (the right digit, another network) and
+  :class:`flowforge.demo.stroke.StrokeWidth` (the stroke width in pixels from area and boundary after an Otsu
+  threshold: no classifier, no ink share, no peak). Tried as the digits demo's teacher on the development seed
+  (``docs/guides/pipeline.md``, "A teacher the tower does not know"): the gate failed.
 
 Serve one as the teacher of ``examples/stages/``::
 
