@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         pcfg = load_pipeline(args.config, args.overrides, quick=args.quick)
     except (UnicodeDecodeError, OSError) as exc:
         raise file_error(args.config, exc, "give a YAML pipeline config") from exc
-    warnings = check_pipeline(pcfg, stage=args.stage)  # on every rank (each must refuse a bad config), said once
+    # on every rank (each must refuse a bad config), said once; an arm has no gate and no audits to check
+    warnings = check_pipeline(pcfg, stage="arm" if args.arm is not None else args.stage)
     for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
         print(f"warning: {warning}", file=sys.stderr)
     from flowforge.orchestrate.stages import is_main, run_pipeline

@@ -277,9 +277,16 @@ def _budget_problems(pcfg: Any, total: int) -> list[str]:
     return problems
 
 
-LATER_CHECKS = {"A": ("student.gate", "audit"), "B": ("audit",)}
+LATER_CHECKS = {"A": ("student.gate", "audit"), "B": ("audit",), "arm": ("student.gate", "audit")}
 """Threshold checks (:mod:`flowforge.orchestrate.thresholds`, by the name their problems start with) of the stages
-after ``--stage X``: warnings, not problems, when only stage X runs."""
+after ``--stage X``: warnings, not problems, when only stage X runs. ``"arm"`` (``--arm teacher|proxy``): a control
+arm runs stage A and its own stage C, with no gate and no audits, so their thresholds cannot refuse it."""
+
+
+def _not_run(stage: str | None) -> str:
+    """Why a threshold problem is only a warning for ``stage`` (a :data:`LATER_CHECKS` key)."""
+    return "not used by a control arm (no gate, no audits)" if stage == "arm" else \
+        f"for a later stage than --stage {stage}"
 
 
 def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = None,
@@ -287,8 +294,8 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
     """Check a pipeline config as a whole before anything loads: the budgets against the prompt file, the student
     and audit rules, the teacher's scorer, and both stage run configs through
     :func:`flowforge.train.preflight.preflight` (with a placeholder endpoint; ``this_machine`` as there). Returns the
-    warnings. ``stage`` (``--stage``): the gate and audit thresholds of later stages (:data:`LATER_CHECKS`) are
-    warnings (stage A alone needs no reachable gate). ``notes``: gets what ``flowforge check`` prints besides
+    warnings. ``stage`` (``--stage``, or ``"arm"`` for ``--arm``): the gate and audit thresholds of stages that do
+    not run (:data:`LATER_CHECKS`) are warnings (stage A alone needs no reachable gate; an arm has neither). ``notes``: gets what ``flowforge check`` prints besides
     (the audits' size and power, :func:`flowforge.orchestrate.thresholds.design_line`).
 
     Raises:
@@ -309,10 +316,9 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
         if pcfg.data.group_size >= 2:  # the audits' size and power need no prompt: checked here all the same
             from flowforge.orchestrate.thresholds import audit_problems
 
-            found = audit_problems(pcfg, notes)
+            found = audit_problems(pcfg, notes, warnings)
             problems += [p for p in found if not p.startswith(LATER_CHECKS.get(stage or "", ()))]
-            warnings += [f"for a later stage than --stage {stage}: {p}" for p in found
-                         if p.startswith(LATER_CHECKS.get(stage or "", ()))]
+            warnings += [f"{_not_run(stage)}: {p}" for p in found if p.startswith(LATER_CHECKS.get(stage or "", ()))]
     else:
         try:
             total = len(conditions_from_records(load_prompts(prompts)))
@@ -332,7 +338,7 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
                 audited=audited_groups(pcfg, total), notes=notes)
             later = LATER_CHECKS.get(stage or "", ())
             problems += [p for p in found if not p.startswith(later)]
-            warnings += [f"for a later stage than --stage {stage}: {p}" for p in found if p.startswith(later)]
+            warnings += [f"{_not_run(stage)}: {p}" for p in found if p.startswith(later)]
             warnings += warned
         rest = (total - pcfg.stages.n_a) // pcfg.data.prompts_per_step
         if rest == 0:

@@ -122,6 +122,10 @@ def _gate_hint(pcfg: Any) -> str:
     return f"; the smallest stages.n_a that passes is {found[0]} ({found[1]} test groups)"
 
 
+A_MARKS = "the teacher's marks of stage A's"
+"""How :func:`teacher_marks` names its source when the marks are stage A's real ones."""
+
+
 def teacher_marks(pcfg: Any) -> tuple[list[Any], str]:
     """``(marks, source in words)``: the teacher's mark vectors of stage A's answered groups (``[K]`` float64 tensors,
     in presented order, from ``A/judge/ledger.sqlite``) when that ledger has any, else the default mark model's
@@ -144,7 +148,7 @@ def teacher_marks(pcfg: Any) -> tuple[list[Any], str]:
         marks = [torch.tensor([float(e.scores[label]) for label in e.request["labels"]], dtype=torch.float64)
                  for e in entries if e is not None and e.status == "ok" and e.scores]
     if marks:
-        return marks, f"the teacher's marks of stage A's {len(marks)} judged groups"
+        return marks, f"{A_MARKS} {len(marks)} judged groups"
     return default_marks(pcfg.data.group_size), "the default mark model (K independent uniform marks)"
 
 
@@ -175,8 +179,13 @@ def design_line(design: dict[str, Any]) -> str:
             f"simulated from {design['source']})")
 
 
-def audit_problems(pcfg: Any, notes: list[str] | None = None) -> list[str]:
-    """The size and power problems of :func:`audit_design` (one line naming the fields); its line to ``notes``."""
+def audit_problems(pcfg: Any, notes: list[str] | None = None, warnings: list[str] | None = None) -> list[str]:
+    """The size and power problems of :func:`audit_design` (one line naming the fields); its line to ``notes``.
+
+    Before stage A has judged anything the design is the default mark model's, and a miss is a problem (the config
+    is refused before anything runs). Once A's ledger holds the teacher's real marks, the pipeline is under way and a
+    miss goes to ``warnings`` instead (when given): stage C records the design in ``audit_design.json`` and warns, and
+    refusing here would make a started pipeline impossible to resume or to run its control arms."""
     a, g = pcfg.audit, pcfg.student.gate
     if a.max_null_pass >= 1 and a.min_power <= 0:  # both opted out: nothing to simulate
         return []
@@ -196,10 +205,15 @@ def audit_problems(pcfg: Any, notes: list[str] | None = None) -> list[str]:
                    f"audit.min_power={a.min_power:g}")
     if not bad:
         return []
-    return [f"audit: on {design['groups']} groups per verdict (audit.pool_groups, K={pcfg.data.group_size}) "
+    line = (f"audit: on {design['groups']} groups per verdict (audit.pool_groups, K={pcfg.data.group_size}) "
             f"{' and '.join(bad)} at audit.min_spearman={a.min_spearman:g} / audit.min_pairwise_accuracy="
             f"{a.min_pairwise_accuracy:g}; move the thresholds or audit.pool_groups (opt out: audit.max_null_pass=1, "
-            "audit.min_power=0)"]
+            "audit.min_power=0)")
+    if warnings is not None and design["source"].startswith(A_MARKS):
+        warnings.append(f"{line} [simulated from {design['source']}: stage A has run, so this is recorded, not "
+                        "refused]")
+        return []
+    return [line]
 
 
 def threshold_problems(pcfg: Any, test_groups: int | None = None, audited: tuple[int, str] | None = None,
@@ -247,7 +261,7 @@ def threshold_problems(pcfg: Any, test_groups: int | None = None, audited: tuple
             warnings.append(f"{name}: min_spearman={rho:g} / min_pairwise_accuracy={pairs:g} are below the floors "
                             f"{floors[0]:g} / {floors[1]:g}")
     if "audit" not in skip and k >= 2:
-        problems += audit_problems(pcfg, notes)
+        problems += audit_problems(pcfg, notes, warnings)
     return problems, warnings
 
 

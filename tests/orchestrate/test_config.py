@@ -264,6 +264,16 @@ def test_the_audit_simulation_uses_stage_a_s_judged_marks_once_they_exist(tmp_pa
     with pytest.raises(ConfigError, match="none of the 16 teacher mark vectors of 8 candidates has an order"):
         check_pipeline(flat)
     assert record_audit_design(flat, tmp_path / "C2") is None and not (tmp_path / "C2").exists()
+    # audits under their power on A's real marks: the pipeline is under way (stage C records the design and warns),
+    # so check warns instead of refusing -- a refusal here made a started pipeline impossible to resume and its
+    # control arms impossible to run (found on the digits demo, seed 1: 70.3 % on A's marks, 84.2 % before A)
+    weak = ["audit.min_spearman=0.35", "audit.min_pairwise_accuracy=0.63"]
+    with pytest.raises(ConfigError, match="< audit.min_power=0.8"):
+        check_pipeline(load_pipeline(EXAMPLE, [f"run.output_dir={tmp_path / 'none'}", *weak]))  # before A: refused
+    started = load_pipeline(EXAMPLE, [f"run.output_dir={spread.run.output_dir}", *weak])
+    warnings = check_pipeline(started)
+    assert any("< audit.min_power=0.8" in w and "stage A has run, so this is recorded, not refused" in w
+               for w in warnings), warnings
 
 
 def test_check_refuses_bounded_staleness_in_the_stages_in_one_line(tiny_model_dir, encode_cache_dir, tmp_path):
@@ -289,3 +299,14 @@ def test_check_refuses_bounded_staleness_in_the_stages_in_one_line(tiny_model_di
     rc, _, err = run_cli(["check", path, "train.max_staleness=0"], tmp_path, in_process=True)
     assert rc == 0, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_control_arm_is_not_refused_for_gate_or_audit_thresholds_it_never_uses():
+    """``flowforge stages --arm`` checks the pipeline with ``stage="arm"``: an arm runs stage A and its own stage C,
+    with no gate and no audits, so their threshold problems are warnings that say so; without --arm they refuse."""
+    weak = ["student.gate.min_spearman=0.1", "student.gate.min_pairwise_accuracy=0.55"]
+    with pytest.raises(ConfigError, match="student.gate: a random student passes"):
+        check_pipeline(load_pipeline(EXAMPLE, weak))
+    warnings = check_pipeline(load_pipeline(EXAMPLE, weak), stage="arm")
+    assert any(w.startswith("not used by a control arm (no gate, no audits): student.gate: a random student passes")
+               for w in warnings), warnings
