@@ -26,6 +26,20 @@ from torch import Tensor, nn
 
 _LORA_PARAM_KINDS = ("lora_A", "lora_B")
 
+JOINT_ATTENTION_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+"""LoRA targets of diffusers' joint (two-stream) attention blocks: the image stream's q / k / v / out projections and
+the text stream's added ones. The SD3, FLUX.1 and Qwen-Image adapters use these; the families' LoRA recipes
+(flow_grpo, Flow-Factory) name the same modules."""
+
 
 def _tuner_layers(module: nn.Module) -> list[nn.Module]:
     from peft.tuners.tuners_utils import BaseTunerLayer

@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from flowforge.models.base import Conditioning, frozen
 from flowforge.models.family import FamilyAdapter
 from flowforge.models.load import load_component
+from flowforge.models.lora import JOINT_ATTENTION_LORA_TARGETS
 from flowforge.models.flux.spec import FAMILY
 from flowforge.models.common import (
     DEFAULT_MIN_TOKENIZER_SIZE,
@@ -92,16 +93,7 @@ from flowforge.models.common import (
 FLUX_TIMESTEP_SCALE = 1.0
 """FLUX's transformer input is ``sigma`` itself (it scales by 1000 internally)."""
 
-FLUX_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+FLUX_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 """Attention projections of ``FluxTransformerBlock`` (image ``to_*``, text ``add_*`` / ``to_add_out``) and
 ``FluxSingleTransformerBlock`` (``to_q/k/v``; single blocks have no ``to_out``). These are the module names of the
 diffusers FLUX LoRA format that ``FluxPipeline.load_lora_weights`` reads (``transformer.<module>.lora_A``)."""

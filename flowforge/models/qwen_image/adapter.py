@@ -119,6 +119,7 @@ from torch import Tensor, nn
 from flowforge.models.base import Conditioning, frozen
 from flowforge.models.family import FamilyAdapter
 from flowforge.models.load import load_component
+from flowforge.models.lora import JOINT_ATTENTION_LORA_TARGETS
 from flowforge.models.qwen_image.spec import FAMILY
 from flowforge.models.reference_images import by_image_layout, pad_rows, pil_rows, row_grids
 from flowforge.models.common import (
@@ -147,16 +148,7 @@ from flowforge.models.qwen_image.text import (
 QWEN_TIMESTEP_SCALE = 1.0
 """Qwen-Image's transformer input is ``sigma`` itself (its time projection scales by 1000)."""
 
-QWEN_IMAGE_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+QWEN_IMAGE_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 """Joint-attention projections of ``QwenImageTransformerBlock`` (image ``to_*``, text ``add_*`` / ``to_add_out``),
 the module names of diffusers' Qwen-Image LoRA format (``QwenImagePipeline.load_lora_weights``)."""
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from flowforge.models.base import Conditioning, frozen
 from flowforge.models.family import FamilyAdapter
+from flowforge.models.lora import JOINT_ATTENTION_LORA_TARGETS
 from flowforge.models.sd3.spec import FAMILY
 from flowforge.models.common import FLOWFORGE_META, check_velocity_inputs, read_flowforge_meta
 
@@ -41,16 +42,7 @@ logger = logging.getLogger(__name__)
 SD3_TIMESTEP_SCALE = 1000.0
 """SD3's native timestep is ``1000 * sigma``."""
 
-SD3_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+SD3_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 """Attention projections of diffusers' ``JointTransformerBlock`` (image stream ``to_*``, text stream ``add_*``).
 The last SD3 block is context-pre-only and has no ``to_add_out``; peft matches suffixes, so that is fine."""
 
