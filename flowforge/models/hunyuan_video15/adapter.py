@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.media import to_uint8
+from flowforge.models.reference_images import condition_pil_images
 from flowforge.models.base import Conditioning, frozen
 from flowforge.models.family import FamilyAdapter
 from flowforge.models.load import load_component
@@ -329,10 +329,7 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         if self.image_encoder is None or self.feature_extractor is None:
             raise RuntimeError("encode_image_tokens needs the image_encoder (SiglipVisionModel) and "
                                "feature_extractor (SiglipImageProcessor)")
-        from PIL import Image
-
-        pixels = to_uint8(images)
-        pil = [Image.fromarray(row) for row in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+        pil = condition_pil_images(images)  # round(255 x), as the pipeline's PIL inputs
         param = next(self.image_encoder.parameters())
         inputs = self.feature_extractor.preprocess(images=pil, do_resize=True, return_tensors="pt",
                                                    do_convert_rgb=True).to(device=param.device, dtype=param.dtype)

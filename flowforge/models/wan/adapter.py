@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowforge.media import to_uint8
+from flowforge.models.reference_images import condition_pil_images
 from flowforge.models.base import Conditioning, frozen
 from flowforge.models.family import FamilyAdapter
 from flowforge.models.load import load_component
@@ -387,10 +387,7 @@ class WanAdapter(FamilyAdapter):
         if self.image_encoder is None or self.image_processor is None:
             raise RuntimeError("encode_image_tokens needs the image_encoder (CLIPVisionModel) and image_processor "
                                "(CLIPImageProcessor)")
-        from PIL import Image
-
-        pixels = to_uint8(images)
-        pil = [Image.fromarray(row) for row in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+        pil = condition_pil_images(images)  # round(255 x), as the pipeline's PIL inputs
         device = next(self.image_encoder.parameters()).device
         inputs = self.image_processor(images=pil, return_tensors="pt").to(device)
         return self.image_encoder(**inputs, output_hidden_states=True).hidden_states[-2].float()
