@@ -2,6 +2,7 @@
 
 - images ``[B, 3, H, W]`` (or ``[B, 1, H, W]`` grey) and videos ``[B, 3, F, H, W]``, float in ``[0, 1]``;
 - :func:`video_frames`: a video batch laid out as images, for per-frame scorers and grids;
+- :func:`reference_video`: a reference clip, given as a video or as a strip of frames, as a video;
 - :func:`to_uint8`: media as 8-bit pixels, ``round(clamp(x, 0, 1) * 255)`` (PNG / JPEG / PIL / OCR inputs);
 - :class:`AudioBatch`: the sound of an audio-video batch, a waveform per media row.
 
@@ -26,6 +27,24 @@ def to_uint8(media: Tensor) -> Tensor:
     """Float media in ``[0, 1]`` (any shape, any float dtype) -> uint8 ``round(clamp(x, 0, 1) * 255)`` computed in
     float32, same shape and device, detached."""
     return (media.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+
+
+def reference_video(reference: Tensor, frames: int, shape: tuple[int, int], *,
+                    field: str = "metadata.reference_media") -> Tensor:
+    """A reference clip (the real future a world model's candidates are graded against) as ``[3, F, H, W]``: a
+    ``[3, F, H, W]`` video as it is, a ``[3, H, F W]`` strip (the frames side by side, as the ``real_clip`` files of
+    ``demo:world`` store it) cut into its ``F = frames`` frames. Same dtype and device.
+
+    Raises:
+        ValueError: neither shape fits ``frames`` x ``shape`` (``field`` names the input in the message).
+    """
+    h, w = shape
+    if reference.dim() == 4 and tuple(reference.shape[1:]) == (frames, h, w):
+        return reference
+    if reference.dim() == 3 and tuple(reference.shape[1:]) == (h, frames * w):
+        return reference.reshape(3, h, frames, w).permute(0, 2, 1, 3)
+    raise ValueError(f"{field} must be the real future [3, {frames}, {h}, {w}] or a strip [3, {h}, {frames * w}], "
+                     f"got {tuple(reference.shape)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -347,6 +347,10 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
     if pcfg.stages.student_serving == "in_process" and pcfg.student.kind != "scalar_head":
         problems.append(f"stages.student_serving='in_process' needs student.kind='scalar_head' (a vlm_json student "
                         f"is served with `flowforge serve judge --student`), got {pcfg.student.kind!r}")
+    if (pcfg.stages.student_serving == "in_process" and pcfg.student.kind == "scalar_head"
+            and pcfg.student.scalar_head.reference):
+        problems.append("stages.student_serving='in_process' cannot serve a student.scalar_head.reference=true student "
+                        "(the trainer's scorers get no reference; a judge request carries it): use 'server'")
     if pcfg.stages.proxy_reward:
         problems += [f"stages.proxy_reward: {p}" for p in check_scorer_spec(pcfg.stages.proxy_reward,
                                                                             dict(pcfg.stages.proxy_options))]

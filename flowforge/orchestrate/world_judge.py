@@ -60,6 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flowforge.media import reference_video
+
 __all__ = ["WEIGHTS", "WorldMechanicsJudge", "commands_from_prompt", "read_screen"]
 
 MOVES = {"NOOP": 0, "LEFT": -1, "RIGHT": 1}
@@ -89,21 +91,6 @@ def commands_from_prompt(prompt: str, frames: int) -> list[int]:
 def _grey(video: Tensor) -> Tensor:
     """``[3, F, H, W]`` (or the ``[3, H, F W]`` strip with ``frames``) -> ``[F, H, W]`` float32."""
     return video.float().mean(0)
-
-
-def _unstrip(reference: Tensor, frames: int, shape: tuple[int, int]) -> Tensor:
-    """The reference as ``[3, F, H, W]``: a ``[3, F, H, W]`` video as it is, a ``[3, H, F W]`` strip cut up.
-
-    Raises:
-        ValueError: neither shape fits the candidates' ``frames`` x ``shape``.
-    """
-    h, w = shape
-    if reference.dim() == 4 and tuple(reference.shape[1:]) == (frames, h, w):
-        return reference
-    if reference.dim() == 3 and tuple(reference.shape[1:]) == (h, frames * w):
-        return reference.view(3, h, frames, w).permute(0, 2, 1, 3)
-    raise ValueError(f"metadata.reference_media must be the real future [3, {frames}, {h}, {w}] or a strip "
-                     f"[3, {h}, {frames * w}], got {tuple(reference.shape)}")
 
 
 def read_screen(grey: Tensor, wall_row: int, level: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -260,7 +247,7 @@ class WorldMechanicsJudge:
                                  "reference (prompt metadata 'reference')")
             moves = commands_from_prompt(prompts[i], n)
             cand = _grey(video[i].detach().cpu())
-            ref = _grey(_unstrip(reference.detach().cpu(), n, (h, w)))
+            ref = _grey(reference_video(reference.detach().cpu(), n, (h, w)))
             wall = _wall_row(ref[0])
             low_row = h - max(1, h // 16) - 3
             sums = dict.fromkeys(WEIGHTS, 0.0)

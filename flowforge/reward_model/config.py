@@ -79,6 +79,10 @@ class ScalarHeadOptions:
     # > 0: a candidate is one clip of exactly clip_frames frames, stacked in order along the channels (3 x clip_frames
     # input channels), so the net sees the motion and its order; 0: each frame scored alone, the scores averaged
     clip_frames: int = 0
+    # with clip_frames > 0: the net also sees the group's reference clip (the real future the teacher compares with,
+    # e.g. world-stages' `reference`): its input is [candidate clip, (candidate clip - reference clip)^2] (6 x clip_frames
+    # channels); the saved scorer then needs metadata["reference_media"], which `flowforge serve judge` requests carry
+    reference: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,11 @@ class StudentConfig(Section):
                   "student.scalar_head.pairwise_weight and regression_weight must be >= 0, not both 0")
         c.require(s.tie_margin >= 0, f"student.scalar_head.tie_margin={s.tie_margin} must be >= 0")
         c.require(s.clip_frames >= 0, f"student.scalar_head.clip_frames={s.clip_frames} must be >= 0 (0: per frame)")
+        c.require(not s.reference or s.clip_frames > 0,
+                  "student.scalar_head.reference=true needs clip_frames > 0 (the reference is compared clip to clip)")
+        c.require(not s.reference or not (s.augment_rotate or s.augment_scale or s.augment_shift),
+                  "student.scalar_head.reference=true takes no augment_* (a distorted candidate no longer lines up "
+                  "with its reference)")
         c.require(0 <= s.augment_rotate <= 180 and 0 <= s.augment_scale < 1 and 0 <= s.augment_shift <= 0.5,
                   f"student.scalar_head.augment_rotate={s.augment_rotate} / augment_scale={s.augment_scale} / "
                   f"augment_shift={s.augment_shift} must be in [0, 180] / [0, 1) / [0, 0.5]")

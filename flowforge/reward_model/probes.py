@@ -15,8 +15,10 @@ probe             what changes / when the gate fails
                   of the same candidates in both orders. Fails the gate when the student passes the Spearman and
                   pairwise thresholds in the presented order but not re-ordered (a student that scores positions
                   drops to chance); one below them in both orders is failed by the gate's agreement alone.
-``no_reference``  the reference removed (groups that have one; NaN otherwise). Reported, never failing: a student
-                  may rank well without the reference.
+``no_reference``  the reference removed (groups that have one; NaN otherwise); for a student that cannot score
+                  without one (``needs_reference``, e.g. ``scalar_head`` with ``reference: true``) replaced by a black
+                  image of its size instead. Reported, never failing: a student may rank well without the
+                  reference.
 ================  ===================================================================================================
 
 A student that scores each candidate alone (``scores_candidates_alone = True``: its score of a candidate depends on
@@ -131,7 +133,26 @@ def _no_reference(student: Any, groups: Sequence[JudgedGroup], thresholds: Any) 
     with_reference = [i for i, g in enumerate(groups) if g.reference is not None]
     if not with_reference:
         return {"groups": 0.0}
-    stripped = [dataclasses.replace(groups[i], key=groups[i].key + ":noref", reference=None, reference_hashes=())
-                for i in with_reference]
-    return agreement(student.predict(stripped), [torch.tensor(groups[i].scores, dtype=torch.float64)
-                                                 for i in with_reference], thresholds.tie_margin)
+    with tempfile.TemporaryDirectory() as tmp:
+        if getattr(student, "needs_reference", False):
+            stripped = [_black_reference(groups[i], Path(tmp)) for i in with_reference]
+        else:
+            stripped = [dataclasses.replace(groups[i], key=groups[i].key + ":noref", reference=None,
+                                            reference_hashes=()) for i in with_reference]
+        predictions = student.predict(stripped)
+    return agreement(predictions, [torch.tensor(groups[i].scores, dtype=torch.float64) for i in with_reference],
+                     thresholds.tie_margin)
+
+
+def _black_reference(group: JudgedGroup, directory: Path) -> JudgedGroup:
+    """``group`` with each reference frame replaced by a black image of its size."""
+    paths, hashes = [], []
+    for path in group.reference or ():
+        frame = decode_frame(read_frame(path))
+        data = P.jpeg_bytes(torch.zeros_like(frame), max(frame.shape[-2:]))
+        digest = P.sha256_hex(data)
+        (directory / f"{digest}.jpg").write_bytes(data)
+        paths.append(str(directory / f"{digest}.jpg"))
+        hashes.append(digest)
+    return dataclasses.replace(group, key=group.key + ":blackref", reference=tuple(paths),
+                               reference_hashes=tuple(hashes))

@@ -11,7 +11,14 @@ Model, for a frame ``x`` (``[3, H, W]`` in [0, 1], resized to ``S x S``, scaled 
 
 With ``clip_frames: N`` > 0 the input ``x`` is a candidate's whole clip instead: its ``N`` frames in order, stacked
 along the channels (``[3 N, S, S]``), and ``s = σ(l)`` -- the net sees motion and order (a video judge's marks of
-moves and their timing), where a per-frame mean is blind to both.
+moves and their timing), where a per-frame mean is blind to both. With ``reference: true`` as well, the net also
+sees the group's reference clip ``r`` (the real future a world-model teacher grades against, the same for every
+candidate of the group): its input is ``[x, (x - r)^2]`` (``[6 N, S, S]``, the square per pixel), so it can learn
+"how far from the real future, and where" -- what such a teacher's marks are made of -- which a student without the
+reference must guess from the candidates alone. The square, not the signed difference: a paddle or ball where the
+real future has none and one missing where it has one are both errors (5-fold cross-validation on a world
+pipeline's stage-A groups: mean within-group Spearman with the teacher ~0.45 with the square, ~0.17 with the signed
+difference, ~0 without the reference).
 
 Loss over a batch of groups, with teacher scores ``t`` on [0, 1] and ``r = logit(s)``:
 
@@ -104,13 +111,15 @@ class ScalarHeadStudent:
         self._encoder: Any = None
         self._text_cache: dict[str, Tensor] = {}
         self._frames: dict[str, list[Tensor]] = {}
+        self._references: dict[str, Tensor] = {}
+        self.needs_reference = bool(options.reference)  # the no_reference probe then blanks it (probes.py)
         if text_dim is None:
             probe = self.embed(["a prompt"])
             text_dim = 0 if probe is None else int(probe.shape[-1])
         self.text_dim = text_dim
         torch.manual_seed(seed)
-        self.net = ScalarHeadNet(options.channels, options.hidden, text_dim,
-                                 3 * max(1, options.clip_frames)).to(self.device)
+        in_channels = 3 * max(1, options.clip_frames) * (2 if options.reference else 1)
+        self.net = ScalarHeadNet(options.channels, options.hidden, text_dim, in_channels).to(self.device)
         if options.init and pretrained:
             self.load_init(options.init)
 
@@ -191,6 +200,41 @@ class ScalarHeadStudent:
                                        for frames in candidates]
         return self._frames[group.key]
 
+    def reference_clip(self, reference: Tensor, shape: tuple[int, int]) -> Tensor:
+        """A reference clip in [0, 1] for candidates of frame size ``shape = (H, W)``: ``[3, F, H, W]`` or the strip
+        ``[3, H, F W]`` (:func:`flowforge.media.reference_video`, ``F = clip_frames``) -> the net's ``[3 F, S, S]``
+        reference input, preprocessed like a candidate.
+
+        Raises:
+            ValueError: a reference of neither shape.
+        """
+        from flowforge.media import reference_video
+
+        n = self.options.clip_frames
+        video = reference_video(reference, n, tuple(shape), field="metadata.reference_media")
+        return self.preprocess(video.transpose(0, 1)).reshape(3 * n, *((self.options.image_size,) * 2))
+
+    def _group_reference(self, group: JudgedGroup) -> Tensor:
+        """The group's reference as the net's ``[3 F, S, S]`` input (decoded once, cached).
+
+        Raises:
+            ValueError: the group was judged without a reference.
+        """
+        if group.key not in self._references:
+            reference, candidates = group_frames(group)
+            if not reference:
+                raise ValueError(f"student.scalar_head.reference=true, but judged group {group.key[:12]} has no "
+                                 "reference (judge with the prompt rows' `reference`)")
+            frames = [decode_frame(f) for f in reference]
+            video = frames[0] if len(frames) == 1 else torch.stack(frames, 1)  # a strip, or [3, F, H, W]
+            shape = decode_frame(candidates[0][0]).shape[-2:]  # the candidates' frame size
+            self._references[group.key] = self.reference_clip(video, shape)
+        return self._references[group.key]
+
+    def with_reference(self, clips: Tensor, references: Tensor) -> Tensor:
+        """Clips ``[B, 3 F, S, S]`` and their references ``[B, 3 F, S, S]`` -> ``[B, 6 F, S, S]`` = ``[x, (x - r)^2]``."""
+        return torch.cat([clips, (clips - references) ** 2], dim=1)
+
     def augment(self, frames: Tensor, counts: Sequence[int]) -> Tensor:
         """Training-time random affine of preprocessed ``frames`` ``[N, 3, S, S]`` (one draw per candidate, its
         ``counts[i]`` frames alike, so a video stays one motion): rotation, scale and shift drawn uniformly within
@@ -241,6 +285,9 @@ class ScalarHeadStudent:
             flat = self.augment(flat, counts)
         if self.options.clip_frames:
             flat, counts = self.clips(flat, counts), [1] * len(counts)
+        if self.options.reference:
+            refs = torch.stack([self._group_reference(g) for g, per_group in zip(groups, frames) for _ in per_group])
+            flat = self.with_reference(flat, refs)
         text = None
         if self.text_dim:  # one prompt per input: per frame, or per clip (counts are then all 1)
             prompts = [g.prompt for g, per_group in zip(groups, frames) for _ in per_group]
@@ -296,18 +343,28 @@ class ScalarHeadStudent:
         return [s.detach().float().cpu() for s in self.candidate_scores(groups)]
 
     @torch.no_grad()
-    def score_images(self, media: Tensor, prompts: Sequence[str]) -> Tensor:
+    def score_images(self, media: Tensor, prompts: Sequence[str],
+                     references: Sequence[Tensor] | None = None) -> Tensor:
         """``[B, 3, H, W]`` in [0, 1] + ``B`` prompts -> ``[B]`` float32 frame scores in (0, 1); with
-        ``clip_frames`` > 0, videos ``[B, 3, F, H, W]`` -> ``[B]`` clip scores.
+        ``clip_frames`` > 0, videos ``[B, 3, F, H, W]`` -> ``[B]`` clip scores; with ``reference`` also, each
+        video's reference (``references[i]``: ``[3, F, H, W]`` or the strip ``[3, H, F W]``, :meth:`reference_clip`).
 
         Raises:
-            ValueError: a video whose ``F`` is not ``clip_frames``.
+            ValueError: a video whose ``F`` is not ``clip_frames``; a reference student given no (or a mis-shaped)
+                reference.
         """
         text = self.embed(prompts) if self.text_dim else None
         if self.options.clip_frames:
             b, _, f = media.shape[:3]
             frames = self.preprocess(media.transpose(1, 2).flatten(0, 1))  # [B F, 3, S, S]
-            return torch.sigmoid(self.net(self.clips(frames, [f] * b), text)).float()
+            clips = self.clips(frames, [f] * b)
+            if self.options.reference:
+                if references is None or len(references) != b:
+                    raise ValueError("this scalar_head student compares each video with its reference "
+                                     "(metadata.reference_media), and none was given")
+                clips = self.with_reference(clips, torch.stack([self.reference_clip(r, media.shape[-2:])
+                                                                for r in references]))
+            return torch.sigmoid(self.net(clips, text)).float()
         return torch.sigmoid(self.net(self.preprocess(media), text)).float()
 
     # ------------------------------------------------------------------------------------------------ files
@@ -364,6 +421,8 @@ class ScalarHeadScorer:
         self.batch_size = batch_size
         # a clip student scores whole videos [B, 3, F, H, W] (the trainer and the judge server then send them whole)
         self.takes_video = bool(self.student.options.clip_frames)
+        # a reference student compares with the real future: `flowforge serve judge` requests carry it
+        self.metadata_keys = ("reference_media",) if self.student.options.reference else ()
 
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         if self.takes_video:
@@ -372,6 +431,14 @@ class ScalarHeadScorer:
             check_inputs(media[:, :, 0], prompts, metadata)
         else:
             check_inputs(media, prompts, metadata)
-        chunks = [self.student.score_images(media[i:i + self.batch_size], prompts[i:i + self.batch_size])
+        references = None
+        if self.metadata_keys:
+            missing = [i for i, m in enumerate(metadata) if m.get("reference_media") is None]
+            if missing:
+                raise ValueError(f"metadata.reference_media (the real future) is required by this scalar_head "
+                                 f"student; rows {missing[:4]} have none")
+            references = [m["reference_media"].to(media.device) for m in metadata]
+        chunks = [self.student.score_images(media[i:i + self.batch_size], prompts[i:i + self.batch_size],
+                                            None if references is None else references[i:i + self.batch_size])
                   for i in range(0, media.shape[0], self.batch_size)]
         return torch.cat(chunks).to(media.device)

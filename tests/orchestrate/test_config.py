@@ -72,6 +72,11 @@ def test_every_problem_of_a_pipeline_is_listed_at_once(tmp_path):
         assert expected in text, expected
     with pytest.raises(ConfigError, match="must not exceed the 220 conditions"):  # demo:train: 22 x 10 digits
         check_pipeline(load_pipeline(EXAMPLE, ["stages.n_a=224"]))
+    with pytest.raises(ConfigError, match="cannot serve a student.scalar_head.reference=true student"):
+        check_pipeline(load_pipeline(EXAMPLE, ["stages.student_serving=in_process", "student.scalar_head.clip_frames=1",
+                                               "student.scalar_head.reference=true",
+                                               "student.scalar_head.augment_rotate=0", "student.scalar_head.augment_scale=0",
+                                               "student.scalar_head.augment_shift=0"]))
 
 
 def test_check_and_stages_refuse_a_bad_pipeline_in_one_line(tmp_path, capsys):

@@ -275,3 +275,100 @@ def test_a_clip_student_sees_frame_order_and_serves_whole_videos(tmp_path):
     assert served == pytest.approx(student.predict([held[0]])[0].tolist(), abs=1e-5)
     with pytest.raises(ValueError, match="clip_frames=4"):
         scorer(video[:, :, :3], ["p"] * 4, [{}] * 4)
+
+
+def _reference_groups(root, n, *, frames=4, size=16, seed=0):
+    """Judged video groups whose marks need the reference: each group has its own real future (a bright square at
+    a random place per frame, stored as one strip ``[3, size, frames * size]`` like world-stages' ``reference``);
+    a candidate copies each of its frames from the reference or draws the square elsewhere, and its mark is the
+    share of frames it copied. Without the reference every candidate is a clip of random squares."""
+    from flowforge.reward_model.data import JudgedGroup
+
+    root.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+
+    def clip():
+        out = torch.zeros(frames, 3, size, size)
+        for f in range(frames):
+            y, x = torch.randint(0, size - 4, (2,), generator=gen).tolist()
+            out[f, :, y:y + 4, x:x + 4] = 1.0
+        return out
+
+    def store(image):
+        data = P.jpeg_bytes(image, max(image.shape[-2:]), 95)
+        digest = P.sha256_hex(data)
+        (root / f"{digest}.jpg").write_bytes(data)
+        return str(root / f"{digest}.jpg"), digest
+
+    groups = []
+    for g in range(n):
+        real = clip()
+        ref_path, ref_hash = store(torch.cat(list(real), dim=-1))  # the strip, frames side by side
+        paths, hashes, marks = [], [], []
+        for _ in range(4):
+            copied = torch.rand(frames, generator=gen) < 0.5
+            candidate = torch.where(copied[:, None, None, None], real, clip())
+            stored = [store(frame) for frame in candidate]
+            paths.append(tuple(p for p, _ in stored))
+            hashes.append(tuple(h for _, h in stored))
+            marks.append(float(copied.float().mean()))
+        groups.append(JudgedGroup(
+            key=f"r{seed}-{g}", condition_id=f"c{g}", cluster=f"cl-{g}", prompt="p", instructions="Score.",
+            labels=tuple(P.candidate_labels(4)), permutation=(0, 1, 2, 3), candidates=tuple(paths),
+            scores=tuple(marks), reference=(ref_path,), hashes=tuple(hashes), reference_hashes=(ref_hash,)))
+    return groups
+
+
+def test_a_reference_student_learns_what_only_the_reference_shows_and_serves_with_it(tmp_path):
+    """Marks that are a candidate's closeness to its group's real future: a clip student without the reference
+    cannot learn them; with ``reference: true`` it does, and saved it scores whole videos against the
+    ``reference_media`` a judge request carries (as a scorer and behind the judge server's scorer backend), and
+    refuses a video without one."""
+    torch.set_num_threads(1)
+    train = _reference_groups(tmp_path / "train", 32, seed=0)
+    held = _reference_groups(tmp_path / "held", 12, seed=1)
+    split = [1.0, 0.0, 0.0]
+    clip = {**FAST, "epochs": 16, "split": split, "scalar_head": {**FAST["scalar_head"], "clip_frames": 4}}
+    blind = train_student(student_config(clip), train, tmp_path / "blind")
+    blind_agreement = evaluate(load_student(blind.student_dir), held)["spearman"]
+    ref_cfg = {**clip, "scalar_head": {**clip["scalar_head"], "reference": True}}
+    result = train_student(student_config(ref_cfg), train, tmp_path / "ref")
+    student = load_student(result.student_dir)
+    seeing = evaluate(student, held)["spearman"]
+    assert seeing > 0.7 and seeing > blind_agreement + 0.4, (seeing, blind_agreement)
+    from flowforge.reward_model.probes import shortcut_probes
+
+    # the no_reference probe shows it a black reference (it cannot score without one): its agreement goes
+    probes, reasons = shortcut_probes(student, held, student_config(ref_cfg).gate)
+    assert probes["no_reference"]["groups"] == 12 and probes["no_reference"]["spearman"] < seeing - 0.4, probes
+    assert reasons == []
+
+    from flowforge.reward_model.data import decode_frame, group_frames
+    from flowforge.serve.judge_backends import ScorerBackend, student_backend
+
+    scorer = ScalarHeadScorer(result.student_dir)
+    assert scorer.takes_video and scorer.metadata_keys == ("reference_media",)
+    reference, frames = group_frames(held[0])
+    video = torch.stack([torch.stack([decode_frame(f) for f in c], 1) for c in frames])  # [K, 3, F, H, W]
+    strip = decode_frame(reference[0])  # [3, H, F W]
+    expected = student.predict([held[0]])[0]
+    torch.testing.assert_close(scorer(video, ["p"] * 4, [{"reference_media": strip}] * 4), expected, atol=1e-5,
+                               rtol=0)
+    as_video = strip.reshape(3, 16, 4, 16).permute(0, 2, 1, 3)  # the same reference as [3, F, H, W]
+    torch.testing.assert_close(scorer(video, ["p"] * 4, [{"reference_media": as_video}] * 4), expected, atol=1e-5,
+                               rtol=0)
+    backend = student_backend(result.student_dir)
+    assert isinstance(backend, ScorerBackend)
+    served = P.parse_scores(backend.complete(group_message(held[0])).text, held[0].labels)
+    assert served == pytest.approx(expected.tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="reference_media"):
+        scorer(video, ["p"] * 4, [{}] * 4)
+    with pytest.raises(ValueError, match="strip"):
+        scorer(video, ["p"] * 4, [{"reference_media": strip[:, :, :32]}] * 4)
+
+
+def test_a_reference_student_is_refused_without_clips_or_with_augmentation():
+    with pytest.raises(ValueError, match="clip_frames > 0"):
+        student_config({"scalar_head": {"reference": True}})
+    with pytest.raises(ValueError, match="augment"):
+        student_config({"scalar_head": {"reference": True, "clip_frames": 4, "augment_shift": 0.1}})
