@@ -185,8 +185,14 @@ def run_arm_pipeline(pcfg: Any, arm: str, *, progress: bool = True,
 def arm_table(pcfg: Any) -> dict[str, Any]:
     """The last held-out evaluation of every arm that ran, beside the base (A's step 0) and the hand-off (A's last
     evaluation); each entry's ``gain`` is its metrics minus the hand-off's. Written to
-    ``<pipeline>/arms/arms.json``."""
+    ``<pipeline>/arms/arms.json``.
+
+    The student arm is the policy the pipeline hands on: stage C's last evaluation; after an audit stop, its last
+    good checkpoint's (:func:`~flowforge.orchestrate.stages.evaluate_last_good`), or the hand-off's when the stop
+    went back to stage A's checkpoint. ``source`` says which (``"C"``, ``"last_good"``, ``"handoff"``).
+    """
     from flowforge.orchestrate.report import last_eval
+    from flowforge.orchestrate.stage_trainer import read_audits
     from flowforge.report.run import read_jsonl
 
     layout = PipelineLayout.of(pcfg)
@@ -197,17 +203,27 @@ def arm_table(pcfg: Any) -> dict[str, Any]:
         if evals:
             rows["base"] = evals[0]
             rows["handoff"] = evals[-1]
-    runs = {"student": layout.c_run, **{arm: arm_dir(pcfg, arm) / "C" for arm in ARMS if arm != "student"}}
-    for arm, run_dir in runs.items():
-        found = last_eval(run_dir)
+    sources = {}
+    stopped = any(a["passed"] is False or a.get("stop") == "unaudited" for a in read_audits(layout.c_run))
+    student = last_eval(layout.last_good_run) if stopped else {}
+    if student:
+        rows["student"], sources["student"] = student, "last_good"
+    elif stopped and "handoff" in rows:  # stopped before C's first good checkpoint: the pipeline hands on A's
+        rows["student"], sources["student"] = rows["handoff"], "handoff"
+    elif not stopped and last_eval(layout.c_run):
+        rows["student"], sources["student"] = last_eval(layout.c_run), "C"
+    for arm in ARMS:
+        found = last_eval(arm_dir(pcfg, arm) / "C") if arm != "student" else {}
         if found:
-            rows[arm] = found
+            rows[arm], sources[arm] = found, "C"
     handoff = rows.get("handoff", {})
     table = {}
     for name, row in rows.items():
         metrics = {k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))}
         gain = {k: v - handoff[k] for k, v in metrics.items() if isinstance(handoff.get(k), (int, float))}
         table[name] = {"step": row.get("step"), "metrics": metrics, "gain": gain}
+        if name in sources:
+            table[name]["source"] = sources[name]
     out = layout.root / ARMS_DIR / ARM_TABLE_FILE
     if out.parent.is_dir():
         write_bytes(out, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode("utf-8"))
@@ -223,7 +239,8 @@ def format_arm_table(table: dict[str, Any]) -> str:
     head = ["arm", "step", *[m.removeprefix("eval/") for m in metrics]]
     lines = ["  ".join(f"{h:>14}" for h in head)]
     for name, row in table.items():
-        cells = [name, str(row["step"])]
+        source = row.get("source")
+        cells = [name if source in (None, "C") else f"{name} ({source})", str(row["step"])]
         for m in metrics:
             v, g = row["metrics"].get(m), row["gain"].get(m)
             cells.append("-" if v is None else f"{v:.4f}" + ("" if g is None or name in ("handoff", "base")

@@ -114,6 +114,12 @@ class PipelineLayout:
         return self.a_run / JUDGE_LEDGER_FILE
 
     @property
+    def last_good_run(self) -> Path:
+        """After an audit stop: the run directory that holds the held-out evaluation of the last good checkpoint of
+        stage C (the policy the pipeline hands on; :func:`~flowforge.orchestrate.stages.evaluate_last_good`)."""
+        return self.root / "last_good" / "C"
+
+    @property
     def audit_dir(self) -> Path:
         """The run directory of stage C's audit judge (the teacher)."""
         return self.c_run / "audit"

@@ -24,6 +24,8 @@ What it counts (every number read from the pipeline's own files):
 ``A.headline`` / ``C.headline``   the stage's headline eval metric start → end with its standard error, as its own
                                   report's verdict writes it (:func:`flowforge.report.run.run_headline`), as plain
                                   text (the HTML is in ``report.html`` only)
+``C.last_good_eval``              after an audit stop, the held-out evaluation of the last good checkpoint of C (the
+                                  policy handed on; ``last_good/C/eval.jsonl``); ``{}`` otherwise
 ``timeline``                      the stages in the order they ran with their start and end (:func:`timeline`)
 ``agreement``                     student vs teacher at every gate attempt and audit (:func:`agreement_points`)
 ================================  ====================================================================================
@@ -146,7 +148,8 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
               "headline": _plain_headline(layout.a_run)},
         "B": {"attempts": attempts},
         "C": {"run_dir": layout.relative(layout.c_run).as_posix(), "eval": last_eval(layout.c_run), "audits": audits,
-              "headline": _plain_headline(layout.c_run), "audit_design": _audit_design(layout.c_run)},
+              "headline": _plain_headline(layout.c_run), "audit_design": _audit_design(layout.c_run),
+              "last_good_eval": last_eval(layout.last_good_run)},
         "timeline": timeline(layout.root, attempts),
         "agreement": agreement_points(ledger, attempts, audits),
         "teacher": teacher,
@@ -416,6 +419,11 @@ def _html(summary: dict[str, Any], title: str, directory: Path, pcfg: Any) -> st
     facts.append(esc(f"C trained on {sv['c_groups']} groups with the student's reward: {_saved(sv)}"))
     if summary["last_good_checkpoint"]:
         facts.append(esc(f"last good checkpoint: {summary['last_good_checkpoint']}"))
+        good = summary["C"].get("last_good_eval") or {}
+        shown = [f"{k.removeprefix('eval/')} {v:.4g}" for k, v in good.items()
+                 if k.startswith("eval/") and isinstance(v, (int, float))]
+        if shown:
+            facts.append(esc(f"its held-out eval (step {good.get('step')}): " + ", ".join(shown)))
     figure = figure_tag(_plot_agreement(points, pcfg), "teacher-student agreement over the pass") if points else ""
     sections = [verdict_block(head, facts, figure)]
     sections += _stage_rows(summary, directory)

@@ -283,6 +283,23 @@ class AuditHook(StepHook):
         if self.auditor.due(step):
             metrics.update(self.auditor.audit(step, trainer.policy.optimizer_steps, media, batch,
                                               components[self.reward_name].detach().cpu()))
+        pin_last_good(trainer)
+
+
+def pin_last_good(trainer: Trainer) -> Path | None:
+    """Pin (:meth:`CheckpointManager.pin <flowforge.train.checkpoint.manager.CheckpointManager.pin>`) the run's newest
+    committed checkpoint at or before its last passed audit verdict, so that rotation (``checkpoint.keep``) never
+    deletes the checkpoint an audit stop goes back to. Exact because a pooled verdict takes only groups audited since
+    the last verdict: a later failed verdict pools steps after the last passed one, so the last good checkpoint
+    (:func:`flowforge.orchestrate.stages.last_good_checkpoint`) is this one. Read from ``audit.jsonl`` every time,
+    so a resumed run pins it again. Returns the pinned checkpoint (None: no passed verdict in this run yet)."""
+    from flowforge.runtime.run_dir import committed_checkpoints
+    from flowforge.train.checkpoint import step_of
+
+    passed = [a["step"] for a in read_audits(trainer.run_dir) if a["passed"]]
+    good = [p for p in committed_checkpoints(trainer.run_dir) if passed and step_of(p) <= max(passed)]
+    trainer.checkpoints.pin(good[-1] if good else None)
+    return good[-1] if good else None
 
 
 def condition_ids(batch: StepBatch) -> list[str]:

@@ -359,6 +359,36 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
     return Outcome("done")
 
 
+def evaluate_last_good(pcfg: Any, endpoints: Endpoints, student_dir: Path, outcome: Outcome) -> dict[str, float]:
+    """After an audit stop (``outcome.last_good`` set): the held-out evaluation of that checkpoint -- the policy the
+    pipeline hands on -- in :attr:`PipelineLayout.last_good_run` (its ``eval.jsonl`` and sample grid; the same eval as
+    every stage's end: fixed noise, the independent scorers, the student's reward; never the teacher). ``{}`` when
+    the last good checkpoint is stage A's (the hand-off: A's last evaluation is its evaluation) or when there is
+    none; an evaluation done before is read, not repeated. Every rank calls it (the samples are generated on all)."""
+    from flowforge.orchestrate.report import last_eval
+    from flowforge.train.trainer import Trainer
+
+    layout = PipelineLayout.of(pcfg)
+    if not outcome.last_good or Path(outcome.last_good).parent.parent != layout.c_run:
+        return {}
+    done = on_main(lambda: last_eval(layout.last_good_run))
+    if done:
+        return done
+    step = step_of(Path(outcome.last_good))
+    reward, _ = _student_reward(pcfg, endpoints, student_dir)
+    cfg = stage_config(pcfg, "C", steps=step, reward=reward, resume=str(outcome.last_good),
+                       output_dir=layout.last_good_run.parent)
+    log.info("stage C stopped: evaluating its last good checkpoint (step %d) in %s", step, layout.last_good_run)
+    trainer = Trainer(cfg, progress=False, own_area=layout.root, expected_resume_changes=stage_c_changes(pcfg))
+    try:
+        scalars = trainer.evaluate(step)
+    finally:
+        if trainer.logger is not None:
+            trainer.logger.close()
+        trainer.close()
+    return scalars
+
+
 # ------------------------------------------------------------------------------------------------ the pipeline
 def _a_and_b(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, stage: str | None,
              progress: bool, ran: list[str]) -> tuple[dict[str, Any] | None, Outcome | None]:
@@ -448,6 +478,8 @@ def run_pipeline(pcfg: Any, *, stage: str | None = None, progress: bool = True,
                 ran.append("C")
                 student = Path(on_main(lambda: str(student_dir(pcfg, record))))
                 outcome = run_stage_c(pcfg, ledger, endpoints, student, progress=progress)
+                if outcome.status in ("audit_stopped", "unaudited_stopped"):
+                    evaluate_last_good(pcfg, endpoints, student, outcome)
         except BudgetExhausted as exc:  # stopped before the budget was exceeded; a rerun with more continues
             log.warning("pipeline stopped: %s", exc)
             outcome = Outcome("budget_exhausted", str(exc))

@@ -40,7 +40,7 @@ def test_a_random_student_swapped_in_mid_c_is_stopped_within_two_audits(tiny_mod
         teacher={"scorer": "tests.serve.judge_support:Brightness"},
         student={"epochs": 15, "lr": 3e-3, "split": [0.5, 0.25, 0.25]},
         audit={**section, "max_null_pass": 0.01, "min_power": 0.0},
-        checkpoint={"keep": 10})
+        checkpoint={"keep": 2})  # fewer than C's checkpoints: the last good one is pinned against rotation
     pcfg = load_pipeline(path)
     check_pipeline(pcfg)  # the audit thresholds pass the null check at their group count
     real_call = scalar_head.ScalarHeadScorer.__call__
@@ -67,4 +67,14 @@ def test_a_random_student_swapped_in_mid_c_is_stopped_within_two_audits(tiny_mod
     assert outcome.status == "audit_stopped", outcome
     assert 1 <= len(after) <= 2 and after[-1]["passed"] is False  # stopped within two audits of the swap
     last_passed = max(a["step"] for a in before if a["passed"])
-    assert outcome.last_good.endswith(f"step_{last_passed:06d}")
+    assert outcome.last_good.endswith(f"step_{last_passed:06d}") and "/C/" in outcome.last_good
+    # the policy the pipeline hands on, evaluated as every stage's end is: the last good checkpoint's held-out eval
+    evaluated = [json.loads(line) for line in (directory / "last_good" / "C" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evaluated] == [last_passed]
+    summary = json.loads((directory / "summary.json").read_text())
+    assert summary["C"]["last_good_eval"]["step"] == last_passed
+    from flowforge.orchestrate.arms import arm_table
+
+    student = arm_table(pcfg)["student"]
+    assert (student["source"], student["step"]) == ("last_good", last_passed)
+    assert student["metrics"] == {k: v for k, v in evaluated[0].items() if k.startswith("eval/")}

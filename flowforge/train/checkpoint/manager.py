@@ -182,7 +182,15 @@ class CheckpointManager:
         self.keep = keep
         self.dist = dist
         self.resumed_from: Path | None = None  # never rotated away or overwritten
+        self.pinned: Path | None = None  # kept through rotation too (:meth:`pin`)
         self.saved_step: int | None = None  # the step of the last checkpoint saved or restored (None: none yet)
+
+    def pin(self, checkpoint: Path | None) -> None:
+        """Keep ``checkpoint`` (a committed step directory of this run) through rotation from the next save on, in
+        place of the one pinned before (None: none): what a caller may still have to go back to, e.g. stage C's last
+        good checkpoint (:class:`~flowforge.orchestrate.stage_trainer.AuditHook`), which ``checkpoint.keep`` alone
+        would rotate away once more than ``keep`` checkpoints follow it. Rank 0's pin is the one used."""
+        self.pinned = None if checkpoint is None else Path(checkpoint)
 
     def save(self) -> Path:
         """Commit a checkpoint of ``record.step``: every bank policy's weights, the optimizer and LR schedule, the
@@ -214,7 +222,8 @@ class CheckpointManager:
                          "lr_schedule_step": bank["scheduler"]["last_epoch"], SAMPLER_KEY: self.sampler.state_dict()}
         d = self.dist
         path = save_checkpoint(self.run_dir, self.record.step, tensors=weights, optimizer_state=optim,
-                               trainer_state=trainer_state, keep=self.keep, protect=self.resumed_from, rank=d.rank,
+                               trainer_state=trainer_state, keep=self.keep, protect=self.resumed_from,
+                               keep_also=[self.pinned] if self.pinned is not None else (), rank=d.rank,
                                world_size=d.world_size,
                                barrier=(lambda: dist_lib.barrier(d)) if d.enabled else None, sharded_writer=writer)
         self.saved_step = self.record.step

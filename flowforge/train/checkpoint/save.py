@@ -43,7 +43,8 @@ Write order (one save of step ``n``)
    atomically, then rotates. — barrier —
 
 Rotation (rank 0, after the commit) keeps the newest ``keep`` committed checkpoints, always the one just written and
-``protect`` (the checkpoint the run resumed from). A checkpoint is deleted by unlinking its ``COMMITTED`` first, so a
+``protect`` (the checkpoint the run resumed from) and every ``keep_also`` (checkpoints the caller still needs, e.g.
+the last good checkpoint of an audited stage). A checkpoint is deleted by unlinking its ``COMMITTED`` first, so a
 crash mid-delete leaves an uncommitted directory, never a half-deleted committed one. Uncommitted directories with a
 step below the newest committed one (debris of crashed saves) are deleted too.
 
@@ -71,7 +72,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -132,9 +133,10 @@ def _prepare_step_dir(run_dir: Path, step: int, protect: Path | None) -> Path:
     return step_dir
 
 
-def _rotate(run_dir: Path, newest: Path, keep: int, protect: Path | None) -> list[Path]:
+def _rotate(run_dir: Path, newest: Path, keep: int, protect: Path | None,
+            keep_also: Sequence[Path] = ()) -> list[Path]:
     committed = committed_checkpoints(run_dir)
-    keep_set = {p.resolve() for p in committed[-keep:]} | {newest.resolve()}
+    keep_set = {p.resolve() for p in committed[-keep:]} | {newest.resolve()} | {Path(p).resolve() for p in keep_also}
     if protect is not None:
         keep_set.add(protect)
     removed = [p for p in committed if p.resolve() not in keep_set]
@@ -233,7 +235,7 @@ def _write_marker(step_dir: Path, manifest: dict) -> None:
 
 def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Mapping[str, Tensor]],
                     optimizer_state: dict | None, trainer_state: dict, keep: int, rank: int = 0,
-                    world_size: int = 1, protect: Path | None = None,
+                    world_size: int = 1, protect: Path | None = None, keep_also: Sequence[Path] = (),
                     barrier: Callable[[], None] | None = None, rank_timeout_s: float = 600.0,
                     sharded_writer: Callable[[Path], None] | None = None) -> Path:
     """Write ``<run_dir>/checkpoints/step_<step:06d>/`` durably and commit it (see the module docstring for the
@@ -250,6 +252,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Map
         keep: committed checkpoints to keep (``>= 1``); the new one and ``protect`` are never deleted.
         rank, world_size: this process's rank; every rank calls this, rank 0 writes the shared files and commits.
         protect: the checkpoint the run resumed from; never deleted or overwritten.
+        keep_also: checkpoints rotation keeps besides the newest ``keep`` (e.g. an audited stage's last good one).
         barrier: collective barrier (e.g. ``torch.distributed.barrier``); required when ``world_size > 1``.
         rank_timeout_s: how long rank 0 waits for the other ranks' RNG files after the barrier.
         sharded_writer: called on every rank with ``<step_dir>/dcp`` after the directory is prepared and before the
@@ -283,7 +286,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, tensors: Mapping[str, Map
     if rank == 0:
         _commit(step_dir, step, world_size, sorted(tensors), optimizer_state is not None, rank_timeout_s)
         write_bytes(run_dir / CHECKPOINTS_DIR / LATEST, (step_dir.name + "\n").encode(), _test_hook, LATEST)
-        for p in _rotate(run_dir, step_dir, keep, protect):
+        for p in _rotate(run_dir, step_dir, keep, protect, keep_also):
             log.info("removed old checkpoint %s", p)
     sync()
     return step_dir
