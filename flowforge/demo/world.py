@@ -42,7 +42,8 @@ EVAL_STARTS = 32
 IDM_SEED = 1
 
 
-def _spaced(indices: Tensor, count: int) -> Tensor:
+def spaced(indices: Tensor, count: int) -> Tensor:
+    """``count`` of ``indices`` (all when fewer), evenly spaced from the first to the last."""
     return indices[torch.linspace(0, len(indices) - 1, min(count, len(indices))).round().long()]
 
 
@@ -53,7 +54,7 @@ def write_world_prompt_sets(directory: str | pathlib.Path = PROMPTS_DIR, cache_d
     clips = load_atari_clips(AtariDataConfig(), cache_dir) if clips is None else clips
     out = []
     for name, split, count in (("world-train", "train", TRAIN_STARTS), ("world-eval", "heldout", EVAL_STARTS)):
-        out.append(write_prompt_file(clips, _spaced(clips.split(split), count), directory, name))
+        out.append(write_prompt_file(clips, spaced(clips.split(split), count), directory, name))
     return out
 
 
