@@ -187,13 +187,16 @@ def arm_table(pcfg: Any) -> dict[str, Any]:
     evaluation); each entry's ``gain`` is its metrics minus the hand-off's. Written to
     ``<pipeline>/arms/arms.json``.
 
-    The student arm is the policy the pipeline hands on: stage C's last evaluation; after an audit stop, its last
-    good checkpoint's (:func:`~flowforge.orchestrate.stages.evaluate_last_good`), or the hand-off's when the stop
-    went back to stage A's checkpoint. ``source`` says which (``"C"``, ``"last_good"``, ``"handoff"``).
+    The student arm is the policy the pipeline hands on: stage C's last evaluation; after an audit stop, the
+    evaluation of C's last good checkpoint (:func:`~flowforge.orchestrate.stages.evaluate_last_good`; the row is left
+    out while that checkpoint is not evaluated), or the hand-off's when the stop goes back to stage A's checkpoint
+    (no C checkpoint precedes the last verdict that counts). ``source`` says which (``"C"``, ``"last_good"``,
+    ``"handoff"``).
     """
-    from flowforge.orchestrate.report import last_eval
-    from flowforge.orchestrate.stage_trainer import read_audits
+    from flowforge.orchestrate.report import last_eval, last_good_eval
+    from flowforge.orchestrate.stage_trainer import last_good_step, read_audits
     from flowforge.report.run import read_jsonl
+    from flowforge.train.checkpoint import committed_checkpoints, step_of
 
     layout = PipelineLayout.of(pcfg)
     rows: dict[str, dict[str, Any]] = {}
@@ -204,13 +207,15 @@ def arm_table(pcfg: Any) -> dict[str, Any]:
             rows["base"] = evals[0]
             rows["handoff"] = evals[-1]
     sources = {}
-    stopped = any(a["passed"] is False or a.get("stop") == "unaudited" for a in read_audits(layout.c_run))
-    student = last_eval(layout.last_good_run) if stopped else {}
-    if student:
-        rows["student"], sources["student"] = student, "last_good"
-    elif stopped and "handoff" in rows:  # stopped before C's first good checkpoint: the pipeline hands on A's
-        rows["student"], sources["student"] = rows["handoff"], "handoff"
-    elif not stopped and last_eval(layout.c_run):
+    audits = read_audits(layout.c_run)
+    if any(a["passed"] is False or a.get("stop") == "unaudited" for a in audits):  # stopped: the stop's rule
+        bound = last_good_step(audits)
+        good = [p for p in committed_checkpoints(layout.c_run) if bound is not None and step_of(p) <= bound]
+        if not good and "handoff" in rows:  # back to stage A's checkpoint: the pipeline hands on A's policy
+            rows["student"], sources["student"] = rows["handoff"], "handoff"
+        elif good and last_good_eval(layout, good[-1]):
+            rows["student"], sources["student"] = last_good_eval(layout, good[-1]), "last_good"
+    elif last_eval(layout.c_run):
         rows["student"], sources["student"] = last_eval(layout.c_run), "C"
     for arm in ARMS:
         found = last_eval(arm_dir(pcfg, arm) / "C") if arm != "student" else {}

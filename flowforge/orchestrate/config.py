@@ -277,6 +277,47 @@ def _budget_problems(pcfg: Any, total: int) -> list[str]:
     return problems
 
 
+def _reference_student_problems(pcfg: Any) -> list[str]:
+    """What a ``student.scalar_head.reference`` student needs before stage A spends the teacher: every condition's and
+    every evaluation row's real future (``metadata.reference``; stage B trains on it, stage C's student requests and
+    its evaluation send it), a reference strip the judge sends whole (``teacher.judge.max_side`` at least
+    ``clip_frames`` x ``model.width``: a shrunk strip no longer lines up with the candidates' frames), and an ``init``
+    whose first convolution takes the clip and its difference (``6 x clip_frames`` channels)."""
+    from flowforge.data.prompts import load_prompts
+    from flowforge.demo.paths import resolve_demo_path
+    from flowforge.rewards.judge.options import JudgeOptions
+
+    out = []
+    for key in ("prompts", "eval_prompts"):
+        try:
+            rows = load_prompts(resolve_demo_path(getattr(pcfg.data, key)))
+        except (ValueError, OSError, KeyError):
+            continue  # data.prompts' own problem is reported where it is read; eval_prompts' by the stage checks
+        missing = [r.metadata.get("sample_id", i) for i, r in enumerate(rows) if not r.metadata.get("reference")]
+        if missing:
+            out.append(f"data.{key}: {len(missing)} of {len(rows)} rows have no metadata.reference (e.g. "
+                       f"{missing[:2]}); student.scalar_head.reference=true compares each candidate with its row's "
+                       "real future")
+    s = pcfg.student.scalar_head
+    max_side = int(dict(pcfg.teacher.judge).get("max_side", JudgeOptions.max_side))
+    if s.clip_frames * pcfg.model.width > max_side:
+        out.append(f"teacher.judge.max_side={max_side} would shrink a reference strip of clip_frames={s.clip_frames} "
+                   f"frames x model.width={pcfg.model.width} px; give at least {s.clip_frames * pcfg.model.width}")
+    if s.init:
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(resolve_demo_path(s.init)), framework="pt") as handle:
+                first = handle.get_slice("backbone.0.weight").get_shape() if "backbone.0.weight" in handle.keys() \
+                    else None
+        except (OSError, ValueError):
+            first = None  # a missing file is reported by the init check
+        if first is not None and first[1] != 6 * s.clip_frames:
+            out.append(f"student.scalar_head.init={s.init!r} has a first convolution of {first[1]} input channels; "
+                       f"a reference student of clip_frames={s.clip_frames} takes {6 * s.clip_frames}")
+    return out
+
+
 LATER_CHECKS = {"A": ("student.gate", "audit"), "B": ("audit",), "arm": ("student.gate", "audit")}
 """Threshold checks (:mod:`flowforge.orchestrate.thresholds`, by the name their problems start with) of the stages
 after ``--stage X``: warnings, not problems, when only stage X runs. ``"arm"`` (``--arm teacher|proxy``): a control
@@ -351,6 +392,8 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
             and pcfg.student.scalar_head.reference):
         problems.append("stages.student_serving='in_process' cannot serve a student.scalar_head.reference=true student "
                         "(the trainer's scorers get no reference; a judge request carries it): use 'server'")
+    if this_machine and pcfg.student.kind == "scalar_head" and pcfg.student.scalar_head.reference:
+        problems += _reference_student_problems(pcfg)
     if pcfg.stages.proxy_reward:
         problems += [f"stages.proxy_reward: {p}" for p in check_scorer_spec(pcfg.stages.proxy_reward,
                                                                             dict(pcfg.stages.proxy_options))]

@@ -12,6 +12,7 @@ write rule, and the paths its state files record.
         B/attempt_<n>/  gate.json  student/               each gate attempt: its verdict, its student
         C/  audit.jsonl  audit/judge/ledger.sqlite        stage C's run directory, its audits and their requests
         arms/<arm>/conditions.jsonl  arms/<arm>/C/        a control arm's ledger and stage C (orchestrate.arms)
+        last_good/step_<n>/C/                             after an audit stop: the eval of C's last good checkpoint
 
 - :func:`mark_pipeline_dir` writes ``pipeline.json`` (:data:`~flowforge.runtime.write_guard.PIPELINE_MARKER`) when the
   pipeline claims its directory; from then on the shared write rule (:mod:`flowforge.runtime.write_guard`) refuses
@@ -113,11 +114,11 @@ class PipelineLayout:
         """Stage A's teacher requests (the judge client's request ledger in A's run directory)."""
         return self.a_run / JUDGE_LEDGER_FILE
 
-    @property
-    def last_good_run(self) -> Path:
-        """After an audit stop: the run directory that holds the held-out evaluation of the last good checkpoint of
-        stage C (the policy the pipeline hands on; :func:`~flowforge.orchestrate.stages.evaluate_last_good`)."""
-        return self.root / "last_good" / "C"
+    def last_good_run(self, step: int) -> Path:
+        """After an audit stop: the run directory that holds the held-out evaluation of stage C's last good checkpoint
+        of ``step`` (the policy the pipeline hands on; :func:`~flowforge.orchestrate.stages.evaluate_last_good`):
+        ``last_good/step_<step>/C``, one per checkpoint, so an evaluation is never read for another checkpoint."""
+        return self.root / "last_good" / step_dir_name(step) / "C"
 
     @property
     def audit_dir(self) -> Path:

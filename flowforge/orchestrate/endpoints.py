@@ -57,6 +57,7 @@ class Endpoints:
         self.pcfg, self.layout = pcfg, layout
         self.stack = contextlib.ExitStack()
         self._teacher: dict[str, Any] | None = None
+        self._students: dict[str, dict[str, Any]] = {}
         self.token_file = pipeline_token(layout.token)
 
     def teacher(self) -> dict[str, Any]:
@@ -76,10 +77,15 @@ class Endpoints:
 
     def student(self, student_dir: Path) -> dict[str, Any]:
         """``reward.options.vlm_judge`` for a ``flowforge serve judge --student`` server of ``student_dir`` (under
-        torchrun a collective, as :meth:`teacher`)."""
-        backend = ["--student", str(student_dir), "--device", self.pcfg.student.device]  # a GPU student on the GPU
-        api_root = on_main(lambda: self._start(backend, "student", "student", request_log=True).api_root)
-        return {**judge_options(self.pcfg, base_url=api_root, model="student", api_key_env=TOKEN_ENV), "paid": False}
+        torchrun a collective, as :meth:`teacher`); one server per student directory for the whole invocation
+        (stage C and the evaluation of its last good checkpoint share it)."""
+        key = str(Path(student_dir).resolve())
+        if key not in self._students:
+            backend = ["--student", str(student_dir), "--device", self.pcfg.student.device]  # a GPU student on the GPU
+            api_root = on_main(lambda: self._start(backend, "student", "student", request_log=True).api_root)
+            self._students[key] = {**judge_options(self.pcfg, base_url=api_root, model="student",
+                                                   api_key_env=TOKEN_ENV), "paid": False}
+        return self._students[key]
 
     def _start(self, backend: list[str], model: str, name: str, *, request_log: bool) -> JudgeServer:
         log.info("starting the %s judge server (%s)", name, " ".join(backend))

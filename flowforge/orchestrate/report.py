@@ -25,7 +25,8 @@ What it counts (every number read from the pipeline's own files):
                                   report's verdict writes it (:func:`flowforge.report.run.run_headline`), as plain
                                   text (the HTML is in ``report.html`` only)
 ``C.last_good_eval``              after an audit stop, the held-out evaluation of the last good checkpoint of C (the
-                                  policy handed on; ``last_good/C/eval.jsonl``); ``{}`` otherwise
+                                  policy handed on; ``last_good/step_<n>/C/eval.jsonl``); ``{}`` without a stop,
+                                  when that checkpoint is A's (the hand-off) or when it was not evaluated
 ``timeline``                      the stages in the order they ran with their start and end (:func:`timeline`)
 ``agreement``                     student vs teacher at every gate attempt and audit (:func:`agreement_points`)
 ================================  ====================================================================================
@@ -53,7 +54,7 @@ from flowforge.report.page import esc, kv_table, note, plain_text, render_page, 
 from flowforge.report.plots import figure_tag
 from flowforge.report.run import REPORT_FILE as RUN_REPORT_FILE, run_headline
 from flowforge.orchestrate.ledger import ConditionLedger
-from flowforge.runtime.durable import write_bytes
+from flowforge.runtime.durable import step_of, write_bytes
 
 DIAGRAM = """\
  conditions.jsonl: one seeded pass over data.prompts, no epoch
@@ -111,6 +112,21 @@ def last_eval(run_dir: Path) -> dict[str, float]:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in rows[-1].items()} if rows else {}
 
 
+def c_checkpoint_step(layout: PipelineLayout, checkpoint: str | Path | None) -> int | None:
+    """The step of ``checkpoint`` when it is one of stage C's checkpoints (an audit stop's last good one), else None
+    (none, or stage A's: the hand-off)."""
+    if checkpoint is None or Path(checkpoint).resolve().parent.parent != layout.c_run.resolve():
+        return None
+    return step_of(Path(checkpoint))
+
+
+def last_good_eval(layout: PipelineLayout, checkpoint: str | Path | None) -> dict[str, float]:
+    """The held-out evaluation of an audit stop's last good checkpoint of stage C
+    (:meth:`PipelineLayout.last_good_run`), ``{}`` when ``checkpoint`` is none, stage A's, or not evaluated."""
+    step = c_checkpoint_step(layout, checkpoint)
+    return {} if step is None else last_eval(layout.last_good_run(step))
+
+
 def _attempts(layout: PipelineLayout) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in layout.gate_files()]
 
@@ -149,7 +165,7 @@ def summarize(pcfg: Any, ledger: ConditionLedger, outcome: Any) -> dict[str, Any
         "B": {"attempts": attempts},
         "C": {"run_dir": layout.relative(layout.c_run).as_posix(), "eval": last_eval(layout.c_run), "audits": audits,
               "headline": _plain_headline(layout.c_run), "audit_design": _audit_design(layout.c_run),
-              "last_good_eval": last_eval(layout.last_good_run)},
+              "last_good_eval": last_good_eval(layout, outcome.last_good)},
         "timeline": timeline(layout.root, attempts),
         "agreement": agreement_points(ledger, attempts, audits),
         "teacher": teacher,

@@ -271,7 +271,8 @@ def every_rank(ids: Any) -> list[str]:
 class AuditHook(StepHook):
     """Stage C's audits as a step hook: after scoring, when ``auditor`` says the step is due, the teacher re-judges
     the step's groups against the student's scores (component ``reward_name``); the ``audit/*`` metrics join the
-    step's, and an audit below a threshold raises :class:`AuditStop` before the update."""
+    step's, and an audit below a threshold raises :class:`AuditStop` before the update. After every step's scoring
+    it pins the checkpoint an audit stop would go back to (:func:`pin_last_good`)."""
 
     needs = frozenset({"pixels"})  # the teacher is sent the step's media, whatever the student reads
 
@@ -286,18 +287,32 @@ class AuditHook(StepHook):
         pin_last_good(trainer)
 
 
+def last_good_step(audits: list[dict[str, Any]]) -> int | None:
+    """The step of the last passed audit verdict a stop may go back to (:func:`read_audits` records, in order): after
+    a failed pooled verdict only verdicts before the earliest step it pooled count (those steps' groups failed it
+    together, so a verdict that passed on some of them is not trusted); None when no verdict counts. One rule for
+    the stop (:func:`flowforge.orchestrate.stages.last_good_checkpoint`) and the pin (:func:`pin_last_good`)."""
+    failed = [a for a in audits if a["passed"] is False]
+    suspect = min(failed[0].get("pooled_steps") or [failed[0]["step"]]) if failed else math.inf
+    passed = [a["step"] for a in audits if a["passed"] and a["step"] < suspect]
+    return max(passed) if passed else None
+
+
 def pin_last_good(trainer: Trainer) -> Path | None:
     """Pin (:meth:`CheckpointManager.pin <flowforge.train.checkpoint.manager.CheckpointManager.pin>`) the run's newest
-    committed checkpoint at or before its last passed audit verdict, so that rotation (``checkpoint.keep``) never
-    deletes the checkpoint an audit stop goes back to. Exact because a pooled verdict takes only groups audited since
-    the last verdict: a later failed verdict pools steps after the last passed one, so the last good checkpoint
-    (:func:`flowforge.orchestrate.stages.last_good_checkpoint`) is this one. Read from ``audit.jsonl`` every time,
-    so a resumed run pins it again. Returns the pinned checkpoint (None: no passed verdict in this run yet)."""
+    committed checkpoint at or before :func:`last_good_step`, so that rotation (``checkpoint.keep``) never deletes the
+    checkpoint an audit stop goes back to. While no verdict has failed that is the last passed verdict's, and a later
+    failed verdict pools only steps after it (:meth:`Auditor._pool`: every group counts toward one verdict), so the
+    stop's last good checkpoint is the pinned one. Read from ``audit.jsonl`` at every step, so a resumed run pins
+    it again. Returns the pinned checkpoint (None: no verdict counts yet, or no checkpoint of this run precedes it).
+    Rank 0 only (it alone rotates)."""
     from flowforge.runtime.run_dir import committed_checkpoints
     from flowforge.train.checkpoint import step_of
 
-    passed = [a["step"] for a in read_audits(trainer.run_dir) if a["passed"]]
-    good = [p for p in committed_checkpoints(trainer.run_dir) if passed and step_of(p) <= max(passed)]
+    if not trainer.dist.is_main:
+        return None
+    step = last_good_step(read_audits(trainer.run_dir))
+    good = [p for p in committed_checkpoints(trainer.run_dir) if step is not None and step_of(p) <= step]
     trainer.checkpoints.pin(good[-1] if good else None)
     return good[-1] if good else None
 

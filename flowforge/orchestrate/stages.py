@@ -56,7 +56,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -272,11 +271,11 @@ def last_good_checkpoint(pcfg: Any, ledger: ConditionLedger, audits: list[dict[s
     failed pooled verdict (``audit.pool_groups``) only audits before the earliest step it pooled count: those steps'
     groups failed it together, so a verdict that passed on some of them (the step where the student went bad and
     a good step's groups) is not trusted."""
-    failed = [a for a in audits if a["passed"] is False]
-    suspect = min(failed[0].get("pooled_steps") or [failed[0]["step"]]) if failed else math.inf
-    passed = [a["step"] for a in audits if a["passed"] and a["step"] < suspect]
+    from flowforge.orchestrate.stage_trainer import last_good_step
+
     start = a_steps(pcfg, ledger)
-    bound = max(passed) if passed else start
+    bound = last_good_step(audits)
+    bound = start if bound is None else bound
     layout = PipelineLayout.of(pcfg)
     good = [p for p in committed_checkpoints(layout.c_run) if start < step_of(p) <= bound]
     return str(good[-1] if good else layout.a_checkpoint(start))
@@ -361,32 +360,39 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
 
 def evaluate_last_good(pcfg: Any, endpoints: Endpoints, student_dir: Path, outcome: Outcome) -> dict[str, float]:
     """After an audit stop (``outcome.last_good`` set): the held-out evaluation of that checkpoint -- the policy the
-    pipeline hands on -- in :attr:`PipelineLayout.last_good_run` (its ``eval.jsonl`` and sample grid; the same eval as
-    every stage's end: fixed noise, the independent scorers, the student's reward; never the teacher). ``{}`` when
-    the last good checkpoint is stage A's (the hand-off: A's last evaluation is its evaluation) or when there is
-    none; an evaluation done before is read, not repeated. Every rank calls it (the samples are generated on all)."""
-    from flowforge.orchestrate.report import last_eval
+    pipeline hands on -- in :meth:`PipelineLayout.last_good_run` of its step (its ``eval.jsonl`` and sample grid; the
+    same eval as every stage's end: fixed noise, the independent scorers, the student's reward; never the teacher).
+    Returns the scalars on rank 0 (``{}`` on the others); ``{}`` when the last good checkpoint is stage A's (the
+    hand-off: A's last evaluation is its evaluation) or none. An evaluation of that checkpoint done before is read,
+    not repeated. A failure is logged, not raised: the stop and its report come first. Every rank calls it (the
+    samples are generated on all)."""
+    from flowforge.orchestrate.report import c_checkpoint_step, last_eval
     from flowforge.train.trainer import Trainer
 
     layout = PipelineLayout.of(pcfg)
-    if not outcome.last_good or Path(outcome.last_good).parent.parent != layout.c_run:
+    step = c_checkpoint_step(layout, outcome.last_good)
+    if step is None:
         return {}
-    done = on_main(lambda: last_eval(layout.last_good_run))
+    run_dir = layout.last_good_run(step)
+    done = on_main(lambda: last_eval(run_dir))
     if done:
         return done
-    step = step_of(Path(outcome.last_good))
-    reward, _ = _student_reward(pcfg, endpoints, student_dir)
-    cfg = stage_config(pcfg, "C", steps=step, reward=reward, resume=str(outcome.last_good),
-                       output_dir=layout.last_good_run.parent)
-    log.info("stage C stopped: evaluating its last good checkpoint (step %d) in %s", step, layout.last_good_run)
-    trainer = Trainer(cfg, progress=False, own_area=layout.root, expected_resume_changes=stage_c_changes(pcfg))
     try:
-        scalars = trainer.evaluate(step)
-    finally:
-        if trainer.logger is not None:
-            trainer.logger.close()
-        trainer.close()
-    return scalars
+        reward, _ = _student_reward(pcfg, endpoints, student_dir)
+        cfg = stage_config(pcfg, "C", steps=step, reward=reward, resume=str(outcome.last_good),
+                           output_dir=run_dir.parent)
+        log.info("stage C stopped: evaluating its last good checkpoint (step %d) in %s", step, run_dir)
+        trainer = Trainer(cfg, progress=False, own_area=layout.root, expected_resume_changes=stage_c_changes(pcfg))
+        try:
+            return trainer.evaluate(step)
+        finally:
+            if trainer.logger is not None:
+                trainer.logger.close()
+            trainer.close()
+    except Exception as exc:  # noqa: BLE001 -- the stop is the result; its evaluation is an extra
+        log.warning("the evaluation of the last good checkpoint %s failed (%s); rerun the pipeline to retry",
+                    outcome.last_good, exc)
+        return {}
 
 
 # ------------------------------------------------------------------------------------------------ the pipeline

@@ -49,13 +49,18 @@ VACUOUS = ("not run: the student scores each candidate alone, so blank media tie
            "the presented order cannot change a score; the agreement check already decides what this probe would")
 
 
-def _blank(group: JudgedGroup, directory: Path) -> JudgedGroup:
-    first = decode_frame(read_frame(group.candidates[0][0]))
-    data = P.jpeg_bytes(torch.zeros_like(first), max(first.shape[-2:]))
+def _black_like(frame_path: str, directory: Path) -> tuple[str, str]:
+    """``(path, sha256)`` of a black JPEG of the size of the frame at ``frame_path``, written into ``directory``."""
+    frame = decode_frame(read_frame(frame_path))
+    data = P.jpeg_bytes(torch.zeros_like(frame), max(frame.shape[-2:]))
     digest = P.sha256_hex(data)
-    path = directory / f"{digest}.jpg"
-    path.write_bytes(data)
-    frames = tuple(tuple(str(path) for _ in c) for c in group.candidates)
+    (directory / f"{digest}.jpg").write_bytes(data)
+    return str(directory / f"{digest}.jpg"), digest
+
+
+def _blank(group: JudgedGroup, directory: Path) -> JudgedGroup:
+    path, digest = _black_like(group.candidates[0][0], directory)
+    frames = tuple(tuple(path for _ in c) for c in group.candidates)
     hashes = tuple(tuple(digest for _ in c) for c in group.candidates)
     return dataclasses.replace(group, key=group.key + ":blank", candidates=frames, hashes=hashes)
 
@@ -146,13 +151,6 @@ def _no_reference(student: Any, groups: Sequence[JudgedGroup], thresholds: Any) 
 
 def _black_reference(group: JudgedGroup, directory: Path) -> JudgedGroup:
     """``group`` with each reference frame replaced by a black image of its size."""
-    paths, hashes = [], []
-    for path in group.reference or ():
-        frame = decode_frame(read_frame(path))
-        data = P.jpeg_bytes(torch.zeros_like(frame), max(frame.shape[-2:]))
-        digest = P.sha256_hex(data)
-        (directory / f"{digest}.jpg").write_bytes(data)
-        paths.append(str(directory / f"{digest}.jpg"))
-        hashes.append(digest)
-    return dataclasses.replace(group, key=group.key + ":blackref", reference=tuple(paths),
-                               reference_hashes=tuple(hashes))
+    black = [_black_like(path, directory) for path in group.reference or ()]
+    return dataclasses.replace(group, key=group.key + ":blackref", reference=tuple(p for p, _ in black),
+                               reference_hashes=tuple(h for _, h in black))

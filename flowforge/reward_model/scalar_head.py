@@ -107,6 +107,8 @@ class ScalarHeadStudent:
                  text_dim: int | None = None, pretrained: bool = True) -> None:
         if options.clip_frames < 0:
             raise ValueError(f"student.scalar_head.clip_frames={options.clip_frames} must be >= 0")
+        if options.reference and not options.clip_frames:
+            raise ValueError("student.scalar_head.reference=true needs clip_frames > 0")
         self.options, self.device = options, torch.device(device)
         self._encoder: Any = None
         self._text_cache: dict[str, Tensor] = {}
@@ -360,8 +362,9 @@ class ScalarHeadStudent:
             clips = self.clips(frames, [f] * b)
             if self.options.reference:
                 if references is None or len(references) != b:
-                    raise ValueError("this scalar_head student compares each video with its reference "
-                                     "(metadata.reference_media), and none was given")
+                    raise ValueError(f"this scalar_head student compares each video with its reference "
+                                     f"(metadata.reference_media): {b} videos, "
+                                     f"{'no' if references is None else len(references)} references")
                 clips = self.with_reference(clips, torch.stack([self.reference_clip(r, media.shape[-2:])
                                                                 for r in references]))
             return torch.sigmoid(self.net(clips, text)).float()

@@ -69,7 +69,8 @@ def test_a_random_student_swapped_in_mid_c_is_stopped_within_two_audits(tiny_mod
     last_passed = max(a["step"] for a in before if a["passed"])
     assert outcome.last_good.endswith(f"step_{last_passed:06d}") and "/C/" in outcome.last_good
     # the policy the pipeline hands on, evaluated as every stage's end is: the last good checkpoint's held-out eval
-    evaluated = [json.loads(line) for line in (directory / "last_good" / "C" / "eval.jsonl").read_text().splitlines()]
+    good_run = directory / "last_good" / f"step_{last_passed:06d}" / "C"
+    evaluated = [json.loads(line) for line in (good_run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evaluated] == [last_passed]
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["C"]["last_good_eval"]["step"] == last_passed
@@ -78,3 +79,6 @@ def test_a_random_student_swapped_in_mid_c_is_stopped_within_two_audits(tiny_mod
     student = arm_table(pcfg)["student"]
     assert (student["source"], student["step"]) == ("last_good", last_passed)
     assert student["metrics"] == {k: v for k, v in evaluated[0].items() if k.startswith("eval/")}
+    again = run_pipeline(pcfg, progress=False)  # a rerun: the same stop, its evaluation read, not repeated
+    assert (again.status, again.last_good) == (outcome.status, outcome.last_good)
+    assert len((good_run / "eval.jsonl").read_text().splitlines()) == 1

@@ -315,3 +315,18 @@ def test_a_control_arm_is_not_refused_for_gate_or_audit_thresholds_it_never_uses
     warnings = check_pipeline(load_pipeline(EXAMPLE, weak), stage="arm")
     assert any(w.startswith("not used by a control arm (no gate, no audits): student.gate: a random student passes")
                for w in warnings), warnings
+
+
+def test_a_reference_student_is_checked_for_its_references_before_stage_a():
+    """The world example's reference student needs every row's real future, a strip the judge sends whole and an
+    init of its input channels: each found by `check`, before the teacher is paid."""
+    world = EXAMPLE.parent / "world.yaml"
+    check_pipeline(load_pipeline(world))  # as shipped: every row has its reference
+    with pytest.raises(ConfigError) as info:
+        check_pipeline(load_pipeline(world, ["data.eval_prompts=demo:world-eval", "teacher.judge.max_side=128",
+                                             "student.scalar_head.init=demo:digit-tower"]))
+    text = str(info.value)
+    for expected in ("data.eval_prompts: 32 of 32 rows have no metadata.reference",
+                     "teacher.judge.max_side=128 would shrink a reference strip",
+                     "first convolution of 3 input channels; a reference student of clip_frames=8 takes 48"):
+        assert expected in text, expected

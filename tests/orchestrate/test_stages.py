@@ -83,6 +83,12 @@ def test_audit_below_threshold_stops_stage_c_at_the_last_good_checkpoint(pipelin
     again = run_pipeline(pcfg, progress=False)  # the stop is read back, nothing runs again
     assert (again.status, again.last_good) == ("audit_stopped", outcome.last_good)
     assert len((directory / "C" / "audit.jsonl").read_text().splitlines()) == 1
+    # the policy handed on is A's: the hand-off's evaluation is the student arm's, and nothing else is evaluated
+    from flowforge.orchestrate.arms import arm_table
+
+    table = arm_table(pcfg)
+    assert table["student"]["source"] == "handoff" and table["student"]["metrics"] == table["handoff"]["metrics"]
+    assert summary["C"]["last_good_eval"] == {} and not (directory / "last_good").exists()
 
 
 @pytest.mark.slow  # ~40 s of CPU here: A, B and two steps of C
