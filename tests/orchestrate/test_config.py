@@ -322,6 +322,7 @@ def test_a_reference_student_is_checked_for_its_references_before_stage_a():
     init of its input channels: each found by `check`, before the teacher is paid."""
     world = EXAMPLE.parent / "world.yaml"
     check_pipeline(load_pipeline(world))  # as shipped: every row has its reference
+    check_pipeline(load_pipeline(world, yaml.safe_load(world.read_text())["stages"]["quick"]))  # and --quick
     with pytest.raises(ConfigError) as info:
         check_pipeline(load_pipeline(world, ["data.eval_prompts=demo:world-eval", "teacher.judge.max_side=128",
                                              "student.scalar_head.init=demo:digit-tower"]))
