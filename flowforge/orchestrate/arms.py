@@ -33,11 +33,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from flowforge.orchestrate.budget import teacher_cap
 from flowforge.orchestrate.config import JUDGE, stage_config
 from flowforge.orchestrate.directory import CONDITIONS_FILE, PipelineLayout
 from flowforge.orchestrate.ledger import ConditionLedger
 from flowforge.orchestrate.stages import (_train, a_steps, c_steps, is_main, newest_step, on_main, open_ledger_at,
-                                          pipeline_session, run_stage_a, stage_c_changes, teacher_cap)
+                                          pipeline_session, run_stage_a, stage_c_changes)
 from flowforge.rewards.judge.ledger import adopt_answers
 from flowforge.runtime.durable import write_bytes
 from flowforge.runtime.errors import UserError
@@ -193,7 +194,7 @@ def arm_table(pcfg: Any) -> dict[str, Any]:
     (no C checkpoint precedes the last verdict that counts). ``source`` says which (``"C"``, ``"last_good"``,
     ``"handoff"``).
     """
-    from flowforge.orchestrate.report import last_eval, last_good_eval
+    from flowforge.orchestrate.evals import last_eval, last_good_eval
     from flowforge.orchestrate.stage_trainer import last_good_step, read_audits
     from flowforge.report.run import read_jsonl
     from flowforge.train.checkpoint import committed_checkpoints, step_of

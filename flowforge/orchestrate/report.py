@@ -50,11 +50,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from flowforge.orchestrate.directory import PipelineLayout, record_path
+from flowforge.orchestrate.evals import last_eval, last_good_eval
 from flowforge.report.page import esc, kv_table, note, plain_text, render_page, verdict_block
 from flowforge.report.plots import figure_tag
 from flowforge.report.run import REPORT_FILE as RUN_REPORT_FILE, run_headline
 from flowforge.orchestrate.ledger import ConditionLedger
-from flowforge.runtime.durable import step_of, write_bytes
+from flowforge.runtime.durable import write_bytes
 
 DIAGRAM = """\
  conditions.jsonl: one seeded pass over data.prompts, no epoch
@@ -99,32 +100,6 @@ def _server_log(path: Path) -> dict[str, int] | None:
     keys = [r["key"] for r in records]
     return {"requests": len(records), "groups": len(per_group), "max_per_group": max(per_group.values(), default=0),
             "duplicates": len(keys) - len(set(keys))}
-
-
-def last_eval(run_dir: Path) -> dict[str, float]:
-    """The last held-out evaluation of a run directory (``eval.jsonl``), ``{}`` when there is none."""
-    from flowforge.report.run import read_jsonl
-
-    path = run_dir / "eval.jsonl"
-    if not path.is_file():
-        return {}
-    rows, _ = read_jsonl(path)
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in rows[-1].items()} if rows else {}
-
-
-def c_checkpoint_step(layout: PipelineLayout, checkpoint: str | Path | None) -> int | None:
-    """The step of ``checkpoint`` when it is one of stage C's checkpoints (an audit stop's last good one), else None
-    (none, or stage A's: the hand-off)."""
-    if checkpoint is None or Path(checkpoint).resolve().parent.parent != layout.c_run.resolve():
-        return None
-    return step_of(Path(checkpoint))
-
-
-def last_good_eval(layout: PipelineLayout, checkpoint: str | Path | None) -> dict[str, float]:
-    """The held-out evaluation of an audit stop's last good checkpoint of stage C
-    (:meth:`PipelineLayout.last_good_run`), ``{}`` when ``checkpoint`` is none, stage A's, or not evaluated."""
-    step = c_checkpoint_step(layout, checkpoint)
-    return {} if step is None else last_eval(layout.last_good_run(step))
 
 
 def _attempts(layout: PipelineLayout) -> list[dict[str, Any]]:

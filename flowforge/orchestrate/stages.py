@@ -65,6 +65,7 @@ from flowforge.demo.paths import resolve_demo_path
 from flowforge.orchestrate.config import JUDGE, SCALAR_HEAD_SCORER, stage_config
 from flowforge.orchestrate.directory import (PipelineLayout, check_pipeline_dir, mark_pipeline_dir, record_path,
                                             student_dir)
+from flowforge.orchestrate.budget import teacher_cap
 from flowforge.orchestrate.endpoints import Endpoints, is_main, on_main
 from flowforge.orchestrate.ledger import ConditionLedger, conditions_from_records
 from flowforge.orchestrate.plan import prompts_per_step, stage_steps
@@ -177,45 +178,6 @@ def _train(trainer: Any) -> None:
             trainer.logger.close()
         trainer.close()
         raise
-
-
-def billed_at(path: Path) -> int:
-    """Billed attempts in the judge request ledger at ``path`` (0 when there is none)."""
-    from flowforge.rewards.judge.ledger import RequestLedger
-
-    if not path.is_file():
-        return 0
-    book = RequestLedger(path)
-    try:
-        return book.billed()
-    finally:
-        book.close()
-
-
-def teacher_spent(pcfg: Any) -> int:
-    """Billed teacher requests of the whole pipeline directory: stage A, stage C's audits and the teacher arm
-    (:mod:`flowforge.orchestrate.arms`); ``teacher.max_requests`` caps this sum."""
-    layout = PipelineLayout.of(pcfg)
-    return sum(billed_at(p) for p in (layout.a_judge_ledger, layout.audit_judge_ledger,
-                                      layout.arm_judge_ledger("teacher")))
-
-
-def teacher_cap(pcfg: Any, own: Path, what: str) -> int:
-    """``max_billed`` for the teacher's request ledger at ``own``: ``teacher.max_requests`` less what the pipeline's
-    other teacher ledgers billed (0: no limit, when ``teacher.max_requests`` is 0). A ledger's cap counts its own
-    billed attempts, so a rerun continues under the same total.
-
-    Raises:
-        BudgetExhausted: the others spent the whole budget (``what`` names the spender that cannot be paid).
-    """
-    budget = pcfg.teacher.max_requests
-    if not budget:
-        return 0
-    elsewhere = teacher_spent(pcfg) - billed_at(own)
-    if budget - elsewhere <= 0:  # 0 would mean "no limit" to the ledger: never pass it
-        raise BudgetExhausted(f"teacher.max_requests={budget} was spent ({elsewhere} billed elsewhere in the "
-                              f"pipeline); {what} cannot be paid: rerun with a larger teacher.max_requests")
-    return budget - elsewhere
 
 
 # ------------------------------------------------------------------------------------------------ stage B
@@ -366,7 +328,7 @@ def evaluate_last_good(pcfg: Any, endpoints: Endpoints, student_dir: Path, outco
     hand-off: A's last evaluation is its evaluation) or none. An evaluation of that checkpoint done before is read,
     not repeated. A failure is logged, not raised: the stop and its report come first. Every rank calls it (the
     samples are generated on all)."""
-    from flowforge.orchestrate.report import c_checkpoint_step, last_eval
+    from flowforge.orchestrate.evals import c_checkpoint_step, last_eval
     from flowforge.train.trainer import Trainer
 
     layout = PipelineLayout.of(pcfg)

@@ -102,7 +102,7 @@ def test_one_teacher_budget_caps_stage_a_the_audits_and_the_teacher_arm_together
     budget less what the others billed, whichever ran first (an arm before C, an extension of A after both), and a
     spender left nothing is refused, never handed max_billed=0 (no limit)."""
     from flowforge.orchestrate.directory import PipelineLayout
-    from flowforge.orchestrate.stages import teacher_cap, teacher_spent
+    from flowforge.orchestrate.budget import teacher_cap, teacher_spent
     from flowforge.rewards.judge.ledger import BudgetExhausted, RequestLedger
 
     path = write_pipeline(tmp_path / "p.yaml", tmp_path / "model", tmp_path / "runs", tmp_path / "cache",
