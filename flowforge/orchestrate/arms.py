@@ -195,9 +195,8 @@ def arm_table(pcfg: Any) -> dict[str, Any]:
     ``"handoff"``).
     """
     from flowforge.orchestrate.evals import last_eval, last_good_eval
-    from flowforge.orchestrate.stage_trainer import last_good_step, read_audits
+    from flowforge.orchestrate.stage_trainer import audit_stops, last_good_c_checkpoint, read_audits
     from flowforge.report.run import read_jsonl
-    from flowforge.train.checkpoint import committed_checkpoints, step_of
 
     layout = PipelineLayout.of(pcfg)
     rows: dict[str, dict[str, Any]] = {}
@@ -209,15 +208,15 @@ def arm_table(pcfg: Any) -> dict[str, Any]:
             rows["handoff"] = evals[-1]
     sources = {}
     audits = read_audits(layout.c_run)
-    if any(a["passed"] is False or a.get("stop") == "unaudited" for a in audits):  # stopped: the stop's rule
-        bound = last_good_step(audits)
-        good = [p for p in committed_checkpoints(layout.c_run) if bound is not None and step_of(p) <= bound]
-        if not good and "handoff" in rows:  # back to stage A's checkpoint: the pipeline hands on A's policy
+    if audit_stops(audits):  # stopped: the stop's rule
+        good = last_good_c_checkpoint(layout.c_run, audits)
+        evaluated = last_good_eval(layout, good)
+        if good is None and "handoff" in rows:  # back to stage A's checkpoint: the pipeline hands on A's policy
             rows["student"], sources["student"] = rows["handoff"], "handoff"
-        elif good and last_good_eval(layout, good[-1]):
-            rows["student"], sources["student"] = last_good_eval(layout, good[-1]), "last_good"
-    elif last_eval(layout.c_run):
-        rows["student"], sources["student"] = last_eval(layout.c_run), "C"
+        elif evaluated:
+            rows["student"], sources["student"] = evaluated, "last_good"
+    elif c_eval := last_eval(layout.c_run):
+        rows["student"], sources["student"] = c_eval, "C"
     for arm in ARMS:
         found = last_eval(arm_dir(pcfg, arm) / "C") if arm != "student" else {}
         if found:

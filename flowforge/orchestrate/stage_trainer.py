@@ -271,20 +271,31 @@ def every_rank(ids: Any) -> list[str]:
 class AuditHook(StepHook):
     """Stage C's audits as a step hook: after scoring, when ``auditor`` says the step is due, the teacher re-judges
     the step's groups against the student's scores (component ``reward_name``); the ``audit/*`` metrics join the
-    step's, and an audit below a threshold raises :class:`AuditStop` before the update. After every step's scoring
-    it pins the checkpoint an audit stop would go back to (:func:`pin_last_good`)."""
+    step's, and an audit below a threshold raises :class:`AuditStop` before the update. After each audit (and at the
+    first step it sees, for a resumed run) it pins the checkpoint an audit stop would go back to
+    (:func:`pin_last_good`): only a verdict can move it."""
 
     needs = frozenset({"pixels"})  # the teacher is sent the step's media, whatever the student reads
 
     def __init__(self, auditor: Auditor, reward_name: str) -> None:
         self.auditor, self.reward_name = auditor, reward_name
+        self._pinned = False  # pinned since this process started (a resumed run pins from audit.jsonl once)
 
     def on_scored(self, trainer: Trainer, step: int, batch: StepBatch, media: torch.Tensor,
                   components: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
-        if self.auditor.due(step):
+        due = self.auditor.due(step)
+        if due:
             metrics.update(self.auditor.audit(step, trainer.policy.optimizer_steps, media, batch,
                                               components[self.reward_name].detach().cpu()))
-        pin_last_good(trainer)
+        if due or not self._pinned:
+            pin_last_good(trainer)
+            self._pinned = True
+
+
+def audit_stops(audits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The :func:`read_audits` records that stop stage C: a failed verdict, or an unaudited step past
+    ``audit.max_unaudited`` (``passed`` None is a pooled audit still pending: no verdict, no stop)."""
+    return [a for a in audits if a["passed"] is False or a.get("stop") == "unaudited"]
 
 
 def last_good_step(audits: list[dict[str, Any]]) -> int | None:
@@ -298,23 +309,30 @@ def last_good_step(audits: list[dict[str, Any]]) -> int | None:
     return max(passed) if passed else None
 
 
+def last_good_c_checkpoint(run_dir: Path, audits: list[dict[str, Any]]) -> Path | None:
+    """The newest committed checkpoint of the run at ``run_dir`` at or before :func:`last_good_step` of its
+    ``audits`` (None: no verdict counts, or no checkpoint of the run precedes it)."""
+    from flowforge.runtime.run_dir import committed_checkpoints
+    from flowforge.train.checkpoint import step_of
+
+    step = last_good_step(audits)
+    good = [p for p in committed_checkpoints(run_dir) if step is not None and step_of(p) <= step]
+    return good[-1] if good else None
+
+
 def pin_last_good(trainer: Trainer) -> Path | None:
     """Pin (:meth:`CheckpointManager.pin <flowforge.train.checkpoint.manager.CheckpointManager.pin>`) the run's newest
     committed checkpoint at or before :func:`last_good_step`, so that rotation (``checkpoint.keep``) never deletes the
     checkpoint an audit stop goes back to. While no verdict has failed that is the last passed verdict's, and a later
     failed verdict pools only steps after it (:meth:`Auditor._pool`: every group counts toward one verdict), so the
-    stop's last good checkpoint is the pinned one. Read from ``audit.jsonl`` at every step, so a resumed run pins
-    it again. Returns the pinned checkpoint (None: no verdict counts yet, or no checkpoint of this run precedes it).
-    Rank 0 only (it alone rotates)."""
-    from flowforge.runtime.run_dir import committed_checkpoints
-    from flowforge.train.checkpoint import step_of
-
+    stop's last good checkpoint is the pinned one. Read from ``audit.jsonl`` (:func:`last_good_c_checkpoint`), so a
+    resumed run pins it again. Returns the pinned checkpoint (None: no verdict counts yet, or no checkpoint of this
+    run precedes it). Rank 0 only (it alone rotates)."""
     if not trainer.dist.is_main:
         return None
-    step = last_good_step(read_audits(trainer.run_dir))
-    good = [p for p in committed_checkpoints(trainer.run_dir) if step is not None and step_of(p) <= step]
-    trainer.checkpoints.pin(good[-1] if good else None)
-    return good[-1] if good else None
+    good = last_good_c_checkpoint(trainer.run_dir, read_audits(trainer.run_dir))
+    trainer.checkpoints.pin(good)
+    return good
 
 
 def condition_ids(batch: StepBatch) -> list[str]:

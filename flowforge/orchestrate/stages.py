@@ -233,23 +233,20 @@ def last_good_checkpoint(pcfg: Any, ledger: ConditionLedger, audits: list[dict[s
     failed pooled verdict (``audit.pool_groups``) only audits before the earliest step it pooled count: those steps'
     groups failed it together, so a verdict that passed on some of them (the step where the student went bad and
     a good step's groups) is not trusted."""
-    from flowforge.orchestrate.stage_trainer import last_good_step
+    from flowforge.orchestrate.stage_trainer import last_good_c_checkpoint
 
     start = a_steps(pcfg, ledger)
-    bound = last_good_step(audits)
-    bound = start if bound is None else bound
     layout = PipelineLayout.of(pcfg)
-    good = [p for p in committed_checkpoints(layout.c_run) if start < step_of(p) <= bound]
-    return str(good[-1] if good else layout.a_checkpoint(start))
+    good = last_good_c_checkpoint(layout.c_run, audits)
+    return str(good if good is not None and step_of(good) > start else layout.a_checkpoint(start))
 
 
 def audit_outcome(pcfg: Any, ledger: ConditionLedger) -> Outcome | None:
     """The audit stop recorded in ``C/audit.jsonl``, or None."""
-    from flowforge.orchestrate.stage_trainer import read_audits
+    from flowforge.orchestrate.stage_trainer import audit_stops, read_audits
 
     audits = read_audits(PipelineLayout.of(pcfg).c_run)
-    # passed None: a pooled audit still pending, no verdict; an unaudited step stops C only once the budget is spent
-    stops = [a for a in audits if a["passed"] is False or a.get("stop") == "unaudited"]
+    stops = audit_stops(audits)
     if not stops:
         return None
     status = "unaudited_stopped" if stops[0].get("stop") == "unaudited" else "audit_stopped"
