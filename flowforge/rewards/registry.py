@@ -41,7 +41,8 @@ from flowforge.rewards.scorers.remote import RemoteScorer
 from flowforge.rewards.scorers.unified_reward import UnifiedReward
 from flowforge.rewards.scorers.vqa_score import VQAScore
 from flowforge.rewards.scorers.video_align import VideoAlignScorer
-from flowforge.rewards.scorers.world_eval import InverseDynamicsLift, InverseDynamicsScorer, WorldPSNR, WorldSSIM
+from flowforge.rewards.scorers.world_eval import (BallPathScorer, InverseDynamicsLift, InverseDynamicsScorer, WorldPSNR,
+                                                  WorldSSIM)
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.option_types import option_type_problems
 
@@ -63,6 +64,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "action_idm": InverseDynamicsReward,
     "inverse_dynamics": InverseDynamicsScorer,
     "inverse_dynamics_lift": InverseDynamicsLift,
+    "ball_path": BallPathScorer,
     "world_psnr": WorldPSNR,
     "world_ssim": WorldSSIM,
     "av_onset_sync": AVOnsetSync,

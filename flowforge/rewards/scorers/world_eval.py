@@ -11,6 +11,10 @@ name                       score of a generated clip ``[3, F, H, W]`` (in [0, 1]
                            predicted actions never change (still, parked at a wall) scores exactly 0, where its
                            accuracy can exceed the shuffled-action null (parked at the right wall the judge reads
                            LEFT, the most frequent command)
+``ball_path``              the share of frames ``1..F-1`` on which a learned ball locator (trained on the emulator's
+                           RAM, :mod:`flowforge.demo.world_ball`) reads the clip and the real future alike: both
+                           without a ball, or both with one within a pixel: a ball-path judge independent of the
+                           pipeline teacher's detector
 ``world_psnr``             PSNR (dB) against the real clip, the mean over frames ``1..F-1`` (frame 0 is the given
                            condition) -- :func:`flowforge.algorithms.video_metrics.psnr`
 ``world_ssim``             SSIM against the real clip, the mean over frames ``1..F-1``
@@ -72,6 +76,11 @@ class _RealismScorer:
     metadata_keys: ClassVar[tuple[str, ...]] = ("real_clip", "image")  # the real clip is a file named there
     metric = staticmethod(psnr)
 
+    def score(self, grey: Tensor, real: Tensor) -> Tensor:
+        """One grey clip and its real future ``[F, H, W]`` -> a 0-d score: :attr:`metric` over frames ``1..F-1``."""
+        return self.metric(grey[1:], real[1:]).mean()
+
+    @torch.no_grad()
     def __call__(self, video: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
         """``video [B, 3, F, H, W]`` -> ``[B]`` float32 (NaN for rows without a real clip).
 
@@ -86,7 +95,7 @@ class _RealismScorer:
             if real is not None:
                 if real.shape != grey[i].shape:
                     raise ValueError(f"real clip {tuple(real.shape)} does not match the video {tuple(grey[i].shape)}")
-                out[i] = self.metric(grey[i, 1:], real[1:]).mean()
+                out[i] = self.score(grey[i], real)
         return out.to(video.device)
 
 
@@ -152,3 +161,20 @@ class InverseDynamicsLift(InverseDynamicsScorer):
         from flowforge.demo.world import inverse_dynamics_lift
 
         return inverse_dynamics_lift(model, grey, actions)
+
+
+class BallPathScorer(_RealismScorer):
+    """The ball's path against the real future, read by a learned locator (module table); ``weights``: its
+    safetensors file (default the shipped ``flowforge/demo/weights/world_ball.safetensors``)."""
+
+    name = "ball_path"
+
+    def __init__(self, weights: str | None = None):
+        from flowforge.demo.world_ball import BALL_PATH, load_ball_locator
+
+        self.model = load_ball_locator(weights or BALL_PATH)
+
+    def score(self, grey: Tensor, real: Tensor) -> Tensor:
+        from flowforge.demo.world_ball import ball_path_score
+
+        return ball_path_score(self.model, grey[None], real[None])[0]

@@ -1,6 +1,6 @@
 """World-model eval scorers on real Breakout clips: the inverse-dynamics judge (true actions high, another clip's
 lower), every action judge (the rule, the inverse-dynamics reward action_idm, the judge and its lift) at or below
-chance on command-blind videos, PSNR / SSIM against the real clip strips written with the prompts."""
+chance on command-blind videos, PSNR / SSIM and the ball path against the real clip strips written with the prompts."""
 
 import pytest
 import torch
@@ -93,3 +93,17 @@ def test_psnr_ssim_against_the_real_clip(real):
     assert bool(torch.isnan(no_clip).all())
     with pytest.raises(ValueError, match="float"):
         psnr(media[:, :, 0], prompts, meta)
+
+
+def test_ball_path_against_the_real_clip(real):
+    """The learned ball locator's judge: the real clip against itself agrees on every frame; other clips' futures
+    after the same first frame agree on fewer (0.39 on these 22 clips; 0.158 +- 0.017 on the demo recording's 331
+    held-out clips); a row without a real clip is NaN."""
+    media, _, records = real
+    prompts, meta = [r.prompt for r in records], [r.metadata for r in records]
+    scorer = build_scorer("ball_path")
+    assert scorer.takes_video and not scorer.needs_group
+    assert torch.equal(scorer(media, prompts, meta), torch.ones(len(prompts)))
+    shifted = torch.cat([media[:, :, :1], media[:, :, 1:].roll(len(prompts) // 2, dims=0)], dim=2)
+    assert float(scorer(shifted, prompts, meta).mean()) < 0.8
+    assert bool(torch.isnan(scorer(media[:1], prompts[:1], [{"actions": []}])).all())
