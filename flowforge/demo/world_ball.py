@@ -7,7 +7,7 @@ ball in a ``32 x 32`` frame from the emulator's own record of where the ball was
 :func:`flowforge.data.atari.ball_position`), never from a detector's output. It is trained on the training episodes'
 frames (every recorded step, not only clip starts) and never trains a policy.
 
-Score of a clip (``ball_path``, in [0, 1]): over frames ``1..F-1`` (frame 0 is the given condition), the share of
+Score of a clip (``ball_track``, in [0, 1]): over frames ``1..F-1`` (frame 0 is the given condition), the share of
 frames on which the locator reads the generated frame and the real future's frame alike -- both without a ball, or
 both with one no more than :data:`TOLERANCE` pixels apart on each axis. Its nulls are printed by ``python -m
 flowforge.demo.world_ball`` (the real future scores 1 by construction; another clip's real future, and the first
@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     still = video[:, :1].expand_as(video)
     for name, cand in (("another clip's real future", video.roll(len(video) // 2, 0)), ("the first frame held still", still)):
         s = ball_path_score(model, cand, video)
-        print(f"ball_path null, {name}: {float(s.mean()):.3f} +- {float(s.std() / math.sqrt(len(s))):.3f} "
+        print(f"ball_track null, {name}: {float(s.mean()):.3f} +- {float(s.std() / math.sqrt(len(s))):.3f} "
               f"({len(s)} held-out clips)")
 
 

@@ -64,7 +64,7 @@ SCORERS: dict[str, Callable[..., RewardScorer]] = {
     "action_idm": InverseDynamicsReward,
     "inverse_dynamics": InverseDynamicsScorer,
     "inverse_dynamics_lift": InverseDynamicsLift,
-    "ball_path": BallPathScorer,
+    "ball_track": BallPathScorer,
     "world_psnr": WorldPSNR,
     "world_ssim": WorldSSIM,
     "av_onset_sync": AVOnsetSync,

@@ -11,7 +11,7 @@ name                       score of a generated clip ``[3, F, H, W]`` (in [0, 1]
                            predicted actions never change (still, parked at a wall) scores exactly 0, where its
                            accuracy can exceed the shuffled-action null (parked at the right wall the judge reads
                            LEFT, the most frequent command)
-``ball_path``              the share of frames ``1..F-1`` on which a learned ball locator (trained on the emulator's
+``ball_track``             the share of frames ``1..F-1`` on which a learned ball locator (trained on the emulator's
                            RAM, :mod:`flowforge.demo.world_ball`) reads the clip and the real future alike: both
                            without a ball, or both with one within a pixel: a ball-path judge independent of the
                            pipeline teacher's detector
@@ -167,7 +167,7 @@ class BallPathScorer(_RealismScorer):
     """The ball's path against the real future, read by a learned locator (module table); ``weights``: its
     safetensors file (default the shipped ``flowforge/demo/weights/world_ball.safetensors``)."""
 
-    name = "ball_path"
+    name = "ball_track"
 
     def __init__(self, weights: str | None = None):
         from flowforge.demo.world_ball import BALL_PATH, load_ball_locator

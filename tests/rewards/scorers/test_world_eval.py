@@ -101,7 +101,7 @@ def test_ball_path_against_the_real_clip(real):
     held-out clips); a row without a real clip is NaN."""
     media, _, records = real
     prompts, meta = [r.prompt for r in records], [r.metadata for r in records]
-    scorer = build_scorer("ball_path")
+    scorer = build_scorer("ball_track")
     assert scorer.takes_video and not scorer.needs_group
     assert torch.equal(scorer(media, prompts, meta), torch.ones(len(prompts)))
     shifted = torch.cat([media[:, :, :1], media[:, :, 1:].roll(len(prompts) // 2, dims=0)], dim=2)
