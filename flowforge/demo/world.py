@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.data.atari import ACTIONS, AtariClips, AtariDataConfig, load_atari_clips, write_prompt_file
+from flowforge.demo.nets import load_weights, save_weights, seeded, train_classifier
 
 IDM_PATH = pathlib.Path(__file__).resolve().parent / "weights" / "world_idm.safetensors"
 PROMPTS_DIR = pathlib.Path(__file__).resolve().parent / "prompts"
@@ -84,19 +85,14 @@ def train_inverse_dynamics(clips: AtariClips, *, steps: int = 1500, batch_size: 
     video, actions = clips.clips(clips.split("train"))
     x = triplets(video[:, 0]).flatten(0, 1)  # [N (F-2), 3, H, W]
     y = actions[:, 1:-1].flatten()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+
+    def build() -> InverseDynamicsNet:
         model = InverseDynamicsNet()
-        model(x[:1])  # materialise the lazy layer
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
-        rows = torch.randint(0, x.shape[0], (batch_size,), generator=gen)
-        loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return model.eval()
+        model(x[:1])  # materialise the lazy layer (seeded too)
+        return model
+
+    return train_classifier(seeded(build, seed), x, y, steps=steps, batch_size=batch_size, lr=lr,
+                            gen=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()
@@ -141,10 +137,8 @@ def inverse_dynamics_lift(model: InverseDynamicsNet, video: Tensor, actions: Ten
 
 def save_inverse_dynamics(model: InverseDynamicsNet, path: str | pathlib.Path = IDM_PATH) -> None:
     """Write the judge's weights (safetensors, metadata: its seed and training data)."""
-    from safetensors.torch import save_file
-
-    meta = {"seed": str(IDM_SEED), "data": json.dumps({"clips": "AtariDataConfig()", "split": "train"})}
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata=meta)
+    save_weights(model, path, {"seed": str(IDM_SEED),
+                               "data": json.dumps({"clips": "AtariDataConfig()", "split": "train"})})
 
 
 def load_inverse_dynamics(path: str | pathlib.Path = IDM_PATH) -> InverseDynamicsNet:
@@ -153,14 +147,9 @@ def load_inverse_dynamics(path: str | pathlib.Path = IDM_PATH) -> InverseDynamic
     Raises:
         FileNotFoundError: no weights at ``path`` (``python -m flowforge.demo.world`` writes them).
     """
-    from safetensors.torch import load_file
-
-    if not pathlib.Path(path).is_file():
-        raise FileNotFoundError(f"{path}: inverse-dynamics weights missing; run `python -m flowforge.demo.world`")
     model = InverseDynamicsNet()
     model(torch.zeros(1, 3, 32, 32))
-    model.load_state_dict(load_file(str(path)))
-    return model.eval()
+    return load_weights(model, path, what="inverse-dynamics", module="flowforge.demo.world")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

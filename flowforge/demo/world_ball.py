@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.data.atari import AtariDataConfig, record_episode
+from flowforge.demo.nets import load_weights, save_weights, seeded, train_classifier
 
 BALL_PATH = pathlib.Path(__file__).resolve().parent / "weights" / "world_ball.safetensors"
 BALL_SEED = 3
@@ -59,8 +60,8 @@ class BallLocatorNet(nn.Module):
 
 
 def targets(ball: Tensor, size: int = SIZE) -> Tensor:
-    """Ball centres ``[N, 2]`` ``(x, y)`` (NaN: none) -> class ids ``[N]`` int64: ``row * size + col`` of the pixel
-    holding the centre, ``size * size`` for no ball."""
+    """Ball centres ``[N, 2]`` ``(x, y)`` (NaN: none) in ``size x size`` frames (square, as the recording's) -> class
+    ids ``[N]`` int64: ``row * size + col`` of the pixel holding the centre, ``size * size`` for no ball."""
     seen = ~torch.isnan(ball[:, 0])
     cell = torch.full((ball.shape[0],), size * size, dtype=torch.long)
     col = ball[seen, 0].floor().long().clamp(0, size - 1)
@@ -71,7 +72,11 @@ def targets(ball: Tensor, size: int = SIZE) -> Tensor:
 
 def record_ball_frames(config: AtariDataConfig, split: str) -> tuple[Tensor, Tensor]:
     """Every recorded step of the episodes of ``split`` (``"train"`` / ``"heldout"``, :class:`AtariDataConfig`'s
-    rule): grey frames ``[N, size, size]`` uint8 and the RAM's ball centres ``[N, 2]`` float64 (NaN: none)."""
+    rule): grey frames ``[N, size, size]`` uint8 and the RAM's ball centres ``[N, 2]`` float64 (NaN: none).
+
+    Raises:
+        ValueError: another split name.
+    """
     if split not in ("train", "heldout"):
         raise ValueError(f"split {split!r}; allowed: ['train', 'heldout']")
     frames, balls = [], []
@@ -89,19 +94,8 @@ def train_ball_locator(frames: Tensor, ball: Tensor, *, steps: int = 2000, batch
     """Train :class:`BallLocatorNet` on grey frames ``[N, H, W]`` uint8 and RAM ball centres ``[N, 2]``
     (cross-entropy over the ``H W + 1`` classes of :func:`targets`), AdamW, ``steps`` batches drawn with ``seed``."""
     x = frames.float().div(255.0).unsqueeze(1)
-    y = targets(ball, frames.shape[-1])
-    gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = BallLocatorNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
-        rows = torch.randint(0, x.shape[0], (batch_size,), generator=gen)
-        loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return train_classifier(seeded(BallLocatorNet, seed), x, targets(ball, frames.shape[-1]), steps=steps,
+                            batch_size=batch_size, lr=lr, gen=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()
@@ -139,11 +133,8 @@ def ball_path_score(model: BallLocatorNet, video: Tensor, real: Tensor) -> Tenso
 
 def save_ball_locator(model: BallLocatorNet, path: str | pathlib.Path = BALL_PATH) -> None:
     """Write the locator's weights (safetensors; metadata: its seed and training data)."""
-    from safetensors.torch import save_file
-
-    meta = {"seed": str(BALL_SEED), "data": json.dumps({"clips": "AtariDataConfig()", "split": "train",
-                                                        "labels": "RAM bytes 99 / 101"})}
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata=meta)
+    save_weights(model, path, {"seed": str(BALL_SEED), "data": json.dumps(
+        {"clips": "AtariDataConfig()", "split": "train", "labels": "RAM bytes 99 / 101"})})
 
 
 def load_ball_locator(path: str | pathlib.Path = BALL_PATH) -> BallLocatorNet:
@@ -152,21 +143,16 @@ def load_ball_locator(path: str | pathlib.Path = BALL_PATH) -> BallLocatorNet:
     Raises:
         FileNotFoundError: no weights at ``path`` (``python -m flowforge.demo.world_ball`` writes them).
     """
-    from safetensors.torch import load_file
-
-    if not pathlib.Path(path).is_file():
-        raise FileNotFoundError(f"{path}: ball locator weights missing; run `python -m flowforge.demo.world_ball`")
     with torch.device("meta"):  # no initialisation: building a judge draws nothing from the run's random stream
         model = BallLocatorNet()
-    model.load_state_dict(load_file(str(path)), assign=True)
-    return model.eval()
+    return load_weights(model, path, what="ball locator", module="flowforge.demo.world_ball")
 
 
 @torch.no_grad()
 def locator_accuracy(model: BallLocatorNet, frames: Tensor, ball: Tensor) -> dict[str, float]:
     """The locator against the RAM on grey frames ``[N, H, W]`` uint8: ``presence`` (ball / no ball read right),
-    ``within_tolerance`` (of the frames with a ball: located within :data:`TOLERANCE` on each axis) and their
-    counts."""
+    ``within_tolerance`` (of the frames with a ball: located within :data:`TOLERANCE` on each axis; NaN when none
+    has one) and their counts."""
     found = locate(model, frames.float().div(255.0))
     seen = ~torch.isnan(ball[:, 0])
     got = ~torch.isnan(found[:, 0])
@@ -198,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     clips = load_atari_clips(config, args.cache_dir)
     video = clips.clips(clips.split("heldout"))[0][:, 0]
     still = video[:, :1].expand_as(video)
-    for name, cand in (("another clip's real future", video.roll(len(video) // 2, 0)), ("the first frame held still", still)):
+    nulls = (("another clip's real future", video.roll(len(video) // 2, 0)), ("the first frame held still", still))
+    for name, cand in nulls:
         s = ball_path_score(model, cand, video)
         print(f"ball_track null, {name}: {float(s.mean()):.3f} +- {float(s.std() / math.sqrt(len(s))):.3f} "
               f"({len(s)} held-out clips)")

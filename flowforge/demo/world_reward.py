@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from flowforge.data.atari import ACTIONS, AtariClips, AtariDataConfig, load_atari_clips
+from flowforge.demo.nets import load_weights, require_weights, save_weights, seeded, train_classifier
 from flowforge.demo.world import command_lift
 
 REWARD_IDM_PATH = pathlib.Path(__file__).resolve().parent / "weights" / "world_reward_idm.safetensors"
@@ -97,22 +98,15 @@ def train_band_idm(clips: AtariClips, *, steps: int = 2000, batch_size: int = 12
     (module docstring)."""
     video, actions = clips.clips(torch.arange(len(clips.clip_starts)))
     x = band_triplets(video[:, 0]).flatten(0, 1)  # [N (F-2), 3, R, W]
-    y = actions[:, 1:-1].flatten()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = BandInverseDynamicsNet(x.shape[-1])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     lo, hi = GAIN_RANGE
-    for _ in range(steps):
-        rows = torch.randint(0, x.shape[0], (batch_size,), generator=gen)
-        gain = lo + (hi - lo) * torch.rand(batch_size, 1, 1, 1, generator=gen)
-        noise = NOISE_STD * torch.randn(x[rows].shape, generator=gen)
-        loss = nn.functional.cross_entropy(model((x[rows] * gain + noise).clamp(0, 1)), y[rows])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return model.eval()
+
+    def augment(batch: Tensor, gen: torch.Generator) -> Tensor:
+        gain = lo + (hi - lo) * torch.rand(batch.shape[0], 1, 1, 1, generator=gen)
+        return (batch * gain + NOISE_STD * torch.randn(batch.shape, generator=gen)).clamp(0, 1)
+
+    return train_classifier(seeded(lambda: BandInverseDynamicsNet(x.shape[-1]), seed), x, actions[:, 1:-1].flatten(),
+                            steps=steps, batch_size=batch_size, lr=lr, gen=torch.Generator().manual_seed(seed),
+                            augment=augment)
 
 
 @torch.no_grad()
@@ -135,12 +129,10 @@ def save_band_idm(model: BandInverseDynamicsNet, path: str | pathlib.Path = REWA
     steps, augmentation)."""
     import dataclasses
 
-    from safetensors.torch import save_file
-
     meta = {"flowforge": json.dumps({"seed": REWARD_SEED, "data": dataclasses.asdict(REWARD_DATA), "split": "all",
                                      "steps": steps, "band_rows": BAND_ROWS, "gain_range": list(GAIN_RANGE),
                                      "noise_std": NOISE_STD, "width": model.width}, sort_keys=True)}
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata=meta)
+    save_weights(model, path, meta)
 
 
 def load_band_idm(path: str | pathlib.Path = REWARD_IDM_PATH) -> BandInverseDynamicsNet:
@@ -150,16 +142,12 @@ def load_band_idm(path: str | pathlib.Path = REWARD_IDM_PATH) -> BandInverseDyna
         FileNotFoundError: no weights at ``path`` (``python -m flowforge.demo.world_reward`` writes them).
     """
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
-    if not pathlib.Path(path).is_file():
-        raise FileNotFoundError(f"{path}: inverse-dynamics reward weights missing; run "
-                                "`python -m flowforge.demo.world_reward`")
+    names = {"what": "inverse-dynamics reward", "module": "flowforge.demo.world_reward"}
+    require_weights(path, **names)  # before the width is read from it
     with safe_open(str(path), framework="pt") as f:
         width = int(json.loads(f.metadata()["flowforge"])["width"])
-    model = BandInverseDynamicsNet(width)
-    model.load_state_dict(load_file(str(path)))
-    return model.eval()
+    return load_weights(BandInverseDynamicsNet(width), path, **names)
 
 
 def _shuffled(actions: Tensor) -> Tensor:

@@ -75,8 +75,12 @@ def test_the_shipped_locator_finds_the_ball_on_a_recording_it_never_saw():
 def test_ball_path_score_shapes_and_missing_weights(tmp_path):
     model = load_ball_locator()
     clip = torch.zeros(2, 4, 32, 32)
-    assert ball_path_score(model, clip, clip).tolist() == [1.0, 1.0]  # no ball anywhere: alike on every frame
-    assert locate(model, clip).shape == (2, 4, 2)
+    found = locate(model, clip)
+    assert found.shape == (2, 4, 2) and bool(found.isnan().all())  # a black frame has no ball
+    assert ball_path_score(model, clip, clip).tolist() == [1.0, 1.0]  # no ball in either: alike on every frame
+    lit = clip.clone()
+    lit[:, 2:, 16, 10:12] = 1.0  # a bright 2-pixel blob mid-field in the candidate's last two frames
+    assert ball_path_score(model, lit, clip).tolist() == pytest.approx([1 / 3, 1 / 3])  # agrees on frame 1 of 1..3
     with pytest.raises(ValueError, match="one shape"):
         ball_path_score(model, clip, clip[:, :3])
     with pytest.raises(FileNotFoundError, match="world_ball"):

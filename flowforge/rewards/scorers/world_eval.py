@@ -175,6 +175,8 @@ class BallPathScorer(_RealismScorer):
         self.model = load_ball_locator(weights or BALL_PATH)
 
     def score(self, grey: Tensor, real: Tensor) -> Tensor:
+        """One grey clip and its real future ``[F, H, W]`` -> a 0-d score in [0, 1]
+        (:func:`flowforge.demo.world_ball.ball_path_score`)."""
         from flowforge.demo.world_ball import ball_path_score
 
         return ball_path_score(self.model, grey[None], real[None])[0]

@@ -96,7 +96,8 @@ def test_psnr_ssim_against_the_real_clip(real):
 
 
 def test_ball_path_against_the_real_clip(real):
-    """The learned ball locator's judge: the real clip against itself agrees on every frame; other clips' futures
+    """The learned ball locator's judge: the real clip against its own strip (read back from the PNG the prompt row
+    names) agrees on every frame; other clips' futures
     after the same first frame agree on fewer (0.39 on these 22 clips; 0.158 +- 0.017 on the demo recording's 331
     held-out clips); a row without a real clip is NaN."""
     media, _, records = real
