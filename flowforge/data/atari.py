@@ -80,6 +80,10 @@ class AtariDataConfig:
             raise ValueError(f"crop_top={self.crop_top} must be in [33, {CROP_BOTTOM - PADDLE_SCREEN_ROWS}] (screen "
                              "rows of the playfield above the paddle)")
 
+    def is_heldout(self, episode: int) -> bool:
+        """Whether episode ``episode`` is in the held-out split (``episode % heldout_every == heldout_every - 1``)."""
+        return episode % self.heldout_every == self.heldout_every - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class AtariClips:
@@ -244,7 +248,7 @@ def record_clips(config: AtariDataConfig) -> AtariClips:
         episode.append(np.full(len(a), e, dtype=np.int64))
         for s in range(0, len(a) - config.frames + 1, config.stride):
             starts.append(offset + s)
-            heldout.append(e % config.heldout_every == config.heldout_every - 1)
+            heldout.append(config.is_heldout(e))
         offset += len(a)
     return AtariClips(frames=torch.from_numpy(np.concatenate(frames)),
                       actions=torch.from_numpy(np.concatenate(actions)),

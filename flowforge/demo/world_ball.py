@@ -81,8 +81,7 @@ def record_ball_frames(config: AtariDataConfig, split: str) -> tuple[Tensor, Ten
         raise ValueError(f"split {split!r}; allowed: ['train', 'heldout']")
     frames, balls = [], []
     for e in range(config.episodes):
-        held = e % config.heldout_every == config.heldout_every - 1
-        if held == (split == "heldout"):
+        if config.is_heldout(e) == (split == "heldout"):
             f, _, b = record_episode(config, e, ball=True)
             frames.append(torch.from_numpy(f))
             balls.append(torch.from_numpy(b))
@@ -109,12 +108,16 @@ def locate(model: BallLocatorNet, grey: Tensor) -> Tensor:
     return out.view(*lead, 2)
 
 
+def near(a: Tensor, b: Tensor, tolerance: float = TOLERANCE) -> Tensor:
+    """Centres ``[..., 2]`` -> ``[...]`` bool: within ``tolerance`` pixels on each axis (False where either is NaN)."""
+    return ((a - b).abs() <= tolerance).all(-1)
+
+
 def path_agreement(candidate: Tensor, real: Tensor, tolerance: float = TOLERANCE) -> Tensor:
     """Located centres ``[B, T, 2]`` of a candidate and of the real future (NaN: no ball) -> ``[B]`` float32: the
     share of the ``T`` frames where both have no ball, or both have one within ``tolerance`` pixels on each axis."""
     c_seen, r_seen = ~torch.isnan(candidate[..., 0]), ~torch.isnan(real[..., 0])
-    close = ((candidate - real).abs() <= tolerance).all(-1)  # NaN compares False
-    return ((~c_seen & ~r_seen) | (c_seen & r_seen & close)).float().mean(-1)
+    return ((~c_seen & ~r_seen) | (c_seen & r_seen & near(candidate, real, tolerance))).float().mean(-1)
 
 
 @torch.no_grad()
@@ -156,7 +159,7 @@ def locator_accuracy(model: BallLocatorNet, frames: Tensor, ball: Tensor) -> dic
     found = locate(model, frames.float().div(255.0))
     seen = ~torch.isnan(ball[:, 0])
     got = ~torch.isnan(found[:, 0])
-    close = ((found[seen] - ball[seen].float()).abs() <= TOLERANCE).all(-1)
+    close = near(found[seen], ball[seen].float())
     return {"frames": int(len(ball)), "with_ball": int(seen.sum()),
             "presence": float((seen == got).float().mean()), "within_tolerance": float(close.float().mean())}
 
