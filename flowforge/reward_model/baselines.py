@@ -6,7 +6,10 @@ baseline          scores of a test group's ``K`` candidates (presented order)
 ================  =================================================================================================
 ``init``          the student before stage B: :func:`~flowforge.reward_model.students.create_student` of the same
                   ``student`` section (its ``init`` weights, or its seeded random start)
-``constant``      0.5 for every candidate: a ranking of all ties (Spearman 0, pairwise accuracy 0.5)
+``constant``      one mark for every candidate (:func:`constant_mark` of the training split: its median teacher
+                  mark, the constant with the least mean absolute error there; recorded as ``mark``): a ranking of
+                  all ties (Spearman 0, pairwise accuracy 0.5) whose ``mae`` is what ``student.gate.max_mae`` must
+                  beat to mean anything (``student.gate.mae_below_constant`` gates on it)
 ``<scorer>``      each name in ``student.gate.baselines``: a flowforge reward scorer (a registry name such as
                   ``action_idm``, or ``pkg.module:Factory``) -- the reward a user has without a teacher -- on the
                   candidates' judged frames (decoded from the group's stored JPEGs, a video ``[K, 3, F, H, W]`` for
@@ -57,9 +60,17 @@ def scorer_predictions(scorer: Any, groups: Sequence[JudgedGroup]) -> list[Tenso
     return out
 
 
-def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup]) -> dict[str, dict[str, float]]:
+def constant_mark(groups: Sequence[JudgedGroup]) -> float:
+    """The median of every teacher mark in ``groups`` (a training split): the constant prediction with the least mean
+    absolute error on them; 0.5 without marks."""
+    marks = [m for g in groups for m in g.scores]
+    return float(torch.tensor(marks, dtype=torch.float64).median()) if marks else 0.5
+
+
+def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup], constant: float = 0.5) -> dict[str, dict[str, float]]:
     """``{"init": ..., "constant": ..., <scorer>: ...}``: the module table's agreements on ``groups`` for the
-    :class:`~flowforge.reward_model.config.StudentConfig` ``cfg`` (``{}`` without groups).
+    :class:`~flowforge.reward_model.config.StudentConfig` ``cfg`` (``{}`` without groups); ``constant`` is the
+    constant predictor's mark (:func:`constant_mark` of the training split).
 
     Raises:
         ValueError: a name in ``cfg.gate.baselines`` that is no scorer (the registry lists the allowed ones).
@@ -73,8 +84,8 @@ def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup]) -> dict[str, dict
     init = create_student(cfg)
     init.eval()
     out = {"init": agreement(init.predict(groups), teacher, margin),
-           "constant": agreement([torch.full((len(g.scores),), 0.5, dtype=torch.float64) for g in groups], teacher,
-                                 margin)}
+           "constant": {**agreement([torch.full((len(g.scores),), constant, dtype=torch.float64) for g in groups],
+                                    teacher, margin), "mark": constant}}
     for name in cfg.gate.baselines:
         out[name] = agreement(scorer_predictions(build_scorer(name), groups), teacher, margin)
     return out

@@ -94,6 +94,9 @@ class GateThresholds:
     min_spearman: float = 0.5  # mean within-group Spearman vs the teacher
     min_pairwise_accuracy: float = 0.7  # fraction of teacher-ordered pairs the student orders the same way
     max_mae: float = 0.25  # mean |student - teacher| on [0, 1]
+    # true: the student's test MAE must also be below a constant predictor's, the training split's median mark on
+    # every candidate (flowforge.reward_model.baselines.constant_mark), so a fixed max_mae cannot pass a constant
+    mae_below_constant: bool = False
     max_failure_rate: float = 0.05  # groups the student could not score (unparseable answers)
     min_groups: int = 1  # test groups needed to judge at all
     max_null_pass: float = 0.01  # a random student may pass these thresholds on the test groups with p < this (1: off)

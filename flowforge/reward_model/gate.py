@@ -11,7 +11,10 @@ split by :func:`flowforge.reward_model.train.train_student`):
    thresholds too low, fail the gate whatever the student scores (``max_null_pass: 1`` turns this off: for
    tests of the pipeline's mechanics).
 
-3. the student beats its shortcut baselines (:func:`flowforge.reward_model.probes.shortcut_probes`: blank media,
+3. with ``mae_below_constant``, the student's MAE is below that of a constant predictor (``constant``: the
+   training split's median mark, :func:`flowforge.reward_model.baselines.constant_mark`, on every test candidate), and
+
+4. the student beats its shortcut baselines (:func:`flowforge.reward_model.probes.shortcut_probes`: blank media,
    re-ordered candidates; the reference removed is reported; ``fail_on_shortcuts: false`` reports them only).
 
 The record also holds the student's permutation p-values (``null.spearman_p``, ``null.pairwise_p``) and the probes.
@@ -31,12 +34,25 @@ from flowforge.reward_model.probes import shortcut_probes
 
 
 def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThresholds, *,
-                 seed: int = 0) -> dict[str, Any]:
+                 seed: int = 0, constant: float | None = None) -> dict[str, Any]:
     """``{"test": agreement, "null": null summary, "probes": shortcut probes, "passed": bool, "reasons": [...]}`` for
-    ``student`` on ``test_groups`` (module docstring)."""
+    ``student`` on ``test_groups`` (module docstring); with ``constant`` (a mark on [0, 1]) also ``"constant_mae"``,
+    that constant's mean ``|constant - teacher|`` over the test candidates.
+
+    Raises:
+        ValueError: ``thresholds.mae_below_constant`` without a ``constant``.
+    """
+    if thresholds.mae_below_constant and constant is None:
+        raise ValueError("student.gate.mae_below_constant needs the constant predictor's mark (the training split's "
+                         "median, flowforge.reward_model.baselines.constant_mark)")
     metrics = evaluate(student, test_groups, thresholds.tie_margin)
     passed, reasons = gate(metrics, thresholds)
     teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in test_groups]
+    constant_mae = float(torch.cat(teacher).sub(constant).abs().mean()) if constant is not None and teacher else None
+    if thresholds.mae_below_constant and not (constant_mae is not None and metrics["mae"] < constant_mae):
+        reasons.append(f"mae={metrics['mae']:.4g} is not below the constant predictor's mae="
+                       f"{constant_mae if constant_mae is not None else float('nan'):.4g} (the training split's "
+                       f"median mark {constant:.4g} on every candidate; student.gate.mae_below_constant)")
     null: dict[str, float] = {}
     if teacher:
         null = null_summary(teacher, thresholds.min_spearman, thresholds.min_pairwise_accuracy, metrics,
@@ -53,4 +69,5 @@ def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThres
             reasons += shortcut_reasons
         else:  # reported, not failing (student.gate.fail_on_shortcuts: false)
             probes["ignored_reasons"] = shortcut_reasons
-    return {"test": metrics, "null": null, "probes": probes, "passed": not reasons, "reasons": reasons}
+    out = {"test": metrics, "null": null, "probes": probes, "passed": not reasons, "reasons": reasons}
+    return out if constant_mae is None else {**out, "constant_mae": constant_mae}

@@ -3,12 +3,15 @@ and free reward scorers, each scored against the teacher on the test groups."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from flowforge.reward_model.baselines import baselines_on_test, scorer_predictions
-from flowforge.reward_model.config import student_config
+from flowforge.reward_model.baselines import baselines_on_test, constant_mark, scorer_predictions
+from flowforge.reward_model.config import GateThresholds, student_config
 from flowforge.reward_model.evaluate import agreement
+from flowforge.reward_model.gate import gate_on_test
 from flowforge.reward_model.students import create_student
 from tests.reward_model import support
 from tests.reward_model.test_scalar_head import FAST, _order_groups
@@ -56,3 +59,50 @@ def test_an_unknown_baseline_is_a_config_problem_naming_the_field():
 
     with pytest.raises(ConfigError, match="student.gate.baselines: unknown component 'no_such_reward'"):
         student_config({**FAST, "gate": {"baselines": ["no_such_reward"]}})
+
+
+class Fixed:
+    """A student whose every score is one given value (a constant predictor)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def predict(self, groups):
+        return [torch.full((len(g.scores),), self.value) for g in groups]
+
+
+class Teacher:
+    """The teacher's own marks, shrunk towards their group's mean: the right order, the marks a little off."""
+
+    def predict(self, groups):
+        out = []
+        for g in groups:
+            t = torch.tensor(g.scores, dtype=torch.float64)
+            out.append(t.mean() + 0.8 * (t - t.mean()))
+        return out
+
+
+def test_the_constant_baseline_is_the_training_split_median_and_the_gate_can_require_beating_it(tmp_path):
+    train = support.synthetic_groups(tmp_path / "train", 6, seed=0)
+    test = support.synthetic_groups(tmp_path / "test", 8, seed=1)
+    marks = torch.tensor([m for g in train for m in g.scores], dtype=torch.float64)
+    mark = constant_mark(train)
+    assert mark == float(marks.median()) and constant_mark([]) == 0.5
+    # the median is the constant with the least absolute error on the marks it was taken from
+    assert all((marks - mark).abs().sum() <= (marks - c).abs().sum() + 1e-12 for c in marks.tolist() + [0.5, 0.0])
+    cfg = student_config({**FAST, "gate": {"max_mae": 1.0}})
+    record = baselines_on_test(cfg, test, mark)["constant"]
+    teacher = torch.cat([torch.tensor(g.scores, dtype=torch.float64) for g in test])
+    assert record["mark"] == mark and record["mae"] == pytest.approx(float((teacher - mark).abs().mean()))
+
+    loose = GateThresholds(min_spearman=-1.0, min_pairwise_accuracy=0.0, max_mae=1.0, min_groups=1, max_null_pass=1.0,
+                           fail_on_shortcuts=False)
+    strict = dataclasses.replace(loose, mae_below_constant=True)
+    # max_mae alone passes the constant predictor; mae_below_constant fails it, naming the field and both errors
+    assert gate_on_test(Fixed(mark), test, loose, constant=mark)["passed"]
+    verdict = gate_on_test(Fixed(mark), test, strict, constant=mark)
+    assert not verdict["passed"] and verdict["constant_mae"] == pytest.approx(record["mae"])
+    assert any("not below the constant predictor's mae" in r and "mae_below_constant" in r for r in verdict["reasons"])
+    assert gate_on_test(Teacher(), test, strict, constant=mark)["passed"]  # closer to the marks than any constant
+    with pytest.raises(ValueError, match="mae_below_constant needs"):
+        gate_on_test(Teacher(), test, strict)
