@@ -222,7 +222,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
               "groups": len(groups),
               "split_sizes": result.split_sizes, "best_epoch": result.best_epoch, "val": result.val,
               "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"],
-              "probes": verdict["probes"], "baselines": baselines_on_test(s, splits["test"], constant),
+              "probes": verdict["probes"], "baselines": baselines_on_test(s, splits["test"], constant=constant),
               "constant_mae": verdict.get("constant_mae"), "passed": passed, "reasons": reasons,
               "budget_a": ledger.budget("A")}
     write_bytes(gate, json.dumps(record, indent=1, default=float).encode())

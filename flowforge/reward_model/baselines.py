@@ -67,7 +67,7 @@ def constant_mark(groups: Sequence[JudgedGroup]) -> float:
     return float(torch.tensor(marks, dtype=torch.float64).median()) if marks else 0.5
 
 
-def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup], constant: float = 0.5) -> dict[str, dict[str, float]]:
+def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup], *, constant: float) -> dict[str, dict[str, float]]:
     """``{"init": ..., "constant": ..., <scorer>: ...}``: the module table's agreements on ``groups`` for the
     :class:`~flowforge.reward_model.config.StudentConfig` ``cfg`` (``{}`` without groups); ``constant`` is the
     constant predictor's mark (:func:`constant_mark` of the training split).

@@ -9,11 +9,10 @@ split by :func:`flowforge.reward_model.train.train_student`):
    passes both the Spearman and the pairwise threshold (:func:`flowforge.reward_model.null.null_summary`, on the
    test groups' own teacher scores, ties included) is below ``max_null_pass`` -- too few test groups, or
    thresholds too low, fail the gate whatever the student scores (``max_null_pass: 1`` turns this off: for
-   tests of the pipeline's mechanics).
-
+   tests of the pipeline's mechanics), and
 3. with ``mae_below_constant``, the student's MAE is below that of a constant predictor (``constant``: the
-   training split's median mark, :func:`flowforge.reward_model.baselines.constant_mark`, on every test candidate), and
-
+   training split's median mark, :func:`flowforge.reward_model.baselines.constant_mark`, on every candidate of the
+   test groups it scored), and
 4. the student beats its shortcut baselines (:func:`flowforge.reward_model.probes.shortcut_probes`: blank media,
    re-ordered candidates; the reference removed is reported; ``fail_on_shortcuts: false`` reports them only).
 
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from flowforge.reward_model.config import GateThresholds
-from flowforge.reward_model.evaluate import evaluate, gate
+from flowforge.reward_model.evaluate import agreement, gate
 from flowforge.reward_model.null import null_summary
 from flowforge.reward_model.probes import shortcut_probes
 
@@ -36,8 +35,9 @@ from flowforge.reward_model.probes import shortcut_probes
 def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThresholds, *,
                  seed: int = 0, constant: float | None = None) -> dict[str, Any]:
     """``{"test": agreement, "null": null summary, "probes": shortcut probes, "passed": bool, "reasons": [...]}`` for
-    ``student`` on ``test_groups`` (module docstring); with ``constant`` (a mark on [0, 1]) also ``"constant_mae"``,
-    that constant's mean ``|constant - teacher|`` over the test candidates.
+    ``student`` on ``test_groups`` (module docstring); with ``constant`` (a mark on [0, 1]) and at least one group the
+    student scored, also ``"constant_mae"``: that constant's mean ``|constant - teacher|`` over the candidates of
+    the groups the student scored (the ones its own ``mae`` averages; a group it failed counts in neither).
 
     Raises:
         ValueError: ``thresholds.mae_below_constant`` without a ``constant``.
@@ -45,10 +45,12 @@ def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThres
     if thresholds.mae_below_constant and constant is None:
         raise ValueError("student.gate.mae_below_constant needs the constant predictor's mark (the training split's "
                          "median, flowforge.reward_model.baselines.constant_mark)")
-    metrics = evaluate(student, test_groups, thresholds.tie_margin)
-    passed, reasons = gate(metrics, thresholds)
     teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in test_groups]
-    constant_mae = float(torch.cat(teacher).sub(constant).abs().mean()) if constant is not None and teacher else None
+    predictions = [torch.as_tensor(p).double().view(-1) for p in student.predict(test_groups)] if test_groups else []
+    metrics = agreement(predictions, teacher, thresholds.tie_margin)
+    passed, reasons = gate(metrics, thresholds)
+    scored = [t for p, t in zip(predictions, teacher) if not torch.isnan(p).any()]
+    constant_mae = float(torch.cat(scored).sub(constant).abs().mean()) if constant is not None and scored else None
     if thresholds.mae_below_constant and not (constant_mae is not None and metrics["mae"] < constant_mae):
         reasons.append(f"mae={metrics['mae']:.4g} is not below the constant predictor's mae="
                        f"{constant_mae if constant_mae is not None else float('nan'):.4g} (the training split's "

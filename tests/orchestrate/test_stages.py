@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowforge.orchestrate.stages import newest_step, open_ledger, run_pipeline
+from flowforge.reward_model.data import read_judged_groups
 from flowforge.rewards.judge.protocol import billed_per_group, read_request_log
 from tests.orchestrate.support import read_report
 
@@ -38,6 +40,16 @@ def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
     assert newest_step(directory / "A") == 3  # 2 steps, then 1 more on the extension
     gates = [json.loads((directory / "B" / f"attempt_{i}" / "gate.json").read_text()) for i in (0, 1)]
     assert [g["groups"] for g in gates] == [4, 6] and not any(g["passed"] for g in gates)
+    # the constant predictor: the median of the training split's marks, scored on the test split's
+    judged = {g.key: g for g in read_judged_groups(directory / "A" / "judge" / "ledger.sqlite", {})}
+    for i, g in enumerate(gates):
+        splits = json.loads((directory / "B" / f"attempt_{i}" / "run.json").read_text())["splits"]
+        marks = {name: torch.tensor([m for key in keys for m in judged[key].scores], dtype=torch.float64)
+                 for name, keys in splits.items()}
+        assert g["baselines"]["constant"]["mark"] == pytest.approx(float(marks["train"].median()))
+        if len(marks["test"]):
+            expected = float((marks["test"] - marks["train"].median()).abs().mean())
+            assert g["constant_mae"] == pytest.approx(expected) == g["baselines"]["constant"]["mae"]
     assert not (directory / "C").exists()
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["status"] == "gate_failed" and summary["teacher"]["train_groups"] == 6

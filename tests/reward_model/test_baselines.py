@@ -38,13 +38,13 @@ class Motion:
 def test_baselines_record_init_constant_and_free_scorers(tmp_path):
     groups = support.synthetic_groups(tmp_path / "g", 6)  # teacher mark = the candidate's brightness
     cfg = student_config({**FAST, "gate": {"baselines": ["tests.serve.judge_support:Brightness"]}})
-    out = baselines_on_test(cfg, groups)
+    out = baselines_on_test(cfg, groups, constant=0.5)
     assert set(out) == {"init", "constant", "tests.serve.judge_support:Brightness"}
     teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in groups]
     assert out["init"] == agreement(create_student(cfg).predict(groups), teacher)  # the same seeded start
     assert out["constant"]["spearman"] == 0.0 and out["constant"]["pairwise_accuracy"] == 0.5
     assert out["tests.serve.judge_support:Brightness"]["pairwise_accuracy"] == 1.0  # the teacher's own criterion
-    assert out["constant"]["groups"] == 6 and baselines_on_test(cfg, []) == {}
+    assert out["constant"]["groups"] == 6 and baselines_on_test(cfg, [], constant=0.5) == {}
 
 
 def test_a_video_scorer_baseline_sees_whole_ordered_clips(tmp_path):
@@ -68,7 +68,7 @@ class Fixed:
         self.value = value
 
     def predict(self, groups):
-        return [torch.full((len(g.scores),), self.value) for g in groups]
+        return [torch.full((len(g.scores),), self.value, dtype=torch.float64) for g in groups]
 
 
 class Teacher:
@@ -82,6 +82,17 @@ class Teacher:
         return out
 
 
+class FailsFirst:
+    """Another student's scores, but NaN for the first group (an answer it could not give)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def predict(self, groups):
+        out = self.inner.predict(groups)
+        return [torch.full_like(out[0], float("nan")), *out[1:]]
+
+
 def test_the_constant_baseline_is_the_training_split_median_and_the_gate_can_require_beating_it(tmp_path):
     train = support.synthetic_groups(tmp_path / "train", 6, seed=0)
     test = support.synthetic_groups(tmp_path / "test", 8, seed=1)
@@ -91,7 +102,7 @@ def test_the_constant_baseline_is_the_training_split_median_and_the_gate_can_req
     # the median is the constant with the least absolute error on the marks it was taken from
     assert all((marks - mark).abs().sum() <= (marks - c).abs().sum() + 1e-12 for c in marks.tolist() + [0.5, 0.0])
     cfg = student_config({**FAST, "gate": {"max_mae": 1.0}})
-    record = baselines_on_test(cfg, test, mark)["constant"]
+    record = baselines_on_test(cfg, test, constant=mark)["constant"]
     teacher = torch.cat([torch.tensor(g.scores, dtype=torch.float64) for g in test])
     assert record["mark"] == mark and record["mae"] == pytest.approx(float((teacher - mark).abs().mean()))
 
@@ -103,6 +114,12 @@ def test_the_constant_baseline_is_the_training_split_median_and_the_gate_can_req
     verdict = gate_on_test(Fixed(mark), test, strict, constant=mark)
     assert not verdict["passed"] and verdict["constant_mae"] == pytest.approx(record["mae"])
     assert any("not below the constant predictor's mae" in r and "mae_below_constant" in r for r in verdict["reasons"])
-    assert gate_on_test(Teacher(), test, strict, constant=mark)["passed"]  # closer to the marks than any constant
+    assert gate_on_test(Teacher(), test, strict, constant=mark)["passed"]  # closer to the marks than the median
+    # a group the student could not score (NaN) counts in neither MAE: both average the same candidates
+    failing_first = FailsFirst(Teacher())
+    verdict = gate_on_test(failing_first, test, strict, constant=mark)
+    rest = torch.cat([torch.tensor(g.scores, dtype=torch.float64) for g in test[1:]])
+    assert verdict["test"]["failure_rate"] == 1 / len(test)
+    assert verdict["constant_mae"] == pytest.approx(float((rest - mark).abs().mean()))
     with pytest.raises(ValueError, match="mae_below_constant needs"):
         gate_on_test(Teacher(), test, strict)
