@@ -46,10 +46,10 @@ def gate_on_test(student: Any, test_groups: Sequence[Any], thresholds: GateThres
         raise ValueError("student.gate.mae_below_constant needs the constant predictor's mark (the training split's "
                          "median, flowforge.reward_model.baselines.constant_mark)")
     teacher = [torch.tensor(g.scores, dtype=torch.float64) for g in test_groups]
-    predictions = [torch.as_tensor(p).double().view(-1) for p in student.predict(test_groups)] if test_groups else []
+    predictions = student.predict(test_groups) if test_groups else []  # once: the metrics and the constant's groups
     metrics = agreement(predictions, teacher, thresholds.tie_margin)
     passed, reasons = gate(metrics, thresholds)
-    scored = [t for p, t in zip(predictions, teacher) if not torch.isnan(p).any()]
+    scored = [t for p, t in zip(predictions, teacher) if not torch.as_tensor(p).isnan().any()]
     constant_mae = float(torch.cat(scored).sub(constant).abs().mean()) if constant is not None and scored else None
     if thresholds.mae_below_constant and not (constant_mae is not None and metrics["mae"] < constant_mae):
         reasons.append(f"mae={metrics['mae']:.4g} is not below the constant predictor's mae="
