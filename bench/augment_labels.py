@@ -51,7 +51,7 @@ def main() -> None:
     media = sample(model, records, num=args.k, seed=0)  # [G * K, 3, H, W], prompt-major
     prompts = [r.prompt for r in records for _ in range(args.k)]
     meta = [{} for _ in prompts]
-    teacher = build_scorer(pcfg.teacher.scorer)
+    teacher = build_scorer(pcfg.teacher.scorer, **pcfg.teacher.scorer_options)
     marks = teacher(media, prompts, meta).double().view(args.groups, args.k)
     shifts, flipped, ordered = [], 0, 0
     holder = types.SimpleNamespace(options=options)

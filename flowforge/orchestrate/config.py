@@ -102,6 +102,7 @@ class TeacherConfig(Section):
     model: str = "teacher"  # model id sent with every request (the auto-started server serves this id)
     api_key_env: str = ""  # "" with a url: no key (a server run with --no-auth)
     scorer: str = ""  # the auto-started server's --scorer (a registry name or pkg.module:Factory)
+    scorer_options: dict[str, Any] = field(default_factory=dict)  # its keyword options (the server's --options)
     model_dir: str = ""  # the auto-started server's --model (a local image-text-to-text model)
     score_range: tuple[float, float] = (0.0, 1.0)  # --score-range of the auto-started scorer judge
     max_requests: int = 0  # hard budget: billed teacher requests of the whole pipeline (A and audits); 0: no limit
@@ -116,6 +117,8 @@ class TeacherConfig(Section):
         else:
             c.require(self.url.startswith(("http://", "https://")),
                       f"teacher.url={self.url!r} must be an http(s) API root, e.g. http://127.0.0.1:8000/v1")
+        c.require(not self.scorer_options or (bool(self.scorer) and not self.url),
+                  "teacher.scorer_options applies to teacher.scorer only (the judge server the pipeline starts)")
         c.require(bool(self.model), "teacher.model must name the judge model id")
         c.require(len(self.score_range) == 2 and self.score_range[1] > self.score_range[0],
                   f"teacher.score_range={list(self.score_range)} must be [low, high] with high > low")
@@ -398,7 +401,8 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
         problems += [f"stages.proxy_reward: {p}" for p in check_scorer_spec(pcfg.stages.proxy_reward,
                                                                             dict(pcfg.stages.proxy_options))]
     if pcfg.teacher.scorer and not pcfg.teacher.url:
-        problems += [f"teacher.scorer: {p}" for p in check_scorer_spec(pcfg.teacher.scorer, {})]
+        problems += [f"teacher.scorer: {p}" for p in check_scorer_spec(pcfg.teacher.scorer,
+                                                                                    dict(pcfg.teacher.scorer_options))]
     init = pcfg.student.scalar_head.init
     if this_machine and pcfg.student.kind == "scalar_head" and init:  # found before stage A runs, not after it
         try:

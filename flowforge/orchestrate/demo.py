@@ -26,8 +26,11 @@ Three teachers:
   only 0.30 (bolder digits read more confidently), the wrong sign for a fine pen (10 prompts x 16 images,
   2026-12-06). Its independent eval judges are DigitEval (the right digit, another network) and
   :class:`flowforge.demo.stroke.StrokeWidth` (the stroke width in pixels from area and boundary after an Otsu
-  threshold: no classifier, no ink share, no peak). Tried as the digits demo's teacher on the development seed
-  (``docs/guides/pipeline.md``, "A teacher the tower does not know"): the gate failed.
+  threshold: no classifier, no ink share, no peak). With ``legible_at`` (0.5 in ``examples/stages/digits_pen.yaml``)
+  legibility counts only up to that level, so a group of legible digits is ordered by the pen alone: the tower then
+  agrees with the mark at 0.13 +- 0.07 (0.36 +- 0.06 without it; ``bench/tower_agreement.py``, 40 prompts x 8 of
+  ``demo:base``). Measured in ``docs/guides/pipeline.md``,
+  "The fine-pen demo".
 
 Serve one as the teacher of ``examples/stages/``::
 
@@ -124,21 +127,31 @@ class FineStrokeScorer(LegibilityScorer):
     0.05-0.13 (10th-90th percentile), so the default ``ink_scale`` 0.2 keeps ``thin`` in 0.35-0.75 there. A blank
     image has ``peak`` 0 and earns 0.
 
+    With ``legible_at`` the legibility mark ``L`` enters as ``min(L / legible_at, 1)``: a digit legible enough is
+    marked by its pen alone, so a group of legible digits is ordered by the pen (and a student that knows legibility
+    only has little of the order); below ``legible_at`` legibility still scales the mark down.
+
     Args:
         augmentations, seed: as :class:`LegibilityScorer`. ink_scale: the ink share at which ``thin`` reaches 0,
-            in (0, 1].
+            in (0, 1]. legible_at: the legibility mark from which legibility no longer counts, in (0, 1]; None:
+            the mark is ``L`` itself.
 
     Raises:
-        ValueError: ``ink_scale`` outside (0, 1]; (``__call__``) as :class:`LegibilityScorer`.
+        ValueError: ``ink_scale`` or ``legible_at`` outside (0, 1]; (``__call__``) as :class:`LegibilityScorer`.
     """
 
     name = "fine_stroke"
 
-    def __init__(self, augmentations: int = 64, seed: int = 0, ink_scale: float = 0.2) -> None:
-        if isinstance(ink_scale, bool) or not isinstance(ink_scale, (int, float)) or not 0.0 < ink_scale <= 1.0:
-            raise ValueError(f"ink_scale must be a number in (0, 1], got {ink_scale!r}")
+    def __init__(self, augmentations: int = 64, seed: int = 0, ink_scale: float = 0.2,
+                 legible_at: float | None = None) -> None:
+        for name, value in (("ink_scale", ink_scale), ("legible_at", legible_at)):
+            if value is None and name == "legible_at":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
         super().__init__(augmentations=augmentations, seed=seed)
         self.ink_scale = float(ink_scale)
+        self.legible_at = None if legible_at is None else float(legible_at)
 
     @torch.no_grad()
     def __call__(self, media: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> Tensor:
@@ -151,4 +164,6 @@ class FineStrokeScorer(LegibilityScorer):
         peak = gray.quantile(0.99, dim=1)  # [B]
         ink = (gray > peak[:, None] / 2).float().mean(dim=1) * (peak > 0)
         factor = (1.0 - ink / self.ink_scale).clamp(0.0, 1.0) * (peak / 0.9).clamp(0.0, 1.0)
+        if self.legible_at is not None:
+            legibility = (legibility / self.legible_at).clamp(max=1.0)
         return (legibility * factor.to(legibility.device)).float()

@@ -7,7 +7,8 @@ write rule, and the paths its state files record.
       <run.output_dir>/<run.name>/
         pipeline.json  judge.token  conditions.jsonl      the marker, the judge servers' token, the condition ledger
         summary.json   report.html                        the pipeline's report
-        teacher/ student/  server.log  requests.log       the judge servers the pipeline started
+        teacher/ student/  server.log  requests.log       the judge servers the pipeline started (the teacher's
+                           scorer_options.yaml)           --options file, with teacher.scorer_options)
         A/  judge/ledger.sqlite                           stage A's run directory, its teacher requests
         B/attempt_<n>/  gate.json  student/               each gate attempt: its verdict, its student
         C/  audit.jsonl  audit/judge/ledger.sqlite        stage C's run directory, its audits and their requests
@@ -169,6 +170,10 @@ class PipelineLayout:
 
     def request_log(self, name: str) -> Path:
         return self.server_dir(name) / "requests.log"
+
+    def server_options(self, name: str) -> Path:
+        """The ``--options`` file of the ``name`` judge server (its scorer's keyword options, YAML)."""
+        return self.server_dir(name) / "scorer_options.yaml"
 
     def relative(self, path: Path) -> Path:
         """``path`` (a path of this layout) relative to the pipeline directory, for messages and links."""

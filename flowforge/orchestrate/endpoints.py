@@ -8,10 +8,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from flowforge.orchestrate.config import judge_options
 from flowforge.orchestrate.directory import PipelineLayout
 from flowforge.orchestrate.servers import TOKEN_ENV, JudgeServer, pipeline_token
 from flowforge.runtime.distributed import broadcast_from_main
+from flowforge.runtime.durable import write_bytes
 
 log = logging.getLogger("flowforge")
 
@@ -70,8 +73,18 @@ class Endpoints:
                                               api_key_env=t.api_key_env or None)
             else:
                 backend = ["--scorer", t.scorer] if t.scorer else ["--model", t.model_dir]
+                if t.scorer_options:
+                    backend += ["--options", str(self.layout.server_options("teacher"))]
                 backend += ["--score-range", str(t.score_range[0]), str(t.score_range[1])]
-                api_root = on_main(lambda: self._start(backend, t.model, "teacher", request_log=True).api_root)
+
+                def start() -> str:
+                    if t.scorer_options:  # rewritten at every start: the pipeline's own file, from the config
+                        options = self.layout.server_options("teacher")
+                        options.parent.mkdir(parents=True, exist_ok=True)
+                        write_bytes(options, yaml.safe_dump(dict(t.scorer_options)).encode())
+                    return self._start(backend, t.model, "teacher", request_log=True).api_root
+
+                api_root = on_main(start)
                 self._teacher = judge_options(self.pcfg, base_url=api_root, model=t.model, api_key_env=TOKEN_ENV)
         return self._teacher
 

@@ -188,7 +188,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     Raises:
         ValueError: stage A has judged nothing yet.
     """
-    from flowforge.reward_model.baselines import baselines_on_test, constant_mark
+    from flowforge.reward_model.baselines import baseline_reasons, baselines_on_test, constant_mark
     from flowforge.reward_model.data import read_judged_groups, split_groups
     from flowforge.reward_model.gate import gate_on_test
     from flowforge.reward_model.students import load_student
@@ -217,12 +217,14 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     constant = constant_mark(splits["train"])
     verdict = gate_on_test(load_student(result.student_dir, device=s.device), splits["test"], s.gate,
                            constant=constant)
-    passed, reasons = verdict["passed"], verdict["reasons"]
+    baselines = baselines_on_test(s, splits["test"], constant=constant)
+    reasons = verdict["reasons"] + baseline_reasons(verdict["test"], baselines, s.gate.min_spearman_above_baselines)
+    passed = verdict["passed"] and not reasons
     record = {"attempt": attempt, "student": record_path(layout.root, result.student_dir),
               "groups": len(groups),
               "split_sizes": result.split_sizes, "best_epoch": result.best_epoch, "val": result.val,
               "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"],
-              "probes": verdict["probes"], "baselines": baselines_on_test(s, splits["test"], constant=constant),
+              "probes": verdict["probes"], "baselines": baselines,
               "constant_mae": verdict.get("constant_mae"), "passed": passed, "reasons": reasons,
               "budget_a": ledger.budget("A")}
     write_bytes(gate, json.dumps(record, indent=1, default=float).encode())

@@ -17,6 +17,9 @@ baseline          scores of a test group's ``K`` candidates (presented order)
                   and empty metadata
 ================  =================================================================================================
 
+With ``student.gate.min_spearman_above_baselines`` the gate also asks the student's test Spearman to exceed every
+baseline's by that margin (:func:`baseline_reasons`).
+
 Each entry is :func:`flowforge.reward_model.evaluate.agreement` (``spearman``, ``pairwise_accuracy``, ``mae``,
 ``groups``, ...) with the gate's ``tie_margin``; the gate record keeps them under ``baselines``, where the student's
 own ``test`` agreement is to be read against them. A scorer's scores are compared by rank only (its ``mae`` is on
@@ -89,3 +92,21 @@ def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup], *, constant: floa
     for name in cfg.gate.baselines:
         out[name] = agreement(scorer_predictions(build_scorer(name), groups), teacher, margin)
     return out
+
+
+def baseline_reasons(test: dict[str, float], baselines: dict[str, dict[str, float]], margin: float | None) -> list[str]:
+    """Why the student (``test``: its :func:`~flowforge.reward_model.evaluate.agreement` on the test groups) fails
+    ``student.gate.min_spearman_above_baselines`` = ``margin`` against ``baselines`` (:func:`baselines_on_test`): one
+    reason per baseline whose Spearman plus ``margin`` the student's does not reach; ``[]`` when it beats them all or
+    ``margin`` is None. A baseline that ordered no group (Spearman NaN) is beaten by any student that ordered one; a
+    student whose Spearman is NaN beats none."""
+    if margin is None:
+        return []
+    mine, reasons = float(test.get("spearman", float("nan"))), []
+    for name, found in baselines.items():
+        theirs = float(found.get("spearman", float("nan")))
+        bar = margin + (0.0 if theirs != theirs else theirs)  # NaN: no order to beat
+        if not mine >= bar:
+            reasons.append(f"spearman={mine:.4g} is not {margin:g} above the {name} baseline's {theirs:.4g} "
+                           "(student.gate.min_spearman_above_baselines)")
+    return reasons

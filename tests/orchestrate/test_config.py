@@ -94,6 +94,9 @@ def test_check_and_stages_refuse_a_bad_pipeline_in_one_line(tmp_path, capsys):
     ({"stages__n_aa": 96}, ["unknown key 'stages.n_aa'", "did you mean 'stages.n_a'"]),
     ({"teacher__scorr": "digit"}, ["unknown key 'teacher.scorr'", "did you mean 'teacher.scorer'"]),
     ({"stages__n_a": "many"}, ["stages.n_a: expected int"]),
+    ({"teacher__scorer_options": {"batch_sise": 8}}, ["teacher.scorer:", "'batch_sise'"]),
+    ({"teacher__scorer": "", "teacher__url": "http://127.0.0.1:9/v1", "teacher__scorer_options": {"batch_size": 8}},
+     ["teacher.scorer_options applies to teacher.scorer only"]),
 ])
 def test_one_bad_key_of_a_pipeline_is_one_problem(tmp_path, change, must_mention):
     """Issue 24: an unknown key in the stages section also reported 'stages.n_a=0 must be >= 1' (the section was

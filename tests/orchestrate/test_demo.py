@@ -84,3 +84,27 @@ def test_the_fine_stroke_teacher_prefers_a_fine_dark_pen():
     assert float(teacher(torch.zeros(1, 3, 32, 32), prompts[:1], meta[:1])) == 0.0
     with pytest.raises(ValueError, match=r"ink_scale must be a number in \(0, 1\]"):
         FineStrokeScorer(ink_scale=0)
+
+
+def test_legible_at_lets_the_pen_alone_mark_a_legible_digit():
+    """``legible_at``: the legibility mark ``L`` enters as ``min(L / legible_at, 1)``, so among digits legible
+    enough the pen alone decides the order (the tower, a legibility judge, then has little of it); a digit below
+    ``legible_at`` is still scaled down by its legibility."""
+    from flowforge.demo import data
+    from flowforge.orchestrate.demo import FineStrokeScorer, LegibilityScorer
+
+    images, labels = data.load_split("eval_clf")
+    sevens = images[labels == 7][:8].expand(-1, 3, -1, -1)
+    prompts, meta = ["a handwritten seven"] * 8, [{}] * 8
+    plain = FineStrokeScorer(augmentations=16, ink_scale=0.4)
+    gated = FineStrokeScorer(augmentations=16, ink_scale=0.4, legible_at=0.5)
+    legibility = LegibilityScorer(augmentations=16)(sevens, prompts, meta)
+    factor = plain(sevens, prompts, meta) / legibility  # the pen's factor, the same in both
+    expected = (legibility / 0.5).clamp(max=1.0) * factor
+    assert torch.allclose(gated(sevens, prompts, meta), expected, atol=1e-6)
+    assert bool((legibility >= 0.5).any())  # some sevens are marked by the pen alone ...
+    wrong = ["a handwritten three"] * 8  # ... and the wrong digit still earns (almost) nothing
+    assert float(gated(sevens, wrong, meta).max()) < 0.5 * float(gated(sevens, prompts, meta).max())
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"legible_at must be a number in \(0, 1\]"):
+            FineStrokeScorer(legible_at=bad)

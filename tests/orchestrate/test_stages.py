@@ -31,7 +31,8 @@ def log_keys(path: Path) -> list[str]:
 @pytest.mark.slow  # end-to-end runs (minutes of CPU together): CI runs them in the slow set
 def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
     _, pcfg, directory = pipeline(stages={"n_a": 4, "extend_delta": 2, "extend_cap": 6, "on_gate_fail": "extend"},
-                                  student={"gate": {"max_mae": 0.0}})  # reachable (check passes), never met
+                                  # reachable (check passes), never met; the margin over the baselines neither
+                                  student={"gate": {"max_mae": 0.0, "min_spearman_above_baselines": 1.5}})
     outcome = run_pipeline(pcfg, progress=False)
     assert outcome.status == "gate_failed"
     assert "> max_mae=0" in outcome.reason and "cannot be extended further" in outcome.reason
@@ -50,6 +51,9 @@ def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
         if len(marks["test"]):
             expected = float((marks["test"] - marks["train"].median()).abs().mean())
             assert g["constant_mae"] == pytest.approx(expected) == g["baselines"]["constant"]["mae"]
+            # every baseline the student did not beat by 1.5 Spearman is a reason of the failed gate
+            assert sorted(g["baselines"]) == ["constant", "init"]
+            assert all(f"is not 1.5 above the {name} baseline's" in " ".join(g["reasons"]) for name in g["baselines"])
     assert not (directory / "C").exists()
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["status"] == "gate_failed" and summary["teacher"]["train_groups"] == 6
@@ -322,6 +326,20 @@ def test_the_teacher_budget_stops_the_pipeline_before_it_is_exceeded(pipeline):
     keys = log_keys(directory / "teacher" / "requests.log")
     assert len(keys) == 4 and keys[:2] == first
     assert set(billed_per_group(read_request_log(directory / "teacher" / "requests.log")).values()) == {1}
+
+
+def test_teacher_scorer_options_reach_the_judge_server_the_pipeline_starts(pipeline):
+    """teacher.scorer_options are the keyword options of the teacher's scorer: the pipeline writes them to its own
+    ``teacher/scorer_options.yaml`` and starts ``flowforge serve judge --options`` on it (a scale of 0.1 on the
+    brightness teacher: every judged mark is at most 0.1, where brightness alone is ~0.5)."""
+    import yaml
+
+    _, pcfg, directory = pipeline(stages={"n_a": 2}, teacher={"scorer": "tests.serve.judge_support:Brightness",
+                                                              "scorer_options": {"scale": 0.1}})
+    assert run_pipeline(pcfg, stage="A", progress=False).status == "partial"
+    assert yaml.safe_load((directory / "teacher" / "scorer_options.yaml").read_text()) == {"scale": 0.1}
+    marks = [m for g in read_judged_groups(directory / "A" / "judge" / "ledger.sqlite") for m in g.scores]
+    assert len(marks) == 4 and all(0.0 <= m <= 0.1 for m in marks) and max(marks) > 0.01
 
 
 def test_evaluation_asks_the_teacher_only_for_eval_teacher_groups(pipeline):

@@ -38,12 +38,15 @@ class Brightness:
     name = "brightness"
     needs_group = False
 
+    def __init__(self, scale: float = 1.0) -> None:  # every score times ``scale``: shows an option arrived
+        self.scale = float(scale)
+
     def __call__(self, media, prompts, metadata):
         mean = media.float().mean(dim=(1, 2, 3))
         refs = [m.get("reference_media") for m in metadata]
         if all(r is not None for r in refs) and refs:
-            return 1.0 - (mean - torch.stack([r.float().mean() for r in refs])).abs()
-        return mean
+            return self.scale * (1.0 - (mean - torch.stack([r.float().mean() for r in refs])).abs())
+        return self.scale * mean
 
 
 class FrameOrder:
