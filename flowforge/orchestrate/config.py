@@ -401,8 +401,8 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
         problems += [f"stages.proxy_reward: {p}" for p in check_scorer_spec(pcfg.stages.proxy_reward,
                                                                             dict(pcfg.stages.proxy_options))]
     if pcfg.teacher.scorer and not pcfg.teacher.url:
-        problems += [f"teacher.scorer: {p}" for p in check_scorer_spec(pcfg.teacher.scorer,
-                                                                                    dict(pcfg.teacher.scorer_options))]
+        where = "teacher.scorer / teacher.scorer_options" if pcfg.teacher.scorer_options else "teacher.scorer"
+        problems += [f"{where}: {p}" for p in check_scorer_spec(pcfg.teacher.scorer, dict(pcfg.teacher.scorer_options))]
     init = pcfg.student.scalar_head.init
     if this_machine and pcfg.student.kind == "scalar_head" and init:  # found before stage A runs, not after it
         try:

@@ -91,11 +91,19 @@ class LegibilityScorer:
     name = "legibility"
     needs_group: ClassVar[bool] = False
 
+    @staticmethod
+    def option_problems(options: dict[str, Any]) -> list[str]:
+        """What is wrong with these keyword options' values (``flowforge check`` calls it before anything loads)."""
+        a = options.get("augmentations", 1)
+        return [] if isinstance(a, int) and not isinstance(a, bool) and a >= 1 else [
+            f"augmentations must be an int >= 1, got {a!r}"]
+
     def __init__(self, augmentations: int = 64, seed: int = 0) -> None:
         from flowforge.demo.classifiers import load_reward_classifier
 
-        if isinstance(augmentations, bool) or not isinstance(augmentations, int) or augmentations < 1:
-            raise ValueError(f"augmentations must be an int >= 1, got {augmentations!r}")
+        problems = LegibilityScorer.option_problems({"augmentations": augmentations})
+        if problems:
+            raise ValueError(problems[0])
         self.augmentations, self.seed = augmentations, int(seed)
         self.model = load_reward_classifier()
 
@@ -142,13 +150,23 @@ class FineStrokeScorer(LegibilityScorer):
 
     name = "fine_stroke"
 
-    def __init__(self, augmentations: int = 64, seed: int = 0, ink_scale: float = 0.2,
-                 legible_at: float | None = None) -> None:
-        for name, value in (("ink_scale", ink_scale), ("legible_at", legible_at)):
-            if value is None and name == "legible_at":
+    @staticmethod
+    def option_problems(options: dict[str, Any]) -> list[str]:
+        """As :meth:`LegibilityScorer.option_problems`, with ``ink_scale`` and ``legible_at``."""
+        problems = LegibilityScorer.option_problems(options)
+        for key in ("ink_scale", "legible_at"):
+            value = options.get(key, 1.0)
+            if key == "legible_at" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+                problems.append(f"{key} must be a number in (0, 1], got {value!r}")
+        return problems
+
+    def __init__(self, augmentations: int = 64, seed: int = 0, ink_scale: float = 0.2,
+                 legible_at: float | None = None) -> None:
+        problems = FineStrokeScorer.option_problems({"ink_scale": ink_scale, "legible_at": legible_at})
+        if problems:
+            raise ValueError(problems[0])
         super().__init__(augmentations=augmentations, seed=seed)
         self.ink_scale = float(ink_scale)
         self.legible_at = None if legible_at is None else float(legible_at)

@@ -7,8 +7,8 @@ write rule, and the paths its state files record.
       <run.output_dir>/<run.name>/
         pipeline.json  judge.token  conditions.jsonl      the marker, the judge servers' token, the condition ledger
         summary.json   report.html                        the pipeline's report
-        teacher/ student/  server.log  requests.log       the judge servers the pipeline started (the teacher's
-                           scorer_options.yaml)           --options file, with teacher.scorer_options)
+        teacher/ student/  server.log  requests.log       the judge servers the pipeline started
+        teacher/scorer_options.yaml                       the teacher's --options (with teacher.scorer_options)
         A/  judge/ledger.sqlite                           stage A's run directory, its teacher requests
         B/attempt_<n>/  gate.json  student/               each gate attempt: its verdict, its student
         C/  audit.jsonl  audit/judge/ledger.sqlite        stage C's run directory, its audits and their requests

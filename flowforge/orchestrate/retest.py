@@ -81,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m flowforge.orchestrate.retest", description=__doc__.split("\n")[0])
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--seeds", default="1,2", help="teacher seeds of the retest (seed 0 made the recorded marks)")
+    p.add_argument("--seeds", default="1,2", help="teacher seeds of the retest (other than the one that made the "
+                   "recorded marks: teacher.scorer_options' seed, default 0)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     pcfg = load_pipeline(args.config, args.overrides)
@@ -92,11 +93,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                    if g.condition_id in judged}.values())
     if not groups:
         raise SystemExit(f"no judged stage-A group in {source}: run stage A first")
-    if not reproduces(groups[:8], build_scorer(pcfg.teacher.scorer, **{**pcfg.teacher.scorer_options, 'seed': 0})):
-        raise SystemExit(f"{pcfg.teacher.scorer} rebuilt at seed 0 does not give the recorded marks: no retest")
+    if not reproduces(groups[:8], build_scorer(pcfg.teacher.scorer, **pcfg.teacher.scorer_options)):
+        raise SystemExit(f"{pcfg.teacher.scorer} rebuilt with teacher.scorer_options does not give the recorded marks: "
+                         "no retest")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    dist, same = retest_pairs(groups, [build_scorer(pcfg.teacher.scorer, **{**pcfg.teacher.scorer_options, 'seed': s})
-                                            for s in seeds])
+    options = dict(pcfg.teacher.scorer_options)
+    dist, same = retest_pairs(groups, [build_scorer(pcfg.teacher.scorer, **{**options, "seed": s}) for s in seeds])
     print(f"{len(groups)} judged groups of stage A, {len(dist)} pairs x retests (seeds {seeds})")
     print("recorded |t_i - t_j|   pairs   ordered alike on the retest")
     for row in retest_table(dist, same):

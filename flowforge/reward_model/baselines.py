@@ -97,9 +97,9 @@ def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup], *, constant: floa
 def baseline_reasons(test: dict[str, float], baselines: dict[str, dict[str, float]], margin: float | None) -> list[str]:
     """Why the student (``test``: its :func:`~flowforge.reward_model.evaluate.agreement` on the test groups) fails
     ``student.gate.min_spearman_above_baselines`` = ``margin`` against ``baselines`` (:func:`baselines_on_test`): one
-    reason per baseline whose Spearman plus ``margin`` the student's does not reach; ``[]`` when it beats them all or
-    ``margin`` is None. A baseline that ordered no group (Spearman NaN) is beaten by any student that ordered one; a
-    student whose Spearman is NaN beats none."""
+    reason per baseline whose Spearman plus ``margin`` the student's does not reach (``>=`` passes); ``[]`` when it
+    reaches them all or ``margin`` is None. A baseline that ordered no group (Spearman NaN) counts as 0; a student
+    whose Spearman is NaN reaches none."""
     if margin is None:
         return []
     mine, reasons = float(test.get("spearman", float("nan"))), []

@@ -109,8 +109,8 @@ class GateThresholds:
     # the teacher on the test groups is recorded beside the student's, with its initialisation's and a constant's
     # (flowforge.reward_model.baselines)
     baselines: tuple[str, ...] = ()
-    # a number: the student's test Spearman must also exceed each baseline's (its initialisation's, every scorer's of
-    # `baselines`; the constant's is 0) by at least this much -- a student no better than what a user has without a
+    # a number in [0, 1]: the student's test Spearman must also reach each baseline's (its initialisation's, every
+    # scorer's of `baselines`; the constant's is 0) plus this -- a student no better than what a user has without a
     # teacher fails (flowforge.reward_model.baselines.baseline_reasons); null: the baselines are recorded only
     min_spearman_above_baselines: float | None = None
 
@@ -179,9 +179,9 @@ class StudentConfig(Section):
         c.require(g.min_groups >= 1 and 0 <= g.max_failure_rate <= 1 and g.max_mae >= 0,
                   "student.gate needs min_groups >= 1, max_failure_rate in [0, 1] and max_mae >= 0")
         c.require(0 <= g.tie_margin < 1, f"student.gate.tie_margin={g.tie_margin} must be in [0, 1)")
-        c.require(g.min_spearman_above_baselines is None or 0 <= g.min_spearman_above_baselines < 2,
+        c.require(g.min_spearman_above_baselines is None or 0 <= g.min_spearman_above_baselines <= 1,
                   f"student.gate.min_spearman_above_baselines={g.min_spearman_above_baselines} must be null or in "
-                  "[0, 2)")
+                  "[0, 1] (the constant's Spearman is 0, a student's at most 1)")
         c.require(0 < g.max_null_pass <= 1 and g.null_trials >= 100,
                   f"student.gate.max_null_pass={g.max_null_pass} must be in (0, 1] and null_trials={g.null_trials} "
                   ">= 100")

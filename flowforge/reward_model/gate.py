@@ -17,6 +17,8 @@ split by :func:`flowforge.reward_model.train.train_student`):
    re-ordered candidates; the reference removed is reported; ``fail_on_shortcuts: false`` reports them only).
 
 The record also holds the student's permutation p-values (``null.spearman_p``, ``null.pairwise_p``) and the probes.
+The pipeline's stage B adds one more condition to this verdict, with ``student.gate.min_spearman_above_baselines``:
+the student's Spearman against its baselines' (:func:`flowforge.reward_model.baselines.baseline_reasons`).
 """
 
 from __future__ import annotations

@@ -180,7 +180,8 @@ def check_import_spec(spec: str, options: Mapping[str, Any]) -> list[str]:
     """Problems with the import-path component ``spec`` and its ``options`` ([] when it will build).
 
     A class declaring ``name`` and ``needs_group`` is not instantiated and a scoring function is not called: the
-    options are bound to the signature. Any other factory is called once with ``options`` and its result checked."""
+    options are bound to the signature (and, for a class with a static ``option_problems(options) -> list[str]``,
+    checked by it). Any other factory is called once with ``options`` and its result checked."""
     try:
         factory = load_factory(spec)
     except ValueError as exc:
@@ -198,6 +199,9 @@ def check_import_spec(spec: str, options: Mapping[str, Any]) -> list[str]:
         except ValueError:
             pass  # no introspectable signature (a C extension): the options are checked when it is built
         wrong = option_type_problems(factory, options, f"reward.options.{spec}")
+        checker = getattr(factory, "option_problems", None)  # a class's own check of its option values
+        if not wrong and not scoring and callable(checker):
+            wrong = [f"reward component {spec!r}: {p}" for p in checker(dict(options))]
         return wrong or ([] if scoring else protocol_problems(spec, factory))
     try:
         scorer = factory(**options)
