@@ -29,8 +29,7 @@ Three teachers:
   threshold: no classifier, no ink share, no peak). With ``legible_at`` (0.5 in ``examples/stages/digits_pen.yaml``)
   legibility counts only up to that level, so a group of legible digits is ordered by the pen alone: the tower then
   agrees with the mark at 0.13 +- 0.07 (0.36 +- 0.06 without it; ``bench/tower_agreement.py``, 40 prompts x 8 of
-  ``demo:base``). Measured in ``docs/guides/pipeline.md``,
-  "The fine-pen demo".
+  ``demo:base``). Measured in ``docs/guides/pipeline.md``, "The fine-pen demo".
 
 Serve one as the teacher of ``examples/stages/``::
 

@@ -340,7 +340,7 @@ def test_teacher_scorer_options_reach_the_judge_server_the_pipeline_starts(pipel
     assert run_pipeline(pcfg, stage="A", progress=False).status == "partial"
     assert yaml.safe_load((directory / "teacher" / "scorer_options.yaml").read_text()) == {"scale": 0.1}
     marks = [m for g in read_judged_groups(directory / "A" / "judge" / "ledger.sqlite") for m in g.scores]
-    assert len(marks) == 4 and all(0.0 <= m <= 0.1 for m in marks) and max(marks) > 0.01
+    assert len(marks) == 8 and all(0.0 <= m <= 0.1 for m in marks) and max(marks) > 0.01  # 2 groups x K 4
 
 
 def test_evaluation_asks_the_teacher_only_for_eval_teacher_groups(pipeline):
