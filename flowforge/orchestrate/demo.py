@@ -31,9 +31,10 @@ Three teachers:
   agrees with the mark at 0.13 +- 0.07 (0.36 +- 0.06 without it; ``bench/tower_agreement.py``, 40 prompts x 8 of
   ``demo:base``). Measured in ``docs/guides/pipeline.md``, "The fine-pen demo".
 
-Serve one as the teacher of ``examples/stages/``::
+Serve one as the teacher of ``examples/stages/`` (``digits_pen.yaml``'s: with ``--options`` a YAML file holding
+``legible_at: 0.5``, as the pipeline passes ``teacher.scorer_options``)::
 
-    flowforge serve judge --scorer flowforge.orchestrate.demo:FineStrokeScorer --port 0
+    flowforge serve judge --scorer flowforge.orchestrate.demo:FineStrokeScorer --options pen.yaml --port 0
 """
 
 from __future__ import annotations

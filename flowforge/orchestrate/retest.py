@@ -5,7 +5,8 @@ again, as a function of how far apart its two marks were -- where a tie margin (
 The retest re-scores stage A's stored media (the JPEG frames as the judge received them, read from its request
 ledger) with the teacher scorer built again at other ``seed`` values -- for
 :class:`~flowforge.orchestrate.demo.LegibilityScorer`, other draws of its distortions -- and compares each
-within-group pair's order with the recorded marks. Seed 0 must reproduce the ledger's marks exactly (checked).
+within-group pair's order with the recorded marks. The teacher as configured (``teacher.scorer_options``, its
+seed 0 by default) must reproduce the ledger's marks exactly (checked).
 A paid judge's retest is a second request of the same groups, billed; this module makes none.
 
     python -m flowforge.orchestrate.retest examples/stages/digits.yaml [overrides] [--seeds 1,2]

@@ -9,6 +9,7 @@
       conditions.jsonl               the condition ledger: one seeded pass, budgets, extensions, states
       judge.token                    bearer token of the judge servers the pipeline starts (0600)
       teacher/requests.log           every request the auto-started teacher received (one key per line)
+      teacher/scorer_options.yaml    its scorer's options (teacher.scorer_options), passed as --options
       A/                             stage A run directory: RL with the teacher; A/judge/ledger.sqlite + media
       B/attempt_<n>/                 stage B: the student trained on A's judged groups (n = extensions so far),
                                      gate.json: held-out agreement, the gate's verdict and the student's path
@@ -21,7 +22,8 @@ Stage A trains ``budget_A / M`` steps on the first ``budget_A`` conditions of th
 the teacher. Stage B reads A's judged groups (only the groups of conditions A judged: held-out eval prompts never
 reach the student), splits them 80/10/10 by the pass's clusters, trains the student
 (:func:`flowforge.reward_model.train.train_student`: epochs chosen on ``val``) and gates it on ``test`` only, with
-thresholds a random student must fail (:func:`flowforge.reward_model.gate.gate_on_test`). A failed gate stops the
+thresholds a random student must fail (:func:`flowforge.reward_model.gate.gate_on_test`) and, with
+``student.gate.min_spearman_above_baselines``, a margin over its baselines. A failed gate stops the
 pipeline with the reasons, or with ``stages.on_gate_fail: extend`` moves ``extend_delta`` conditions from C to A
 (:meth:`ConditionLedger.extend_a <flowforge.orchestrate.ledger.ConditionLedger.extend_a>`, recorded once per gate
 attempt), continues A and retrains the student in a new attempt directory, until the gate passes or the cap is

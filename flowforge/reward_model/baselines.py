@@ -17,8 +17,8 @@ baseline          scores of a test group's ``K`` candidates (presented order)
                   and empty metadata
 ================  =================================================================================================
 
-With ``student.gate.min_spearman_above_baselines`` the gate also asks the student's test Spearman to exceed every
-baseline's by that margin (:func:`baseline_reasons`).
+With ``student.gate.min_spearman_above_baselines`` the gate also asks the student's test Spearman to reach every
+baseline's plus that margin (:func:`baseline_reasons`).
 
 Each entry is :func:`flowforge.reward_model.evaluate.agreement` (``spearman``, ``pairwise_accuracy``, ``mae``,
 ``groups``, ...) with the gate's ``tie_margin``; the gate record keeps them under ``baselines``, where the student's

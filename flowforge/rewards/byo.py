@@ -199,9 +199,10 @@ def check_import_spec(spec: str, options: Mapping[str, Any]) -> list[str]:
         except ValueError:
             pass  # no introspectable signature (a C extension): the options are checked when it is built
         wrong = option_type_problems(factory, options, f"reward.options.{spec}")
-        checker = getattr(factory, "option_problems", None)  # a class's own check of its option values
-        if not wrong and not scoring and callable(checker):
-            wrong = [f"reward component {spec!r}: {p}" for p in checker(dict(options))]
+        # a class's own check of its option values: a static or class method (an instance method needs an instance)
+        checker = inspect.getattr_static(factory, "option_problems", None) if isinstance(factory, type) else None
+        if not wrong and isinstance(checker, (staticmethod, classmethod)):
+            wrong = [f"reward component {spec!r}: {p}" for p in getattr(factory, "option_problems")(dict(options))]
         return wrong or ([] if scoring else protocol_problems(spec, factory))
     try:
         scorer = factory(**options)

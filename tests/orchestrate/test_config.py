@@ -97,6 +97,7 @@ def test_check_and_stages_refuse_a_bad_pipeline_in_one_line(tmp_path, capsys):
     ({"teacher__scorer_options": {"batch_sise": 8}}, ["teacher.scorer / teacher.scorer_options:", "'batch_sise'"]),
     ({"teacher__scorer": "flowforge.orchestrate.demo:FineStrokeScorer", "teacher__scorer_options": {"legible_at": 1.5}},
      ["legible_at must be a number in (0, 1], got 1.5"]),
+    ({"student__gate": {"min_spearman_above_baselines": 1.5}}, ["min_spearman_above_baselines=1.5 must be null or in"]),
     ({"teacher__scorer": "", "teacher__url": "http://127.0.0.1:9/v1", "teacher__scorer_options": {"batch_size": 8}},
      ["teacher.scorer_options applies to teacher.scorer only"]),
 ])

@@ -89,7 +89,7 @@ def test_the_fine_stroke_teacher_prefers_a_fine_dark_pen():
 def test_legible_at_lets_the_pen_alone_mark_a_legible_digit():
     """``legible_at``: the legibility mark ``L`` enters as ``min(L / legible_at, 1)``, so among digits legible
     enough the pen alone decides the order (the tower, a legibility judge, then has little of it); a digit below
-    ``legible_at`` is still scaled down by its legibility."""
+    ``legible_at`` is still scaled down by its legibility (the sevens asked for as threes)."""
     from flowforge.demo import data
     from flowforge.orchestrate.demo import FineStrokeScorer, LegibilityScorer
 

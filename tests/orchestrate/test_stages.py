@@ -43,6 +43,7 @@ def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
     assert [g["groups"] for g in gates] == [4, 6] and not any(g["passed"] for g in gates)
     # the constant predictor: the median of the training split's marks, scored on the test split's
     judged = {g.key: g for g in read_judged_groups(directory / "A" / "judge" / "ledger.sqlite", {})}
+    assert any(g["baselines"] for g in gates)  # some attempt had test groups: the checks below ran
     for i, g in enumerate(gates):
         splits = json.loads((directory / "B" / f"attempt_{i}" / "run.json").read_text())["splits"]
         marks = {name: torch.tensor([m for key in keys for m in judged[key].scores], dtype=torch.float64)
