@@ -185,10 +185,12 @@ def _train(trainer: Any) -> None:
 # ------------------------------------------------------------------------------------------------ stage B
 def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     """Train (or reload) the student of the current attempt on A's judged groups and gate it; the gate record
-    (also written to ``B/attempt_<n>/gate.json``).
+    (also written to ``B/attempt_<n>/gate.json``, with the ``student.gate`` values it was judged under as
+    ``gate_config``).
 
     Raises:
         ValueError: stage A has judged nothing yet.
+        UserError: the attempt's ``gate.json`` was judged under other ``student.gate`` values than the config's.
     """
     from flowforge.reward_model.baselines import baseline_reasons, baselines_on_test, constant_mark
     from flowforge.reward_model.data import read_judged_groups, split_groups
@@ -199,8 +201,15 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     attempt = len(ledger.extensions)
     layout = PipelineLayout.of(pcfg)
     out, gate = layout.attempt(attempt), layout.gate_file(attempt)
+    thresholds = json.loads(json.dumps(dataclasses.asdict(pcfg.student.gate)))  # as a JSON record holds them
     if gate.is_file():
-        return json.loads(gate.read_text())
+        record = json.loads(gate.read_text())
+        changed = sorted(k for k, v in record.get("gate_config", thresholds).items() if thresholds.get(k) != v)
+        if changed:  # a verdict is never re-read under other thresholds: it would pass or fail what it never judged
+            raise UserError(layout.relative(gate), "judged under other student.gate values: " + ", ".join(
+                f"{k}={record['gate_config'][k]!r} (now {thresholds.get(k)!r})" for k in changed),
+                "restore them, or run the changed gate in a new pipeline directory (run.name)")
+        return record
     judged = set(ledger.with_state("judged", "A"))
     source = layout.a_judge_ledger
     if not judged or not source.is_file():
@@ -228,7 +237,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
               "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"],
               "probes": verdict["probes"], "baselines": baselines,
               "constant_mae": verdict.get("constant_mae"), "passed": passed, "reasons": reasons,
-              "budget_a": ledger.budget("A")}
+              "budget_a": ledger.budget("A"), "gate_config": thresholds}
     write_bytes(gate, json.dumps(record, indent=1, default=float).encode())
     return record
 

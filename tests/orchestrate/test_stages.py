@@ -75,6 +75,17 @@ def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
     before = log_keys(directory / "teacher" / "requests.log")
     assert run_pipeline(pcfg, progress=False).status == "gate_failed"
     assert log_keys(directory / "teacher" / "requests.log") == before
+    # ... and refuses to re-read it under other gate values (it would pass or fail what it never judged)
+    from flowforge.runtime.errors import UserError
+
+    _, other, _ = pipeline(stages={"n_a": 4, "extend_delta": 2, "extend_cap": 6, "on_gate_fail": "extend"},
+                           student={"gate": {"max_mae": 0.0, "min_spearman_above_baselines": 0.5}})
+    gate_file = directory / "B" / "attempt_1" / "gate.json"
+    kept = gate_file.read_bytes()
+    with pytest.raises(UserError, match=r"judged under other student.gate values: min_spearman_above_baselines=1\.0 "
+                                        r"\(now 0\.5\); restore them, or run the changed gate in a new pipeline"):
+        run_pipeline(other, progress=False)
+    assert gate_file.read_bytes() == kept and log_keys(directory / "teacher" / "requests.log") == before
 
 
 def test_audit_below_threshold_stops_stage_c_at_the_last_good_checkpoint(pipeline):
