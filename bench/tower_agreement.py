@@ -5,7 +5,8 @@ initialisation with the teacher on the images stage A would judge first.
 ``bench/augment_labels.py``), marked by ``--config``'s teacher (``teacher.scorer`` with ``teacher.scorer_options``,
 built as the pipeline's judge server builds it) and scored by the student before stage B
 (:func:`flowforge.reward_model.students.create_student` of ``student``: ``demo:digit-tower`` in the digits demos).
-Prints the mean within-group Spearman (with its standard error over the groups) of the teacher's marks against the
+Prints the mean within-group Spearman (:func:`flowforge.reward_model.evaluate.spearman`, the gate's; with its
+standard error over the groups) of the teacher's marks against the
 student's initialisation, against :class:`flowforge.orchestrate.demo.LegibilityScorer` (the digits demo's legibility
 teacher) and against minus :class:`flowforge.demo.stroke.StrokeWidth` (the pen's independent judge: finer is
 better); and the initialisation against legibility.
@@ -21,13 +22,6 @@ import torch
 from torch import Tensor
 
 
-def spearman_rows(a: Tensor, b: Tensor) -> Tensor:
-    """``[G, K]`` x ``[G, K]`` -> ``[G]`` Spearman per row (ranks by argsort: ties broken by position)."""
-    ra, rb = a.argsort(1).argsort(1).double(), b.argsort(1).argsort(1).double()
-    ra, rb = ra - ra.mean(1, keepdim=True), rb - rb.mean(1, keepdim=True)
-    return (ra * rb).sum(1) / ((ra * ra).sum(1) * (rb * rb).sum(1)).sqrt().clamp_min(1e-12)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="examples/stages/digits_pen.yaml")
@@ -38,6 +32,7 @@ def main() -> None:
     from flowforge.demo.stroke import StrokeWidth
     from flowforge.orchestrate.config import load_pipeline
     from flowforge.orchestrate.demo import LegibilityScorer
+    from flowforge.reward_model.evaluate import spearman
     from flowforge.reward_model.students import create_student
     from flowforge.rewards.registry import build_scorer
     from flowforge.tools.sample import sample
@@ -58,8 +53,8 @@ def main() -> None:
     legibility = LegibilityScorer()(media, prompts, meta).double()
     width = StrokeWidth()(media, prompts, meta).double()
 
-    def show(name: str, a: Tensor, b: Tensor) -> None:
-        rho = spearman_rows(a.view(shape), b.view(shape))
+    def show(name: str, a: Tensor, b: Tensor) -> None:  # the gate's Spearman (average ranks), group by group
+        rho = torch.tensor([spearman(x, y) for x, y in zip(a.view(shape), b.view(shape), strict=True)])
         print(f"{name:<50} {rho.mean():+.3f} +- {rho.std() / len(rho) ** 0.5:.3f}")
 
     print(f"teacher {pcfg.teacher.scorer} {dict(pcfg.teacher.scorer_options)}; {args.groups} groups x {args.k} "

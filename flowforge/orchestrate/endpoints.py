@@ -73,13 +73,13 @@ class Endpoints:
                                               api_key_env=t.api_key_env or None)
             else:
                 backend = ["--scorer", t.scorer] if t.scorer else ["--model", t.model_dir]
+                options = self.layout.server_options("teacher")
                 if t.scorer_options:
-                    backend += ["--options", str(self.layout.server_options("teacher"))]
+                    backend += ["--options", str(options)]
                 backend += ["--score-range", str(t.score_range[0]), str(t.score_range[1])]
 
                 def start() -> str:
                     if t.scorer_options:  # rewritten at every start: the pipeline's own file, from the config
-                        options = self.layout.server_options("teacher")
                         options.parent.mkdir(parents=True, exist_ok=True)
                         write_bytes(options, yaml.safe_dump(dict(t.scorer_options)).encode())
                     return self._start(backend, t.model, "teacher", request_log=True).api_root

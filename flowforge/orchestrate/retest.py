@@ -94,11 +94,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                    if g.condition_id in judged}.values())
     if not groups:
         raise SystemExit(f"no judged stage-A group in {source}: run stage A first")
-    if not reproduces(groups[:8], build_scorer(pcfg.teacher.scorer, **pcfg.teacher.scorer_options)):
+    options = dict(pcfg.teacher.scorer_options)
+    if not reproduces(groups[:8], build_scorer(pcfg.teacher.scorer, **options)):
         raise SystemExit(f"{pcfg.teacher.scorer} rebuilt with teacher.scorer_options does not give the recorded marks: "
                          "no retest")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    options = dict(pcfg.teacher.scorer_options)
     dist, same = retest_pairs(groups, [build_scorer(pcfg.teacher.scorer, **{**options, "seed": s}) for s in seeds])
     print(f"{len(groups)} judged groups of stage A, {len(dist)} pairs x retests (seeds {seeds})")
     print("recorded |t_i - t_j|   pairs   ordered alike on the retest")
