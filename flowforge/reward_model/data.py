@@ -3,8 +3,9 @@
 A judged group is one answered ``requests`` row of the ``vlm_judge`` request ledger
 (:mod:`flowforge.rewards.judge.ledger`) with ``status = 'ok'``. Its ``request_json`` holds what was sent -- the
 prompt, the rendered instructions, the presented labels, the permutation, each candidate's frames as
-``{"sha256", "path"}`` in presented order, the reference's frames (or null) and the candidates' ``sample_ids`` --
-and ``scores_json`` holds ``presented label -> teacher score in [0, 1]``. Frames are read from their stored path, or
+``{"sha256", "path"}`` in presented order, the reference's frames (or null), the condition frame and the static
+example images when the request carried them (a world model's first frame; ``Examples:``), and the candidates'
+``sample_ids`` -- and ``scores_json`` holds ``presented label -> teacher score in [0, 1]``. Frames are read from their stored path, or
 found by hash under ``<ledger dir>/media/<sha[:2]>/<sha>.jpg`` (the judge's layout) when the path is relative to
 another working directory; their bytes must hash to the recorded sha256.
 
@@ -40,6 +41,7 @@ from flowforge.rewards.judge.ledger import RequestLedger
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
+SIDE_MEDIA = ("reference", "condition", "examples")  # a request's images besides the candidates' (JudgedGroup)
 DEFAULT_FRACTIONS = (0.8, 0.1, 0.1)
 
 
@@ -48,8 +50,9 @@ class JudgedGroup:
     """One teacher-judged group, candidates in **presented** order (as the judge showed them).
 
     ``candidates[j]`` are the frame files of presented candidate ``j`` (label ``labels[j]``, original index
-    ``permutation[j]``); ``scores[j]`` is the teacher's score of it in ``[0, 1]``; ``reference`` the reference's
-    frame files (None without one).
+    ``permutation[j]``); ``scores[j]`` is the teacher's score of it in ``[0, 1]``; ``reference``, ``condition`` and
+    ``examples`` the frame files of the request's reference, condition frame and static example images (None: the
+    request had none), so :func:`group_message` rebuilds exactly the message the teacher was sent.
     """
 
     key: str  # the judge request key (sha256 hex)
@@ -66,6 +69,10 @@ class JudgedGroup:
     template_sha256: str = ""
     hashes: tuple[tuple[str, ...], ...] = ()  # sha256 of each candidate frame, as ``candidates``
     reference_hashes: tuple[str, ...] = ()
+    condition: tuple[str, ...] | None = None
+    condition_hashes: tuple[str, ...] = ()
+    examples: tuple[str, ...] | None = None
+    examples_hashes: tuple[str, ...] = ()
 
 
 def _frame_path(frame: Mapping[str, str], media_root: Path) -> str | None:
@@ -98,20 +105,23 @@ def group_from_entry(entry, media_root: Path, clusters: Mapping[str, str] | None
             return None
         candidates.append(tuple(paths))
         hashes.append(tuple(f["sha256"] for f in frames))
-    reference = None
-    if req.get("reference") is not None:
-        reference = tuple(_frame_path(f, media_root) for f in req["reference"])
-        if any(p is None for p in reference):
-            log.warning("judged group %s skipped: a reference frame file is missing", entry.key[:12])
+    side = {}
+    for name in SIDE_MEDIA:  # the request's other images: all of each present, or the group is not usable
+        if req.get(name) is None:
+            side[name], side[f"{name}_hashes"] = None, ()
+            continue
+        paths = tuple(_frame_path(f, media_root) for f in req[name])
+        if any(p is None for p in paths):
+            log.warning("judged group %s skipped: a %s frame file is missing", entry.key[:12], name)
             return None
+        side[name], side[f"{name}_hashes"] = paths, tuple(f["sha256"] for f in req[name])
     prompt = req["prompt"]
     condition = _condition(req, prompt)
     return JudgedGroup(
         key=entry.key, condition_id=condition, cluster=(clusters or {}).get(condition) or text_cluster(prompt),
         prompt=prompt, instructions=req["instructions"], labels=labels, permutation=tuple(req["permutation"]),
         candidates=tuple(candidates), scores=tuple(float(entry.scores[label]) for label in labels),
-        reference=reference, model=entry.model, template_sha256=entry.template_sha256, hashes=tuple(hashes),
-        reference_hashes=tuple(f["sha256"] for f in req["reference"]) if reference is not None else ())
+        model=entry.model, template_sha256=entry.template_sha256, hashes=tuple(hashes), **side)
 
 
 def read_judged_groups(ledger_path: str | Path, clusters: Mapping[str, str] | None = None,
@@ -164,24 +174,37 @@ def decode_frame(data: bytes) -> Tensor:
     return P.decode_image_bytes(data, "frame")
 
 
+def _side_frames(group: JudgedGroup, name: str) -> list[bytes] | None:
+    """The bytes of ``group``'s ``name`` frames (one of :data:`SIDE_MEDIA`), None when the request had none."""
+    paths = getattr(group, name)
+    if paths is None:
+        return None
+    digests = getattr(group, f"{name}_hashes") or (None,) * len(paths)
+    return [read_frame(p, h) for p, h in zip(paths, digests, strict=True)]
+
+
 def group_frames(group: JudgedGroup) -> tuple[list[bytes] | None, list[list[bytes]]]:
     """``(reference frames or None, candidate frames)`` of ``group`` as image bytes, presented order."""
     hashes = group.hashes or tuple(tuple([None] * len(c)) for c in group.candidates)
     candidates = [[read_frame(p, h) for p, h in zip(paths, digests, strict=True)]
                   for paths, digests in zip(group.candidates, hashes, strict=True)]
-    if group.reference is None:
-        return None, candidates
-    ref_hashes = group.reference_hashes or (None,) * len(group.reference)
-    return [read_frame(p, h) for p, h in zip(group.reference, ref_hashes, strict=True)], candidates
+    return _side_frames(group, "reference"), candidates
 
 
 def group_message(group: JudgedGroup) -> list[dict]:
     """The chat messages the teacher was sent for ``group`` (the first attempt: one user message laid out by
-    :func:`flowforge.rewards.judge.protocol.build_content`, frames as data URLs)."""
+    :func:`flowforge.rewards.judge.protocol.build_content`, frames as data URLs, the condition frame and static
+    examples in their slots when the request had them) -- the same content, byte for byte, so a student trained on it
+    sees what a judge server is sent in stage C."""
     reference, candidates = group_frames(group)
-    content = P.build_content(group.instructions, group.prompt,
-                              None if reference is None else [P.data_url(f) for f in reference],
-                              [[P.data_url(f) for f in frames] for frames in candidates], group.labels)
+
+    def urls(name: str, frames: list[bytes] | None = None) -> list[str] | None:
+        frames = _side_frames(group, name) if frames is None else frames
+        return None if frames is None else [P.data_url(f) for f in frames]
+
+    content = P.build_content(group.instructions, group.prompt, urls("reference", reference),
+                              [[P.data_url(f) for f in frames] for frames in candidates], group.labels,
+                              condition=urls("condition"), examples=urls("examples"))
     return [{"role": "user", "content": content}]
 
 
