@@ -74,9 +74,7 @@ def retest_table(dist: Tensor, same: Tensor, edges: Sequence[float] = BIN_EDGES)
 
 def main(argv: Sequence[str] | None = None) -> None:
     from flowforge.orchestrate.config import load_pipeline
-    from flowforge.orchestrate.directory import PipelineLayout
-    from flowforge.orchestrate.stages import open_ledger
-    from flowforge.reward_model.data import read_judged_groups
+    from flowforge.orchestrate.stages import open_ledger, stage_a_groups
     from flowforge.rewards.registry import build_scorer
 
     p = argparse.ArgumentParser(prog="python -m flowforge.orchestrate.retest", description=__doc__.split("\n")[0])
@@ -87,13 +85,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     pcfg = load_pipeline(args.config, args.overrides)
-    ledger = open_ledger(pcfg, writer=False)
-    judged = set(ledger.with_state("judged", "A"))
-    source = PipelineLayout.of(pcfg).a_judge_ledger
-    groups = list({g.condition_id: g for g in read_judged_groups(source, ledger.clusters())
-                   if g.condition_id in judged}.values())
+    try:
+        groups = stage_a_groups(pcfg, open_ledger(pcfg, writer=False))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if not groups:
-        raise SystemExit(f"no judged stage-A group in {source}: run stage A first")
+        raise SystemExit("no usable judged stage-A group (frames missing, or no answer for a judged condition): no retest")
     options = dict(pcfg.teacher.scorer_options)
     if not reproduces(groups[:8], build_scorer(pcfg.teacher.scorer, **options)):
         raise SystemExit(f"{pcfg.teacher.scorer} rebuilt with teacher.scorer_options does not give the recorded marks: "

@@ -112,6 +112,24 @@ def open_ledger(pcfg: Any, *, writer: bool = True) -> ConditionLedger:
     return open_ledger_at(pcfg, PipelineLayout.of(pcfg).conditions, writer=writer)
 
 
+def stage_a_groups(pcfg: Any, ledger: ConditionLedger) -> list[Any]:
+    """The judged groups stage B trains and gates on (:class:`~flowforge.reward_model.data.JudgedGroup`): each answered
+    group of stage A's request ledger whose condition ``ledger`` marks judged in A, clustered by ``ledger``; the last
+    answer of a condition wins.
+
+    Raises:
+        ValueError: stage A has judged nothing yet.
+    """
+    from flowforge.reward_model.data import read_judged_groups
+
+    judged = set(ledger.with_state("judged", "A"))
+    source = PipelineLayout.of(pcfg).a_judge_ledger
+    if not judged or not source.is_file():
+        raise ValueError(f"no judged stage-A group in {source}; run stage A first")
+    groups = read_judged_groups(source, ledger.clusters())
+    return list({g.condition_id: g for g in groups if g.condition_id in judged}.values())
+
+
 def open_ledger_at(pcfg: Any, path: Path, *, writer: bool = True) -> ConditionLedger:
     """The condition ledger at ``path`` over the rows of ``data.prompts`` with the pipeline's seed and budgets (the
     pipeline's own, or a control arm's: :mod:`flowforge.orchestrate.arms`).
@@ -193,7 +211,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
         UserError: the attempt's ``gate.json`` was judged under other ``student.gate`` values than the config's.
     """
     from flowforge.reward_model.baselines import baseline_reasons, baselines_on_test, constant_mark
-    from flowforge.reward_model.data import read_judged_groups, split_groups
+    from flowforge.reward_model.data import split_groups
     from flowforge.reward_model.gate import gate_on_test
     from flowforge.reward_model.students import load_student
     from flowforge.reward_model.train import train_student
@@ -210,13 +228,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
                 f"{k}={record['gate_config'][k]!r} (now {thresholds.get(k)!r})" for k in changed),
                 "restore them, or run the changed gate in a new pipeline directory (run.name)")
         return record
-    judged = set(ledger.with_state("judged", "A"))
-    source = layout.a_judge_ledger
-    if not judged or not source.is_file():
-        raise ValueError(f"stage B needs stage A's judged groups ({source}); run stage A first")
-    by_condition = {g.condition_id: g for g in read_judged_groups(source, ledger.clusters())
-                    if g.condition_id in judged}  # the last answer of a condition wins
-    groups = list(by_condition.values())
+    groups = stage_a_groups(pcfg, ledger)
     s = pcfg.student
     log.info("stage B: training a %s student on %d judged groups (attempt %d)", s.kind, len(groups), attempt)
     clusters = sorted(set(ledger.clusters().values()))  # every cluster of the pass: an exact 80/10/10 of them

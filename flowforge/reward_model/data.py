@@ -3,11 +3,11 @@
 A judged group is one answered ``requests`` row of the ``vlm_judge`` request ledger
 (:mod:`flowforge.rewards.judge.ledger`) with ``status = 'ok'``. Its ``request_json`` holds what was sent -- the
 prompt, the rendered instructions, the presented labels, the permutation, each candidate's frames as
-``{"sha256", "path"}`` in presented order, the reference's frames (or null), the condition frame and the static
-example images when the request carried them (a world model's first frame; ``Examples:``), and the candidates'
-``sample_ids`` -- and ``scores_json`` holds ``presented label -> teacher score in [0, 1]``. Frames are read from their stored path, or
-found by hash under ``<ledger dir>/media/<sha[:2]>/<sha>.jpg`` (the judge's layout) when the path is relative to
-another working directory; their bytes must hash to the recorded sha256.
+``{"sha256", "path"}`` in presented order, the reference's frames (or null), the condition frame and the
+static example images when the request carried them (a world model's first frame; ``Examples:``), and the
+candidates' ``sample_ids`` -- and ``scores_json`` holds ``presented label -> teacher score in [0, 1]``. Frames are
+read from their stored path, or found by hash under ``<ledger dir>/media/<sha[:2]>/<sha>.jpg`` (the judge's layout)
+when the path is relative to another working directory; their bytes must hash to the recorded sha256.
 
 The **condition** of a group is the candidates' common ``sample_id`` (the trainer repeats one prompt record ``K``
 times); its **cluster** comes from the condition ledger's map (:meth:`ConditionLedger.clusters
@@ -200,7 +200,7 @@ def group_message(group: JudgedGroup) -> list[dict]:
 
     def urls(name: str, frames: list[bytes] | None = None) -> list[str] | None:
         frames = _side_frames(group, name) if frames is None else frames
-        return None if frames is None else [P.data_url(f) for f in frames]
+        return [P.data_url(f) for f in frames] if frames else None  # as the client: no images, no header
 
     content = P.build_content(group.instructions, group.prompt, urls("reference", reference),
                               [[P.data_url(f) for f in frames] for frames in candidates], group.labels,

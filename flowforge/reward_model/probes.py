@@ -6,10 +6,11 @@ with the teacher again (:func:`flowforge.reward_model.evaluate.agreement`):
 ================  ===================================================================================================
 probe             what changes / when the gate fails
 ================  ===================================================================================================
-``prompt_only``   every candidate frame replaced by a black frame of the same size (prompt, reference and layout
-                  kept). Fails the gate when the student does not beat it: the mean over test groups of
-                  ``spearman(student) - spearman(probe)`` is not above ``2.33`` standard errors of that paired
-                  difference (one-sided, p < 0.01), i.e. the student ranks as well without seeing the candidates.
+``prompt_only``   every candidate frame replaced by a black frame of the same size (prompt, reference, condition
+                  frame, examples and layout kept). Fails the gate when the student does not beat it: the mean over
+                  test groups of ``spearman(student) - spearman(probe)`` is not above ``2.33`` standard errors of that
+                  paired difference (one-sided, p < 0.01), i.e. the student ranks as well without seeing the
+                  candidates.
 ``position``      the candidates presented in another order (rotated by one place; labels stay in place), scores
                   mapped back to the candidates; ``order_consistency`` = mean Spearman between the student's scores
                   of the same candidates in both orders. Fails the gate when the student passes the Spearman and

@@ -1,11 +1,12 @@
 """Student kind ``vlm_json``: a Hugging Face image-text-to-text VLM, LoRA-tuned to answer the teacher's JSON scores.
 
 Training is supervised fine-tuning on the teacher's own exchanges: the input is the message the judge sent (the
-rendered instructions, ``Prompt: ...``, the reference and each candidate's ordered frames, in the presented order:
-:func:`flowforge.reward_model.data.group_message`), and the target is the teacher's score dictionary as the
-assistant's answer (:func:`flowforge.reward_model.data.score_answer`, e.g. ``{"A":73,"B":41}``) followed by the
-chat template's end-of-turn token. The student then answers the judge protocol itself, and its replies are read by
-the judge's strict parser (:func:`flowforge.rewards.judge.protocol.parse_scores`).
+rendered instructions, ``Prompt: ...``, the condition frame and static examples when sent, the reference and each
+candidate's ordered frames, in the presented order: :func:`flowforge.reward_model.data.group_message`), and the
+target is the teacher's score dictionary as the assistant's answer (:func:`flowforge.reward_model.data.score_answer`,
+e.g. ``{"A":73,"B":41}``) followed by the chat template's end-of-turn token. The student then answers the judge
+protocol itself, and its replies are read by the judge's strict parser
+(:func:`flowforge.rewards.judge.protocol.parse_scores`).
 
 Sequence layout and loss, for a prefix of ``P`` tokens (the chat template up to the assistant turn, images
 expanded by the processor) and a target of ``T`` tokens::

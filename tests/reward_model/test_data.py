@@ -45,6 +45,21 @@ def test_groups_come_back_as_the_teacher_saw_and_scored_them(stage_a):
     assert group_from_dict(group_to_dict(groups[1])) == groups[1]
 
 
+def test_a_group_without_side_images_rebuilds_the_message_sent_byte_for_byte(tmp_path):
+    """No reference, condition frame or examples: the rebuilt message has no empty header for them."""
+    from tests.serve.judge_support import group
+
+    judge = support.judge_with_teacher(tmp_path)
+    sent, answer = [], judge._send
+    judge._send = lambda messages: sent.append(messages[0]["content"]) or answer(messages)
+    media, _, _ = group(2000, k=4, size=16)
+    judge(media, ["prompt 0"] * 4, [{"sample_id": "cond-0"}] * 4)
+    judge.close()
+    [rebuilt] = read_judged_groups(tmp_path / "judge" / "ledger.sqlite")
+    assert rebuilt.condition is None and rebuilt.examples is None and rebuilt.reference is None
+    assert group_message(rebuilt)[0]["content"] == sent[0]
+
+
 def test_frames_are_found_by_hash_after_the_run_moved_and_bad_rows_are_skipped(tmp_path):
     run = tmp_path / "run"
     support.judged_ledger(run, 4, prompts=3)

@@ -9,6 +9,7 @@ message the teacher was sent (the server's own hash of it), and a tiny random Qw
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 from flowforge.reward_model.config import student_config
-from flowforge.reward_model.data import group_message, read_judged_groups, score_answer
+from flowforge.reward_model.data import (
+    group_from_dict, group_message, group_to_dict, read_judged_groups, score_answer,
+)
 from flowforge.reward_model.students import create_student, load_student
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.client import VLMJudge
@@ -88,6 +91,7 @@ def test_a_judged_world_group_keeps_every_image_and_rebuilds_the_message_the_tea
     assert request_key(group_message(group)[0]["content"]) == record["group"]
     parsed = P.read_group_request(group_message(group)[0]["content"])
     assert len(parsed.condition) == 1 and len(parsed.examples) == 3 and len(parsed.reference) == 1
+    assert group_from_dict(json.loads(json.dumps(group_to_dict(group)))) == group  # side images survive JSON
 
 
 def test_a_vlm_json_student_fits_a_world_group_and_answers_stage_c_with_the_teachers_marks(world_group, tmp_path,
@@ -128,3 +132,20 @@ def test_a_vlm_json_student_fits_a_world_group_and_answers_stage_c_with_the_teac
     for position, candidate in enumerate(group.permutation):
         teacher_order[candidate] = expected[position]
     assert scores.tolist() == pytest.approx(teacher_order)
+
+
+def test_a_group_whose_example_image_is_gone_is_skipped_like_one_without_a_candidate_frame(world_group, tmp_path):
+    import shutil
+
+    group, _, _, _, root = world_group
+    moved = tmp_path / "A"
+    shutil.copytree(root / "A", moved)
+    media = root / "A" / "judge" / "media"
+    media.rename(root / "A" / "judge" / "media-away")  # the stored absolute paths now lead nowhere: found by hash
+    try:
+        assert [g.key for g in read_judged_groups(moved / "judge" / "ledger.sqlite")] == [group.key]
+        digest = group.examples_hashes[1]
+        (moved / "judge" / "media" / digest[:2] / f"{digest}.jpg").unlink()
+        assert read_judged_groups(moved / "judge" / "ledger.sqlite") == []  # not a message without its examples
+    finally:
+        (root / "A" / "judge" / "media-away").rename(media)
