@@ -88,11 +88,11 @@ def main() -> None:
     moved = [o for o in args.overrides if o.split("=")[0] in ("student.split", "student.split_seed")]
     if moved:
         raise SystemExit(f"{moved[0]}: the split is the pipeline's (its test split stays set aside); not an override")
-    pcfg = load_pipeline(args.config, args.overrides)
-    threads = pcfg.run.num_threads
-    if threads != "auto" and threads > 0:
-        torch.set_num_threads(threads)
     try:
+        pcfg = load_pipeline(args.config, args.overrides)  # a bad config or override: one line (ConfigError)
+        threads = pcfg.run.num_threads
+        if threads != "auto" and threads > 0:
+            torch.set_num_threads(threads)
         ledger = open_ledger(pcfg, writer=False)
         pool, test = cv_pool(pcfg, ledger)
         with tempfile.TemporaryDirectory(prefix="student-cv-") as tmp:

@@ -90,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if not groups:
-        raise SystemExit("no usable judged stage-A group (frames missing, or no answer for a judged condition): no retest")
+        raise SystemExit("no usable judged stage-A group (frames missing, or no answer for a judged condition): "
+                         "no retest")
     options = dict(pcfg.teacher.scorer_options)
     if not reproduces(groups[:8], build_scorer(pcfg.teacher.scorer, **options)):
         raise SystemExit(f"{pcfg.teacher.scorer} rebuilt with teacher.scorer_options does not give the recorded marks: "

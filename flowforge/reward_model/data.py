@@ -112,7 +112,7 @@ def group_from_entry(entry, media_root: Path, clusters: Mapping[str, str] | None
             continue
         paths = tuple(_frame_path(f, media_root) for f in req[name])
         if any(p is None for p in paths):
-            log.warning("judged group %s skipped: a %s frame file is missing", entry.key[:12], name)
+            log.warning("judged group %s skipped: a frame file of its %s is missing", entry.key[:12], name)
             return None
         side[name], side[f"{name}_hashes"] = paths, tuple(f["sha256"] for f in req[name])
     prompt = req["prompt"]
