@@ -13,7 +13,7 @@ import torch
 from flowforge.orchestrate.world_judge import WorldMechanicsJudge, commands_from_prompt
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.client import VLMJudge
-from tests.orchestrate.world_support import SHUFFLE, real_starts
+from tests.orchestrate.world_support import SHUFFLE, real_starts, save_png
 from tests.serve import judge_support as S
 
 ale_py = pytest.importorskip("ale_py")
@@ -63,11 +63,8 @@ def test_served_over_loopback_it_answers_a_group_billed_once(starts, tmp_path):
     """``flowforge serve judge --scorer ...WorldMechanicsJudge`` on 127.0.0.1 answers a K = 4 group sent by the
     ``vlm_judge`` client with the real future as a strip PNG reference: the real future ranks first, and the
     server's own request log shows one request for the group."""
-    from PIL import Image
-
     prompt, real, bad = starts[1]
-    strip = (real[0].permute(1, 0, 2).flatten(1) * 255).round().to(torch.uint8).numpy()
-    Image.fromarray(strip, mode="L").save(tmp_path / "real.png")
+    save_png(real, tmp_path / "real.png")
     (tmp_path / "token").write_text("world-token\n")
     (tmp_path / "opts.yaml").write_text("passes: 2\nlatency_s: 0.0\n")
     log = tmp_path / "requests.log"

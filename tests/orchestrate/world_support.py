@@ -33,6 +33,16 @@ def _futures(seed: int, warm: int, sequences: list[list[int]], size: int = 32) -
     return out
 
 
+def save_png(frames: torch.Tensor, path) -> str:
+    """A ``[3, H, W]`` frame, or a ``[3, F, H, W]`` clip as its frames side by side (the prompt rows' strip
+    layout), in [0, 1] -> a greyscale PNG at ``path``; its file name."""
+    from PIL import Image
+
+    grey = frames[0].permute(1, 0, 2).flatten(1) if frames.dim() == 4 else frames[0]  # [H, F W] or [H, W]
+    Image.fromarray((grey * 255).round().to(torch.uint8).numpy(), mode="L").save(path)
+    return path.name
+
+
 def real_starts(n: int = 6) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``n`` real starts where the game is running: ``(prompt, real future, wrong-moves future)``. A start whose real
     future stands still (between lives the screen freezes) tells no future from another, so it is skipped."""

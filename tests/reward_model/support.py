@@ -94,6 +94,22 @@ def save_tiny_json_qwen2_vl(path: Path, chat_template: str = CHAT_TEMPLATE) -> P
     return path
 
 
+def overfit(student, groups, steps: int = 60, lr: float = 0.02) -> list[float]:
+    """Fit a student (``vlm_json`` / ``scalar_head``: ``backward``, ``trainable_parameters``) on ``groups`` for
+    ``steps`` AdamW steps (grad norm clipped at 1, seed 0), left in eval mode; the loss of each step."""
+    optimizer = torch.optim.AdamW(student.trainable_parameters(), lr=lr, weight_decay=0.0)
+    torch.manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        student.train()
+        optimizer.zero_grad()
+        losses.append(student.backward(groups)["loss"])
+        torch.nn.utils.clip_grad_norm_(student.trainable_parameters(), 1.0)
+        optimizer.step()
+    student.eval()
+    return losses
+
+
 def judge_with_teacher(run_dir: Path, *, frames: int = 1, max_side: int = 16, seed: int = 0):
     """A real ``vlm_judge`` keeping its ledger and frames in ``run_dir``, whose HTTP call is answered in-process by
     the brightness teacher behind the judge server's scorer backend (the reply the server would send)."""

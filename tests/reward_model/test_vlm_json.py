@@ -86,26 +86,12 @@ def test_the_loss_mask_covers_only_the_answer_and_the_head_sees_only_the_suffix(
         torch.testing.assert_close(student.answer_logits(example), full)
 
 
-def _overfit(student: VLMJsonStudent, groups, steps: int = 60, lr: float = 0.02) -> list[float]:
-    optimizer = torch.optim.AdamW(student.trainable_parameters(), lr=lr, weight_decay=0.0)
-    torch.manual_seed(0)
-    losses = []
-    for _ in range(steps):
-        student.train()
-        optimizer.zero_grad()
-        losses.append(student.backward(groups)["loss"])
-        torch.nn.utils.clip_grad_norm_(student.trainable_parameters(), 1.0)
-        optimizer.step()
-    student.eval()
-    return losses
-
-
 def test_sft_overfits_saves_reloads_and_serves(base, judged, tmp_path, monkeypatch):
     import openai
 
     _, groups = judged
     student = _student(base)
-    losses = _overfit(student, groups[:1])
+    losses = support.overfit(student, groups[:1])
     assert losses[-1] < 0.2 * losses[0]
     expected = P.parse_scores(score_answer(groups[0]), groups[0].labels)
     text, _, _ = student.reply(group_message(groups[0]))
@@ -190,7 +176,7 @@ def test_chat_template_kwargs_train_and_serve_the_non_thinking_template(judged, 
     assert example.sequence()[:example.prefix_len].tolist() == with_block
     assert plain.tokenizer.decode(example.target_ids) == score_answer(groups[0]) + "<|im_end|>"
 
-    losses = _overfit(plain, groups[:1], steps=120)
+    losses = support.overfit(plain, groups[:1], steps=120)
     text, prompt_tokens, _ = plain.reply(message)
     assert losses[-1] < 0.05 * losses[0], (losses[-1], text)
     assert prompt_tokens == len(with_block)

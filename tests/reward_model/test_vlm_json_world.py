@@ -24,7 +24,7 @@ from flowforge.reward_model.students import create_student, load_student
 from flowforge.rewards.judge import protocol as P
 from flowforge.rewards.judge.client import VLMJudge
 from flowforge.serve.judge_server import request_key
-from tests.orchestrate.world_support import SHUFFLE, real_starts
+from tests.orchestrate.world_support import SHUFFLE, real_starts, save_png
 from tests.reward_model import support
 from tests.serve import judge_support as S
 
@@ -33,15 +33,6 @@ pytest.importorskip("ale_py")
 FRAMES, SIDE = 8, 256  # as examples/stages/world.yaml: 8 frames, and a max side that keeps the reference strip whole
 TOKEN = "world-vlm-token"
 TEMPLATE = Path(__file__).resolve().parents[2] / "flowforge" / "rewards" / "judge_templates" / "group_v3.txt"
-
-
-def _save_png(frame: torch.Tensor, path) -> str:
-    """``[3, H, W]`` (or a ``[3, F, H, W]`` clip, saved as its frames side by side: a strip) in [0, 1] -> a PNG."""
-    from PIL import Image
-
-    grey = frame[0].permute(1, 0, 2).flatten(1) if frame.dim() == 4 else frame[0]  # [H, F W] or [H, W]
-    Image.fromarray((grey * 255).round().to(torch.uint8).numpy(), mode="L").save(path)
-    return path.name
 
 
 def _world_judge(url: str, run_dir, model: str, root) -> VLMJudge:
@@ -58,9 +49,9 @@ def world_group(tmp_path_factory):
     starts = real_starts(2)
     prompt, real, bad = starts[0]
     other = starts[1][1]  # static examples: frames of another start (the pipeline's come from held-out episodes)
-    meta = {"sample_id": "world-0", "reference": _save_png(real, root / "real.png"),
-            "image": _save_png(real[:, 0], root / "first.png"),
-            "examples": [_save_png(other[:, t], root / f"example{t}.png") for t in (0, 3, 6)]}
+    meta = {"sample_id": "world-0", "reference": save_png(real, root / "real.png"),
+            "image": save_png(real[:, 0], root / "first.png"),
+            "examples": [save_png(other[:, t], root / f"example{t}.png") for t in (0, 3, 6)]}
     media = torch.stack([bad, real, real[:, SHUFFLE], bad.flip(-1)])
     (root / "token").write_text(TOKEN + "\n")
     (root / "opts.yaml").write_text("passes: 2\nlatency_s: 0.0\n")
@@ -101,15 +92,7 @@ def test_a_vlm_json_student_fits_a_world_group_and_answers_stage_c_with_the_teac
     base = support.save_tiny_json_qwen2_vl(tmp_path / "tiny-json-qwen2-vl")
     student = create_student(student_config({"kind": "vlm_json", "vlm_json": {
         "base": str(base), "lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.0}}))
-    optimizer = torch.optim.AdamW(student.trainable_parameters(), lr=0.02, weight_decay=0.0)
-    torch.manual_seed(0)
-    losses = []
-    for _ in range(60):
-        student.train()
-        optimizer.zero_grad()
-        losses.append(student.backward([group])["loss"])
-        optimizer.step()
-    student.eval()
+    losses = support.overfit(student, [group])
     assert losses[-1] < 0.2 * losses[0]
     expected = P.parse_scores(score_answer(group), group.labels)  # the teacher's marks, to 0.01
     student.save(tmp_path / "student")
