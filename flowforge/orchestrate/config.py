@@ -135,7 +135,9 @@ class AuditConfig(Section):
     groups were audited, then the groups of every step that is a multiple of ``every`` (0: no periodic audit).
     A verdict is taken once ``pool_groups`` audited groups the teacher can order have gathered since the last
     verdict (0: one step's groups alone; every group counts toward one verdict only); one below a threshold stops
-    stage C at the last good checkpoint. ``tie_margin``: teacher marks this close tie
+    stage C at the last good checkpoint. With ``closing`` C's last steps are audited too (:meth:`closing_steps`) and
+    its last step takes the closing verdict on every group gathered since the last verdict, however many, so the
+    policy C hands on was trained only on steps a verdict covers. ``tie_margin``: teacher marks this close tie
     (:func:`flowforge.reward_model.evaluate.tie_blocks`); a step whose audited groups the teacher cannot order at all
     is unaudited: recorded, no verdict, and the ``max_unaudited + 1``-th such step stops C. ``flowforge check``
     simulates a verdict's size (a random student passes < ``max_null_pass``) and power (a student at the gate's bar
@@ -152,6 +154,24 @@ class AuditConfig(Section):
     pool_groups: int = 8  # > 0: each verdict on the next pool_groups orderable audited groups (>= M); 0: a step's M
     tie_margin: float = 0.0  # teacher marks this close are a tie (its retest noise); 0: exact ties only
     max_unaudited: int = 2  # audited steps the teacher cannot order at all that C may take; one more stops it
+    closing: bool = True  # audit C's last steps too, so the policy C hands on has a verdict of its own (costs a pool)
+
+    def closing_steps(self, m: int) -> int:
+        """How many of C's last steps the closing verdict audits at ``m`` groups a step: enough for one pool
+        (``ceil(pool_groups / m)``, one step without pooling); 0 when ``closing`` is off or nothing is audited."""
+        if not self.closing or not (self.first_groups > 0 or self.every > 0):
+            return 0
+        return max(1, -(-self.pool_groups // max(m, 1)))
+
+    def due(self, step: int, *, first: int, end: int, m: int) -> bool:
+        """Whether trainer step ``step`` of a stage C that runs steps ``first .. end - 1`` with ``m`` groups a step
+        is audited: while fewer than ``first_groups`` of C's groups were audited, then every step that is a multiple
+        of ``every``, and C's last :meth:`closing_steps` steps. The one schedule of the audits
+        (:class:`~flowforge.orchestrate.stage_trainer.Auditor`) and of their plan
+        (:func:`~flowforge.orchestrate.plan.audited_groups`)."""
+        early = (step - first) * m < self.first_groups
+        return (early or (self.every > 0 and step % self.every == 0)
+                or max(first, end - self.closing_steps(m)) <= step < end)
 
     def problems(self) -> list[str]:
         c = Checks(self)
@@ -377,9 +397,12 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
             from flowforge.orchestrate.thresholds import test_groups_at_budget, threshold_problems
 
             drawn = stage_steps(pcfg, "A", pcfg.stages.n_a) * prompts_per_step(pcfg, "A")  # A's conditions
+            audited = audited_groups(pcfg, total)
+            if notes is not None and (pcfg.audit.first_groups > 0 or pcfg.audit.every > 0):
+                notes.append(f"audit schedule: {audited[1]}")
             found, warned = threshold_problems(  # gate and audit thresholds a random student fails
                 pcfg, None if drawn == pcfg.stages.n_a else test_groups_at_budget(pcfg, drawn),
-                audited=audited_groups(pcfg, total), notes=notes)
+                audited=audited, notes=notes)
             later = LATER_CHECKS.get(stage or "", ())
             problems += [p for p in found if not p.startswith(later)]
             warnings += [f"{_not_run(stage)}: {p}" for p in found if p.startswith(later)]

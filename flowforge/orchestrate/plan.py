@@ -23,6 +23,8 @@ problem of :func:`capacity_problems` that names the largest one that fits.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -139,17 +141,18 @@ def capacity_problems(pcfg: Any, total: int) -> list[str]:
 
 
 def audited_groups(pcfg: Any, total: int) -> tuple[int, str]:
-    """``(groups, how)``: how many groups stage C's audits see at ``stages.n_a`` (its steps by :func:`stage_steps`,
-    audited as :meth:`Auditor.due <flowforge.orchestrate.stage_trainer.Auditor.due>` says: while fewer than
-    ``audit.first_groups`` groups were audited, then every step that is a multiple of ``audit.every``), and the
-    plan in words."""
+    """``(groups, how)``: how many groups stage C's audits see at ``stages.n_a`` before its closing window (its steps
+    by :func:`stage_steps`, audited by the one schedule :meth:`AuditConfig.due
+    <flowforge.orchestrate.config.AuditConfig.due>` with ``closing`` off: a pool larger than that is reached only by
+    the closing verdict, so no audit could stop C before its end), and the plan in words."""
     a = pcfg.audit
     start = stage_steps(pcfg, "A", pcfg.stages.n_a)
     steps = stage_steps(pcfg, "C", total - pcfg.stages.n_a, start=start)
     m = prompts_per_step(pcfg, "C")
-    early = min(steps, -(-a.first_groups // m))  # steps audited while fewer than first_groups groups were
-    lo, hi = start + early, start + steps  # then the multiples of `every` in [lo, hi)
-    periodic = (hi - 1) // a.every - (lo - 1) // a.every if a.every > 0 and hi > lo else 0
-    how = (f"{steps} steps of {m} conditions from step {start}: the first {a.first_groups} groups, then every "
-           f"{a.every}th step" if a.every else f"{steps} steps of {m} conditions: the first {a.first_groups} groups")
-    return (early + periodic) * m, how
+    during = dataclasses.replace(a, closing=False)
+    audited = sum(during.due(s, first=start, end=start + steps, m=m) for s in range(start, start + steps))
+    closing = sum(a.due(s, first=start, end=start + steps, m=m) for s in range(start, start + steps)) - audited
+    how = (f"{steps} steps of {m} conditions from step {start}: the first {a.first_groups} groups"
+           + (f", then every {a.every}th step" if a.every else "") + f": {audited * m} groups"
+           + (f", and {closing * m} more of C's last steps for the closing verdict" if a.closing_steps(m) else ""))
+    return audited * m, how

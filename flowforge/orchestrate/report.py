@@ -232,6 +232,7 @@ def agreement_points(ledger: ConditionLedger, attempts: list[dict[str, Any]],
                     "spearman": audit.get("spearman"), "pairwise_accuracy": audit.get("pairwise_accuracy"),
                     "mae": audit.get("mae"), "passed": audit.get("passed"), "verdict": audit_verdict(audit),
                     "unaudited": bool(audit.get("unaudited")), "pooled_groups": audit.get("pooled_groups"),
+                    "closing": bool(audit.get("closing")),
                     "pairs_compared": audit.get("pairs_compared"), "pairs_tied": audit.get("pairs_tied"),
                     "spearman_raw": audit.get("spearman_raw"),
                     "pairwise_accuracy_raw": audit.get("pairwise_accuracy_raw")})
@@ -253,7 +254,7 @@ def verdict_words(point: dict[str, Any]) -> str:
     if verdict == "pending":
         return ("pending: the teacher could not order the audited groups" if point.get("unaudited")
                 else f"pending: {_num(point.get('pooled_groups'))} groups gathered, no verdict yet")
-    return verdict
+    return f"{verdict} (closing verdict, {_num(point.get('pooled_groups'))} groups)" if point.get("closing") else verdict
 
 
 def _num(value: Any) -> str:

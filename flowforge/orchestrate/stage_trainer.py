@@ -34,7 +34,12 @@ it, read back from ``audit.jsonl``, which keeps each group's two score vectors);
 verdict only, none is reused by a later one: one step's ``M`` groups measure a student's agreement with a standard
 error of ~0.15 in Spearman, too noisy to tell a good student from one at the gate's bar. Until then the record is
 ``pending`` (``verdict: pending``, ``passed: null``): no verdict, no stop, and not a passed audit for the last good
-checkpoint. ``flowforge check`` states a verdict's size and power (:func:`flowforge.orchestrate.thresholds.
+checkpoint. With ``audit.closing`` (the default) C's last steps are audited too, enough for one pool, and C's
+last step takes the *closing* verdict on every orderable group gathered since the last verdict however many
+(``closing: true``); before it a full pool of the window that fails stops C at once, one that passes stays pending
+and joins the closing verdict. So the policy C hands on is trained only on steps
+a verdict covers: a run that ends ``done`` passed a verdict at its last step. ``flowforge check`` states a verdict's
+size and power (:func:`flowforge.orchestrate.thresholds.
 audit_design`). With ``audit.tie_margin`` teacher marks that close are ties (its retest noise): only groups the
 teacher can order at all count toward the ``N`` (a group whose marks all tie is kept in ``audit.jsonl`` but judges
 nothing); a step none of whose answered groups the teacher can order is *unaudited* (``unaudited: true``), and
@@ -100,19 +105,20 @@ class Auditor:
     Args:
         judge: the teacher as a group scorer (``score_groups``, ``pop_metrics``:
             :class:`flowforge.rewards.judge.client.VLMJudge`, its ledger under the C run directory).
-        audit: the ``audit`` section. first_step: stage C's first trainer step. prompts_per_step: ``M``.
+        audit: the ``audit`` section. first_step: stage C's first trainer step. end_step: one past its last (the
+        closing verdict's step is ``end_step - 1``). prompts_per_step: ``M``.
         run_dir: stage C's run directory (``audit.jsonl``).
     """
 
-    def __init__(self, judge: Any, audit: Any, *, first_step: int, prompts_per_step: int, run_dir: Path) -> None:
-        self.judge, self.cfg, self.first_step, self.m = judge, audit, first_step, prompts_per_step
+    def __init__(self, judge: Any, audit: Any, *, first_step: int, end_step: int, prompts_per_step: int,
+                 run_dir: Path) -> None:
+        self.judge, self.cfg, self.first_step, self.end, self.m = judge, audit, first_step, end_step, prompts_per_step
         self.path = Path(run_dir) / AUDIT_FILE
 
     def due(self, step: int) -> bool:
-        """Whether trainer step ``step`` is audited: while fewer than ``first_groups`` groups of C were audited,
-        then every step that is a multiple of ``every``."""
-        early = (step - self.first_step) * self.m < self.cfg.first_groups
-        return early or (self.cfg.every > 0 and step % self.cfg.every == 0)
+        """Whether trainer step ``step`` is audited (:meth:`AuditConfig.due
+        <flowforge.orchestrate.config.AuditConfig.due>`)."""
+        return self.cfg.due(step, first=self.first_step, end=self.end, m=self.m)
 
     def audit(self, step: int, policy_version: int, media: torch.Tensor, batch: StepBatch,
               student: torch.Tensor) -> dict[str, float]:
@@ -175,9 +181,12 @@ class Auditor:
         # cannot tell the candidates apart cannot tell a good student from a bad one either), but a bounded budget
         unaudited = bool(kept) and step not in steps
         spent = sum(bool(a.get("unaudited")) for a in earlier) + unaudited
-        # no verdict while too few orderable groups gathered since the last verdict (and an earlier step's groups
-        # say nothing of this step's checkpoint)
-        pending = bool(kept) and (unaudited or len(pooled) < max(self.cfg.pool_groups, 1))
+        # no verdict while too few orderable groups gathered since the last verdict (an earlier step's groups say
+        # nothing of this step's checkpoint); C's last step takes the closing verdict on whatever gathered, so the
+        # policy C hands on is never trained past its last verdict
+        closing = self.cfg.closing_steps(self.m) > 0 and step == self.end - 1
+        pending = bool(kept) and (not pooled if closing else
+                                  unaudited or len(pooled) < max(self.cfg.pool_groups, 1))
         reasons, stop = [], None
         for metric, bound in (("spearman", self.cfg.min_spearman),
                               ("pairwise_accuracy", self.cfg.min_pairwise_accuracy)):
@@ -185,6 +194,9 @@ class Auditor:
             if not pending and not value >= bound:  # NaN fails: nothing to compare is not agreement
                 reasons.append(f"{metric}={value:.4g} < audit.min_{metric}={bound:g}"
                                + (f" (pooled over {len(pooled)} groups)" if self.cfg.pool_groups else ""))
+        if not (pending or reasons or closing) and step >= self.end - self.cfg.closing_steps(self.m):
+            pending = True  # a full pool in the closing window that fails stops C now; one that passes waits, and
+            # C's last step judges its groups with the rest (so the closing verdict covers the last step)
         if reasons:
             stop = "agreement"
         elif unaudited and spent > self.cfg.max_unaudited:
@@ -202,7 +214,7 @@ class Auditor:
                   "pairs_compared": int(result.get("pairs", 0)), "pairs_tied": pairs - int(result.get("pairs", 0)),
                   "pairs_compared_raw": int(raw.get("pairs", 0)),
                   **{f"step_{k}": own.get(k, math.nan) for k in ("spearman", "pairwise_accuracy", "mae")},
-                  "pooled_groups": len(pooled), "pooled_steps": steps,
+                  "pooled_groups": len(pooled), "pooled_steps": steps, "closing": closing and not pending,
                   "verdict": verdict, "passed": None if pending else verdict == "passed", "pending": pending,
                   "unaudited": unaudited, "unaudited_steps": spent, "stop": stop, "reasons": reasons,
                   "conditions": sorted({r.metadata["sample_id"] for r in records}), "scores": scores}

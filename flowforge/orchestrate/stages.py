@@ -326,8 +326,8 @@ def run_stage_c(pcfg: Any, ledger: ConditionLedger, endpoints: Endpoints, studen
         except BudgetExhausted as exc:
             return Outcome("budget_exhausted", str(exc))
         teacher = build_scorer(JUDGE, run_dir=layout.audit_dir, **endpoints.teacher(), max_billed=left)
-        auditor = Auditor(teacher, pcfg.audit, first_step=start, prompts_per_step=prompts_per_step(pcfg, "C"),
-                          run_dir=run_dir)
+        auditor = Auditor(teacher, pcfg.audit, first_step=start, end_step=start + steps,
+                          prompts_per_step=prompts_per_step(pcfg, "C"), run_dir=run_dir)
         from flowforge.orchestrate.thresholds import record_audit_design
 
         on_main(lambda: record_audit_design(pcfg, run_dir))

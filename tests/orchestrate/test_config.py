@@ -3,6 +3,7 @@ through ``flowforge check`` / ``flowforge stages``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -204,7 +205,9 @@ def test_audit_pool_beyond_what_stage_c_audits_is_refused_in_one_line(tmp_path):
         ledger = open_ledger(load_pipeline(EXAMPLE, [*overrides, f"run.output_dir={tmp_path / str(len(overrides))}"]))
         start, steps = a_steps(pcfg, ledger), c_steps(pcfg, ledger)
         m = 2 if "prompts_per_step=2" in " ".join(overrides) else 4
-        auditor = Auditor(None, pcfg.audit, first_step=start, prompts_per_step=m, run_dir=tmp_path)
+        during = dataclasses.replace(pcfg.audit, closing=False)  # the check counts the audits before C's end
+        auditor = Auditor(None, during, first_step=start, end_step=start + steps, prompts_per_step=m,
+                          run_dir=tmp_path)
         assert audited_groups(pcfg, 220)[0] == m * sum(auditor.due(s) for s in range(start, start + steps))
 
 

@@ -37,3 +37,16 @@ def test_a_pending_audit_is_reported_pending_never_failed(tmp_path):
     assert ("teacher-student agreement, latest (audit at C step 28): Spearman 0.61, pairwise accuracy 0.75 on 4 "
             "groups (pending: the teacher could not order the audited groups)") in text
     assert "pending: 4 groups gathered, no verdict yet" in text and "100 (12)" in text and "0.58 / 0.73" in text
+
+
+def test_a_closing_verdict_is_named_with_its_size(tmp_path):
+    pcfg = load_pipeline(EXAMPLE, [f"run.output_dir={tmp_path}"])
+    ledger = open_ledger(pcfg)
+    run_dir = tmp_path / "digits-stages" / "C"
+    run_dir.mkdir(parents=True)
+    records = [_record(28, "pending"), _record(29, "passed", pooled_groups=6, closing=True)]
+    (run_dir / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = write_pipeline_report(pcfg, ledger, Outcome("done"))
+    _, text = read_report(tmp_path / "digits-stages")
+    assert [(p["verdict"], p["closing"]) for p in summary["agreement"]] == [("pending", False), ("passed", True)]
+    assert "passed (closing verdict, 6 groups)" in text

@@ -14,14 +14,30 @@ from flowforge.orchestrate.stage_trainer import AUDIT_FILE, Auditor, AuditStop, 
 
 
 def test_audits_cover_the_first_groups_then_every_kth_step(tmp_path):
-    auditor = Auditor(None, AuditConfig(first_groups=10, every=5), first_step=23, prompts_per_step=4,
+    auditor = Auditor(None, AuditConfig(first_groups=10, every=5), first_step=23, end_step=100, prompts_per_step=4,
                       run_dir=tmp_path)
     assert [s for s in range(23, 45) if auditor.due(s)] == [23, 24, 25, 30, 35, 40]  # 3 steps cover 10 groups
-    only_first = Auditor(None, AuditConfig(first_groups=4, every=0), first_step=0, prompts_per_step=4,
+    only_first = Auditor(None, AuditConfig(first_groups=4, every=0), first_step=0, end_step=100, prompts_per_step=4,
                          run_dir=tmp_path)
     assert [s for s in range(0, 20) if only_first.due(s)] == [0]
-    none = Auditor(None, AuditConfig(first_groups=0, every=0), first_step=0, prompts_per_step=4, run_dir=tmp_path)
-    assert not any(none.due(s) for s in range(20))
+    none = Auditor(None, AuditConfig(first_groups=0, every=0), first_step=0, end_step=20, prompts_per_step=4,
+                   run_dir=tmp_path)
+    assert not any(none.due(s) for s in range(20))  # no audits, no closing verdict either
+
+
+def test_the_last_steps_of_c_are_audited_for_the_closing_verdict(tmp_path):
+    """The closing window: enough of C's last steps for one pool (ceil(pool_groups / M)), one without pooling."""
+    cfg = AuditConfig(first_groups=4, every=5, pool_groups=10)
+    auditor = Auditor(None, cfg, first_step=23, end_step=44, prompts_per_step=4, run_dir=tmp_path)
+    assert [s for s in range(23, 44) if auditor.due(s)] == [23, 25, 30, 35, 40, 41, 42, 43]  # 3 steps cover 10
+    alone = Auditor(None, AuditConfig(first_groups=4, every=5, pool_groups=0), first_step=23, end_step=44,
+                    prompts_per_step=4, run_dir=tmp_path)
+    assert [s for s in range(23, 44) if alone.due(s)] == [23, 25, 30, 35, 40, 43]
+    off = Auditor(None, dataclasses.replace(cfg, closing=False), first_step=23, end_step=44, prompts_per_step=4,
+                  run_dir=tmp_path)
+    assert [s for s in range(23, 44) if off.due(s)] == [23, 25, 30, 35, 40]
+    short = Auditor(None, cfg, first_step=23, end_step=25, prompts_per_step=4, run_dir=tmp_path)
+    assert [s for s in range(23, 25) if short.due(s)] == [23, 24]  # a C shorter than the window: all of it
 
 
 def test_a_step_audited_again_after_a_resume_keeps_its_first_record(tmp_path):
@@ -53,7 +69,7 @@ def test_pooled_audits_pend_until_the_pool_fills_and_never_reuse_a_judged_group(
     """Issue 39: a verdict used to be taken on the last N audited groups, refilled from older audits (each group
     judged again and again); now each group counts toward one verdict only."""
     cfg = AuditConfig(first_groups=8, every=7, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63)
-    auditor = Auditor(_RankJudge(), cfg, first_step=24, prompts_per_step=4, run_dir=tmp_path)
+    auditor = Auditor(_RankJudge(), cfg, first_step=24, end_step=100, prompts_per_step=4, run_dir=tmp_path)
     teacher_order = torch.arange(8.0).repeat(4)
     _step(auditor, 24, teacher_order)  # 4 of 8 groups: pending, whatever the agreement
     _step(auditor, 25, teacher_order)  # the first verdict, on 24's and 25's groups
@@ -77,7 +93,7 @@ def test_pooled_audits_pend_until_the_pool_fills_and_never_reuse_a_judged_group(
 
 def test_without_pooling_each_step_is_judged_alone(tmp_path):
     alone = AuditConfig(first_groups=4, every=1, pool_groups=0, min_spearman=0.45, min_pairwise_accuracy=0.67)
-    auditor = Auditor(_RankJudge(), alone, first_step=0, prompts_per_step=4, run_dir=tmp_path)
+    auditor = Auditor(_RankJudge(), alone, first_step=0, end_step=100, prompts_per_step=4, run_dir=tmp_path)
     with pytest.raises(AuditStop, match=r"spearman=-1 < audit.min_spearman=0.45;"):
         _step(auditor, 0, -torch.arange(8.0).repeat(4))
     (record,) = read_audits(tmp_path)
@@ -85,8 +101,8 @@ def test_without_pooling_each_step_is_judged_alone(tmp_path):
                                                                                                   False, 4)
     # marks 0, 1/7, ..., 1 tied within 0.15 pair up: 4 of each group's 28 pairs tie, counted apart from the rest
     (tmp_path / "margin").mkdir()
-    margin = Auditor(_RankJudge(), dataclasses.replace(alone, tie_margin=0.15), first_step=0, prompts_per_step=4,
-                     run_dir=tmp_path / "margin")
+    margin = Auditor(_RankJudge(), dataclasses.replace(alone, tie_margin=0.15), first_step=0, end_step=100,
+                     prompts_per_step=4, run_dir=tmp_path / "margin")
     _step(margin, 0, torch.arange(8.0).repeat(4))
     (record,) = read_audits(tmp_path / "margin")
     assert (record["verdict"], record["pairs_compared"], record["pairs_tied"], record["pairs_compared_raw"]) == (
@@ -110,7 +126,7 @@ def test_groups_the_teacher_cannot_order_count_toward_no_verdict(tmp_path):
     judge = _NearTieJudge(flat={25, 35})
     cfg = AuditConfig(first_groups=8, every=7, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63,
                       tie_margin=0.01)
-    auditor = Auditor(judge, cfg, first_step=24, prompts_per_step=4, run_dir=tmp_path)
+    auditor = Auditor(judge, cfg, first_step=24, end_step=100, prompts_per_step=4, run_dir=tmp_path)
     good, reverse = torch.arange(8.0).repeat(4), -torch.arange(8.0).repeat(4)
 
     def step(n, student):
@@ -134,8 +150,8 @@ def test_groups_the_teacher_cannot_order_count_toward_no_verdict(tmp_path):
     # without the margin the same near-tied marks are an order, and the reversed step 25 would count
     (tmp_path / "exact").mkdir()
     exact = Auditor(_NearTieJudge(flat={25}), AuditConfig(first_groups=8, every=7, pool_groups=8,
-                    min_spearman=0.35, min_pairwise_accuracy=0.63), first_step=24, prompts_per_step=4,
-                    run_dir=tmp_path / "exact")
+                    min_spearman=0.35, min_pairwise_accuracy=0.63), first_step=24, end_step=100,
+                    prompts_per_step=4, run_dir=tmp_path / "exact")
     exact.judge.step = 24
     _step(exact, 24, good)
     exact.judge.step = 25
@@ -148,7 +164,7 @@ def test_steps_the_teacher_cannot_order_spend_a_bounded_budget_then_stop(tmp_pat
     judge = _NearTieJudge(flat={25, 28, 35})
     cfg = AuditConfig(first_groups=8, every=7, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63,
                       tie_margin=0.01, max_unaudited=1)
-    auditor = Auditor(judge, cfg, first_step=24, prompts_per_step=4, run_dir=tmp_path)
+    auditor = Auditor(judge, cfg, first_step=24, end_step=100, prompts_per_step=4, run_dir=tmp_path)
     for n in (24, 25):
         judge.step = n
         _step(auditor, n, torch.arange(8.0).repeat(4))
@@ -160,6 +176,47 @@ def test_steps_the_teacher_cannot_order_spend_a_bounded_budget_then_stop(tmp_pat
     assert stop.value.record["stop"] == "unaudited" and stop.value.record["verdict"] == "pending"
     assert [(a["step"], a["verdict"], a["unaudited"]) for a in read_audits(tmp_path)] == [
         (24, "pending", False), (25, "pending", True), (28, "pending", True)]
+
+
+def test_the_closing_verdict_covers_the_last_step_on_whatever_gathered(tmp_path):
+    """The digits pen seed 4 run (low gate) ended C ``done`` with its last audit pending (Spearman 0.08 on 4 groups,
+    never pooled): the policy it handed on had been trained past its last verdict. Now C's last step takes a verdict
+    on every group gathered since the last one, and the window before it defers its verdict to it."""
+    cfg = AuditConfig(first_groups=4, every=10, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63)
+    good, reverse = torch.arange(8.0).repeat(4), -torch.arange(8.0).repeat(4)
+    auditor = Auditor(_RankJudge(), cfg, first_step=24, end_step=30, prompts_per_step=4, run_dir=tmp_path)
+    assert [s for s in range(24, 30) if auditor.due(s)] == [24, 28, 29]  # early, then the closing window of 2
+    _step(auditor, 24, good)
+    _step(auditor, 28, good)  # 8 groups gathered and passing, but in the window: it waits for C's last step
+    with pytest.raises(AuditStop, match=r"spearman=0.3333 < audit.min_spearman=0.35 \(pooled over 12 groups\)"):
+        _step(auditor, 29, reverse)  # the student turned at the very end: 4 reversed of 12
+    audits = read_audits(tmp_path)
+    assert [(a["step"], a["verdict"], a["pooled_steps"], a["closing"]) for a in audits] == [
+        (24, "pending", [24], False), (28, "pending", [24, 28], False), (29, "failed", [24, 28, 29], True)]
+    # without the closing verdict the same run passes at step 28 and trains step 29 on an unaudited student
+    (tmp_path / "off").mkdir()
+    off = Auditor(_RankJudge(), dataclasses.replace(cfg, closing=False), first_step=24, end_step=30,
+                  prompts_per_step=4, run_dir=tmp_path / "off")
+    assert [s for s in range(24, 30) if off.due(s)] == [24]
+    # a full pool in the window that fails does not wait: it stops C at once
+    (tmp_path / "early").mkdir()
+    early = Auditor(_RankJudge(), cfg, first_step=24, end_step=30, prompts_per_step=4, run_dir=tmp_path / "early")
+    _step(early, 24, good)
+    with pytest.raises(AuditStop, match=r"pooled over 8 groups"):
+        _step(early, 28, reverse)
+    assert [(a["step"], a["verdict"], a["closing"]) for a in read_audits(tmp_path / "early")] == [
+        (24, "pending", False), (28, "failed", False)]
+    # a closing verdict is taken on fewer groups than a pool when the teacher could not order the window's others
+    judge = _NearTieJudge(flat={28})
+    tied = Auditor(judge, dataclasses.replace(cfg, tie_margin=0.01), first_step=24, end_step=30,
+                   prompts_per_step=4, run_dir=tmp_path / "off")
+    (tmp_path / "off" / AUDIT_FILE).unlink(missing_ok=True)
+    for n in (24, 28, 29):
+        judge.step = n
+        _step(tied, n, good)
+    audits = read_audits(tmp_path / "off")
+    assert [(a["step"], a["verdict"], a["pooled_groups"], a["closing"]) for a in audits] == [
+        (24, "pending", 4, False), (28, "pending", 4, False), (29, "passed", 8, True)]
 
 
 def test_the_pipeline_trains_with_the_plain_trainer_and_overrides_nothing():
