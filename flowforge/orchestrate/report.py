@@ -257,6 +257,17 @@ def verdict_words(point: dict[str, Any]) -> str:
     return f"{verdict} (closing verdict, {_num(point.get('pooled_groups'))} groups)" if point.get("closing") else verdict
 
 
+def beside_gate(record: dict[str, Any]) -> str:
+    """The Spearman with the teacher, on the gate's test groups, of its baselines and of the eval judges (reference
+    only) in a ``gate.json`` ``record``, as the report prints them ('' when it has neither)."""
+    def row(entries: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {_num(v.get('spearman')) if 'error' not in v else 'not scored'}"
+                         for k, v in entries.items())
+    base, judges = record.get("baselines") or {}, record.get("eval_judges") or {}
+    return ((f" · baselines: {row(base)}" if base else "")
+            + (f" · eval judges (for reference): {row(judges)}" if judges else ""))
+
+
 def _num(value: Any) -> str:
     if value is None:
         return "–"
@@ -366,7 +377,7 @@ def _stage_rows(summary: dict[str, Any], directory: Path) -> list[str]:
         verdict = "passed" if r.get("passed") else "failed: " + "; ".join(r.get("reasons") or [])
         head = esc(f"gate {verdict} · Spearman {_num(test.get('spearman'))}, pairwise accuracy "
                    f"{_num(test.get('pairwise_accuracy'))}, MAE {_num(test.get('mae'))} on "
-                   f"{_num(test.get('groups'))} test groups")
+                   f"{_num(test.get('groups'))} test groups" + beside_gate(r))
         gate = layout.relative(layout.gate_file(r["attempt"])).as_posix()
         what = esc(f"student trained on {r.get('groups')} judged groups of A")
         css = "good" if r.get("passed") else "bad"

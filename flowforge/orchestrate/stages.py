@@ -210,7 +210,7 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
         ValueError: stage A has judged nothing yet.
         UserError: the attempt's ``gate.json`` was judged under other ``student.gate`` values than the config's.
     """
-    from flowforge.reward_model.baselines import baseline_reasons, baselines_on_test, constant_mark
+    from flowforge.reward_model.baselines import baseline_reasons, baselines_on_test, constant_mark, judges_on_test
     from flowforge.reward_model.data import split_groups
     from flowforge.reward_model.gate import gate_on_test
     from flowforge.reward_model.students import load_student
@@ -240,14 +240,17 @@ def run_stage_b(pcfg: Any, ledger: ConditionLedger) -> dict[str, Any]:
     constant = constant_mark(splits["train"])
     verdict = gate_on_test(load_student(result.student_dir, device=s.device), splits["test"], s.gate,
                            constant=constant)
-    baselines = baselines_on_test(s, splits["test"], constant=constant)
+    rows = {r.metadata["sample_id"]: r.metadata for r in load_prompts(resolve_demo_path(pcfg.data.prompts))}
+    baselines = baselines_on_test(s, splits["test"], constant=constant, metadata=rows)
+    judges = judges_on_test(pcfg.eval.scorers, splits["test"], tie_margin=s.gate.tie_margin, metadata=rows,
+                            options=pcfg.reward.options)
     reasons = verdict["reasons"] + baseline_reasons(verdict["test"], baselines, s.gate.min_spearman_above_baselines)
     passed = verdict["passed"] and not reasons
     record = {"attempt": attempt, "student": record_path(layout.root, result.student_dir),
               "groups": len(groups),
               "split_sizes": result.split_sizes, "best_epoch": result.best_epoch, "val": result.val,
               "test": verdict["test"], "held_out": verdict["test"], "null": verdict["null"],
-              "probes": verdict["probes"], "baselines": baselines,
+              "probes": verdict["probes"], "baselines": baselines, "eval_judges": judges,
               "constant_mae": verdict.get("constant_mae"), "passed": passed, "reasons": reasons,
               "budget_a": ledger.budget("A"), "gate_config": thresholds}
     write_bytes(gate, json.dumps(record, indent=1, default=float).encode())

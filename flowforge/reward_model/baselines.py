@@ -14,8 +14,13 @@ baseline          scores of a test group's ``K`` candidates (presented order)
                   ``action_idm``, or ``pkg.module:Factory``) -- the reward a user has without a teacher -- on the
                   candidates' judged frames (decoded from the group's stored JPEGs, a video ``[K, 3, F, H, W]`` for
                   a ``takes_video`` scorer, else each frame scored and the frames averaged), the group's prompt
-                  and empty metadata
+                  and its condition's prompt-row metadata (empty when none is given)
 ================  =================================================================================================
+
+Beside them, for reference and never gated on (:func:`judges_on_test`): the run's independent evaluation judges
+(``eval.scorers``, the free ones), scored the same way. They measure what the teacher is meant to measure by other
+means, so they may agree with it; they never train. A judge where lower is better (a stroke width) agrees with a
+negative Spearman.
 
 With ``student.gate.min_spearman_above_baselines`` the gate also asks the student's test Spearman to reach every
 baseline's plus that margin (:func:`baseline_reasons`).
@@ -28,7 +33,8 @@ its own scale).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,8 +48,10 @@ def _teacher(groups: Sequence[JudgedGroup]) -> list[Tensor]:
     return [torch.tensor(g.scores, dtype=torch.float64) for g in groups]
 
 
-def scorer_predictions(scorer: Any, groups: Sequence[JudgedGroup]) -> list[Tensor]:
-    """``[K]`` float64 scores of ``scorer`` per group (module table, ``<scorer>``); NaN where it gave none."""
+def scorer_predictions(scorer: Any, groups: Sequence[JudgedGroup],
+                       metadata: Mapping[str, Mapping[str, Any]] | None = None) -> list[Tensor]:
+    """``[K]`` float64 scores of ``scorer`` per group (module table, ``<scorer>``); NaN where it gave none.
+    ``metadata``: prompt-row metadata by condition id (a group's candidates each get a copy of its condition's)."""
     from flowforge.rewards.base import takes_video
 
     out = []
@@ -51,13 +59,13 @@ def scorer_predictions(scorer: Any, groups: Sequence[JudgedGroup]) -> list[Tenso
         for group in groups:
             _, candidates = group_frames(group)
             frames = [torch.stack([decode_frame(f) for f in frames]) for frames in candidates]  # [F, 3, H, W] each
-            k = len(frames)
+            k, meta = len(frames), dict((metadata or {}).get(group.condition_id) or {})
             if takes_video(scorer):
                 video = torch.stack([f.transpose(0, 1) for f in frames])  # [K, 3, F, H, W]
-                scores = scorer(video, [group.prompt] * k, [{} for _ in range(k)])
+                scores = scorer(video, [group.prompt] * k, [dict(meta) for _ in range(k)])
             else:
                 flat = torch.cat(frames)
-                per_frame = scorer(flat, [group.prompt] * len(flat), [{} for _ in range(len(flat))])
+                per_frame = scorer(flat, [group.prompt] * len(flat), [dict(meta) for _ in range(len(flat))])
                 scores = torch.stack([s.mean() for s in torch.split(per_frame, [len(f) for f in frames])])
             out.append(scores.detach().double().cpu().view(-1))
     return out
@@ -70,10 +78,12 @@ def constant_mark(groups: Sequence[JudgedGroup]) -> float:
     return float(torch.tensor(marks, dtype=torch.float64).median()) if marks else 0.5
 
 
-def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup], *, constant: float) -> dict[str, dict[str, float]]:
+def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup], *, constant: float,
+                      metadata: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, float]]:
     """``{"init": ..., "constant": ..., <scorer>: ...}``: the module table's agreements on ``groups`` for the
     :class:`~flowforge.reward_model.config.StudentConfig` ``cfg`` (``{}`` without groups); ``constant`` is the
-    constant predictor's mark (:func:`constant_mark` of the training split).
+    constant predictor's mark (:func:`constant_mark` of the training split); ``metadata`` as
+    :func:`scorer_predictions`.
 
     Raises:
         ValueError: a name in ``cfg.gate.baselines`` that is no scorer (the registry lists the allowed ones).
@@ -90,7 +100,31 @@ def baselines_on_test(cfg: Any, groups: Sequence[JudgedGroup], *, constant: floa
            "constant": {**agreement([torch.full((len(g.scores),), constant, dtype=torch.float64) for g in groups],
                                     teacher, margin), "mark": constant}}
     for name in cfg.gate.baselines:
-        out[name] = agreement(scorer_predictions(build_scorer(name), groups), teacher, margin)
+        out[name] = agreement(scorer_predictions(build_scorer(name), groups, metadata), teacher, margin)
+    return out
+
+
+def judges_on_test(names: Sequence[str], groups: Sequence[JudgedGroup], *, tie_margin: float,
+                   metadata: Mapping[str, Mapping[str, Any]] | None = None,
+                   options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """``{name: agreement}`` with the teacher on ``groups`` of each independent evaluation judge in ``names``
+    (``eval.scorers``, built with its ``options``), for reference beside the gate (module docstring); a paid scorer
+    (the teacher itself, billed per request) is left out, and a judge that cannot score these groups (its
+    metadata missing, ...) is recorded as ``{"error": "<why>"}`` rather than stopping the gate it only annotates.
+    ``{}`` without groups."""
+    from flowforge.rewards.base import is_paid
+    from flowforge.rewards.registry import build_scorer
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in names if groups else ():
+        try:
+            scorer = build_scorer(name, **dict((options or {}).get(name) or {}))
+            if is_paid(scorer):
+                continue
+            out[name] = agreement(scorer_predictions(scorer, groups, metadata), _teacher(groups), tie_margin)
+        except Exception as exc:  # noqa: BLE001 -- a reference number, not a verdict: say why it is missing
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            logging.getLogger("flowforge").warning("eval judge %s beside the gate: %s", name, out[name]["error"])
     return out
 
 

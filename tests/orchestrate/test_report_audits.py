@@ -50,3 +50,19 @@ def test_a_closing_verdict_is_named_with_its_size(tmp_path):
     _, text = read_report(tmp_path / "digits-stages")
     assert [(p["verdict"], p["closing"]) for p in summary["agreement"]] == [("pending", False), ("passed", True)]
     assert "passed (closing verdict, 6 groups)" in text
+
+
+def test_the_report_prints_the_baselines_and_eval_judges_beside_the_gate(tmp_path):
+    pcfg = load_pipeline(EXAMPLE, [f"run.output_dir={tmp_path}"])
+    ledger = open_ledger(pcfg)
+    attempt = tmp_path / "digits-stages" / "B" / "attempt_0"
+    attempt.mkdir(parents=True)
+    gate = {"attempt": 0, "passed": True, "reasons": [], "groups": 96, "budget_a": 96,
+            "held_out": {"spearman": 0.61, "pairwise_accuracy": 0.75, "mae": 0.1, "groups": 12},
+            "baselines": {"init": {"spearman": 0.15}, "constant": {"spearman": 0.0}},
+            "eval_judges": {"digit_eval": {"spearman": 0.42}, "broken": {"error": "KeyError: 'x'"}}}
+    (attempt / "gate.json").write_text(json.dumps(gate))
+    write_pipeline_report(pcfg, ledger, Outcome("partial", "ran stage B only"))
+    _, text = read_report(tmp_path / "digits-stages")
+    assert ("on 12 test groups · baselines: init 0.15, constant 0 · eval judges (for reference): digit_eval 0.42, "
+            "broken not scored") in text

@@ -55,6 +55,9 @@ def test_gate_failure_extends_stage_a_up_to_the_cap_then_stops(pipeline):
             # every baseline the student did not beat by 1.0 Spearman (the constant's 0: a perfect student only) is a
             # reason of the failed gate
             assert sorted(g["baselines"]) == ["constant", "init"]
+            # the run's eval judge beside them, for reference: agreement with the teacher, never a reason
+            assert set(g["eval_judges"]) == {"digit_eval"} and g["eval_judges"]["digit_eval"]["groups"] >= 1
+            assert not any("digit_eval" in r for r in g["reasons"])
             assert all(f"is not 1 above the {name} baseline's" in " ".join(g["reasons"]) for name in g["baselines"])
     assert not (directory / "C").exists()
     summary = json.loads((directory / "summary.json").read_text())

@@ -48,3 +48,6 @@ def test_the_world_pipeline_runs_a_b_c_billing_each_teacher_request_once(tmp_pat
     assert set(gate["baselines"]) == {"init", "constant", "action_idm"}
     if gate["split_sizes"]["test"]:
         assert gate["baselines"]["constant"]["spearman"] in (0.0, None) or gate["baselines"]["constant"]["groups"]
+        # the independent eval judges beside the gate read each condition's real clip and actions: none failed
+        assert set(gate["eval_judges"]) == set(pcfg.eval.scorers)
+        assert all("error" not in v and v["groups"] >= 1 for v in gate["eval_judges"].values()), gate["eval_judges"]

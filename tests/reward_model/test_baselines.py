@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from flowforge.reward_model.baselines import baselines_on_test, constant_mark, scorer_predictions
+from flowforge.reward_model.baselines import baselines_on_test, constant_mark, judges_on_test, scorer_predictions
 from flowforge.reward_model.config import GateThresholds, student_config
 from flowforge.reward_model.evaluate import agreement
 from flowforge.reward_model.gate import gate_on_test
@@ -123,3 +123,45 @@ def test_the_constant_baseline_is_the_training_split_median_and_the_gate_can_req
     assert verdict["constant_mae"] == pytest.approx(float((rest - mark).abs().mean()))
     with pytest.raises(ValueError, match="mae_below_constant needs"):
         gate_on_test(Teacher(), test, strict)
+
+
+class SignedBrightness:
+    """Per image: ``sign`` x its mean brightness, negated where the prompt row's metadata says ``flip``."""
+
+    name = "signed_brightness"
+    needs_group = False
+
+    def __init__(self, sign: float = 1.0) -> None:
+        self.sign = sign
+
+    def __call__(self, media, prompts, metadata):
+        flip = torch.tensor([-1.0 if m.get("flip") else 1.0 for m in metadata])
+        return self.sign * flip * media.flatten(1).mean(1)
+
+
+class PaidJudge(SignedBrightness):
+    paid = True  # billed per request: never asked beside the gate
+
+
+class Broken(SignedBrightness):
+    def __call__(self, media, prompts, metadata):
+        raise KeyError("real_clip")
+
+
+def test_eval_judges_beside_the_gate_get_the_rows_metadata_and_options(tmp_path, caplog):
+    """The issue: the independent eval judges are printed beside the gate's baselines for reference. They read
+    their condition's prompt-row metadata (the world judges' real clip and actions) and their reward.options; a
+    paid one is never asked; one that cannot score is recorded with its reason, not a crash."""
+    groups = support.synthetic_groups(tmp_path / "g", 4)  # teacher mark = brightness
+    here = "tests.reward_model.test_baselines"
+    names = [f"{here}:SignedBrightness", f"{here}:PaidJudge", f"{here}:Broken"]
+    plain = judges_on_test(names, groups, tie_margin=0.0)
+    assert set(plain) == {names[0], names[2]}  # the paid judge left out
+    assert plain[names[0]]["spearman"] == pytest.approx(1.0) and plain[names[0]]["groups"] == 4
+    assert plain[names[2]] == {"error": "KeyError: 'real_clip'"} and "eval judge" in caplog.text
+    flipped = {g.condition_id: {"flip": True} for g in groups[:2]}  # the row's metadata reaches the judge
+    some = judges_on_test(names[:1], groups, tie_margin=0.0, metadata=flipped)[names[0]]
+    assert some["spearman"] == pytest.approx(0.0)  # two groups reversed, two in order
+    negated = judges_on_test(names[:1], groups, tie_margin=0.0, options={names[0]: {"sign": -1.0}})
+    assert negated[names[0]]["spearman"] == pytest.approx(-1.0)
+    assert judges_on_test(names, [], tie_margin=0.0) == {}
