@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             shutdown()
         if main:
-            print(f"held-out eval of each arm (gain over A's hand-off in brackets):\n{format_arm_table(table)}\n"
-                  f"table: {pipeline_dir(pcfg) / 'arms' / 'arms.json'}")
+            print("held-out eval of each arm (gain over A's hand-off ± its paired SE in brackets):\n"
+                  f"{format_arm_table(table)}\ntable: {pipeline_dir(pcfg) / 'arms' / 'arms.json'}")
         exit_now(0)
         return 0
 

@@ -23,7 +23,10 @@ stages A and B (:func:`handoff_records`), so the arm's C draws exactly the condi
 same order. If stage A later changes (the gate extended it), a rerun of the arm is refused (its hand-off is stale).
 
 ``arms.json`` (:func:`arm_table`) puts the independent evaluation of each arm beside the base and the hand-off: the
-comparison a user reads to see whether distillation helped.
+comparison a user reads to see whether distillation helped. Every evaluation scores the same held-out prompts with
+the same fixed noise, so each gain over the hand-off (``gain_se``) and the student's difference from the proxy and
+the teacher arms (the student row's ``versus``) carries its standard error paired over the prompts
+(:func:`flowforge.report.verdict.change_se`, from the per-sample scores each evaluation keeps beside its grid).
 """
 
 from __future__ import annotations
@@ -194,61 +197,101 @@ def arm_table(pcfg: Any) -> dict[str, Any]:
     (no C checkpoint precedes the last verdict that counts). ``source`` says which (``"C"``, ``"last_good"``,
     ``"handoff"``).
     """
-    from flowforge.orchestrate.evals import last_eval, last_good_eval
+    from flowforge.orchestrate.evals import c_checkpoint_step, last_eval, last_good_eval
     from flowforge.orchestrate.stage_trainer import audit_stops, last_good_c_checkpoint, read_audits
     from flowforge.report.run import read_jsonl
 
     layout = PipelineLayout.of(pcfg)
     rows: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Path] = {}  # the run directory whose samples/ hold each row's per-sample scores
     a_eval = layout.a_run / "eval.jsonl"
     if a_eval.is_file():
         evals, _ = read_jsonl(a_eval)
         if evals:
             rows["base"] = evals[0]
             rows["handoff"] = evals[-1]
+            runs["base"] = runs["handoff"] = layout.a_run
     sources = {}
     audits = read_audits(layout.c_run)
     if audit_stops(audits):  # stopped: the stop's rule
         good = last_good_c_checkpoint(layout.c_run, audits)
         evaluated = last_good_eval(layout, good)
         if good is None and "handoff" in rows:  # back to stage A's checkpoint: the pipeline hands on A's policy
-            rows["student"], sources["student"] = rows["handoff"], "handoff"
+            rows["student"], sources["student"], runs["student"] = rows["handoff"], "handoff", layout.a_run
         elif evaluated:
             rows["student"], sources["student"] = evaluated, "last_good"
+            runs["student"] = layout.last_good_run(c_checkpoint_step(layout, good))
     elif c_eval := last_eval(layout.c_run):
-        rows["student"], sources["student"] = c_eval, "C"
+        rows["student"], sources["student"], runs["student"] = c_eval, "C", layout.c_run
     for arm in ARMS:
         found = last_eval(arm_dir(pcfg, arm) / "C") if arm != "student" else {}
         if found:
-            rows[arm], sources[arm] = found, "C"
+            rows[arm], sources[arm], runs[arm] = found, "C", arm_dir(pcfg, arm) / "C"
     handoff = rows.get("handoff", {})
     table = {}
     for name, row in rows.items():
         metrics = {k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))}
         gain = {k: v - handoff[k] for k, v in metrics.items() if isinstance(handoff.get(k), (int, float))}
-        table[name] = {"step": row.get("step"), "metrics": metrics, "gain": gain}
+        table[name] = {"step": row.get("step"), "metrics": metrics, "gain": gain,
+                       "gain_se": _paired_se(runs, rows, "handoff", name, gain)}
         if name in sources:
             table[name]["source"] = sources[name]
+    for other in ("proxy", "teacher"):  # what the user asks: did the student beat the arm without it?
+        if "student" in rows and other in rows:
+            diff = {k: v - table[other]["metrics"][k] for k, v in table["student"]["metrics"].items()
+                    if k in table[other]["metrics"]}
+            table["student"].setdefault("versus", {})[other] = {
+                "diff": diff, "se": _paired_se(runs, rows, other, "student", diff)}
     out = layout.root / ARMS_DIR / ARM_TABLE_FILE
     if out.parent.is_dir():
         write_bytes(out, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode("utf-8"))
     return table
 
 
+def _paired_se(runs: dict[str, Path], rows: dict[str, dict[str, Any]], start: str, end: str,
+               keys: dict[str, float]) -> dict[str, float | None]:
+    """``{metric: SE of rows[end] - rows[start]}`` for each metric of ``keys``, paired over the held-out prompts
+    (:func:`flowforge.report.verdict.change_se`) from the per-sample scores beside each evaluation's grid
+    (``<run>/samples/step_<n>.png``); None where a row has no such scores (a metric that is no per-sample score,
+    or an evaluation written before they were kept)."""
+    from flowforge.report.run import find_grids
+    from flowforge.report.verdict import change_se, eval_points
+
+    out: dict[str, float | None] = {}
+    if start not in runs or end not in runs:
+        return {k: None for k in keys}
+    steps = {n: int(rows[n]["step"]) for n in (start, end)}
+    grids = {n: [g for g in find_grids(runs[n]) if g[0] == steps[n]] for n in (start, end)}
+    for key in keys:
+        a, b = (eval_points(grids[n], key).get(steps[n]) for n in (start, end))
+        se = change_se(a, b)[0] if a is not None and b is not None else None
+        out[key] = se if se is None or se == se else None  # NaN (fewer than 2 prompts): no error bar
+    return out
+
+
 def format_arm_table(table: dict[str, Any]) -> str:
     """The arm table as text: one row per arm, one column per eval metric (the value, then the gain over the
-    hand-off in brackets)."""
+    hand-off ± its paired standard error in brackets), then the student's differences from the other arms."""
     metrics = sorted({k for row in table.values() for k in row["metrics"]})
     if not metrics:
         return "no evaluation yet"
+
+    def change(value: float | None, se: float | None) -> str:
+        return "" if value is None else f" ({value:+.4f}" + ("" if se is None else f" ± {se:.4f}") + ")"
+
     head = ["arm", "step", *[m.removeprefix("eval/") for m in metrics]]
-    lines = ["  ".join(f"{h:>14}" for h in head)]
+    lines = ["  ".join(f"{h:>24}" for h in head)]
     for name, row in table.items():
         source = row.get("source")
-        cells = [name if source in (None, "C") else f"{name} ({source})", str(row["step"])]
+        cells = [name if source in (None, "C") else f"{name} ({source})",
+                 "-" if row["step"] is None else str(int(row["step"]))]
         for m in metrics:
             v, g = row["metrics"].get(m), row["gain"].get(m)
-            cells.append("-" if v is None else f"{v:.4f}" + ("" if g is None or name in ("handoff", "base")
-                                                               else f" ({g:+.4f})"))
-        lines.append("  ".join(f"{c:>14}" for c in cells))
+            cells.append("-" if v is None else f"{v:.4f}" + ("" if name in ("handoff", "base")
+                                                               else change(g, row.get("gain_se", {}).get(m))))
+        lines.append("  ".join(f"{c:>24}" for c in cells))
+    for name, row in (table.get("student", {}).get("versus") or {}).items():
+        cells = [f"student - {name}", "", *[change(row["diff"].get(m), row["se"].get(m)).strip(" ()") or "-"
+                                            for m in metrics]]
+        lines.append("  ".join(f"{c:>24}" for c in cells))
     return "\n".join(lines)

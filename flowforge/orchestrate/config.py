@@ -359,8 +359,9 @@ def check_pipeline(pcfg: Any, *, this_machine: bool = True, stage: str | None = 
     and audit rules, the teacher's scorer, and both stage run configs through
     :func:`flowforge.train.preflight.preflight` (with a placeholder endpoint; ``this_machine`` as there). Returns the
     warnings. ``stage`` (``--stage``, or ``"arm"`` for ``--arm``): the gate and audit thresholds of stages that do
-    not run (:data:`LATER_CHECKS`) are warnings (stage A alone needs no reachable gate; an arm has neither). ``notes``: gets what ``flowforge check`` prints besides
-    (the audits' size and power, :func:`flowforge.orchestrate.thresholds.design_line`).
+    not run (:data:`LATER_CHECKS`) are warnings (stage A alone needs no reachable gate; an arm has neither).
+    ``notes``: gets what ``flowforge check`` prints besides (the audit schedule, and the audits' size and power,
+    :func:`flowforge.orchestrate.thresholds.design_line`).
 
     Raises:
         ConfigError: every problem found, in one error.

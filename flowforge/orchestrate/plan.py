@@ -24,7 +24,6 @@ problem of :func:`capacity_problems` that names the largest one that fits.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Mapping, Sequence
 from typing import Any
 

@@ -254,16 +254,16 @@ def verdict_words(point: dict[str, Any]) -> str:
     if verdict == "pending":
         return ("pending: the teacher could not order the audited groups" if point.get("unaudited")
                 else f"pending: {_num(point.get('pooled_groups'))} groups gathered, no verdict yet")
-    return f"{verdict} (closing verdict, {_num(point.get('pooled_groups'))} groups)" if point.get("closing") else verdict
+    closing = f" (closing verdict, {_num(point.get('pooled_groups'))} groups)" if point.get("closing") else ""
+    return verdict + closing
 
 
 def beside_gate(record: dict[str, Any]) -> str:
     """The Spearman with the teacher, on the gate's test groups, of its baselines and of the eval judges (reference
     only) in a ``gate.json`` ``record``, as the report prints them ('' when it has neither)."""
-    def row(entries: dict[str, Any]) -> str:
-        return ", ".join(f"{k} {_num(v.get('spearman')) if 'error' not in v else 'not scored'}"
-                         for k, v in entries.items())
     base, judges = record.get("baselines") or {}, record.get("eval_judges") or {}
+    row = lambda entries: ", ".join(f"{k} {'not scored' if 'error' in v else _num(v.get('spearman'))}"  # noqa: E731
+                                    for k, v in entries.items())
     return ((f" · baselines: {row(base)}" if base else "")
             + (f" · eval judges (for reference): {row(judges)}" if judges else ""))
 

@@ -5,14 +5,19 @@ the arm table puts every arm beside the base and the hand-off."""
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 
 import pytest
 
-from flowforge.orchestrate.arms import _a_takes, arm_dir, arm_table, handoff_records, run_arm_pipeline
+from flowforge.orchestrate.arms import (_a_takes, arm_dir, arm_table, format_arm_table, handoff_records,
+                                        run_arm_pipeline)
 from flowforge.orchestrate.config import load_pipeline
 from flowforge.orchestrate.stages import run_pipeline
+from flowforge.report.grids import read_eval_scores
+from flowforge.report.run import find_grids
 from flowforge.rewards.judge.protocol import billed_per_group, read_request_log
 from flowforge.runtime.errors import UserError
 from tests.orchestrate.support import write_pipeline
@@ -34,6 +39,13 @@ def test_the_hand_off_keeps_everything_but_stage_c_and_a_changed_a_is_seen():
     extended = lines + [json.dumps({"kind": "extend", "key": "gate-1", "amount": 2, "budget_a": 4})]
     assert _a_takes(lines) != _a_takes(extended)  # an extension of A makes an arm's hand-off stale
     assert _a_takes(lines) == _a_takes(lines[:2])  # B's marks and C's records do not
+
+
+def _prompt_means(run_dir, step):
+    """Each held-out prompt's mean digit_eval at the evaluation of ``step`` (samples are prompt-major)."""
+    k, scores = read_eval_scores(dict(find_grids(run_dir))[int(step)])
+    values = scores["digit_eval"]
+    return [statistics.fmean(values[i * k:(i + 1) * k]) for i in range(len(values) // k)]
 
 
 def _takes(path, stage):
@@ -72,6 +84,18 @@ def test_the_teacher_and_proxy_arms_train_stage_c_on_the_students_conditions(pip
         assert "eval/digit_eval" in row["metrics"]
     gain = table["proxy"]["metrics"]["eval/digit_eval"] - table["handoff"]["metrics"]["eval/digit_eval"]
     assert table["proxy"]["gain"]["eval/digit_eval"] == pytest.approx(gain)
+    # its standard error, paired over the held-out prompts, from the per-sample scores beside each evaluation's grid
+    means = {name: _prompt_means(run, table[name]["step"]) for name, run in
+             (("handoff", directory / "A"), ("proxy", arm_dir(pcfg, "proxy") / "C"), ("student", directory / "C"))}
+    diffs = [b - a for a, b in zip(means["handoff"], means["proxy"], strict=True)]
+    assert len(diffs) == 2 and table["proxy"]["gain_se"]["eval/digit_eval"] == pytest.approx(
+        statistics.stdev(diffs) / math.sqrt(len(diffs)))
+    versus = table["student"]["versus"]["proxy"]  # did the student beat the arm without it, by how many SE
+    assert versus["diff"]["eval/digit_eval"] == pytest.approx(
+        table["student"]["metrics"]["eval/digit_eval"] - table["proxy"]["metrics"]["eval/digit_eval"])
+    diffs = [b - a for a, b in zip(means["proxy"], means["student"], strict=True)]
+    assert versus["se"]["eval/digit_eval"] == pytest.approx(statistics.stdev(diffs) / math.sqrt(len(diffs)))
+    assert "student - proxy" in format_arm_table(table) and " ± " in format_arm_table(table)
     assert json.loads((directory / "arms" / "arms.json").read_text()) == json.loads(json.dumps(table))
     assert arm_table(pcfg) == table  # rerun: every arm is done, nothing trains again
     assert run_arm_pipeline(pcfg, "teacher", progress=False) == table

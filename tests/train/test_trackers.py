@@ -7,6 +7,7 @@ import json
 import logging
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,16 @@ def _wandb_records(wandb_root: Path):
     from wandb.proto import wandb_internal_pb2
 
     (path,) = wandb_root.glob("wandb/offline-run-*/run-*.wandb")
+    for _ in range(100):  # wandb's service may still be appending after finish() returns: wait for the exit record
+        records = _read_records(path, wandb_internal_pb2)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        time.sleep(0.1)
+    return path.parent, records
+
+
+def _read_records(path: Path, schema) -> list:
+    """The records of a ``.wandb`` transaction log (:func:`_wandb_records`), decoded with ``schema``."""
     data = path.read_bytes()
     assert data[:4] == b":W&B"
     pos, pending, out = 7, b"", []
@@ -57,11 +68,11 @@ def _wandb_records(wandb_root: Path):
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
+            record = schema.Record()
             record.ParseFromString(pending)
             out.append(record)
             pending = b""
-    return path.parent, out
+    return out
 
 
 def _wandb_history(records):
