@@ -27,6 +27,7 @@ from flowforge.models.base import (HOOK_MEMBERS, REQUIRED_MEMBERS, FlowModel, ch
                                    missing_members)
 from flowforge.models.family import Family
 from flowforge.models.hub import resolve_model_path
+from flowforge.models.load import own_aligned_storage
 from flowforge.runtime.errors import UserError
 from flowforge.runtime.imports import import_object
 
@@ -239,4 +240,5 @@ def build_adapter(name: str, path: str, **kw: Any) -> FlowModel:
                            f"FlowModel: missing {missing_members(adapter)} (AdapterMixin gives the defaults of the "
                            f"optional hooks {list(HOOK_MEMBERS)})", what_an_adapter_is())
     check_condition_slot(adapter)
+    own_aligned_storage(adapter)  # a model loaded from disk computes what the same weights in memory compute
     return adapter

@@ -253,19 +253,20 @@ def _paired_se(runs: dict[str, Path], rows: dict[str, dict[str, Any]], start: st
     """``{metric: SE of rows[end] - rows[start]}`` for each metric of ``keys``, paired over the held-out prompts
     (:func:`flowforge.report.verdict.change_se`) from the per-sample scores beside each evaluation's grid
     (``<run>/samples/step_<n>.png``); None where a row has no such scores (a metric that is no per-sample score,
-    or an evaluation written before they were kept)."""
+    or an evaluation written before they were kept) or the two evaluations did not score the same prompts (no
+    pairing: no paired error bar)."""
     from flowforge.report.run import find_grids
     from flowforge.report.verdict import change_se, eval_points
 
     out: dict[str, float | None] = {}
-    if start not in runs or end not in runs:
+    if start not in runs or end not in runs or rows[start].get("step") is None or rows[end].get("step") is None:
         return {k: None for k in keys}
     steps = {n: int(rows[n]["step"]) for n in (start, end)}
     grids = {n: [g for g in find_grids(runs[n]) if g[0] == steps[n]] for n in (start, end)}
     for key in keys:
         a, b = (eval_points(grids[n], key).get(steps[n]) for n in (start, end))
-        se = change_se(a, b)[0] if a is not None and b is not None else None
-        out[key] = se if se is None or se == se else None  # NaN (fewer than 2 prompts): no error bar
+        se, paired = change_se(a, b) if a is not None and b is not None else (None, False)
+        out[key] = se if paired and se == se else None  # NaN (fewer than 2 prompts) or unpaired: no error bar
     return out
 
 

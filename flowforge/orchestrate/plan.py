@@ -140,10 +140,11 @@ def capacity_problems(pcfg: Any, total: int) -> list[str]:
 
 
 def audited_groups(pcfg: Any, total: int) -> tuple[int, str]:
-    """``(groups, how)``: how many groups stage C's audits see at ``stages.n_a`` before its closing window (its steps
-    by :func:`stage_steps`, audited by the one schedule :meth:`AuditConfig.due
-    <flowforge.orchestrate.config.AuditConfig.due>` with ``closing`` off: a pool larger than that is reached only by
-    the closing verdict, so no audit could stop C before its end), and the plan in words."""
+    """``(groups, how)``: how many groups stage C's audits see at ``stages.n_a`` from their first-groups and periodic
+    schedule alone (its steps by :func:`stage_steps`, audited by the one schedule :meth:`AuditConfig.due
+    <flowforge.orchestrate.config.AuditConfig.due>` with ``closing`` off): a larger pool fills, if at all, only in
+    the closing window, so no audit could stop C before it. ``how``: the plan in words, with the closing window's
+    groups."""
     a = pcfg.audit
     start = stage_steps(pcfg, "A", pcfg.stages.n_a)
     steps = stage_steps(pcfg, "C", total - pcfg.stages.n_a, start=start)

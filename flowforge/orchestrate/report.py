@@ -261,11 +261,11 @@ def verdict_words(point: dict[str, Any]) -> str:
 def beside_gate(record: dict[str, Any]) -> str:
     """The Spearman with the teacher, on the gate's test groups, of its baselines and of the eval judges (reference
     only) in a ``gate.json`` ``record``, as the report prints them ('' when it has neither)."""
+    def row(entries: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {'not scored' if 'error' in v else _num(v.get('spearman'))}" for k, v in entries.items())
     base, judges = record.get("baselines") or {}, record.get("eval_judges") or {}
-    row = lambda entries: ", ".join(f"{k} {'not scored' if 'error' in v else _num(v.get('spearman'))}"  # noqa: E731
-                                    for k, v in entries.items())
-    return ((f" · baselines: {row(base)}" if base else "")
-            + (f" · eval judges (for reference): {row(judges)}" if judges else ""))
+    return (f" · baselines: {row(base)}" if base else "") + (f" · eval judges (for reference): {row(judges)}"
+                                                            if judges else "")
 
 
 def _num(value: Any) -> str:

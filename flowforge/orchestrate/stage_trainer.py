@@ -37,11 +37,13 @@ error of ~0.15 in Spearman, too noisy to tell a good student from one at the gat
 checkpoint. With ``audit.closing`` (the default) C's last steps are audited too, enough for one pool, and C's
 last step takes the *closing* verdict on every orderable group gathered since the last verdict however many
 (``closing: true``); before it a full pool of the window that fails stops C at once, one that passes stays pending
-and joins the closing verdict. So the policy C hands on is trained only on steps
-a verdict covers: a run that ends ``done`` passed a verdict at its last step. ``flowforge check`` states a verdict's
-size and power (:func:`flowforge.orchestrate.thresholds.
-audit_design`). With ``audit.tie_margin`` teacher marks that close are ties (its retest noise): only groups the
-teacher can order at all count toward the ``N`` (a group whose marks all tie is kept in ``audit.jsonl`` but judges
+and joins the closing verdict. So the policy C hands on is trained only on steps a verdict covers: a run that ends
+``done`` passed a verdict at its last step. A last step with nothing the teacher could order since the last verdict
+stops C (``stop: unaudited``); a last step whose own groups it cannot order takes the closing verdict on the
+window's other groups (recorded ``unaudited: true``, without spending the budget's stop). ``flowforge check``
+states a verdict's size and power (:func:`flowforge.orchestrate.thresholds.audit_design`). With
+``audit.tie_margin`` teacher marks that close are ties (its retest noise): only groups the teacher can order at all
+count toward the ``N`` (a group whose marks all tie is kept in ``audit.jsonl`` but judges
 nothing); a step none of whose answered groups the teacher can order is *unaudited* (``unaudited: true``), and
 the ``audit.max_unaudited + 1``-th such step stops the stage (``stop: unaudited``).
 
@@ -188,18 +190,26 @@ class Auditor:
         pending = bool(kept) and (not pooled if closing else
                                   unaudited or len(pooled) < max(self.cfg.pool_groups, 1))
         reasons, stop = [], None
+        if not kept:  # nothing to compare is not agreement: a step the teacher answered none of stops C
+            reasons.append(f"the teacher answered none of the {len(groups)} audited groups of step {step}: no "
+                           "agreement to measure")
         for metric, bound in (("spearman", self.cfg.min_spearman),
                               ("pairwise_accuracy", self.cfg.min_pairwise_accuracy)):
             value = result.get(metric, math.nan)
-            if not pending and not value >= bound:  # NaN fails: nothing to compare is not agreement
+            if kept and not pending and not value >= bound:
                 reasons.append(f"{metric}={value:.4g} < audit.min_{metric}={bound:g}"
                                + (f" (pooled over {len(pooled)} groups)" if self.cfg.pool_groups else ""))
         if not (pending or reasons or closing) and step >= self.end - self.cfg.closing_steps(self.m):
             pending = True  # a full pool in the closing window that fails stops C now; one that passes waits, and
-            # C's last step judges its groups with the rest (so the closing verdict covers the last step)
+            # C's last step judges its groups with the rest (and with its own, where the teacher can order them)
         if reasons:
             stop = "agreement"
-        elif unaudited and spent > self.cfg.max_unaudited:
+        elif closing and pending:  # answered, but no group since the last verdict the teacher could order
+            stop = "unaudited"
+            reasons.append(f"C's last step {step}: the teacher could not order any group audited since the last "
+                           f"verdict (marks within audit.tie_margin={margin:g}), so the policy C hands on would have "
+                           "no verdict (audit.closing)")
+        elif unaudited and spent > self.cfg.max_unaudited and not closing:  # a closing verdict was taken instead
             stop = "unaudited"
             reasons.append(f"the teacher could not order any of the {len(kept)} audited groups (marks within "
                            f"audit.tie_margin={margin:g}) at {spent} audited steps > audit.max_unaudited="

@@ -233,8 +233,8 @@ def threshold_problems(pcfg: Any, test_groups: int | None = None, audited: tuple
                         f"{pcfg.data.prompts_per_step} (one audited step's groups)")
     if audited is not None and a.pool_groups > audited[0] and (a.first_groups > 0 or a.every > 0):
         problems.append(f"audit.pool_groups={a.pool_groups} exceeds the {audited[0]} groups stage C audits "
-                        f"({audited[1]}): no pooled verdict would be reached before C's last step, so no audit "
-                        f"could stop C before its end; give at most {audited[0]}, or audit more (audit.first_groups, "
+                        f"({audited[1]}): no pooled verdict would be reached before C's closing window, so no audit "
+                        f"could stop C before it; give at most {audited[0]}, or audit more (audit.first_groups, "
                         "audit.every)")
         skip = ("audit",)  # its null at a pool never reached says nothing (and costs time)
     gate_where = f"{n_test} test groups at stages.n_a={pcfg.stages.n_a} (K={k} candidates each)"

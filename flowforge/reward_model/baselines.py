@@ -108,10 +108,10 @@ def judges_on_test(names: Sequence[str], groups: Sequence[JudgedGroup], *, tie_m
                    metadata: Mapping[str, Mapping[str, Any]] | None = None,
                    options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """``{name: agreement}`` with the teacher on ``groups`` of each independent evaluation judge in ``names``
-    (``eval.scorers``, built with its ``options``), for reference beside the gate (module docstring); a paid scorer
-    (the teacher itself, billed per request) is left out, and a judge that cannot score these groups (its
-    metadata missing, ...) is recorded as ``{"error": "<why>"}`` rather than stopping the gate it only annotates.
-    ``{}`` without groups."""
+    (``eval.scorers``, built with its ``options``), for reference beside the gate (module docstring). A scorer that
+    is paid once built (``paid``, which a judge's options decide: the teacher itself, billed per request) is left out
+    unasked; a judge that cannot be built or cannot score these groups (its metadata missing, ...) is recorded as
+    ``{"error": "<why>"}`` rather than stopping the gate it only annotates. ``{}`` without groups."""
     from flowforge.rewards.base import is_paid
     from flowforge.rewards.registry import build_scorer
 

@@ -209,6 +209,17 @@ def test_audit_pool_beyond_what_stage_c_audits_is_refused_in_one_line(tmp_path):
         auditor = Auditor(None, during, first_step=start, end_step=start + steps, prompts_per_step=m,
                           run_dir=tmp_path)
         assert audited_groups(pcfg, 220)[0] == m * sum(auditor.due(s) for s in range(start, start + steps))
+    # by hand for the example at 220 conditions: C runs steps 24..54; the first 8 groups (24, 25), every 7th (28, 35,
+    # 42, 49); the closing window of ceil(8 / 4) = 2 steps (53, 54) is counted apart
+    pcfg = load_pipeline(EXAMPLE)
+    auditor = Auditor(None, pcfg.audit, first_step=24, end_step=55, prompts_per_step=4, run_dir=tmp_path)
+    assert [s for s in range(24, 55) if auditor.due(s)] == [24, 25, 28, 35, 42, 49, 53, 54]
+    assert audited_groups(pcfg, 220) == (24, "31 steps of 4 conditions from step 24: the first 8 groups, then every "
+                                             "7th step: 24 groups, and 8 more of C's last steps for the closing "
+                                             "verdict")
+    notes: list[str] = []
+    check_pipeline(pcfg, notes=notes)
+    assert f"audit schedule: {audited_groups(pcfg, 220)[1]}" in notes  # what flowforge check prints
 
 
 def test_the_null_s_normal_approximation_meets_the_permutation_draws():

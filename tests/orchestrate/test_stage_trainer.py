@@ -206,17 +206,56 @@ def test_the_closing_verdict_covers_the_last_step_on_whatever_gathered(tmp_path)
         _step(early, 28, reverse)
     assert [(a["step"], a["verdict"], a["closing"]) for a in read_audits(tmp_path / "early")] == [
         (24, "pending", False), (28, "failed", False)]
-    # a closing verdict is taken on fewer groups than a pool when the teacher could not order the window's others
-    judge = _NearTieJudge(flat={28})
-    tied = Auditor(judge, dataclasses.replace(cfg, tie_margin=0.01), first_step=24, end_step=30,
-                   prompts_per_step=4, run_dir=tmp_path / "off")
-    (tmp_path / "off" / AUDIT_FILE).unlink(missing_ok=True)
-    for n in (24, 28, 29):
-        judge.step = n
-        _step(tied, n, good)
-    audits = read_audits(tmp_path / "off")
-    assert [(a["step"], a["verdict"], a["pooled_groups"], a["closing"]) for a in audits] == [
-        (24, "pending", 4, False), (28, "pending", 4, False), (29, "passed", 8, True)]
+
+
+def test_the_closing_verdict_when_the_teacher_cannot_order_the_last_steps(tmp_path):
+    """Ties at the end: a closing verdict on fewer groups than a pool; a last step whose own groups tie judged on the
+    window's others without the unaudited budget's stop; nothing orderable since the last verdict stops C (the
+    policy C would hand on has no verdict)."""
+    cfg = AuditConfig(first_groups=4, every=10, pool_groups=12, min_spearman=0.35, min_pairwise_accuracy=0.63,
+                      tie_margin=0.01)
+    good = torch.arange(8.0).repeat(4)
+
+    def run(name, flat, max_unaudited):
+        judge = _NearTieJudge(flat=flat)
+        (tmp_path / name).mkdir()
+        auditor = Auditor(judge, dataclasses.replace(cfg, max_unaudited=max_unaudited), first_step=24, end_step=30,
+                          prompts_per_step=4, run_dir=tmp_path / name)
+        assert [s for s in range(24, 30) if auditor.due(s)] == [24, 27, 28, 29]  # early, then the window of 3
+        for n in (24, 27, 28, 29):
+            judge.step = n
+            _step(auditor, n, good)
+        return [(a["step"], a["verdict"], a["pooled_groups"], a["closing"], a["unaudited"], a["stop"])
+                for a in read_audits(tmp_path / name)]
+
+    assert run("fewer", {27, 28}, 2) == [  # 8 orderable groups gathered, not 12: judged all the same
+        (24, "pending", 4, False, False, None), (27, "pending", 4, False, True, None),
+        (28, "pending", 4, False, True, None), (29, "passed", 8, True, False, None)]
+    # the last step's own groups tie: judged on 24's and 28's; its unaudited step is the 2nd > max 1, yet no stop
+    assert run("last", {27, 29}, 1) == [
+        (24, "pending", 4, False, False, None), (27, "pending", 4, False, True, None),
+        (28, "pending", 8, False, False, None), (29, "passed", 8, True, True, None)]
+    with pytest.raises(AuditStop, match=r"C's last step 29: the teacher could not order any group audited since "
+                                        r"the last verdict") as stop:
+        run("none", {24, 27, 28, 29}, 5)  # nothing orderable at all: no verdict for the policy C would hand on
+    assert stop.value.record["stop"] == "unaudited" and stop.value.record["verdict"] == "pending"
+
+
+class _SilentJudge(_RankJudge):
+    """A teacher that answers no group (every mark NaN: failed after its attempts)."""
+
+    def score_groups(self, requests):
+        return [torch.full((len(r[1]),), float("nan")) for r in requests]
+
+
+def test_a_step_the_teacher_answered_none_of_stops_c_saying_so(tmp_path):
+    cfg = AuditConfig(first_groups=8, every=7, pool_groups=8, min_spearman=0.35, min_pairwise_accuracy=0.63)
+    auditor = Auditor(_RankJudge(), cfg, first_step=24, end_step=100, prompts_per_step=4, run_dir=tmp_path)
+    _step(auditor, 24, torch.arange(8.0).repeat(4))  # pending: 4 groups
+    auditor.judge = _SilentJudge()
+    with pytest.raises(AuditStop, match=r"the teacher answered none of the 4 audited groups of step 25: no "
+                                        r"agreement to measure$"):
+        _step(auditor, 25, torch.arange(8.0).repeat(4))
 
 
 def test_the_pipeline_trains_with_the_plain_trainer_and_overrides_nothing():
