@@ -28,8 +28,10 @@ PIPELINE = {
                 # mechanics only: a gate and audits any student passes (max_null_pass 1 allows that explicitly)
                 "gate": {"min_spearman": -1.0, "min_pairwise_accuracy": 0.0, "max_mae": 1.0, "min_groups": 1,
                          "max_null_pass": 1.0, "fail_on_shortcuts": False}},
+    # the audit schedule these tests count requests and records against; the closing verdict has tests of its own
+    # (tests/orchestrate/test_stage_trainer.py) and runs in the world pipeline test
     "audit": {"first_groups": 2, "every": 0, "min_spearman": -1.0, "min_pairwise_accuracy": 0.0, "max_null_pass": 1.0,
-              "min_power": 0.0, "pool_groups": 0},
+              "min_power": 0.0, "pool_groups": 0, "closing": False},
 }
 
 
