@@ -197,6 +197,7 @@ class Policy:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.schedule, optim.warmup_steps, total_optimizer_steps))
         self.grad_clip = optim.grad_clip
+        self.optim_settings = optim
         self.optimizer_steps = 0
         self._pending: weakref.ref | None = None
 
@@ -381,3 +382,18 @@ class Policy:
             set_optimizer_state_dict(self.live_module, self.optimizer, state["sharded"]["optim"], options=opts)
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["optimizer_steps"])
+        self._apply_settings()
+
+    def _apply_settings(self) -> None:
+        """Put this policy's :class:`OptimizerSettings` back over a restored state: the optimizer's state dict
+        carries each param group's ``lr`` / ``betas`` / ``eps`` / ``weight_decay`` and the schedule's its base LRs, so
+        a resume with another ``train.lr`` or ``train.adam_*`` (stage C's ``stages.c_overrides``, or a user's
+        override) would otherwise train on with the checkpoint's, silently. The LR is the settings' base LR times the
+        schedule's multiplier at its restored position (the formula of ``LambdaLR.get_lr``), so with unchanged
+        settings every value is the one restored, bit for bit; the Adam moments and step counts are kept."""
+        o, sched = self.optim_settings, self.scheduler
+        sched.base_lrs = [o.lr] * len(self.optimizer.param_groups)
+        lrs = [base * f(sched.last_epoch) for f, base in zip(sched.lr_lambdas, sched.base_lrs, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group.update(lr=lr, initial_lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        sched._last_lr = list(lrs)

@@ -1,5 +1,7 @@
 """Policy bank: decay schedule, old never trained, ref immutable, distinct LoRA adapters, guarded switching."""
 
+import copy
+
 import pytest
 import torch
 
@@ -133,3 +135,33 @@ def test_policy_takes_plain_records_not_config_sections(adapter):
     assert policy.lr == pytest.approx(1e-3 * lr_lambda("cosine", 3, 10)(0))
     with pytest.raises(ValueError, match="'lora', 'full'"):
         Policy(adapter, TrainableWeights(mode="frozen", rank=2, alpha=2.0), optim, 10)
+
+
+def test_a_restored_state_trains_on_with_the_settings_it_is_given(tiny_model_dir):
+    """The optimizer's state dict carries the checkpoint's lr / eps / weight decay and the schedule its base LR: a
+    policy restored under other settings (stage C's ``stages.c_overrides=[train.lr=...]``) must train with its own,
+    from the schedule's restored position; under the same settings the restore changes nothing, bit for bit."""
+    lora = TrainableWeights.from_section(LoraConfig(trainable="lora", rank=4))
+
+    def policy(**train):
+        adapter = build_adapter("sd3", str(tiny_model_dir))
+        settings = OptimizerSettings.from_section(TrainConfig(**{"lr": 1e-2, "warmup_steps": 10, **train}))
+        return adapter, Policy(adapter, lora, settings, 20)
+
+    adapter, first = policy()
+    _train_steps(first, adapter, 3)
+    state = copy.deepcopy(first.state_dict())  # as a checkpoint holds it: the live policy's tensors are not shared
+    same_adapter, same = policy()
+    same.load_state_dict(state)
+    assert same.optimizer.param_groups[0]["lr"] == first.lr == 1e-2 * lr_lambda("constant", 10, 20)(3)
+    _train_steps(first, adapter, 2)
+    _train_steps(same, same_adapter, 2)
+    assert all(torch.equal(v, first.named_weights("live")[k]) for k, v in same.named_weights("live").items())
+
+    other_adapter, other = policy(lr=2e-3, adam_eps=1e-4, weight_decay=0.1)
+    other.load_state_dict(state)
+    group = other.optimizer.param_groups[0]
+    assert (group["lr"], group["eps"], group["weight_decay"]) == (2e-3 * 0.4, 1e-4, 0.1)  # 0.4: warmup at step 3
+    assert other.optimizer_steps == 3 and other.optimizer.state  # the schedule's position and Adam's moments kept
+    _train_steps(other, other_adapter, 1)
+    assert other.lr == 2e-3 * 0.5
