@@ -118,6 +118,8 @@ class DMD2(Objective):
                              "again (train.resume unset)")
         self.fake.load_state_dict(state["tensors"]["fake"])
         self.fake_optimizer.load_state_dict(state["optimizer"])
+        for group in self.fake_optimizer.param_groups:  # the saved state carries the checkpoint's: the config's wins
+            group["lr"] = self.dmd2.fake_lr
 
     # ------------------------------------------------------------------------------------------------ rollout
     def rollout_spec(self, step: int) -> RolloutSpec:

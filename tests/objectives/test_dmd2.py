@@ -2,6 +2,7 @@
 the distribution-matching gradient is exactly 0), the fake score learns without touching the policy, a two-step run
 trains and logs, refusals, and RL (GRPO, SDE rollouts) accepts the exported few-step student."""
 
+import copy
 import json
 
 import pytest
@@ -132,6 +133,11 @@ def test_a_resumed_run_continues_the_fake_score_bit_for_bit(tiny_model_dir, tmp_
                  if not (k.startswith(("time/", "perf/")) or k.endswith("_time"))} for line in lines]
 
     assert rows(whole) == rows(resumed)
+    # a checkpoint written under another dmd2.fake_lr resumes at this run's (its saved param groups carry theirs)
+    state = copy.deepcopy(resumed.objective.checkpoint_state())
+    state["optimizer"]["param_groups"][0]["lr"] = 0.5
+    resumed.objective.load_checkpoint_state(state)
+    assert resumed.objective.fake_optimizer.param_groups[0]["lr"] == resumed.objective.dmd2.fake_lr != 0.5
     # a checkpoint without the fake score (written before dmd2 saved it) is refused
     with pytest.raises(ValueError, match="holds no DMD2 fake score"):
         resumed.objective.load_checkpoint_state({})
