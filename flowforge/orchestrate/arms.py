@@ -20,7 +20,8 @@ teacher; an arm is a control to compare against, not a policy to ship).
 Layout: ``<pipeline>/arms/<arm>/`` holds the arm's condition ledger and its stage C run directory ``C/`` (with the
 teacher arm's request ledger ``C/judge/ledger.sqlite``). The arm's ledger starts as the pipeline ledger's records of
 stages A and B (:func:`handoff_records`), so the arm's C draws exactly the conditions the student's C draws, in the
-same order. If stage A later changes (the gate extended it), a rerun of the arm is refused (its hand-off is stale).
+same order. If stage A later changes (the gate extended it), a rerun of the arm is refused (its hand-off is stale),
+and so is a rerun under another ``stages.c_overrides`` or proxy reward than the arm ran with (``arm.json``).
 
 ``arms.json`` (:func:`arm_table`) puts the independent evaluation of each arm beside the base and the hand-off: the
 comparison a user reads to see whether distillation helped. Every evaluation scores the same held-out prompts with
@@ -53,6 +54,7 @@ ARMS = ("student", "teacher", "proxy")
 ARMS_DIR = "arms"
 PROXY_NEEDED = "--arm proxy needs stages.proxy_reward (a reward scorer that never saw a teacher mark, e.g. action_idm)"
 ARM_TABLE_FILE = "arms.json"
+ARM_SETTINGS_FILE = "arm.json"
 
 
 def arm_dir(pcfg: Any, arm: str) -> Path:
@@ -108,6 +110,46 @@ def open_arm_ledger(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger) -> Co
     return open_ledger_at(pcfg, path, writer=is_main())
 
 
+def arm_settings(pcfg: Any, arm: str) -> dict[str, Any]:
+    """What makes arm ``arm``'s stage C differ from the pipeline's beyond stage A: ``stages.c_overrides`` and, for the
+    proxy arm, ``stages.proxy_reward`` / ``stages.proxy_options`` (dotted key -> value, as loaded from YAML)."""
+    settings: dict[str, Any] = {"stages.c_overrides": list(pcfg.stages.c_overrides)}
+    if arm == "proxy":
+        settings["stages.proxy_reward"] = pcfg.stages.proxy_reward
+        settings["stages.proxy_options"] = dict(pcfg.stages.proxy_options)
+    return settings
+
+
+def check_arm_settings(pcfg: Any, arm: str) -> None:
+    """Record :func:`arm_settings` in ``<pipeline>/arms/<arm>/arm.json`` on the arm's first run; on a rerun, refuse
+    settings that differ from the recorded ones. Without this, a rerun with another ``stages.proxy_reward`` or
+    ``stages.c_overrides`` would resume (or, when finished, return) the arm trained under the old ones, and
+    ``arms.json`` would show it as this config's row. An arm made before this record existed gets the current
+    settings recorded.
+
+    Raises:
+        UserError: a recorded setting differs (names the key, the recorded and the current value).
+    """
+    path = arm_dir(pcfg, arm) / ARM_SETTINGS_FILE
+    current = json.loads(json.dumps(arm_settings(pcfg, arm)))  # tuples as lists, as read back from JSON
+
+    def check() -> None:
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(path, (json.dumps(current, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+            return
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        for key in sorted(set(recorded) | set(current)):
+            if recorded.get(key) != current.get(key):
+                raise UserError(key, f"arm {arm} ran with {json.dumps(recorded.get(key))}, this config gives "
+                                     f"{json.dumps(current.get(key))} (its row in arms.json would not be this "
+                                     "config's)",
+                                f"rerun with the recorded value, or move {path.parent} aside (mv {path.parent} "
+                                f"{path.parent}.old) to run the arm afresh")
+
+    on_main(check)
+
+
 def arm_reward(pcfg: Any, arm: str, endpoints: Any) -> tuple[dict[str, Any], str]:
     """``(reward section, the component whose NaN drops a group)`` of an arm's stage C.
 
@@ -137,7 +179,7 @@ def run_arm(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger, endpoints: An
 
     Raises:
         ValueError: stage A has not finished; an unknown arm.
-        UserError: the hand-off is stale.
+        UserError: the hand-off is stale; the arm ran under other settings (:func:`check_arm_settings`).
         BudgetExhausted: the teacher arm finds ``teacher.max_requests`` spent by the rest of the pipeline.
     """
     from flowforge.orchestrate.stage_trainer import stage_trainer
@@ -147,6 +189,7 @@ def run_arm(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger, endpoints: An
     if on_main(lambda: newest_step(layout.a_run)) != start:
         raise ValueError(f"--arm {arm} needs stage A finished ({start} steps); run `flowforge stages CONFIG "
                          "--stage A` (or the whole pipeline) first")
+    check_arm_settings(pcfg, arm)
     ledger = open_arm_ledger(pcfg, arm, pipeline_ledger)
     steps = c_steps(pcfg, ledger)
     root = arm_dir(pcfg, arm)

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from flowforge.orchestrate.arms import (_a_takes, arm_dir, arm_table, format_arm_table, handoff_records,
-                                        run_arm_pipeline)
+from flowforge.orchestrate.arms import (_a_takes, arm_dir, arm_table, check_arm_settings, format_arm_table,
+                                        handoff_records, run_arm_pipeline)
 from flowforge.orchestrate.config import load_pipeline
 from flowforge.orchestrate.stages import run_pipeline
 from flowforge.report.grids import read_eval_scores
@@ -119,6 +119,31 @@ def test_arm_command_line_errors_are_one_line(tmp_path, tiny_model_dir, encode_c
         assert proc.returncode == 2, proc.stderr
         assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs" / "p" / "arms").exists()
+
+
+def test_an_arm_rerun_under_another_proxy_or_c_override_is_refused_not_returned_stale(tmp_path, tiny_model_dir,
+                                                                                     encode_cache_dir):
+    """A finished arm's rerun returns its table row without training: were stages.proxy_reward or c_overrides
+    changed since, that row would be shown as the new config's. The arm records what it ran with and refuses."""
+    path = write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, tmp_path / "runs", encode_cache_dir,
+                          stages={"proxy_reward": "digit", "c_overrides": ["train.lr=2.0e-4"]})
+    pcfg = load_pipeline(path)
+    for arm in ("proxy", "teacher"):
+        check_arm_settings(pcfg, arm)  # the first run records
+        check_arm_settings(pcfg, arm)  # the same settings again: accepted
+    recorded = json.loads((arm_dir(pcfg, "proxy") / "arm.json").read_text())
+    assert recorded == {"stages.c_overrides": ["train.lr=2.0e-4"], "stages.proxy_options": {},
+                        "stages.proxy_reward": "digit"}
+    other_reward = load_pipeline(path, ["stages.proxy_reward=jpeg_compressibility"])
+    with pytest.raises(UserError, match=r'^stages.proxy_reward: arm proxy ran with "digit", this config gives '
+                                        r'"jpeg_compressibility"'):
+        check_arm_settings(other_reward, "proxy")
+    check_arm_settings(other_reward, "teacher")  # the teacher arm does not use the proxy reward
+    other_lr = load_pipeline(path, ["stages.c_overrides=[train.lr=5.0e-4]"])
+    for arm in ("proxy", "teacher"):
+        with pytest.raises(UserError, match=rf"^stages.c_overrides: arm {arm} ran with \["):
+            check_arm_settings(other_lr, arm)
+    assert json.loads((arm_dir(pcfg, "proxy") / "arm.json").read_text()) == recorded  # the record is kept
 
 
 def test_one_teacher_budget_caps_stage_a_the_audits_and_the_teacher_arm_together(tmp_path):
