@@ -120,12 +120,12 @@ def arm_settings(pcfg: Any, arm: str) -> dict[str, Any]:
     return settings
 
 
-def check_arm_settings(pcfg: Any, arm: str) -> None:
-    """Record :func:`arm_settings` in ``<pipeline>/arms/<arm>/arm.json`` on the arm's first run; on a rerun, refuse
-    settings that differ from the recorded ones. Without this, a rerun with another ``stages.proxy_reward`` or
-    ``stages.c_overrides`` would resume (or, when finished, return) the arm trained under the old ones, and
-    ``arms.json`` would show it as this config's row. An arm made before this record existed gets the current
-    settings recorded.
+def check_arm_settings(pcfg: Any, arm: str, *, trained: bool) -> None:
+    """Record :func:`arm_settings` in ``<pipeline>/arms/<arm>/arm.json``; once the arm has ``trained`` (its C holds a
+    checkpoint past stage A's), refuse settings that differ from the recorded ones. Without this, a rerun with another
+    ``stages.proxy_reward`` or ``stages.c_overrides`` would resume (or, when finished, return) the arm trained under
+    the old ones, and ``arms.json`` would show it as this config's row. Before the arm has trained, the record is
+    rewritten (nothing was computed under it). An arm made before this record existed gets the current settings.
 
     Raises:
         UserError: a recorded setting differs (names the key, the recorded and the current value).
@@ -134,7 +134,7 @@ def check_arm_settings(pcfg: Any, arm: str) -> None:
     current = json.loads(json.dumps(arm_settings(pcfg, arm)))  # tuples as lists, as read back from JSON
 
     def check() -> None:
-        if not path.is_file():
+        if not path.is_file() or not trained:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_bytes(path, (json.dumps(current, indent=1, sort_keys=True) + "\n").encode("utf-8"))
             return
@@ -189,12 +189,12 @@ def run_arm(pcfg: Any, arm: str, pipeline_ledger: ConditionLedger, endpoints: An
     if on_main(lambda: newest_step(layout.a_run)) != start:
         raise ValueError(f"--arm {arm} needs stage A finished ({start} steps); run `flowforge stages CONFIG "
                          "--stage A` (or the whole pipeline) first")
-    check_arm_settings(pcfg, arm)
-    ledger = open_arm_ledger(pcfg, arm, pipeline_ledger)
-    steps = c_steps(pcfg, ledger)
     root = arm_dir(pcfg, arm)
     run_dir = root / "C"
     newest = on_main(lambda: newest_step(run_dir))
+    check_arm_settings(pcfg, arm, trained=newest > start)
+    ledger = open_arm_ledger(pcfg, arm, pipeline_ledger)
+    steps = c_steps(pcfg, ledger)
     if steps == 0 or newest == start + steps:
         return run_dir
     reward, name = arm_reward(pcfg, arm, endpoints)

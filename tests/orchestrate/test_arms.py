@@ -128,21 +128,22 @@ def test_an_arm_rerun_under_another_proxy_or_c_override_is_refused_not_returned_
     path = write_pipeline(tmp_path / "pipeline.yaml", tiny_model_dir, tmp_path / "runs", encode_cache_dir,
                           stages={"proxy_reward": "digit", "c_overrides": ["train.lr=2.0e-4"]})
     pcfg = load_pipeline(path)
+    other_reward = load_pipeline(path, ["stages.proxy_reward=jpeg_compressibility"])
+    check_arm_settings(other_reward, "proxy", trained=False)  # a first start that stopped before C trained ...
     for arm in ("proxy", "teacher"):
-        check_arm_settings(pcfg, arm)  # the first run records
-        check_arm_settings(pcfg, arm)  # the same settings again: accepted
+        check_arm_settings(pcfg, arm, trained=False)  # ... is recorded over: nothing was computed under it
+        check_arm_settings(pcfg, arm, trained=True)  # the same settings again, the arm trained: accepted
     recorded = json.loads((arm_dir(pcfg, "proxy") / "arm.json").read_text())
     assert recorded == {"stages.c_overrides": ["train.lr=2.0e-4"], "stages.proxy_options": {},
                         "stages.proxy_reward": "digit"}
-    other_reward = load_pipeline(path, ["stages.proxy_reward=jpeg_compressibility"])
     with pytest.raises(UserError, match=r'^stages.proxy_reward: arm proxy ran with "digit", this config gives '
                                         r'"jpeg_compressibility"'):
-        check_arm_settings(other_reward, "proxy")
-    check_arm_settings(other_reward, "teacher")  # the teacher arm does not use the proxy reward
+        check_arm_settings(other_reward, "proxy", trained=True)
+    check_arm_settings(other_reward, "teacher", trained=True)  # the teacher arm does not use the proxy reward
     other_lr = load_pipeline(path, ["stages.c_overrides=[train.lr=5.0e-4]"])
     for arm in ("proxy", "teacher"):
         with pytest.raises(UserError, match=rf"^stages.c_overrides: arm {arm} ran with \["):
-            check_arm_settings(other_lr, arm)
+            check_arm_settings(other_lr, arm, trained=True)
     assert json.loads((arm_dir(pcfg, "proxy") / "arm.json").read_text()) == recorded  # the record is kept
 
 
