@@ -43,6 +43,20 @@ def encode_cache_dir(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("encode_cache")
 
 
+@pytest.fixture(autouse=True)
+def _report_figures_drawn_only_in_report_tests(request, monkeypatch):
+    """Every training run writes report.html at its end; outside ``tests/report/`` the page is built in full (every
+    panel plotted from the run's metrics, every section, every table) but its figures are not rasterised: matplotlib's
+    drawing of the PNGs (:func:`flowforge.report.plots.render_png`) took about 330 s of the default run's 1150 s of
+    test time, in 126 reports of runs whose tests read the page's text, not its pixels. The tests under
+    ``tests/report/`` draw every figure."""
+    if "report" in pathlib.Path(str(request.node.path)).relative_to(pathlib.Path(__file__).parent).parts[:1]:
+        return
+    from flowforge.report import plots
+
+    monkeypatch.setattr(plots, "render_png", lambda fig: b"")
+
+
 def pytest_configure(config):
     import torch
 

@@ -148,11 +148,16 @@ def img_tag(png: bytes, alt: str, css_class: str = "plot") -> str:
     return f'<img class="{css_class}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def figure_tag(fig: Figure, alt: str) -> str:
-    """``fig`` rendered to PNG and embedded (:func:`img_tag`)."""
+def render_png(fig: Figure) -> bytes:
+    """``fig`` drawn by matplotlib's Agg canvas, as PNG bytes (about three quarters of a report's time)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    return img_tag(buffer.getvalue(), alt)
+    return buffer.getvalue()
+
+
+def figure_tag(fig: Figure, alt: str) -> str:
+    """``fig`` rendered to PNG (:func:`render_png`) and embedded (:func:`img_tag`)."""
+    return img_tag(render_png(fig), alt)
 
 
 def plot_reward_vs_judge(train_rows: Sequence[Row], eval_rows: Sequence[Row], judge: str, *,

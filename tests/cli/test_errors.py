@@ -398,15 +398,21 @@ def _without_durations(text: str) -> str:
     """``text`` with the start-up lines' measured seconds (``loaded in 0.4 s``) replaced, so two runs compare."""
     return re.sub(r"\b\d+(\.\d+)? s\b", "<t> s", text)
 
+HARNESS_ONCE_DIFFERED = ("config-two-problems-one-line", "export-out-is-run")
+
+
 def _first_of_each_kind():
     """The first catalogue case of every id prefix (``config-``, ``value-``, ``prompts-``, ``model-``, ``resume-``,
-    ``export-``, ``override-``, ...), plus the cases the harness once differed on."""
+    ``export-``, ``override-``, ...), plus the cases the harness once differed on. Each starts an interpreter and
+    torch (2-10 s); the default run takes the cases the harness once differed on and the first one, the slow set
+    (CI runs it too) every kind."""
     seen, picked = set(), []
     for param in CASES:
         kind = param.id.split("-")[0]
-        if kind not in seen or param.id in ("config-two-problems-one-line", "export-out-is-run"):
+        if kind not in seen or param.id in HARNESS_ONCE_DIFFERED:
             seen.add(kind)
-            picked.append(param.id)
+            default = not picked or param.id in HARNESS_ONCE_DIFFERED
+            picked.append(pytest.param(param.id, id=param.id, marks=() if default else pytest.mark.slow))
     return picked
 
 
