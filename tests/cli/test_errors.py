@@ -398,6 +398,7 @@ def _without_durations(text: str) -> str:
     """``text`` with the start-up lines' measured seconds (``loaded in 0.4 s``) replaced, so two runs compare."""
     return re.sub(r"\b\d+(\.\d+)? s\b", "<t> s", text)
 
+
 HARNESS_ONCE_DIFFERED = ("config-two-problems-one-line", "export-out-is-run")
 
 
