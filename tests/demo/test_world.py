@@ -42,6 +42,9 @@ def test_world_sft_writes_a_model_that_loads_like_demo_world(tmp_path):
     assert [h["step"] for h in history] == [0, 2] and "fm" in history[-1] and "psnr" in history[-1]
     assert {"action_following_other", "coupling_gate_max"} <= set(history[-1])  # the null and the gates logged
     loaded = build_adapter("world_model", str(out), task="i2v")
+    gates = history[-1]["coupling_gates"]  # every block's |gate| in order, the largest being coupling_gate_max
+    assert gates == [float(b.coupling.gate.abs().max()) for b in loaded.transformer.blocks]
+    assert max(gates) == history[-1]["coupling_gate_max"]
     shipped = json.loads((demo_world_dir() / "config.json").read_text())
     from flowforge.models.world_model.config import WorldModelConfig
 

@@ -103,7 +103,7 @@ def evaluate_world(adapter, video: torch.Tensor, actions: torch.Tensor, *, seed:
     frames_db = psnr(fake.mean(1), video[:, 0])[:, 1:]
     gates = [float(b.coupling.gate.detach().abs().max()) for b in adapter.transformer.blocks]
     out = {"action_following": rule(fake, names), "action_following_other": rule(fake, other),
-           "psnr": float(frames_db.mean()), "coupling_gate_max": max(gates)}
+           "psnr": float(frames_db.mean()), "coupling_gate_max": max(gates), "coupling_gates": gates}
     if adapter.transformer.action_embed is not None:
         blind = WorldModelAdapter(without_direct_actions(adapter.transformer), action_names=adapter.action_names)
         state_only, _ = generate_clips(blind, video, actions, seed=seed, num_steps=num_steps, shift=shift,
@@ -122,8 +122,9 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
     ``clips_config`` (an :class:`~flowforge.data.atari.AtariDataConfig`, default the demo's) picks the recording,
     ``world_config`` (a :class:`~flowforge.models.world_model.config.WorldModelConfig`, default
     :func:`~flowforge.models.world_model.tiny.tiny_config`) the architecture. Each evaluation also logs
-    ``action_following_other`` (the same generations against another clip's actions) and ``coupling_gate_max``
-    (the largest ``|gate|`` of the coupling attention: whether the latent-state path is open)."""
+    ``action_following_other`` (the same generations against another clip's actions), ``coupling_gates`` (each
+    block's ``|gate|`` of the coupling attention, in block order: whether the latent-state path is open) and
+    ``coupling_gate_max`` (the largest of them)."""
     from flowforge.data.atari import ACTIONS, AtariDataConfig, load_atari_clips
     from flowforge.models.world_model.adapter import WorldModelAdapter
     from flowforge.models.world_model.tiny import build_world_model
@@ -160,7 +161,8 @@ def run_world_sft(sft: SFTConfig, *, run: RunConfig = RunConfig(), data: DataCon
         if sft.save_checkpoints and step:
             adapter.save_pretrained(out / "checkpoints" / f"step_{step:06d}")
         adapter.transformer.train()
-        logger.info("world sft step %d: %s", step, {k: round(v, 4) for k, v in entry.items()})
+        logger.info("world sft step %d: %s", step, {k: [round(g, 4) for g in v] if isinstance(v, list) else round(v, 4)
+                                                    for k, v in entry.items()})
         (out / "sft_history.json").write_text(json.dumps(history, indent=1) + "\n")
 
     evaluate(0)
@@ -198,8 +200,9 @@ def run_world_sft_from_config(cfg) -> list[dict[str, Any]]:
     for e in history:
         state_only = (f"  state only {e['action_following_state_only']:.3f}"
                       if "action_following_state_only" in e else "")
+        each = ", ".join(f"{g:.2e}" for g in e.get("coupling_gates", ()))  # absent from histories of older runs
         print(f"step {e['step']:>6d}  action_following {e['action_following']:.3f} (another clip's actions "
               f"{e['action_following_other']:.3f}){state_only}  psnr {e['psnr']:.2f} dB  max |coupling gate| "
-              f"{e['coupling_gate_max']:.2e}")
+              f"{e['coupling_gate_max']:.2e}" + (f" (each block: {each})" if each else ""))
     print(f"saved to {cfg.sft.output}")
     return history
